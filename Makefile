@@ -1,0 +1,45 @@
+# Every target sets itself up: `make demo` and `make test` work on a fresh clone.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-dev
+DOCS_STAMP := $(VENV)/.installed-docs
+EXTRAS ?= dev
+
+.PHONY: venv demo test check lint typecheck typing-tests docs bench-cpu clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	# torch: take the CPU wheel on disk (2.13.0) unless a torch is already present;
+	# never let a resolver pick a multi-GB CUDA build.
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
+	touch $(STAMP)
+
+$(DOCS_STAMP): $(STAMP)
+	$(BIN)/pip install -q -e '.[$(EXTRAS),docs]'
+	touch $(DOCS_STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python -m moe_overlap demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+	$(BIN)/pyright
+
+check: lint typecheck
+
+docs: $(DOCS_STAMP)
+	$(BIN)/sphinx-build -W --keep-going -b html docs docs/_build/html
+
+clean:
+	rm -rf $(VENV) docs/_build .mypy_cache .pytest_cache .ruff_cache

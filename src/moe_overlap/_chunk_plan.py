@@ -1,0 +1,289 @@
+"""A model chunk of one microbatch: pre-process, layer plans, post-process; and its run."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+from torch import Tensor
+
+from ._errors import IntegrationError, PlanReleasedError, StreamError
+from ._executor import BValue, FValue, execute
+from ._layer_plan import TransformerLayerSchedulePlan, check_layer
+from ._node import ScheduleNode
+from ._options import ChunkHooks, PostBackwardHook, PostForwardHook, PreHook, ScheduleOptions
+from ._process_nodes import PostProcessNode, PreProcessNode
+from ._protocols import PreprocessableModel
+from ._state import ChunkState
+from ._steps import ChunkShape, Role, Slot, Step, chunk_steps
+from ._streams import (
+    CpuStream,
+    StreamPair,
+    current_stream,
+    make_event,
+    record_event,
+    set_streams,
+    stream_context,
+    synchronize,
+    wait_event,
+)
+
+__all__ = ["ModelChunkSchedulePlan", "check_model", "default_streams"]
+
+_MODEL_MEMBERS = ("pre_process", "post_process", "config", "decoder", "_preprocess", "_postprocess")
+_DEFAULT_OPTIONS = ScheduleOptions()
+_CPU_STREAMS = StreamPair(comp=CpuStream("comp"), comm=CpuStream("comm"))
+
+
+def check_model(model: object) -> PreprocessableModel:
+    """Return ``model`` as a :class:`PreprocessableModel` or raise, naming what is missing."""
+    if isinstance(model, PreprocessableModel):
+        return model
+    missing = [m for m in _MODEL_MEMBERS if not hasattr(model, m)]
+    raise IntegrationError(
+        f"{type(model).__name__} is not a PreprocessableModel; missing members: {missing}"
+    )
+
+
+def default_streams(device: torch.device) -> StreamPair:
+    """CPU no-op streams on CPU; the module-level streams (see ``set_streams``) on CUDA."""
+    if device.type == "cpu":
+        return _CPU_STREAMS
+    if device.type != "cuda":
+        raise StreamError(f"schedule: expected a cpu or cuda device, received {device}")
+    return set_streams(device=device)
+
+
+class ModelChunkSchedulePlan:
+    """The nodes of one model chunk for one microbatch, and :meth:`run` to schedule two.
+
+    Every node of the chunk shares one event, so one microbatch's nodes run in order
+    whichever stream they are on; two microbatches' nodes interleave freely.
+
+    Args mirror Megatron-Core's ``build_schedule_plan``; keyword-only extras:
+        streams: compute/comm streams; by default CPU no-op streams for CPU inputs and the
+            module-level streams on CUDA. A CUDA stream for CPU inputs (or the reverse) is
+            a :class:`~moe_overlap.StreamError`.
+        options: :class:`ScheduleOptions`.
+        microbatch: index shown in error messages and timelines.
+        vp_stage: virtual-pipeline stage passed to the p2p hooks.
+    """
+
+    def __init__(
+        self,
+        model: PreprocessableModel,
+        input_ids: Tensor | None,
+        position_ids: Tensor | None,
+        attention_mask: Tensor | None,
+        decoder_input: Tensor | None = None,
+        labels: Tensor | None = None,
+        packed_seq_params: object | None = None,
+        extra_block_kwargs: Mapping[str, object] | None = None,
+        runtime_gather_output: bool | None = None,
+        loss_mask: Tensor | None = None,
+        padding_mask: Tensor | None = None,
+        *,
+        output_processor: Callable[..., object] | None = None,
+        output_processor_context: object | None = None,
+        streams: StreamPair | None = None,
+        options: ScheduleOptions = _DEFAULT_OPTIONS,
+        microbatch: int | None = None,
+        vp_stage: int | None = None,
+    ) -> None:
+        model = check_model(model)
+        anchor = next((t for t in (input_ids, decoder_input, labels) if t is not None), None)
+        device = anchor.device if anchor is not None else torch.device("cpu")
+        if streams is None:
+            streams = default_streams(device)
+        elif (device.type == "cpu") != isinstance(streams.comp, CpuStream):
+            raise StreamError(
+                f"ModelChunkSchedulePlan: inputs are on {device} but the streams are "
+                f"{streams.comp!r} / {streams.comm!r}; pass streams for the inputs' device"
+            )
+        self.streams = streams
+        self.options = options
+        self.microbatch = microbatch
+        self.vp_stage = vp_stage
+        self.event = make_event(streams.device)
+        self.state = ChunkState(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            decoder_input=decoder_input,
+            labels=labels,
+            packed_seq_params=packed_seq_params,
+            extra_block_kwargs=extra_block_kwargs,
+            runtime_gather_output=runtime_gather_output,
+            loss_mask=loss_mask,
+            padding_mask=padding_mask,
+            output_processor=output_processor,
+            output_processor_context=output_processor_context,
+            model=model,
+        )
+        self.pre_process: PreProcessNode | None = PreProcessNode(
+            model, self.state, self.event, streams.comp_provider
+        )
+        layers = [
+            check_layer(layer, f"{type(model).__name__}.decoder.layers[{i}]")
+            for i, layer in enumerate(model.decoder.layers)
+        ]
+        n = len(layers)
+        self.layers: list[TransformerLayerSchedulePlan] = [
+            TransformerLayerSchedulePlan(
+                layer,
+                self.event,
+                self.state,
+                streams.comp_provider,
+                streams.comm_provider,
+                {"is_first_layer": i == 0, "is_last_layer": i == n - 1},
+                options=options,
+                index=i,
+            )
+            for i, layer in enumerate(layers)
+        ]
+        for lp in self.layers:
+            lp.microbatch = microbatch
+        self.post_process: PostProcessNode | None = (
+            PostProcessNode(model, self.state, self.event, streams.comp_provider)
+            if model.post_process
+            else None
+        )
+        self.shape = ChunkShape(
+            layers=tuple(lp.shape for lp in self.layers),
+            has_post_process=self.post_process is not None,
+        )
+        self.released = False
+
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def get_layer(self, i: int) -> TransformerLayerSchedulePlan:
+        return self.layers[i]
+
+    def node_for(self, step: Step) -> ScheduleNode:
+        """The node behind ``step``: a layer slot, the pre-process or the post-process."""
+        if self.released:
+            raise PlanReleasedError(
+                f"chunk plan of microbatch {self.microbatch}: used after release_state "
+                f"(step {step}); build a new plan for every microbatch"
+            )
+        if step.layer is not None:
+            return self.layers[step.layer].node_for(step)
+        node = self.pre_process if step.slot is Slot.PRE_PROCESS else self.post_process
+        assert node is not None, f"step {step} has no node in this chunk"
+        return node
+
+    def record_current_stream(self) -> None:
+        """Make this chunk's next node wait for the work queued so far on the current stream."""
+        record_event(self.event, current_stream(self.streams.comp))
+
+    def wait_current_stream(self) -> None:
+        """Make the current stream wait for this chunk's last node."""
+        wait_event(self.event, current_stream(self.streams.comp))
+
+    def release_state(self) -> None:
+        """Drop every node, layer plan and the chunk state's model reference."""
+        for lp in self.layers:
+            lp.release_state()
+        for node in (self.pre_process, self.post_process):
+            if node is not None:
+                node.release_state()
+        self.layers = []
+        self.pre_process = None
+        self.post_process = None
+        self.state = ChunkState()
+        self.released = True
+
+    @staticmethod
+    def run(
+        f_schedule_plan: ModelChunkSchedulePlan | None,
+        b_schedule_plan: ModelChunkSchedulePlan | None,
+        b_grad: Tensor | None = None,
+        pre_forward: PreHook | None = None,
+        pre_backward: PreHook | None = None,
+        post_forward: PostForwardHook | None = None,
+        post_backward: PostBackwardHook | None = None,
+    ) -> Tensor | None:
+        """Forward ``f_schedule_plan`` overlapped with backward of ``b_schedule_plan``.
+
+        Phases (see :func:`~moe_overlap.chunk_steps`):
+
+        1. f pre-process forward; 2. b post-process backward (from ``b_grad``);
+        3. forward layer ``i`` paired with backward layer ``n-1-i``; 4. leftover layers;
+        5. p2p hooks; 6. b's first-layer delayed wgrad; 7. f post-process forward, b
+        pre-process backward.
+
+        Returns f's output (the loss when f has a post-process), ``None`` without f. The
+        b plan is released at the end; on failure both are, after synchronizing streams.
+        """
+        f, b = f_schedule_plan, b_schedule_plan
+        for plan in (f, b):
+            if plan is not None and plan.released:
+                raise PlanReleasedError(
+                    f"ModelChunkSchedulePlan.run: the plan of microbatch {plan.microbatch} "
+                    "was released; build a new plan for every microbatch"
+                )
+        if b is not None and b_grad is None:
+            raise IntegrationError("ModelChunkSchedulePlan.run: a backward plan needs b_grad")
+        hooks = ChunkHooks(
+            pre_forward=pre_forward,
+            pre_backward=pre_backward,
+            post_forward=post_forward,
+            post_backward=post_backward,
+        )
+        steps = chunk_steps(
+            f.shape if f is not None else None,
+            b.shape if b is not None else None,
+            pre_forward=pre_forward is not None,
+            pre_backward=pre_backward is not None,
+            post_forward=post_forward is not None,
+            post_backward=post_backward is not None,
+        )
+        if f is not None:
+            f.record_current_stream()
+        if b is not None:
+            b.record_current_stream()
+
+        def run_hook(step: Step, f_value: FValue, b_value: BValue) -> None:
+            _run_hook(hooks, step, f, b, f_value, b_value)
+
+        def on_error() -> None:
+            for plan in (f, b):
+                if plan is not None:
+                    synchronize(plan.streams.comp)
+                    plan.release_state()
+
+        f_value, _ = execute(steps, f, b, (), (b_grad,), run_hook=run_hook, on_error=on_error)
+        if f is not None:
+            f.wait_current_stream()
+        if b is not None:
+            b.wait_current_stream()
+            b.release_state()
+        if f is None:
+            return None
+        return f_value[0] if f_value else None
+
+
+def _run_hook(
+    hooks: ChunkHooks,
+    step: Step,
+    f: ModelChunkSchedulePlan | None,
+    b: ModelChunkSchedulePlan | None,
+    f_value: FValue,
+    b_value: BValue,
+) -> None:
+    plan = f if step.role is Role.F else b
+    assert plan is not None
+    if step.slot is Slot.PRE_FORWARD and hooks.pre_forward is not None:
+        hooks.pre_forward(plan.vp_stage)
+    elif step.slot is Slot.PRE_BACKWARD and hooks.pre_backward is not None:
+        hooks.pre_backward(plan.vp_stage)
+        plan.record_current_stream()
+    elif step.slot is Slot.POST_FORWARD and hooks.post_forward is not None:
+        # On the comm stream, so the send overlaps the last pre-dispatch backward.
+        with stream_context(plan.streams.comm):
+            plan.wait_current_stream()
+            hooks.post_forward(f_value[0], plan.vp_stage)
+    elif step.slot is Slot.POST_BACKWARD and hooks.post_backward is not None:
+        plan.wait_current_stream()
+        hooks.post_backward(b_value[0] if b_value else None, plan.vp_stage)

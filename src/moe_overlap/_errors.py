@@ -1,0 +1,58 @@
+"""The library's exception hierarchy.
+
+Every user error raised by ``moe_overlap`` is a :class:`MoeOverlapError`. Messages name
+the object involved, what was expected and what was received. ``assert`` only guards
+internal invariants.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "ConfigError",
+    "IntegrationError",
+    "MoeOverlapError",
+    "NodeStateError",
+    "PlanReleasedError",
+    "ScheduleError",
+    "StreamError",
+    "WgradError",
+]
+
+
+class MoeOverlapError(Exception):
+    """Base class of every error the library raises on purpose."""
+
+
+class ConfigError(MoeOverlapError, ValueError):
+    """A configuration value or layer argument is invalid."""
+
+
+class IntegrationError(MoeOverlapError, TypeError):
+    """A user model, layer or callable does not honour the library's Protocols."""
+
+
+class NodeStateError(MoeOverlapError, RuntimeError):
+    """A schedule node was used out of order (run twice, backward before forward, ...)."""
+
+
+class PlanReleasedError(NodeStateError):
+    """A schedule plan was used after its state was released."""
+
+
+class StreamError(MoeOverlapError, RuntimeError):
+    """Streams or events do not match the device the schedule runs on."""
+
+
+class WgradError(MoeOverlapError, RuntimeError):
+    """Delayed weight gradients were computed twice, or never before they were needed."""
+
+
+class ScheduleError(MoeOverlapError, RuntimeError):
+    """A node failed while a schedule ran; the message gives the schedule position.
+
+    The original exception is chained as ``__cause__``.
+    """
+
+    def __init__(self, message: str, *, position: str) -> None:
+        super().__init__(message)
+        self.position = position

@@ -1,0 +1,303 @@
+"""Layer-slot nodes: TransformerLayerNode, its arguments and the pre-dispatch wgrad wrapper."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields
+from typing import NamedTuple, Protocol
+
+from torch import Tensor
+from torch.nn import Parameter
+
+from ._errors import ConfigError, IntegrationError, WgradError
+from ._free_input import CudaGraphModule, FreeInputConfig, graph_module_names, should_free_input
+from ._node import ScheduleNode, default_backward, weak_method
+from ._protocols import WgradLayer
+from ._state import ChunkState, LayerState
+from ._streams import AnyEvent, StreamProvider, stream_context
+
+__all__ = [
+    "BackwardDWWrapper",
+    "LayerArgs",
+    "PreDispatchWgradSource",
+    "SlotFn",
+    "TransformerLayerNode",
+    "WgradScope",
+    "_BackwardDWWrapper",
+]
+
+
+class SlotFn(Protocol):
+    """A slot's forward: gets its node (state, ``detach``) and its inputs, returns outputs."""
+
+    def __call__(
+        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+    ) -> Tensor | tuple[Tensor, ...]: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerArgs:
+    """What a :class:`TransformerLayerNode` knows about its layer (Megatron's ``extra_args``)."""
+
+    config: FreeInputConfig
+    is_moe: bool = False
+    num_local_experts: int | None = None
+    delay_wgrad_compute: bool = False
+    is_mtp: bool = False
+    is_first_layer: bool = False
+    is_last_layer: bool = False
+
+    @classmethod
+    def from_mapping(cls, mapping: Mapping[str, object]) -> LayerArgs:
+        """Build from a Megatron-style ``extra_args`` dict, checking keys and value types."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(mapping) - known)
+        if unknown:
+            raise ConfigError(
+                f"LayerArgs: unknown extra_args keys {unknown}; expected a subset of "
+                f"{sorted(known)}"
+            )
+        config = mapping.get("config")
+        if not isinstance(config, FreeInputConfig):
+            raise ConfigError(
+                "LayerArgs: extra_args['config'] must have moe_token_dispatcher_type, "
+                "moe_flex_dispatcher_backend, fp8, fp4 and cuda_graph_modules; received "
+                f"{type(config).__name__}"
+            )
+        flags: dict[str, bool] = {}
+        for key in ("is_moe", "delay_wgrad_compute", "is_mtp", "is_first_layer", "is_last_layer"):
+            value = mapping.get(key, False)
+            if not isinstance(value, bool):
+                raise ConfigError(
+                    f"LayerArgs: extra_args[{key!r}] must be a bool, received "
+                    f"{type(value).__name__} {value!r}"
+                )
+            flags[key] = value
+        nle = mapping.get("num_local_experts")
+        if nle is not None and (not isinstance(nle, int) or isinstance(nle, bool) or nle < 1):
+            raise ConfigError(
+                "LayerArgs: extra_args['num_local_experts'] must be a positive int or None, "
+                f"received {nle!r}"
+            )
+        return cls(config=config, num_local_experts=nle, **flags)
+
+    @classmethod
+    def coerce(cls, value: LayerArgs | Mapping[str, object] | None) -> LayerArgs:
+        """Accept a :class:`LayerArgs` or a mapping; ``None`` is an error (config is needed)."""
+        if isinstance(value, LayerArgs):
+            return value
+        if value is None:
+            raise ConfigError("LayerArgs: extra_args must give at least 'config', received None")
+        return cls.from_mapping(value)
+
+
+Hook = Callable[[], None]
+
+
+class TransformerLayerNode(ScheduleNode):
+    """Schedule node for one slot of a fine-grained layer.
+
+    Owns the slot's stream and event, its free-input policy (:meth:`_resolve_free_input`)
+    and its delayed weight-gradient work (:meth:`backward_dw`). The slot function receives
+    this node, so it can read :attr:`layer_state` / :attr:`chunk_state` and cut the graph
+    with :meth:`detach` for tensors handed to later slots of the same layer.
+    """
+
+    def __init__(
+        self,
+        stream: StreamProvider,
+        event: AnyEvent,
+        layer_state: LayerState,
+        chunk_state: ChunkState,
+        submodule: SlotFn,
+        name: str = "default",
+        bwd_dw_callables: WgradLayer | Sequence[WgradLayer] | None = None,
+        extra_args: LayerArgs | Mapping[str, object] | None = None,
+    ) -> None:
+        args = LayerArgs.coerce(extra_args)
+        self.args = args
+        free_input = self._resolve_free_input(
+            name, args.is_moe, args.config, args.num_local_experts
+        )
+        super().__init__(
+            weak_method(self.forward_impl),
+            stream,
+            event,
+            backward_func=None,
+            free_input=free_input,
+            name=name,
+        )
+        self.layer_state = layer_state
+        self.chunk_state = chunk_state
+        self.submodule = submodule
+        self.delay_wgrad_compute = args.delay_wgrad_compute
+        self.is_mtp = args.is_mtp
+        self.is_first_layer = args.is_first_layer
+        self.is_last_layer = args.is_last_layer
+        self.detached: tuple[Tensor, ...] = ()
+        self.before_detached: tuple[Tensor, ...] = ()
+        self.is_layer_first_node = False
+        self.is_layer_last_node = False
+        self._post_forward_hook: Hook | None = None
+        self._post_backward_hook: Hook | None = None
+        self.post_wgrad_grad_acc_hooks: list[Callable[[], object]] | None = None
+        if bwd_dw_callables is None:
+            callables: list[WgradLayer] = []
+        elif isinstance(bwd_dw_callables, WgradLayer):
+            callables = [bwd_dw_callables]
+        else:
+            callables = list(bwd_dw_callables)
+        self.bwd_dw_callables: list[WgradLayer] | None = callables
+
+    @staticmethod
+    def _resolve_free_input(
+        name: str, is_moe: bool, config: FreeInputConfig, num_local_experts: int | None
+    ) -> bool:
+        """The free-input policy; override in a subclass to specialise it."""
+        return should_free_input(name, is_moe, config, num_local_experts)
+
+    def detach(self, t: Tensor) -> Tensor:
+        """Detach ``t`` for a later slot, remembering both so backward flows through them."""
+        d = t.detach()
+        d.requires_grad_(t.requires_grad)
+        self.before_detached = (*self.before_detached, t)
+        self.detached = (*self.detached, d)
+        return d
+
+    def forward_impl(self, *args: Tensor | None) -> Tensor | tuple[Tensor, ...]:
+        """Call the slot function with this node and the (detached) inputs."""
+        inputs: list[Tensor] = []
+        for i, a in enumerate(args):
+            if a is None:
+                raise IntegrationError(
+                    f"layer node {self.name!r}: input {i} is None; slots take Tensors"
+                )
+            inputs.append(a)
+        return self.submodule(self, tuple(inputs))
+
+    def backward_impl(
+        self, outputs: tuple[Tensor, ...], output_grad: tuple[Tensor | None, ...]
+    ) -> None:
+        """Backpropagate from the outputs and from every tensor this node detached."""
+        detached_grad = tuple(d.grad for d in self.detached)
+        default_backward(outputs + self.before_detached, output_grad + detached_grad)
+
+    def forward(self, *inputs: Tensor | None) -> tuple[Tensor, ...]:
+        """Run forward; on the layer's last forward slot, fire the post-forward hook."""
+        out = super().forward(*inputs)
+        if self.is_layer_last_node and self._post_forward_hook is not None:
+            self._post_forward_hook()
+        return out
+
+    def backward(self, *output_grad: Tensor | None) -> tuple[Tensor | None, ...]:
+        """Run backward; on the layer's first slot, fire the post-backward hook.
+
+        With delayed wgrad the hook fires at the end of :meth:`backward_dw` instead, when
+        the weight gradients exist.
+        """
+        grads = super().backward(*output_grad)
+        if (
+            not self.delay_wgrad_compute
+            and self.is_layer_first_node
+            and self._post_backward_hook is not None
+        ):
+            self._post_backward_hook()
+        return grads
+
+    def backward_dw(self) -> None:
+        """Run the slot's delayed weight-gradient work on the slot's stream, then the hooks.
+
+        A no-op unless wgrad is delayed. Runs once: a second call raises
+        :class:`~moe_overlap.WgradError`.
+        """
+        if not self.delay_wgrad_compute:
+            return
+        callables = self.bwd_dw_callables
+        if callables is None:
+            raise WgradError(f"layer node {self.name!r}: backward_dw called twice")
+        with stream_context(self.stream()):
+            for module in callables:
+                module.backward_dw()
+            if self.post_wgrad_grad_acc_hooks is None:
+                self.post_wgrad_grad_acc_hooks = _collect_wgrad_hooks(callables)
+            for hook in self.post_wgrad_grad_acc_hooks:
+                hook()
+        self.bwd_dw_callables = None
+        if self.is_layer_first_node and self._post_backward_hook is not None:
+            self._post_backward_hook()
+
+    def set_post_forward_hook(self, hook: Hook) -> None:
+        """Mark this slot as the layer's last forward node and register ``hook``."""
+        self.is_layer_last_node = True
+        self._post_forward_hook = hook
+
+    def set_post_backward_hook(self, hook: Hook) -> None:
+        """Mark this slot as the layer's first backward node and register ``hook``."""
+        self.is_layer_first_node = True
+        self._post_backward_hook = hook
+
+    def release_state(self) -> None:
+        """Drop inputs, outputs and detached tensors."""
+        super().release_state()
+        self.detached = ()
+        self.before_detached = ()
+
+
+def _collect_wgrad_hooks(callables: Sequence[WgradLayer]) -> list[Callable[[], object]]:
+    hooks: list[Callable[[], object]] = []
+    for module in callables:
+        for p in module.parameters():
+            hook: object = getattr(p, "post_wgrad_grad_acc_hook", None)
+            if callable(hook) and p.requires_grad and p.grad is not None:
+                hooks.append(hook)
+    return hooks
+
+
+class WgradScope(NamedTuple):
+    """A pre-dispatch wgrad module and the CUDA-graph scope that covers it."""
+
+    scope: CudaGraphModule
+    module: WgradLayer
+
+
+class PreDispatchWgradSource(Protocol):
+    """What :class:`BackwardDWWrapper` reads from a layer (every schedulable layer has it)."""
+
+    @property
+    def config(self) -> FreeInputConfig: ...
+    def pre_dispatch_wgrad(self) -> Sequence[WgradScope]: ...
+
+
+class BackwardDWWrapper:
+    """Delayed weight gradients of a layer's pre-dispatch slot (attention, shared expert, ...).
+
+    Runs each part's ``backward_dw`` in order, skipping the parts whose scope a graphed
+    replay covers once :meth:`set_graphed_backward_dw_callable` has plugged one in, then
+    the replay itself. A :class:`~moe_overlap.WgradLayer`.
+    """
+
+    def __init__(self, layer: PreDispatchWgradSource) -> None:
+        self.parts = tuple(layer.pre_dispatch_wgrad())
+        self.graphed_modules = graph_module_names(layer.config.cuda_graph_modules)
+        self.graphed_backward_dw_callable: Hook | None = None
+
+    def backward_dw(self) -> None:
+        """Run eager wgrad for the parts the graph does not cover, then the graph's."""
+        replay = self.graphed_backward_dw_callable
+        for part in self.parts:
+            if replay is None or part.scope.name not in self.graphed_modules:
+                part.module.backward_dw()
+        if replay is not None:
+            replay()
+
+    def set_graphed_backward_dw_callable(self, graphed_backward_dw_callable: Hook) -> None:
+        """Plug in the CUDA-graph wgrad replay."""
+        self.graphed_backward_dw_callable = graphed_backward_dw_callable
+
+    def parameters(self) -> Iterator[Parameter]:
+        """The parameters of every part (so post-wgrad hooks can be collected)."""
+        for part in self.parts:
+            yield from part.module.parameters()
+
+
+_BackwardDWWrapper = BackwardDWWrapper

@@ -1,0 +1,241 @@
+"""The base schedule node: one piece of a microbatch's forward and its backward.
+
+A node runs its forward function on its stream, between a wait on and a record of the
+microbatch's event, on *detached* copies of its inputs. Its backward runs autograd from the
+stored outputs with the given output gradients and returns the gradients that reached the
+detached inputs. Chaining nodes therefore splits one autograd graph into pieces that a
+schedule can interleave with another microbatch's pieces.
+"""
+
+from __future__ import annotations
+
+import enum
+import weakref
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
+
+import torch
+from torch import Tensor
+
+from ._errors import IntegrationError, NodeStateError
+from ._streams import AnyEvent, CpuEvent, CpuStream, StreamProvider, record_tensor_on, use_stream
+
+__all__ = [
+    "BackwardFunc",
+    "ForwardFunc",
+    "NodePhase",
+    "NoopScheduleNode",
+    "ScheduleNode",
+    "weak_method",
+]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+ForwardFunc = Callable[..., "Tensor | tuple[Tensor, ...]"]
+"""A node's forward: tensors in, a tensor or a tuple of tensors out."""
+
+BackwardFunc = Callable[[tuple[Tensor, ...], tuple["Tensor | None", ...]], None]
+"""A node's backward: run autograd from ``outputs`` with ``output_grads``."""
+
+
+def weak_method(method: Callable[_P, _R]) -> Callable[_P, _R]:
+    """Wrap a bound method so that the wrapper holds its owner weakly.
+
+    A node that stores its own bound ``forward_impl`` would form a reference cycle
+    (node -> bound method -> node) that only the cyclic garbage collector can break; with
+    this wrapper the node, its layer plan and the model chunk behind it die by reference
+    counting as soon as the schedule drops them.
+    """
+    owner = getattr(method, "__self__", None)
+    if owner is None:
+        raise IntegrationError(
+            f"weak_method: expected a bound method, received {method!r} "
+            f"of type {type(method).__name__}"
+        )
+    ref: weakref.WeakMethod[Callable[_P, _R]] = weakref.WeakMethod(method)
+    name = getattr(method, "__qualname__", repr(method))
+
+    def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+        bound = ref()
+        if bound is None:
+            raise NodeStateError(f"weak_method: the owner of {name} was garbage-collected")
+        return bound(*args, **kwargs)
+
+    call.__qualname__ = f"weak_method({name})"
+    return call
+
+
+class NodePhase(enum.Enum):
+    """Where a node is in its one-shot life."""
+
+    NEW = "new"
+    FORWARDED = "forwarded"
+    DONE = "done"
+
+
+def _as_tuple(name: str, value: object) -> tuple[Tensor, ...]:
+    if isinstance(value, Tensor):
+        return (value,)
+    if isinstance(value, tuple):
+        out: list[Tensor] = []
+        for item in value:  # pyright: ignore[reportUnknownVariableType]
+            if not isinstance(item, Tensor):
+                break
+            out.append(item)
+        else:
+            return tuple(out)
+    raise IntegrationError(
+        f"node {name!r}: forward must return a Tensor or a tuple of Tensors, "
+        f"received {_describe(value)}"  # pyright: ignore[reportUnknownArgumentType]
+    )
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, tuple):
+        kinds = ", ".join(type(v).__name__ for v in value)  # pyright: ignore[reportUnknownVariableType, reportUnknownArgumentType]
+        return f"tuple({kinds})"
+    return type(value).__name__
+
+
+def default_backward(outputs: tuple[Tensor, ...], output_grads: tuple[Tensor | None, ...]) -> None:
+    """Run autograd from ``outputs``, skipping outputs without grad or given a ``None`` grad."""
+    pairs = [
+        (out, grad)
+        for out, grad in zip(outputs, output_grads, strict=True)
+        if grad is not None and out.requires_grad
+    ]
+    if pairs:
+        torch.autograd.backward([p[0] for p in pairs], [p[1] for p in pairs])
+
+
+class ScheduleNode:
+    """One schedulable piece of a microbatch: forward on a stream, backward from its outputs.
+
+    Args:
+        forward_func: the work; called with detached copies of the inputs.
+        stream: returns the stream the node runs on (compute or communication).
+        event: the microbatch's event; every node of a microbatch shares it, so nodes on
+            different streams still run in order.
+        backward_func: replaces the default backward (autograd from the outputs).
+        free_input: release the inputs' storage after forward (the caller's policy says the
+            backward does not need them).
+        name: used in error messages and timelines.
+
+    A node runs forward once and backward once; anything else raises
+    :class:`~moe_overlap.NodeStateError`.
+    """
+
+    def __init__(
+        self,
+        forward_func: ForwardFunc,
+        stream: StreamProvider,
+        event: AnyEvent,
+        backward_func: BackwardFunc | None = None,
+        free_input: bool = False,
+        name: str = "schedule_node",
+    ) -> None:
+        self.name = name
+        self.forward_func = forward_func
+        self.backward_func: BackwardFunc = (
+            backward_func if backward_func is not None else default_backward
+        )
+        self.stream = stream
+        self.event = event
+        self.free_input = free_input
+        self.phase = NodePhase.NEW
+        self.inputs: tuple[Tensor | None, ...] = ()
+        self.outputs: tuple[Tensor, ...] = ()
+
+    def forward(self, *inputs: Tensor | None) -> tuple[Tensor, ...]:
+        """Run the forward on detached inputs; return the outputs as a tuple."""
+        if self.phase is not NodePhase.NEW:
+            raise NodeStateError(
+                f"node {self.name!r}: forward expected a new node, but it is {self.phase.value}; "
+                "nodes are one-shot: build a new plan per microbatch"
+            )
+        stream = self.stream()
+        with use_stream(stream, self.event):
+            detached = tuple(_detach_keep_grad(t) for t in inputs)
+            self.inputs = detached
+            outputs = _as_tuple(self.name, self.forward_func(*detached))
+            self.outputs = outputs
+        self.phase = NodePhase.FORWARDED
+        if self.free_input:
+            for tensor in inputs:
+                if tensor is not None:
+                    record_tensor_on(tensor, stream)
+                    tensor.untyped_storage().resize_(0)
+        return outputs
+
+    def backward(self, *output_grad: Tensor | None) -> tuple[Tensor | None, ...]:
+        """Backpropagate ``output_grad`` (one per output); return the inputs' grads."""
+        if self.phase is not NodePhase.FORWARDED:
+            expected = "after forward" if self.phase is NodePhase.NEW else "once"
+            raise NodeStateError(
+                f"node {self.name!r}: backward must run {expected}; the node is {self.phase.value}"
+            )
+        if len(output_grad) != len(self.outputs):
+            raise NodeStateError(
+                f"node {self.name!r}: backward expected {len(self.outputs)} output grads "
+                f"(one per forward output), received {len(output_grad)}"
+            )
+        with use_stream(self.stream(), self.event):
+            self.backward_impl(self.outputs, output_grad)
+        grads = tuple(t.grad if t is not None else None for t in self.inputs)
+        self.release_state()
+        return grads
+
+    def backward_impl(
+        self, outputs: tuple[Tensor, ...], output_grad: tuple[Tensor | None, ...]
+    ) -> None:
+        """Run the backward function; subclasses add tensors to backpropagate through."""
+        self.backward_func(outputs, output_grad)
+
+    def release_state(self) -> None:
+        """Drop inputs and outputs so their memory can go; the node is done."""
+        self.inputs = ()
+        self.outputs = ()
+        self.phase = NodePhase.DONE
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name!r}, {self.phase.value})"
+
+
+class NoopScheduleNode(ScheduleNode):
+    """A node that passes its inputs through: forward returns them, backward returns the grads.
+
+    Used for the dispatch and combine slots of dense layers and wherever a plan has no work.
+    """
+
+    def __init__(self, name: str = "noop") -> None:
+        super().__init__(_identity, _cpu_stream, CpuEvent(), name=name)
+
+    def forward(self, *inputs: Tensor | None) -> tuple[Tensor, ...]:
+        return tuple(t for t in inputs if t is not None)
+
+    def backward(self, *output_grad: Tensor | None) -> tuple[Tensor | None, ...]:
+        return output_grad
+
+
+def _detach_keep_grad(tensor: Tensor | None) -> Tensor | None:
+    if tensor is None:
+        return None
+    if not isinstance(tensor, Tensor):  # pyright: ignore[reportUnnecessaryIsInstance]
+        raise IntegrationError(
+            f"schedule node input: expected a Tensor or None, received {type(tensor).__name__}"
+        )
+    out = tensor.detach()
+    out.requires_grad_(tensor.requires_grad)
+    return out
+
+
+def _identity(*inputs: Tensor) -> tuple[Tensor, ...]:
+    return inputs
+
+
+def _cpu_stream() -> CpuStream:
+    return _NOOP_STREAM
+
+
+_NOOP_STREAM = CpuStream("noop")

@@ -1,0 +1,56 @@
+"""Schedule options and hook types."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import Tensor
+
+__all__ = [
+    "ChunkHooks",
+    "PostBackwardHook",
+    "PostForwardHook",
+    "PreHook",
+    "ScheduleOptions",
+]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduleOptions:
+    """How a schedule runs.
+
+    Attributes:
+        delay_wgrad_compute: layers compute weight gradients in ``backward_dw`` steps
+            (Megatron-Core's ``--delay-wgrad-compute``), which the schedule places to fill
+            communication gaps.
+        ep_overlap_early_attn_memory_release: run the pre-dispatch backward before the
+            other microbatch's mlp forward, releasing attention activations earlier at the
+            price of less overlap.
+        free_input: apply the free-input policy (:func:`~moe_overlap.should_free_input`);
+            off keeps every input, for comparing peak memory.
+    """
+
+    delay_wgrad_compute: bool = False
+    ep_overlap_early_attn_memory_release: bool = False
+    free_input: bool = True
+
+
+PreHook = Callable[["int | None"], None]
+"""``pre_forward`` / ``pre_backward``: called with the chunk's virtual-pipeline stage."""
+
+PostForwardHook = Callable[[Tensor, "int | None"], None]
+"""``post_forward``: called with the last layer's output (before post-process) and the stage."""
+
+PostBackwardHook = Callable[["Tensor | None", "int | None"], None]
+"""``post_backward``: called with the grad of the chunk input (before pre-process backward)."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkHooks:
+    """The pipeline (p2p) hooks of :meth:`ModelChunkSchedulePlan.run`."""
+
+    pre_forward: PreHook | None = None
+    pre_backward: PreHook | None = None
+    post_forward: PostForwardHook | None = None
+    post_backward: PostBackwardHook | None = None

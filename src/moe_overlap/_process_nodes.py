@@ -1,0 +1,156 @@
+"""Chunk-level nodes: the model's ``_preprocess`` and ``_postprocess``."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._errors import IntegrationError
+from ._node import ScheduleNode, weak_method
+from ._protocols import PreprocessableModel
+from ._state import ChunkState, PreprocessOutput
+from ._streams import AnyEvent, StreamProvider
+
+__all__ = ["PostProcessNode", "PreProcessNode", "as_preprocess_output"]
+
+
+def as_preprocess_output(model: object, value: object) -> PreprocessOutput:
+    """Check what ``model._preprocess`` returned and convert it to :class:`PreprocessOutput`."""
+    where = f"{type(model).__name__}._preprocess"
+    names = PreprocessOutput._fields
+    if not isinstance(value, tuple):
+        raise IntegrationError(
+            f"{where}: expected a PreprocessOutput or a {len(names)}-tuple {names}, "
+            f"received {type(value).__name__}"
+        )
+    items: tuple[object, ...] = value  # pyright: ignore[reportUnknownVariableType]
+    if len(items) != len(names):
+        raise IntegrationError(
+            f"{where}: expected a {len(names)}-tuple {names}, "
+            f"received a tuple of length {len(items)}"
+        )
+    decoder_input, emb, cos, sin, offset, padding_mask = items
+    if not isinstance(decoder_input, Tensor):
+        raise IntegrationError(
+            f"{where}: decoder_input must be a Tensor, received {type(decoder_input).__name__}"
+        )
+    if offset is not None and not isinstance(offset, (Tensor, int)):
+        raise IntegrationError(
+            f"{where}: sequence_len_offset must be a Tensor, an int or None, "
+            f"received {type(offset).__name__}"
+        )
+    return PreprocessOutput(
+        decoder_input,
+        _optional_tensor(where, "rotary_pos_emb", emb),
+        _optional_tensor(where, "rotary_pos_cos", cos),
+        _optional_tensor(where, "rotary_pos_sin", sin),
+        offset,
+        _optional_tensor(where, "padding_mask", padding_mask),
+    )
+
+
+def _optional_tensor(where: str, name: str, value: object) -> Tensor | None:
+    if value is None or isinstance(value, Tensor):
+        return value
+    raise IntegrationError(
+        f"{where}: {name} must be a Tensor or None, received {type(value).__name__}"
+    )
+
+
+def _as_tensor(where: str, value: object) -> Tensor:
+    if isinstance(value, Tensor):
+        return value
+    raise IntegrationError(f"{where}: expected a Tensor, received {type(value).__name__}")
+
+
+class PreProcessNode(ScheduleNode):
+    """Run the model's ``_preprocess`` (embedding, rotary, padding mask) for a chunk.
+
+    Takes ``decoder.input_tensor`` as the decoder input when the model is not the first
+    pipeline stage. Fills the chunk state with the preprocess outputs so layer slots read
+    them by name; returns ``decoder_input``.
+    """
+
+    def __init__(
+        self,
+        model: PreprocessableModel,
+        chunk_state: ChunkState,
+        event: AnyEvent,
+        stream: StreamProvider,
+    ) -> None:
+        super().__init__(weak_method(self.forward_impl), stream, event, name="pre_process")
+        self.model = model
+        self.chunk_state = chunk_state
+
+    def forward_impl(self) -> Tensor:
+        """Run ``_preprocess`` and store its outputs in the chunk state."""
+        model, cs = self.model, self.chunk_state
+        if not model.pre_process:
+            cs.decoder_input = model.decoder.input_tensor
+        out = as_preprocess_output(
+            model,
+            model._preprocess(
+                input_ids=cs.input_ids,
+                position_ids=cs.position_ids,
+                decoder_input=cs.decoder_input,
+                packed_seq_params=cs.packed_seq_params,
+                padding_mask=cs.padding_mask,
+            ),
+        )
+        cs.decoder_input = out.decoder_input
+        cs.rotary_pos_emb = out.rotary_pos_emb
+        cs.rotary_pos_cos = out.rotary_pos_cos
+        cs.rotary_pos_sin = out.rotary_pos_sin
+        cs.sequence_len_offset = out.sequence_len_offset
+        cs.padding_mask = out.padding_mask
+        return out.decoder_input
+
+
+class PostProcessNode(ScheduleNode):
+    """Run the model's ``_postprocess`` (output layer, loss) and return the loss in float32.
+
+    Calls ``_postprocess`` with ``mtp_in_postprocess=False``: MTP layers are layer nodes of
+    the chunk. The decoder's final norm is applied here only when this rank's decoder is
+    empty and the model has no MTP layers (otherwise the last layer applies it).
+    """
+
+    def __init__(
+        self,
+        model: PreprocessableModel,
+        chunk_state: ChunkState,
+        event: AnyEvent,
+        stream: StreamProvider,
+    ) -> None:
+        super().__init__(weak_method(self.forward_impl), stream, event, name="post_process")
+        self.model = model
+        self.chunk_state = chunk_state
+
+    def forward_impl(self, hidden_states: Tensor) -> Tensor:
+        """Optional final norm, then ``_postprocess``; half-precision results become float32."""
+        model, cs = self.model, self.chunk_state
+        norm = model.decoder.final_layernorm
+        if not model.config.mtp_num_layers and len(model.decoder.layers) == 0 and norm is not None:
+            hidden_states = norm(hidden_states)
+        raw: object = model._postprocess(
+            hidden_states,
+            cs.input_ids,
+            cs.position_ids,
+            cs.labels,
+            cs.rotary_pos_emb,
+            cs.rotary_pos_cos,
+            cs.rotary_pos_sin,
+            mtp_in_postprocess=False,
+            loss_mask=cs.loss_mask,
+            decoder_input=cs.decoder_input,
+            attention_mask=cs.attention_mask,
+            packed_seq_params=cs.packed_seq_params,
+            sequence_len_offset=cs.sequence_len_offset,
+            runtime_gather_output=cs.runtime_gather_output,
+            extra_block_kwargs=cs.extra_block_kwargs,
+            output_processor=cs.output_processor,
+            output_processor_context=cs.output_processor_context,
+        )
+        out = _as_tensor(f"{type(model).__name__}._postprocess", raw)
+        if out.dtype in (torch.float16, torch.bfloat16):
+            out = out.float()
+        return out

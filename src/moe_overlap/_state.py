@@ -1,0 +1,120 @@
+"""Typed state shared by the nodes of a chunk and of a layer.
+
+Megatron-Core fills attribute bags at run time; here the fields are declared, so a typo is
+a type error and every field has a type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
+
+from torch import Tensor
+
+from ._errors import IntegrationError
+
+if TYPE_CHECKING:
+    from ._protocols import PreprocessableModel
+
+__all__ = ["ChunkState", "LayerState", "PreprocessOutput"]
+
+_T = TypeVar("_T")
+
+
+class PreprocessOutput(NamedTuple):
+    """What a model's ``_preprocess`` returns; slots a model does not use are ``None``."""
+
+    decoder_input: Tensor
+    rotary_pos_emb: Tensor | None = None
+    rotary_pos_cos: Tensor | None = None
+    rotary_pos_sin: Tensor | None = None
+    sequence_len_offset: Tensor | int | None = None
+    padding_mask: Tensor | None = None
+
+
+@dataclass(kw_only=True)
+class ChunkState:
+    """Chunk-level inputs and preprocess outputs, read by name by the layer nodes.
+
+    Field names are Megatron-Core's ``ModelChunkState`` ones, plus the preprocess outputs.
+    :class:`~moe_overlap.PreProcessNode` fills ``decoder_input`` and the rotary fields.
+    """
+
+    input_ids: Tensor | None = None
+    position_ids: Tensor | None = None
+    attention_mask: Tensor | None = None
+    decoder_input: Tensor | None = None
+    labels: Tensor | None = None
+    loss_mask: Tensor | None = None
+    packed_seq_params: object | None = None
+    padding_mask: Tensor | None = None
+    extra_block_kwargs: Mapping[str, object] | None = None
+    runtime_gather_output: bool | None = None
+    output_processor: Callable[..., object] | None = None
+    output_processor_context: object | None = None
+    model: PreprocessableModel | None = None
+    mtp_hidden_states: list[Tensor] | None = None
+    context: Tensor | None = None
+    context_mask: Tensor | None = None
+    attention_bias: Tensor | None = None
+    rotary_pos_emb: Tensor | None = None
+    rotary_pos_cos: Tensor | None = None
+    rotary_pos_sin: Tensor | None = None
+    sequence_len_offset: Tensor | int | None = None
+
+
+class LayerState:
+    """State the nodes of one layer share within one microbatch.
+
+    The declared fields are the ones the shipped layers use. A layer that needs more keeps
+    it in ``extras`` through :meth:`stash` and reads it back, type-checked, with
+    :meth:`take`. Slotted (no stray attributes) and weakref-able, like Megatron-Core's.
+    """
+
+    __slots__ = (
+        "__weakref__",
+        "dispatched_probs",
+        "extras",
+        "probs",
+        "residual",
+        "shared_expert_output",
+        "tokens_per_expert",
+    )
+
+    def __init__(self) -> None:
+        self.residual: Tensor | None = None
+        self.probs: Tensor | None = None
+        self.dispatched_probs: Tensor | None = None
+        self.shared_expert_output: Tensor | None = None
+        self.tokens_per_expert: Tensor | None = None
+        self.extras: dict[str, object] = {}
+
+    def stash(self, key: str, value: object) -> None:
+        """Keep ``value`` for a later slot of the same layer and microbatch."""
+        self.extras[key] = value
+
+    def take(self, key: str, kind: type[_T]) -> _T:
+        """Return the value stashed under ``key``, checked to be a ``kind``."""
+        try:
+            value = self.extras[key]
+        except KeyError:
+            raise IntegrationError(
+                f"LayerState.take: nothing stashed under {key!r}; stashed keys: "
+                f"{sorted(self.extras)}"
+            ) from None
+        if not isinstance(value, kind):
+            raise IntegrationError(
+                f"LayerState.take: {key!r} holds a {type(value).__name__}, "
+                f"expected a {kind.__name__}"
+            )
+        return value
+
+    def clear(self) -> None:
+        """Drop every reference (end of the layer's backward)."""
+        self.residual = None
+        self.probs = None
+        self.dispatched_probs = None
+        self.shared_expert_output = None
+        self.tokens_per_expert = None
+        self.extras.clear()

@@ -1,0 +1,277 @@
+"""The schedule as data: ordered, typed steps that plans walk.
+
+A :class:`Step` names one thing the schedule does: which microbatch role (``f`` for the
+microbatch running forward, ``b`` for the one running backward), which layer, which slot,
+which direction, on which stream. The same lists drive the plans' ``run``, the step
+listing printed on failure, the timeline and the critical-path bound, and they are tested
+without running a tensor.
+
+A step prints as ``b.L3.combine.B@comm`` and :meth:`Step.parse` reads that back.
+"""
+
+from __future__ import annotations
+
+import enum
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+__all__ = [
+    "ChunkShape",
+    "Direction",
+    "LayerShape",
+    "Role",
+    "Slot",
+    "Step",
+    "StreamKind",
+    "chunk_steps",
+    "format_steps",
+    "layer_pair_steps",
+]
+
+
+class Role(str, enum.Enum):
+    """Which microbatch of an overlapped pair a step belongs to."""
+
+    F = "f"
+    """The microbatch running forward."""
+    B = "b"
+    """The microbatch running backward."""
+
+
+class Direction(str, enum.Enum):
+    """Forward, backward (activation grads) or delayed weight-gradient work."""
+
+    FORWARD = "F"
+    BACKWARD = "B"
+    WGRAD = "W"
+    HOOK = "H"
+
+
+class Slot(str, enum.Enum):
+    """The pieces a chunk is cut into."""
+
+    PRE_PROCESS = "pre_process"
+    PRE_DISPATCH = "pre_dispatch"
+    DISPATCH = "dispatch"
+    MLP = "mlp"
+    COMBINE = "combine"
+    MTP_POST = "mtp_post"
+    POST_PROCESS = "post_process"
+    PRE_FORWARD = "pre_forward"
+    PRE_BACKWARD = "pre_backward"
+    POST_FORWARD = "post_forward"
+    POST_BACKWARD = "post_backward"
+
+    @property
+    def node_name(self) -> str:
+        """The Megatron-Core node name (what :func:`~moe_overlap.should_free_input` takes)."""
+        return _NODE_NAMES.get(self, self.value)
+
+
+_NODE_NAMES = {
+    Slot.PRE_DISPATCH: "pre_dispatch_computation",
+    Slot.DISPATCH: "moe_dispatch",
+    Slot.COMBINE: "moe_combine",
+    Slot.MTP_POST: "mtp_post_process",
+}
+
+
+LAYER_SLOTS: tuple[Slot, ...] = (Slot.PRE_DISPATCH, Slot.DISPATCH, Slot.MLP, Slot.COMBINE)
+"""The four slots of a fine-grained layer, in forward order."""
+
+
+class StreamKind(str, enum.Enum):
+    """The stream a step runs on."""
+
+    COMP = "comp"
+    COMM = "comm"
+    HOST = "host"
+    """Hooks: host code between nodes, on no particular stream."""
+
+
+_STEP_RE = re.compile(
+    r"^(?P<role>[fb])\.(?:L(?P<layer>\d+)\.)?(?P<slot>[a-z_]+)\.(?P<dir>[FBWH])@(?P<stream>\w+)$"
+)
+
+
+class Step(NamedTuple):
+    """One step of a schedule. ``str(step)`` round-trips through :meth:`parse`."""
+
+    role: Role
+    layer: int | None
+    slot: Slot
+    direction: Direction
+    stream: StreamKind
+
+    def __str__(self) -> str:
+        layer = "" if self.layer is None else f"L{self.layer}."
+        return (
+            f"{self.role.value}.{layer}{self.slot.value}.{self.direction.value}@{self.stream.value}"
+        )
+
+    @classmethod
+    def parse(cls, text: str) -> Step:
+        """Read a step back from its string form, e.g. ``f.L0.dispatch.F@comm``."""
+        match = _STEP_RE.match(text)
+        if match is None:
+            raise ValueError(f"Step.parse: expected 'role.[Lk.]slot.D@stream', received {text!r}")
+        layer = match["layer"]
+        return cls(
+            Role(match["role"]),
+            None if layer is None else int(layer),
+            Slot(match["slot"]),
+            Direction(match["dir"]),
+            StreamKind(match["stream"]),
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class LayerShape:
+    """What the step list of one layer depends on."""
+
+    index: int
+    is_moe: bool
+    delay_wgrad: bool = False
+    has_mtp_post: bool = False
+    early_attn_release: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ChunkShape:
+    """What the step list of one chunk depends on."""
+
+    layers: tuple[LayerShape, ...]
+    has_post_process: bool = True
+
+
+def _stream_of(slot: Slot, is_moe: bool) -> StreamKind:
+    if is_moe and slot in (Slot.DISPATCH, Slot.COMBINE):
+        return StreamKind.COMM
+    return StreamKind.COMP
+
+
+def _node(role: Role, layer: LayerShape, slot: Slot, direction: Direction) -> Step:
+    return Step(role, layer.index, slot, direction, _stream_of(slot, layer.is_moe))
+
+
+def layer_pair_steps(
+    f: LayerShape | None, b: LayerShape | None, *, is_last_layer_in_bwd: bool = False
+) -> list[Step]:
+    """The steps of one ``TransformerLayerSchedulePlan.run(f, b)``, in order.
+
+    ``b.combine.B | f.pre_dispatch.F | b.mlp.B | f.dispatch.F | b.mlp.W, b.dispatch.B |
+    f.mlp.F | f.combine.F | b.pre_dispatch.B | f.mtp_post.F | b.pre_dispatch.W``; with
+    early attention-memory release ``b.pre_dispatch.B`` moves before ``f.mlp.F``. Dense
+    layers have no dispatch/combine steps (their nodes are no-ops); wgrad steps appear only
+    when wgrad is delayed; the last backward layer's pre-dispatch wgrad is left to the chunk.
+    """
+    F, B = Role.F, Role.B
+    out: list[Step] = []
+
+    def add(role: Role, layer: LayerShape | None, slot: Slot, direction: Direction) -> None:
+        if layer is None:
+            return
+        if slot in (Slot.DISPATCH, Slot.COMBINE) and not layer.is_moe:
+            return
+        if slot is Slot.MTP_POST and not layer.has_mtp_post:
+            return
+        if direction is Direction.WGRAD and not layer.delay_wgrad:
+            return
+        out.append(_node(role, layer, slot, direction))
+
+    early = b is not None and b.early_attn_release
+    add(B, b, Slot.MTP_POST, Direction.BACKWARD)
+    add(B, b, Slot.COMBINE, Direction.BACKWARD)
+    add(F, f, Slot.PRE_DISPATCH, Direction.FORWARD)
+    add(B, b, Slot.MLP, Direction.BACKWARD)
+    add(F, f, Slot.DISPATCH, Direction.FORWARD)
+    add(B, b, Slot.MLP, Direction.WGRAD)
+    add(B, b, Slot.DISPATCH, Direction.BACKWARD)
+    if early:
+        add(B, b, Slot.PRE_DISPATCH, Direction.BACKWARD)
+    add(F, f, Slot.MLP, Direction.FORWARD)
+    add(F, f, Slot.COMBINE, Direction.FORWARD)
+    if not early:
+        add(B, b, Slot.PRE_DISPATCH, Direction.BACKWARD)
+    add(F, f, Slot.MTP_POST, Direction.FORWARD)
+    if not is_last_layer_in_bwd:
+        add(B, b, Slot.PRE_DISPATCH, Direction.WGRAD)
+    return out
+
+
+def _chunk_step(role: Role, slot: Slot, direction: Direction) -> Step:
+    stream = StreamKind.HOST if direction is Direction.HOOK else StreamKind.COMP
+    return Step(role, None, slot, direction, stream)
+
+
+def chunk_steps(
+    f: ChunkShape | None,
+    b: ChunkShape | None,
+    *,
+    pre_forward: bool = False,
+    pre_backward: bool = False,
+    post_forward: bool = False,
+    post_backward: bool = False,
+) -> list[Step]:
+    """The steps of one ``ModelChunkSchedulePlan.run(f, b, ...)``, in order.
+
+    1. ``pre_forward`` hook, f pre-process forward;
+    2. ``pre_backward`` hook, b post-process backward;
+    3. forward layer ``i`` of f paired with backward layer ``n-1-i`` of b;
+    4. leftover backward layers alone, then leftover forward layers alone;
+    5. ``post_forward`` / ``post_backward`` hooks;
+    6. the delayed pre-dispatch wgrad of b's first layer;
+    7. f post-process forward, b pre-process backward.
+    """
+    F, B = Role.F, Role.B
+    out: list[Step] = []
+    if f is not None:
+        if pre_forward:
+            out.append(_chunk_step(F, Slot.PRE_FORWARD, Direction.HOOK))
+        out.append(_chunk_step(F, Slot.PRE_PROCESS, Direction.FORWARD))
+    if b is not None:
+        if pre_backward:
+            out.append(_chunk_step(B, Slot.PRE_BACKWARD, Direction.HOOK))
+        if b.has_post_process:
+            out.append(_chunk_step(B, Slot.POST_PROCESS, Direction.BACKWARD))
+    f_layers = list(f.layers) if f is not None else list[LayerShape]()
+    b_layers = list(reversed(b.layers)) if b is not None else list[LayerShape]()
+    n_b = len(b_layers)
+    paired = min(len(f_layers), n_b)
+    for i in range(paired):
+        out += layer_pair_steps(f_layers[i], b_layers[i], is_last_layer_in_bwd=i == n_b - 1)
+    for i in range(paired, n_b):
+        out += layer_pair_steps(None, b_layers[i], is_last_layer_in_bwd=i == n_b - 1)
+    for i in range(paired, len(f_layers)):
+        out += layer_pair_steps(f_layers[i], None)
+    if f is not None and post_forward:
+        out.append(_chunk_step(F, Slot.POST_FORWARD, Direction.HOOK))
+    if b is not None and post_backward:
+        out.append(_chunk_step(B, Slot.POST_BACKWARD, Direction.HOOK))
+    if n_b and b_layers[-1].delay_wgrad:
+        last = b_layers[-1]
+        out.append(_node(B, last, Slot.PRE_DISPATCH, Direction.WGRAD))
+    if f is not None and f.has_post_process:
+        out.append(_chunk_step(F, Slot.POST_PROCESS, Direction.FORWARD))
+    if b is not None:
+        out.append(_chunk_step(B, Slot.PRE_PROCESS, Direction.BACKWARD))
+    return out
+
+
+def format_steps(
+    steps: Sequence[Step], *, mark: int | None = None, context: int | None = None
+) -> str:
+    """One step per line, numbered; ``mark`` flags a step with ``<-- ERROR HERE``.
+
+    With ``context``, only that many steps either side of ``mark`` are shown.
+    """
+    lo, hi = 0, len(steps)
+    if mark is not None and context is not None:
+        lo, hi = max(0, mark - context), min(len(steps), mark + context + 1)
+    lines: list[str] = []
+    for i in range(lo, hi):
+        flag = "  <-- ERROR HERE" if i == mark else ""
+        lines.append(f"{i:4d}  {steps[i]}{flag}")
+    return "\n".join(lines)

@@ -1,0 +1,317 @@
+"""Streams and events for CUDA and CPU.
+
+On CUDA the compute stream is the current stream and the communication stream is a
+dedicated one. On CPU every stream and event is a :class:`CpuStream` / :class:`CpuEvent`:
+objects with the methods the schedule calls that do nothing (CPU work is already ordered),
+so the whole schedule runs, exactly, on a laptop.
+
+Streams can be passed explicitly (a :class:`StreamPair`) or, for code ported from
+Megatron-Core, through the module-level :func:`set_streams` / :func:`get_comp_stream` /
+:func:`get_comm_stream`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Generator
+from dataclasses import dataclass
+from typing import Protocol, TypeAlias, runtime_checkable
+
+import torch
+
+from ._errors import StreamError
+
+__all__ = [
+    "AnyEvent",
+    "AnyStream",
+    "CpuEvent",
+    "CpuStream",
+    "StreamPair",
+    "StreamProvider",
+    "current_stream",
+    "default_device",
+    "get_comm_stream",
+    "get_comp_stream",
+    "make_event",
+    "make_streams",
+    "record_event",
+    "record_tensor_on",
+    "reset_streams",
+    "set_streams",
+    "stream_context",
+    "stream_device",
+    "synchronize",
+    "use_stream",
+    "wait_event",
+]
+
+
+class CpuStream:
+    """A no-op stream for CPU runs, with the methods of ``torch.cuda.Stream`` the schedule uses."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str = "cpu") -> None:
+        self.name = name
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def wait_event(self, event: CpuEvent) -> None:
+        """CPU work is ordered already: nothing to wait for."""
+
+    def wait_stream(self, stream: CpuStream) -> None:
+        """CPU work is ordered already: nothing to wait for."""
+
+    def record_event(self, event: CpuEvent | None = None) -> CpuEvent:
+        """Record ``event`` (a new one when ``None``) and return it."""
+        event = CpuEvent() if event is None else event
+        event.record(self)
+        return event
+
+    def synchronize(self) -> None:
+        """Nothing is in flight on the CPU."""
+
+    def query(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"CpuStream({self.name!r})"
+
+
+class CpuEvent:
+    """A no-op event for CPU runs; ``record`` keeps a host timestamp so CPU timelines work."""
+
+    __slots__ = ("_time",)
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        del enable_timing  # always timed: the cost is one perf_counter call
+        self._time: float | None = None
+
+    def record(self, stream: CpuStream | None = None) -> None:
+        del stream
+        self._time = time.perf_counter()
+
+    def wait(self, stream: CpuStream | None = None) -> None:
+        del stream
+
+    def synchronize(self) -> None:
+        """Nothing is in flight on the CPU."""
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end_event: CpuEvent) -> float:
+        """Milliseconds from this event's record to ``end_event``'s, like ``torch.cuda.Event``."""
+        if self._time is None or end_event._time is None:
+            raise StreamError(
+                "CpuEvent.elapsed_time: both events must be recorded first "
+                f"(start recorded: {self._time is not None}, "
+                f"end recorded: {end_event._time is not None})"
+            )
+        return (end_event._time - self._time) * 1e3
+
+
+AnyStream: TypeAlias = "torch.cuda.Stream | CpuStream"
+AnyEvent: TypeAlias = "torch.cuda.Event | CpuEvent"
+
+
+@runtime_checkable
+class StreamProvider(Protocol):
+    """A zero-argument callable returning the stream a node runs on."""
+
+    def __call__(self) -> AnyStream: ...
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class StreamPair:
+    """The compute and communication streams of one schedule."""
+
+    comp: AnyStream
+    comm: AnyStream
+
+    def comp_provider(self) -> AnyStream:
+        """Return the compute stream (a :class:`StreamProvider`)."""
+        return self.comp
+
+    def comm_provider(self) -> AnyStream:
+        """Return the communication stream (a :class:`StreamProvider`)."""
+        return self.comm
+
+    @property
+    def device(self) -> torch.device:
+        return stream_device(self.comp)
+
+
+def default_device() -> torch.device:
+    """``cuda`` when a GPU is present, else ``cpu``."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def stream_device(stream: AnyStream) -> torch.device:
+    """The device type a stream belongs to (``cuda`` or ``cpu``)."""
+    if isinstance(stream, CpuStream):
+        return torch.device("cpu")
+    return torch.device("cuda")
+
+
+def make_streams(
+    device: torch.device | str | None = None, *, high_priority_comm: bool = False
+) -> StreamPair:
+    """Make a compute/communication stream pair for ``device``.
+
+    On CUDA the compute stream is the current stream and the communication stream is a
+    new stream, of the highest priority when ``high_priority_comm`` is set.
+    """
+    dev = torch.device(device) if device is not None else default_device()
+    if dev.type == "cpu":
+        return StreamPair(comp=CpuStream("comp"), comm=CpuStream("comm"))
+    if dev.type != "cuda":
+        raise StreamError(f"make_streams: expected a 'cpu' or 'cuda' device, received {dev}")
+    comp = torch.cuda.current_stream(dev)
+    # priority_range() gives (lowest, highest); lower numbers are higher priorities.
+    priority = comp.priority_range()[1] if high_priority_comm else 0
+    return StreamPair(comp=comp, comm=_new_cuda_stream(device=dev, priority=priority))
+
+
+def make_event(device: torch.device | str | None = None) -> AnyEvent:
+    """A new event: a ``torch.cuda.Event`` on CUDA, a :class:`CpuEvent` on CPU."""
+    dev = torch.device(device) if device is not None else default_device()
+    if dev.type == "cpu":
+        return CpuEvent()
+    if dev.type != "cuda":
+        raise StreamError(f"make_event: expected a 'cpu' or 'cuda' device, received {dev}")
+    return _new_cuda_event()
+
+
+# torch leaves these constructors unannotated; give them types once, here.
+_new_cuda_stream: Callable[..., torch.cuda.Stream] = torch.cuda.Stream
+_new_cuda_event: Callable[[], torch.cuda.Event] = torch.cuda.Event
+
+
+@contextlib.contextmanager
+def use_stream(stream: AnyStream, event: AnyEvent) -> Generator[None, None, None]:
+    """Wait for ``event`` on ``stream``, run the body on ``stream``, then record ``event``.
+
+    This is how one microbatch's nodes on different streams stay ordered: they all share
+    one event, so each node starts after the previous one, whichever stream it ran on.
+    """
+    if isinstance(stream, CpuStream):
+        if not isinstance(event, CpuEvent):
+            raise StreamError(
+                f"use_stream: a CPU stream {stream!r} was paired with a CUDA event; "
+                "make events with make_event(device) on the model's device"
+            )
+        event.wait(stream)
+        yield
+        event.record(stream)
+        return
+    if isinstance(event, CpuEvent):
+        raise StreamError(
+            f"use_stream: a CUDA stream {stream!r} was paired with a CPU event; "
+            "make events with make_event(device) on the model's device"
+        )
+    event.wait(stream)
+    with torch.cuda.stream(stream):
+        yield
+    event.record(stream)
+
+
+def record_event(event: AnyEvent, stream: AnyStream) -> None:
+    """``event.record(stream)``, checking both are of one device kind."""
+    if isinstance(event, CpuEvent):
+        if isinstance(stream, CpuStream):
+            event.record(stream)
+            return
+    elif not isinstance(stream, CpuStream):
+        event.record(stream)
+        return
+    raise StreamError(f"record_event: {event!r} cannot be recorded on {stream!r}")
+
+
+def wait_event(event: AnyEvent, stream: AnyStream) -> None:
+    """Make ``stream`` wait for ``event``, checking both are of one device kind."""
+    if isinstance(event, CpuEvent):
+        if isinstance(stream, CpuStream):
+            event.wait(stream)
+            return
+    elif not isinstance(stream, CpuStream):
+        event.wait(stream)
+        return
+    raise StreamError(f"wait_event: {stream!r} cannot wait for {event!r}")
+
+
+def stream_context(stream: AnyStream) -> contextlib.AbstractContextManager[object]:
+    """Run the body on ``stream`` without touching any event (CPU: does nothing)."""
+    if isinstance(stream, CpuStream):
+        return contextlib.nullcontext()
+    return torch.cuda.stream(stream)
+
+
+def current_stream(like: AnyStream) -> AnyStream:
+    """The stream current on the device ``like`` belongs to (``like`` itself on CPU)."""
+    if isinstance(like, CpuStream):
+        return like
+    return torch.cuda.current_stream(like.device)
+
+
+def synchronize(like: AnyStream) -> None:
+    """Wait for all work on the device ``like`` belongs to (no-op on CPU)."""
+    if not isinstance(like, CpuStream):
+        torch.cuda.synchronize(like.device)
+
+
+def record_tensor_on(tensor: torch.Tensor, stream: AnyStream) -> None:
+    """Tell the caching allocator ``tensor`` is in use on ``stream`` (no-op on CPU)."""
+    if isinstance(stream, CpuStream):
+        return
+    if tensor.device.type == "cuda":
+        tensor.record_stream(stream)
+
+
+_GLOBAL: list[StreamPair] = []
+
+
+def set_streams(
+    comp_stream: AnyStream | None = None,
+    comm_stream: AnyStream | None = None,
+    *,
+    device: torch.device | str | None = None,
+    high_priority_comm: bool = False,
+) -> StreamPair:
+    """Set the module-level streams (Megatron-Core style) and return them.
+
+    The first call wins, as in Megatron-Core, unless streams are passed explicitly, which
+    replace the current ones. Unset streams default to :func:`make_streams` for ``device``.
+    """
+    if _GLOBAL and comp_stream is None and comm_stream is None:
+        return _GLOBAL[0]
+    made = make_streams(device, high_priority_comm=high_priority_comm)
+    pair = StreamPair(
+        comp=comp_stream if comp_stream is not None else made.comp,
+        comm=comm_stream if comm_stream is not None else made.comm,
+    )
+    if isinstance(pair.comp, CpuStream) != isinstance(pair.comm, CpuStream):
+        raise StreamError(
+            "set_streams: compute and communication streams must be on one device type, "
+            f"received comp={pair.comp!r}, comm={pair.comm!r}"
+        )
+    _GLOBAL[:] = [pair]
+    return pair
+
+
+def reset_streams() -> None:
+    """Forget the module-level streams (tests and device switches)."""
+    _GLOBAL.clear()
+
+
+def get_comp_stream() -> AnyStream:
+    """The module-level compute stream; set on first use for the default device."""
+    return set_streams().comp
+
+
+def get_comm_stream() -> AnyStream:
+    """The module-level communication stream; set on first use for the default device."""
+    return set_streams().comm
