@@ -54,7 +54,7 @@ def weak_method(method: Callable[_P, _R]) -> Callable[_P, _R]:
             f"of type {type(method).__name__}"
         )
     ref: weakref.WeakMethod[Callable[_P, _R]] = weakref.WeakMethod(method)
-    name = getattr(method, "__qualname__", repr(method))
+    name: str = getattr(method, "__qualname__", None) or type(method).__name__
 
     def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
         bound = ref()
