@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 import torch
@@ -15,12 +15,27 @@ from moe_overlap import (
     ScheduleError,
     ScheduleOptions,
     Slot,
+    SlotFn,
     TransformerLayerNode,
     combined_1f1b,
 )
 
 from .test_parity import assert_same
-from .toy_model import DelayedLinear, ToyConfig, ToyLayer, ToyModel, grads, make_microbatches, plain_step
+from .toy_model import (
+    DelayedLinear,
+    ToyConfig,
+    ToyLayer,
+    ToyModel,
+    grads,
+    make_microbatches,
+    plain_step,
+)
+
+
+def register_hook(t: Tensor, hook: Callable[[Tensor], Tensor]) -> None:
+    """``Tensor.register_hook`` is untyped in torch; give it a type here."""
+    register: Callable[[Callable[[Tensor], Tensor]], object] = t.register_hook
+    register(hook)
 
 
 class Boom(RuntimeError):
@@ -60,12 +75,12 @@ def install(model: ToyModel, trap: Trap, layer_index: int) -> None:
             /,
             *,
             _slot: Slot = slot,
-            _orig=original,  # noqa: ANN001
+            _orig: SlotFn = original,
         ) -> Tensor | tuple[Tensor, ...]:
             mb = getattr(node, "microbatch_index", None)
             if trap.hit(_slot, "forward", mb):
                 raise Boom(f"forward of {_slot.value}")
-            out = _orig(node, inputs)
+            out: Tensor | tuple[Tensor, ...] = _orig(node, inputs)
             first = out[0] if isinstance(out, tuple) else out
             if first.requires_grad and trap.direction == "backward" and trap.slot is _slot:
 
@@ -74,7 +89,7 @@ def install(model: ToyModel, trap: Trap, layer_index: int) -> None:
                         raise Boom(f"backward of {_slot.value}")
                     return g
 
-                first.register_hook(hook)
+                register_hook(first, hook)
             return out
 
         setattr(layer, attr, wrapped)
@@ -97,7 +112,7 @@ def install(model: ToyModel, trap: Trap, layer_index: int) -> None:
 def tag_microbatches(plan: ModelChunkSchedulePlan) -> None:
     for lp in plan.layers:
         for node in lp.nodes.values():
-            node.microbatch_index = plan.microbatch  # type: ignore[attr-defined]
+            node.microbatch_index = plan.microbatch  # type: ignore[attr-defined]  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def discard_pending(model: ToyModel) -> None:
@@ -162,7 +177,7 @@ def test_failure_in_preprocess_names_the_model() -> None:
     def bad_preprocess(*args: object, **kwargs: object) -> tuple[object, ...]:
         return (torch.ones(1),)
 
-    model._preprocess = bad_preprocess  # type: ignore[method-assign, assignment]
+    model._preprocess = bad_preprocess  # type: ignore[method-assign]
     with pytest.raises(ScheduleError, match=r"ToyModel\._preprocess: expected a 6-tuple") as info:
         combined_1f1b(model, make_microbatches(1, config))
     assert "slot pre_process, forward" in str(info.value)

@@ -66,8 +66,7 @@ def expected(name: str, is_moe: bool, cfg: Cfg, nle: int | None) -> bool:
         "moe_dispatch": not owns_dispatch_buffer and "moe_preprocess" not in graph_names,
         "mlp": (cfg.fp8 is not None or cfg.fp4 is not None)
         or (
-            ((nle or 0) > 1 or cfg.moe_token_dispatcher_type != "alltoall")
-            and not keeps_mlp_input
+            ((nle or 0) > 1 or cfg.moe_token_dispatcher_type != "alltoall") and not keeps_mlp_input
         ),
     }
     return table.get(name, False)
@@ -150,7 +149,10 @@ def test_freed_exactly_where_the_policy_says(free_input: bool) -> None:
         for slot in (Slot.PRE_DISPATCH, Slot.DISPATCH, Slot.MLP, Slot.COMBINE):
             node = lp.nodes[slot]
             policy = should_free_input(
-                slot.node_name, lp.shape.is_moe, config, config.num_experts if lp.shape.is_moe else None
+                slot.node_name,
+                lp.shape.is_moe,
+                config,
+                config.num_experts if lp.shape.is_moe else None,
             )
             assert node.free_input == (policy and free_input)
             for t in node.inputs:

@@ -16,9 +16,9 @@ from .toy_model import ToyConfig, ToyModel, make_microbatches
 def refs_of(plan: ModelChunkSchedulePlan) -> Iterator[weakref.ref[object]]:
     yield weakref.ref(plan)
     yield weakref.ref(plan.state)
-    for node in (plan.pre_process, plan.post_process):
-        if node is not None:
-            yield weakref.ref(node)
+    for chunk_node in (plan.pre_process, plan.post_process):
+        if chunk_node is not None:
+            yield weakref.ref(chunk_node)
     for lp in plan.layers:
         yield weakref.ref(lp)
         yield weakref.ref(lp.layer_state)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import weakref
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import torch
@@ -85,7 +86,10 @@ def test_node_is_one_shot() -> None:
 
 
 def test_forward_must_return_tensors() -> None:
-    node = ScheduleNode(lambda x: (x, 3), cpu_stream, CpuEvent(), name="bad")
+    def bad(x: Tensor) -> object:
+        return (x, 3)
+
+    node = ScheduleNode(bad, cpu_stream, CpuEvent(), name="bad")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
     with pytest.raises(IntegrationError, match=r"'bad'.*tuple\(Tensor, int\)"):
         node.forward(torch.ones(1))
 
@@ -130,11 +134,13 @@ def test_layer_node_detach_flows_backward() -> None:
         assert node.layer_state.residual is not None
         return y + node.layer_state.residual
 
-    a = TransformerLayerNode(cpu_stream, CpuEvent(), state, chunk, first, "pre_dispatch_computation", extra_args=args)
+    a = TransformerLayerNode(
+        cpu_stream, CpuEvent(), state, chunk, first, "pre_dispatch_computation", extra_args=args
+    )
     b = TransformerLayerNode(cpu_stream, CpuEvent(), state, chunk, second, "mlp", extra_args=args)
     x = torch.ones(2, requires_grad=True)
     (h,) = a.forward(x)
-    (out,) = b.forward(h)
+    (_out,) = b.forward(h)
     (gh,) = b.backward(torch.ones(2))
     (gx,) = a.backward(gh)
     # d(out)/dx = d(6x + 3x)/dx = 9
@@ -163,7 +169,7 @@ class Wgrad(torch.nn.Module):
         self.calls = 0
         hooked: list[int] = []
         self.hooked = hooked
-        self.w.post_wgrad_grad_acc_hook = lambda: hooked.append(1)  # type: ignore[attr-defined]
+        self.w.post_wgrad_grad_acc_hook = lambda: hooked.append(1)  # type: ignore[attr-defined]  # pyright: ignore[reportAttributeAccessIssue]
 
     def backward_dw(self) -> None:
         self.calls += 1
@@ -190,7 +196,14 @@ def test_backward_dw_runs_once_with_hooks_and_post_backward_hook() -> None:
 def test_backward_dw_is_a_noop_without_delay() -> None:
     wg = Wgrad()
     node = TransformerLayerNode(
-        cpu_stream, CpuEvent(), LayerState(), ChunkState(), lambda n, i: i[0], "mlp", wg, {"config": Cfg()}
+        cpu_stream,
+        CpuEvent(),
+        LayerState(),
+        ChunkState(),
+        lambda n, i: i[0],
+        "mlp",
+        wg,
+        {"config": Cfg()},
     )
     node.backward_dw()
     node.backward_dw()
@@ -232,7 +245,7 @@ def test_layer_state_is_weakrefable_and_slotted() -> None:
     state = LayerState()
     assert weakref.ref(state)() is state
     with pytest.raises(AttributeError):
-        state.typo = 1  # type: ignore[attr-defined]
+        state.typo = 1  # type: ignore[attr-defined]  # pyright: ignore[reportAttributeAccessIssue]
     state.stash("k", 3)
     assert state.take("k", int) == 3
     with pytest.raises(IntegrationError, match="holds a int, expected a str"):
@@ -273,7 +286,8 @@ def test_stream_event_device_mismatch() -> None:
     class FakeCudaEvent:
         pass
 
-    with pytest.raises(StreamError, match="paired with a CUDA event"), use_stream(CPU, FakeCudaEvent()):  # type: ignore[arg-type]
+    fake: Any = FakeCudaEvent()  # deliberately the wrong type
+    with pytest.raises(StreamError, match="paired with a CUDA event"), use_stream(CPU, fake):
         pass
 
 

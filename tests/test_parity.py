@@ -95,7 +95,13 @@ def test_chunks_with_different_layer_counts(layers: tuple[int, int], delay: bool
         m.set_delay(delay)
         plans.append(
             ModelChunkSchedulePlan(
-                m, mb.input_ids, mb.position_ids, None, labels=mb.labels, options=options, microbatch=i
+                m,
+                mb.input_ids,
+                mb.position_ids,
+                None,
+                labels=mb.labels,
+                options=options,
+                microbatch=i,
             )
         )
     out0 = ModelChunkSchedulePlan.run(plans[0], None)

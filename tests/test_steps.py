@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -89,7 +91,9 @@ def test_mtp_post_backward_comes_first() -> None:
 def test_chunk_phases() -> None:
     f = ChunkShape(layers=(moe(0), moe(1), moe(2)))
     b = ChunkShape(layers=(moe(0, delay_wgrad=True), moe(1, delay_wgrad=True)))
-    steps = chunk_steps(f, b, pre_forward=True, pre_backward=True, post_forward=True, post_backward=True)
+    steps = chunk_steps(
+        f, b, pre_forward=True, pre_backward=True, post_forward=True, post_backward=True
+    )
     text = names(steps)
     assert text[:4] == [
         "f.pre_forward.H@host",
@@ -98,7 +102,11 @@ def test_chunk_phases() -> None:
         "b.post_process.B@comp",
     ]
     # forward layer i is paired with backward layer n-1-i
-    pairs = [(s.layer, t.layer) for s, t in zip(steps, steps[1:]) if s.role is Role.B and s.slot is Slot.COMBINE and t.role is Role.F]
+    pairs = [
+        (s.layer, t.layer)
+        for s, t in itertools.pairwise(steps)
+        if s.role is Role.B and s.slot is Slot.COMBINE and t.role is Role.F
+    ]
     assert pairs == [(1, 0), (0, 1)]
     # the leftover forward layer runs alone after the pairs
     leftover = [s for s in steps if s.layer == 2]

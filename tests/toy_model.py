@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -49,15 +50,17 @@ class _LinearFn(torch.autograd.Function):
     """y = x W^T; the weight grad is computed now or kept for ``backward_dw``."""
 
     @staticmethod
-    def forward(ctx: torch.autograd.function.FunctionCtx, x: Tensor, w: Tensor, owner: object) -> Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: Tensor, w: Tensor, owner: object) -> Tensor:
         ctx.save_for_backward(x, w)
-        ctx.owner = owner  # type: ignore[attr-defined]
+        ctx.owner = owner
         return x @ w.t()
 
     @staticmethod
-    def backward(ctx: torch.autograd.function.FunctionCtx, g: Tensor) -> tuple[Tensor, Tensor | None, None]:  # type: ignore[override]
-        x, w = ctx.saved_tensors  # type: ignore[attr-defined]
-        owner: DelayedLinear = ctx.owner  # type: ignore[attr-defined]
+    def backward(ctx: Any, *grad_outputs: Tensor) -> tuple[Tensor, Tensor | None, None]:
+        (g,) = grad_outputs
+        x, w = ctx.saved_tensors
+        owner = ctx.owner
+        assert isinstance(owner, DelayedLinear)
         gx = g @ w
         if owner.delay:
             owner.pending.append((x, g))
@@ -132,9 +135,11 @@ class ToyLayer(nn.Module):
         self.attn = DelayedLinear(h, h)
         if moe:
             self.router = nn.Linear(h, config.num_experts, bias=False)
-            self.up = nn.ModuleList([DelayedLinear(h, 2 * h) for _ in range(config.num_experts)])
-            self.down = nn.ModuleList([DelayedLinear(2 * h, h) for _ in range(config.num_experts)])
-            self.experts = WgradGroup([*self.up, *self.down])  # type: ignore[list-item]
+            ups = [DelayedLinear(h, 2 * h) for _ in range(config.num_experts)]
+            downs = [DelayedLinear(2 * h, h) for _ in range(config.num_experts)]
+            self.up = nn.ModuleList(ups)
+            self.down = nn.ModuleList(downs)
+            self.experts = WgradGroup([*ups, *downs])
             self.shared = DelayedLinear(h, h) if config.shared_expert else None
         else:
             self.fc1 = DelayedLinear(h, 2 * h)
@@ -193,7 +198,8 @@ class ToyLayer(nn.Module):
         return residual_BSH + out_TH.reshape(residual_BSH.shape)
 
     def _dense_mlp(self, a_BSH: Tensor) -> Tensor:
-        return a_BSH + self.fc2(F.silu(self.fc1(rms_norm(a_BSH))))
+        y: Tensor = self.fc2(F.silu(self.fc1(rms_norm(a_BSH))))
+        return a_BSH + y
 
     def forward(self, x_BSH: Tensor, rot_SH: Tensor | None) -> Tensor:
         a = self._attention(x_BSH, rot_SH)
@@ -241,7 +247,9 @@ class ToyLayer(nn.Module):
         (y,) = inputs
         state = node.layer_state
         assert state.residual is not None
-        out = self._combine(y, state.take("route", Route), state.residual, state.shared_expert_output)
+        out = self._combine(
+            y, state.take("route", Route), state.residual, state.shared_expert_output
+        )
         state.residual = None
         state.shared_expert_output = None
         return out
@@ -267,7 +275,8 @@ class ToyMtpLayer(ToyLayer):
         return self._mtp(super().forward(x_BSH, rot_SH))
 
     def _mtp(self, h: Tensor) -> Tensor:
-        return h + 0.5 * self.mtp_proj(h)
+        y: Tensor = self.mtp_proj(h)
+        return h + 0.5 * y
 
     def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
         # As Megatron-Core adds the MTP projection to the pre-dispatch wgrad list.
@@ -332,6 +341,7 @@ class ToyModel(nn.Module):
         if decoder_input is None:
             assert input_ids is not None
             decoder_input = self.embedding(input_ids)
+        assert decoder_input is not None
         return PreprocessOutput(decoder_input, self._rotary(position_ids), None, None, None, None)
 
     def _postprocess(
@@ -355,7 +365,7 @@ class ToyModel(nn.Module):
         output_processor: Callable[..., object] | None = None,
         output_processor_context: object | None = None,
     ) -> Tensor:
-        logits = self.output(rms_norm(hidden_states))
+        logits: Tensor = self.output(rms_norm(hidden_states))
         if labels is None:
             return logits
         return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
@@ -375,7 +385,9 @@ class ToyModel(nn.Module):
         return sum(len(m.pending) for m in self.modules() if isinstance(m, DelayedLinear))
 
 
-def make_microbatches(n: int, config: ToyConfig, *, batch: int = 2, seq: int = 8, seed: int = 1) -> list[Microbatch]:
+def make_microbatches(
+    n: int, config: ToyConfig, *, batch: int = 2, seq: int = 8, seed: int = 1
+) -> list[Microbatch]:
     g = torch.Generator().manual_seed(seed)
     out: list[Microbatch] = []
     for _ in range(n):
@@ -397,7 +409,9 @@ def plain_step(model: ToyModel, mbs: Sequence[Microbatch]) -> list[Tensor]:
 
 
 def grads(model: nn.Module) -> dict[str, Tensor | None]:
-    return {n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()}
+    return {
+        n: (p.grad.clone() if p.grad is not None else None) for n, p in model.named_parameters()
+    }
 
 
 def params(model: nn.Module) -> Iterator[tuple[str, nn.Parameter]]:

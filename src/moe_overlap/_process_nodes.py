@@ -89,7 +89,7 @@ class PreProcessNode(ScheduleNode):
             cs.decoder_input = model.decoder.input_tensor
         out = as_preprocess_output(
             model,
-            model._preprocess(
+            model._preprocess(  # pyright: ignore[reportPrivateUsage] - the Protocol's contract
                 input_ids=cs.input_ids,
                 position_ids=cs.position_ids,
                 decoder_input=cs.decoder_input,
@@ -131,7 +131,7 @@ class PostProcessNode(ScheduleNode):
         norm = model.decoder.final_layernorm
         if not model.config.mtp_num_layers and len(model.decoder.layers) == 0 and norm is not None:
             hidden_states = norm(hidden_states)
-        raw: object = model._postprocess(
+        raw: object = model._postprocess(  # pyright: ignore[reportPrivateUsage] - the contract
             hidden_states,
             cs.input_ids,
             cs.position_ids,
