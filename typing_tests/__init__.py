@@ -1,0 +1,1 @@
+"""Typing tests: type-checked by mypy and pyright, never run (see README.md)."""

@@ -1,0 +1,108 @@
+"""Positive cases: a user's model, layer, wgrad module and streams satisfy the Protocols.
+
+Each assignment to a Protocol-typed name is the assertion; nothing here is run.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from moe_overlap import (
+    ChunkState,
+    CpuEvent,
+    CpuStream,
+    FreeInputConfig,
+    LayerArgs,
+    LayerState,
+    Microbatch,
+    ModelChunkSchedulePlan,
+    MtpSchedulableLayer,
+    PreprocessableModel,
+    PreprocessOutput,
+    SchedulableLayer,
+    ScheduleOptions,
+    StreamPair,
+    StreamProvider,
+    TransformerLayerNode,
+    WgradLayer,
+    combined_1f1b,
+    get_comm_stream,
+    get_comp_stream,
+    make_streams,
+    should_free_input,
+)
+
+from ._user_model import (
+    DelayedLinear,
+    ShortUserModel,
+    UserConfig,
+    UserLayer,
+    UserModel,
+    UserWgrad,
+)
+
+config = UserConfig()
+
+# Models: the full spelling and the **kwargs spelling.
+model: PreprocessableModel = UserModel(config)
+short_model: PreprocessableModel = ShortUserModel(config)
+
+# Layers, wgrad modules, configs.
+layer: SchedulableLayer = UserLayer(config)
+wgrad_module: WgradLayer = DelayedLinear(8, 8)
+wgrad_plain: WgradLayer = UserWgrad(torch.nn.Parameter(torch.ones(2)))
+free_config: FreeInputConfig = config
+frees: bool = should_free_input("mlp", True, config, 2)
+
+# Stream providers: module functions, bound methods, lambdas.
+streams: StreamPair = make_streams("cpu")
+provider_fn: StreamProvider = get_comp_stream
+provider_comm: StreamProvider = get_comm_stream
+provider_method: StreamProvider = streams.comm_provider
+provider_lambda: StreamProvider = lambda: CpuStream("comp")  # noqa: E731
+
+# extra_args: the typed value, or a Megatron-style mapping.
+node_typed = TransformerLayerNode(
+    provider_fn,
+    CpuEvent(),
+    LayerState(),
+    ChunkState(),
+    UserLayer(config).slot_mlp,
+    name="mlp",
+    bwd_dw_callables=[DelayedLinear(8, 8)],
+    extra_args=LayerArgs(config=config, is_moe=True, num_local_experts=2),
+)
+node_mapping = TransformerLayerNode(
+    provider_method,
+    CpuEvent(),
+    LayerState(),
+    ChunkState(),
+    UserLayer(config).slot_mlp,
+    name="mlp",
+    bwd_dw_callables=DelayedLinear(8, 8),
+    extra_args={"config": config, "is_moe": True, "num_local_experts": 2},
+)
+
+# The preprocess 6-tuple is a NamedTuple with defaults; a plain tuple is also accepted.
+out = PreprocessOutput(torch.ones(2))
+decoder_input: Tensor = out.decoder_input
+offset: Tensor | int | None = out.sequence_len_offset
+
+# The driver and the chunk plan.
+losses: list[Tensor] = combined_1f1b(
+    UserModel(config),
+    [Microbatch(input_ids=torch.zeros(2, 4, dtype=torch.long), labels=torch.zeros(2, 4))],
+    options=ScheduleOptions(delay_wgrad_compute=True),
+    streams=streams,
+)
+plan = ModelChunkSchedulePlan(UserModel(config), None, None, None, streams=streams)
+chunk_out: Tensor | None = ModelChunkSchedulePlan.run(plan, None)
+
+
+def narrows(value: object) -> None:
+    """The Protocols are runtime-checkable, so ``isinstance`` narrows."""
+    if isinstance(value, MtpSchedulableLayer):
+        _mtp: SchedulableLayer = value
+    if isinstance(value, PreprocessableModel):
+        _checked: PreprocessableModel = value
