@@ -175,7 +175,9 @@ class ToyLayer(nn.Module):
         return rows_RH.clone()  # the all-to-all's receive buffer (EP=1)
 
     def _experts(self, rows_RH: Tensor, probs_R: Tensor, route: Route) -> Tensor:
-        local_RH = rows_RH.index_select(0, torch.arange(rows_RH.shape[0]))  # local sort
+        local_RH = rows_RH.index_select(
+            0, torch.arange(rows_RH.shape[0], device=rows_RH.device)
+        )  # local sort
         outs: list[Tensor] = []
         start = 0
         for e, n in enumerate(route.counts_E):
@@ -192,6 +194,7 @@ class ToyLayer(nn.Module):
             residual_BSH.shape[0] * residual_BSH.shape[1],
             y_RH.shape[-1],
             dtype=y_RH.dtype,
+            device=y_RH.device,
         ).index_add(0, route.token_of_row_R, y_RH)
         if shared_TH is not None:
             out_TH = out_TH + shared_TH
@@ -327,7 +330,9 @@ class ToyModel(nn.Module):
         if position_ids is None:
             return None
         h = self.config.hidden
-        return torch.sin(position_ids[0].float().unsqueeze(-1) * self.freq * torch.arange(1, h + 1))
+        freqs = torch.arange(1, h + 1, device=position_ids.device) * self.freq
+        rot = torch.sin(position_ids[0].float().unsqueeze(-1) * freqs)
+        return rot.to(self.embedding.weight.dtype)
 
     def _preprocess(
         self,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -13,7 +14,7 @@ from ._layer_plan import TransformerLayerSchedulePlan, check_layer
 from ._node import ScheduleNode
 from ._options import ChunkHooks, PostBackwardHook, PostForwardHook, PreHook, ScheduleOptions
 from ._process_nodes import PostProcessNode, PreProcessNode
-from ._protocols import PreprocessableModel
+from ._protocols import PreprocessableModel, missing_members
 from ._state import ChunkState
 from ._steps import ChunkShape, Role, Slot, Step, chunk_steps
 from ._streams import (
@@ -36,13 +37,16 @@ _CPU_STREAMS = StreamPair(comp=CpuStream("comp"), comm=CpuStream("comm"))
 
 
 def check_model(model: object) -> PreprocessableModel:
-    """Return ``model`` as a :class:`PreprocessableModel` or raise, naming what is missing."""
-    if isinstance(model, PreprocessableModel):
-        return model
-    missing = [m for m in _MODEL_MEMBERS if not hasattr(model, m)]
-    raise IntegrationError(
-        f"{type(model).__name__} is not a PreprocessableModel; missing members: {missing}"
-    )
+    """Return ``model`` as a :class:`PreprocessableModel` or raise, naming what is missing.
+
+    Checked once per plan, member by member (see :func:`missing_members`).
+    """
+    missing = missing_members(model, _MODEL_MEMBERS)
+    if missing:
+        raise IntegrationError(
+            f"{type(model).__name__} is not a PreprocessableModel; missing members: {missing}"
+        )
+    return cast(PreprocessableModel, model)
 
 
 def default_streams(device: torch.device) -> StreamPair:

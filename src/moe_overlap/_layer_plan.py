@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import cast
 
 from torch import Tensor
 
@@ -12,7 +13,7 @@ from ._layer_node import BackwardDWWrapper, LayerArgs, SlotFn, TransformerLayerN
 from ._layer_protocol import MtpSchedulableLayer, SchedulableLayer
 from ._node import NoopScheduleNode, ScheduleNode
 from ._options import ScheduleOptions
-from ._protocols import WgradLayer
+from ._protocols import WgradLayer, missing_members
 from ._state import ChunkState, LayerState
 from ._steps import LayerShape, Slot, Step, layer_pair_steps
 from ._streams import AnyEvent, StreamProvider
@@ -36,13 +37,19 @@ _DEFAULT_OPTIONS = ScheduleOptions()
 
 def check_layer(layer: object, where: str) -> SchedulableLayer:
     """Return ``layer`` as a :class:`SchedulableLayer` or raise, naming what is missing."""
-    if isinstance(layer, SchedulableLayer):
-        return layer
-    missing = [m for m in _LAYER_MEMBERS if not hasattr(layer, m)]
-    raise IntegrationError(
-        f"{where}: {type(layer).__name__} is not a SchedulableLayer; missing members: "
-        f"{missing or 'none (check their kinds: slots must be callables)'}"
-    )
+    missing = missing_members(layer, _LAYER_MEMBERS)
+    if missing:
+        raise IntegrationError(
+            f"{where}: {type(layer).__name__} is not a SchedulableLayer; missing members: {missing}"
+        )
+    return cast(SchedulableLayer, layer)
+
+
+def as_mtp_layer(layer: SchedulableLayer) -> MtpSchedulableLayer | None:
+    """``layer`` as an MTP layer when it has the MTP post-process slot, else ``None``."""
+    if missing_members(layer, ("slot_mtp_post_process",)):
+        return None
+    return cast(MtpSchedulableLayer, layer)
 
 
 class TransformerLayerSchedulePlan:
@@ -68,7 +75,8 @@ class TransformerLayerSchedulePlan:
     ) -> None:
         layer = check_layer(layer, f"TransformerLayerSchedulePlan(layer {index})")
         first, last = _position(extra_args)
-        is_mtp = isinstance(layer, MtpSchedulableLayer)
+        mtp = as_mtp_layer(layer)
+        is_mtp = mtp is not None
         args = LayerArgs(
             config=layer.config,
             is_moe=layer.is_moe,
@@ -127,10 +135,8 @@ class TransformerLayerSchedulePlan:
         else:
             self.nodes[Slot.DISPATCH] = NoopScheduleNode("moe_dispatch")
             self.nodes[Slot.COMBINE] = NoopScheduleNode("moe_combine")
-        if isinstance(layer, MtpSchedulableLayer):
-            self.nodes[Slot.MTP_POST] = node(
-                Slot.MTP_POST, comp_stream, layer.slot_mtp_post_process
-            )
+        if mtp is not None:
+            self.nodes[Slot.MTP_POST] = node(Slot.MTP_POST, comp_stream, mtp.slot_mtp_post_process)
         else:
             self.nodes[Slot.MTP_POST] = NoopScheduleNode("mtp_post_process")
         self.microbatch: int | None = None

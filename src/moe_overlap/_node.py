@@ -180,8 +180,14 @@ class ScheduleNode:
                 f"node {self.name!r}: backward expected {len(self.outputs)} output grads "
                 f"(one per forward output), received {len(output_grad)}"
             )
-        with use_stream(self.stream(), self.event):
+        stream = self.stream()
+        with use_stream(stream, self.event):
             self.backward_impl(self.outputs, output_grad)
+        for grad in output_grad:
+            # The grads may come from the other stream: keep their memory until this
+            # node's backward kernels are done with it.
+            if grad is not None:
+                record_tensor_on(grad, stream)
         grads = tuple(t.grad if t is not None else None for t in self.inputs)
         self.release_state()
         return grads

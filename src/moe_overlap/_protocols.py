@@ -19,6 +19,7 @@ __all__ = [
     "ModelConfigLike",
     "PreprocessableModel",
     "WgradLayer",
+    "missing_members",
 ]
 
 
@@ -112,3 +113,13 @@ class PreprocessableModel(Protocol):
         output_processor: Callable[..., object] | None = None,
         output_processor_context: object | None = None,
     ) -> Tensor: ...
+
+
+def missing_members(obj: object, members: tuple[str, ...]) -> list[str]:
+    """The ``members`` that ``obj`` lacks, looked up dynamically.
+
+    ``isinstance`` against a runtime-checkable Protocol looks attributes up statically on
+    Python 3.12+, so it misses ``torch.nn.Module`` submodules (kept in ``_modules`` and
+    served by ``__getattr__``); integrations are checked with this instead.
+    """
+    return [m for m in members if not hasattr(obj, m)]

@@ -1,0 +1,69 @@
+"""On CUDA, with real compute and communication streams: the same bit-identity.
+
+Skipped without a GPU. Run on the lent H200 with ``pytest tests/test_gpu.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from moe_overlap import Microbatch, ScheduleOptions, combined_1f1b, make_streams
+
+from .test_parity import assert_same
+from .toy_model import ToyConfig, ToyModel, grads, make_microbatches, plain_step
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+
+def to_cuda(mbs: list[Microbatch]) -> list[Microbatch]:
+    def mv(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.cuda()
+
+    return [
+        Microbatch(input_ids=mv(m.input_ids), position_ids=mv(m.position_ids), labels=mv(m.labels))
+        for m in mbs
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("delay", [False, True])
+@pytest.mark.parametrize("kinds", ["dd", "mm", "dmdm", "dmt"])
+@pytest.mark.parametrize("high_priority", [False, True])
+def test_cuda_parity(dtype: torch.dtype, delay: bool, kinds: str, high_priority: bool) -> None:
+    config = ToyConfig(hidden=64, shared_expert=True)
+    ref = ToyModel(config, kinds).to(device="cuda", dtype=dtype)
+    model = copy.deepcopy(ref)
+    mbs = to_cuda(make_microbatches(4, config, batch=4, seq=64))
+    ref_losses = plain_step(ref, mbs)
+    model.set_delay(delay)
+    streams = make_streams("cuda", high_priority_comm=high_priority)
+    losses = combined_1f1b(
+        model, mbs, options=ScheduleOptions(delay_wgrad_compute=delay), streams=streams
+    )
+    torch.cuda.synchronize()
+    for got, want in zip(losses, ref_losses, strict=True):
+        assert torch.equal(got, want.float())
+    assert_same(grads(model), grads(ref))
+
+
+def test_cpu_streams_rejected_for_cuda_inputs() -> None:
+    from moe_overlap import ModelChunkSchedulePlan, StreamError
+
+    config = ToyConfig()
+    model = ToyModel(config, "m").cuda()
+    (mb,) = to_cuda(make_microbatches(1, config))
+    with pytest.raises(StreamError, match="inputs are on cuda"):
+        ModelChunkSchedulePlan(
+            model,
+            mb.input_ids,
+            mb.position_ids,
+            None,
+            labels=mb.labels,
+            streams=make_streams("cpu"),
+        )
