@@ -1,0 +1,58 @@
+"""A small GPT-style MoE reference model that integrates through the public Protocols only.
+
+:class:`GPTMoEModel` is a :class:`~moe_overlap.PreprocessableModel` whose layers are
+:class:`~moe_overlap.SchedulableLayer` s; its ``forward`` is the plain (unscheduled) path
+used as the bit-exact reference for :func:`~moe_overlap.combined_1f1b`.
+"""
+
+from moe_overlap.models._blocks import RMSNorm as RMSNorm
+from moe_overlap.models._blocks import SelfAttention as SelfAttention
+from moe_overlap.models._blocks import SwiGLUMLP as SwiGLUMLP
+from moe_overlap.models._config import DispatcherKind as DispatcherKind
+from moe_overlap.models._config import GPTMoEConfig as GPTMoEConfig
+from moe_overlap.models._dispatcher import DispatchMeta as DispatchMeta
+from moe_overlap.models._dispatcher import PermuteMeta as PermuteMeta
+from moe_overlap.models._dispatcher import TokenDispatcher as TokenDispatcher
+from moe_overlap.models._experts import GroupedExperts as GroupedExperts
+from moe_overlap.models._gpt import Decoder as Decoder
+from moe_overlap.models._gpt import GPTMoEModel as GPTMoEModel
+from moe_overlap.models._gpt import masked_cross_entropy as masked_cross_entropy
+from moe_overlap.models._layers import DenseLayer as DenseLayer
+from moe_overlap.models._layers import GPTLayer as GPTLayer
+from moe_overlap.models._layers import MoELayer as MoELayer
+from moe_overlap.models._layers import PlainContext as PlainContext
+from moe_overlap.models._layers import SlotContext as SlotContext
+from moe_overlap.models._router import TopKRouter as TopKRouter
+from moe_overlap.models._wgrad import DelayedWgradGroupedLinear as DelayedWgradGroupedLinear
+from moe_overlap.models._wgrad import DelayedWgradLinear as DelayedWgradLinear
+from moe_overlap.models._wgrad import DelayedWgradModule as DelayedWgradModule
+from moe_overlap.models._wgrad import check_no_pending_wgrad as check_no_pending_wgrad
+from moe_overlap.models._wgrad import finish_wgrad as finish_wgrad
+from moe_overlap.models._wgrad import pending_wgrad as pending_wgrad
+
+__all__ = [
+    "Decoder",
+    "DelayedWgradGroupedLinear",
+    "DelayedWgradLinear",
+    "DelayedWgradModule",
+    "DenseLayer",
+    "DispatchMeta",
+    "DispatcherKind",
+    "GPTLayer",
+    "GPTMoEConfig",
+    "GPTMoEModel",
+    "GroupedExperts",
+    "MoELayer",
+    "PermuteMeta",
+    "PlainContext",
+    "RMSNorm",
+    "SelfAttention",
+    "SlotContext",
+    "SwiGLUMLP",
+    "TokenDispatcher",
+    "TopKRouter",
+    "check_no_pending_wgrad",
+    "finish_wgrad",
+    "masked_cross_entropy",
+    "pending_wgrad",
+]

@@ -1,0 +1,148 @@
+"""Building blocks: RMSNorm, rotary embedding, causal self-attention, SwiGLU MLP.
+
+Legend: ``B`` batch, ``S`` sequence, ``D`` hidden, ``H`` heads, ``E`` head dim (``D/H``),
+``T`` tokens (``B*S``), ``F`` feed-forward hidden.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ._wgrad import DelayedWgradLinear
+
+__all__ = ["RMSNorm", "RotaryTables", "SelfAttention", "SwiGLUMLP", "apply_rotary", "rotary_tables"]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32, scaled by a learned weight."""
+
+    def __init__(
+        self,
+        dim: int,
+        *,
+        eps: float,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.to(x.dtype) * self.weight
+
+
+RotaryTables = tuple[Tensor, Tensor, Tensor]
+"""``(freqs_BSE, cos_B1SE, sin_B1SE)``: what ``_preprocess`` hands the layers."""
+
+
+def rotary_tables(
+    position_ids_BS: Tensor, head_dim: int, base: float, dtype: torch.dtype
+) -> RotaryTables:
+    """Rotary angles for each position, and their cosine and sine (broadcast over heads)."""
+    exponent = torch.arange(0, head_dim, 2, device=position_ids_BS.device, dtype=torch.float32)
+    inv_freq = 1.0 / (base ** (exponent / head_dim))
+    half_BSe = position_ids_BS.to(torch.float32)[..., None] * inv_freq
+    freqs_BSE = torch.cat([half_BSe, half_BSe], dim=-1)
+    cos = freqs_BSE.cos().to(dtype)[:, None]
+    sin = freqs_BSE.sin().to(dtype)[:, None]
+    return freqs_BSE, cos, sin
+
+
+def apply_rotary(x_BHSE: Tensor, cos_B1SE: Tensor, sin_B1SE: Tensor) -> Tensor:
+    """Rotate pairs ``(x_i, x_{i+E/2})`` by the position's angle."""
+    a, b = x_BHSE.chunk(2, dim=-1)
+    rotated = torch.cat([-b, a], dim=-1)
+    return x_BHSE * cos_B1SE + rotated * sin_B1SE
+
+
+class SelfAttention(nn.Module):
+    """Causal multi-head self-attention with rotary embedding; fused QKV and output projection.
+
+    A :class:`~moe_overlap.WgradLayer`: ``backward_dw`` runs both projections' delayed
+    weight gradients.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        *,
+        impl: Literal["math", "sdpa"],
+        delay_wgrad: bool,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.heads = heads
+        self.impl = impl
+        self.qkv = DelayedWgradLinear(
+            hidden, 3 * hidden, delay_wgrad=delay_wgrad, dtype=dtype, device=device
+        )
+        self.proj = DelayedWgradLinear(
+            hidden, hidden, delay_wgrad=delay_wgrad, dtype=dtype, device=device
+        )
+
+    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        B, S, D = x_BSD.shape
+        H = self.heads
+        E = D // H
+        qkv = self.qkv(x_BSD).view(B, S, 3, H, E).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        if self.impl == "sdpa":
+            ctx_BHSE = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = q.matmul(k.transpose(-2, -1)) * (1.0 / math.sqrt(E))
+            causal = torch.ones(S, S, dtype=torch.bool, device=x_BSD.device).tril()
+            scores = scores.masked_fill(~causal, float("-inf"))
+            weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+            ctx_BHSE = weights.matmul(v)
+        out_BSD = ctx_BHSE.transpose(1, 2).reshape(B, S, D)
+        return self.proj(out_BSD)
+
+    def backward_dw(self) -> None:
+        """Delayed weight gradients of the output projection, then of QKV."""
+        self.proj.backward_dw()
+        self.qkv.backward_dw()
+
+
+class SwiGLUMLP(nn.Module):
+    """``fc2(silu(gate) * up)`` with ``[gate, up] = fc1(x)``: the dense MLP and shared expert.
+
+    A :class:`~moe_overlap.WgradLayer`.
+    """
+
+    def __init__(
+        self,
+        hidden: int,
+        ffn: int,
+        *,
+        delay_wgrad: bool,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.fc1 = DelayedWgradLinear(
+            hidden, 2 * ffn, delay_wgrad=delay_wgrad, dtype=dtype, device=device
+        )
+        self.fc2 = DelayedWgradLinear(
+            ffn, hidden, delay_wgrad=delay_wgrad, dtype=dtype, device=device
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.fc1(x).chunk(2, dim=-1)
+        return self.fc2(F.silu(gate) * up)
+
+    def backward_dw(self) -> None:
+        """Delayed weight gradients of ``fc2``, then ``fc1``."""
+        self.fc2.backward_dw()
+        self.fc1.backward_dw()

@@ -1,0 +1,235 @@
+"""The reference GPT-style MoE model: a :class:`~moe_overlap.PreprocessableModel`.
+
+Legend: ``B`` batch, ``S`` sequence, ``D`` hidden, ``V`` vocabulary, ``T = B*S``.
+
+The final norm is applied in ``_postprocess`` (``decoder.final_layernorm`` is ``None``), so
+the last layer needs no special case. The output layer is *not* tied to the embedding: a
+tied weight would receive two gradient contributions per microbatch (output layer in
+post-process, embedding in pre-process) whose accumulation order into ``.grad`` differs
+between the plain backward (one graph: output-layer grad first) and the schedule (the two
+halves run in separate backward calls interleaved with another microbatch), and float
+addition is not associative across microbatches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._errors import ConfigError
+from .._options import ScheduleOptions
+from .._state import ChunkState, PreprocessOutput
+from ._blocks import RMSNorm, rotary_tables
+from ._config import GPTMoEConfig
+from ._dispatcher import TokenDispatcher
+from ._experts import GroupedExperts
+from ._layers import DenseLayer, GPTLayer, MoELayer
+from ._wgrad import DelayedWgradModule, check_no_pending_wgrad
+
+__all__ = ["Decoder", "GPTMoEModel"]
+
+
+class Decoder(nn.Module):
+    """The layer stack as the schedule sees it (``layers``, ``input_tensor``, final norm)."""
+
+    def __init__(self, layers: list[GPTLayer]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.input_tensor: Tensor | None = None
+        self.final_layernorm: Callable[[Tensor], Tensor] | None = None
+
+
+class GPTMoEModel(nn.Module):
+    """A small GPT with dense and MoE layers, schedulable by :func:`~moe_overlap.combined_1f1b`.
+
+    ``forward`` is the plain path (no schedule) computing the same operations, so
+    ``model(...).backward()`` per microbatch and the schedule give bit-identical losses
+    and gradients. ``ep_group`` shards the experts over its ranks (``None``: all local);
+    non-expert parameters are replicated and initialised identically on every rank, and
+    global expert ``x`` gets the same initial weights whatever the EP size.
+    """
+
+    def __init__(
+        self,
+        config: GPTMoEConfig,
+        *,
+        ep_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        dev = torch.device(device) if device is not None else None
+        c = config
+        self.config = config
+        self.dispatcher = TokenDispatcher(
+            c.num_experts, c.moe_router_topk, kind=c.dispatcher, group=ep_group
+        )
+        self.embedding = nn.Embedding(c.vocab_size, c.hidden_size, dtype=c.dtype, device=dev)
+        layers: list[GPTLayer] = [
+            MoELayer(c, i, self.dispatcher, dev) if c.is_moe_layer(i) else DenseLayer(c, i, dev)
+            for i in range(c.num_layers)
+        ]
+        self.layer_list: tuple[GPTLayer, ...] = tuple(layers)
+        self.decoder = Decoder(layers)
+        self.final_norm = RMSNorm(c.hidden_size, eps=c.norm_eps, dtype=c.dtype, device=dev)
+        self.output_layer = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=c.dtype, device=dev)
+        for name, module in self.named_modules():
+            if isinstance(module, DelayedWgradModule):
+                module.label = name
+        self.reset_parameters()
+
+    @property
+    def pre_process(self) -> bool:
+        return True
+
+    @property
+    def post_process(self) -> bool:
+        return True
+
+    def reset_parameters(self) -> None:
+        """Seeded init, identical on every EP rank; norms start at one.
+
+        Expert weights are drawn for all global experts and sliced, so a model sharded
+        over ``P`` ranks holds exactly the experts of the unsharded one.
+        """
+        gen = torch.Generator().manual_seed(self.config.seed)
+        std = self.config.init_std
+        offset, local = self.dispatcher.expert_offset, self.dispatcher.local_experts
+        global_experts = self.config.num_experts
+        expert_params = {
+            id(p)
+            for m in self.modules()
+            if isinstance(m, GroupedExperts)
+            for p in m.parameters()
+        }
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                    continue
+                if id(p) in expert_params:
+                    full = torch.randn((global_experts, *p.shape[1:]), generator=gen) * std
+                    p.copy_(full[offset : offset + local])
+                    continue
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def schedule_options(
+        self, *, free_input: bool = True, ep_overlap_early_attn_memory_release: bool = False
+    ) -> ScheduleOptions:
+        """Schedule options matching this model (``delay_wgrad_compute`` from the config)."""
+        return ScheduleOptions(
+            delay_wgrad_compute=self.config.delay_wgrad_compute,
+            free_input=free_input,
+            ep_overlap_early_attn_memory_release=ep_overlap_early_attn_memory_release,
+        )
+
+    def _preprocess(
+        self,
+        input_ids: Tensor | None,
+        position_ids: Tensor | None,
+        *,
+        decoder_input: Tensor | None = None,
+        packed_seq_params: object | None = None,
+        padding_mask: Tensor | None = None,
+    ) -> PreprocessOutput:
+        """Embedding and rotary tables; checks that no weight gradient is still pending."""
+        check_no_pending_wgrad(self)
+        if packed_seq_params is not None:
+            raise ConfigError(
+                "GPTMoEModel._preprocess: packed sequences are not supported; expected "
+                f"packed_seq_params=None, received {type(packed_seq_params).__name__}"
+            )
+        if decoder_input is None:
+            if input_ids is None:
+                raise ConfigError(
+                    "GPTMoEModel._preprocess: expected input_ids or decoder_input, received "
+                    "neither"
+                )
+            decoder_input = self.embedding(input_ids)
+        assert decoder_input is not None
+        B, S = decoder_input.shape[:2]
+        if position_ids is None:
+            position_ids = torch.arange(S, device=decoder_input.device).expand(B, S)
+        freqs, cos, sin = rotary_tables(
+            position_ids, self.config.head_dim, self.config.rotary_base, self.config.dtype
+        )
+        return PreprocessOutput(decoder_input, freqs, cos, sin, None, padding_mask)
+
+    def _postprocess(
+        self,
+        hidden_states: Tensor,
+        input_ids: Tensor | None,
+        position_ids: Tensor | None,
+        labels: Tensor | None,
+        rotary_pos_emb: Tensor | None,
+        rotary_pos_cos: Tensor | None,
+        rotary_pos_sin: Tensor | None,
+        *,
+        mtp_in_postprocess: bool | None = None,
+        loss_mask: Tensor | None = None,
+        decoder_input: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        packed_seq_params: object | None = None,
+        sequence_len_offset: Tensor | int | None = None,
+        runtime_gather_output: bool | None = None,
+        extra_block_kwargs: Mapping[str, object] | None = None,
+        output_processor: Callable[..., object] | None = None,
+        output_processor_context: object | None = None,
+    ) -> Tensor:
+        """Final norm, output layer; with ``labels`` the masked mean cross-entropy (float32).
+
+        Without ``labels``, the logits ``[B, S, V]``.
+        """
+        logits_BSV: Tensor = self.output_layer(self.final_norm(hidden_states))
+        if labels is None:
+            return logits_BSV
+        return masked_cross_entropy(logits_BSV, labels, loss_mask)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        labels: Tensor | None = None,
+        loss_mask: Tensor | None = None,
+    ) -> Tensor:
+        """The plain path: the loss (or logits without ``labels``) of one microbatch."""
+        pre = self._preprocess(input_ids, position_ids)
+        cs = ChunkState(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            labels=labels,
+            loss_mask=loss_mask,
+            decoder_input=pre.decoder_input,
+            rotary_pos_emb=pre.rotary_pos_emb,
+            rotary_pos_cos=pre.rotary_pos_cos,
+            rotary_pos_sin=pre.rotary_pos_sin,
+        )
+        h = pre.decoder_input
+        for layer in self.layer_list:
+            h = layer.run_plain(h, cs)
+        return self._postprocess(
+            h,
+            input_ids,
+            position_ids,
+            labels,
+            pre.rotary_pos_emb,
+            pre.rotary_pos_cos,
+            pre.rotary_pos_sin,
+            loss_mask=loss_mask,
+        )
+
+
+def masked_cross_entropy(logits_BSV: Tensor, labels_BS: Tensor, loss_mask: Tensor | None) -> Tensor:
+    """Mean token cross-entropy over ``loss_mask`` (all tokens when ``None``), in float32."""
+    losses_T = F.cross_entropy(
+        logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
+        labels_BS.reshape(-1),
+        reduction="none",
+    )
+    if loss_mask is None:
+        return losses_T.mean()
+    mask_T = loss_mask.reshape(-1).to(torch.float32)
+    return (losses_T * mask_T).sum() / mask_T.sum().clamp(min=1.0)

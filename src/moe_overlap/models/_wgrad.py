@@ -1,0 +1,292 @@
+"""Linear layers whose weight gradient can be delayed to an explicit ``backward_dw()``.
+
+Legend: ``N`` rows (tokens), ``I`` input features, ``O`` output features, ``G`` groups
+(local experts).
+
+With ``delay_wgrad`` off, backward computes both gradients, like ``nn.Linear``. With it on,
+backward computes only the input gradient and queues ``(input, grad_output)``;
+:meth:`DelayedWgradModule.backward_dw` later computes the weight gradient with *the same
+expression* and accumulates it as autograd would (assign when ``grad`` is ``None``, else
+add in place), so delayed and immediate results are bit-identical.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .._errors import WgradError
+
+__all__ = [
+    "DelayedWgradGroupedLinear",
+    "DelayedWgradLinear",
+    "DelayedWgradModule",
+    "DenseKernel",
+    "GroupedKernel",
+    "MatmulKernel",
+    "check_no_pending_wgrad",
+    "finish_wgrad",
+    "pending_wgrad",
+]
+
+
+@runtime_checkable
+class MatmulKernel(Protocol):
+    """The three products of a linear layer: forward, input grad and weight grad."""
+
+    def forward(self, x: Tensor, weight: Tensor) -> Tensor: ...
+    def dgrad(self, grad_y: Tensor, weight: Tensor) -> Tensor: ...
+    def wgrad(self, x: Tensor, grad_y: Tensor) -> Tensor: ...
+
+
+@dataclass(frozen=True, slots=True)
+class DenseKernel:
+    """``y = x @ W^T`` with ``W`` of shape ``[O, I]``; ``x`` may have leading batch dims."""
+
+    def forward(self, x: Tensor, weight: Tensor) -> Tensor:
+        return F.linear(x, weight)
+
+    def dgrad(self, grad_y: Tensor, weight: Tensor) -> Tensor:
+        return grad_y.matmul(weight)
+
+    def wgrad(self, x: Tensor, grad_y: Tensor) -> Tensor:
+        gy_NO = grad_y.reshape(-1, grad_y.shape[-1])
+        x_NI = x.reshape(-1, x.shape[-1])
+        return gy_NO.t().matmul(x_NI)
+
+
+def _grouped_mm_usable(x: Tensor, weight: Tensor) -> bool:
+    """``torch._grouped_mm``: CUDA, bf16, Hopper or newer, 16-byte aligned feature dims."""
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
+        return False
+    if torch.cuda.get_device_capability(x.device) < (9, 0):
+        return False
+    return weight.shape[-1] % 8 == 0 and weight.shape[-2] % 8 == 0
+
+
+@dataclass(frozen=True, slots=True)
+class GroupedKernel:
+    """One GEMM per group: rows of ``x`` come grouped, ``sizes[g]`` rows for group ``g``.
+
+    ``W`` has shape ``[G, O, I]``. A group may have zero rows (its weight grad is zero). On
+    a Hopper GPU in bf16 forward and input grad use ``torch._grouped_mm``; the weight grad
+    is one ``mm`` per group everywhere (it must be one expression for both paths anyway).
+    """
+
+    sizes: tuple[int, ...]
+
+    def _offsets(self, device: torch.device) -> Tensor:
+        return torch.tensor(self.sizes, dtype=torch.int32, device=device).cumsum(
+            0, dtype=torch.int32
+        )
+
+    def forward(self, x: Tensor, weight: Tensor) -> Tensor:
+        if _grouped_mm_usable(x, weight):
+            return torch._grouped_mm(x, weight.transpose(-2, -1), offs=self._offsets(x.device))
+        parts = torch.split(x, list(self.sizes), dim=0)
+        return torch.cat([F.linear(p, weight[g]) for g, p in enumerate(parts)], dim=0)
+
+    def dgrad(self, grad_y: Tensor, weight: Tensor) -> Tensor:
+        if _grouped_mm_usable(grad_y, weight):
+            w_GOI = weight.contiguous()
+            return torch._grouped_mm(grad_y, w_GOI, offs=self._offsets(grad_y.device))
+        parts = torch.split(grad_y, list(self.sizes), dim=0)
+        return torch.cat([p.matmul(weight[g]) for g, p in enumerate(parts)], dim=0)
+
+    def wgrad(self, x: Tensor, grad_y: Tensor) -> Tensor:
+        xs = torch.split(x, list(self.sizes), dim=0)
+        gys = torch.split(grad_y, list(self.sizes), dim=0)
+        return torch.stack([gy.t().matmul(xi) for xi, gy in zip(xs, gys, strict=True)])
+
+
+@dataclass(frozen=True, slots=True)
+class _PendingWgrad:
+    x: Tensor
+    grad_y: Tensor
+    kernel: MatmulKernel
+
+
+class DelayedWgradModule(nn.Module):
+    """Base of the delayable linears: owns ``weight`` and the queue of pending wgrads.
+
+    A :class:`~moe_overlap.WgradLayer`. ``label`` names the module in error messages (the
+    model sets it to the module's qualified name).
+    """
+
+    weight: nn.Parameter
+
+    def __init__(self, weight: nn.Parameter, *, delay_wgrad: bool) -> None:
+        super().__init__()
+        self.weight = weight
+        self.delay_wgrad = delay_wgrad
+        self.label = type(self).__name__
+        self._pending: deque[_PendingWgrad] = deque()
+
+    @property
+    def pending_wgrad(self) -> int:
+        """How many backward passes wait for their weight gradient."""
+        return len(self._pending)
+
+    def _apply_kernel(self, x: Tensor, kernel: MatmulKernel) -> Tensor:
+        out: Tensor = _DelayableMatmul.apply(x, self.weight, kernel, self)
+        return out
+
+    def _defer(self, x: Tensor, grad_y: Tensor, kernel: MatmulKernel) -> None:
+        self._pending.append(_PendingWgrad(x, grad_y, kernel))
+
+    def backward_dw(self) -> None:
+        """Compute and accumulate the oldest pending weight gradient.
+
+        Raises :class:`~moe_overlap.WgradError` when wgrad is not delayed or nothing is
+        pending (``backward_dw`` called twice for one backward).
+        """
+        if not self.delay_wgrad:
+            raise WgradError(
+                f"{self.label}: backward_dw expected delayed weight gradients "
+                "(config.delay_wgrad_compute=True, matching ScheduleOptions), received a "
+                "module built with delay_wgrad=False"
+            )
+        if not self._pending:
+            raise WgradError(
+                f"{self.label}: backward_dw expected a pending weight gradient (one per "
+                "backward), received none: called twice, or before backward"
+            )
+        item = self._pending.popleft()
+        grad_w = item.kernel.wgrad(item.x, item.grad_y)
+        _accumulate(self.weight, grad_w)
+
+    def discard_wgrad(self) -> None:
+        """Drop pending weight gradients (after a failed step)."""
+        self._pending.clear()
+
+
+def _accumulate(param: nn.Parameter, grad: Tensor) -> None:
+    """What ``AccumulateGrad`` does for a dense grad: assign first, add in place after."""
+    with torch.no_grad():
+        if param.grad is None:
+            param.grad = grad
+        else:
+            param.grad.add_(grad)
+
+
+class _DelayableMatmul(torch.autograd.Function):
+    """``kernel.forward(x, weight)``; backward defers the weight grad when the owner says so."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,  # noqa: ANN401 - torch's FunctionCtx declares no fields; we add our own
+        x: Tensor,
+        weight: Tensor,
+        kernel: MatmulKernel,
+        owner: DelayedWgradModule,
+    ) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.kernel = kernel
+        ctx.owner = owner
+        return kernel.forward(x, weight)
+
+    @staticmethod
+    def backward(
+        ctx: Any,  # noqa: ANN401 - see forward
+        grad_y: Tensor,
+    ) -> tuple[Tensor | None, Tensor | None, None, None]:
+        x: Tensor
+        weight: Tensor
+        x, weight = ctx.saved_tensors
+        kernel: MatmulKernel = ctx.kernel
+        owner: DelayedWgradModule = ctx.owner
+        needs_x: bool = ctx.needs_input_grad[0]
+        needs_w: bool = ctx.needs_input_grad[1]
+        grad_x = kernel.dgrad(grad_y, weight) if needs_x else None
+        grad_w: Tensor | None = None
+        if needs_w:
+            if owner.delay_wgrad:
+                owner._defer(x, grad_y, kernel)
+            else:
+                grad_w = kernel.wgrad(x, grad_y)
+        return grad_x, grad_w, None, None
+
+
+class DelayedWgradLinear(DelayedWgradModule):
+    """``y = x @ W^T`` (no bias), ``W`` of shape ``[out_features, in_features]``."""
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        delay_wgrad: bool,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ) -> None:
+        weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
+        super().__init__(weight, delay_wgrad=delay_wgrad)
+        self.in_features = in_features
+        self.out_features = out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self._apply_kernel(x, _DENSE)
+
+
+_DENSE = DenseKernel()
+
+
+class DelayedWgradGroupedLinear(DelayedWgradModule):
+    """One linear per group (expert): ``W`` of shape ``[groups, out_features, in_features]``."""
+
+    def __init__(
+        self,
+        groups: int,
+        in_features: int,
+        out_features: int,
+        *,
+        delay_wgrad: bool,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ) -> None:
+        weight = nn.Parameter(
+            torch.empty(groups, out_features, in_features, dtype=dtype, device=device)
+        )
+        super().__init__(weight, delay_wgrad=delay_wgrad)
+        self.groups = groups
+
+    def forward(self, x_NI: Tensor, sizes: Sequence[int]) -> Tensor:
+        """``x_NI`` rows grouped by group, ``sizes[g]`` rows each (zero allowed)."""
+        return self._apply_kernel(x_NI, GroupedKernel(tuple(sizes)))
+
+
+def _delayed(model: nn.Module) -> Iterator[DelayedWgradModule]:
+    for module in model.modules():
+        if isinstance(module, DelayedWgradModule):
+            yield module
+
+
+def pending_wgrad(model: nn.Module) -> dict[str, int]:
+    """``{label: count}`` of every delayable linear in ``model`` with pending wgrad."""
+    return {m.label: m.pending_wgrad for m in _delayed(model) if m.pending_wgrad}
+
+
+def check_no_pending_wgrad(model: nn.Module) -> None:
+    """Raise :class:`~moe_overlap.WgradError` if any weight gradient is still pending.
+
+    Call before ``optimizer.step()``; the reference model also calls it at every forward.
+    """
+    pending = pending_wgrad(model)
+    if pending:
+        raise WgradError(
+            f"{type(model).__name__}: expected no pending weight gradients (run backward_dw "
+            f"for every delayed backward first), received pending {pending}"
+        )
+
+
+def finish_wgrad(model: nn.Module) -> None:
+    """Run every pending ``backward_dw`` of ``model`` (e.g. after a plain ``backward()``)."""
+    for module in _delayed(model):
+        while module.pending_wgrad:
+            module.backward_dw()
