@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._wgrad import DelayedWgradLinear
+from moe_overlap.models._wgrad import DelayedWgradLinear
 
 __all__ = ["RMSNorm", "RotaryTables", "SelfAttention", "SwiGLUMLP", "apply_rotary", "rotary_tables"]
 
@@ -107,7 +107,8 @@ class SelfAttention(nn.Module):
             weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)
             ctx_BHSE = weights.matmul(v)
         out_BSD = ctx_BHSE.transpose(1, 2).reshape(B, S, D)
-        return self.proj(out_BSD)
+        out: Tensor = self.proj(out_BSD)
+        return out
 
     def backward_dw(self) -> None:
         """Delayed weight gradients of the output projection, then of QKV."""
@@ -140,7 +141,8 @@ class SwiGLUMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.fc1(x).chunk(2, dim=-1)
-        return self.fc2(F.silu(gate) * up)
+        out: Tensor = self.fc2(F.silu(gate) * up)
+        return out
 
     def backward_dw(self) -> None:
         """Delayed weight gradients of ``fc2``, then ``fc1``."""

@@ -7,8 +7,8 @@ from typing import Literal
 
 import torch
 
-from .._errors import ConfigError
-from .._free_input import CudaGraphModule
+from moe_overlap._errors import ConfigError
+from moe_overlap._free_input import CudaGraphModule
 
 __all__ = ["DispatcherKind", "GPTMoEConfig"]
 

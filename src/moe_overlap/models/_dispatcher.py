@@ -20,19 +20,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .._errors import ConfigError
-from ._config import DispatcherKind
+from moe_overlap._errors import ConfigError
+from moe_overlap.models._config import DispatcherKind
 
 __all__ = ["DispatchMeta", "PermuteMeta", "TokenDispatcher"]
 
 # torch.distributed leaves these unannotated; give them types once, here.
-_all_to_all_single: Callable[..., object] = dist.all_to_all_single
+_all_to_all_single = cast(
+    "Callable[..., object]",
+    dist.all_to_all_single,  # pyright: ignore[reportUnknownMemberType]
+)
 _get_world_size: Callable[..., int] = dist.get_world_size
 _get_rank: Callable[..., int] = dist.get_rank
 
@@ -74,7 +77,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,  # noqa: ANN401 - torch's FunctionCtx declares no fields; we add our own
+        ctx: Any,  # torch's FunctionCtx declares no fields; we add our own
         x: Tensor,
         group: dist.ProcessGroup,
         out_splits: list[int],
@@ -87,9 +90,10 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     def backward(
-        ctx: Any,  # noqa: ANN401 - see forward
-        grad: Tensor,
+        ctx: Any,  # see forward
+        *grad_outputs: Tensor,
     ) -> tuple[Tensor, None, None, None]:
+        (grad,) = grad_outputs
         group: dist.ProcessGroup = ctx.group
         return _exchange(grad, group, ctx.in_splits, ctx.out_splits), None, None, None
 
@@ -110,7 +114,7 @@ class _HostRoundTrip(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,  # noqa: ANN401 - torch's FunctionCtx is unused here
+        ctx: Any,  # torch's FunctionCtx is unused here
         x: Tensor,
     ) -> Tensor:
         del ctx
@@ -118,9 +122,10 @@ class _HostRoundTrip(torch.autograd.Function):
 
     @staticmethod
     def backward(
-        ctx: Any,  # noqa: ANN401 - see forward
-        grad: Tensor,
+        ctx: Any,  # see forward
+        *grad_outputs: Tensor,
     ) -> Tensor:
+        (grad,) = grad_outputs
         del ctx
         return _round_trip(grad)
 
@@ -135,6 +140,23 @@ def _round_trip(x: Tensor) -> Tensor:
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     out.copy_(host, non_blocking=True)
     return out
+
+
+# Function.apply is untyped; give the two their signatures once, here.
+_all_to_all = cast(
+    "Callable[[Tensor, dist.ProcessGroup, list[int], list[int]], Tensor]",
+    _AllToAll.apply,  # pyright: ignore[reportUnknownMemberType]
+)
+_host_round_trip = cast(
+    "Callable[[Tensor], Tensor]",
+    _HostRoundTrip.apply,  # pyright: ignore[reportUnknownMemberType]
+)
+
+
+def int_list(t: Tensor) -> list[int]:
+    """``t.tolist()`` of a 1-D integer tensor, typed (one host sync on a GPU)."""
+    # torch types tolist() as list[Unknown].
+    return cast("list[int]", t.tolist())  # pyright: ignore[reportUnknownMemberType]
 
 
 def _inverse(perm: Tensor) -> Tensor:
@@ -202,7 +224,7 @@ class TokenDispatcher:
             order_N=order_N,
             inverse_N=_inverse(order_N),
             tokens_per_expert_X=counts_X,
-            tokens_per_expert=tuple(int(c) for c in counts_X.tolist()),
+            tokens_per_expert=tuple(int_list(counts_X)),
             num_tokens=T,
             topk=K,
         )
@@ -234,15 +256,15 @@ class TokenDispatcher:
         _all_to_all_single(recv_counts_X, counts_X, group=group)
         send_PL = torch.tensor(meta.tokens_per_expert, dtype=torch.int64).view(P, L)
         recv_PL = recv_counts_X.cpu().view(P, L)
-        send_splits = [int(c) for c in send_PL.sum(1).tolist()]
-        recv_splits = [int(c) for c in recv_PL.sum(1).tolist()]
-        local_sizes = tuple(int(c) for c in recv_PL.sum(0).tolist())
-        local_expert_M = torch.repeat_interleave(
-            torch.arange(L).repeat(P), recv_PL.flatten()
-        ).to(tokens_ND.device)
+        send_splits = int_list(send_PL.sum(1))
+        recv_splits = int_list(recv_PL.sum(1))
+        local_sizes = tuple(int_list(recv_PL.sum(0)))
+        local_expert_M = torch.repeat_interleave(torch.arange(L).repeat(P), recv_PL.flatten()).to(
+            tokens_ND.device
+        )
         sort_M = torch.argsort(local_expert_M, stable=True)
-        recv_MD: Tensor = _AllToAll.apply(tokens_ND, group, recv_splits, send_splits)
-        recv_M: Tensor = _AllToAll.apply(probs_N, group, recv_splits, send_splits)
+        recv_MD = _all_to_all(tokens_ND, group, recv_splits, send_splits)
+        recv_M = _all_to_all(probs_N, group, recv_splits, send_splits)
         return (
             recv_MD,
             recv_M,
@@ -259,10 +281,7 @@ class TokenDispatcher:
         """Send expert outputs (in received order) back to the ranks their tokens came from."""
         if self.group is None:
             return self._local(out_MD)
-        back: Tensor = _AllToAll.apply(
-            out_MD, self.group, list(meta.send_splits), list(meta.recv_splits)
-        )
-        return back
+        return _all_to_all(out_MD, self.group, list(meta.send_splits), list(meta.recv_splits))
 
     def unpermute(self, back_ND: Tensor, meta: PermuteMeta) -> Tensor:
         """Undo :meth:`permute`: each token's output is the sum of its ``K`` copies."""
@@ -272,7 +291,5 @@ class TokenDispatcher:
 
     def _local(self, x: Tensor) -> Tensor:
         if self.kind == "loopback":
-            out: Tensor = _HostRoundTrip.apply(x)
-            return out
+            return _host_round_trip(x)
         return x.clone()
-

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ._wgrad import DelayedWgradGroupedLinear
+from moe_overlap.models._wgrad import DelayedWgradGroupedLinear
 
 __all__ = ["GroupedExperts"]
 
@@ -49,7 +49,8 @@ class GroupedExperts(nn.Module):
     def forward(self, x_ND: Tensor, sizes: Sequence[int]) -> Tensor:
         """``sizes[l]`` rows of ``x_ND`` go to local expert ``l``, in order."""
         gate, up = self.fc1(x_ND, sizes).chunk(2, dim=-1)
-        return self.fc2(F.silu(gate) * up, sizes)
+        out: Tensor = self.fc2(F.silu(gate) * up, sizes)
+        return out
 
     def backward_dw(self) -> None:
         """Delayed weight gradients of ``fc2``, then ``fc1``."""

@@ -13,22 +13,23 @@ addition is not associative across microbatches.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import cast
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._errors import ConfigError
-from .._options import ScheduleOptions
-from .._state import ChunkState, PreprocessOutput
-from ._blocks import RMSNorm, rotary_tables
-from ._config import GPTMoEConfig
-from ._dispatcher import TokenDispatcher
-from ._experts import GroupedExperts
-from ._layers import DenseLayer, GPTLayer, MoELayer
-from ._wgrad import DelayedWgradModule, check_no_pending_wgrad
+from moe_overlap._errors import ConfigError
+from moe_overlap._options import ScheduleOptions
+from moe_overlap._state import ChunkState, PreprocessOutput
+from moe_overlap.models._blocks import RMSNorm, rotary_tables
+from moe_overlap.models._config import GPTMoEConfig
+from moe_overlap.models._dispatcher import TokenDispatcher
+from moe_overlap.models._experts import GroupedExperts
+from moe_overlap.models._layers import DenseLayer, GPTLayer, MoELayer
+from moe_overlap.models._wgrad import DelayedWgradModule, check_no_pending_wgrad
 
 __all__ = ["Decoder", "GPTMoEModel"]
 
@@ -75,8 +76,12 @@ class GPTMoEModel(nn.Module):
         self.layer_list: tuple[GPTLayer, ...] = tuple(layers)
         self.decoder = Decoder(layers)
         self.final_norm = RMSNorm(c.hidden_size, eps=c.norm_eps, dtype=c.dtype, device=dev)
-        self.output_layer = nn.Linear(c.hidden_size, c.vocab_size, bias=False, dtype=c.dtype, device=dev)
-        for name, module in self.named_modules():
+        self.output_layer = nn.Linear(
+            c.hidden_size, c.vocab_size, bias=False, dtype=c.dtype, device=dev
+        )
+        # torch leaves named_modules() unannotated.
+        named = cast("Iterator[tuple[str, nn.Module]]", self.named_modules())
+        for name, module in named:
             if isinstance(module, DelayedWgradModule):
                 module.label = name
         self.reset_parameters()
@@ -100,10 +105,7 @@ class GPTMoEModel(nn.Module):
         offset, local = self.dispatcher.expert_offset, self.dispatcher.local_experts
         global_experts = self.config.num_experts
         expert_params = {
-            id(p)
-            for m in self.modules()
-            if isinstance(m, GroupedExperts)
-            for p in m.parameters()
+            id(p) for m in self.modules() if isinstance(m, GroupedExperts) for p in m.parameters()
         }
         with torch.no_grad():
             for name, p in self.named_parameters():
@@ -145,8 +147,7 @@ class GPTMoEModel(nn.Module):
         if decoder_input is None:
             if input_ids is None:
                 raise ConfigError(
-                    "GPTMoEModel._preprocess: expected input_ids or decoder_input, received "
-                    "neither"
+                    "GPTMoEModel._preprocess: expected input_ids or decoder_input, received neither"
                 )
             decoder_input = self.embedding(input_ids)
         assert decoder_input is not None

@@ -22,16 +22,16 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from .._errors import IntegrationError
-from .._free_input import CudaGraphModule
-from .._layer_node import WgradScope
-from .._protocols import WgradLayer
-from .._state import ChunkState, LayerState
-from ._blocks import RMSNorm, SelfAttention, SwiGLUMLP
-from ._config import GPTMoEConfig
-from ._dispatcher import DispatchMeta, PermuteMeta, TokenDispatcher
-from ._experts import GroupedExperts
-from ._router import TopKRouter
+from moe_overlap._errors import IntegrationError
+from moe_overlap._free_input import CudaGraphModule
+from moe_overlap._layer_node import WgradScope
+from moe_overlap._protocols import WgradLayer
+from moe_overlap._state import ChunkState, LayerState
+from moe_overlap.models._blocks import RMSNorm, SelfAttention, SwiGLUMLP
+from moe_overlap.models._config import GPTMoEConfig
+from moe_overlap.models._dispatcher import DispatchMeta, PermuteMeta, TokenDispatcher
+from moe_overlap.models._experts import GroupedExperts
+from moe_overlap.models._router import TopKRouter
 
 __all__ = ["DenseLayer", "GPTLayer", "MoELayer", "PlainContext", "SlotContext"]
 
@@ -141,18 +141,14 @@ class DenseLayer(nn.Module):
     def slot_pre_dispatch(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
         return self.pre_dispatch(node, _single(inputs, f"DenseLayer {self.index} pre_dispatch"))
 
-    def slot_dispatch(
-        self, node: SlotContext, inputs: tuple[Tensor, ...], /
-    ) -> tuple[Tensor, ...]:
+    def slot_dispatch(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> tuple[Tensor, ...]:
         del node
         return inputs
 
     def slot_mlp(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
         return self.mlp_forward(node, _single(inputs, f"DenseLayer {self.index} mlp"))
 
-    def slot_combine(
-        self, node: SlotContext, inputs: tuple[Tensor, ...], /
-    ) -> tuple[Tensor, ...]:
+    def slot_combine(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> tuple[Tensor, ...]:
         del node
         return inputs
 
@@ -274,8 +270,7 @@ class MoELayer(nn.Module):
         residual = state.residual
         if residual is None:
             raise IntegrationError(
-                f"{self._where('combine')}: expected the residual from pre_dispatch, "
-                "received None"
+                f"{self._where('combine')}: expected the residual from pre_dispatch, received None"
             )
         back_ND = self.dispatcher.combine(out_MD, dmeta)
         moe_BSD = self.dispatcher.unpermute(back_ND, pmeta).view(residual.shape)

@@ -5,7 +5,8 @@ Legend: ``T`` tokens, ``D`` hidden, ``X`` experts (global), ``K`` top-k.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +25,7 @@ class _AuxLossInjector(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,  # noqa: ANN401 - torch's FunctionCtx declares no fields; we add our own
+        ctx: Any,  # torch's FunctionCtx declares no fields; we add our own
         probs: Tensor,
         aux_loss: Tensor,
         coeff: float,
@@ -35,18 +36,25 @@ class _AuxLossInjector(torch.autograd.Function):
 
     @staticmethod
     def backward(
-        ctx: Any,  # noqa: ANN401 - see forward
-        grad: Tensor,
+        ctx: Any,  # see forward
+        *grad_outputs: Tensor,
     ) -> tuple[Tensor, Tensor, None]:
+        (grad,) = grad_outputs
         (aux_loss,) = ctx.saved_tensors
         coeff: float = ctx.coeff
         return grad, torch.full_like(aux_loss, coeff), None
 
 
+# Function.apply is untyped; give it its signature once, here.
+_inject_aux_loss = cast(
+    "Callable[[Tensor, Tensor, float], Tensor]",
+    _AuxLossInjector.apply,  # pyright: ignore[reportUnknownMemberType]
+)
+
+
 def attach_aux_loss(probs: Tensor, aux_loss: Tensor, coeff: float) -> Tensor:
     """Return ``probs`` unchanged, with ``coeff * aux_loss`` added to the backward pass."""
-    out: Tensor = _AuxLossInjector.apply(probs, aux_loss, coeff)
-    return out
+    return _inject_aux_loss(probs, aux_loss, coeff)
 
 
 class TopKRouter(nn.Module):

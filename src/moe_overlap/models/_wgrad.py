@@ -13,15 +13,15 @@ add in place), so delayed and immediate results are bit-identical.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .._errors import WgradError
+from moe_overlap._errors import WgradError
 
 __all__ = [
     "DelayedWgradGroupedLinear",
@@ -88,14 +88,18 @@ class GroupedKernel:
 
     def forward(self, x: Tensor, weight: Tensor) -> Tensor:
         if _grouped_mm_usable(x, weight):
-            return torch._grouped_mm(x, weight.transpose(-2, -1), offs=self._offsets(x.device))
+            return torch._grouped_mm(  # pyright: ignore[reportPrivateUsage, reportPrivateImportUsage] - no public grouped GEMM yet
+                x, weight.transpose(-2, -1), offs=self._offsets(x.device)
+            )
         parts = torch.split(x, list(self.sizes), dim=0)
         return torch.cat([F.linear(p, weight[g]) for g, p in enumerate(parts)], dim=0)
 
     def dgrad(self, grad_y: Tensor, weight: Tensor) -> Tensor:
         if _grouped_mm_usable(grad_y, weight):
             w_GOI = weight.contiguous()
-            return torch._grouped_mm(grad_y, w_GOI, offs=self._offsets(grad_y.device))
+            return torch._grouped_mm(  # pyright: ignore[reportPrivateUsage, reportPrivateImportUsage] - see forward
+                grad_y, w_GOI, offs=self._offsets(grad_y.device)
+            )
         parts = torch.split(grad_y, list(self.sizes), dim=0)
         return torch.cat([p.matmul(weight[g]) for g, p in enumerate(parts)], dim=0)
 
@@ -134,10 +138,9 @@ class DelayedWgradModule(nn.Module):
         return len(self._pending)
 
     def _apply_kernel(self, x: Tensor, kernel: MatmulKernel) -> Tensor:
-        out: Tensor = _DelayableMatmul.apply(x, self.weight, kernel, self)
-        return out
+        return _delayable_matmul(x, self.weight, kernel, self)
 
-    def _defer(self, x: Tensor, grad_y: Tensor, kernel: MatmulKernel) -> None:
+    def defer_wgrad(self, x: Tensor, grad_y: Tensor, kernel: MatmulKernel) -> None:
         self._pending.append(_PendingWgrad(x, grad_y, kernel))
 
     def backward_dw(self) -> None:
@@ -180,7 +183,7 @@ class _DelayableMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any,  # noqa: ANN401 - torch's FunctionCtx declares no fields; we add our own
+        ctx: Any,  # torch's FunctionCtx declares no fields; we add our own
         x: Tensor,
         weight: Tensor,
         kernel: MatmulKernel,
@@ -193,9 +196,10 @@ class _DelayableMatmul(torch.autograd.Function):
 
     @staticmethod
     def backward(
-        ctx: Any,  # noqa: ANN401 - see forward
-        grad_y: Tensor,
+        ctx: Any,  # see forward
+        *grad_outputs: Tensor,
     ) -> tuple[Tensor | None, Tensor | None, None, None]:
+        (grad_y,) = grad_outputs
         x: Tensor
         weight: Tensor
         x, weight = ctx.saved_tensors
@@ -207,10 +211,17 @@ class _DelayableMatmul(torch.autograd.Function):
         grad_w: Tensor | None = None
         if needs_w:
             if owner.delay_wgrad:
-                owner._defer(x, grad_y, kernel)
+                owner.defer_wgrad(x, grad_y, kernel)
             else:
                 grad_w = kernel.wgrad(x, grad_y)
         return grad_x, grad_w, None, None
+
+
+# Function.apply is untyped; give it its signature once, here.
+_delayable_matmul = cast(
+    "Callable[[Tensor, Tensor, MatmulKernel, DelayedWgradModule], Tensor]",
+    _DelayableMatmul.apply,  # pyright: ignore[reportUnknownMemberType]
+)
 
 
 class DelayedWgradLinear(DelayedWgradModule):
