@@ -47,8 +47,7 @@ def weak_method(method: Callable[_P, _R]) -> Callable[_P, _R]:
     this wrapper the node, its layer plan and the model chunk behind it die by reference
     counting as soon as the schedule drops them.
     """
-    owner = getattr(method, "__self__", None)
-    if owner is None:
+    if getattr(method, "__self__", None) is None or getattr(method, "__func__", None) is None:
         raise IntegrationError(
             f"weak_method: expected a bound method, received {method!r} "
             f"of type {type(method).__name__}"

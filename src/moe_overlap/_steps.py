@@ -17,6 +17,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from ._errors import ConfigError
+
 __all__ = [
     "ChunkShape",
     "Direction",
@@ -116,14 +118,22 @@ class Step(NamedTuple):
         """Read a step back from its string form, e.g. ``f.L0.dispatch.F@comm``."""
         match = _STEP_RE.match(text)
         if match is None:
-            raise ValueError(f"Step.parse: expected 'role.[Lk.]slot.D@stream', received {text!r}")
+            raise ConfigError(f"Step.parse: expected 'role.[Lk.]slot.D@stream', received {text!r}")
         layer = match["layer"]
+        try:
+            slot = Slot(match["slot"])
+            stream = StreamKind(match["stream"])
+        except ValueError:
+            raise ConfigError(
+                f"Step.parse: unknown slot or stream in {text!r}; slots: "
+                f"{[s.value for s in Slot]}, streams: {[s.value for s in StreamKind]}"
+            ) from None
         return cls(
             Role(match["role"]),
             None if layer is None else int(layer),
-            Slot(match["slot"]),
+            slot,
             Direction(match["dir"]),
-            StreamKind(match["stream"]),
+            stream,
         )
 
 
