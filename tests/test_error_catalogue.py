@@ -36,6 +36,7 @@ from moe_overlap import (
     make_streams,
     weak_method,
 )
+from moe_overlap._streams import use_stream
 
 from .test_parity import assert_same
 from .toy_model import ToyConfig, ToyLayer, ToyModel, grads, make_microbatches, plain_step
@@ -215,7 +216,7 @@ def streams_for_another_device(ctx: Ctx) -> None:
 
 def event_stream_mismatch(ctx: Ctx) -> None:
     fake: Any = object()
-    with mo._streams.use_stream(CpuStream(), fake):
+    with use_stream(CpuStream(), fake):
         pass
 
 
