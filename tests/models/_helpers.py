@@ -1,0 +1,130 @@
+"""Shared by the reference-model tests and the EP worker: data and the parity check."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from moe_overlap import Microbatch, combined_1f1b
+from moe_overlap.models import GPTMoEConfig, GPTMoEModel, check_no_pending_wgrad
+
+SMALL = GPTMoEConfig(
+    vocab_size=64,
+    hidden_size=32,
+    num_layers=3,
+    first_k_dense=1,
+    num_attention_heads=2,
+    ffn_hidden_size=48,
+    num_experts=4,
+    moe_ffn_hidden_size=16,
+    moe_router_topk=2,
+)
+
+
+def microbatches(
+    n: int, *, vocab: int, batch: int = 2, seq: int = 16, seed: int = 0
+) -> list[Microbatch]:
+    """Random next-token microbatches with a loss mask that drops the first position."""
+    gen = torch.Generator().manual_seed(seed)
+    out: list[Microbatch] = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+        mask = torch.ones(batch, seq)
+        mask[:, 0] = 0.0
+        out.append(
+            Microbatch(
+                input_ids=ids[:, :-1],
+                position_ids=torch.arange(seq).expand(batch, seq),
+                labels=ids[:, 1:],
+                loss_mask=mask,
+            )
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class Parity:
+    """Outcome of one scheduled-vs-plain comparison."""
+
+    losses_equal: bool
+    mismatched: tuple[str, ...]
+    missing: tuple[str, ...]
+    tokens_per_expert: tuple[int, ...]
+
+    @property
+    def ok(self) -> bool:
+        return self.losses_equal and not self.mismatched and not self.missing
+
+
+def starve(model: GPTMoEModel, experts: tuple[int, ...]) -> None:
+    """Bias every router so that ``experts`` receive no tokens."""
+    for layer in model.layer_list:
+        if layer.is_moe:
+            bias = layer.router.expert_bias  # type: ignore[union-attr]
+            bias[list(experts)] = -1e4
+
+
+def check_parity(
+    config: GPTMoEConfig,
+    *,
+    n_micro: int = 3,
+    overlap: bool = True,
+    free_input: bool = True,
+    starved: tuple[int, ...] = (),
+    ep_group: dist.ProcessGroup | None = None,
+    data_seed: int = 0,
+    loss_scale: float = 1.0,
+) -> Parity:
+    """Run ``combined_1f1b`` and plain per-microbatch backward from the same weights."""
+    scheduled = GPTMoEModel(config, ep_group=ep_group)
+    plain = GPTMoEModel(dataclasses.replace(config, delay_wgrad_compute=False), ep_group=ep_group)
+    plain.load_state_dict(scheduled.state_dict())
+    starve(scheduled, starved)
+    starve(plain, starved)
+    data = microbatches(n_micro, vocab=config.vocab_size, seed=data_seed)
+    losses = combined_1f1b(
+        scheduled,
+        data,
+        overlap=overlap,
+        options=scheduled.schedule_options(free_input=free_input),
+        loss_scale=loss_scale,
+    )
+    check_no_pending_wgrad(scheduled)
+    ref = []
+    for mb in data:
+        assert mb.input_ids is not None
+        loss = plain(mb.input_ids, mb.position_ids, mb.labels, mb.loss_mask)
+        (loss * loss_scale).backward()
+        ref.append(loss.detach())
+    mismatched, missing = [], []
+    for (name, p), (_, q) in zip(
+        scheduled.named_parameters(), plain.named_parameters(), strict=True
+    ):
+        if p.grad is None or q.grad is None:
+            if p.grad is not q.grad:
+                missing.append(name)
+        elif not torch.equal(p.grad, q.grad):
+            mismatched.append(name)
+    counts = _routed_counts(plain, data[0])
+    return Parity(
+        losses_equal=all(torch.equal(a, b) for a, b in zip(losses, ref, strict=True)),
+        mismatched=tuple(mismatched),
+        missing=tuple(missing),
+        tokens_per_expert=counts,
+    )
+
+
+def _routed_counts(model: GPTMoEModel, mb: Microbatch) -> tuple[int, ...]:
+    """Tokens per global expert that the first MoE layer routes, for this rank's data."""
+    moe = [layer for layer in model.layer_list if layer.is_moe]
+    if not moe or mb.input_ids is None:
+        return ()
+    layer = moe[0]
+    with torch.no_grad():
+        x = model.embedding(mb.input_ids).reshape(-1, model.config.hidden_size)
+        _, experts = layer.router(x)  # type: ignore[union-attr]
+        counts = torch.bincount(experts.flatten(), minlength=model.config.num_experts)
+    return tuple(int(c) for c in counts)

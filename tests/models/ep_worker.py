@@ -1,0 +1,55 @@
+"""One rank of the expert-parallel parity test: ``python -m tests.models.ep_worker``.
+
+Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``; runs every case on a
+gloo group and prints one JSON line per case with this rank's verdict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from moe_overlap import ConfigError
+from tests.models._helpers import SMALL, check_parity
+
+CASES: dict[str, dict[str, object]] = {
+    "moe": {},
+    "shared_delay": {"moe_shared_expert_hidden_size": 8, "delay_wgrad_compute": True},
+    "all_moe_aux": {"first_k_dense": 0, "moe_aux_loss_coeff": 0.01},
+    "starved_delay": {"delay_wgrad_compute": True, "starved": (0, 1)},
+    "no_overlap": {"overlap": False},
+}
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    try:
+        for name, spec in CASES.items():
+            fields = dict(spec)
+            starved = fields.pop("starved", ())
+            overlap = fields.pop("overlap", True)
+            config = dataclasses.replace(SMALL, **fields)  # type: ignore[arg-type]
+            result = check_parity(
+                config,
+                starved=starved,  # type: ignore[arg-type]
+                overlap=bool(overlap),
+                ep_group=dist.group.WORLD,
+                data_seed=100 + rank,
+            )
+            print(json.dumps({"case": name, "rank": rank, **dataclasses.asdict(result)}))
+        try:
+            check_parity(dataclasses.replace(SMALL, num_experts=3), ep_group=dist.group.WORLD)
+        except ConfigError as exc:
+            print(json.dumps({"case": "config_error", "rank": rank, "message": str(exc)}))
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
