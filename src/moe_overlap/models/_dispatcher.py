@@ -160,9 +160,15 @@ def int_list(t: Tensor) -> list[int]:
 
 
 def _inverse(perm: Tensor) -> Tensor:
-    inv = torch.empty_like(perm)
-    inv[perm] = torch.arange(perm.numel(), device=perm.device, dtype=perm.dtype)
-    return inv
+    # argsort of a permutation is its inverse; unlike a scatter it is deterministic on CUDA.
+    return torch.argsort(perm)
+
+
+def _counts(sorted_ids: Tensor, n: int) -> Tensor:
+    """How many times each of ``0..n-1`` occurs in the sorted ``sorted_ids`` (no bincount:
+    it has no deterministic CUDA kernel)."""
+    bounds = torch.arange(n + 1, device=sorted_ids.device, dtype=sorted_ids.dtype)
+    return torch.searchsorted(sorted_ids, bounds).diff()
 
 
 class TokenDispatcher:
@@ -219,7 +225,7 @@ class TokenDispatcher:
         copies_ND = hidden_TD.unsqueeze(1).expand(T, K, D).reshape(T * K, D)
         tokens_ND = copies_ND.index_select(0, order_N)
         probs_N = probs_TK.reshape(-1).index_select(0, order_N)
-        counts_X = torch.bincount(experts_N, minlength=self.num_experts)
+        counts_X = _counts(experts_N.index_select(0, order_N), self.num_experts)
         meta = PermuteMeta(
             order_N=order_N,
             inverse_N=_inverse(order_N),

@@ -99,6 +99,8 @@ class TopKRouter(nn.Module):
 
     def _aux_loss(self, scores_TX: Tensor) -> Tensor:
         _, experts_TK = torch.topk(scores_TX.detach() + self.expert_bias, self.topk, dim=-1)
-        counts_X = torch.bincount(experts_TK.flatten(), minlength=self.num_experts)
+        # One-hot sum, not bincount: bincount has no deterministic CUDA kernel.
+        experts_X = torch.arange(self.num_experts, device=experts_TK.device)
+        counts_X = (experts_TK.reshape(-1, 1) == experts_X).sum(0)
         frac_X = counts_X.to(torch.float32) / max(experts_TK.numel(), 1)
         return self.num_experts * (frac_X * scores_TX.mean(0)).sum()
