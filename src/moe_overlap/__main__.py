@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from moe_overlap._driver import Microbatch, combined_1f1b
 from moe_overlap._errors import ConfigError
-from moe_overlap.models import GPTMoEConfig, GPTMoEModel, check_no_pending_wgrad
+from moe_overlap.models import GPTMoEConfig, GPTMoEModel, MoELayer, check_no_pending_wgrad
 from moe_overlap.timeline import Timeline
 
 __all__ = ["DemoArgs", "demo_config", "main", "run_demo"]
@@ -120,6 +120,23 @@ def _grads_identical(a: torch.nn.Module, b: torch.nn.Module) -> tuple[int, int]:
         else:
             same += bool(torch.equal(p.grad, q.grad))
     return same, total
+
+
+def _average_replicated_grads(model: GPTMoEModel, world: int) -> None:
+    """What data-parallel training does for the non-expert (replicated) parameters.
+
+    Expert weights are sharded, not replicated, so their grads stay local.
+    """
+    experts = {
+        id(p)
+        for layer in model.layer_list
+        if isinstance(layer, MoELayer)
+        for p in layer.experts.parameters()
+    }
+    for p in model.parameters():
+        if p.grad is not None and id(p) not in experts:
+            _all_reduce(p.grad)
+            p.grad.div_(world)
 
 
 def _init_distributed(device: torch.device) -> tuple[int, int]:
@@ -229,6 +246,9 @@ def run_demo(args: DemoArgs) -> int:
             f"losses identical {same_loss} | grads bit-identical {ok} ({same}/{total} params"
             f"{', all ranks' if world > 1 else ''})"
         )
+        if world > 1:
+            _average_replicated_grads(scheduled, world)
+            _average_replicated_grads(plain, world)
         opt_s.step()
         opt_p.step()
     args.out.mkdir(parents=True, exist_ok=True)
