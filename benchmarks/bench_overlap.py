@@ -1,0 +1,391 @@
+"""EP all-to-all overlap on one GPU: serial vs overlapped step, bounds, memory, host time.
+
+Usage (device): ``PYTHONPATH=src python3 benchmarks/bench_overlap.py --out DIR``;
+on a laptop: ``PYTHONPATH=src python benchmarks/bench_overlap.py --device cpu --tiny``.
+
+For each configuration of the sweep, in one process:
+
+- ``serial``: ``combined_1f1b(overlap=False)`` with the comm stream = the compute stream;
+- ``overlapped``: ``combined_1f1b(overlap=True)`` with real compute + comm streams;
+- ``compute_only``: the serial step with the loopback replaced by one device-side copy;
+- ``comm_only``: the loopback copies alone, the same calls and bytes, on one stream;
+- ``bound``: the critical path of the overlapped schedule from per-node durations measured
+  in a serial step (``bound``, no contention) and in an overlapped step
+  (``bound_contended``); ``efficiency = bound / overlapped``.
+
+Then, for the first configuration: peak memory with and without free-input, the timeline
+(PNG + Chrome trace) of one overlapped step, and host time per layer pair.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from moe_overlap import (
+    Microbatch,
+    ModelChunkSchedulePlan,
+    ScheduleOptions,
+    StreamPair,
+    combined_1f1b,
+    make_streams,
+)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from moe_slice import LoopbackMode, MoESliceModel, SliceConfig, make_microbatches
+from node_timing import (
+    Clock,
+    NodeRecorder,
+    critical_path_ms,
+    overlapped_runs,
+    pyplot,
+    write_chrome_trace,
+    write_gantt_png,
+)
+
+JsonDict = dict[str, object]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Bench:
+    """What one measurement needs: the model, its inputs and the two stream setups."""
+
+    model: MoESliceModel
+    mbs: list[Microbatch]
+    device: torch.device
+    pair: StreamPair
+    serial: StreamPair
+    warmup: int
+    iters: int
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_ms(b: Bench, fn: Callable[[], object]) -> list[float]:
+    """Per-call milliseconds of ``fn`` after warm-up, on the current (compute) stream.
+
+    ``fn`` must leave the current stream waiting for all its work (the driver does).
+    """
+    clock = Clock(b.device)
+    for _ in range(b.warmup):
+        b.model.zero_grad(set_to_none=False)
+        fn()
+    _sync(b.device)
+    out: list[float] = []
+    for _ in range(b.iters):
+        b.model.zero_grad(set_to_none=False)
+        _sync(b.device)
+        start = clock.mark()
+        fn()
+        end = clock.mark()
+        _sync(b.device)
+        out.append(Clock.ms(start, end))
+    return out
+
+
+def _step(b: Bench, *, overlap: bool, options: ScheduleOptions | None = None) -> None:
+    combined_1f1b(
+        b.model,
+        b.mbs,
+        overlap=overlap,
+        streams=b.pair if overlap else b.serial,
+        options=options if options is not None else ScheduleOptions(),
+    )
+
+
+def _comm_only(b: Bench) -> None:
+    """The loopback calls of one step (dispatch+combine, forward+backward), back to back."""
+    cfg = b.model.config
+    x = torch.randn(cfg.slots, cfg.hidden, device=b.device).to(b.model.embed_scale.dtype)
+    lb = b.model.loopback
+    comp, comm = b.pair.comp, b.pair.comm
+    if isinstance(comp, torch.cuda.Stream) and isinstance(comm, torch.cuda.Stream):
+        comm.wait_stream(comp)
+        with torch.cuda.stream(comm):
+            for _ in range(4 * len(b.mbs) * cfg.num_layers):
+                lb(x)
+        comp.wait_stream(comm)
+    else:
+        for _ in range(4 * len(b.mbs) * cfg.num_layers):
+            lb(x)
+
+
+def _recorded(b: Bench, *, overlap: bool) -> NodeRecorder:
+    rec = NodeRecorder(b.device)
+    b.model.zero_grad(set_to_none=False)
+    _sync(b.device)
+    rec.start()
+    combined_1f1b(
+        b.model, b.mbs, overlap=overlap, streams=b.pair if overlap else b.serial, on_plan=rec
+    )
+    _sync(b.device)
+    return rec
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def measure(cfg: SliceConfig, args: argparse.Namespace, *, main: bool, out: Path) -> JsonDict:
+    """Every figure for one configuration."""
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = MoESliceModel(cfg, dtype=dtype, device=device)
+    mbs = make_microbatches(args.microbatches, cfg, dtype=dtype, device=device)
+    pair = make_streams(device)
+    b = Bench(
+        model=model,
+        mbs=mbs,
+        device=device,
+        pair=pair,
+        serial=StreamPair(comp=pair.comp, comm=pair.comp),
+        warmup=args.warmup,
+        iters=args.iters,
+    )
+    res: JsonDict = {"config": _config_json(cfg, dtype), "microbatches": len(mbs)}
+    serial = _time_ms(b, lambda: _step(b, overlap=False))
+    overlapped = _time_ms(b, lambda: _step(b, overlap=True))
+    model.set_loopback(LoopbackMode.DEVICE)
+    compute = _time_ms(b, lambda: _step(b, overlap=False))
+    model.set_loopback(LoopbackMode.HOST)
+    comm = _time_ms(b, lambda: _comm_only(b))
+    serial_rec = _recorded(b, overlap=False)
+    over_rec = _recorded(b, overlap=True)
+    runs = overlapped_runs(len(mbs))
+    bound = critical_path_ms(runs, serial_rec.shapes, serial_rec.durations())
+    bound_cont = critical_path_ms(runs, over_rec.shapes, over_rec.durations())
+    m = {
+        k: _median(v)
+        for k, v in {
+            "serial": serial,
+            "overlapped": overlapped,
+            "compute_only": compute,
+            "comm_only": comm,
+        }.items()
+    }
+    res["step_ms"] = m
+    res["step_ms_samples"] = {
+        "serial": serial,
+        "overlapped": overlapped,
+        "compute_only": compute,
+        "comm_only": comm,
+    }
+    a2a_calls = 4 * len(mbs) * cfg.num_layers
+    moved = 2 * cfg.a2a_bytes(dtype) * a2a_calls
+    res["comm_GBps"] = moved / (m["comm_only"] * 1e-3) / 1e9
+    res["comm_to_compute"] = m["comm_only"] / m["compute_only"]
+    res["bound_ms"] = bound
+    res["bound_contended_ms"] = bound_cont
+    res["efficiency"] = bound / m["overlapped"]
+    res["efficiency_contended"] = bound_cont / m["overlapped"]
+    res["speedup"] = m["serial"] / m["overlapped"]
+    res["overlapped_over_max"] = m["overlapped"] / max(m["compute_only"], m["comm_only"])
+    res["sum_node_ms_serial"] = sum(serial_rec.durations().values())
+    if main:
+        title = (
+            f"overlapped step, H={cfg.hidden} F={cfg.ffn} T={cfg.tokens} L={cfg.num_layers} "
+            f"N={len(mbs)} ({m['overlapped']:.1f} ms median)"
+        )
+        spans = over_rec.spans()
+        write_gantt_png(spans, out / "timeline.png", title=title)
+        write_chrome_trace(spans, out / "timeline_trace.json", title=title)
+        res["memory"] = _memory(b)
+        res["host"] = _host_time(b)
+    return res
+
+
+def _config_json(cfg: SliceConfig, dtype: torch.dtype) -> JsonDict:
+    d: JsonDict = {
+        k: (v.value if isinstance(v, LoopbackMode) else v)
+        for k, v in dataclasses.asdict(cfg).items()
+        if k not in ("cuda_graph_modules",)
+    }
+    d["capacity"] = cfg.capacity
+    d["remote_fraction"] = cfg.remote_fraction
+    d["a2a_MB_per_call"] = cfg.a2a_bytes(dtype) / 1e6
+    d["dtype"] = str(dtype)
+    return d
+
+
+def _memory(b: Bench) -> JsonDict:
+    """Peak memory of one overlapped step, free-input on and off."""
+    out: JsonDict = {}
+    if b.device.type != "cuda":
+        return {"note": "CUDA only"}
+    for free in (True, False):
+        opts = ScheduleOptions(free_input=free)
+        _step(b, overlap=True, options=opts)  # warm the allocator for this setting
+        b.model.zero_grad(set_to_none=False)
+        _sync(b.device)
+        torch.cuda.reset_peak_memory_stats(b.device)
+        base = torch.cuda.memory_allocated(b.device)
+        _step(b, overlap=True, options=opts)
+        _sync(b.device)
+        peak = torch.cuda.max_memory_allocated(b.device)
+        out[f"free_input_{free}"] = {"peak_GB": peak / 1e9, "above_start_GB": (peak - base) / 1e9}
+    return out
+
+
+def _host_time(b: Bench) -> JsonDict:
+    """Host seconds of issuing each chunk run of overlapped steps (no sync inside a run)."""
+    original = ModelChunkSchedulePlan.__dict__["run"]
+    run_fn: Callable[..., torch.Tensor | None] = original.__func__
+    records: list[tuple[bool, bool, float]] = []
+    spans: list[tuple[torch.cuda.Event | float, torch.cuda.Event | float]] = []
+    clock = Clock(b.device)
+
+    def timed(*args: object, **kwargs: object) -> torch.Tensor | None:
+        ev0 = clock.mark()
+        t0 = time.perf_counter()
+        result = run_fn(*args, **kwargs)
+        dt = time.perf_counter() - t0
+        ev1 = clock.mark()
+        records.append((args[0] is not None, args[1] is not None, dt))
+        spans.append((ev0, ev1))
+        return result
+
+    setattr(ModelChunkSchedulePlan, "run", staticmethod(timed))  # noqa: B010 - restored below
+    try:
+        samples: list[dict[str, float]] = []
+        for _ in range(max(1, b.iters)):
+            records.clear()
+            spans.clear()
+            b.model.zero_grad(set_to_none=False)
+            _sync(b.device)
+            _step(b, overlap=True)
+            _sync(b.device)
+            gpu = [Clock.ms(s, e) for s, e in spans]
+            samples.append(_host_sample(records, gpu, b.model.config.num_layers))
+    finally:
+        setattr(ModelChunkSchedulePlan, "run", original)  # noqa: B010
+    return {k: _median([s[k] for s in samples]) for k in samples[0]}
+
+
+def _host_sample(
+    records: list[tuple[bool, bool, float]], gpu_ms: list[float], layers: int
+) -> dict[str, float]:
+    paired = [(r[2], g) for r, g in zip(records, gpu_ms, strict=True) if r[0] and r[1]]
+    first = records[0][2]
+    return {
+        "first_run_host_ms_per_layer": first * 1e3 / layers,
+        "paired_host_ms_per_layer_pair": _median([h for h, _ in paired]) * 1e3 / layers,
+        "paired_gpu_ms_per_layer_pair": _median([g for _, g in paired]) / layers,
+    }
+
+
+def sweep(args: argparse.Namespace) -> list[SliceConfig]:
+    """The main configuration first, then the comm:compute sweep."""
+    if args.tiny:
+        base = SliceConfig(hidden=64, ffn=32, tokens=64, head_dim=16, num_layers=2)
+        return [base, dataclasses.replace(base, ffn=128)]
+    base = SliceConfig(hidden=args.hidden, ffn=args.ffn, tokens=args.tokens)
+    out = [base]
+    for f in args.sweep_ffn:
+        if f != base.ffn:
+            out.append(dataclasses.replace(base, ffn=f))
+    for t in args.sweep_tokens:
+        if t != base.tokens:
+            out.append(dataclasses.replace(base, tokens=t))
+    for h in args.sweep_hidden:
+        if h != base.hidden:
+            out.append(dataclasses.replace(base, hidden=h))
+    return out
+
+
+def _table(results: list[JsonDict]) -> str:
+    head = (
+        f"{'H':>5} {'F':>5} {'T':>5} {'serial':>8} {'overlap':>8} {'comp':>8} {'comm':>8} "
+        f"{'bound':>8} {'eff':>5} {'effC':>5} {'c:c':>5} {'spdup':>5} {'ov/max':>6}"
+    )
+    lines = [head]
+    for r in results:
+        c = r["config"]
+        m = r["step_ms"]
+        assert isinstance(c, dict)
+        assert isinstance(m, dict)
+        lines.append(
+            f"{c['hidden']:>5} {c['ffn']:>5} {c['tokens']:>5} {m['serial']:8.1f} "
+            f"{m['overlapped']:8.1f} {m['compute_only']:8.1f} {m['comm_only']:8.1f} "
+            f"{r['bound_ms']:8.1f} {r['efficiency']:5.2f} {r['efficiency_contended']:5.2f} "
+            f"{r['comm_to_compute']:5.2f} {r['speedup']:5.2f} {r['overlapped_over_max']:6.2f}"
+        )
+    return "\n".join(lines)
+
+
+def write_sweep_png(results: list[JsonDict], path: Path) -> None:
+    """Speed-up and efficiency against the comm:compute ratio."""
+    plt = pyplot()
+    pts = sorted(
+        (float(str(r["comm_to_compute"])), float(str(r["speedup"])), float(str(r["efficiency"])))
+        for r in results
+    )
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label="speed-up serial/overlapped")
+    ax.plot([p[0] for p in pts], [p[2] for p in pts], "s--", label="efficiency bound/overlapped")
+    ax.axvline(1.0, color="grey", lw=0.5)
+    ax.set_xscale("log")
+    ax.set_xlabel("comm-only / compute-only")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke run)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--ffn", type=int, default=2048)
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--sweep-ffn", type=int, nargs="*", default=[1024, 4096, 8192])
+    p.add_argument("--sweep-tokens", type=int, nargs="*", default=[2048, 8192])
+    p.add_argument("--sweep-hidden", type=int, nargs="*", default=[2048, 7168])
+    args = p.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    env: JsonDict = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "argv": sys.argv,
+    }
+    print(json.dumps(env), flush=True)
+    results: list[JsonDict] = []
+    for i, cfg in enumerate(sweep(args)):
+        t0 = time.perf_counter()
+        try:
+            r = measure(cfg, args, main=i == 0, out=args.out)
+        except torch.OutOfMemoryError as exc:  # keep the rest of the sweep
+            print(f"OOM for {cfg}: {exc}", flush=True)
+            continue
+        r["wall_s"] = time.perf_counter() - t0
+        results.append(r)
+        print(json.dumps(r), flush=True)
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+        (args.out / "results.json").write_text(
+            json.dumps({"env": env, "results": results}, indent=1)
+        )
+    write_sweep_png(results, args.out / "sweep.png")
+    print(_table(results), flush=True)
+
+
+if __name__ == "__main__":
+    main()

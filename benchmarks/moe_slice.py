@@ -1,0 +1,411 @@
+"""A DeepSeek-V3-like MoE layer slice for one GPU, with a host-loopback all-to-all.
+
+One GPU has no peer, so the expert-parallel all-to-all is emulated: dispatch and combine
+move the permuted tokens device -> pinned host -> device on the stream they run on (the
+copy engines, no SMs), the same bytes a rank of an EP all-to-all sends and receives. The
+rank plays EP rank 0 of ``num_experts // local_experts`` ranks: the rows routed to the
+other ranks' experts (``remote_fraction`` of the buffer) go through the host, the local
+rows are copied on the device. The rank's own routed rows stand in for the rows the other
+ranks would send it, so the local experts see a real EP rank's load.
+
+Dispatch is capacity-padded (Megatron's ``moe_pad_expert_input_to_capacity``): every
+shape is fixed, so no slot synchronizes the host with the GPU.
+
+Legend for tensor names: ``S`` tokens of a microbatch (one sequence), ``H`` hidden, ``K``
+top-k, ``E`` local experts, ``C`` capacity per local expert, ``P`` slots (``E*C``), ``N``
+heads, ``D`` head dim, ``F`` expert FFN size, ``G`` global experts, ``J`` source ranks.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, cast
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from moe_overlap import Microbatch, PreprocessOutput, TransformerLayerNode, WgradLayer, WgradScope
+
+__all__ = [
+    "Loopback",
+    "LoopbackMode",
+    "MoESliceLayer",
+    "MoESliceModel",
+    "SliceConfig",
+    "make_microbatches",
+]
+
+
+class LoopbackMode(str, enum.Enum):
+    """What dispatch and combine do with the permuted tokens."""
+
+    HOST = "host"
+    """Round trip of the remote rows through pinned host memory (the emulated all-to-all)."""
+    DEVICE = "device"
+    """One device-side copy of the whole buffer (compute-only runs)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SliceConfig:
+    """Sizes of the slice; also the free-input configuration the schedule reads."""
+
+    hidden: int = 4096
+    ffn: int = 2048
+    tokens: int = 4096
+    num_layers: int = 4
+    num_experts: int = 64
+    local_experts: int = 8
+    top_k: int = 8
+    head_dim: int = 128
+    capacity_factor: float = 1.0
+    chunks: int = 4
+    """Pieces a transfer is cut into so device->host and host->device overlap (duplex)."""
+    loopback: LoopbackMode = LoopbackMode.HOST
+    # FreeInputConfig / model-config fields
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_flex_dispatcher_backend: str | None = None
+    fp8: str | None = None
+    fp4: str | None = None
+    cuda_graph_modules: tuple[object, ...] = ()
+    mtp_num_layers: int | None = None
+
+    @property
+    def ep_size(self) -> int:
+        return self.num_experts // self.local_experts
+
+    @property
+    def remote_fraction(self) -> float:
+        """Share of the dispatched rows that leave the rank in a real EP all-to-all."""
+        return (self.ep_size - 1) / self.ep_size
+
+    @property
+    def capacity(self) -> int:
+        """Rows per local expert, a multiple of the number of source ranks."""
+        rows = self.tokens * self.top_k / self.local_experts * self.capacity_factor
+        j = self.ep_size
+        return max(j, math.ceil(rows / j) * j)
+
+    @property
+    def slots(self) -> int:
+        return self.local_experts * self.capacity
+
+    def a2a_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes one dispatch (or combine) sends off-rank."""
+        return self.remote_rows() * self.hidden * _itemsize(dtype)
+
+    def remote_rows(self) -> int:
+        return round(self.slots * self.remote_fraction)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class Loopback:
+    """The emulated all-to-all: device -> pinned host -> device, duplex in chunks.
+
+    Runs on the current stream (the comm stream in the schedule). Each chunk's host->device
+    copy goes on a side stream so it overlaps the next chunk's device->host copy, as the
+    send and receive of an all-to-all overlap; the current stream waits for the side stream
+    before returning. One pinned staging buffer is shared by every call: every call joins
+    the side stream back before the next call's first copy, so no two calls overlap on it.
+    """
+
+    def __init__(self, config: SliceConfig, dtype: torch.dtype, device: torch.device) -> None:
+        self.mode = config.loopback
+        self.chunks = max(1, config.chunks)
+        self.remote_rows = config.remote_rows()
+        numel = config.slots * config.hidden
+        cuda = device.type == "cuda"
+        self.host = torch.empty(numel, dtype=dtype, pin_memory=cuda)
+        self.side: torch.cuda.Stream | None = _new_stream(device) if cuda else None
+        self.calls = 0
+        self.bytes_moved = 0
+
+    def __call__(self, x_PH: Tensor) -> Tensor:
+        """Return a copy of ``x_PH`` (contiguous rows) that travelled as configured."""
+        x_PH = x_PH.contiguous()
+        self.calls += 1
+        if self.mode is LoopbackMode.DEVICE:
+            return x_PH.clone()
+        out = torch.empty_like(x_PH)
+        rows, hidden = x_PH.shape
+        remote = min(self.remote_rows, rows)
+        if remote < rows:
+            out[remote:].copy_(x_PH[remote:])
+        host = self.host[: remote * hidden].view(remote, hidden)
+        self.bytes_moved += 2 * remote * hidden * x_PH.element_size()
+        side = self.side
+        if side is None:  # CPU: two plain copies
+            host.copy_(x_PH[:remote])
+            out[:remote].copy_(host)
+            return out
+        cur = torch.cuda.current_stream(x_PH.device)
+        step = math.ceil(remote / self.chunks)
+        for lo in range(0, remote, step):
+            hi = min(remote, lo + step)
+            host[lo:hi].copy_(x_PH[lo:hi], non_blocking=True)
+            side.wait_stream(cur)
+            with torch.cuda.stream(side):
+                out[lo:hi].copy_(host[lo:hi], non_blocking=True)
+        cur.wait_stream(side)
+        return out
+
+
+_new_stream: Callable[[torch.device], torch.cuda.Stream] = torch.cuda.Stream
+
+
+class _LoopbackFn(torch.autograd.Function):
+    """Forward: the loopback of the tokens; backward: the loopback of their grads."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,  # torch's FunctionCtx declares no fields; we add our own
+        x: Tensor,
+        loopback: Loopback,
+    ) -> Tensor:
+        ctx.loopback = loopback
+        return loopback(x)
+
+    @staticmethod
+    def backward(
+        ctx: Any,  # see forward
+        *grad_outputs: Tensor,
+    ) -> tuple[Tensor, None]:
+        (grad,) = grad_outputs
+        lb = ctx.loopback
+        assert isinstance(lb, Loopback)
+        return lb(grad), None
+
+
+# Function.apply is untyped; give it its signature once, here.
+_loopback = cast(
+    "Callable[[Tensor, Loopback], Tensor]",
+    _LoopbackFn.apply,  # pyright: ignore[reportUnknownMemberType]
+)
+
+
+def _param(*shape: int, scale: float, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
+    return nn.Parameter(
+        torch.randn(*shape, dtype=torch.float32, device=device).mul_(scale).to(dtype)
+    )
+
+
+class MoESliceLayer(nn.Module):
+    """Attention (QKV, SDPA, out projection) + top-k router + capacity-padded local experts.
+
+    Implements :class:`moe_overlap.SchedulableLayer`; weight gradients are not delayed.
+    """
+
+    def __init__(
+        self, config: SliceConfig, loopback: Loopback, dtype: torch.dtype, device: torch.device
+    ) -> None:
+        super().__init__()
+        h, f, e = config.hidden, config.ffn, config.local_experts
+        self.cfg = config
+        self.loopback = loopback
+        self.norm1 = nn.Parameter(torch.ones(h, dtype=dtype, device=device))
+        self.norm2 = nn.Parameter(torch.ones(h, dtype=dtype, device=device))
+        self.qkv = _param(3 * h, h, scale=h**-0.5, dtype=dtype, device=device)
+        self.proj = _param(h, h, scale=h**-0.5, dtype=dtype, device=device)
+        self.router = _param(config.num_experts, h, scale=h**-0.5, dtype=dtype, device=device)
+        self.w13 = _param(e, h, 2 * f, scale=h**-0.5, dtype=dtype, device=device)
+        self.w2 = _param(e, f, h, scale=f**-0.5, dtype=dtype, device=device)
+
+    # --- SchedulableLayer members -----------------------------------------------------------
+    @property
+    def config(self) -> SliceConfig:
+        return self.cfg
+
+    @property
+    def is_moe(self) -> bool:
+        return True
+
+    @property
+    def num_local_experts(self) -> int | None:
+        return self.cfg.local_experts
+
+    def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
+        return []
+
+    def mlp_wgrad(self) -> Sequence[WgradLayer]:
+        return []
+
+    def slot_pre_dispatch(
+        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+    ) -> Tensor | tuple[Tensor, ...]:
+        (x_SH,) = inputs
+        a_SH = x_SH + self._attention(x_SH)
+        rows_PH, probs_P, token_of_slot_P = self._route(a_SH)
+        node.layer_state.residual = node.detach(a_SH)
+        node.layer_state.dispatched_probs = node.detach(probs_P)
+        node.layer_state.stash("token_of_slot", token_of_slot_P)
+        return rows_PH
+
+    def slot_dispatch(
+        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+    ) -> Tensor | tuple[Tensor, ...]:
+        (rows_PH,) = inputs
+        return _loopback(rows_PH, self.loopback)
+
+    def slot_mlp(
+        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+    ) -> Tensor | tuple[Tensor, ...]:
+        (recv_PH,) = inputs
+        cfg = self.cfg
+        e, c, h, j = cfg.local_experts, cfg.capacity, cfg.hidden, cfg.ep_size
+        # The all-to-all delivers rows source-rank-major; sort them expert-major (a fresh
+        # buffer, as Megatron's sort_chunks_by_idxs makes, so the input can be freed).
+        x_ECH = recv_PH.view(j, e, c // j, h).transpose(0, 1).reshape(e, c, h)
+        gate_ECF, up_ECF = torch.bmm(x_ECH, self.w13).chunk(2, dim=-1)
+        y_ECH = torch.bmm(F.silu(gate_ECF) * up_ECF, self.w2)
+        return y_ECH.view(e, j, c // j, h).transpose(0, 1).reshape(e * c, h)
+
+    def slot_combine(
+        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+    ) -> Tensor | tuple[Tensor, ...]:
+        (y_PH,) = inputs
+        state = node.layer_state
+        residual_SH, probs_P = state.residual, state.dispatched_probs
+        assert residual_SH is not None
+        assert probs_P is not None
+        token_of_slot_P = state.take("token_of_slot", Tensor)
+        back_PH = _loopback(y_PH, self.loopback)
+        weighted_PH = back_PH * probs_P.unsqueeze(-1).to(back_PH.dtype)
+        s, h = residual_SH.shape
+        out_SH = residual_SH.new_zeros(s + 1, h).index_add(0, token_of_slot_P, weighted_PH)
+        state.residual = None
+        state.dispatched_probs = None
+        return residual_SH + out_SH[:s]
+
+    # --- the math -------------------------------------------------------------------------
+    def _attention(self, x_SH: Tensor) -> Tensor:
+        s, h = x_SH.shape
+        n, d = h // self.cfg.head_dim, self.cfg.head_dim
+        t_SH = F.rms_norm(x_SH, (h,), self.norm1)
+        qkv_3NSD = F.linear(t_SH, self.qkv).view(s, 3, n, d).permute(1, 2, 0, 3)
+        o_NSD = F.scaled_dot_product_attention(
+            qkv_3NSD[0], qkv_3NSD[1], qkv_3NSD[2], is_causal=True
+        )
+        return F.linear(o_NSD.transpose(0, 1).reshape(s, h), self.proj)
+
+    def _route(self, a_SH: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Rows in dispatch order, their gate probabilities, and the token of each slot.
+
+        Slot of the ``p``-th row for local expert ``e``: ``[p // (C/J), e, p % (C/J)]`` in a
+        ``[J, E, C/J]`` buffer (source-rank-major, as an all-to-all receives it). Rows past
+        an expert's capacity are dropped; empty slots read a zero row (token ``S``).
+        """
+        cfg = self.cfg
+        s, h = a_SH.shape
+        e, c, k, j = cfg.local_experts, cfg.capacity, cfg.top_k, cfg.ep_size
+        cj = c // j
+        t_SH = F.rms_norm(a_SH, (h,), self.norm2)
+        probs_SG = torch.softmax(F.linear(t_SH, self.router).float(), dim=-1)
+        top_SK, idx_SK = torch.topk(probs_SG, k, dim=-1)
+        expert_R = (idx_SK % e).reshape(-1)  # R = S*K routed rows
+        pos_R = (F.one_hot(expert_R, e).cumsum(0) - 1).gather(1, expert_R.unsqueeze(1)).squeeze(1)
+        slot_R = (pos_R // cj) * (e * cj) + expert_R * cj + pos_R % cj
+        slot_R = torch.where(pos_R < c, slot_R, torch.full_like(slot_R, e * c))
+        n_rows = s * k
+        row_of_slot = torch.full((e * c + 1,), n_rows, dtype=torch.long, device=a_SH.device)
+        row_of_slot.scatter_(0, slot_R, torch.arange(n_rows, device=a_SH.device))
+        row_of_slot_P = row_of_slot[: e * c]
+        token_of_slot_P = row_of_slot_P // k
+        tokens_SH = torch.cat([t_SH, t_SH.new_zeros(1, h)])
+        probs_R = torch.cat([top_SK.reshape(-1), top_SK.new_zeros(1)])
+        return (
+            tokens_SH.index_select(0, token_of_slot_P),
+            probs_R.index_select(0, row_of_slot_P),
+            token_of_slot_P,
+        )
+
+
+class SliceDecoder(nn.Module):
+    """The decoder block the schedule reads: layers, pipeline input, no final norm."""
+
+    def __init__(self, layers: Sequence[MoESliceLayer]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.input_tensor: Tensor | None = None
+        self.final_layernorm: Callable[[Tensor], Tensor] | None = None
+
+
+class MoESliceModel(nn.Module):
+    """``num_layers`` MoE slice layers between a scaling 'embedding' and a square loss.
+
+    Implements :class:`moe_overlap.PreprocessableModel`. The microbatch's
+    ``decoder_input`` stands in for embedded tokens.
+    """
+
+    def __init__(
+        self, config: SliceConfig, *, dtype: torch.dtype, device: torch.device, seed: int = 0
+    ) -> None:
+        super().__init__()
+        torch.manual_seed(seed)  # pyright: ignore[reportUnknownMemberType] - unannotated
+        self.config = config
+        self.pre_process = True
+        self.post_process = True
+        self.loopback = Loopback(config, dtype, device)
+        self.embed_scale = nn.Parameter(torch.ones(config.hidden, dtype=dtype, device=device))
+        layers = [
+            MoESliceLayer(config, self.loopback, dtype, device) for _ in range(config.num_layers)
+        ]
+        self.decoder = SliceDecoder(layers)
+
+    def set_loopback(self, mode: LoopbackMode) -> None:
+        self.loopback.mode = mode
+
+    def _preprocess(
+        self,
+        input_ids: Tensor | None,
+        position_ids: Tensor | None,
+        *,
+        decoder_input: Tensor | None = None,
+        packed_seq_params: object | None = None,
+        padding_mask: Tensor | None = None,
+    ) -> tuple[object, ...]:
+        assert decoder_input is not None, "MoESliceModel takes decoder_input"
+        return PreprocessOutput(decoder_input * self.embed_scale, None, None, None, None, None)
+
+    def _postprocess(
+        self,
+        hidden_states: Tensor,
+        input_ids: Tensor | None,
+        position_ids: Tensor | None,
+        labels: Tensor | None,
+        rotary_pos_emb: Tensor | None,
+        rotary_pos_cos: Tensor | None,
+        rotary_pos_sin: Tensor | None,
+        *,
+        mtp_in_postprocess: bool | None = None,
+        loss_mask: Tensor | None = None,
+        decoder_input: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        packed_seq_params: object | None = None,
+        sequence_len_offset: Tensor | int | None = None,
+        runtime_gather_output: bool | None = None,
+        extra_block_kwargs: Mapping[str, object] | None = None,
+        output_processor: Callable[..., object] | None = None,
+        output_processor_context: object | None = None,
+    ) -> Tensor:
+        return hidden_states.float().square().mean()
+
+
+def make_microbatches(
+    n: int, config: SliceConfig, *, dtype: torch.dtype, device: torch.device, seed: int = 1
+) -> list[Microbatch]:
+    """``n`` microbatches of random hidden states ``[tokens, hidden]`` (never zeros)."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [
+        Microbatch(
+            decoder_input=torch.randn(config.tokens, config.hidden, generator=g).to(
+                device=device, dtype=dtype
+            )
+        )
+        for _ in range(n)
+    ]
