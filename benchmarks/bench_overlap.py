@@ -133,26 +133,29 @@ def _recorded(b: Bench, *, overlap: bool) -> NodeRecorder:
     return rec
 
 
-def _median(xs: list[float]) -> float:
-    return float(statistics.median(xs))
-
-
-def measure(cfg: SliceConfig, args: argparse.Namespace, *, main: bool, out: Path) -> JsonDict:
-    """Every figure for one configuration."""
+def _bench(cfg: SliceConfig, args: argparse.Namespace) -> Bench:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = MoESliceModel(cfg, dtype=dtype, device=device)
-    mbs = make_microbatches(args.microbatches, cfg, dtype=dtype, device=device)
     pair = make_streams(device)
-    b = Bench(
-        model=model,
-        mbs=mbs,
+    return Bench(
+        model=MoESliceModel(cfg, dtype=dtype, device=device),
+        mbs=make_microbatches(args.microbatches, cfg, dtype=dtype, device=device),
         device=device,
         pair=pair,
         serial=StreamPair(comp=pair.comp, comm=pair.comp),
         warmup=args.warmup,
         iters=args.iters,
     )
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def measure(cfg: SliceConfig, args: argparse.Namespace, *, main: bool, out: Path) -> JsonDict:
+    """Every figure for one configuration."""
+    b = _bench(cfg, args)
+    model, mbs, dtype = b.model, b.mbs, b.model.embed_scale.dtype
     res: JsonDict = {"config": _config_json(cfg, dtype), "microbatches": len(mbs)}
     serial = _time_ms(b, lambda: _step(b, overlap=False))
     overlapped = _time_ms(b, lambda: _step(b, overlap=True))
@@ -383,6 +386,17 @@ def main(argv: list[str] | None = None) -> None:
         (args.out / "results.json").write_text(
             json.dumps({"env": env, "results": results}, indent=1)
         )
+    # Host cost where the GPU never holds the host back: sizes so small that issuing is
+    # slower than running.
+    small = SliceConfig(hidden=256, ffn=128, tokens=256, head_dim=64)
+    sb = _bench(small, args)
+    _time_ms(sb, lambda: _step(sb, overlap=True))
+    host_small: JsonDict = {"config": _config_json(small, sb.model.embed_scale.dtype)}
+    host_small.update(_host_time(sb))
+    print(json.dumps({"host_small": host_small}), flush=True)
+    (args.out / "results.json").write_text(
+        json.dumps({"env": env, "results": results, "host_small": host_small}, indent=1)
+    )
     write_sweep_png(results, args.out / "sweep.png")
     print(_table(results), flush=True)
 
