@@ -21,8 +21,7 @@ from typing import Literal, cast
 import torch
 import torch.distributed as dist
 
-from moe_overlap._driver import Microbatch, combined_1f1b
-from moe_overlap._errors import ConfigError
+from moe_overlap import ConfigError, Microbatch, combined_1f1b
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel, MoELayer, check_no_pending_wgrad
 from moe_overlap.timeline import Timeline
 

@@ -19,16 +19,24 @@ from typing import Protocol, cast
 
 import torch
 
-from moe_overlap._chunk_plan import ModelChunkSchedulePlan
-from moe_overlap._errors import StreamError
-from moe_overlap._layer_node import TransformerLayerNode
-from moe_overlap._node import NoopScheduleNode, ScheduleNode, weak_method
-from moe_overlap._steps import Direction, Slot, StreamKind
-from moe_overlap._streams import AnyStream, CpuEvent, CpuStream
+from moe_overlap import (
+    CpuEvent,
+    CpuStream,
+    Direction,
+    ModelChunkSchedulePlan,
+    NoopScheduleNode,
+    ScheduleNode,
+    Slot,
+    StreamError,
+    StreamKind,
+    TransformerLayerNode,
+    weak_method,
+)
 
 __all__ = ["Span", "Timeline"]
 
 _Method = Callable[..., object]
+_Stream = torch.cuda.Stream | CpuStream
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -296,7 +304,7 @@ def _cuda_event() -> torch.cuda.Event:
 _new_timing_event: Callable[..., torch.cuda.Event] = torch.cuda.Event
 
 
-def _mark(stream: AnyStream) -> torch.cuda.Event | float:
+def _mark(stream: _Stream) -> torch.cuda.Event | float:
     if isinstance(stream, CpuStream):
         return time.perf_counter()
     event = _cuda_event()
@@ -304,7 +312,7 @@ def _mark(stream: AnyStream) -> torch.cuda.Event | float:
     return event
 
 
-def _wait(node: ScheduleNode, stream: AnyStream) -> None:
+def _wait(node: ScheduleNode, stream: _Stream) -> None:
     """Wait for the node's dependencies now, so the start mark excludes the wait.
 
     The node waits on the same event itself right after; waiting twice changes nothing.

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from moe_overlap import Microbatch, combined_1f1b
-from moe_overlap.models import GPTMoEConfig, GPTMoEModel, check_no_pending_wgrad
+from moe_overlap.models import GPTMoEConfig, GPTMoEModel, MoELayer, check_no_pending_wgrad
 
 SMALL = GPTMoEConfig(
     vocab_size=64,
@@ -62,9 +62,8 @@ class Parity:
 def starve(model: GPTMoEModel, experts: tuple[int, ...]) -> None:
     """Bias every router so that ``experts`` receive no tokens."""
     for layer in model.layer_list:
-        if layer.is_moe:
-            bias = layer.router.expert_bias  # type: ignore[union-attr]
-            bias[list(experts)] = -1e4
+        if isinstance(layer, MoELayer):
+            layer.router.expert_bias[list(experts)] = -1e4
 
 
 def check_parity(
@@ -119,12 +118,12 @@ def check_parity(
 
 def _routed_counts(model: GPTMoEModel, mb: Microbatch) -> tuple[int, ...]:
     """Tokens per global expert that the first MoE layer routes, for this rank's data."""
-    moe = [layer for layer in model.layer_list if layer.is_moe]
+    moe = [layer for layer in model.layer_list if isinstance(layer, MoELayer)]
     if not moe or mb.input_ids is None:
         return ()
     layer = moe[0]
     with torch.no_grad():
         x = model.embedding(mb.input_ids).reshape(-1, model.config.hidden_size)
-        _, experts = layer.router(x)  # type: ignore[union-attr]
+        _, experts = layer.router(x)
         counts = torch.bincount(experts.flatten(), minlength=model.config.num_experts)
     return tuple(int(c) for c in counts)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -16,12 +17,22 @@ import torch.distributed as dist
 from moe_overlap import ConfigError
 from tests.models._helpers import SMALL, check_parity
 
-CASES: dict[str, dict[str, object]] = {
-    "moe": {},
-    "shared_delay": {"moe_shared_expert_hidden_size": 8, "delay_wgrad_compute": True},
-    "all_moe_aux": {"first_k_dense": 0, "moe_aux_loss_coeff": 0.01},
-    "starved_delay": {"delay_wgrad_compute": True, "starved": (0, 1)},
-    "no_overlap": {"overlap": False},
+
+@dataclass(frozen=True)
+class Case:
+    """A config change plus how to run it."""
+
+    fields: dict[str, object] = field(default_factory=dict[str, object])
+    starved: tuple[int, ...] = ()
+    overlap: bool = True
+
+
+CASES: dict[str, Case] = {
+    "moe": Case(),
+    "shared_delay": Case({"moe_shared_expert_hidden_size": 8, "delay_wgrad_compute": True}),
+    "all_moe_aux": Case({"first_k_dense": 0, "moe_aux_loss_coeff": 0.01}),
+    "starved_delay": Case({"delay_wgrad_compute": True}, starved=(0, 1)),
+    "no_overlap": Case(overlap=False),
 }
 
 
@@ -30,15 +41,12 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
     try:
-        for name, spec in CASES.items():
-            fields = dict(spec)
-            starved = fields.pop("starved", ())
-            overlap = fields.pop("overlap", True)
-            config = dataclasses.replace(SMALL, **fields)  # type: ignore[arg-type]
+        for name, case in CASES.items():
+            config = dataclasses.replace(SMALL, **case.fields)  # type: ignore[arg-type]
             result = check_parity(
                 config,
-                starved=starved,  # type: ignore[arg-type]
-                overlap=bool(overlap),
+                starved=case.starved,
+                overlap=case.overlap,
                 ep_group=dist.group.WORLD,
                 data_seed=100 + rank,
             )

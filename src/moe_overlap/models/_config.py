@@ -7,8 +7,7 @@ from typing import Literal
 
 import torch
 
-from moe_overlap._errors import ConfigError
-from moe_overlap._free_input import CudaGraphModule
+from moe_overlap import ConfigError, CudaGraphModule
 
 __all__ = ["DispatcherKind", "GPTMoEConfig"]
 

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from moe_overlap._errors import ConfigError
+from moe_overlap import ConfigError
 from moe_overlap.models._config import DispatcherKind
 
 __all__ = ["DispatchMeta", "PermuteMeta", "TokenDispatcher"]

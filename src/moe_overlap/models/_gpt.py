@@ -21,9 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_overlap._errors import ConfigError
-from moe_overlap._options import ScheduleOptions
-from moe_overlap._state import ChunkState, PreprocessOutput
+from moe_overlap import ChunkState, ConfigError, PreprocessOutput, ScheduleOptions
 from moe_overlap.models._blocks import RMSNorm, rotary_tables
 from moe_overlap.models._config import GPTMoEConfig
 from moe_overlap.models._dispatcher import TokenDispatcher

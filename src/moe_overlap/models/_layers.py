@@ -22,11 +22,14 @@ from typing import Protocol, runtime_checkable
 import torch
 from torch import Tensor, nn
 
-from moe_overlap._errors import IntegrationError
-from moe_overlap._free_input import CudaGraphModule
-from moe_overlap._layer_node import WgradScope
-from moe_overlap._protocols import WgradLayer
-from moe_overlap._state import ChunkState, LayerState
+from moe_overlap import (
+    ChunkState,
+    CudaGraphModule,
+    IntegrationError,
+    LayerState,
+    WgradLayer,
+    WgradScope,
+)
 from moe_overlap.models._blocks import RMSNorm, SelfAttention, SwiGLUMLP
 from moe_overlap.models._config import GPTMoEConfig
 from moe_overlap.models._dispatcher import DispatchMeta, PermuteMeta, TokenDispatcher

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_overlap._errors import WgradError
+from moe_overlap import WgradError
 
 __all__ = [
     "DelayedWgradGroupedLinear",

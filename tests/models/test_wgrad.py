@@ -1,0 +1,162 @@
+"""Delayed weight gradients: exactness, gradcheck and misuse detection."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from moe_overlap import ScheduleError, ScheduleOptions, WgradError, combined_1f1b
+from moe_overlap.models import (
+    DelayedWgradGroupedLinear,
+    DelayedWgradLinear,
+    GPTMoEModel,
+    check_no_pending_wgrad,
+    finish_wgrad,
+    pending_wgrad,
+)
+from tests.models._helpers import SMALL, microbatches
+
+
+def _linear(delay: bool, dtype: torch.dtype = torch.float64) -> DelayedWgradLinear:
+    torch.manual_seed(0)
+    lin = DelayedWgradLinear(5, 3, delay_wgrad=delay, dtype=dtype)
+    torch.nn.init.normal_(lin.weight)
+    return lin
+
+
+def test_linear_gradcheck_immediate() -> None:
+    """gradcheck over input and weight (swapped in with functional_call)."""
+    lin = _linear(False)
+    x = torch.randn(4, 2, 5, dtype=torch.float64, requires_grad=True)
+    w = lin.weight.detach().clone().requires_grad_(True)
+
+    def f(a: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = torch.func.functional_call(lin, {"weight": weight}, (a,))
+        return out
+
+    assert torch.autograd.gradcheck(f, (x, w))
+
+
+@pytest.mark.parametrize("delay", [False, True])
+def test_linear_matches_autograd_float64(delay: bool) -> None:
+    lin = _linear(delay)
+    x = torch.randn(4, 2, 5, dtype=torch.float64, requires_grad=True)
+    gy = torch.randn(4, 2, 3, dtype=torch.float64)
+    lin(x).backward(gy)
+    if delay:
+        assert lin.weight.grad is None and lin.pending_wgrad == 1
+        lin.backward_dw()
+    ref_w = lin.weight.detach().clone().requires_grad_(True)
+    ref_x = x.detach().clone().requires_grad_(True)
+    torch.autograd.backward(torch.nn.functional.linear(ref_x, ref_w), gy)
+    assert x.grad is not None and ref_x.grad is not None
+    assert lin.weight.grad is not None and ref_w.grad is not None
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lin.weight.grad, ref_w.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_gradcheck_through_delay() -> None:
+    """torch.autograd.gradcheck on the input; the weight grad checked after backward_dw."""
+    lin = _linear(True)
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+
+    def f(a: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = lin(a)
+        return out
+
+    assert torch.autograd.gradcheck(f, (x,))
+    finish_wgrad(lin)  # gradcheck ran backward several times
+    assert lin.pending_wgrad == 0
+
+
+def test_grouped_matches_per_group_autograd() -> None:
+    torch.manual_seed(0)
+    sizes = [3, 0, 2, 1]
+    g = DelayedWgradGroupedLinear(4, 5, 3, delay_wgrad=True, dtype=torch.float64)
+    torch.nn.init.normal_(g.weight)
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    gy = torch.randn(6, 3, dtype=torch.float64)
+    g(x, sizes).backward(gy)
+    g.backward_dw()
+    w = g.weight.detach().clone().requires_grad_(True)
+    xr = x.detach().clone().requires_grad_(True)
+    parts = torch.split(xr, sizes)
+    ref = torch.cat([torch.nn.functional.linear(p, w[i]) for i, p in enumerate(parts)])
+    torch.autograd.backward(ref, gy)
+    assert g.weight.grad is not None and w.grad is not None and x.grad is not None
+    torch.testing.assert_close(g.weight.grad, w.grad, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(x.grad, xr.grad)
+    assert torch.equal(g.weight.grad[1], torch.zeros_like(g.weight.grad[1]))
+
+
+def test_delayed_bit_identical_to_immediate() -> None:
+    now, later = _linear(False, torch.float32), _linear(True, torch.float32)
+    for _ in range(2):  # second pass accumulates
+        x = torch.randn(7, 5)
+        gy = torch.randn(7, 3)
+        now(x.requires_grad_()).backward(gy)
+        later(x.detach().requires_grad_()).backward(gy)
+        later.backward_dw()
+    assert now.weight.grad is not None and later.weight.grad is not None
+    assert torch.equal(now.weight.grad, later.weight.grad)
+
+
+def test_double_backward_dw_raises() -> None:
+    lin = _linear(True)
+    lin(torch.randn(2, 5, dtype=torch.float64, requires_grad=True)).sum().backward()
+    lin.backward_dw()
+    with pytest.raises(WgradError, match="expected a pending weight gradient"):
+        lin.backward_dw()
+
+
+def test_backward_dw_without_delay_raises() -> None:
+    with pytest.raises(WgradError, match="delay_wgrad=False"):
+        _linear(False).backward_dw()
+
+
+def _delayed_model() -> GPTMoEModel:
+    return GPTMoEModel(dataclasses.replace(SMALL, delay_wgrad_compute=True))
+
+
+def test_pending_wgrad_detected_at_next_forward() -> None:
+    model = _delayed_model()
+    mb = microbatches(1, vocab=SMALL.vocab_size)[0]
+    assert mb.input_ids is not None
+    model(mb.input_ids, mb.position_ids, mb.labels, mb.loss_mask).backward()
+    assert pending_wgrad(model)
+    with pytest.raises(WgradError, match="pending"):
+        check_no_pending_wgrad(model)
+    with pytest.raises(WgradError, match=r"decoder\.layers\.0\.attn_block\.attention\.qkv"):
+        model(mb.input_ids, mb.position_ids, mb.labels, mb.loss_mask)
+    finish_wgrad(model)
+    check_no_pending_wgrad(model)
+    model(mb.input_ids, mb.position_ids, mb.labels, mb.loss_mask)
+
+
+def test_schedule_without_delay_leaves_pending_and_next_step_fails() -> None:
+    """Model delays but the schedule was told not to: caught at the next step's forward."""
+    model = _delayed_model()
+    data = microbatches(2, vocab=SMALL.vocab_size)
+    combined_1f1b(model, data, options=ScheduleOptions(delay_wgrad_compute=False))
+    with pytest.raises(WgradError):
+        check_no_pending_wgrad(model)
+    with pytest.raises(ScheduleError) as info:
+        combined_1f1b(model, data, options=ScheduleOptions(delay_wgrad_compute=False))
+    assert isinstance(info.value.__cause__, WgradError)
+    model.zero_grad()
+    for m in model.modules():
+        if isinstance(m, (DelayedWgradLinear, DelayedWgradGroupedLinear)):
+            m.discard_wgrad()
+    combined_1f1b(model, data, options=model.schedule_options())
+    check_no_pending_wgrad(model)
+
+
+def test_schedule_delay_on_immediate_model_raises() -> None:
+    """Schedule delays but the model does not: backward_dw finds nothing to do."""
+    model = GPTMoEModel(SMALL)
+    data = microbatches(2, vocab=SMALL.vocab_size)
+    with pytest.raises(ScheduleError) as info:
+        combined_1f1b(model, data, options=ScheduleOptions(delay_wgrad_compute=True))
+    assert isinstance(info.value.__cause__, WgradError)
