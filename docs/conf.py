@@ -122,11 +122,7 @@ autodoc2_class_docstring = "merge"
 
 # Docstring problems in the package that are reported upstream; each entry must still
 # match (a stale entry is a warning). Remove entries as the docstrings are fixed.
-google_rst_known_issues = [
-    # ModelChunkSchedulePlan: "Args mirror ...; keyword-only extras:" is not a Google
-    # section, so its indented list parses as a broken definition list.
-    ("_chunk_plan.py", "Definition list ends without a blank line"),
-]
+google_rst_known_issues: list[tuple[str, str]] = []
 autodoc2_index_template = """API reference
 =============
 

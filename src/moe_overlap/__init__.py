@@ -7,10 +7,10 @@ time with beartype; otherwise beartype is not imported and nothing is wrapped.
 
 from moe_overlap._debug import debug_enabled as _debug_enabled
 
-if _debug_enabled():  # must run before any submodule is imported
-    from beartype.claw import beartype_this_package
+if _debug_enabled():  # must run before any other submodule is imported
+    from moe_overlap._debug import install_beartype
 
-    beartype_this_package()
+    install_beartype()
 
 from moe_overlap._chunk_plan import ModelChunkSchedulePlan as ModelChunkSchedulePlan
 from moe_overlap._driver import Microbatch as Microbatch
@@ -24,16 +24,10 @@ from moe_overlap._errors import ScheduleError as ScheduleError
 from moe_overlap._errors import StreamError as StreamError
 from moe_overlap._errors import WgradError as WgradError
 from moe_overlap._free_input import CudaGraphModule as CudaGraphModule
-from moe_overlap._free_input import FreeInputConfig as FreeInputConfig
 from moe_overlap._free_input import should_free_input as should_free_input
-from moe_overlap._layer_node import BackwardDWWrapper as BackwardDWWrapper
 from moe_overlap._layer_node import LayerArgs as LayerArgs
-from moe_overlap._layer_node import SlotFn as SlotFn
 from moe_overlap._layer_node import TransformerLayerNode as TransformerLayerNode
-from moe_overlap._layer_node import WgradScope as WgradScope
 from moe_overlap._layer_plan import TransformerLayerSchedulePlan as TransformerLayerSchedulePlan
-from moe_overlap._layer_protocol import MtpSchedulableLayer as MtpSchedulableLayer
-from moe_overlap._layer_protocol import SchedulableLayer as SchedulableLayer
 from moe_overlap._node import NoopScheduleNode as NoopScheduleNode
 from moe_overlap._node import ScheduleNode as ScheduleNode
 from moe_overlap._node import weak_method as weak_method
@@ -41,7 +35,12 @@ from moe_overlap._options import ChunkHooks as ChunkHooks
 from moe_overlap._options import ScheduleOptions as ScheduleOptions
 from moe_overlap._process_nodes import PostProcessNode as PostProcessNode
 from moe_overlap._process_nodes import PreProcessNode as PreProcessNode
+from moe_overlap._protocols import FreeInputConfig as FreeInputConfig
+from moe_overlap._protocols import MtpSchedulableLayer as MtpSchedulableLayer
 from moe_overlap._protocols import PreprocessableModel as PreprocessableModel
+from moe_overlap._protocols import SchedulableLayer as SchedulableLayer
+from moe_overlap._protocols import SlotFn as SlotFn
+from moe_overlap._protocols import StreamProvider as StreamProvider
 from moe_overlap._protocols import WgradLayer as WgradLayer
 from moe_overlap._state import ChunkState as ChunkState
 from moe_overlap._state import LayerState as LayerState
@@ -59,12 +58,13 @@ from moe_overlap._steps import layer_pair_steps as layer_pair_steps
 from moe_overlap._streams import CpuEvent as CpuEvent
 from moe_overlap._streams import CpuStream as CpuStream
 from moe_overlap._streams import StreamPair as StreamPair
-from moe_overlap._streams import StreamProvider as StreamProvider
 from moe_overlap._streams import get_comm_stream as get_comm_stream
 from moe_overlap._streams import get_comp_stream as get_comp_stream
 from moe_overlap._streams import make_event as make_event
 from moe_overlap._streams import make_streams as make_streams
 from moe_overlap._streams import set_streams as set_streams
+from moe_overlap._wgrad import BackwardDWWrapper as BackwardDWWrapper
+from moe_overlap._wgrad import WgradScope as WgradScope
 
 __version__ = "0.1.0"
 

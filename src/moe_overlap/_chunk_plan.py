@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import cast
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from ._conformance import check_layer, check_model
 from ._errors import IntegrationError, PlanReleasedError, StreamError
 from ._executor import BValue, FValue, execute
-from ._layer_plan import TransformerLayerSchedulePlan, check_layer
+from ._layer_plan import TransformerLayerSchedulePlan
 from ._node import ScheduleNode
 from ._options import ChunkHooks, PostBackwardHook, PostForwardHook, PreHook, ScheduleOptions
 from ._process_nodes import PostProcessNode, PreProcessNode
-from ._protocols import PreprocessableModel, missing_members
+from ._protocols import PreprocessableModel
 from ._state import ChunkState
 from ._steps import ChunkShape, Role, Slot, Step, chunk_steps
 from ._streams import (
@@ -29,24 +30,10 @@ from ._streams import (
     wait_event,
 )
 
-__all__ = ["ModelChunkSchedulePlan", "check_model", "default_streams"]
+__all__ = ["ModelChunkSchedulePlan", "default_streams"]
 
-_MODEL_MEMBERS = ("pre_process", "post_process", "config", "decoder", "_preprocess", "_postprocess")
 _DEFAULT_OPTIONS = ScheduleOptions()
 _CPU_STREAMS = StreamPair(comp=CpuStream("comp"), comm=CpuStream("comm"))
-
-
-def check_model(model: object) -> PreprocessableModel:
-    """Return ``model`` as a :class:`PreprocessableModel` or raise, naming what is missing.
-
-    Checked once per plan, member by member (see :func:`missing_members`).
-    """
-    missing = missing_members(model, _MODEL_MEMBERS)
-    if missing:
-        raise IntegrationError(
-            f"{type(model).__name__} is not a PreprocessableModel; missing members: {missing}"
-        )
-    return cast(PreprocessableModel, model)
 
 
 def default_streams(device: torch.device) -> StreamPair:
@@ -59,16 +46,18 @@ def default_streams(device: torch.device) -> StreamPair:
 
 
 class ModelChunkSchedulePlan:
-    """The nodes of one model chunk for one microbatch, and :meth:`run` to schedule two.
+    """The nodes of one model chunk for one microbatch; ``run`` schedules two chunks.
 
     Every node of the chunk shares one event, so one microbatch's nodes run in order
-    whichever stream they are on; two microbatches' nodes interleave freely.
+    whichever stream they are on; two microbatches' nodes interleave freely. The
+    positional parameters mirror Megatron-Core's ``build_schedule_plan``.
 
-    Args mirror Megatron-Core's ``build_schedule_plan``; keyword-only extras:
+    Args:
+        model: the model chunk; checked once here, member by member.
         streams: compute/comm streams; by default CPU no-op streams for CPU inputs and the
             module-level streams on CUDA. A CUDA stream for CPU inputs (or the reverse) is
             a :class:`~moe_overlap.StreamError`.
-        options: :class:`ScheduleOptions`.
+        options: :class:`~moe_overlap.ScheduleOptions`.
         microbatch: index shown in error messages and timelines.
         vp_stage: virtual-pipeline stage passed to the p2p hooks.
     """
@@ -81,7 +70,7 @@ class ModelChunkSchedulePlan:
         attention_mask: Tensor | None,
         decoder_input: Tensor | None = None,
         labels: Tensor | None = None,
-        packed_seq_params: object | None = None,
+        packed_seq_params: Any = None,
         extra_block_kwargs: Mapping[str, object] | None = None,
         runtime_gather_output: bool | None = None,
         loss_mask: Tensor | None = None,

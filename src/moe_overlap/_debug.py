@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["DEBUG_ENV", "debug_enabled"]
+__all__ = ["DEBUG_ENV", "debug_enabled", "install_beartype"]
 
 DEBUG_ENV = "MOE_OVERLAP_DEBUG"
 
@@ -12,3 +12,25 @@ DEBUG_ENV = "MOE_OVERLAP_DEBUG"
 def debug_enabled() -> bool:
     """Whether the environment asks for runtime type checking (read at import time)."""
     return os.environ.get(DEBUG_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+def install_beartype() -> None:
+    """Check every later-imported module of the package with beartype.
+
+    Protocol-typed parameters are not checked per call (an ``isinstance`` against a
+    runtime Protocol costs microseconds and, on Python 3.12+, misses ``nn.Module``
+    submodules): beartype sees them as ``object``, and plans check integrations once, at
+    construction, member by member.
+    """
+    from beartype import BeartypeConf, FrozenDict
+    from beartype.claw import beartype_package
+
+    from moe_overlap import _protocols as protocols
+
+    overrides: dict[object, object] = {
+        getattr(protocols, name): object for name in protocols.__all__
+    }
+    beartype_package(
+        "moe_overlap",
+        conf=BeartypeConf(hint_overrides=FrozenDict(overrides)),
+    )

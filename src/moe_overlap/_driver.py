@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from ._chunk_plan import ModelChunkSchedulePlan, check_model
+from ._chunk_plan import ModelChunkSchedulePlan
+from ._conformance import check_model
 from ._errors import ConfigError, IntegrationError
 from ._options import ScheduleOptions
 from ._protocols import PreprocessableModel
@@ -30,7 +32,7 @@ class Microbatch:
     loss_mask: Tensor | None = None
     decoder_input: Tensor | None = None
     padding_mask: Tensor | None = None
-    packed_seq_params: object | None = None
+    packed_seq_params: Any = None
     extra_block_kwargs: Mapping[str, object] | None = None
     runtime_gather_output: bool | None = None
 

@@ -1,6 +1,6 @@
 """The library's exception hierarchy.
 
-Every user error raised by ``moe_overlap`` is a :class:`MoeOverlapError`. Messages name
+Every user error raised by ``moe_overlap`` is a :class:`~moe_overlap.MoeOverlapError`. Messages name
 the object involved, what was expected and what was received. ``assert`` only guards
 internal invariants.
 """

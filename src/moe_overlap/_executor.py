@@ -9,7 +9,7 @@ and the steps around it, after the caller's cleanup ran.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
@@ -24,6 +24,7 @@ FValue = tuple[Tensor, ...]
 BValue = tuple["Tensor | None", ...]
 
 
+@runtime_checkable
 class NodeSource(Protocol):
     """A plan, as the executor sees it: the node behind a step and the microbatch it runs."""
 

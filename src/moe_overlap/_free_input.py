@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable
-from typing import Protocol, runtime_checkable
 
-__all__ = ["CudaGraphModule", "FreeInputConfig", "should_free_input"]
+from ._protocols import FreeInputConfig
+
+__all__ = ["CudaGraphModule", "graph_module_names", "should_free_input"]
 
 
 class CudaGraphModule(str, enum.Enum):
@@ -18,27 +19,6 @@ class CudaGraphModule(str, enum.Enum):
     moe_router = "moe_router"
     moe_preprocess = "moe_preprocess"
     mamba = "mamba"
-
-
-@runtime_checkable
-class FreeInputConfig(Protocol):
-    """The configuration fields :func:`should_free_input` reads.
-
-    Megatron-Core's ``TransformerConfig`` satisfies it, and so does any object with these
-    attributes. ``cuda_graph_modules`` members are judged by name, so
-    :class:`CudaGraphModule`, plain strings and Megatron's own int-valued enum all work.
-    """
-
-    @property
-    def moe_token_dispatcher_type(self) -> str: ...
-    @property
-    def moe_flex_dispatcher_backend(self) -> str | None: ...
-    @property
-    def fp8(self) -> object: ...
-    @property
-    def fp4(self) -> object: ...
-    @property
-    def cuda_graph_modules(self) -> Iterable[object]: ...
 
 
 def graph_module_names(modules: Iterable[object]) -> frozenset[str]:

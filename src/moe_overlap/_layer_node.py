@@ -1,43 +1,28 @@
-"""Layer-slot nodes: TransformerLayerNode, its arguments and the pre-dispatch wgrad wrapper."""
+"""Layer-slot nodes: :class:`~moe_overlap.TransformerLayerNode` and its arguments."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import NamedTuple, Protocol
 
 from torch import Tensor
-from torch.nn import Parameter
 
 from ._errors import ConfigError, IntegrationError, WgradError
-from ._free_input import CudaGraphModule, FreeInputConfig, graph_module_names, should_free_input
+from ._free_input import should_free_input
 from ._node import ScheduleNode, default_backward, weak_method
-from ._protocols import WgradLayer
+from ._protocols import FreeInputConfig, SlotFn, StreamProvider, WgradLayer
 from ._state import ChunkState, LayerState
-from ._streams import AnyEvent, StreamProvider, stream_context
+from ._streams import AnyEvent, stream_context
 
 __all__ = [
-    "BackwardDWWrapper",
     "LayerArgs",
-    "PreDispatchWgradSource",
-    "SlotFn",
     "TransformerLayerNode",
-    "WgradScope",
-    "_BackwardDWWrapper",
 ]
-
-
-class SlotFn(Protocol):
-    """A slot's forward: gets its node (state, ``detach``) and its inputs, returns outputs."""
-
-    def __call__(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
-    ) -> Tensor | tuple[Tensor, ...]: ...
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LayerArgs:
-    """What a :class:`TransformerLayerNode` knows about its layer (Megatron's ``extra_args``)."""
+    """What a :class:`~moe_overlap.TransformerLayerNode` knows about its layer (Megatron's ``extra_args``)."""
 
     config: FreeInputConfig
     is_moe: bool = False
@@ -83,7 +68,7 @@ class LayerArgs:
 
     @classmethod
     def coerce(cls, value: LayerArgs | Mapping[str, object] | None) -> LayerArgs:
-        """Accept a :class:`LayerArgs` or a mapping; ``None`` is an error (config is needed)."""
+        """Accept a :class:`~moe_overlap.LayerArgs` or a mapping; ``None`` is an error (config is needed)."""
         if isinstance(value, LayerArgs):
             return value
         if value is None:
@@ -97,10 +82,10 @@ Hook = Callable[[], None]
 class TransformerLayerNode(ScheduleNode):
     """Schedule node for one slot of a fine-grained layer.
 
-    Owns the slot's stream and event, its free-input policy (:meth:`_resolve_free_input`)
-    and its delayed weight-gradient work (:meth:`backward_dw`). The slot function receives
-    this node, so it can read :attr:`layer_state` / :attr:`chunk_state` and cut the graph
-    with :meth:`detach` for tensors handed to later slots of the same layer.
+    Owns the slot's stream and event, its free-input policy (``_resolve_free_input``)
+    and its delayed weight-gradient work (:meth:`~moe_overlap.TransformerLayerNode.backward_dw`). The slot function receives
+    this node, so it can read ``layer_state`` / ``chunk_state`` and cut the graph
+    with :meth:`~moe_overlap.TransformerLayerNode.detach` for tensors handed to later slots of the same layer.
     """
 
     def __init__(
@@ -192,7 +177,7 @@ class TransformerLayerNode(ScheduleNode):
     def backward(self, *output_grad: Tensor | None) -> tuple[Tensor | None, ...]:
         """Run backward; on the layer's first slot, fire the post-backward hook.
 
-        With delayed wgrad the hook fires at the end of :meth:`backward_dw` instead, when
+        With delayed wgrad the hook fires at the end of :meth:`~moe_overlap.TransformerLayerNode.backward_dw` instead, when
         the weight gradients exist.
         """
         grads = super().backward(*output_grad)
@@ -251,53 +236,3 @@ def _collect_wgrad_hooks(callables: Sequence[WgradLayer]) -> list[Callable[[], o
             if callable(hook) and p.requires_grad and p.grad is not None:
                 hooks.append(hook)
     return hooks
-
-
-class WgradScope(NamedTuple):
-    """A pre-dispatch wgrad module and the CUDA-graph scope that covers it."""
-
-    scope: CudaGraphModule
-    module: WgradLayer
-
-
-class PreDispatchWgradSource(Protocol):
-    """What :class:`BackwardDWWrapper` reads from a layer (every schedulable layer has it)."""
-
-    @property
-    def config(self) -> FreeInputConfig: ...
-    def pre_dispatch_wgrad(self) -> Sequence[WgradScope]: ...
-
-
-class BackwardDWWrapper:
-    """Delayed weight gradients of a layer's pre-dispatch slot (attention, shared expert, ...).
-
-    Runs each part's ``backward_dw`` in order, skipping the parts whose scope a graphed
-    replay covers once :meth:`set_graphed_backward_dw_callable` has plugged one in, then
-    the replay itself. A :class:`~moe_overlap.WgradLayer`.
-    """
-
-    def __init__(self, layer: PreDispatchWgradSource) -> None:
-        self.parts = tuple(layer.pre_dispatch_wgrad())
-        self.graphed_modules = graph_module_names(layer.config.cuda_graph_modules)
-        self.graphed_backward_dw_callable: Hook | None = None
-
-    def backward_dw(self) -> None:
-        """Run eager wgrad for the parts the graph does not cover, then the graph's."""
-        replay = self.graphed_backward_dw_callable
-        for part in self.parts:
-            if replay is None or part.scope.name not in self.graphed_modules:
-                part.module.backward_dw()
-        if replay is not None:
-            replay()
-
-    def set_graphed_backward_dw_callable(self, graphed_backward_dw_callable: Hook) -> None:
-        """Plug in the CUDA-graph wgrad replay."""
-        self.graphed_backward_dw_callable = graphed_backward_dw_callable
-
-    def parameters(self) -> Iterator[Parameter]:
-        """The parameters of every part (so post-wgrad hooks can be collected)."""
-        for part in self.parts:
-            yield from part.module.parameters()
-
-
-_BackwardDWWrapper = BackwardDWWrapper

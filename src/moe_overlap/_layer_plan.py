@@ -3,53 +3,24 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import cast
 
 from torch import Tensor
 
-from ._errors import ConfigError, IntegrationError, PlanReleasedError
+from ._conformance import as_mtp_layer, check_layer
+from ._errors import ConfigError, PlanReleasedError
 from ._executor import execute
-from ._layer_node import BackwardDWWrapper, LayerArgs, SlotFn, TransformerLayerNode
-from ._layer_protocol import MtpSchedulableLayer, SchedulableLayer
+from ._layer_node import LayerArgs, TransformerLayerNode
 from ._node import NoopScheduleNode, ScheduleNode
 from ._options import ScheduleOptions
-from ._protocols import WgradLayer, missing_members
+from ._protocols import SchedulableLayer, SlotFn, StreamProvider, WgradLayer
 from ._state import ChunkState, LayerState
 from ._steps import LayerShape, Slot, Step, layer_pair_steps
-from ._streams import AnyEvent, StreamProvider
+from ._streams import AnyEvent
+from ._wgrad import BackwardDWWrapper
 
-__all__ = ["TransformerLayerSchedulePlan", "check_layer"]
-
-_LAYER_MEMBERS = (
-    "config",
-    "is_moe",
-    "num_local_experts",
-    "slot_pre_dispatch",
-    "slot_dispatch",
-    "slot_mlp",
-    "slot_combine",
-    "pre_dispatch_wgrad",
-    "mlp_wgrad",
-)
+__all__ = ["TransformerLayerSchedulePlan"]
 
 _DEFAULT_OPTIONS = ScheduleOptions()
-
-
-def check_layer(layer: object, where: str) -> SchedulableLayer:
-    """Return ``layer`` as a :class:`SchedulableLayer` or raise, naming what is missing."""
-    missing = missing_members(layer, _LAYER_MEMBERS)
-    if missing:
-        raise IntegrationError(
-            f"{where}: {type(layer).__name__} is not a SchedulableLayer; missing members: {missing}"
-        )
-    return cast(SchedulableLayer, layer)
-
-
-def as_mtp_layer(layer: SchedulableLayer) -> MtpSchedulableLayer | None:
-    """``layer`` as an MTP layer when it has the MTP post-process slot, else ``None``."""
-    if missing_members(layer, ("slot_mtp_post_process",)):
-        return None
-    return cast(MtpSchedulableLayer, layer)
 
 
 class TransformerLayerSchedulePlan:
@@ -58,7 +29,7 @@ class TransformerLayerSchedulePlan:
     Nodes: ``pre_dispatch`` and ``mlp`` on the compute stream; ``dispatch`` and ``combine``
     on the communication stream for MoE layers, no-ops for dense ones; ``mtp_post`` for
     MTP layers, a no-op otherwise. All share the microbatch's ``event`` and a fresh
-    :class:`LayerState`.
+    :class:`~moe_overlap.LayerState`.
     """
 
     def __init__(

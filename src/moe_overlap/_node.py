@@ -12,13 +12,14 @@ from __future__ import annotations
 import enum
 import weakref
 from collections.abc import Callable
-from typing import ParamSpec, TypeVar
+from typing import ParamSpec, TypeVar, cast
 
 import torch
 from torch import Tensor
 
 from ._errors import IntegrationError, NodeStateError
-from ._streams import AnyEvent, CpuEvent, CpuStream, StreamProvider, record_tensor_on, use_stream
+from ._protocols import StreamProvider
+from ._streams import AnyEvent, CpuEvent, CpuStream, record_tensor_on, use_stream
 
 __all__ = [
     "BackwardFunc",
@@ -55,14 +56,15 @@ def weak_method(method: Callable[_P, _R]) -> Callable[_P, _R]:
     ref: weakref.WeakMethod[Callable[_P, _R]] = weakref.WeakMethod(method)
     name: str = getattr(method, "__qualname__", None) or type(method).__name__
 
-    def call(*args: _P.args, **kwargs: _P.kwargs) -> _R:
+    def call(*args: object, **kwargs: object) -> object:
         bound = ref()
         if bound is None:
             raise NodeStateError(f"weak_method: the owner of {name} was garbage-collected")
-        return bound(*args, **kwargs)
+        return cast(Callable[..., object], bound)(*args, **kwargs)
 
     call.__qualname__ = f"weak_method({name})"
-    return call
+    # Typed through a cast: the wrapper forwards exactly what it receives.
+    return cast(Callable[_P, _R], call)
 
 
 class NodePhase(enum.Enum):

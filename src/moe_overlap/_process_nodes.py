@@ -7,15 +7,15 @@ from torch import Tensor
 
 from ._errors import IntegrationError
 from ._node import ScheduleNode, weak_method
-from ._protocols import PreprocessableModel
+from ._protocols import PreprocessableModel, StreamProvider
 from ._state import ChunkState, PreprocessOutput
-from ._streams import AnyEvent, StreamProvider
+from ._streams import AnyEvent
 
 __all__ = ["PostProcessNode", "PreProcessNode", "as_preprocess_output"]
 
 
 def as_preprocess_output(model: object, value: object) -> PreprocessOutput:
-    """Check what ``model._preprocess`` returned and convert it to :class:`PreprocessOutput`."""
+    """Check what ``model._preprocess`` returned and convert it to :class:`~moe_overlap.PreprocessOutput`."""
     where = f"{type(model).__name__}._preprocess"
     names = PreprocessOutput._fields
     if not isinstance(value, tuple):
@@ -34,9 +34,9 @@ def as_preprocess_output(model: object, value: object) -> PreprocessOutput:
         raise IntegrationError(
             f"{where}: decoder_input must be a Tensor, received {type(decoder_input).__name__}"
         )
-    if offset is not None and not isinstance(offset, (Tensor, int)):
+    if offset is not None and not isinstance(offset, Tensor):
         raise IntegrationError(
-            f"{where}: sequence_len_offset must be a Tensor, an int or None, "
+            f"{where}: sequence_len_offset must be a Tensor or None, "
             f"received {type(offset).__name__}"
         )
     return PreprocessOutput(

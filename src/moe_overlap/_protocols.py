@@ -1,31 +1,55 @@
-"""Protocols a model implements to be scheduled (the layer Protocol is in ``_layer_protocol``).
+"""Every Protocol of the library: what a model, a layer and their parts implement.
 
 Keyword names mirror Megatron-Core 0.19's ``GPTModel`` so a Megatron model is
-structurally a :class:`PreprocessableModel`; ``typing_tests/`` proves it against the stubs
+structurally a :class:`~moe_overlap.PreprocessableModel`; ``typing_tests/`` proves it against the stubs
 in ``stubs/``.
+
+This module imports nothing else of the package at run time, so debug mode can load it
+before installing beartype and tell beartype to leave Protocol checks to plan construction
+(see ``moe_overlap/__init__.py``).
+
+A layer is cut into four slots that run, in forward order::
+
+    pre_dispatch (compute) -> dispatch (comm) -> mlp (compute) -> combine (comm)
+
+Each slot is a method ``slot_*(node, inputs) -> outputs``: ``node`` is the
+:class:`~moe_overlap.TransformerLayerNode` running it (read ``node.chunk_state`` for the
+attention mask and rotary embeddings, keep per-microbatch values in ``node.layer_state``,
+and pass a tensor to a later slot with ``node.detach(t)``); ``inputs`` are the previous
+slot's outputs. Dense layers (``is_moe`` false) have no dispatch/combine: their
+pre-dispatch output goes straight to ``slot_mlp``, whose output is the layer's output.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from torch import Tensor
 from torch.nn import Parameter
 
+if TYPE_CHECKING:  # annotations only: this module is imported before anything else
+    from ._layer_node import TransformerLayerNode
+    from ._streams import AnyStream
+    from ._wgrad import WgradScope
+
 __all__ = [
     "DecoderLike",
+    "FreeInputConfig",
     "LayerListLike",
     "ModelConfigLike",
+    "MtpSchedulableLayer",
     "PreprocessableModel",
+    "SchedulableLayer",
+    "SlotFn",
+    "StreamProvider",
     "WgradLayer",
-    "missing_members",
 ]
 
 
 @runtime_checkable
 class WgradLayer(Protocol):
-    """A module whose weight gradients are computed late, by :meth:`backward_dw`.
+    """A module whose weight gradients are computed late, by ``backward_dw()``.
 
     :meth:`TransformerLayerNode.backward_dw <moe_overlap.TransformerLayerNode.backward_dw>`
     calls ``backward_dw()`` and then the ``post_wgrad_grad_acc_hook`` of each parameter
@@ -68,6 +92,9 @@ class DecoderLike(Protocol):
 class PreprocessableModel(Protocol):
     """What :class:`~moe_overlap.PreProcessNode` and :class:`~moe_overlap.PostProcessNode` use.
 
+    ``packed_seq_params`` is typed ``Any``: the schedule only passes it through, and a
+    narrower type would reject Megatron-Core's ``PackedSeqParams``.
+
     ``_preprocess`` returns the 6-tuple described by :class:`~moe_overlap.PreprocessOutput`
     (a plain tuple is accepted and checked). ``_postprocess`` returns the scalar loss when
     ``labels`` are given; the schedule calls it with ``mtp_in_postprocess=False``.
@@ -88,7 +115,7 @@ class PreprocessableModel(Protocol):
         position_ids: Tensor | None,
         *,
         decoder_input: Tensor | None = None,
-        packed_seq_params: object | None = None,
+        packed_seq_params: Any = None,
         padding_mask: Tensor | None = None,
     ) -> tuple[object, ...]: ...
 
@@ -106,8 +133,8 @@ class PreprocessableModel(Protocol):
         loss_mask: Tensor | None = None,
         decoder_input: Tensor | None = None,
         attention_mask: Tensor | None = None,
-        packed_seq_params: object | None = None,
-        sequence_len_offset: Tensor | int | None = None,
+        packed_seq_params: Any = None,
+        sequence_len_offset: Tensor | None = None,
         runtime_gather_output: bool | None = None,
         extra_block_kwargs: Mapping[str, object] | None = None,
         output_processor: Callable[..., object] | None = None,
@@ -115,11 +142,93 @@ class PreprocessableModel(Protocol):
     ) -> Tensor: ...
 
 
-def missing_members(obj: object, members: tuple[str, ...]) -> list[str]:
-    """The ``members`` that ``obj`` lacks, looked up dynamically.
+@runtime_checkable
+class FreeInputConfig(Protocol):
+    """The configuration fields :func:`~moe_overlap.should_free_input` reads.
 
-    ``isinstance`` against a runtime-checkable Protocol looks attributes up statically on
-    Python 3.12+, so it misses ``torch.nn.Module`` submodules (kept in ``_modules`` and
-    served by ``__getattr__``); integrations are checked with this instead.
+    Megatron-Core's ``TransformerConfig`` satisfies it, and so does any object with these
+    attributes. ``cuda_graph_modules`` members are judged by name, so
+    :class:`~moe_overlap.CudaGraphModule`, plain strings and Megatron's own int-valued enum all work.
     """
-    return [m for m in members if not hasattr(obj, m)]
+
+    @property
+    def moe_token_dispatcher_type(self) -> str: ...
+    @property
+    def moe_flex_dispatcher_backend(self) -> str | None: ...
+    @property
+    def fp8(self) -> object: ...
+    @property
+    def fp4(self) -> object: ...
+    @property
+    def cuda_graph_modules(self) -> Iterable[object]: ...
+
+
+@runtime_checkable
+class StreamProvider(Protocol):
+    """A zero-argument callable returning the stream a node runs on."""
+
+    def __call__(self) -> AnyStream: ...
+
+
+@runtime_checkable
+class SlotFn(Protocol):
+    """A slot's forward: gets its node (state, ``detach``) and its inputs, returns outputs."""
+
+    def __call__(
+        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+    ) -> Tensor | tuple[Tensor, ...]: ...
+
+
+@runtime_checkable
+class SchedulableLayer(Protocol):
+    """A layer the schedule can split into slots.
+
+    The four slots run, in forward order, ``pre_dispatch`` (compute stream), ``dispatch``
+    (comm stream), ``mlp`` (compute), ``combine`` (comm). Each ``slot_*(node, inputs)``
+    gets the :class:`~moe_overlap.TransformerLayerNode` running it (read
+    ``node.chunk_state`` for the attention mask and rotary embeddings, keep per-microbatch
+    values in ``node.layer_state``, hand a tensor to a later slot with ``node.detach(t)``)
+    and the previous slot's outputs. Dense layers (``is_moe`` false) skip dispatch and
+    combine: their pre-dispatch output goes to ``slot_mlp``, whose output is the layer's.
+
+    Members:
+        config: the layer's free-input configuration.
+        is_moe: true for MoE layers (dispatch/combine run on the comm stream).
+        num_local_experts: experts held on this rank; ``None`` for dense layers.
+        slot_*: the four slot functions.
+        pre_dispatch_wgrad: modules whose weight gradients the pre-dispatch slot delays,
+            each tagged with the CUDA-graph scope that covers it (attention first, then
+            anything else, e.g. a shared expert); empty when nothing is delayed.
+        mlp_wgrad: modules whose weight gradients the mlp slot delays (routed experts).
+    """
+
+    @property
+    def config(self) -> FreeInputConfig: ...
+    @property
+    def is_moe(self) -> bool: ...
+    @property
+    def num_local_experts(self) -> int | None: ...
+
+    def slot_pre_dispatch(
+        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+    ) -> Tensor | tuple[Tensor, ...]: ...
+    def slot_dispatch(
+        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+    ) -> Tensor | tuple[Tensor, ...]: ...
+    def slot_mlp(
+        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+    ) -> Tensor | tuple[Tensor, ...]: ...
+    def slot_combine(
+        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+    ) -> Tensor | tuple[Tensor, ...]: ...
+    def pre_dispatch_wgrad(self) -> Sequence[WgradScope]: ...
+    def mlp_wgrad(self) -> Sequence[WgradLayer]: ...
+
+
+@runtime_checkable
+class MtpSchedulableLayer(SchedulableLayer, Protocol):
+    """A multi-token-prediction layer: a schedulable layer with a post-process slot."""
+
+    def slot_mtp_post_process(
+        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+    ) -> Tensor | tuple[Tensor, ...]: ...

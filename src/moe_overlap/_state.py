@@ -4,18 +4,14 @@ Megatron-Core fills attribute bags at run time; here the fields are declared, so
 a type error and every field has a type.
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 from torch import Tensor
 
 from ._errors import IntegrationError
-
-if TYPE_CHECKING:
-    from ._protocols import PreprocessableModel
+from ._protocols import PreprocessableModel
 
 __all__ = ["ChunkState", "LayerState", "PreprocessOutput"]
 
@@ -29,7 +25,7 @@ class PreprocessOutput(NamedTuple):
     rotary_pos_emb: Tensor | None = None
     rotary_pos_cos: Tensor | None = None
     rotary_pos_sin: Tensor | None = None
-    sequence_len_offset: Tensor | int | None = None
+    sequence_len_offset: Tensor | None = None
     padding_mask: Tensor | None = None
 
 
@@ -47,7 +43,7 @@ class ChunkState:
     decoder_input: Tensor | None = None
     labels: Tensor | None = None
     loss_mask: Tensor | None = None
-    packed_seq_params: object | None = None
+    packed_seq_params: Any = None
     padding_mask: Tensor | None = None
     extra_block_kwargs: Mapping[str, object] | None = None
     runtime_gather_output: bool | None = None
@@ -61,15 +57,15 @@ class ChunkState:
     rotary_pos_emb: Tensor | None = None
     rotary_pos_cos: Tensor | None = None
     rotary_pos_sin: Tensor | None = None
-    sequence_len_offset: Tensor | int | None = None
+    sequence_len_offset: Tensor | None = None
 
 
 class LayerState:
     """State the nodes of one layer share within one microbatch.
 
     The declared fields are the ones the shipped layers use. A layer that needs more keeps
-    it in ``extras`` through :meth:`stash` and reads it back, type-checked, with
-    :meth:`take`. Slotted (no stray attributes) and weakref-able, like Megatron-Core's.
+    it in ``extras`` through :meth:`~moe_overlap.LayerState.stash` and reads it back, type-checked, with
+    :meth:`~moe_overlap.LayerState.take`. Slotted (no stray attributes) and weakref-able, like Megatron-Core's.
     """
 
     __slots__ = (

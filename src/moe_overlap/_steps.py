@@ -1,6 +1,6 @@
 """The schedule as data: ordered, typed steps that plans walk.
 
-A :class:`Step` names one thing the schedule does: which microbatch role (``f`` for the
+A :class:`~moe_overlap.Step` names one thing the schedule does: which microbatch role (``f`` for the
 microbatch running forward, ``b`` for the one running backward), which layer, which slot,
 which direction, on which stream. The same lists drive the plans' ``run``, the step
 listing printed on failure, the timeline and the critical-path bound, and they are tested
@@ -8,8 +8,6 @@ without running a tensor.
 
 A step prints as ``b.L3.combine.B@comm`` and :meth:`Step.parse` reads that back.
 """
-
-from __future__ import annotations
 
 import enum
 import re
@@ -99,7 +97,7 @@ _STEP_RE = re.compile(
 
 
 class Step(NamedTuple):
-    """One step of a schedule. ``str(step)`` round-trips through :meth:`parse`."""
+    """One step of a schedule. ``str(step)`` round-trips through :meth:`~moe_overlap.Step.parse`."""
 
     role: Role
     layer: int | None
@@ -114,7 +112,7 @@ class Step(NamedTuple):
         )
 
     @classmethod
-    def parse(cls, text: str) -> Step:
+    def parse(cls, text: str) -> "Step":
         """Read a step back from its string form, e.g. ``f.L0.dispatch.F@comm``."""
         match = _STEP_RE.match(text)
         if match is None:

@@ -1,13 +1,13 @@
 """Streams and events for CUDA and CPU.
 
 On CUDA the compute stream is the current stream and the communication stream is a
-dedicated one. On CPU every stream and event is a :class:`CpuStream` / :class:`CpuEvent`:
+dedicated one. On CPU every stream and event is a :class:`~moe_overlap.CpuStream` / :class:`~moe_overlap.CpuEvent`:
 objects with the methods the schedule calls that do nothing (CPU work is already ordered),
 so the whole schedule runs, exactly, on a laptop.
 
-Streams can be passed explicitly (a :class:`StreamPair`) or, for code ported from
-Megatron-Core, through the module-level :func:`set_streams` / :func:`get_comp_stream` /
-:func:`get_comm_stream`.
+Streams can be passed explicitly (a :class:`~moe_overlap.StreamPair`) or, for code ported from
+Megatron-Core, through the module-level :func:`~moe_overlap.set_streams` / :func:`~moe_overlap.get_comp_stream` /
+:func:`~moe_overlap.get_comm_stream`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import contextlib
 import time
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
-from typing import Protocol, TypeAlias, runtime_checkable
+from typing import Union
 
 import torch
 
@@ -28,7 +28,6 @@ __all__ = [
     "CpuEvent",
     "CpuStream",
     "StreamPair",
-    "StreamProvider",
     "current_stream",
     "default_device",
     "get_comm_stream",
@@ -114,15 +113,8 @@ class CpuEvent:
         return (end_event._time - self._time) * 1e3
 
 
-AnyStream: TypeAlias = "torch.cuda.Stream | CpuStream"
-AnyEvent: TypeAlias = "torch.cuda.Event | CpuEvent"
-
-
-@runtime_checkable
-class StreamProvider(Protocol):
-    """A zero-argument callable returning the stream a node runs on."""
-
-    def __call__(self) -> AnyStream: ...
+AnyStream = Union[torch.cuda.Stream, CpuStream]  # noqa: UP007 - evaluated at run time on 3.10
+AnyEvent = Union[torch.cuda.Event, CpuEvent]  # noqa: UP007
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -133,11 +125,11 @@ class StreamPair:
     comm: AnyStream
 
     def comp_provider(self) -> AnyStream:
-        """Return the compute stream (a :class:`StreamProvider`)."""
+        """Return the compute stream (a :class:`~moe_overlap.StreamProvider`)."""
         return self.comp
 
     def comm_provider(self) -> AnyStream:
-        """Return the communication stream (a :class:`StreamProvider`)."""
+        """Return the communication stream (a :class:`~moe_overlap.StreamProvider`)."""
         return self.comm
 
     @property
@@ -177,7 +169,7 @@ def make_streams(
 
 
 def make_event(device: torch.device | str | None = None) -> AnyEvent:
-    """A new event: a ``torch.cuda.Event`` on CUDA, a :class:`CpuEvent` on CPU."""
+    """A new event: a ``torch.cuda.Event`` on CUDA, a :class:`~moe_overlap.CpuEvent` on CPU."""
     dev = torch.device(device) if device is not None else default_device()
     if dev.type == "cpu":
         return CpuEvent()
@@ -284,7 +276,7 @@ def set_streams(
     """Set the module-level streams (Megatron-Core style) and return them.
 
     The first call wins, as in Megatron-Core, unless streams are passed explicitly, which
-    replace the current ones. Unset streams default to :func:`make_streams` for ``device``.
+    replace the current ones. Unset streams default to :func:`~moe_overlap.make_streams` for ``device``.
     """
     if _GLOBAL and comp_stream is None and comm_stream is None:
         return _GLOBAL[0]
