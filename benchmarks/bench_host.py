@@ -1,0 +1,202 @@
+"""Host (CPU) cost of the schedule itself: per-node forward + backward with trivial slots.
+
+``PYTHONPATH=src python benchmarks/bench_host.py`` runs in a few seconds on any machine.
+Every slot is one tiny tensor op on CPU, so the time is the library's own per-node
+overhead (node bookkeeping, events and streams on CPU, step walking, plan building),
+which shows regressions without a GPU. Prints microseconds per node execution
+(forward or backward) and per layer pair of an overlapped chunk run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from moe_overlap import (
+    Microbatch,
+    PreprocessOutput,
+    TransformerLayerNode,
+    WgradLayer,
+    WgradScope,
+    combined_1f1b,
+    make_streams,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrivialConfig:
+    """Free-input and model configuration of the trivial model."""
+
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_flex_dispatcher_backend: str | None = None
+    fp8: str | None = None
+    fp4: str | None = None
+    cuda_graph_modules: tuple[object, ...] = ()
+    mtp_num_layers: int | None = None
+
+
+class TrivialLayer(nn.Module):
+    """An MoE layer whose four slots are each one tiny add."""
+
+    def __init__(self, config: TrivialConfig) -> None:
+        super().__init__()
+        self.cfg = config
+        self.w = nn.Parameter(torch.ones(4))
+
+    @property
+    def config(self) -> TrivialConfig:
+        return self.cfg
+
+    @property
+    def is_moe(self) -> bool:
+        return True
+
+    @property
+    def num_local_experts(self) -> int | None:
+        return 2
+
+    def op(self, i: int, inputs: tuple[Tensor, ...]) -> Tensor:
+        # An add saves no input for backward, so the free-input policy may free inputs.
+        (x,) = inputs
+        return x + self.w[i]
+
+    def slot_pre_dispatch(
+        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+    ) -> Tensor | tuple[Tensor, ...]:
+        return self.op(0, inputs)
+
+    def slot_dispatch(
+        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+    ) -> Tensor | tuple[Tensor, ...]:
+        return self.op(1, inputs)
+
+    def slot_mlp(
+        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+    ) -> Tensor | tuple[Tensor, ...]:
+        return self.op(2, inputs)
+
+    def slot_combine(
+        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+    ) -> Tensor | tuple[Tensor, ...]:
+        return self.op(3, inputs)
+
+    def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
+        return []
+
+    def mlp_wgrad(self) -> Sequence[WgradLayer]:
+        return []
+
+
+class TrivialDecoder(nn.Module):
+    def __init__(self, layers: Sequence[TrivialLayer]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.input_tensor: Tensor | None = None
+        self.final_layernorm: Callable[[Tensor], Tensor] | None = None
+
+
+class TrivialModel(nn.Module):
+    """``n`` trivial MoE layers; a :class:`moe_overlap.PreprocessableModel`."""
+
+    def __init__(self, n_layers: int) -> None:
+        super().__init__()
+        self.config = TrivialConfig()
+        self.pre_process = True
+        self.post_process = True
+        self.scale = nn.Parameter(torch.ones(()))
+        self.decoder = TrivialDecoder([TrivialLayer(self.config) for _ in range(n_layers)])
+
+    def _preprocess(
+        self,
+        input_ids: Tensor | None,
+        position_ids: Tensor | None,
+        *,
+        decoder_input: Tensor | None = None,
+        packed_seq_params: object | None = None,
+        padding_mask: Tensor | None = None,
+    ) -> tuple[object, ...]:
+        assert decoder_input is not None
+        return PreprocessOutput(decoder_input * self.scale, None, None, None, None, None)
+
+    def _postprocess(
+        self,
+        hidden_states: Tensor,
+        input_ids: Tensor | None,
+        position_ids: Tensor | None,
+        labels: Tensor | None,
+        rotary_pos_emb: Tensor | None,
+        rotary_pos_cos: Tensor | None,
+        rotary_pos_sin: Tensor | None,
+        *,
+        mtp_in_postprocess: bool | None = None,
+        loss_mask: Tensor | None = None,
+        decoder_input: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        packed_seq_params: object | None = None,
+        sequence_len_offset: Tensor | int | None = None,
+        runtime_gather_output: bool | None = None,
+        extra_block_kwargs: Mapping[str, object] | None = None,
+        output_processor: Callable[..., object] | None = None,
+        output_processor_context: object | None = None,
+    ) -> Tensor:
+        return hidden_states.sum()
+
+
+def _plain_cost_us(model: TrivialModel, mbs: Sequence[Microbatch]) -> float:
+    """The same tensor ops without the schedule: plain forward + ``loss.backward()``."""
+    t0 = time.perf_counter()
+    for mb in mbs:
+        assert mb.decoder_input is not None
+        h = mb.decoder_input * model.scale
+        for layer in model.decoder.layers:
+            assert isinstance(layer, TrivialLayer)
+            for i in range(4):
+                h = layer.op(i, (h,))
+        torch.autograd.backward([h.sum()])
+    return (time.perf_counter() - t0) * 1e6
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="host cost per node of the schedule, on CPU")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=30)
+    args = p.parse_args(argv)
+    torch.set_num_threads(1)
+    model = TrivialModel(args.layers)
+    mbs = [Microbatch(decoder_input=torch.randn(4)) for _ in range(args.microbatches)]
+    streams = make_streams("cpu")
+    n_nodes = args.microbatches * (args.layers * 4 + 2) * 2  # (4 slots + pre/post) x F/B
+    n_pairs = (args.microbatches - 1) * args.layers
+    results: dict[str, float] = {}
+    for name, overlap in (("overlapped", True), ("serial", False)):
+        times: list[float] = []
+        for _ in range(args.repeats + 3):
+            t0 = time.perf_counter()
+            combined_1f1b(model, mbs, overlap=overlap, streams=streams)
+            times.append((time.perf_counter() - t0) * 1e6)
+        step_us = statistics.median(times[3:])
+        results[f"{name}_step_us"] = step_us
+        results[f"{name}_us_per_node"] = step_us / n_nodes
+    plain = statistics.median(_plain_cost_us(model, mbs) for _ in range(args.repeats))
+    results["plain_step_us"] = plain
+    results["schedule_overhead_us_per_node"] = (results["overlapped_step_us"] - plain) / n_nodes
+    # A layer pair is 8 node executions (4 slots forward of f, 4 backward of b).
+    results["overlapped_us_per_layer_pair"] = results["overlapped_us_per_node"] * 8
+    print(
+        json.dumps(
+            {"layers": args.layers, "microbatches": args.microbatches, "pairs": n_pairs, **results},
+            indent=1,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
