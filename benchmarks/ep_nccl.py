@@ -230,9 +230,9 @@ def worker(args: argparse.Namespace) -> None:
         _all_reduce(ok, op=dist.ReduceOp.MIN)
         report["all_ranks_exact"] = bool(ok.item() == 1.0)
         print(json.dumps(report), flush=True)
-        if rank == 0 and args.out is not None:
+        if args.out is not None:
             args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / f"ep{world}.json").write_text(json.dumps(report, indent=2))
+            (args.out / f"ep{world}_rank{rank}.json").write_text(json.dumps(report, indent=2))
     finally:
         dist.destroy_process_group()
 

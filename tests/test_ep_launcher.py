@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_launcher_is_exact_on_two_gloo_ranks() -> None:
+def test_launcher_is_exact_on_two_gloo_ranks(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     out = subprocess.run(
         [
@@ -26,6 +26,8 @@ def test_launcher_is_exact_on_two_gloo_ranks() -> None:
             "cpu",
             "--tiny",
             "--skip-bench",
+            "--out",
+            str(tmp_path),
         ],
         capture_output=True,
         text=True,
@@ -34,7 +36,7 @@ def test_launcher_is_exact_on_two_gloo_ranks() -> None:
         check=False,
     )
     assert out.returncode == 0, out.stderr
-    reports = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("ep2_rank*.json"))]
     assert sorted(r["rank"] for r in reports) == [0, 1]
     for r in reports:
         assert r["world"] == 2
