@@ -21,6 +21,7 @@ as the device documentation asks.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import socket
@@ -219,7 +220,9 @@ def worker(args: argparse.Namespace) -> None:
             config, args.microbatches, batch=batch, seq=seq, device=device, seed=rank
         )
         report: dict[str, object] = {"rank": rank, "world": world, "device": str(device)}
-        report["exact"] = check_exact(config, mbs, device)
+        # Explicit attention math for the exactness check: fused attention backward
+        # kernels need not be deterministic.
+        report["exact"] = check_exact(dataclasses.replace(config, attention="math"), mbs, device)
         if not args.skip_bench:
             report["step"] = bench(config, mbs, device, args.repeats)
             report["a2a"] = a2a_bandwidth(config, batch * seq, device, args.repeats)
