@@ -63,6 +63,12 @@ def combined_1f1b(
 
     ``on_plan`` is called with each plan right after it is built (instrumentation, FSDP
     reshard hooks). Delayed weight gradients are all computed by the time this returns.
+
+    If a node fails, :class:`~moe_overlap.ScheduleError` says where; streams are
+    synchronized and every plan released, so the model can run the next step. The
+    gradients the failed step had accumulated are partial: zero them (and drop any weight
+    gradients a delayed-wgrad model still holds) before that next step, as after an
+    overflowed mixed-precision step.
     """
     model = check_model(model)
     if len(microbatches) == 0:

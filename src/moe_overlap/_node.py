@@ -219,7 +219,14 @@ class NoopScheduleNode(ScheduleNode):
         super().__init__(_identity, _cpu_stream, CpuEvent(), name=name)
 
     def forward(self, *inputs: Tensor | None) -> tuple[Tensor, ...]:
-        return tuple(t for t in inputs if t is not None)
+        out: list[Tensor] = []
+        for i, t in enumerate(inputs):
+            if t is None:
+                raise IntegrationError(
+                    f"node {self.name!r}: input {i} is None; a pass-through node forwards Tensors"
+                )
+            out.append(t)
+        return tuple(out)
 
     def backward(self, *output_grad: Tensor | None) -> tuple[Tensor | None, ...]:
         return output_grad
