@@ -22,11 +22,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -121,25 +123,30 @@ def _comm_only(b: Bench) -> None:
             lb(x)
 
 
-def _recorded(b: Bench, *, overlap: bool) -> NodeRecorder:
+def _recorded(b: Bench, *, overlap: bool, options: ScheduleOptions | None = None) -> NodeRecorder:
     rec = NodeRecorder(b.device)
     b.model.zero_grad(set_to_none=False)
     _sync(b.device)
     rec.start()
     combined_1f1b(
-        b.model, b.mbs, overlap=overlap, streams=b.pair if overlap else b.serial, on_plan=rec
+        b.model,
+        b.mbs,
+        overlap=overlap,
+        streams=b.pair if overlap else b.serial,
+        options=options if options is not None else ScheduleOptions(),
+        on_plan=rec,
     )
     _sync(b.device)
     return rec
 
 
-def _bench(cfg: SliceConfig, args: argparse.Namespace) -> Bench:
+def _bench(cfg: SliceConfig, args: argparse.Namespace, microbatches: int) -> Bench:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     pair = make_streams(device)
     return Bench(
         model=MoESliceModel(cfg, dtype=dtype, device=device),
-        mbs=make_microbatches(args.microbatches, cfg, dtype=dtype, device=device),
+        mbs=make_microbatches(microbatches, cfg, dtype=dtype, device=device),
         device=device,
         pair=pair,
         serial=StreamPair(comp=pair.comp, comm=pair.comp),
@@ -152,9 +159,11 @@ def _median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
-def measure(cfg: SliceConfig, args: argparse.Namespace, *, main: bool, out: Path) -> JsonDict:
-    """Every figure for one configuration."""
-    b = _bench(cfg, args)
+def measure(
+    cfg: SliceConfig, args: argparse.Namespace, *, microbatches: int, main: bool, out: Path
+) -> JsonDict:
+    """Every figure for one configuration and microbatch count."""
+    b = _bench(cfg, args, microbatches)
     model, mbs, dtype = b.model, b.mbs, b.model.embed_scale.dtype
     res: JsonDict = {"config": _config_json(cfg, dtype), "microbatches": len(mbs)}
     serial = _time_ms(b, lambda: _step(b, overlap=False))
@@ -205,7 +214,53 @@ def measure(cfg: SliceConfig, args: argparse.Namespace, *, main: bool, out: Path
         write_chrome_trace(spans, out / "timeline_trace.json", title=title)
         res["memory"] = _memory(b)
         res["host"] = _host_time(b)
+        res["variants"] = _variants(b, m, bound)
     return res
+
+
+def _variants(b: Bench, base: dict[str, float], bound: float) -> JsonDict:
+    """The overlapped step with a high-priority comm stream, and with delayed expert wgrad.
+
+    Compute-only and comm-only are the base configuration's (the same work); the delayed
+    wgrad bound comes from a serial step with delayed wgrad (its own step lists, with
+    ``WGRAD`` steps).
+    """
+    out: JsonDict = {}
+    hp = make_streams(b.device, high_priority_comm=True)
+    hp_ms = _time_ms(b, lambda: combined_1f1b(b.model, b.mbs, overlap=True, streams=hp))
+    cap = max(base["compute_only"], base["comm_only"])
+    hp_med = _median(hp_ms)
+    out["high_priority_comm"] = {
+        "overlapped_ms": hp_med,
+        "samples": hp_ms,
+        "bound_ms": bound,
+        "efficiency": bound / hp_med,
+        "speedup": base["serial"] / hp_med,
+        "overlapped_over_max": hp_med / cap,
+    }
+    delay = ScheduleOptions(delay_wgrad_compute=True)
+    b.model.set_delay_wgrad(True)
+    try:
+        dw_ms = _time_ms(b, lambda: _step(b, overlap=True, options=delay))
+        ser_rec = _recorded(b, overlap=False, options=delay)
+        over_rec = _recorded(b, overlap=True, options=delay)
+    finally:
+        b.model.set_delay_wgrad(False)
+    runs = overlapped_runs(len(b.mbs))
+    dw_bound = critical_path_ms(runs, ser_rec.shapes, ser_rec.durations())
+    dw_bound_c = critical_path_ms(runs, over_rec.shapes, over_rec.durations())
+    dw_med = _median(dw_ms)
+    out["delay_wgrad_compute"] = {
+        "overlapped_ms": dw_med,
+        "samples": dw_ms,
+        "bound_ms": dw_bound,
+        "bound_contended_ms": dw_bound_c,
+        "efficiency": dw_bound / dw_med,
+        "efficiency_contended": dw_bound_c / dw_med,
+        "speedup": base["serial"] / dw_med,
+        "overlapped_over_max": dw_med / cap,
+    }
+    return out
 
 
 def _config_json(cfg: SliceConfig, dtype: torch.dtype) -> JsonDict:
@@ -287,29 +342,43 @@ def _host_sample(
     }
 
 
-def sweep(args: argparse.Namespace) -> list[SliceConfig]:
-    """The main configuration first, then the comm:compute sweep."""
+def ffn_sweep(args: argparse.Namespace) -> list[SliceConfig]:
+    """The main configuration first, then the expert FFN sizes (the comm:compute sweep)."""
     if args.tiny:
         base = SliceConfig(hidden=64, ffn=32, tokens=64, head_dim=16, num_layers=2)
         return [base, dataclasses.replace(base, ffn=128)]
     base = SliceConfig(hidden=args.hidden, ffn=args.ffn, tokens=args.tokens)
-    out = [base]
-    for f in args.sweep_ffn:
-        if f != base.ffn:
-            out.append(dataclasses.replace(base, ffn=f))
-    for t in args.sweep_tokens:
-        if t != base.tokens:
-            out.append(dataclasses.replace(base, tokens=t))
-    for h in args.sweep_hidden:
-        if h != base.hidden:
-            out.append(dataclasses.replace(base, hidden=h))
+    return [base, *(dataclasses.replace(base, ffn=f) for f in args.sweep_ffn if f != base.ffn)]
+
+
+def shape_sweep(args: argparse.Namespace) -> list[SliceConfig]:
+    """Token and hidden sizes around the main configuration."""
+    if args.tiny:
+        return []
+    base = SliceConfig(hidden=args.hidden, ffn=args.ffn, tokens=args.tokens)
+    out = [dataclasses.replace(base, tokens=t) for t in args.sweep_tokens if t != base.tokens]
+    out += [dataclasses.replace(base, hidden=h) for h in args.sweep_hidden if h != base.hidden]
     return out
+
+
+def closest_to_balance(results: list[JsonDict]) -> SliceConfig | None:
+    """The configuration whose comm:compute ratio is nearest 1 (on a log scale)."""
+    best: tuple[float, SliceConfig] | None = None
+    for r in results:
+        ratio = float(str(r["comm_to_compute"]))
+        dist = abs(math.log(ratio)) if ratio > 0 else math.inf
+        cfg = r["slice_config"]
+        assert isinstance(cfg, SliceConfig)
+        if best is None or dist < best[0]:
+            best = (dist, cfg)
+    return None if best is None else best[1]
 
 
 def _table(results: list[JsonDict]) -> str:
     head = (
-        f"{'H':>5} {'F':>5} {'T':>5} {'serial':>8} {'overlap':>8} {'comp':>8} {'comm':>8} "
-        f"{'bound':>8} {'eff':>5} {'effC':>5} {'c:c':>5} {'spdup':>5} {'ov/max':>6}"
+        f"{'H':>5} {'F':>5} {'T':>5} {'N':>2} {'variant':>8} {'serial':>8} {'overlap':>8} "
+        f"{'comp':>8} {'comm':>8} {'bound':>8} {'eff':>5} {'effC':>5} {'c:c':>5} {'spdup':>5} "
+        f"{'ov/max':>6}"
     )
     lines = [head]
     for r in results:
@@ -317,12 +386,26 @@ def _table(results: list[JsonDict]) -> str:
         m = r["step_ms"]
         assert isinstance(c, dict)
         assert isinstance(m, dict)
+        key = f"{c['hidden']:>5} {c['ffn']:>5} {c['tokens']:>5} {r['microbatches']:>2}"
         lines.append(
-            f"{c['hidden']:>5} {c['ffn']:>5} {c['tokens']:>5} {m['serial']:8.1f} "
+            f"{key} {'-':>8} {m['serial']:8.1f} "
             f"{m['overlapped']:8.1f} {m['compute_only']:8.1f} {m['comm_only']:8.1f} "
             f"{r['bound_ms']:8.1f} {r['efficiency']:5.2f} {r['efficiency_contended']:5.2f} "
             f"{r['comm_to_compute']:5.2f} {r['speedup']:5.2f} {r['overlapped_over_max']:6.2f}"
         )
+        variants = cast("dict[str, dict[str, object]]", r.get("variants", {}))
+        for name, v in variants.items():
+            label = {"high_priority_comm": "hi-prio", "delay_wgrad_compute": "dwgrad"}[name]
+            eff_c = v.get("efficiency_contended")
+            eff_c_s = f"{eff_c:5.2f}" if isinstance(eff_c, float) else f"{'-':>5}"
+            ov, bnd, eff = v["overlapped_ms"], v["bound_ms"], v["efficiency"]
+            spd, ovm = v["speedup"], v["overlapped_over_max"]
+            for x in (ov, bnd, eff, spd, ovm):
+                assert isinstance(x, float)
+            lines.append(
+                f"{key} {label:>8} {'':>8} {ov:8.1f} {'':>8} {'':>8} "
+                f"{bnd:8.1f} {eff:5.2f} {eff_c_s} {'':>5} {spd:5.2f} {ovm:6.2f}"
+            )
     return "\n".join(lines)
 
 
@@ -332,6 +415,7 @@ def write_sweep_png(results: list[JsonDict], path: Path) -> None:
     pts = sorted(
         (float(str(r["comm_to_compute"])), float(str(r["speedup"])), float(str(r["efficiency"])))
         for r in results
+        if r["microbatches"] == 4
     )
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label="speed-up serial/overlapped")
@@ -351,54 +435,108 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke run)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    p.add_argument("--microbatches", type=int, default=4)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--microbatches", type=int, default=4, help="per step, for the sweep")
+    p.add_argument(
+        "--more-microbatches",
+        type=int,
+        nargs="*",
+        default=[8],
+        help="also run these counts at the main and the comm~compute configuration",
+    )
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--iters", type=int, default=3)
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--ffn", type=int, default=2048)
     p.add_argument("--tokens", type=int, default=4096)
-    p.add_argument("--sweep-ffn", type=int, nargs="*", default=[1024, 4096, 8192])
-    p.add_argument("--sweep-tokens", type=int, nargs="*", default=[2048, 8192])
+    p.add_argument("--sweep-ffn", type=int, nargs="*", default=[512, 256, 1024, 4096, 8192])
+    p.add_argument("--sweep-tokens", type=int, nargs="*", default=[2048])
     p.add_argument("--sweep-hidden", type=int, nargs="*", default=[2048, 7168])
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=math.inf,
+        help="skip the remaining configurations once this many seconds have passed",
+    )
     args = p.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
     env: JsonDict = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "torch": torch.__version__,
         "python": sys.version.split()[0],
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "argv": sys.argv,
+        "warmup": args.warmup,
+        "iters": args.iters,
     }
     print(json.dumps(env), flush=True)
     results: list[JsonDict] = []
-    for i, cfg in enumerate(sweep(args)):
+    skipped: list[str] = []
+
+    def run(cfg: SliceConfig, n: int, *, main: bool = False) -> None:
+        label = f"H={cfg.hidden} F={cfg.ffn} T={cfg.tokens} N={n}"
+        if time.perf_counter() - t_start > args.budget_s:
+            skipped.append(label)
+            print(f"skipped (time budget): {label}", flush=True)
+            return
         t0 = time.perf_counter()
         try:
-            r = measure(cfg, args, main=i == 0, out=args.out)
+            r = measure(cfg, args, microbatches=n, main=main, out=args.out)
         except torch.OutOfMemoryError as exc:  # keep the rest of the sweep
-            print(f"OOM for {cfg}: {exc}", flush=True)
-            continue
+            print(f"OOM for {label}: {exc}", flush=True)
+            return
         r["wall_s"] = time.perf_counter() - t0
-        results.append(r)
         print(json.dumps(r), flush=True)
+        r["slice_config"] = cfg
+        results.append(r)
         if args.device == "cuda":
             torch.cuda.empty_cache()
-        (args.out / "results.json").write_text(
-            json.dumps({"env": env, "results": results}, indent=1)
-        )
+        _save(args.out, env, results, skipped)
+
+    ffn_cfgs = ffn_sweep(args)
+    for i, cfg in enumerate(ffn_cfgs):
+        run(cfg, args.microbatches, main=i == 0)
+    balanced = closest_to_balance(results)
+    env["balanced_config"] = None if balanced is None else dataclasses.asdict(balanced)
+    for n in args.more_microbatches:
+        twice = [ffn_cfgs[0]] if balanced in (None, ffn_cfgs[0]) else [ffn_cfgs[0], balanced]
+        for cfg in twice:
+            assert cfg is not None
+            run(cfg, n)
+    for cfg in shape_sweep(args):
+        run(cfg, args.microbatches)
     # Host cost where the GPU never holds the host back: sizes so small that issuing is
     # slower than running.
     small = SliceConfig(hidden=256, ffn=128, tokens=256, head_dim=64)
-    sb = _bench(small, args)
+    sb = _bench(small, args, args.microbatches)
     _time_ms(sb, lambda: _step(sb, overlap=True))
     host_small: JsonDict = {"config": _config_json(small, sb.model.embed_scale.dtype)}
     host_small.update(_host_time(sb))
     print(json.dumps({"host_small": host_small}), flush=True)
-    (args.out / "results.json").write_text(
-        json.dumps({"env": env, "results": results, "host_small": host_small}, indent=1)
-    )
+    env["wall_s"] = time.perf_counter() - t_start
+    _save(args.out, env, results, skipped, host_small)
     write_sweep_png(results, args.out / "sweep.png")
     print(_table(results), flush=True)
+    if balanced is not None:
+        print(
+            f"comm~compute configuration: H={balanced.hidden} F={balanced.ffn} T={balanced.tokens}",
+            flush=True,
+        )
+    print(f"skipped: {skipped}; wall {env['wall_s']:.1f} s", flush=True)
+
+
+def _save(
+    out: Path,
+    env: JsonDict,
+    results: list[JsonDict],
+    skipped: list[str],
+    host_small: JsonDict | None = None,
+) -> None:
+    rows = [{k: v for k, v in r.items() if k != "slice_config"} for r in results]
+    doc: JsonDict = {"env": env, "results": rows, "skipped": skipped}
+    if host_small is not None:
+        doc["host_small"] = host_small
+    (out / "results.json").write_text(json.dumps(doc, indent=1))
 
 
 if __name__ == "__main__":
