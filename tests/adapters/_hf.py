@@ -1,0 +1,196 @@
+"""Tiny transformers MoE models and the comparisons the adapter tests make.
+
+transformers is reached through ``importlib`` so the type checkers do not walk its
+thousands of modules; the models are typed as ``torch.nn.Module``.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from moe_overlap import Microbatch, ScheduleOptions, combined_1f1b
+from moe_overlap.adapters.transformers import TransformersMoEAdapter
+
+VOCAB = 64
+LOSS_ATOL = 1e-6
+"""Loss: adapter plain mode vs the model's forward (float32, measured 0 with top-2)."""
+GRAD_RTOL = 1e-5
+"""Gradients: max |adapter - transformers| / max |transformers| per tensor (float32;
+measured up to ~7e-7): the expert GEMMs group rows differently."""
+
+
+def _transformers() -> Any:
+    return importlib.import_module("transformers")
+
+
+def mixtral(*, aux: bool = False, seed: int = 0, **overrides: object) -> nn.Module:
+    """A 2-layer Mixtral: 4 experts, top-2, GQA."""
+    t = _transformers()
+    kwargs: dict[str, object] = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        output_router_logits=aux,
+        router_aux_loss_coef=0.1,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model: nn.Module = t.MixtralForCausalLM(t.MixtralConfig(**kwargs))
+    return model
+
+
+def qwen2_moe(*, aux: bool = False, seed: int = 0, **overrides: object) -> nn.Module:
+    """A 3-layer Qwen2-MoE with a shared expert, QKV bias; layer 1 dense (``mlp_only_layers``)."""
+    t = _transformers()
+    kwargs: dict[str, object] = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=24,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mlp_only_layers=[1],
+        max_position_embeddings=64,
+        output_router_logits=aux,
+        router_aux_loss_coef=0.1,
+        qkv_bias=True,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model: nn.Module = t.Qwen2MoeForCausalLM(t.Qwen2MoeConfig(**kwargs))
+    return model
+
+
+FAMILIES = {"mixtral": mixtral, "qwen2_moe": qwen2_moe}
+
+
+def microbatches(
+    n: int, *, batch: int = 2, seq: int = 8, seed: int = 1, padded: bool = False
+) -> list[Microbatch]:
+    """Random microbatches, labels = inputs (the loss shifts them); ``padded`` left-pads."""
+    gen = torch.Generator().manual_seed(seed)
+    out: list[Microbatch] = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (batch, seq), generator=gen)
+        mask: Tensor | None = None
+        labels = ids.clone()
+        if padded:
+            mask = torch.ones(batch, seq, dtype=torch.long)
+            mask[0, :3] = 0
+            labels[0, :3] = -100
+        out.append(Microbatch(input_ids=ids, labels=labels, attention_mask=mask))
+    return out
+
+
+def reference_step(model: nn.Module, mbs: Sequence[Microbatch]) -> list[Tensor]:
+    """The model's own ``forward(input_ids, labels=...)`` and ``loss.backward()`` per microbatch."""
+    losses: list[Tensor] = []
+    for mb in mbs:
+        out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, labels=mb.labels)
+        out.loss.backward()
+        loss: Tensor = out.loss.detach()
+        losses.append(loss)
+    return losses
+
+
+def adapter_step(
+    adapter: TransformersMoEAdapter,
+    mbs: Sequence[Microbatch],
+    *,
+    overlap: bool,
+    options: ScheduleOptions | None = None,
+) -> list[Tensor]:
+    return combined_1f1b(
+        adapter, mbs, overlap=overlap, options=options or adapter.schedule_options()
+    )
+
+
+def grads(model: nn.Module) -> dict[str, Tensor]:
+    out: dict[str, Tensor] = {}
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        out[name] = p.grad.detach().clone()
+    return out
+
+
+def max_rel_diff(a: Tensor, b: Tensor) -> float:
+    scale = b.abs().max().item()
+    return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """Adapter (plain and overlapped) against the model's own forward."""
+
+    loss_diff: float
+    grad_rel_diff: float
+    worst_grad: str
+    bit_identical: bool
+    pending_after: int
+
+    @property
+    def ok(self) -> bool:
+        return (
+            self.loss_diff <= LOSS_ATOL
+            and self.grad_rel_diff <= GRAD_RTOL
+            and self.bit_identical
+            and self.pending_after == 0
+        )
+
+
+def compare(
+    model: nn.Module,
+    mbs: Sequence[Microbatch],
+    *,
+    delay: bool = False,
+    ref_grads: dict[str, Tensor] | None = None,
+    ref_losses: Sequence[Tensor] | None = None,
+    ep_group: Any = None,
+) -> Outcome:
+    """Run transformers, adapter plain mode and adapter overlap from the same weights.
+
+    Under EP, pass ``ref_grads``/``ref_losses`` computed on the full model (expert grads
+    summed over ranks and sliced); ``model`` is then sharded by the adapters.
+    """
+    plain_model = copy.deepcopy(model)
+    overlap_model = copy.deepcopy(model)
+    if ref_grads is None or ref_losses is None:
+        ref = copy.deepcopy(model)
+        ref_losses = reference_step(ref, mbs)
+        ref_grads = grads(ref)
+    plain = TransformersMoEAdapter(plain_model, ep_group=ep_group, delay_wgrad_compute=delay)
+    over = TransformersMoEAdapter(overlap_model, ep_group=ep_group, delay_wgrad_compute=delay)
+    lp = adapter_step(plain, mbs, overlap=False)
+    lo = adapter_step(over, mbs, overlap=True)
+    gp, go = grads(plain_model), grads(overlap_model)
+    bit = all(torch.equal(x, y) for x, y in zip(lp, lo, strict=True)) and all(
+        torch.equal(gp[k], go[k]) for k in gp
+    )
+    loss_diff = max((x - y).abs().item() for x, y in zip(lp, ref_losses, strict=True))
+    rel = {k: max_rel_diff(gp[k], ref_grads[k]) for k in gp}
+    worst = max(rel, key=lambda k: rel[k])
+    assert set(gp) == set(ref_grads)
+    return Outcome(
+        loss_diff=loss_diff,
+        grad_rel_diff=rel[worst],
+        worst_grad=worst,
+        bit_identical=bit,
+        pending_after=plain.pending_wgrad() + over.pending_wgrad(),
+    )

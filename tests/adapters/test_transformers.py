@@ -1,0 +1,136 @@
+"""The transformers adapter on one process: parity with the model's own forward, overlap
+bit-identical to plain mode, mixed dense/MoE stacks, sharding round trip, errors."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from moe_overlap import (
+    ConfigError,
+    Microbatch,
+    PreprocessableModel,
+    SchedulableLayer,
+    ScheduleError,
+    WgradLayer,
+    combined_1f1b,
+)
+from moe_overlap.adapters.transformers import (
+    HFDenseLayer,
+    HFMoELayer,
+    TransformersMoEAdapter,
+    expert_parameter_names,
+    gather_experts,
+    shard_experts,
+)
+from tests.adapters._hf import FAMILIES, compare, microbatches, mixtral, qwen2_moe
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize(("aux", "delay"), [(False, False), (True, False), (True, True)])
+def test_matches_transformers_and_overlap_is_exact(family: str, aux: bool, delay: bool) -> None:
+    """Plain mode ~ model.forward (GRAD_RTOL); overlap == plain mode bit for bit."""
+    model = FAMILIES[family](aux=aux)
+    result = compare(model, microbatches(3), delay=delay)
+    assert result.ok, result
+
+
+def test_padding_mask_and_masked_aux_loss() -> None:
+    """A 2-D attention mask reaches attention and the masked load-balancing loss."""
+    result = compare(mixtral(aux=True), microbatches(2, padded=True))
+    assert result.ok, result
+
+
+def test_mixed_dense_and_moe_layers() -> None:
+    model = qwen2_moe(num_hidden_layers=4, mlp_only_layers=[0], decoder_sparse_step=2)
+    adapter = TransformersMoEAdapter(copy.deepcopy(model))
+    kinds = [type(layer) for layer in adapter.decoder.layers]
+    # Layer 0 is in mlp_only_layers; of the rest only (i + 1) % 2 == 0 are sparse.
+    assert kinds == [HFDenseLayer, HFMoELayer, HFDenseLayer, HFMoELayer]
+    result = compare(model, microbatches(3), delay=True)
+    assert result.ok, result
+
+
+def test_sliding_window_mask() -> None:
+    result = compare(mixtral(sliding_window=4, attn_implementation="eager"), microbatches(2))
+    assert result.ok, result
+
+
+def test_protocols_and_wgrad_lists() -> None:
+    adapter = TransformersMoEAdapter(qwen2_moe(), delay_wgrad_compute=True)
+    assert isinstance(adapter, PreprocessableModel)
+    for layer in adapter.decoder.layers:
+        assert isinstance(layer, SchedulableLayer)
+        assert all(isinstance(s.module, WgradLayer) for s in layer.pre_dispatch_wgrad())
+        assert all(isinstance(m, WgradLayer) for m in layer.mlp_wgrad())
+    moe = adapter.decoder.layers[0]
+    assert isinstance(moe, HFMoELayer) and moe.num_local_experts == 4
+    assert [s.scope.name for s in moe.pre_dispatch_wgrad()] == ["attn", "moe_router"]
+    assert TransformersMoEAdapter(mixtral()).decoder.layers[0].mlp_wgrad() == []
+
+
+def test_delayed_wgrad_keeps_state_dict_format() -> None:
+    model = qwen2_moe()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    TransformersMoEAdapter(model, delay_wgrad_compute=True)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    # The model's own forward still runs on the swapped linears.
+    mb = microbatches(1)[0]
+    assert mb.input_ids is not None
+    model(input_ids=mb.input_ids)
+
+
+def test_logits_without_labels() -> None:
+    """Without labels, ``_postprocess`` returns the LM head's logits (as the model does)."""
+    model = mixtral()
+    adapter = TransformersMoEAdapter(model)
+    h = torch.randn(2, 8, 32)
+    logits = adapter._postprocess(h, None, None, None, None, None, None)
+    expected = model.get_submodule("lm_head")(model.get_submodule("model.norm")(h))
+    assert torch.equal(logits, expected)
+
+
+def test_shard_then_gather_is_exact_at_ep1() -> None:
+    model = qwen2_moe()
+    full = {k: v.clone() for k, v in model.state_dict().items()}
+    shard_experts(model, None)
+    back = gather_experts(model, None)
+    assert list(back) == list(full)
+    assert all(torch.equal(back[k], full[k]) for k in full)
+    names = expert_parameter_names(model)
+    assert names == [
+        "model.layers.0.mlp.experts.gate_up_proj",
+        "model.layers.0.mlp.experts.down_proj",
+        "model.layers.2.mlp.experts.gate_up_proj",
+        "model.layers.2.mlp.experts.down_proj",
+    ]
+
+
+def test_loss_mask_is_rejected() -> None:
+    adapter = TransformersMoEAdapter(mixtral())
+    mb = microbatches(1)[0]
+    bad = Microbatch(input_ids=mb.input_ids, labels=mb.labels, loss_mask=torch.ones(2, 8))
+    with pytest.raises(ScheduleError, match="loss_mask") as info:
+        combined_1f1b(adapter, [bad])
+    assert isinstance(info.value.__cause__, ConfigError)
+
+
+def test_router_jitter_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="router_jitter_noise"):
+        TransformersMoEAdapter(mixtral(router_jitter_noise=0.1))
+
+
+def test_import_moe_overlap_does_not_import_transformers() -> None:
+    code = (
+        "import sys, moe_overlap, moe_overlap.adapters, moe_overlap.models; "
+        "assert 'transformers' not in sys.modules, 'transformers imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
