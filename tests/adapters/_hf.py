@@ -194,3 +194,29 @@ def compare(
         bit_identical=bit,
         pending_after=plain.pending_wgrad() + over.pending_wgrad(),
     )
+
+
+def other_family(name: str) -> nn.Module:
+    """Families the adapter takes by structure alone: ``qwen3_moe`` (QK norm), ``olmoe``."""
+    t = _transformers()
+    common: dict[str, object] = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        output_router_logits=True,
+        router_aux_loss_coef=0.1,
+    )
+    torch.manual_seed(0)
+    model: nn.Module
+    if name == "qwen3_moe":
+        config = t.Qwen3MoeConfig(**common, moe_intermediate_size=16, intermediate_size=48)
+        model = t.Qwen3MoeForCausalLM(config)
+    else:
+        config = t.OlmoeConfig(**common, intermediate_size=16, eos_token_id=None, pad_token_id=0)
+        model = t.OlmoeForCausalLM(config)
+    return model

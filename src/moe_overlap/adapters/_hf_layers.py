@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
-from typing import Protocol, cast
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -56,6 +56,7 @@ _PERMUTE = "permute"
 _DISPATCH = "dispatch"
 
 
+@runtime_checkable
 class MaskFunction(Protocol):
     """transformers' ``create_causal_mask`` / ``create_sliding_window_causal_mask``."""
 
