@@ -4,9 +4,9 @@
 
 1. :func:`moe_slice.expert_positions` (sort-based) equals the one-hot cumulative-sum
    reference it replaced, exactly, on random routings;
-2. the weight gradients of one step agree between the serial step, the overlapped step
-   and the overlapped step with ``delay_wgrad_compute=True`` (the slice's delayed expert
-   wgrad), relative to their norm;
+2. the weight gradients of one float32 step agree between the serial step (run twice),
+   the overlapped step and the steps with ``delay_wgrad_compute=True`` (the slice's
+   delayed expert wgrad), relative to their norm;
 3. on CUDA: the attention's forward + backward at the main size under ``torch.profiler``,
    listing its attention kernels (flash or not) and whether the math fallback ran.
 
@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -92,14 +93,17 @@ def _rel(got: torch.Tensor, ref: torch.Tensor) -> float:
 
 def check_grads(device: torch.device) -> JsonDict:
     """Serial vs overlapped vs overlapped with delayed expert wgrad: same gradients."""
-    cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if cuda else torch.float32
+    # float32 on both devices: in bf16 the combine's index_add (atomics on CUDA) rounds
+    # differently from run to run, which can flip near-tied top-k choices in the next
+    # layer; a first device try in bf16 saw 3 % between two steps for that reason. The
+    # serial step run twice gives the run-to-run floor.
+    dtype = torch.float32
     cfg = SliceConfig(hidden=128, ffn=64, tokens=128, head_dim=32, num_layers=2)
     ref = _grads(cfg, device, dtype, overlap=False, delay=False)
-    # bf16 index_add accumulates with atomics on CUDA, so runs differ by rounding there.
-    tol = 2e-2 if cuda else 1e-5
+    tol = 1e-4 if device.type == "cuda" else 1e-5
     worst: JsonDict = {}
     for label, overlap, delay in (
+        ("serial_again", False, False),
         ("overlapped", True, False),
         ("overlapped_delay_wgrad", True, True),
         ("serial_delay_wgrad", False, True),
@@ -147,14 +151,26 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     device = torch.device(args.device)
     res: JsonDict = {"device": str(device), "torch": torch.__version__}
-    res.update(check_positions(device))
-    res.update(check_grads(device))
+    checks: list[tuple[str, Callable[[torch.device], JsonDict]]] = [
+        ("positions", check_positions),
+        ("grads", check_grads),
+    ]
     if device.type == "cuda":
-        res["sdpa"] = sdpa_kernels(device)
+        checks.append(("sdpa", sdpa_kernels))
+    failed: list[str] = []
+    for name, check in checks:  # run every check, fail at the end
+        try:
+            res[name] = check(device)
+        except AssertionError as exc:
+            res[name] = {"failed": str(exc)}
+            failed.append(name)
+    res["failed"] = failed
     print(json.dumps(res, indent=1), flush=True)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "check.json").write_text(json.dumps(res, indent=1))
+    if failed:
+        sys.exit(f"failed: {failed}")
 
 
 if __name__ == "__main__":
