@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,14 +129,20 @@ class Timeline:
         slot: Slot,
         kind: StreamKind,
     ) -> None:
+        # The wrapper is stored on the node, so it may hold the node only weakly (and its
+        # bound method through weak_method): a strong reference would be a cycle that keeps
+        # every instrumented node alive until the cyclic collector runs.
+        node_ref = weakref.ref(node)
+
         def timed(name: str, direction: Direction, wait: bool) -> None:
-            # weak_method: the node must not keep itself alive through its own wrapper.
             original: _Method = weak_method(getattr(node, name))
 
             def run(*args: object) -> object:
-                stream = node.stream()
+                owner = node_ref()
+                assert owner is not None, "a node's wrapper outlived its node"
+                stream = owner.stream()
                 if wait:
-                    _wait(node, stream)
+                    _wait(owner, stream)
                 host_start = time.perf_counter()
                 start = _mark(stream)
                 out = original(*args)

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+import gc
 import json
+import weakref
 from pathlib import Path
 
 import pytest
 
-from moe_overlap import ConfigError
+from moe_overlap import ConfigError, Direction, ModelChunkSchedulePlan, combined_1f1b
 from moe_overlap.__main__ import main
+from moe_overlap.models import GPTMoEModel
+from moe_overlap.timeline import Timeline
+from tests.models._helpers import SMALL, microbatches
 
 
 def test_demo_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -37,3 +43,31 @@ def test_demo_no_delay_sgd(tmp_path: Path) -> None:
 def test_demo_rejects_ep_without_processes(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--ep 2"):
         main(["demo", "--ep", "2", "--out", str(tmp_path)])
+
+
+def test_timeline_creates_no_reference_cycles() -> None:
+    """An instrumented node dies by reference counting: its timing wrappers hold it weakly."""
+    model = GPTMoEModel(dataclasses.replace(SMALL, delay_wgrad_compute=True))
+    data = microbatches(2, vocab=SMALL.vocab_size)
+    combined_1f1b(model, data, options=model.schedule_options())  # warm up lazy state
+    timeline = Timeline()
+    nodes: list[weakref.ref[object]] = []
+
+    def on_plan(plan: ModelChunkSchedulePlan) -> None:
+        timeline(plan)
+        nodes.extend(weakref.ref(n) for lp in plan.layers for n in lp.nodes.values())
+
+    gc.collect()
+    gc.disable()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        combined_1f1b(model, data, options=model.schedule_options(), on_plan=on_plan)
+        alive = sum(r() is not None for r in nodes)
+        found = gc.collect()
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert nodes and alive == 0
+    assert found == 0, f"{found} objects were only reachable through reference cycles"
+    assert {s.direction for s in timeline.spans()} == set(Direction) - {Direction.HOOK}
