@@ -121,10 +121,12 @@ def _grads_identical(a: torch.nn.Module, b: torch.nn.Module) -> tuple[int, int]:
     return same, total
 
 
-def _average_replicated_grads(model: GPTMoEModel, world: int) -> None:
-    """What data-parallel training does for the non-expert (replicated) parameters.
+def _average_grads(model: GPTMoEModel, world: int) -> None:
+    """Turn each rank's gradients into those of the mean loss over ranks.
 
-    Expert weights are sharded, not replicated, so their grads stay local.
+    Replicated (non-expert) grads are averaged, as data parallelism does. Expert weights
+    are sharded: the all-to-all already brought every rank's tokens to them, so their
+    local grad is the sum over ranks and only needs the same ``1 / world``.
     """
     experts = {
         id(p)
@@ -133,9 +135,11 @@ def _average_replicated_grads(model: GPTMoEModel, world: int) -> None:
         for p in layer.experts.parameters()
     }
     for p in model.parameters():
-        if p.grad is not None and id(p) not in experts:
+        if p.grad is None:
+            continue
+        if id(p) not in experts:
             _all_reduce(p.grad)
-            p.grad.div_(world)
+        p.grad.div_(world)
 
 
 def _init_distributed(device: torch.device) -> tuple[int, int]:
@@ -246,8 +250,8 @@ def run_demo(args: DemoArgs) -> int:
             f"{', all ranks' if world > 1 else ''})"
         )
         if world > 1:
-            _average_replicated_grads(scheduled, world)
-            _average_replicated_grads(plain, world)
+            _average_grads(scheduled, world)
+            _average_grads(plain, world)
         opt_s.step()
         opt_p.step()
     args.out.mkdir(parents=True, exist_ok=True)

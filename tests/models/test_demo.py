@@ -9,7 +9,9 @@ import weakref
 from pathlib import Path
 
 import pytest
+import torch
 
+import moe_overlap.__main__ as demo_module
 from moe_overlap import ConfigError, Direction, ModelChunkSchedulePlan, combined_1f1b
 from moe_overlap.__main__ import main
 from moe_overlap.models import GPTMoEModel
@@ -71,3 +73,26 @@ def test_timeline_creates_no_reference_cycles() -> None:
     assert nodes and alive == 0
     assert found == 0, f"{found} objects were only reachable through reference cycles"
     assert {s.direction for s in timeline.spans()} == set(Direction) - {Direction.HOOK}
+
+
+def test_ep_grad_averaging_scales_experts_like_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under EP the demo's grads are those of the mean loss over ranks, experts included.
+
+    Two ranks with identical grads are simulated by an all-reduce that doubles: replicated
+    grads come back unchanged, and expert grads (already the sum over both ranks' tokens)
+    must be halved like everything else.
+    """
+    model = GPTMoEModel(SMALL)
+    data = microbatches(1, vocab=SMALL.vocab_size)
+    combined_1f1b(model, data)
+    before = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    def all_reduce_two_identical_ranks(t: torch.Tensor) -> None:
+        t.mul_(2)
+
+    monkeypatch.setattr(demo_module, "_all_reduce", all_reduce_two_identical_ranks)
+    demo_module._average_grads(model, 2)
+    for name, p in model.named_parameters():
+        assert p.grad is not None
+        expected = before[name] / 2 if ".experts." in name else before[name]
+        assert torch.equal(p.grad, expected), name
