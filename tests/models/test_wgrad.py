@@ -160,3 +160,37 @@ def test_schedule_delay_on_immediate_model_raises() -> None:
     with pytest.raises(ScheduleError) as info:
         combined_1f1b(model, data, options=ScheduleOptions(delay_wgrad_compute=True))
     assert isinstance(info.value.__cause__, WgradError)
+
+
+def test_backward_dw_of_a_frozen_weight_is_a_no_op() -> None:
+    lin = _linear(True)
+    lin.weight.requires_grad_(False)
+    x = torch.randn(2, 5, dtype=torch.float64, requires_grad=True)
+    lin(x).sum().backward()
+    assert lin.pending_wgrad == 0
+    lin.backward_dw()
+    assert lin.weight.grad is None and x.grad is not None
+
+
+def test_schedule_with_frozen_attention_and_delayed_wgrad() -> None:
+    """Fine-tuning with frozen attention: the delayed schedule still matches plain backward."""
+    config = dataclasses.replace(SMALL, delay_wgrad_compute=True)
+    scheduled = GPTMoEModel(config)
+    plain = GPTMoEModel(dataclasses.replace(config, delay_wgrad_compute=False))
+    for model in (scheduled, plain):
+        for layer in model.layer_list:
+            layer.attn_block.attention.requires_grad_(False)
+    data = microbatches(3, vocab=SMALL.vocab_size)
+    losses = combined_1f1b(scheduled, data, options=scheduled.schedule_options())
+    check_no_pending_wgrad(scheduled)
+    for mb, loss in zip(data, losses, strict=True):
+        assert mb.input_ids is not None
+        ref = plain(mb.input_ids, mb.position_ids, mb.labels, mb.loss_mask)
+        ref.backward()
+        assert torch.equal(loss, ref.detach())
+    for (name, p), q in zip(scheduled.named_parameters(), plain.parameters(), strict=True):
+        if "attention" in name:
+            assert p.grad is None and q.grad is None, name
+        else:
+            assert p.grad is not None and q.grad is not None, name
+            assert torch.equal(p.grad, q.grad), name

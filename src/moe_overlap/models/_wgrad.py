@@ -146,8 +146,10 @@ class DelayedWgradModule(nn.Module):
     def backward_dw(self) -> None:
         """Compute and accumulate the oldest pending weight gradient.
 
-        Raises :class:`~moe_overlap.WgradError` when wgrad is not delayed or nothing is
-        pending (``backward_dw`` called twice for one backward).
+        A frozen weight (``requires_grad`` false) has none to compute: backward queues
+        nothing for it and this is a no-op. Raises :class:`~moe_overlap.WgradError` when
+        wgrad is not delayed or nothing is pending (``backward_dw`` called twice for one
+        backward).
         """
         if not self.delay_wgrad:
             raise WgradError(
@@ -155,6 +157,8 @@ class DelayedWgradModule(nn.Module):
                 "(config.delay_wgrad_compute=True, matching ScheduleOptions), received a "
                 "module built with delay_wgrad=False"
             )
+        if not self._pending and not self.weight.requires_grad:
+            return
         if not self._pending:
             raise WgradError(
                 f"{self.label}: backward_dw expected a pending weight gradient (one per "
