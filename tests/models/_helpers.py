@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from moe_overlap import Microbatch, combined_1f1b
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel, MoELayer, check_no_pending_wgrad
@@ -93,37 +95,56 @@ def check_parity(
     )
     check_no_pending_wgrad(scheduled)
     ref = []
-    for mb in data:
-        assert mb.input_ids is not None
-        loss = plain(mb.input_ids, mb.position_ids, mb.labels, mb.loss_mask)
-        (loss * loss_scale).backward()
-        ref.append(loss.detach())
+    with _RoutedCounts(plain) as routed:
+        for mb in data:
+            assert mb.input_ids is not None
+            loss = plain(mb.input_ids, mb.position_ids, mb.labels, mb.loss_mask)
+            (loss * loss_scale).backward()
+            ref.append(loss.detach())
     mismatched, missing = [], []
     for (name, p), (_, q) in zip(
         scheduled.named_parameters(), plain.named_parameters(), strict=True
     ):
         if p.grad is None or q.grad is None:
-            if p.grad is not q.grad:
-                missing.append(name)
+            # Every parameter of the reference model takes part in the loss: a grad missing
+            # on both sides is a broken backward too, not a match.
+            missing.append(name)
         elif not torch.equal(p.grad, q.grad):
             mismatched.append(name)
-    counts = _routed_counts(plain, data[0])
     return Parity(
         losses_equal=all(torch.equal(a, b) for a, b in zip(losses, ref, strict=True)),
         mismatched=tuple(mismatched),
         missing=tuple(missing),
-        tokens_per_expert=counts,
+        tokens_per_expert=routed.counts,
     )
 
 
-def _routed_counts(model: GPTMoEModel, mb: Microbatch) -> tuple[int, ...]:
-    """Tokens per global expert that the first MoE layer routes, for this rank's data."""
-    moe = [layer for layer in model.layer_list if isinstance(layer, MoELayer)]
-    if not moe or mb.input_ids is None:
-        return ()
-    layer = moe[0]
-    with torch.no_grad():
-        x = model.embedding(mb.input_ids).reshape(-1, model.config.hidden_size)
-        _, experts = layer.router(x)
-        counts = torch.bincount(experts.flatten(), minlength=model.config.num_experts)
-    return tuple(int(c) for c in counts)
+class _RoutedCounts:
+    """Tokens per global expert that the first MoE layer's router picks in the first forward.
+
+    A forward hook on the real router input (after attention and norm), so the counts are
+    those the dispatcher sends, for this rank's data.
+    """
+
+    def __init__(self, model: GPTMoEModel) -> None:
+        moe = [layer for layer in model.layer_list if isinstance(layer, MoELayer)]
+        self.router = moe[0].router if moe else None
+        self.num_experts = model.config.num_experts
+        self.counts: tuple[int, ...] = ()
+        self._handle: RemovableHandle | None = None
+
+    def __enter__(self) -> _RoutedCounts:
+        if self.router is not None:
+            self._handle = self.router.register_forward_hook(self._record)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+
+    def _record(self, module: nn.Module, args: object, output: tuple[Tensor, Tensor]) -> None:
+        del module, args
+        if not self.counts:
+            experts = output[1].detach().flatten()
+            counts = torch.bincount(experts, minlength=self.num_experts)
+            self.counts = tuple(int(c) for c in counts)

@@ -69,10 +69,12 @@ def test_ep2_bit_identical(ep2_results: list[dict[str, object]], case: str) -> N
 @pytest.mark.slow
 def test_ep2_starved_rank_gets_no_tokens(ep2_results: list[dict[str, object]]) -> None:
     """Experts 0 and 1 (all of rank 0's) receive nothing; the all-to-all copes."""
-    for r in ep2_results:
-        if r["case"] == "starved_delay":
-            counts = r["tokens_per_expert"]
-            assert isinstance(counts, list) and counts[0] == counts[1] == 0
+    rows = [r for r in ep2_results if r["case"] == "starved_delay"]
+    assert len(rows) == 2
+    for r in rows:
+        counts = r["tokens_per_expert"]
+        assert isinstance(counts, list) and counts[0] == counts[1] == 0
+        assert sum(counts) == 2 * 16 * 2  # batch * seq * top-k, all routed to rank 1
 
 
 @pytest.mark.slow

@@ -46,6 +46,7 @@ def test_starved_experts(delay: bool) -> None:
     config = dataclasses.replace(SMALL, delay_wgrad_compute=delay, moe_shared_expert_hidden_size=8)
     result = check_parity(config, starved=(1, 2))
     assert result.tokens_per_expert[1] == result.tokens_per_expert[2] == 0
+    assert sum(result.tokens_per_expert) == 2 * 16 * config.moe_router_topk  # batch * seq * k
     assert result.ok, result
 
 
