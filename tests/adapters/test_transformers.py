@@ -18,6 +18,8 @@ from moe_overlap import (
     PreprocessableModel,
     SchedulableLayer,
     ScheduleError,
+    ScheduleOptions,
+    WgradError,
     WgradLayer,
     combined_1f1b,
 )
@@ -148,3 +150,20 @@ def test_import_moe_overlap_does_not_import_transformers() -> None:
         "assert 'transformers' not in sys.modules, 'transformers imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_discard_wgrad_makes_the_adapter_usable_after_a_failed_step() -> None:
+    """Pending weight gradients left by a broken step block the next one until discarded."""
+    model = mixtral()
+    adapter = TransformersMoEAdapter(model, delay_wgrad_compute=True)
+    mbs = microbatches(2)
+    combined_1f1b(adapter, mbs, options=ScheduleOptions(delay_wgrad_compute=False))
+    assert adapter.pending_wgrad() > 0
+    with pytest.raises(ScheduleError, match="discard_wgrad") as info:
+        combined_1f1b(adapter, mbs, options=adapter.schedule_options())
+    assert isinstance(info.value.__cause__, WgradError)
+    adapter.discard_wgrad()
+    model.zero_grad(set_to_none=True)
+    assert adapter.pending_wgrad() == 0
+    combined_1f1b(adapter, mbs, options=adapter.schedule_options())
+    assert adapter.pending_wgrad() == 0

@@ -13,6 +13,7 @@ from moe_overlap.models import (
     DelayedWgradLinear,
     GPTMoEModel,
     check_no_pending_wgrad,
+    discard_wgrad,
     finish_wgrad,
     pending_wgrad,
 )
@@ -146,9 +147,7 @@ def test_schedule_without_delay_leaves_pending_and_next_step_fails() -> None:
         combined_1f1b(model, data, options=ScheduleOptions(delay_wgrad_compute=False))
     assert isinstance(info.value.__cause__, WgradError)
     model.zero_grad()
-    for m in model.modules():
-        if isinstance(m, (DelayedWgradLinear, DelayedWgradGroupedLinear)):
-            m.discard_wgrad()
+    discard_wgrad(model)
     combined_1f1b(model, data, options=model.schedule_options())
     check_no_pending_wgrad(model)
 

@@ -156,6 +156,10 @@ class _LayerBase:
     def pending(self) -> int:
         return self.attention_wgrad.pending()
 
+    def discard_wgrad(self) -> None:
+        """Drop the pending weight gradients of every delayed module (after a failed step)."""
+        self.attention_wgrad.discard()
+
 
 class HFDenseLayer(_LayerBase):
     """A dense decoder layer (e.g. Qwen2-MoE's ``mlp_only_layers``): no dispatch/combine."""
@@ -203,6 +207,10 @@ class HFDenseLayer(_LayerBase):
 
     def pending(self) -> int:
         return super().pending() + self.mlp_group.pending()
+
+    def discard_wgrad(self) -> None:
+        super().discard_wgrad()
+        self.mlp_group.discard()
 
 
 class HFMoELayer(_LayerBase):
@@ -333,6 +341,11 @@ class HFMoELayer(_LayerBase):
 
     def pending(self) -> int:
         return super().pending() + self.shared_group.pending() + self.experts.pending()
+
+    def discard_wgrad(self) -> None:
+        super().discard_wgrad()
+        self.shared_group.discard()
+        self.experts.discard()
 
 
 HFLayer = HFDenseLayer | HFMoELayer

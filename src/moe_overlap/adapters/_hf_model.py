@@ -184,6 +184,15 @@ class TransformersMoEAdapter:
         """How many delayed weight gradients wait for ``backward_dw`` (0 after a schedule)."""
         return sum(layer.pending() for layer in self.decoder.layers)
 
+    def discard_wgrad(self) -> None:
+        """Drop every pending delayed weight gradient.
+
+        After a failed :func:`~moe_overlap.combined_1f1b` step (zero the gradients too):
+        the next step's ``_preprocess`` refuses to start while any is pending.
+        """
+        for layer in self.decoder.layers:
+            layer.discard_wgrad()
+
     def _preprocess(
         self,
         input_ids: Tensor | None,
@@ -198,7 +207,8 @@ class TransformersMoEAdapter:
         if pending:
             raise WgradError(
                 f"{type(self.model).__name__} adapter: expected no pending weight gradients "
-                f"at the start of a microbatch (use schedule_options()), received {pending}"
+                f"at the start of a microbatch (use schedule_options(); after a failed step, "
+                f"discard_wgrad()), received {pending}"
             )
         if packed_seq_params is not None:
             raise ConfigError(

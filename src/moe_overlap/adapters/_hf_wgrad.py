@@ -105,6 +105,11 @@ class WgradGroup:
     def pending(self) -> int:
         return sum(m.pending_wgrad for m in self.modules)
 
+    def discard(self) -> None:
+        """Drop every pending weight gradient (after a failed step)."""
+        for module in self.modules:
+            module.discard_wgrad()
+
 
 def _grouped(weight: nn.Parameter, *, delay_wgrad: bool) -> DelayedWgradGroupedLinear:
     groups, out_features, in_features = weight.shape
@@ -152,3 +157,8 @@ class ExpertWeights:
 
     def pending(self) -> int:
         return self.gate_up.pending_wgrad + self.down.pending_wgrad
+
+    def discard(self) -> None:
+        """Drop every pending weight gradient (after a failed step)."""
+        self.gate_up.discard_wgrad()
+        self.down.discard_wgrad()

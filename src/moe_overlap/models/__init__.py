@@ -27,6 +27,7 @@ from moe_overlap.models._wgrad import DelayedWgradGroupedLinear as DelayedWgradG
 from moe_overlap.models._wgrad import DelayedWgradLinear as DelayedWgradLinear
 from moe_overlap.models._wgrad import DelayedWgradModule as DelayedWgradModule
 from moe_overlap.models._wgrad import check_no_pending_wgrad as check_no_pending_wgrad
+from moe_overlap.models._wgrad import discard_wgrad as discard_wgrad
 from moe_overlap.models._wgrad import finish_wgrad as finish_wgrad
 from moe_overlap.models._wgrad import pending_wgrad as pending_wgrad
 
@@ -52,6 +53,7 @@ __all__ = [
     "TokenDispatcher",
     "TopKRouter",
     "check_no_pending_wgrad",
+    "discard_wgrad",
     "finish_wgrad",
     "masked_cross_entropy",
     "pending_wgrad",

@@ -31,6 +31,7 @@ __all__ = [
     "GroupedKernel",
     "MatmulKernel",
     "check_no_pending_wgrad",
+    "discard_wgrad",
     "finish_wgrad",
     "pending_wgrad",
 ]
@@ -296,7 +297,8 @@ def check_no_pending_wgrad(model: nn.Module) -> None:
     if pending:
         raise WgradError(
             f"{type(model).__name__}: expected no pending weight gradients (run backward_dw "
-            f"for every delayed backward first), received pending {pending}"
+            f"for every delayed backward first, or discard_wgrad after a failed step), "
+            f"received pending {pending}"
         )
 
 
@@ -305,3 +307,9 @@ def finish_wgrad(model: nn.Module) -> None:
     for module in _delayed(model):
         while module.pending_wgrad:
             module.backward_dw()
+
+
+def discard_wgrad(model: nn.Module) -> None:
+    """Drop every pending weight gradient of ``model`` (after a failed step; zero grads too)."""
+    for module in _delayed(model):
+        module.discard_wgrad()
