@@ -162,6 +162,10 @@ def test_discard_wgrad_makes_the_adapter_usable_after_a_failed_step() -> None:
     with pytest.raises(ScheduleError, match="discard_wgrad") as info:
         combined_1f1b(adapter, mbs, options=adapter.schedule_options())
     assert isinstance(info.value.__cause__, WgradError)
+    # The message names the modules holding them (one per backward of each microbatch).
+    message = str(info.value.__cause__)
+    assert "'model.layers.0.self_attn.q_proj': 2" in message
+    assert "'model.layers.1.mlp.experts.down_proj': 2" in message
     adapter.discard_wgrad()
     model.zero_grad(set_to_none=True)
     assert adapter.pending_wgrad() == 0

@@ -48,7 +48,7 @@ from moe_overlap.adapters._hf_wgrad import (
     delay_linears,
     delay_linears_in,
 )
-from moe_overlap.models import DispatchMeta, PermuteMeta, TokenDispatcher
+from moe_overlap.models import DelayedWgradModule, DispatchMeta, PermuteMeta, TokenDispatcher
 
 __all__ = ["HFDenseLayer", "HFLayer", "HFMoELayer", "MaskFunction", "mask_function"]
 
@@ -153,12 +153,18 @@ class _LayerBase:
             return []
         return [WgradScope(CudaGraphModule.attn, self.attention_wgrad)]
 
-    def pending(self) -> int:
-        return self.attention_wgrad.pending()
+    def delayed_modules(self) -> tuple[DelayedWgradModule, ...]:
+        """Every delayable module of the layer (what ``pending_wgrad`` counts)."""
+        return self.attention_wgrad.modules
+
+    def pending_wgrad(self) -> dict[str, int]:
+        """``{label: count}`` of the delayed modules with weight gradients pending."""
+        return {m.label: m.pending_wgrad for m in self.delayed_modules() if m.pending_wgrad}
 
     def discard_wgrad(self) -> None:
         """Drop the pending weight gradients of every delayed module (after a failed step)."""
-        self.attention_wgrad.discard()
+        for module in self.delayed_modules():
+            module.discard_wgrad()
 
 
 class HFDenseLayer(_LayerBase):
@@ -205,12 +211,8 @@ class HFDenseLayer(_LayerBase):
     def mlp_wgrad(self) -> Sequence[WgradLayer]:
         return [self.mlp_group] if self.delay_wgrad else []
 
-    def pending(self) -> int:
-        return super().pending() + self.mlp_group.pending()
-
-    def discard_wgrad(self) -> None:
-        super().discard_wgrad()
-        self.mlp_group.discard()
+    def delayed_modules(self) -> tuple[DelayedWgradModule, ...]:
+        return super().delayed_modules() + self.mlp_group.modules
 
 
 class HFMoELayer(_LayerBase):
@@ -339,13 +341,8 @@ class HFMoELayer(_LayerBase):
     def mlp_wgrad(self) -> Sequence[WgradLayer]:
         return [self.experts] if self.delay_wgrad else []
 
-    def pending(self) -> int:
-        return super().pending() + self.shared_group.pending() + self.experts.pending()
-
-    def discard_wgrad(self) -> None:
-        super().discard_wgrad()
-        self.shared_group.discard()
-        self.experts.discard()
+    def delayed_modules(self) -> tuple[DelayedWgradModule, ...]:
+        return super().delayed_modules() + self.shared_group.modules + self.experts.modules()
 
 
 HFLayer = HFDenseLayer | HFMoELayer

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -63,6 +64,21 @@ def _uniform(parts: ModelParts) -> tuple[int, int]:
             f"top-k, received {sorted(shapes)}"
         )
     return shapes.pop() if shapes else (1, 1)
+
+
+def _label_delayed_modules(model: nn.Module, layers: tuple[HFLayer, ...]) -> None:
+    """Name each delayed module after its place in ``model``, for error messages."""
+    # torch leaves named_modules() unannotated.
+    named = cast("Iterator[tuple[str, nn.Module]]", model.named_modules())
+    names = {id(m): n for n, m in named}
+    for layer in layers:
+        for module in layer.delayed_modules():
+            if id(module) in names:
+                module.label = names[id(module)]
+        if isinstance(layer, HFMoELayer):
+            experts = names[id(layer.moe.experts)]
+            layer.experts.gate_up.label = f"{experts}.gate_up_proj"
+            layer.experts.down.label = f"{experts}.down_proj"
 
 
 class TransformersMoEAdapter:
@@ -134,6 +150,7 @@ class TransformersMoEAdapter:
                     )
                 )
         self.decoder = AdapterDecoder(tuple(layers))
+        _label_delayed_modules(model, self.decoder.layers)
 
     def _local_rows(self) -> set[int]:
         return {
@@ -182,7 +199,7 @@ class TransformersMoEAdapter:
 
     def pending_wgrad(self) -> int:
         """How many delayed weight gradients wait for ``backward_dw`` (0 after a schedule)."""
-        return sum(layer.pending() for layer in self.decoder.layers)
+        return sum(sum(layer.pending_wgrad().values()) for layer in self.decoder.layers)
 
     def discard_wgrad(self) -> None:
         """Drop every pending delayed weight gradient.
@@ -203,7 +220,7 @@ class TransformersMoEAdapter:
         padding_mask: Tensor | None = None,
     ) -> PreprocessOutput:
         """Token embedding and the model's rotary cos/sin; opens the aux-loss microbatch."""
-        pending = self.pending_wgrad()
+        pending = {k: n for layer in self.decoder.layers for k, n in layer.pending_wgrad().items()}
         if pending:
             raise WgradError(
                 f"{type(self.model).__name__} adapter: expected no pending weight gradients "

@@ -102,14 +102,6 @@ class WgradGroup:
         for module in self.modules:
             yield from module.parameters()
 
-    def pending(self) -> int:
-        return sum(m.pending_wgrad for m in self.modules)
-
-    def discard(self) -> None:
-        """Drop every pending weight gradient (after a failed step)."""
-        for module in self.modules:
-            module.discard_wgrad()
-
 
 def _grouped(weight: nn.Parameter, *, delay_wgrad: bool) -> DelayedWgradGroupedLinear:
     groups, out_features, in_features = weight.shape
@@ -155,10 +147,6 @@ class ExpertWeights:
         yield self.gate_up.weight
         yield self.down.weight
 
-    def pending(self) -> int:
-        return self.gate_up.pending_wgrad + self.down.pending_wgrad
-
-    def discard(self) -> None:
-        """Drop every pending weight gradient (after a failed step)."""
-        self.gate_up.discard_wgrad()
-        self.down.discard_wgrad()
+    def modules(self) -> tuple[DelayedWgradModule, ...]:
+        """The two delayable grouped linears (``down_proj`` first, as wgrad runs)."""
+        return (self.down, self.gate_up)
