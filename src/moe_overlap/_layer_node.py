@@ -126,8 +126,11 @@ class TransformerLayerNode(ScheduleNode):
         self._post_forward_hook: Hook | None = None
         self._post_backward_hook: Hook | None = None
         self.post_wgrad_grad_acc_hooks: list[Callable[[], object]] | None = None
+        # Sequences first: a runtime Protocol isinstance costs microseconds per node.
         if bwd_dw_callables is None:
             callables: list[WgradLayer] = []
+        elif isinstance(bwd_dw_callables, (list, tuple)):
+            callables = list(bwd_dw_callables)
         elif isinstance(bwd_dw_callables, WgradLayer):
             callables = [bwd_dw_callables]
         else:
