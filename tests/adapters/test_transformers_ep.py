@@ -2,56 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
+from tests.gloo_ranks import run_ranks
+
 pytest.importorskip("transformers")
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.fixture(scope="module")
 def ep2_results() -> list[dict[str, object]]:
-    port = str(_free_port())
-    procs = []
-    for rank in range(2):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "tests.adapters.ep_worker"],
-                cwd=ROOT,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
-    results: list[dict[str, object]] = []
-    for rank, proc in enumerate(procs):
-        out, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, f"rank {rank} failed:\n{err}"
-        results += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    return results
+    return run_ranks("tests.adapters.ep_worker")
 
 
 @pytest.mark.slow

@@ -75,9 +75,7 @@ def mask_function(kind: str) -> MaskFunction:
     """The transformers mask builder for an attention kind (imported here, lazily)."""
     masking = importlib.import_module("transformers.masking_utils")
     name = (
-        "create_sliding_window_causal_mask"
-        if kind == "sliding_attention"
-        else ("create_causal_mask")
+        "create_sliding_window_causal_mask" if kind == "sliding_attention" else "create_causal_mask"
     )
     return cast(MaskFunction, getattr(masking, name))
 
