@@ -194,6 +194,8 @@ def run_demo(args: DemoArgs) -> int:
     opt_s, opt_p = _optimizer(scheduled, args), _optimizer(plain, args)
     options = scheduled.schedule_options()
     scale = 1.0 / args.microbatches
+    for model in (scheduled, plain):
+        model.set_aux_loss_scale(scale)
     lead = rank == 0
 
     def say(line: str) -> None:

@@ -123,3 +123,18 @@ def test_rotary_flows_through_chunk_state() -> None:
     (a,) = combined_1f1b(model, [mb])
     (b,) = combined_1f1b(model, [stretched])
     assert not torch.equal(a, b)
+
+
+def test_aux_loss_gradient_follows_the_loss_scale() -> None:
+    """With ``set_aux_loss_scale(s)`` and the loss scaled by ``s``, every grad scales by ``s``."""
+    config = dataclasses.replace(SMALL, first_k_dense=0, moe_aux_loss_coeff=0.1)
+    mbs = microbatches(2, vocab=config.vocab_size, seed=3)
+
+    def grads_with(scale: float) -> list[torch.Tensor]:
+        model = GPTMoEModel(config)
+        model.set_aux_loss_scale(scale)
+        combined_1f1b(model, mbs, options=model.schedule_options(), loss_scale=scale)
+        return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+    for full, half in zip(grads_with(1.0), grads_with(0.5), strict=True):
+        torch.testing.assert_close(half, 0.5 * full, rtol=1e-5, atol=1e-8)

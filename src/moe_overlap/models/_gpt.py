@@ -27,6 +27,7 @@ from moe_overlap.models._config import GPTMoEConfig
 from moe_overlap.models._dispatcher import TokenDispatcher
 from moe_overlap.models._experts import GroupedExperts
 from moe_overlap.models._layers import DenseLayer, GPTLayer, MoELayer
+from moe_overlap.models._router import TopKRouter
 from moe_overlap.models._wgrad import DelayedWgradModule, check_no_pending_wgrad
 
 __all__ = ["Decoder", "GPTMoEModel"]
@@ -115,6 +116,16 @@ class GPTMoEModel(nn.Module):
                     p.copy_(full[offset : offset + local])
                     continue
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """Scale the load-balancing loss's gradient like the language-model loss.
+
+        Pass the ``loss_scale`` given to :func:`~moe_overlap.combined_1f1b` (or applied to
+        the plain loss), so the auxiliary loss keeps its weight relative to it.
+        """
+        for module in self.modules():
+            if isinstance(module, TopKRouter):
+                module.aux_loss_scale = scale
 
     def schedule_options(
         self, *, free_input: bool = True, ep_overlap_early_attn_memory_release: bool = False

@@ -63,7 +63,10 @@ class TopKRouter(nn.Module):
     ``expert_bias`` (a buffer, zeros by default) is added to the scores for *selection
     only*, as in DeepSeek-V3's aux-free balancing; tests use it to starve experts.
     The switch-style auxiliary loss ``X * sum_x f_x * P_x`` is attached to the probs
-    when ``aux_loss_coeff > 0``.
+    when ``aux_loss_coeff > 0``; its gradient is ``aux_loss_coeff * aux_loss_scale``, where
+    ``aux_loss_scale`` (1 by default) should equal the scale applied to the language-model
+    loss (``combined_1f1b(..., loss_scale=...)``), as Megatron-Core's
+    ``MoEAuxLossAutoScaler.set_loss_scale`` does.
     """
 
     expert_bias: Tensor
@@ -82,6 +85,7 @@ class TopKRouter(nn.Module):
         self.topk = topk
         self.num_experts = num_experts
         self.aux_loss_coeff = aux_loss_coeff
+        self.aux_loss_scale = 1.0
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device))
         self.register_buffer(
             "expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device)
@@ -92,7 +96,8 @@ class TopKRouter(nn.Module):
         logits_TX = F.linear(x_TD, self.weight).float()
         scores_TX = torch.softmax(logits_TX, dim=-1)
         if self.aux_loss_coeff > 0:
-            scores_TX = attach_aux_loss(scores_TX, self._aux_loss(scores_TX), self.aux_loss_coeff)
+            coeff = self.aux_loss_coeff * self.aux_loss_scale
+            scores_TX = attach_aux_loss(scores_TX, self._aux_loss(scores_TX), coeff)
         _, experts_TK = torch.topk(scores_TX.detach() + self.expert_bias, self.topk, dim=-1)
         probs_TK = scores_TX.gather(1, experts_TK)
         return probs_TK, experts_TK
