@@ -37,9 +37,11 @@ from moe_overlap._process_nodes import PostProcessNode as PostProcessNode
 from moe_overlap._process_nodes import PreProcessNode as PreProcessNode
 from moe_overlap._protocols import FreeInputConfig as FreeInputConfig
 from moe_overlap._protocols import MtpSchedulableLayer as MtpSchedulableLayer
+from moe_overlap._protocols import NodeTimer as NodeTimer
 from moe_overlap._protocols import PreprocessableModel as PreprocessableModel
 from moe_overlap._protocols import SchedulableLayer as SchedulableLayer
 from moe_overlap._protocols import SlotFn as SlotFn
+from moe_overlap._protocols import StepObserver as StepObserver
 from moe_overlap._protocols import StreamProvider as StreamProvider
 from moe_overlap._protocols import WgradLayer as WgradLayer
 from moe_overlap._state import ChunkState as ChunkState
@@ -88,6 +90,7 @@ __all__ = [
     "MoeOverlapError",
     "MtpSchedulableLayer",
     "NodeStateError",
+    "NodeTimer",
     "NoopScheduleNode",
     "PlanReleasedError",
     "PostProcessNode",
@@ -102,6 +105,7 @@ __all__ = [
     "Slot",
     "SlotFn",
     "Step",
+    "StepObserver",
     "StreamError",
     "StreamKind",
     "StreamPair",

@@ -15,7 +15,7 @@ from ._layer_plan import TransformerLayerSchedulePlan
 from ._node import ScheduleNode
 from ._options import ChunkHooks, PostBackwardHook, PostForwardHook, PreHook, ScheduleOptions
 from ._process_nodes import PostProcessNode, PreProcessNode
-from ._protocols import PreprocessableModel
+from ._protocols import PreprocessableModel, StepObserver
 from ._state import ChunkState
 from ._steps import ChunkShape, Role, Slot, Step, chunk_steps
 from ._streams import (
@@ -196,6 +196,8 @@ class ModelChunkSchedulePlan:
         pre_backward: PreHook | None = None,
         post_forward: PostForwardHook | None = None,
         post_backward: PostBackwardHook | None = None,
+        *,
+        observer: StepObserver | None = None,
     ) -> Tensor | None:
         """Forward ``f_schedule_plan`` overlapped with backward of ``b_schedule_plan``.
 
@@ -208,6 +210,8 @@ class ModelChunkSchedulePlan:
 
         Returns f's output (the loss when f has a post-process), ``None`` without f. The
         b plan is released at the end; on failure both are, after synchronizing streams.
+        ``observer`` (a :class:`~moe_overlap.StepObserver`) is asked for a timer for every
+        non-hook step, in order.
         """
         f, b = f_schedule_plan, b_schedule_plan
         for plan in (f, b):
@@ -246,7 +250,16 @@ class ModelChunkSchedulePlan:
                     synchronize(plan.streams.comp)
                     plan.release_state()
 
-        f_value, _ = execute(steps, f, b, (), (b_grad,), run_hook=run_hook, on_error=on_error)
+        f_value, _ = execute(
+            steps,
+            f,
+            b,
+            (),
+            (b_grad,),
+            run_hook=run_hook,
+            on_error=on_error,
+            observer=observer,
+        )
         if f is not None:
             f.wait_current_stream()
         if b is not None:

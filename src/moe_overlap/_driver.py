@@ -13,7 +13,7 @@ from ._chunk_plan import ModelChunkSchedulePlan
 from ._conformance import check_model
 from ._errors import ConfigError, IntegrationError
 from ._options import ScheduleOptions
-from ._protocols import PreprocessableModel
+from ._protocols import PreprocessableModel, StepObserver
 from ._streams import StreamPair
 
 __all__ = ["Microbatch", "combined_1f1b"]
@@ -49,6 +49,7 @@ def combined_1f1b(
     streams: StreamPair | None = None,
     loss_scale: float = 1.0,
     on_plan: PlanCallback | None = None,
+    observer: StepObserver | None = None,
 ) -> list[Tensor]:
     """Run forward and backward of every microbatch; return the (detached, fp32) losses.
 
@@ -61,8 +62,11 @@ def combined_1f1b(
     Either way the losses and the gradients accumulated into the parameters are those of
     ``(loss_i * loss_scale).backward()`` per microbatch, in order.
 
-    ``on_plan`` is called with each plan right after it is built (instrumentation, FSDP
-    reshard hooks). Delayed weight gradients are all computed by the time this returns.
+    ``on_plan`` is called with each plan right after it is built (FSDP reshard hooks).
+    ``observer`` (a :class:`~moe_overlap.StepObserver`, e.g. a
+    :class:`~moe_overlap.timeline.Timeline`) is asked for a timer for every node step of
+    every :meth:`ModelChunkSchedulePlan.run`. Delayed weight gradients are all computed by
+    the time this returns.
 
     If a node fails, :class:`~moe_overlap.ScheduleError` says where; streams are
     synchronized and every plan released, so the model can run the next step. The
@@ -107,7 +111,7 @@ def combined_1f1b(
 
     def forward(f: ModelChunkSchedulePlan | None, b: ModelChunkSchedulePlan | None) -> None:
         grad = _loss_grad(losses[-1], loss_scale) if b is not None else None
-        out = ModelChunkSchedulePlan.run(f, b, b_grad=grad)
+        out = ModelChunkSchedulePlan.run(f, b, b_grad=grad, observer=observer)
         if b is not None:
             live.remove(b)
         if f is not None:

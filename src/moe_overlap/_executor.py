@@ -16,6 +16,7 @@ from torch import Tensor
 from ._errors import ScheduleError
 from ._layer_node import TransformerLayerNode
 from ._node import ScheduleNode
+from ._protocols import StepObserver
 from ._steps import Direction, Role, Step, format_steps
 
 __all__ = ["NodeSource", "execute"]
@@ -45,8 +46,13 @@ def execute(
     *,
     run_hook: HookRunner | None = None,
     on_error: Callable[[], None] | None = None,
+    observer: StepObserver | None = None,
 ) -> tuple[FValue, BValue]:
-    """Run ``steps`` in order; return the final forward and backward values."""
+    """Run ``steps`` in order; return the final forward and backward values.
+
+    With an ``observer``, each non-hook step's node holds the observer's timer for
+    ``step`` while it runs (``node.timer``), and ``None`` again afterwards, also on failure.
+    """
     for index, step in enumerate(steps):
         try:
             if step.direction is Direction.HOOK:
@@ -56,13 +62,19 @@ def execute(
             source = f if step.role is Role.F else b
             assert source is not None, f"step {step} has no plan for its role"
             node = source.node_for(step)
-            if step.direction is Direction.FORWARD:
-                f_value = node.forward(*f_value)
-            elif step.direction is Direction.BACKWARD:
-                b_value = node.backward(*b_value)
-            else:
-                assert isinstance(node, TransformerLayerNode), f"wgrad step {step} on {node!r}"
-                node.backward_dw()
+            if observer is not None:
+                node.timer = observer.timer(step, source.microbatch)
+            try:
+                if step.direction is Direction.FORWARD:
+                    f_value = node.forward(*f_value)
+                elif step.direction is Direction.BACKWARD:
+                    b_value = node.backward(*b_value)
+                else:
+                    assert isinstance(node, TransformerLayerNode), f"wgrad step {step} on {node!r}"
+                    node.backward_dw()
+            finally:
+                if observer is not None:
+                    node.timer = None
         except Exception as exc:
             if on_error is not None:
                 on_error()

@@ -203,9 +203,15 @@ class TransformerLayerNode(ScheduleNode):
         callables = self.bwd_dw_callables
         if callables is None:
             raise WgradError(f"layer node {self.name!r}: backward_dw called twice")
-        with stream_context(self.stream()):
+        stream = self.stream()
+        with stream_context(stream):
+            timer = self.timer
+            if timer is not None:
+                timer.start(stream)
             for module in callables:
                 module.backward_dw()
+            if timer is not None:
+                timer.stop(stream)
             if self.post_wgrad_grad_acc_hooks is None:
                 self.post_wgrad_grad_acc_hooks = _collect_wgrad_hooks(callables)
             for hook in self.post_wgrad_grad_acc_hooks:

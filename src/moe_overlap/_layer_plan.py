@@ -12,7 +12,7 @@ from ._executor import execute
 from ._layer_node import LayerArgs, TransformerLayerNode
 from ._node import NoopScheduleNode, ScheduleNode
 from ._options import ScheduleOptions
-from ._protocols import SchedulableLayer, SlotFn, StreamProvider, WgradLayer
+from ._protocols import SchedulableLayer, SlotFn, StepObserver, StreamProvider, WgradLayer
 from ._state import ChunkState, LayerState
 from ._steps import LayerShape, Slot, Step, layer_pair_steps
 from ._streams import AnyEvent
@@ -154,6 +154,8 @@ class TransformerLayerSchedulePlan:
         f_input: tuple[Tensor, ...] = (),
         b_grad: tuple[Tensor | None, ...] = (),
         is_last_layer_in_bwd: bool = False,
+        *,
+        observer: StepObserver | None = None,
     ) -> tuple[tuple[Tensor, ...], tuple[Tensor | None, ...]]:
         """Forward ``f_layer`` and backward ``b_layer`` interleaved; either may be ``None``.
 
@@ -162,14 +164,15 @@ class TransformerLayerSchedulePlan:
             b.combine.B | f.pre_dispatch.F | b.mlp.B | f.dispatch.F | b.mlp.W, b.dispatch.B |
             f.mlp.F | f.combine.F | b.pre_dispatch.B | f.mtp_post.F | b.pre_dispatch.W
 
-        Returns the forward output and the grads of ``b_layer``'s input.
+        Returns the forward output and the grads of ``b_layer``'s input. ``observer`` (a
+        :class:`~moe_overlap.StepObserver`) is asked for a timer for every step, in order.
         """
         steps = layer_pair_steps(
             f_layer.shape if f_layer is not None else None,
             b_layer.shape if b_layer is not None else None,
             is_last_layer_in_bwd=is_last_layer_in_bwd,
         )
-        return execute(steps, f_layer, b_layer, f_input, b_grad)
+        return execute(steps, f_layer, b_layer, f_input, b_grad, observer=observer)
 
 
 def _position(extra_args: LayerArgs | Mapping[str, object] | None) -> tuple[bool, bool]:

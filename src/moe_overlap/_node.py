@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ._errors import IntegrationError, NodeStateError
-from ._protocols import StreamProvider
+from ._protocols import NodeTimer, StreamProvider
 from ._streams import AnyEvent, CpuEvent, CpuStream, record_tensor_on, use_stream
 
 __all__ = [
@@ -148,7 +148,13 @@ class ScheduleNode:
 
     A node runs forward once and backward once; anything else raises
     :class:`~moe_overlap.NodeStateError`.
+
+    ``timer``, when set (the runner sets it for one step from a
+    :class:`~moe_overlap.StepObserver` and clears it after), is started after the event
+    wait and stopped after the body, on the node's stream.
     """
+
+    timer: NodeTimer | None
 
     def __init__(
         self,
@@ -170,6 +176,7 @@ class ScheduleNode:
         self.phase = NodePhase.NEW
         self.inputs: tuple[Tensor | None, ...] = ()
         self.outputs: tuple[Tensor, ...] = ()
+        self.timer = None
 
     def forward(self, *inputs: Tensor | None) -> tuple[Tensor, ...]:
         """Run the forward on detached inputs; return the outputs as a tuple."""
@@ -182,7 +189,13 @@ class ScheduleNode:
         with use_stream(stream, self.event):
             detached = tuple(_detach_keep_grad(t) for t in inputs)
             self.inputs = detached
-            outputs = _as_tuple(self.name, self.forward_func(*detached))
+            timer = self.timer
+            if timer is not None:
+                timer.start(stream)
+            result = self.forward_func(*detached)
+            if timer is not None:
+                timer.stop(stream)
+            outputs = _as_tuple(self.name, result)
             self.outputs = outputs
         self.phase = NodePhase.FORWARDED
         if self.free_input:
@@ -206,7 +219,12 @@ class ScheduleNode:
             )
         stream = self.stream()
         with use_stream(stream, self.event):
+            timer = self.timer
+            if timer is not None:
+                timer.start(stream)
             self.backward_impl(self.outputs, output_grad)
+            if timer is not None:
+                timer.stop(stream)
         for grad in output_grad:
             # The grads may come from the other stream: keep their memory until this
             # node's backward kernels are done with it.

@@ -30,6 +30,7 @@ from torch.nn import Parameter
 
 if TYPE_CHECKING:  # annotations only: this module is imported before anything else
     from ._layer_node import TransformerLayerNode
+    from ._steps import Step
     from ._streams import AnyStream
     from ._wgrad import WgradScope
 
@@ -39,9 +40,11 @@ __all__ = [
     "LayerListLike",
     "ModelConfigLike",
     "MtpSchedulableLayer",
+    "NodeTimer",
     "PreprocessableModel",
     "SchedulableLayer",
     "SlotFn",
+    "StepObserver",
     "StreamProvider",
     "WgradLayer",
 ]
@@ -232,3 +235,32 @@ class MtpSchedulableLayer(SchedulableLayer, Protocol):
     def slot_mtp_post_process(
         self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
     ) -> Tensor | tuple[Tensor, ...]: ...
+
+
+@runtime_checkable
+class NodeTimer(Protocol):
+    """Marks the start and the end of one node's work on the stream it runs on.
+
+    ``start`` is called once the node's wait on its microbatch's event is queued (so the
+    wait is not timed) and ``stop`` right after its body is issued, before the event is
+    recorded; both receive the node's stream (a :class:`~moe_overlap.CpuStream` on CPU).
+    A node whose step does no work (a no-op node, wgrad not delayed) calls neither; a body
+    that raises leaves ``stop`` uncalled.
+    """
+
+    def start(self, stream: AnyStream) -> None: ...
+    def stop(self, stream: AnyStream) -> None: ...
+
+
+@runtime_checkable
+class StepObserver(Protocol):
+    """Watches the steps a plan runs: ``combined_1f1b(..., observer=...)``.
+
+    Before each non-hook :class:`~moe_overlap.Step` the runner asks ``timer(step,
+    microbatch)`` (``microbatch`` as given to the plan running the step) for a
+    :class:`~moe_overlap.NodeTimer` to hand the node, or ``None`` not to time it. An
+    observer sees the very step lists of :func:`~moe_overlap.chunk_steps`, in order; it
+    must not touch the tensors, so observed runs compute exactly what unobserved ones do.
+    """
+
+    def timer(self, step: Step, microbatch: int | None) -> NodeTimer | None: ...
