@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import copy
+import itertools
+import json
+from pathlib import Path
 
 import pytest
 from torch import Tensor
@@ -23,6 +26,7 @@ from moe_overlap import (
     combined_1f1b,
 )
 from moe_overlap._streams import AnyStream
+from moe_overlap.timeline import Timeline
 
 from .test_failures import Boom, Trap, install, tag_microbatches
 from .test_parity import assert_same
@@ -227,3 +231,33 @@ def test_failing_run_leaves_no_timer_behind(slot: Slot, direction: str, mb: int)
     failed, _ = recorder.seen[-1]
     assert str(failed) in info.value.position
     assert recorder.marks[-1][:2] == ("start", failed)
+
+
+def test_timeline_spans_are_the_steps_that_ran(tmp_path: Path) -> None:
+    config = ToyConfig()
+    model = ToyModel(config, "dm")
+    model.set_delay(True)
+    plans: list[ModelChunkSchedulePlan] = []
+    timeline = Timeline(rank=3)
+    observer: StepObserver = timeline  # statically a StepObserver too
+    combined_1f1b(
+        model,
+        make_microbatches(2, config),
+        options=ScheduleOptions(delay_wgrad_compute=True),
+        on_plan=plans.append,
+        observer=observer,
+    )
+    spans = timeline.spans()
+    expected = expected_steps(plans, [(0, None), (1, 0), (None, 1)])
+    assert [(s.step, s.microbatch) for s in spans] == expected
+    assert all(s.stream is s.step.stream and s.slot is s.step.slot for s in spans)
+    assert all(0.0 <= s.start_ms <= s.end_ms for s in spans)
+    assert all(a.end_ms <= b.start_ms for a, b in itertools.pairwise(spans))  # CPU: in order
+    path = tmp_path / "trace.json"
+    timeline.to_chrome_trace(path)
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert [e["args"]["step"] for e in events] == [str(s) for s, _ in expected]
+    assert {e["pid"] for e in events} == {3}
+    assert {e["tid"] for e in events if "@comm" in e["args"]["step"]} == {1}
+    timeline.clear()
+    assert timeline.spans() == []

@@ -227,7 +227,7 @@ def run_demo(args: DemoArgs) -> int:
             data,
             options=options,
             loss_scale=scale,
-            on_plan=timeline if record else None,
+            observer=timeline if record else None,
         )
         check_no_pending_wgrad(scheduled)
         ref: list[torch.Tensor] = []

@@ -1,10 +1,12 @@
-"""Record which schedule node ran when, on which stream; write Chrome traces and PNGs.
+"""Record which schedule step ran when, on which stream; write Chrome traces and PNGs.
 
-Uses the public API only: pass a :class:`Timeline` as ``combined_1f1b(..., on_plan=...)``
-and it wraps each plan's nodes (``forward``, ``backward``, ``backward_dw``) with timing
-events, per instance. On CUDA the times come from CUDA events on the node's own stream
-(taken after the node's dependencies are met), on CPU from the host clock. matplotlib is
-imported only by :meth:`Timeline.to_png`.
+A :class:`Timeline` is a :class:`~moe_overlap.StepObserver`: pass it as
+``combined_1f1b(..., observer=timeline)`` (or ``ModelChunkSchedulePlan.run(...,
+observer=timeline)``) and each node step gets a timer that marks the start and the end of
+the node's body on the node's own stream, after the node's wait on its microbatch's event.
+On CUDA the marks are timing events, on CPU the host clock. Each span is keyed by its
+:class:`~moe_overlap.Step` (role, layer, slot, direction, stream): the same step lists the
+runner walks. matplotlib is imported only by :meth:`Timeline.to_png`.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,43 +21,48 @@ from typing import Protocol, cast
 
 import torch
 
-from moe_overlap import (
-    CpuEvent,
-    CpuStream,
-    Direction,
-    ModelChunkSchedulePlan,
-    NoopScheduleNode,
-    ScheduleNode,
-    Slot,
-    StreamError,
-    StreamKind,
-    TransformerLayerNode,
-    weak_method,
-)
+from moe_overlap import CpuStream, Direction, NodeTimer, Role, Slot, Step, StreamKind
 
 __all__ = ["Span", "Timeline"]
 
-_Method = Callable[..., object]
 _Stream = torch.cuda.Stream | CpuStream
+_Mark = torch.cuda.Event | float
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Span:
-    """One node run: what ran, on which stream, and when (milliseconds from the origin).
+    """One step run: which step, of which microbatch, and when (milliseconds from the origin).
 
     ``start_ms``/``end_ms`` are device times (the host clock on CPU); ``host_*`` are the
-    host times spent issuing the work.
+    host times spent issuing the work. The origin is the start of the first timed step.
     """
 
+    step: Step
     microbatch: int | None
-    layer: int | None
-    slot: Slot
-    direction: Direction
-    stream: StreamKind
     start_ms: float
     end_ms: float
     host_start_ms: float
     host_end_ms: float
+
+    @property
+    def role(self) -> Role:
+        return self.step.role
+
+    @property
+    def layer(self) -> int | None:
+        return self.step.layer
+
+    @property
+    def slot(self) -> Slot:
+        return self.step.slot
+
+    @property
+    def direction(self) -> Direction:
+        return self.step.direction
+
+    @property
+    def stream(self) -> StreamKind:
+        return self.step.stream
 
     @property
     def duration_ms(self) -> float:
@@ -69,132 +75,116 @@ class Span:
         return f"mb{self.microbatch}.{layer}{self.slot.value}.{self.direction.value}"
 
 
-@dataclass(slots=True)
-class _Pending:
+@dataclass(frozen=True, slots=True)
+class _Record:
+    step: Step
     microbatch: int | None
-    layer: int | None
-    slot: Slot
-    direction: Direction
-    stream: StreamKind
-    start: torch.cuda.Event | float
-    end: torch.cuda.Event | float
+    start: _Mark
+    end: _Mark
     host_start: float
     host_end: float
 
 
-class Timeline:
-    """Timing recorder for schedule nodes; an ``on_plan`` callback.
+@dataclass(slots=True)
+class _Clock:
+    """The origin of a timeline's times; started by the first timed step."""
 
-    Call it on every plan of the step to record (``combined_1f1b(..., on_plan=timeline)``);
-    read :meth:`spans` after the step. ``rank`` becomes the trace's process id.
+    host: float
+    device: torch.cuda.Event | None = None
+    started: bool = False
+
+    def begin(self, stream: _Stream) -> None:
+        if self.started:
+            return
+        self.started = True
+        self.host = time.perf_counter()
+        if not isinstance(stream, CpuStream):
+            origin = _cuda_event()
+            origin.record(stream)
+            self.device = origin
+
+
+class _StepTimer:
+    """The :class:`~moe_overlap.NodeTimer` of one step: marks it and keeps the record.
+
+    It holds the timeline's clock and record list, never the timeline nor itself through
+    them, so it creates no reference cycle.
+    """
+
+    __slots__ = ("_clock", "_host_start", "_microbatch", "_records", "_start", "_step")
+
+    def __init__(
+        self, clock: _Clock, records: list[_Record], step: Step, microbatch: int | None
+    ) -> None:
+        self._clock = clock
+        self._records = records
+        self._step = step
+        self._microbatch = microbatch
+        self._start: _Mark | None = None
+        self._host_start = 0.0
+
+    def start(self, stream: _Stream) -> None:
+        self._clock.begin(stream)
+        self._host_start = time.perf_counter()
+        self._start = _mark(stream)
+
+    def stop(self, stream: _Stream) -> None:
+        start = self._start
+        assert start is not None, f"timer of step {self._step}: stop without start"
+        end = _mark(stream)
+        host_end = time.perf_counter()
+        self._records.append(
+            _Record(self._step, self._microbatch, start, end, self._host_start, host_end)
+        )
+        self._start = None
+
+
+class Timeline:
+    """Timing recorder for schedule steps; a :class:`~moe_overlap.StepObserver`.
+
+    Pass it as ``combined_1f1b(..., observer=timeline)`` for the steps to record; read
+    :meth:`spans` after the step. ``rank`` becomes the trace's process id.
     """
 
     def __init__(self, *, rank: int = 0) -> None:
         self.rank = rank
-        self._pending: list[_Pending] = []
-        self._origin_host = time.perf_counter()
-        self._origin_device: torch.cuda.Event | None = None
-        self._started = False
+        self._records: list[_Record] = []
+        self._clock = _Clock(time.perf_counter())
 
-    def __call__(self, plan: ModelChunkSchedulePlan) -> None:
-        self.attach(plan)
-
-    def attach(self, plan: ModelChunkSchedulePlan) -> None:
-        """Instrument every node of ``plan`` (no-op nodes of dense layers excepted)."""
-        comm = plan.streams.comm
-        if not self._started:  # the clock starts with the first plan
-            self._started = True
-            self._origin_host = time.perf_counter()
-            if not isinstance(comm, CpuStream):
-                origin = _cuda_event()
-                origin.record(torch.cuda.current_stream(comm.device))
-                self._origin_device = origin
-        mb = plan.microbatch
-        if plan.pre_process is not None:
-            self._wrap(plan.pre_process, mb, None, Slot.PRE_PROCESS, StreamKind.COMP)
-        if plan.post_process is not None:
-            self._wrap(plan.post_process, mb, None, Slot.POST_PROCESS, StreamKind.COMP)
-        for lp in plan.layers:
-            for slot, node in lp.nodes.items():
-                if isinstance(node, NoopScheduleNode):
-                    continue
-                kind = StreamKind.COMM if node.stream() is comm else StreamKind.COMP
-                self._wrap(node, mb, lp.index, slot, kind)
-
-    def _wrap(
-        self,
-        node: ScheduleNode,
-        mb: int | None,
-        layer: int | None,
-        slot: Slot,
-        kind: StreamKind,
-    ) -> None:
-        # The wrapper is stored on the node, so it may hold the node only weakly (and its
-        # bound method through weak_method): a strong reference would be a cycle that keeps
-        # every instrumented node alive until the cyclic collector runs.
-        node_ref = weakref.ref(node)
-
-        def timed(name: str, direction: Direction, wait: bool) -> None:
-            original: _Method = weak_method(getattr(node, name))
-
-            def run(*args: object) -> object:
-                owner = node_ref()
-                assert owner is not None, "a node's wrapper outlived its node"
-                stream = owner.stream()
-                if wait:
-                    _wait(owner, stream)
-                host_start = time.perf_counter()
-                start = _mark(stream)
-                out = original(*args)
-                end = _mark(stream)
-                host_end = time.perf_counter()
-                self._pending.append(
-                    _Pending(mb, layer, slot, direction, kind, start, end, host_start, host_end)
-                )
-                return out
-
-            _override(node, name, run)
-
-        timed("forward", Direction.FORWARD, True)
-        timed("backward", Direction.BACKWARD, True)
-        if isinstance(node, TransformerLayerNode) and node.delay_wgrad_compute:
-            timed("backward_dw", Direction.WGRAD, False)
+    def timer(self, step: Step, microbatch: int | None) -> NodeTimer:
+        """A timer for one run of ``step`` (the :class:`~moe_overlap.StepObserver` method)."""
+        return _StepTimer(self._clock, self._records, step, microbatch)
 
     def spans(self) -> list[Span]:
-        """The recorded spans, in issue order (synchronizes the GPU first)."""
-        origin = self._origin_device
-        if origin is not None:
+        """The recorded spans, in the order their steps ran (synchronizes the GPU first)."""
+        if self._clock.device is not None:
             torch.cuda.synchronize()
-        out: list[Span] = []
-        for p in self._pending:
-            out.append(
-                Span(
-                    microbatch=p.microbatch,
-                    layer=p.layer,
-                    slot=p.slot,
-                    direction=p.direction,
-                    stream=p.stream,
-                    start_ms=self._device_ms(p.start),
-                    end_ms=self._device_ms(p.end),
-                    host_start_ms=(p.host_start - self._origin_host) * 1e3,
-                    host_end_ms=(p.host_end - self._origin_host) * 1e3,
-                )
+        return [
+            Span(
+                step=r.step,
+                microbatch=r.microbatch,
+                start_ms=self._device_ms(r.start),
+                end_ms=self._device_ms(r.end),
+                host_start_ms=(r.host_start - self._clock.host) * 1e3,
+                host_end_ms=(r.host_end - self._clock.host) * 1e3,
             )
-        return out
+            for r in self._records
+        ]
 
-    def _device_ms(self, mark: torch.cuda.Event | float) -> float:
+    def _device_ms(self, mark: _Mark) -> float:
         if isinstance(mark, torch.cuda.Event):
-            origin = self._origin_device
+            origin = self._clock.device
             assert origin is not None, "a CUDA mark without a CUDA origin"
             return float(origin.elapsed_time(mark))
-        return (mark - self._origin_host) * 1e3
+        return (mark - self._clock.host) * 1e3
 
     def clear(self) -> None:
-        """Forget the recorded spans and restart the clock."""
-        self._pending.clear()
-        self._origin_host = time.perf_counter()
-        self._origin_device = None
-        self._started = False
+        """Forget the recorded spans; the next timed step restarts the clock."""
+        self._records.clear()
+        clock = self._clock
+        clock.host = time.perf_counter()
+        clock.device = None
+        clock.started = False
 
     def to_chrome_trace(self, path: str | os.PathLike[str]) -> None:
         """Write the spans as Chrome-trace JSON (chrome://tracing, Perfetto)."""
@@ -222,6 +212,7 @@ class Timeline:
                     "pid": pid,
                     "tid": tids[s.stream],
                     "args": {
+                        "step": str(s.step),
                         "microbatch": s.microbatch,
                         "layer": s.layer,
                         "slot": s.slot.value,
@@ -311,27 +302,9 @@ def _cuda_event() -> torch.cuda.Event:
 _new_timing_event: Callable[..., torch.cuda.Event] = torch.cuda.Event
 
 
-def _mark(stream: _Stream) -> torch.cuda.Event | float:
+def _mark(stream: _Stream) -> _Mark:
     if isinstance(stream, CpuStream):
         return time.perf_counter()
     event = _cuda_event()
     event.record(stream)
     return event
-
-
-def _wait(node: ScheduleNode, stream: _Stream) -> None:
-    """Wait for the node's dependencies now, so the start mark excludes the wait.
-
-    The node waits on the same event itself right after; waiting twice changes nothing.
-    """
-    event = node.event
-    if isinstance(stream, CpuStream):
-        return
-    if isinstance(event, CpuEvent):
-        raise StreamError(f"Timeline: node {node.name!r} has a CPU event on {stream!r}")
-    event.wait(stream)
-
-
-def _override(obj: object, name: str, fn: _Method) -> None:
-    """Shadow method ``name`` on this one instance (instrumentation, not a new behaviour)."""
-    setattr(obj, name, fn)
