@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from moe_overlap import Microbatch, ScheduleOptions, combined_1f1b, make_streams
+from moe_overlap import Direction, Microbatch, ScheduleOptions, combined_1f1b, make_streams
 
 from .test_parity import assert_same
 from .toy_model import ToyConfig, ToyModel, grads, make_microbatches, plain_step
@@ -67,3 +67,29 @@ def test_cpu_streams_rejected_for_cuda_inputs() -> None:
             labels=mb.labels,
             streams=make_streams("cpu"),
         )
+
+
+@pytest.mark.parametrize("delay", [False, True])
+def test_cuda_timeline_observes_without_changing_anything(delay: bool) -> None:
+    from moe_overlap.timeline import Timeline
+
+    config = ToyConfig(hidden=64, shared_expert=True)
+    ref = ToyModel(config, "dmt").cuda()
+    model = copy.deepcopy(ref)
+    ref.set_delay(delay)
+    model.set_delay(delay)
+    mbs = to_cuda(make_microbatches(3, config, batch=4, seq=64))
+    options = ScheduleOptions(delay_wgrad_compute=delay)
+    streams = make_streams("cuda")
+    ref_losses = combined_1f1b(ref, mbs, options=options, streams=streams)
+    timeline = Timeline()
+    losses = combined_1f1b(model, mbs, options=options, streams=streams, observer=timeline)
+    torch.cuda.synchronize()
+    for got, want in zip(losses, ref_losses, strict=True):
+        assert torch.equal(got, want)
+    assert_same(grads(model), grads(ref))
+    spans = timeline.spans()
+    assert spans and all(0.0 <= s.start_ms <= s.end_ms for s in spans)
+    kinds = {s.step.stream.value for s in spans}
+    assert kinds == {"comp", "comm"}
+    assert (Direction.WGRAD in {s.direction for s in spans}) == delay
