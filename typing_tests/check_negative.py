@@ -25,6 +25,8 @@ from moe_overlap import (
     PreprocessOutput,
     SchedulableLayer,
     ScheduleOptions,
+    Step,
+    StepObserver,
     StreamProvider,
     TransformerLayerNode,
     WgradLayer,
@@ -257,3 +259,29 @@ class NoDispatcherConfig:
 bad_config: FreeInputConfig = NoDispatcherConfig()  # type: ignore[assignment]  # pyright: ignore[reportAssignmentType]
 free = should_free_input("mlp", True, NoDispatcherConfig(), 2)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
 losses = combined_1f1b(UserModel(config), [{"input_ids": torch.ones(1)}])  # type: ignore[list-item]  # pyright: ignore[reportArgumentType]
+
+
+class TimerTakesNoStream:
+    """A timer whose ``start`` / ``stop`` ignore the node's stream."""
+
+    def start(self) -> None: ...
+    def stop(self) -> None: ...
+
+
+class ObserverOfStrings:
+    """An observer expecting the step's string form."""
+
+    def timer(self, step: str, microbatch: int | None) -> None: ...
+
+
+class ObserverReturningBadTimer:
+    def timer(self, step: Step, microbatch: int | None) -> TimerTakesNoStream:
+        return TimerTakesNoStream()
+
+
+def on_plan_style(step: Step) -> None: ...
+
+
+str_steps: StepObserver = ObserverOfStrings()  # type: ignore[assignment]  # pyright: ignore[reportAssignmentType]
+bad_timer: StepObserver = ObserverReturningBadTimer()  # type: ignore[assignment]  # pyright: ignore[reportAssignmentType]
+observer_fn = combined_1f1b(UserModel(config), [], observer=on_plan_style)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]

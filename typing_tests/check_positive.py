@@ -18,10 +18,13 @@ from moe_overlap import (
     Microbatch,
     ModelChunkSchedulePlan,
     MtpSchedulableLayer,
+    NodeTimer,
     PreprocessableModel,
     PreprocessOutput,
     SchedulableLayer,
     ScheduleOptions,
+    Step,
+    StepObserver,
     StreamPair,
     StreamProvider,
     TransformerLayerNode,
@@ -32,6 +35,7 @@ from moe_overlap import (
     make_streams,
     should_free_input,
 )
+from moe_overlap.timeline import Timeline
 
 from ._user_model import (
     DelayedLinear,
@@ -98,6 +102,24 @@ losses: list[Tensor] = combined_1f1b(
 )
 plan = ModelChunkSchedulePlan(UserModel(config), None, None, None, streams=streams)
 chunk_out: Tensor | None = ModelChunkSchedulePlan.run(plan, None)
+
+
+# Step observers: the Timeline, and a user's observer that times some steps only.
+class WallTimer:
+    def start(self, stream: torch.cuda.Stream | CpuStream) -> None: ...
+    def stop(self, stream: torch.cuda.Stream | CpuStream) -> None: ...
+
+
+class CommOnly:
+    def timer(self, step: Step, microbatch: int | None) -> WallTimer | None:
+        return WallTimer() if step.stream.value == "comm" else None
+
+
+timeline_observer: StepObserver = Timeline()
+user_observer: StepObserver = CommOnly()
+user_timer: NodeTimer = WallTimer()
+observed: list[Tensor] = combined_1f1b(UserModel(config), [], observer=CommOnly())
+observed_run: Tensor | None = ModelChunkSchedulePlan.run(plan, None, observer=Timeline())
 
 
 def narrows(value: object) -> None:
