@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass
+from types import TracebackType
 from typing import Union
 
 import torch
@@ -183,34 +184,6 @@ _new_cuda_stream: Callable[..., torch.cuda.Stream] = torch.cuda.Stream
 _new_cuda_event: Callable[[], torch.cuda.Event] = torch.cuda.Event
 
 
-@contextlib.contextmanager
-def use_stream(stream: AnyStream, event: AnyEvent) -> Generator[None, None, None]:
-    """Wait for ``event`` on ``stream``, run the body on ``stream``, then record ``event``.
-
-    This is how one microbatch's nodes on different streams stay ordered: they all share
-    one event, so each node starts after the previous one, whichever stream it ran on.
-    """
-    if isinstance(stream, CpuStream):
-        if not isinstance(event, CpuEvent):
-            raise StreamError(
-                f"use_stream: a CPU stream {stream!r} was paired with a CUDA event; "
-                "make events with make_event(device) on the model's device"
-            )
-        event.wait(stream)
-        yield
-        event.record(stream)
-        return
-    if isinstance(event, CpuEvent):
-        raise StreamError(
-            f"use_stream: a CUDA stream {stream!r} was paired with a CPU event; "
-            "make events with make_event(device) on the model's device"
-        )
-    event.wait(stream)
-    with torch.cuda.stream(stream):
-        yield
-    event.record(stream)
-
-
 def record_event(event: AnyEvent, stream: AnyStream) -> None:
     """``event.record(stream)``, checking both are of one device kind."""
     if isinstance(event, CpuEvent):
@@ -233,6 +206,48 @@ def wait_event(event: AnyEvent, stream: AnyStream) -> None:
         event.wait(stream)
         return
     raise StreamError(f"wait_event: {stream!r} cannot wait for {event!r}")
+
+
+class use_stream:  # lower case: used like a function, as torch.cuda.stream
+    """Wait for ``event`` on ``stream``, run the body on ``stream``, then record ``event``.
+
+    This is how one microbatch's nodes on different streams stay ordered: they all share
+    one event, so each node starts after the previous one, whichever stream it ran on.
+    The event is not recorded when the body raises. A class rather than a generator:
+    it runs twice per node, on the schedule's hot path.
+    """
+
+    __slots__ = ("_event", "_stream", "_switch")
+
+    def __init__(self, stream: AnyStream, event: AnyEvent) -> None:
+        cpu = isinstance(stream, CpuStream)
+        if cpu != isinstance(event, CpuEvent):
+            kinds = ("CPU", "CUDA") if cpu else ("CUDA", "CPU")
+            raise StreamError(
+                f"use_stream: a {kinds[0]} stream {stream!r} was paired with a {kinds[1]} "
+                "event; make events with make_event(device) on the model's device"
+            )
+        self._stream = stream
+        self._event = event
+        self._switch: contextlib.AbstractContextManager[object] | None = (
+            None if isinstance(stream, CpuStream) else torch.cuda.stream(stream)
+        )
+
+    def __enter__(self) -> None:
+        wait_event(self._event, self._stream)
+        if self._switch is not None:
+            self._switch.__enter__()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._switch is not None:
+            self._switch.__exit__(exc_type, exc, tb)
+        if exc_type is None:
+            record_event(self._event, self._stream)
 
 
 def stream_context(stream: AnyStream) -> contextlib.AbstractContextManager[object]:
