@@ -295,3 +295,23 @@ def test_stream_pair_providers() -> None:
     pair = StreamPair(comp=CpuStream("a"), comm=CpuStream("b"))
     assert pair.comp_provider() is pair.comp
     assert pair.comm_provider() is pair.comm
+
+
+def test_layer_plan_reads_the_position_from_megatron_style_extra_args() -> None:
+    from moe_overlap import TransformerLayerSchedulePlan
+
+    from .toy_model import ToyConfig, ToyLayer
+
+    layer = ToyLayer(ToyConfig(), moe=True)
+    plan = TransformerLayerSchedulePlan(
+        layer, CpuEvent(), ChunkState(), cpu_stream, cpu_stream, {"is_last_layer": True}
+    )
+    node = plan.nodes[next(iter(plan.nodes))]
+    assert isinstance(node, TransformerLayerNode)
+    assert node.is_last_layer
+    assert not node.is_first_layer
+    assert node.args.is_moe  # taken from the layer, not the mapping
+    with pytest.raises(ConfigError, match=r"unknown extra_args keys \['bogus'\]"):
+        TransformerLayerSchedulePlan(
+            layer, CpuEvent(), ChunkState(), cpu_stream, cpu_stream, {"bogus": 1}
+        )

@@ -11,6 +11,7 @@ from torch import Tensor
 from ._conformance import check_layer, check_model
 from ._errors import IntegrationError, PlanReleasedError, StreamError
 from ._executor import BValue, FValue, execute
+from ._layer_node import LayerArgs
 from ._layer_plan import TransformerLayerSchedulePlan
 from ._node import ScheduleNode
 from ._options import ChunkHooks, PostBackwardHook, PostForwardHook, PreHook, ScheduleOptions
@@ -128,7 +129,7 @@ class ModelChunkSchedulePlan:
                 self.state,
                 streams.comp_provider,
                 streams.comm_provider,
-                {"is_first_layer": i == 0, "is_last_layer": i == n - 1},
+                LayerArgs(config=layer.config, is_first_layer=i == 0, is_last_layer=i == n - 1),
                 options=options,
                 index=i,
             )

@@ -7,7 +7,7 @@ from collections.abc import Callable, Mapping, Sequence
 from torch import Tensor
 
 from ._conformance import as_mtp_layer, check_layer
-from ._errors import ConfigError, PlanReleasedError
+from ._errors import PlanReleasedError
 from ._executor import execute
 from ._layer_node import LayerArgs, TransformerLayerNode
 from ._node import NoopScheduleNode, ScheduleNode
@@ -45,7 +45,15 @@ class TransformerLayerSchedulePlan:
         index: int = 0,
     ) -> None:
         layer = check_layer(layer, f"TransformerLayerSchedulePlan(layer {index})")
-        first, last = _position(extra_args)
+        # A Megatron-style mapping is validated as LayerArgs; only its layer position is
+        # used, the rest comes from the layer itself (as Megatron-Core overwrites it).
+        given = (
+            LayerArgs.from_mapping({"config": layer.config, **extra_args})
+            if extra_args is not None and not isinstance(extra_args, LayerArgs)
+            else extra_args
+        )
+        first = given is not None and given.is_first_layer
+        last = given is not None and given.is_last_layer
         mtp = as_mtp_layer(layer)
         is_mtp = mtp is not None
         args = LayerArgs(
@@ -173,24 +181,3 @@ class TransformerLayerSchedulePlan:
             is_last_layer_in_bwd=is_last_layer_in_bwd,
         )
         return execute(steps, f_layer, b_layer, f_input, b_grad, observer=observer)
-
-
-def _position(extra_args: LayerArgs | Mapping[str, object] | None) -> tuple[bool, bool]:
-    if extra_args is None:
-        return False, False
-    if isinstance(extra_args, LayerArgs):
-        return extra_args.is_first_layer, extra_args.is_last_layer
-    allowed = {"is_first_layer", "is_last_layer", *LayerArgs.__dataclass_fields__}
-    unknown = sorted(set(extra_args) - allowed)
-    if unknown:
-        raise ConfigError(
-            f"TransformerLayerSchedulePlan: unknown extra_args keys {unknown}; expected a "
-            f"subset of {sorted(allowed)}"
-        )
-    first, last = extra_args.get("is_first_layer", False), extra_args.get("is_last_layer", False)
-    if not isinstance(first, bool) or not isinstance(last, bool):
-        raise ConfigError(
-            "TransformerLayerSchedulePlan: is_first_layer / is_last_layer must be bools, "
-            f"received {first!r}, {last!r}"
-        )
-    return first, last
