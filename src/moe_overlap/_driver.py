@@ -110,7 +110,7 @@ def combined_1f1b(
     live: list[ModelChunkSchedulePlan] = []
 
     def forward(f: ModelChunkSchedulePlan | None, b: ModelChunkSchedulePlan | None) -> None:
-        grad = _loss_grad(losses[-1], loss_scale) if b is not None else None
+        grad = torch.full_like(losses[-1], loss_scale) if b is not None else None
         out = ModelChunkSchedulePlan.run(f, b, b_grad=grad, observer=observer)
         if b is not None:
             live.remove(b)
@@ -136,10 +136,6 @@ def combined_1f1b(
             if not plan.released:
                 plan.release_state()
     return [loss.detach() for loss in losses]
-
-
-def _loss_grad(loss: Tensor, scale: float) -> Tensor:
-    return torch.full_like(loss, scale) if scale != 1.0 else torch.ones_like(loss)
 
 
 def _check_loss(model: PreprocessableModel, out: Tensor | None) -> Tensor:

@@ -10,6 +10,7 @@ from torch import Tensor
 from ._errors import ConfigError, IntegrationError, WgradError
 from ._free_input import should_free_input
 from ._node import ScheduleNode, default_backward, weak_method
+from ._options import Hook
 from ._protocols import FreeInputConfig, SlotFn, StreamProvider, WgradLayer
 from ._state import ChunkState, LayerState
 from ._streams import AnyEvent, stream_context
@@ -74,9 +75,6 @@ class LayerArgs:
         if value is None:
             raise ConfigError("LayerArgs: extra_args must give at least 'config', received None")
         return cls.from_mapping(value)
-
-
-Hook = Callable[[], None]
 
 
 class TransformerLayerNode(ScheduleNode):

@@ -9,6 +9,7 @@ from torch import Tensor
 
 __all__ = [
     "ChunkHooks",
+    "Hook",
     "PostBackwardHook",
     "PostForwardHook",
     "PreHook",
@@ -35,6 +36,9 @@ class ScheduleOptions:
     ep_overlap_early_attn_memory_release: bool = False
     free_input: bool = True
 
+
+Hook = Callable[[], None]
+"""A layer node's post-forward / post-backward hook, or a graphed wgrad replay."""
 
 PreHook = Callable[["int | None"], None]
 """``pre_forward`` / ``pre_backward``: called with the chunk's virtual-pipeline stage."""

@@ -78,10 +78,6 @@ _NODE_NAMES = {
 }
 
 
-LAYER_SLOTS: tuple[Slot, ...] = (Slot.PRE_DISPATCH, Slot.DISPATCH, Slot.MLP, Slot.COMBINE)
-"""The four slots of a fine-grained layer, in forward order."""
-
-
 class StreamKind(str, enum.Enum):
     """The stream a step runs on."""
 

@@ -4,17 +4,16 @@ No ``from __future__ import annotations`` here: the NamedTuple's field types mus
 objects at run time for debug mode's checks.
 """
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import NamedTuple
 
 from torch.nn import Parameter
 
 from ._free_input import CudaGraphModule, graph_module_names
+from ._options import Hook
 from ._protocols import SchedulableLayer, WgradLayer
 
 __all__ = ["BackwardDWWrapper", "WgradScope", "_BackwardDWWrapper"]
-
-Hook = Callable[[], None]
 
 
 class WgradScope(NamedTuple):
