@@ -82,6 +82,10 @@ class DelayedLinear(nn.Module):
         self.delay = False
         self.pending: list[tuple[Tensor, Tensor]] = []
 
+    @property
+    def pending_wgrad(self) -> int:
+        return len(self.pending)
+
     def forward(self, x: Tensor) -> Tensor:
         out: Tensor = _LinearFn.apply(x, self.weight, self)  # type: ignore[no-untyped-call]
         return out
@@ -132,6 +136,7 @@ class ToyLayer(nn.Module):
         self.config = config
         self.is_moe = moe
         self.num_local_experts: int | None = config.num_experts if moe else None
+        self.delay = False  # the wgrad lists below are empty unless set_delay(True)
         self.attn = DelayedLinear(h, h)
         if moe:
             self.router = nn.Linear(h, config.num_experts, bias=False)
@@ -147,6 +152,7 @@ class ToyLayer(nn.Module):
             self.dense_mlp = WgradGroup([self.fc1, self.fc2])
 
     def set_delay(self, delay: bool) -> None:
+        self.delay = delay
         for m in self.modules():
             if isinstance(m, DelayedLinear):
                 m.delay = delay
@@ -258,12 +264,16 @@ class ToyLayer(nn.Module):
         return out
 
     def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
+        if not self.delay:
+            return []
         parts = [WgradScope(CudaGraphModule.attn, self.attn)]
         if self.is_moe and self.shared is not None:
             parts.append(WgradScope(CudaGraphModule.moe_router, self.shared))
         return parts
 
     def mlp_wgrad(self) -> Sequence[WgradLayer]:
+        if not self.delay:
+            return []
         return [self.experts] if self.is_moe else [self.dense_mlp]
 
 
@@ -283,6 +293,8 @@ class ToyMtpLayer(ToyLayer):
 
     def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
         # As Megatron-Core adds the MTP projection to the pre-dispatch wgrad list.
+        if not self.delay:
+            return []
         return [*super().pre_dispatch_wgrad(), WgradScope(CudaGraphModule.attn, self.mtp_proj)]
 
     def slot_mtp_post_process(

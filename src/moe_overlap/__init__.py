@@ -17,11 +17,13 @@ from moe_overlap._driver import Microbatch as Microbatch
 from moe_overlap._driver import combined_1f1b as combined_1f1b
 from moe_overlap._errors import ConfigError as ConfigError
 from moe_overlap._errors import IntegrationError as IntegrationError
+from moe_overlap._errors import LayerStateAttributeError as LayerStateAttributeError
 from moe_overlap._errors import MoeOverlapError as MoeOverlapError
 from moe_overlap._errors import NodeStateError as NodeStateError
 from moe_overlap._errors import PlanReleasedError as PlanReleasedError
 from moe_overlap._errors import ScheduleError as ScheduleError
 from moe_overlap._errors import StreamError as StreamError
+from moe_overlap._errors import TypeHintError as TypeHintError
 from moe_overlap._errors import WgradError as WgradError
 from moe_overlap._free_input import CudaGraphModule as CudaGraphModule
 from moe_overlap._free_input import should_free_input as should_free_input
@@ -38,6 +40,7 @@ from moe_overlap._process_nodes import PreProcessNode as PreProcessNode
 from moe_overlap._protocols import FreeInputConfig as FreeInputConfig
 from moe_overlap._protocols import MtpSchedulableLayer as MtpSchedulableLayer
 from moe_overlap._protocols import NodeTimer as NodeTimer
+from moe_overlap._protocols import PendingWgrad as PendingWgrad
 from moe_overlap._protocols import PreprocessableModel as PreprocessableModel
 from moe_overlap._protocols import SchedulableLayer as SchedulableLayer
 from moe_overlap._protocols import SlotFn as SlotFn
@@ -67,6 +70,7 @@ from moe_overlap._streams import make_streams as make_streams
 from moe_overlap._streams import set_streams as set_streams
 from moe_overlap._wgrad import BackwardDWWrapper as BackwardDWWrapper
 from moe_overlap._wgrad import WgradScope as WgradScope
+from moe_overlap._wgrad_check import check_wgrad_done as check_wgrad_done
 
 __version__ = "0.1.0"
 
@@ -85,6 +89,7 @@ __all__ = [
     "LayerArgs",
     "LayerShape",
     "LayerState",
+    "LayerStateAttributeError",
     "Microbatch",
     "ModelChunkSchedulePlan",
     "MoeOverlapError",
@@ -92,6 +97,7 @@ __all__ = [
     "NodeStateError",
     "NodeTimer",
     "NoopScheduleNode",
+    "PendingWgrad",
     "PlanReleasedError",
     "PostProcessNode",
     "PreProcessNode",
@@ -112,9 +118,11 @@ __all__ = [
     "StreamProvider",
     "TransformerLayerNode",
     "TransformerLayerSchedulePlan",
+    "TypeHintError",
     "WgradError",
     "WgradLayer",
     "WgradScope",
+    "check_wgrad_done",
     "chunk_steps",
     "combined_1f1b",
     "format_steps",

@@ -8,10 +8,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._conformance import check_layer, check_model
-from ._errors import IntegrationError, PlanReleasedError, StreamError
+from ._conformance import check_model
+from ._errors import ConfigError, IntegrationError, PlanReleasedError, StreamError
 from ._executor import BValue, FValue, execute
-from ._layer_node import LayerArgs
 from ._layer_plan import TransformerLayerSchedulePlan
 from ._node import ScheduleNode
 from ._options import ChunkHooks, PostBackwardHook, PostForwardHook, PreHook, ScheduleOptions
@@ -31,7 +30,7 @@ from ._streams import (
     wait_event,
 )
 
-__all__ = ["ModelChunkSchedulePlan", "default_streams"]
+__all__ = ["ModelChunkSchedulePlan", "check_grad_mode", "default_streams"]
 
 _DEFAULT_OPTIONS = ScheduleOptions()
 _CPU_STREAMS = StreamPair(comp=CpuStream("comp"), comm=CpuStream("comm"))
@@ -117,21 +116,19 @@ class ModelChunkSchedulePlan:
         self.pre_process: PreProcessNode | None = PreProcessNode(
             model, self.state, self.event, streams.comp_provider
         )
-        layers = [
-            check_layer(layer, f"{type(model).__name__}.decoder.layers[{i}]")
-            for i, layer in enumerate(model.decoder.layers)
-        ]
+        layers = model.decoder.layers
         n = len(layers)
         self.layers: list[TransformerLayerSchedulePlan] = [
             TransformerLayerSchedulePlan(
-                layer,
+                layer,  # checked by the layer plan, under the name given as ``where``
                 self.event,
                 self.state,
                 streams.comp_provider,
                 streams.comm_provider,
-                LayerArgs(config=layer.config, is_first_layer=i == 0, is_last_layer=i == n - 1),
+                {"is_first_layer": i == 0, "is_last_layer": i == n - 1},
                 options=options,
                 index=i,
+                where=f"{type(model).__name__}.decoder.layers[{i}]",
             )
             for i, layer in enumerate(layers)
         ]
@@ -223,6 +220,7 @@ class ModelChunkSchedulePlan:
                 )
         if b is not None and b_grad is None:
             raise IntegrationError("ModelChunkSchedulePlan.run: a backward plan needs b_grad")
+        check_grad_mode("ModelChunkSchedulePlan.run")
         hooks = ChunkHooks(
             pre_forward=pre_forward,
             pre_backward=pre_backward,
@@ -248,7 +246,7 @@ class ModelChunkSchedulePlan:
         def on_error() -> None:
             for plan in (f, b):
                 if plan is not None:
-                    synchronize(plan.streams.comp)
+                    synchronize(plan.streams.comp)  # the whole device: both streams
                     plan.release_state()
 
         f_value, _ = execute(
@@ -269,6 +267,18 @@ class ModelChunkSchedulePlan:
         if f is None:
             return None
         return f_value[0] if f_value else None
+
+
+def check_grad_mode(where: str) -> None:
+    """Raise :class:`~moe_overlap.ConfigError` unless autograd records (a training step)."""
+    if torch.is_grad_enabled():
+        return
+    mode = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
+    raise ConfigError(
+        f"{where}: expected autograd enabled (the schedule runs forward and backward), "
+        f"received grad mode off ({mode}); call it outside {mode}, and evaluate with the "
+        "model's own forward"
+    )
 
 
 def _run_hook(

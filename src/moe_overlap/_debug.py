@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["DEBUG_ENV", "debug_enabled", "install_beartype"]
+__all__ = ["DEBUG", "DEBUG_ENV", "debug_enabled", "install_beartype"]
 
 DEBUG_ENV = "MOE_OVERLAP_DEBUG"
 
@@ -14,23 +14,34 @@ def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
+DEBUG = debug_enabled()
+"""Read once, at import: debug mode's costly checks (saved-tensor hooks, ...) are on."""
+
+
 def install_beartype() -> None:
     """Check every later-imported module of the package with beartype.
 
-    Protocol-typed parameters are not checked per call (an ``isinstance`` against a
-    runtime Protocol costs microseconds and, on Python 3.12+, misses ``nn.Module``
-    submodules): beartype sees them as ``object``, and plans check integrations once, at
-    construction, member by member.
+    Violations raise :class:`~moe_overlap.TypeHintError` (an ``IntegrationError``, so a
+    ``TypeError``); an ``int`` is accepted where the hint says ``float`` (PEP 484's
+    numeric tower). Protocol-typed parameters are not checked per call (an
+    ``isinstance`` against a runtime Protocol costs microseconds and, on Python 3.12+,
+    misses ``nn.Module`` submodules): beartype sees them as ``object``, and plans check
+    integrations once, at construction, member by member.
     """
     from beartype import BeartypeConf, FrozenDict
     from beartype.claw import beartype_package
 
     from moe_overlap import _protocols as protocols
+    from moe_overlap._errors import TypeHintError
 
     overrides: dict[object, object] = {
         getattr(protocols, name): object for name in protocols.__all__
     }
     beartype_package(
         "moe_overlap",
-        conf=BeartypeConf(hint_overrides=FrozenDict(overrides)),
+        conf=BeartypeConf(
+            hint_overrides=FrozenDict(overrides),
+            is_pep484_tower=True,
+            violation_type=TypeHintError,
+        ),
     )

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
 
-from ._chunk_plan import ModelChunkSchedulePlan
+from ._chunk_plan import ModelChunkSchedulePlan, check_grad_mode
 from ._conformance import check_model
 from ._errors import ConfigError, IntegrationError
 from ._options import ScheduleOptions
 from ._protocols import PreprocessableModel, StepObserver
 from ._streams import StreamPair
+from ._wgrad_check import check_wgrad_done
 
 __all__ = ["Microbatch", "combined_1f1b"]
 
@@ -36,6 +38,37 @@ class Microbatch:
     extra_block_kwargs: Mapping[str, object] | None = None
     runtime_gather_output: bool | None = None
 
+    def __post_init__(self) -> None:
+        for name in _TENSOR_FIELDS:
+            value: object = getattr(self, name)
+            if value is not None and not isinstance(value, Tensor):
+                raise ConfigError(
+                    f"Microbatch.{name}: expected a Tensor or None, received "
+                    f"{type(value).__name__}"
+                )
+        kwargs: object = self.extra_block_kwargs
+        if kwargs is not None and not isinstance(kwargs, Mapping):
+            raise ConfigError(
+                "Microbatch.extra_block_kwargs: expected a mapping or None, received "
+                f"{type(kwargs).__name__}"
+            )
+        gather: object = self.runtime_gather_output
+        if gather is not None and not isinstance(gather, bool):
+            raise ConfigError(
+                "Microbatch.runtime_gather_output: expected a bool or None, received "
+                f"{type(gather).__name__} {gather!r}"
+            )
+
+
+_TENSOR_FIELDS = (
+    "input_ids",
+    "position_ids",
+    "attention_mask",
+    "labels",
+    "loss_mask",
+    "decoder_input",
+    "padding_mask",
+)
 
 PlanCallback = Callable[[ModelChunkSchedulePlan], None]
 
@@ -66,7 +99,13 @@ def combined_1f1b(
     ``observer`` (a :class:`~moe_overlap.StepObserver`, e.g. a
     :class:`~moe_overlap.timeline.Timeline`) is asked for a timer for every node step of
     every :meth:`ModelChunkSchedulePlan.run`. Delayed weight gradients are all computed by
-    the time this returns.
+    the time this returns: modules that count them (:class:`~moe_overlap.PendingWgrad`)
+    are checked to owe none before and after the step (:class:`~moe_overlap.WgradError`).
+
+    The arguments are checked once per call (:class:`~moe_overlap.ConfigError`):
+    ``microbatches`` a non-empty sequence of :class:`Microbatch` (not a generator),
+    ``overlap`` a bool, ``loss_scale`` a finite int or float, autograd enabled (not under
+    ``torch.no_grad()`` / ``torch.inference_mode()``).
 
     If a node fails, :class:`~moe_overlap.ScheduleError` says where; streams are
     synchronized and every plan released, so the model can run the next step. The
@@ -75,14 +114,9 @@ def combined_1f1b(
     overflowed mixed-precision step.
     """
     model = check_model(model)
-    if len(microbatches) == 0:
-        raise ConfigError("combined_1f1b: expected at least one microbatch, received none")
-    for i, mb in enumerate(microbatches):
-        if not isinstance(mb, Microbatch):  # pyright: ignore[reportUnnecessaryIsInstance]
-            raise ConfigError(
-                f"combined_1f1b: microbatches[{i}] must be a Microbatch, "
-                f"received {type(mb).__name__}"
-            )
+    _check_arguments(microbatches, overlap, options, streams, loss_scale, on_plan, observer)
+    check_grad_mode("combined_1f1b")
+    check_wgrad_done(model, when="before the step (left from an earlier one)")
 
     def build(i: int) -> ModelChunkSchedulePlan:
         mb = microbatches[i]
@@ -135,7 +169,63 @@ def combined_1f1b(
         for plan in live:
             if not plan.released:
                 plan.release_state()
+    check_wgrad_done(model, when="when combined_1f1b returns")
     return [loss.detach() for loss in losses]
+
+
+def _check_arguments(
+    microbatches: object,
+    overlap: object,
+    options: object,
+    streams: object,
+    loss_scale: object,
+    on_plan: object,
+    observer: object,
+) -> None:
+    """combined_1f1b's arguments, once per call (what types cannot promise at run time)."""
+    where = "combined_1f1b"
+    if not isinstance(microbatches, Sequence) or isinstance(microbatches, (str, bytes)):
+        raise ConfigError(
+            f"{where}: microbatches must be a sequence (list or tuple) of Microbatch, "
+            f"received {type(microbatches).__name__}; pass list(...) for a generator"
+        )
+    items = cast("Sequence[object]", microbatches)
+    if len(items) == 0:
+        raise ConfigError(f"{where}: expected at least one microbatch, received none")
+    for i, mb in enumerate(items):
+        if not isinstance(mb, Microbatch):
+            raise ConfigError(
+                f"{where}: microbatches[{i}] must be a Microbatch, received {type(mb).__name__}"
+            )
+    if not isinstance(overlap, bool):
+        raise ConfigError(
+            f"{where}: overlap must be a bool, received {type(overlap).__name__} {overlap!r}"
+        )
+    if not isinstance(options, ScheduleOptions):
+        raise ConfigError(
+            f"{where}: options must be a ScheduleOptions, received {type(options).__name__}"
+        )
+    if streams is not None and not isinstance(streams, StreamPair):
+        raise ConfigError(
+            f"{where}: streams must be a StreamPair (make_streams(device)) or None, "
+            f"received {type(streams).__name__}"
+        )
+    if (
+        isinstance(loss_scale, bool)
+        or not isinstance(loss_scale, (int, float))
+        or not math.isfinite(loss_scale)
+    ):
+        shown = f"{type(loss_scale).__name__} {loss_scale!r}"
+        raise ConfigError(f"{where}: loss_scale must be a finite real number, received {shown}")
+    if on_plan is not None and not callable(on_plan):
+        raise ConfigError(
+            f"{where}: on_plan must be a callable or None, received {type(on_plan).__name__}"
+        )
+    if observer is not None and not callable(getattr(observer, "timer", None)):
+        raise ConfigError(
+            f"{where}: observer must be a StepObserver (with timer(step, microbatch)) or "
+            f"None, received {type(observer).__name__}"
+        )
 
 
 def _check_loss(model: PreprocessableModel, out: Tensor | None) -> Tensor:

@@ -13,8 +13,10 @@ __all__ = [
     "MoeOverlapError",
     "NodeStateError",
     "PlanReleasedError",
+    "LayerStateAttributeError",
     "ScheduleError",
     "StreamError",
+    "TypeHintError",
     "WgradError",
 ]
 
@@ -29,6 +31,20 @@ class ConfigError(MoeOverlapError, ValueError):
 
 class IntegrationError(MoeOverlapError, TypeError):
     """A user model, layer or callable does not honour the library's Protocols."""
+
+
+class TypeHintError(IntegrationError):
+    """Debug mode only: an argument or return value does not match its annotation.
+
+    Raised by beartype (``MOE_OVERLAP_DEBUG=1``) at the call that broke the hint.
+    """
+
+
+class LayerStateAttributeError(IntegrationError, AttributeError):
+    """A :class:`~moe_overlap.LayerState` attribute that is not one of its declared fields.
+
+    Also an ``AttributeError``, so ``hasattr`` and ``getattr(state, name, default)`` work.
+    """
 
 
 class NodeStateError(MoeOverlapError, RuntimeError):

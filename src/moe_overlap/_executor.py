@@ -3,7 +3,8 @@
 The forward microbatch's value is the tuple of tensors flowing forward (its last node's
 outputs); the backward microbatch's value is the tuple of grads flowing backward. A failing
 step is re-raised as :class:`~moe_overlap.ScheduleError` naming the step, the microbatches
-and the steps around it, after the caller's cleanup ran.
+and the steps around it, after the caller's cleanup ran; a ``BaseException`` that is not an
+``Exception`` (``KeyboardInterrupt``) runs the same cleanup and propagates unchanged.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import Tensor
 from ._errors import ScheduleError
 from ._layer_node import TransformerLayerNode
 from ._node import ScheduleNode
+from ._node_checks import freed_memory_hint
 from ._protocols import StepObserver
 from ._steps import Direction, Role, Step, format_steps
 
@@ -75,9 +77,11 @@ def execute(
             finally:
                 if observer is not None:
                     node.timer = None
-        except Exception as exc:
+        except BaseException as exc:
             if on_error is not None:
                 on_error()
+            if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: unchanged
+                raise
             raise _schedule_error(steps, index, f, b, exc) from exc
     return f_value, b_value
 
@@ -106,8 +110,10 @@ def _schedule_error(
         f"slot {step.slot.value}, {direction}"
     )
     pair = f"(forward microbatch {f_mb}, backward microbatch {b_mb})"
+    hint = freed_memory_hint(exc)
     message = (
         f"{position} {pair} failed with {type(exc).__name__}: {exc}\n"
-        f"{format_steps(steps, mark=index, context=6)}"
+        + (f"{hint}\n" if hint else "")
+        + format_steps(steps, mark=index, context=6)
     )
     return ScheduleError(message, position=position)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 
+import torch
 from torch import Tensor
 
 from ._errors import ConfigError, IntegrationError, WgradError
@@ -150,6 +151,10 @@ class TransformerLayerNode(ScheduleNode):
         self.detached = (*self.detached, d)
         return d
 
+    def handed_on(self) -> tuple[Tensor | None, ...]:
+        """What this slot keeps for later slots: its detached tensors and the layer state."""
+        return (*self.detached, *self.layer_state.tensors())
+
     def forward_impl(self, *args: Tensor | None) -> Tensor | tuple[Tensor, ...]:
         """Call the slot function with this node and the (detached) inputs."""
         inputs: list[Tensor] = []
@@ -193,7 +198,8 @@ class TransformerLayerNode(ScheduleNode):
     def backward_dw(self) -> None:
         """Run the slot's delayed weight-gradient work on the slot's stream, then the hooks.
 
-        A no-op unless wgrad is delayed. Runs once: a second call raises
+        A no-op unless wgrad is delayed. Runs under ``torch.no_grad()``, so the weight
+        gradients carry no autograd graph. Runs once: a second call raises
         :class:`~moe_overlap.WgradError`.
         """
         if not self.delay_wgrad_compute:
@@ -202,7 +208,9 @@ class TransformerLayerNode(ScheduleNode):
         if callables is None:
             raise WgradError(f"layer node {self.name!r}: backward_dw called twice")
         stream = self.stream()
-        with stream_context(stream):
+        # No graph: weight-gradient work never needs one, and recording it would keep
+        # autograd graphs alive through the parameters' .grad.
+        with stream_context(stream), torch.no_grad():
             timer = self.timer
             if timer is not None:
                 timer.start(stream)

@@ -6,8 +6,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 from torch import Tensor
 
-from ._conformance import as_mtp_layer, check_layer
-from ._errors import PlanReleasedError
+from ._conformance import as_mtp_layer, check_layer, check_wgrad_layers
+from ._errors import ConfigError, PlanReleasedError
 from ._executor import execute
 from ._layer_node import LayerArgs, TransformerLayerNode
 from ._node import NoopScheduleNode, ScheduleNode
@@ -30,6 +30,11 @@ class TransformerLayerSchedulePlan:
     on the communication stream for MoE layers, no-ops for dense ones; ``mtp_post`` for
     MTP layers, a no-op otherwise. All share the microbatch's ``event`` and a fresh
     :class:`~moe_overlap.LayerState`.
+
+    The layer is checked member by member here (``where`` names it in errors). It delays
+    its weight gradients exactly when ``pre_dispatch_wgrad()`` or ``mlp_wgrad()`` lists a
+    module; ``options.delay_wgrad_compute``, when not ``None``, must agree
+    (:class:`~moe_overlap.ConfigError` otherwise).
     """
 
     def __init__(
@@ -43,24 +48,24 @@ class TransformerLayerSchedulePlan:
         *,
         options: ScheduleOptions = _DEFAULT_OPTIONS,
         index: int = 0,
+        where: str | None = None,
     ) -> None:
-        layer = check_layer(layer, f"TransformerLayerSchedulePlan(layer {index})")
-        # A Megatron-style mapping is validated as LayerArgs; only its layer position is
-        # used, the rest comes from the layer itself (as Megatron-Core overwrites it).
-        given = (
-            LayerArgs.from_mapping({"config": layer.config, **extra_args})
-            if extra_args is not None and not isinstance(extra_args, LayerArgs)
-            else extra_args
-        )
-        first = given is not None and given.is_first_layer
-        last = given is not None and given.is_last_layer
+        where = f"TransformerLayerSchedulePlan(layer {index})" if where is None else where
+        layer = check_layer(layer, where)
+        first, last = _layer_position(layer, extra_args)
         mtp = as_mtp_layer(layer)
         is_mtp = mtp is not None
+        # The layer is the one source of truth for delayed wgrad: it delays exactly the
+        # modules it lists. ScheduleOptions.delay_wgrad_compute, when given, must agree.
+        pre_dw = BackwardDWWrapper(layer)
+        mlp_dw = check_wgrad_layers(layer.mlp_wgrad(), f"{where}: mlp_wgrad()")
+        delay = bool(pre_dw.parts) or bool(mlp_dw)
+        _check_delay_option(where, options.delay_wgrad_compute, len(pre_dw.parts), len(mlp_dw))
         args = LayerArgs(
             config=layer.config,
             is_moe=layer.is_moe,
             num_local_experts=layer.num_local_experts,
-            delay_wgrad_compute=options.delay_wgrad_compute,
+            delay_wgrad_compute=delay,
             is_mtp=is_mtp,
             is_first_layer=first,
             is_last_layer=last,
@@ -73,11 +78,10 @@ class TransformerLayerSchedulePlan:
         self.shape = LayerShape(
             index=index,
             is_moe=layer.is_moe,
-            delay_wgrad=options.delay_wgrad_compute,
+            delay_wgrad=delay,
             has_mtp_post=is_mtp,
             early_attn_release=options.ep_overlap_early_attn_memory_release,
         )
-        delay = options.delay_wgrad_compute
 
         def node(
             slot: Slot,
@@ -104,9 +108,9 @@ class TransformerLayerSchedulePlan:
                 Slot.PRE_DISPATCH,
                 comp_stream,
                 layer.slot_pre_dispatch,
-                [BackwardDWWrapper(layer)] if delay else None,
+                [pre_dw] if delay else None,
             ),
-            Slot.MLP: node(Slot.MLP, comp_stream, layer.slot_mlp, list(layer.mlp_wgrad())),
+            Slot.MLP: node(Slot.MLP, comp_stream, layer.slot_mlp, mlp_dw),
         }
         if layer.is_moe:
             self.nodes[Slot.DISPATCH] = node(Slot.DISPATCH, comm_stream, layer.slot_dispatch)
@@ -181,3 +185,45 @@ class TransformerLayerSchedulePlan:
             is_last_layer_in_bwd=is_last_layer_in_bwd,
         )
         return execute(steps, f_layer, b_layer, f_input, b_grad, observer=observer)
+
+
+def _check_delay_option(where: str, option: bool | None, n_pre: int, n_mlp: int) -> None:
+    """``ScheduleOptions.delay_wgrad_compute``, when set, must say what the layer does."""
+    delay = bool(n_pre or n_mlp)
+    if option is None or option == delay:
+        return
+    does = "delays" if delay else "does not delay"
+    fix = "without" if delay else "with"
+    raise ConfigError(
+        f"{where}: ScheduleOptions(delay_wgrad_compute={option}) expected the layer to "
+        f"{'delay' if option else 'compute at once'} its weight gradients, but it {does} "
+        f"them (pre_dispatch_wgrad() lists {n_pre} modules, mlp_wgrad() {n_mlp}); the "
+        f"layers decide: build the model {fix} delayed wgrad, or leave "
+        "delay_wgrad_compute unset"
+    )
+
+
+_POSITION_KEYS = frozenset({"is_first_layer", "is_last_layer"})
+
+
+def _layer_position(
+    layer: SchedulableLayer, extra_args: LayerArgs | Mapping[str, object] | None
+) -> tuple[bool, bool]:
+    """``(is_first_layer, is_last_layer)`` from ``extra_args``.
+
+    A Megatron-style mapping is validated as :class:`~moe_overlap.LayerArgs`; only the
+    layer position is used, the rest comes from the layer itself (as Megatron-Core
+    overwrites it). A mapping of just the two position flags (what chunk plans pass) takes
+    a fast path with the same checks.
+    """
+    if extra_args is None:
+        return False, False
+    if isinstance(extra_args, LayerArgs):
+        return extra_args.is_first_layer, extra_args.is_last_layer
+    if extra_args.keys() <= _POSITION_KEYS:
+        first = extra_args.get("is_first_layer", False)
+        last = extra_args.get("is_last_layer", False)
+        if isinstance(first, bool) and isinstance(last, bool):
+            return first, last
+    given = LayerArgs.from_mapping({"config": layer.config, **extra_args})
+    return given.is_first_layer, given.is_last_layer

@@ -17,7 +17,16 @@ from typing import ParamSpec, TypeVar, cast
 import torch
 from torch import Tensor
 
+from ._debug import DEBUG
 from ._errors import IntegrationError, NodeStateError
+from ._node_checks import (
+    SavedStorages,
+    check_in_graph,
+    check_no_alias,
+    freed_memory_hint,
+    saved_and_freed_error,
+    inputs_saved_by_autograd,
+)
 from ._protocols import NodeTimer, StreamProvider
 from ._streams import AnyEvent, CpuEvent, CpuStream, record_tensor_on, use_stream
 
@@ -176,10 +185,18 @@ class ScheduleNode:
         self.phase = NodePhase.NEW
         self.inputs: tuple[Tensor | None, ...] = ()
         self.outputs: tuple[Tensor, ...] = ()
+        self.non_differentiable: tuple[Tensor, ...] = ()
+        self.saved_inputs: tuple[str, ...] = ()  # debug mode: inputs saved, then freed
         self.timer = None
 
     def forward(self, *inputs: Tensor | None) -> tuple[Tensor, ...]:
-        """Run the forward on detached inputs; return the outputs as a tuple."""
+        """Run the forward on detached inputs; return the outputs as a tuple.
+
+        Raises :class:`~moe_overlap.IntegrationError` when a floating-point output does not
+        require grad although an input does (cut from the graph; see
+        :meth:`mark_non_differentiable`), or, when this node frees its inputs, when an
+        output or a tensor handed to a later node shares storage with one of them.
+        """
         if self.phase is not NodePhase.NEW:
             raise NodeStateError(
                 f"node {self.name!r}: forward expected a new node, but it is {self.phase.value}; "
@@ -192,18 +209,44 @@ class ScheduleNode:
             timer = self.timer
             if timer is not None:
                 timer.start(stream)
-            result = self.forward_func(*detached)
+            if DEBUG and self.free_input:
+                with SavedStorages() as saved:
+                    result = self.forward_func(*detached)
+                self.saved_inputs = inputs_saved_by_autograd(inputs, saved.pointers)
+            else:
+                result = self.forward_func(*detached)
             if timer is not None:
                 timer.stop(stream)
             outputs = _as_tuple(self.name, result)
             self.outputs = outputs
+        for out in outputs:
+            if not out.requires_grad:
+                check_in_graph(self.name, detached, outputs, self.non_differentiable)
+                break
         self.phase = NodePhase.FORWARDED
         if self.free_input:
+            storages = [t.untyped_storage() for t in inputs if t is not None]
+            check_no_alias(self.name, storages, outputs, self.handed_on())
             for tensor in inputs:
                 if tensor is not None:
                     record_tensor_on(tensor, stream)
-                    tensor.untyped_storage().resize_(0)
+            for storage in storages:
+                storage.resize_(0)
         return outputs
+
+    def mark_non_differentiable(self, *tensors: Tensor) -> None:
+        """Declare outputs that carry no gradient on purpose (masks, counts as floats).
+
+        A floating-point output that does not require grad while an input does is
+        otherwise an error: it usually means the graph was cut by mistake (``detach()``,
+        ``torch.no_grad()``, ``.data``) and backward would silently skip it. Integer
+        outputs (routing indices) never need marking.
+        """
+        self.non_differentiable = (*self.non_differentiable, *tensors)
+
+    def handed_on(self) -> tuple[Tensor | None, ...]:
+        """Tensors this node keeps for later nodes besides its outputs (none here)."""
+        return ()
 
     def backward(self, *output_grad: Tensor | None) -> tuple[Tensor | None, ...]:
         """Backpropagate ``output_grad`` (one per output); return the inputs' grads."""
@@ -222,7 +265,15 @@ class ScheduleNode:
             timer = self.timer
             if timer is not None:
                 timer.start(stream)
-            self.backward_impl(self.outputs, output_grad)
+            if self.saved_inputs:  # debug mode, inputs saved then freed: name them
+                try:
+                    self.backward_impl(self.outputs, output_grad)
+                except RuntimeError as exc:
+                    if freed_memory_hint(exc):
+                        raise saved_and_freed_error(self.name, self.saved_inputs, exc) from exc
+                    raise
+            else:
+                self.backward_impl(self.outputs, output_grad)
             if timer is not None:
                 timer.stop(stream)
         for grad in output_grad:
@@ -244,6 +295,8 @@ class ScheduleNode:
         """Drop inputs and outputs so their memory can go; the node is done."""
         self.inputs = ()
         self.outputs = ()
+        self.non_differentiable = ()
+        self.saved_inputs = ()
         self.phase = NodePhase.DONE
 
     def __repr__(self) -> str:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
+from ._errors import ConfigError
+
 __all__ = [
     "ChunkHooks",
     "Hook",
@@ -22,9 +24,12 @@ class ScheduleOptions:
     """How a schedule runs.
 
     Attributes:
-        delay_wgrad_compute: layers compute weight gradients in ``backward_dw`` steps
-            (Megatron-Core's ``--delay-wgrad-compute``), which the schedule places to fill
-            communication gaps.
+        delay_wgrad_compute: ``None`` (the default): follow the layers, which delay the
+            weight gradients of exactly the modules their ``pre_dispatch_wgrad()`` /
+            ``mlp_wgrad()`` list (Megatron-Core's ``--delay-wgrad-compute``); the schedule
+            places those ``backward_dw`` steps to fill communication gaps. ``True`` /
+            ``False`` states what every layer must do: a layer that disagrees is a
+            :class:`~moe_overlap.ConfigError` at plan construction.
         ep_overlap_early_attn_memory_release: run the pre-dispatch backward before the
             other microbatch's mlp forward, releasing attention activations earlier at the
             price of less overlap.
@@ -32,9 +37,18 @@ class ScheduleOptions:
             off keeps every input, for comparing peak memory.
     """
 
-    delay_wgrad_compute: bool = False
+    delay_wgrad_compute: bool | None = None
     ep_overlap_early_attn_memory_release: bool = False
     free_input: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("delay_wgrad_compute", "ep_overlap_early_attn_memory_release", "free_input"):
+            value: object = getattr(self, name)
+            if isinstance(value, bool) or (value is None and name == "delay_wgrad_compute"):
+                continue
+            expected = "a bool or None" if name == "delay_wgrad_compute" else "a bool"
+            shown = f"{type(value).__name__} {value!r}"
+            raise ConfigError(f"ScheduleOptions.{name}: expected {expected}, received {shown}")
 
 
 Hook = Callable[[], None]

@@ -41,6 +41,7 @@ __all__ = [
     "ModelConfigLike",
     "MtpSchedulableLayer",
     "NodeTimer",
+    "PendingWgrad",
     "PreprocessableModel",
     "SchedulableLayer",
     "SlotFn",
@@ -61,6 +62,22 @@ class WgradLayer(Protocol):
 
     def backward_dw(self) -> None: ...
     def parameters(self) -> Iterator[Parameter]: ...
+
+
+@runtime_checkable
+class PendingWgrad(Protocol):
+    """A delayed-wgrad module that can say how many weight gradients it still owes.
+
+    Optional beside :class:`WgradLayer`: :func:`~moe_overlap.combined_1f1b` (and
+    :func:`~moe_overlap.check_wgrad_done`) read ``pending_wgrad`` of every module of the
+    model that has it, and raise :class:`~moe_overlap.WgradError` when one is owed at the
+    start or the end of a step — e.g. a module that delays but is not listed by its
+    layer's ``pre_dispatch_wgrad()`` / ``mlp_wgrad()``, whose gradient would otherwise be
+    silently missing.
+    """
+
+    @property
+    def pending_wgrad(self) -> int: ...
 
 
 @runtime_checkable

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple, TypeVar
 
 from torch import Tensor
 
-from ._errors import IntegrationError
+from ._errors import IntegrationError, LayerStateAttributeError
 from ._protocols import PreprocessableModel
 
 __all__ = ["ChunkState", "LayerState", "PreprocessOutput"]
@@ -60,12 +60,20 @@ class ChunkState:
     sequence_len_offset: Tensor | None = None
 
 
+_FIELDS = ("residual", "probs", "dispatched_probs", "shared_expert_output", "tokens_per_expert")
+
+
 class LayerState:
     """State the nodes of one layer share within one microbatch.
 
-    The declared fields are the ones the shipped layers use. A layer that needs more keeps
-    it in ``extras`` through :meth:`~moe_overlap.LayerState.stash` and reads it back, type-checked, with
-    :meth:`~moe_overlap.LayerState.take`. Slotted (no stray attributes) and weakref-able, like Megatron-Core's.
+    The declared fields are the ones the shipped layers use: ``residual`` (the
+    pre-dispatch output that combine adds back), ``probs`` / ``dispatched_probs`` (routing
+    probabilities before / after dispatch), ``shared_expert_output`` and
+    ``tokens_per_expert``. A layer that needs more keeps it in ``extras`` through
+    :meth:`~moe_overlap.LayerState.stash` and reads it back, type-checked, with
+    :meth:`~moe_overlap.LayerState.take`; any other attribute is a
+    :class:`~moe_overlap.LayerStateAttributeError`. Slotted and weakref-able, like
+    Megatron-Core's.
     """
 
     __slots__ = (
@@ -85,6 +93,38 @@ class LayerState:
         self.shared_expert_output: Tensor | None = None
         self.tokens_per_expert: Tensor | None = None
         self.extras: dict[str, object] = {}
+
+    def __setattr__(self, name: str, value: object) -> None:
+        try:
+            object.__setattr__(self, name, value)
+        except AttributeError:
+            raise LayerStateAttributeError(
+                f"LayerState: cannot set {name!r}; expected one of its fields "
+                f"{list(_FIELDS)}; keep anything else with "
+                f"layer_state.stash({name!r}, value) and read it with "
+                f"layer_state.take({name!r}, kind)"
+            ) from None
+
+    def __getattr__(self, name: str) -> object:
+        # Only reached for names that are not fields (slots raise for unset ones first).
+        raise LayerStateAttributeError(
+            f"LayerState has no attribute {name!r}; expected one of its fields "
+            f"{list(_FIELDS)}, or a value stashed with stash(key, value) and read with "
+            f"take({name!r}, kind)"
+        )
+
+    def tensors(self) -> tuple[Tensor | None, ...]:
+        """Every tensor the state holds: the tensor fields and tensors stashed in extras."""
+        fields = (
+            self.residual,
+            self.probs,
+            self.dispatched_probs,
+            self.shared_expert_output,
+            self.tokens_per_expert,
+        )
+        if not self.extras:
+            return fields
+        return (*fields, *(v for v in self.extras.values() if isinstance(v, Tensor)))
 
     def stash(self, key: str, value: object) -> None:
         """Keep ``value`` for a later slot of the same layer and microbatch."""

@@ -4,16 +4,18 @@ No ``from __future__ import annotations`` here: the NamedTuple's field types mus
 objects at run time for debug mode's checks.
 """
 
-from collections.abc import Iterator
-from typing import NamedTuple
+from collections.abc import Iterator, Sequence
+from typing import NamedTuple, cast
 
 from torch.nn import Parameter
 
+from ._conformance import check_wgrad_layer
+from ._errors import IntegrationError
 from ._free_input import CudaGraphModule, graph_module_names
 from ._options import Hook
 from ._protocols import SchedulableLayer, WgradLayer
 
-__all__ = ["BackwardDWWrapper", "WgradScope", "_BackwardDWWrapper"]
+__all__ = ["BackwardDWWrapper", "WgradScope", "_BackwardDWWrapper", "check_wgrad_scopes"]
 
 
 class WgradScope(NamedTuple):
@@ -32,7 +34,9 @@ class BackwardDWWrapper:
     """
 
     def __init__(self, layer: SchedulableLayer) -> None:
-        self.parts = tuple(layer.pre_dispatch_wgrad())
+        self.parts = check_wgrad_scopes(
+            layer.pre_dispatch_wgrad(), f"{type(layer).__name__}.pre_dispatch_wgrad()"
+        )
         self.graphed_modules = graph_module_names(layer.config.cuda_graph_modules)
         self.graphed_backward_dw_callable: Hook | None = None
 
@@ -53,6 +57,30 @@ class BackwardDWWrapper:
         """The parameters of every part (so post-wgrad hooks can be collected)."""
         for part in self.parts:
             yield from part.module.parameters()
+
+
+def check_wgrad_scopes(parts: object, where: str) -> tuple[WgradScope, ...]:
+    """``parts`` as a tuple of :class:`~moe_overlap.WgradScope` s, or raise naming the bad one."""
+    if not isinstance(parts, Sequence) or isinstance(parts, (str, bytes)):
+        raise IntegrationError(
+            f"{where}: expected a sequence of WgradScope(scope, module), "
+            f"received {type(parts).__name__}"
+        )
+    items = cast("Sequence[object]", parts)
+    for i, part in enumerate(items):
+        if not isinstance(part, WgradScope):
+            raise IntegrationError(
+                f"{where}[{i}]: expected a WgradScope(scope, module) naming the CUDA-graph "
+                f"scope that covers the module, received {type(part).__name__}; wrap it: "
+                "WgradScope(CudaGraphModule.attn, module)"
+            )
+        if not isinstance(part.scope, CudaGraphModule):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise IntegrationError(
+                f"{where}[{i}].scope: expected a CudaGraphModule, "
+                f"received {type(part.scope).__name__} {part.scope!r}"
+            )
+        check_wgrad_layer(part.module, f"{where}[{i}].module")
+    return cast("tuple[WgradScope, ...]", tuple(items))
 
 
 _BackwardDWWrapper = BackwardDWWrapper

@@ -96,7 +96,9 @@ def test_logits_without_labels() -> None:
 
 
 def test_protocols() -> None:
-    model = GPTMoEModel(dataclasses.replace(SMALL, moe_shared_expert_hidden_size=8))
+    model = GPTMoEModel(
+        dataclasses.replace(SMALL, moe_shared_expert_hidden_size=8, delay_wgrad_compute=True)
+    )
     # The library checks integrations member by member (isinstance against a runtime
     # Protocol misses nn.Module submodules on Python 3.12+).
     assert check_model(model) is model
@@ -109,6 +111,10 @@ def test_protocols() -> None:
     moe = [layer for layer in model.layer_list if isinstance(layer, MoELayer)]
     assert [s.scope.name for s in moe[0].pre_dispatch_wgrad()] == ["attn", "moe_router"]
     assert moe[0].num_local_experts == SMALL.num_experts
+    # Built without delayed wgrad, the layers list nothing: the schedule delays nothing.
+    eager = GPTMoEModel(SMALL)
+    assert all(not layer.pre_dispatch_wgrad() for layer in eager.layer_list)
+    assert all(not layer.mlp_wgrad() for layer in eager.layer_list)
 
 
 def test_rotary_flows_through_chunk_state() -> None:

@@ -7,10 +7,11 @@ import dataclasses
 import pytest
 import torch
 
-from moe_overlap import ScheduleError, ScheduleOptions, WgradError, combined_1f1b
+from moe_overlap import ConfigError, ScheduleError, ScheduleOptions, WgradError, combined_1f1b
 from moe_overlap.models import (
     DelayedWgradGroupedLinear,
     DelayedWgradLinear,
+    DelayedWgradModule,
     GPTMoEModel,
     check_no_pending_wgrad,
     discard_wgrad,
@@ -136,29 +137,43 @@ def test_pending_wgrad_detected_at_next_forward() -> None:
     model(mb.input_ids, mb.position_ids, mb.labels, mb.loss_mask)
 
 
-def test_schedule_without_delay_leaves_pending_and_next_step_fails() -> None:
-    """Model delays but the schedule was told not to: caught at the next step's forward."""
-    model = _delayed_model()
+@pytest.mark.parametrize("delay", [True, False])
+def test_schedule_option_that_contradicts_the_model_is_refused(delay: bool) -> None:
+    """The layers decide what is delayed; an option saying otherwise fails at plan build."""
+    model = _delayed_model() if delay else GPTMoEModel(SMALL)
     data = microbatches(2, vocab=SMALL.vocab_size)
-    combined_1f1b(model, data, options=ScheduleOptions(delay_wgrad_compute=False))
-    with pytest.raises(WgradError):
-        check_no_pending_wgrad(model)
-    with pytest.raises(ScheduleError) as info:
-        combined_1f1b(model, data, options=ScheduleOptions(delay_wgrad_compute=False))
-    assert isinstance(info.value.__cause__, WgradError)
-    model.zero_grad()
-    discard_wgrad(model)
-    combined_1f1b(model, data, options=model.schedule_options())
+    with pytest.raises(ConfigError, match=r"decoder\.layers\[0\]: ScheduleOptions\(delay_wgrad"):
+        combined_1f1b(model, data, options=ScheduleOptions(delay_wgrad_compute=not delay))
+    assert all(p.grad is None for p in model.parameters())
+    check_no_pending_wgrad(model)
+    combined_1f1b(model, data)  # the layers' own choice
     check_no_pending_wgrad(model)
 
 
-def test_schedule_delay_on_immediate_model_raises() -> None:
-    """Schedule delays but the model does not: backward_dw finds nothing to do."""
-    model = GPTMoEModel(SMALL)
+def test_pending_wgrad_from_a_plain_backward_blocks_the_step() -> None:
+    """A plain backward of a delayed model leaves wgrad pending: the step refuses to start."""
+    model = _delayed_model()
     data = microbatches(2, vocab=SMALL.vocab_size)
-    with pytest.raises(ScheduleError) as info:
-        combined_1f1b(model, data, options=ScheduleOptions(delay_wgrad_compute=True))
-    assert isinstance(info.value.__cause__, WgradError)
+    mb = data[0]
+    model(mb.input_ids, labels=mb.labels).backward()
+    with pytest.raises(WgradError, match="before the step"):
+        combined_1f1b(model, data)
+    model.zero_grad(set_to_none=True)
+    discard_wgrad(model)
+    combined_1f1b(model, data)
+    check_no_pending_wgrad(model)
+
+
+def test_delayed_weight_gradients_carry_no_graph() -> None:
+    """backward_dw runs without autograd: the grads are plain tensors, nothing kept alive."""
+    model = _delayed_model()
+    combined_1f1b(model, microbatches(2, vocab=SMALL.vocab_size))
+    delayed = [p for m in model.modules() if isinstance(m, DelayedWgradModule) for p in [m.weight]]
+    assert delayed
+    for p in delayed:
+        assert p.grad is not None
+        assert p.grad.grad_fn is None and not p.grad.requires_grad
+        p.grad.numpy()  # raises for a grad that requires grad
 
 
 def test_backward_dw_of_a_frozen_weight_is_a_no_op() -> None:

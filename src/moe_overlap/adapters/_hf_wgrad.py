@@ -93,6 +93,11 @@ class WgradGroup:
     def __init__(self, modules: Sequence[DelayedWgradModule]) -> None:
         self.modules = tuple(modules)
 
+    @property
+    def pending_wgrad(self) -> int:
+        """Weight gradients the group still owes (a :class:`~moe_overlap.PendingWgrad`)."""
+        return sum(m.pending_wgrad for m in self.modules)
+
     def backward_dw(self) -> None:
         """Each module's oldest pending weight gradient, last module first."""
         for module in reversed(self.modules):
@@ -137,6 +142,11 @@ class ExpertWeights:
         gate_NF, up_NF = self.gate_up(x_ND, sizes).chunk(2, dim=-1)
         out: Tensor = self.down(self.act_fn(gate_NF) * up_NF, sizes)
         return out
+
+    @property
+    def pending_wgrad(self) -> int:
+        """Weight gradients the experts still owe (a :class:`~moe_overlap.PendingWgrad`)."""
+        return self.down.pending_wgrad + self.gate_up.pending_wgrad
 
     def backward_dw(self) -> None:
         """Delayed weight gradients of ``down_proj``, then ``gate_up_proj``."""

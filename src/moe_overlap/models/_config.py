@@ -25,9 +25,10 @@ class GPTMoEConfig:
     ``cuda_graph_modules`` fields, fixed to what this model supports) and a model config
     for :class:`~moe_overlap.PreprocessableModel` (``mtp_num_layers``).
 
-    Layers ``0 .. first_k_dense-1`` are dense, the rest MoE. ``delay_wgrad_compute`` must
-    equal the schedule's ``ScheduleOptions.delay_wgrad_compute`` (see
-    :meth:`GPTMoEModel.schedule_options <moe_overlap.models.GPTMoEModel.schedule_options>`).
+    Layers ``0 .. first_k_dense-1`` are dense, the rest MoE. ``delay_wgrad_compute``
+    builds the layers with delayed weight gradients; they then list their delayed modules
+    and the schedule follows them (a ``ScheduleOptions.delay_wgrad_compute`` that says
+    otherwise is an error).
     ``moe_aux_loss_coeff`` 0 turns the load-balancing loss off. ``attention`` ``math``
     is explicit, deterministic on every device; ``sdpa`` is PyTorch's fused kernel.
     """

@@ -156,10 +156,12 @@ class DenseLayer(nn.Module):
         return inputs
 
     def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
+        if not self.config.delay_wgrad_compute:
+            return []  # nothing delayed: the schedule runs no wgrad step for this layer
         return [WgradScope(CudaGraphModule.attn, self.attn_block.attention)]
 
     def mlp_wgrad(self) -> Sequence[WgradLayer]:
-        return [self.mlp]
+        return [self.mlp] if self.config.delay_wgrad_compute else []
 
 
 class MoELayer(nn.Module):
@@ -316,13 +318,15 @@ class MoELayer(nn.Module):
         return self.combine(node, _single(inputs, self._where("combine")))
 
     def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
+        if not self.config.delay_wgrad_compute:
+            return []  # nothing delayed: the schedule runs no wgrad step for this layer
         scopes = [WgradScope(CudaGraphModule.attn, self.attn_block.attention)]
         if self.shared_expert is not None:
             scopes.append(WgradScope(CudaGraphModule.moe_router, self.shared_expert))
         return scopes
 
     def mlp_wgrad(self) -> Sequence[WgradLayer]:
-        return [self.experts]
+        return [self.experts] if self.config.delay_wgrad_compute else []
 
 
 GPTLayer = DenseLayer | MoELayer

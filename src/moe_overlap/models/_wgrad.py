@@ -166,8 +166,9 @@ class DelayedWgradModule(nn.Module):
                 "backward), received none: called twice, or before backward"
             )
         item = self._pending.popleft()
-        grad_w = item.kernel.wgrad(item.x, item.grad_y)
-        _accumulate(self.weight, grad_w)
+        with torch.no_grad():  # no graph behind the gradient, whoever calls this
+            grad_w = item.kernel.wgrad(item.x, item.grad_y)
+            _accumulate(self.weight, grad_w)
 
     def discard_wgrad(self) -> None:
         """Drop pending weight gradients (after a failed step)."""
@@ -176,11 +177,10 @@ class DelayedWgradModule(nn.Module):
 
 def _accumulate(param: nn.Parameter, grad: Tensor) -> None:
     """What ``AccumulateGrad`` does for a dense grad: assign first, add in place after."""
-    with torch.no_grad():
-        if param.grad is None:
-            param.grad = grad
-        else:
-            param.grad.add_(grad)
+    if param.grad is None:
+        param.grad = grad
+    else:
+        param.grad.add_(grad)
 
 
 class _DelayableMatmul(torch.autograd.Function):
