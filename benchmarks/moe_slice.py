@@ -211,8 +211,8 @@ class ExpertWgrad:
 
     While :attr:`delay` is set, the backward of an expert matmul computes only the input
     gradient and keeps ``(input, output grad)``; :meth:`backward_dw` then computes and
-    accumulates the weight gradients (what ``ScheduleOptions(delay_wgrad_compute=True)``
-    schedules in the mlp slot's ``WGRAD`` step).
+    accumulates the weight gradients (in the mlp slot's ``WGRAD`` step, which the schedule
+    runs because the layer then lists this module in ``mlp_wgrad()``).
     """
 
     def __init__(self, weights: tuple[nn.Parameter, ...]) -> None:
@@ -224,6 +224,11 @@ class ExpertWgrad:
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return iter(self.weights)
+
+    @property
+    def pending_wgrad(self) -> int:
+        """Weight gradients still owed (a :class:`moe_overlap.PendingWgrad`)."""
+        return len(self.pending)
 
     def backward_dw(self) -> None:
         with torch.no_grad():
@@ -325,7 +330,8 @@ class MoESliceLayer(nn.Module):
         return []
 
     def mlp_wgrad(self) -> Sequence[WgradLayer]:
-        return [self.expert_wgrad]
+        # Listed only while delaying: the layer is what tells the schedule to run wgrad.
+        return [self.expert_wgrad] if self.expert_wgrad.delay else []
 
     def slot_pre_dispatch(
         self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /

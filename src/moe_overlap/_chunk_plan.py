@@ -118,9 +118,10 @@ class ModelChunkSchedulePlan:
         )
         layers = model.decoder.layers
         n = len(layers)
+        owner = type(model).__name__
         self.layers: list[TransformerLayerSchedulePlan] = [
             TransformerLayerSchedulePlan(
-                layer,  # checked by the layer plan, under the name given as ``where``
+                layer,  # checked by the layer plan, named after ``owner``
                 self.event,
                 self.state,
                 streams.comp_provider,
@@ -128,7 +129,7 @@ class ModelChunkSchedulePlan:
                 {"is_first_layer": i == 0, "is_last_layer": i == n - 1},
                 options=options,
                 index=i,
-                where=f"{type(model).__name__}.decoder.layers[{i}]",
+                owner=owner,
             )
             for i, layer in enumerate(layers)
         ]

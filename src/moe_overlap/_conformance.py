@@ -7,7 +7,8 @@ inside a slot.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import cast
 
 from torch import Tensor
@@ -25,10 +26,12 @@ __all__ = [
     "DISPATCHER_BACKENDS",
     "DISPATCHER_TYPES",
     "as_mtp_layer",
+    "already_checked",
     "check_free_input_config",
     "check_layer",
     "check_model",
     "check_wgrad_layers",
+    "checks_memoized",
     "missing_members",
 ]
 
@@ -73,20 +76,48 @@ def missing_members(obj: object, members: tuple[str, ...]) -> list[str]:
     return [m for m in members if not hasattr(obj, m)]
 
 
+_MISSING = object()
+
+# While a combined_1f1b call runs, an object that passed its check is not checked again for
+# the next microbatch's plan: {id: the object} (held, so its id cannot be reused).
+_memo: dict[int, object] | None = None
+_depth = 0
+
+
+@contextlib.contextmanager
+def checks_memoized() -> Iterator[None]:
+    """Check each model, layer and wgrad module once for all the plans built inside."""
+    global _memo, _depth
+    if _depth == 0:
+        _memo = {}
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+        if _depth == 0:
+            _memo = None
+
+
+def already_checked(obj: object) -> bool:
+    memo = _memo
+    return memo is not None and memo.get(id(obj)) is obj
+
+
+def _remember(obj: object) -> None:
+    memo = _memo
+    if memo is not None:
+        memo[id(obj)] = obj
+
+
 def _kind(value: object) -> str:
-    return f"{type(value).__name__} {value!r}" if isinstance(value, (int, float, str)) else (
-        type(value).__name__
-    )
+    if isinstance(value, (int, float, str)):
+        return f"{type(value).__name__} {value!r}"
+    return type(value).__name__
 
 
-def _expect_bool(where: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise IntegrationError(f"{where}: expected a bool, received {_kind(value)}")
-
-
-def _expect_callable(where: str, value: object) -> None:
-    if not callable(value):
-        raise IntegrationError(f"{where}: expected a callable, received {_kind(value)}")
+def _is_count(value: object, low: int) -> bool:
+    return type(value) is int and value >= low  # bool is not an int here
 
 
 def check_model(model: object) -> PreprocessableModel:
@@ -95,26 +126,56 @@ def check_model(model: object) -> PreprocessableModel:
     Checks the members and, where the schedule reads them, their values: the two stage
     flags are bools, the hooks callable, ``config.mtp_num_layers`` ``None`` or an int, and
     the decoder has ``layers``, ``input_tensor`` and ``final_layernorm`` (which may be
-    ``None`` but must exist).
+    ``None`` but must exist). The fast path formats no message; runs once per plan, or
+    once per :func:`checks_memoized` block.
     """
+    if already_checked(model):
+        return cast(PreprocessableModel, model)
+    pre, post, config, decoder, prep, postp = (
+        getattr(model, m, _MISSING) for m in MODEL_MEMBERS
+    )
+    layers = getattr(decoder, "layers", _MISSING)
+    tensor = getattr(decoder, "input_tensor", _MISSING)
+    norm = getattr(decoder, "final_layernorm", _MISSING)
+    mtp = getattr(config, "mtp_num_layers", _MISSING)
+    if not (
+        type(pre) is bool
+        and type(post) is bool
+        and callable(prep)
+        and callable(postp)
+        and (mtp is None or _is_count(mtp, 0))
+        and hasattr(layers, "__len__")
+        and hasattr(layers, "__iter__")
+        and (tensor is None or isinstance(tensor, Tensor))
+        and (norm is None or (norm is not _MISSING and callable(norm)))
+    ):
+        _model_error(model)
+    _remember(model)
+    return cast(PreprocessableModel, model)
+
+
+def _model_error(model: object) -> None:
+    """Raise the :class:`~moe_overlap.IntegrationError` that names what ``model`` gets wrong."""
     name = type(model).__name__
     missing = missing_members(model, MODEL_MEMBERS)
     if missing:
-        raise IntegrationError(
-            f"{name} is not a PreprocessableModel; missing members: {missing}"
-        )
-    _expect_bool(f"{name}.pre_process", getattr(model, "pre_process"))  # noqa: B009 - checked above
-    _expect_bool(f"{name}.post_process", getattr(model, "post_process"))  # noqa: B009
-    _expect_callable(f"{name}._preprocess", getattr(model, "_preprocess"))  # noqa: B009
-    _expect_callable(f"{name}._postprocess", getattr(model, "_postprocess"))  # noqa: B009
-    config: object = getattr(model, "config")  # noqa: B009
+        raise IntegrationError(f"{name} is not a PreprocessableModel; missing members: {missing}")
+    for flag in ("pre_process", "post_process"):
+        value: object = getattr(model, flag)
+        if type(value) is not bool:
+            raise IntegrationError(f"{name}.{flag}: expected a bool, received {_kind(value)}")
+    for hook in ("_preprocess", "_postprocess"):
+        value = getattr(model, hook)
+        if not callable(value):
+            raise IntegrationError(f"{name}.{hook}: expected a callable, received {_kind(value)}")
+    config: object = getattr(model, "config")  # noqa: B009 - typed object, checked above
     if not hasattr(config, "mtp_num_layers"):
         raise IntegrationError(
             f"{name}.config ({type(config).__name__}): expected a member mtp_num_layers "
             "(None or the number of MTP layers), received a config without it"
         )
     mtp: object = getattr(config, "mtp_num_layers")  # noqa: B009
-    if mtp is not None and (not isinstance(mtp, int) or isinstance(mtp, bool) or mtp < 0):
+    if not (mtp is None or _is_count(mtp, 0)):
         raise IntegrationError(
             f"{name}.config.mtp_num_layers: expected None or an int >= 0, received {_kind(mtp)}"
         )
@@ -131,52 +192,93 @@ def check_model(model: object) -> PreprocessableModel:
             f"{name}.decoder.layers: expected a sized iterable of layers (e.g. an "
             f"nn.ModuleList), received {type(layers).__name__}"
         )
-    input_tensor: object = getattr(decoder, "input_tensor")  # noqa: B009
-    if input_tensor is not None and not isinstance(input_tensor, Tensor):
+    tensor: object = getattr(decoder, "input_tensor")  # noqa: B009
+    if tensor is not None and not isinstance(tensor, Tensor):
         raise IntegrationError(
             f"{name}.decoder.input_tensor: expected None or a Tensor (the previous stage's "
-            f"output), received {type(input_tensor).__name__}"
+            f"output), received {type(tensor).__name__}"
         )
     norm: object = getattr(decoder, "final_layernorm")  # noqa: B009
-    if norm is not None and not callable(norm):
-        raise IntegrationError(
-            f"{name}.decoder.final_layernorm: expected None or a callable norm, "
-            f"received {type(norm).__name__}"
-        )
-    return cast(PreprocessableModel, model)
+    raise IntegrationError(
+        f"{name}.decoder.final_layernorm: expected None or a callable norm, "
+        f"received {type(norm).__name__}"
+    )
+
+
+def _config_ok(config: object) -> bool:
+    kind = getattr(config, "moe_token_dispatcher_type", _MISSING)
+    backend = getattr(config, "moe_flex_dispatcher_backend", _MISSING)
+    graphed = getattr(config, "cuda_graph_modules", _MISSING)
+    return (
+        kind in DISPATCHER_TYPES
+        and (kind != "flex" or backend in DISPATCHER_BACKENDS)
+        and backend is not _MISSING
+        and hasattr(config, "fp8")
+        and hasattr(config, "fp4")
+        and isinstance(graphed, (tuple, list, frozenset, set, Iterable))
+        and not isinstance(graphed, (str, bytes))
+    )
 
 
 def check_free_input_config(config: object, where: str) -> FreeInputConfig:
     """Return ``config`` as a :class:`~moe_overlap.FreeInputConfig` or raise, naming the field."""
+    if _config_ok(config):
+        return cast(FreeInputConfig, config)
+    kind = getattr(config, "moe_token_dispatcher_type", _MISSING)
+    backend = getattr(config, "moe_flex_dispatcher_backend", _MISSING)
+    graphed = getattr(config, "cuda_graph_modules", _MISSING)
     missing = missing_members(config, FREE_INPUT_FIELDS)
     if missing:
         raise IntegrationError(
             f"{where} ({type(config).__name__}): expected the free-input fields "
             f"{list(FREE_INPUT_FIELDS)}; missing: {missing}"
         )
-    kind: object = getattr(config, "moe_token_dispatcher_type")  # noqa: B009
     if kind not in DISPATCHER_TYPES:
         raise ConfigError(
             f"{where}.moe_token_dispatcher_type: expected one of {list(DISPATCHER_TYPES)}, "
             f"received {_kind(kind)}"
         )
-    backend: object = getattr(config, "moe_flex_dispatcher_backend")  # noqa: B009
     if kind == "flex" and backend not in DISPATCHER_BACKENDS:
         raise ConfigError(
             f"{where}.moe_flex_dispatcher_backend: expected one of {list(DISPATCHER_BACKENDS)} "
             f"with the flex dispatcher, received {_kind(backend)}"
         )
-    graphed: object = getattr(config, "cuda_graph_modules")  # noqa: B009
-    if not isinstance(graphed, Iterable) or isinstance(graphed, (str, bytes)):
-        raise ConfigError(
-            f"{where}.cuda_graph_modules: expected a collection of scope names "
-            f"(CudaGraphModule members or strings), received {_kind(graphed)}"
-        )
-    return cast(FreeInputConfig, config)
+    raise ConfigError(
+        f"{where}.cuda_graph_modules: expected a collection of scope names "
+        f"(CudaGraphModule members or strings), received {_kind(graphed)}"
+    )
 
 
-def check_layer(layer: object, where: str) -> SchedulableLayer:
-    """Return ``layer`` as a :class:`~moe_overlap.SchedulableLayer` or raise, naming what is wrong."""
+def check_layer(layer: object, where: str | Callable[[], str]) -> SchedulableLayer:
+    """Return ``layer`` as a :class:`~moe_overlap.SchedulableLayer` or raise, naming what is wrong.
+
+    ``config`` must carry the free-input fields (:func:`check_free_input_config`),
+    ``is_moe`` be a bool, ``num_local_experts`` ``None`` or an int >= 1, and the slots the
+    schedule will call (all four for MoE layers, pre-dispatch and mlp for dense ones)
+    callable. ``where`` names the layer in errors (a callable is called only then).
+    """
+    if already_checked(layer):
+        return cast(SchedulableLayer, layer)
+    values = [getattr(layer, m, _MISSING) for m in LAYER_MEMBERS]
+    config, is_moe, nle, pre, dispatch, mlp, combine = values[:7]
+    if not (
+        all(v is not _MISSING for v in values)
+        and type(is_moe) is bool
+        and (nle is None or _is_count(nle, 1))
+        and callable(pre)
+        and callable(mlp)
+        and (not is_moe or (callable(dispatch) and callable(combine)))
+    ):
+        _layer_error(layer, where if isinstance(where, str) else where())
+    if not _config_ok(config):
+        name = where if isinstance(where, str) else where()
+        check_free_input_config(config, f"{name}: {type(layer).__name__}.config")
+    _remember(layer)
+    return cast(SchedulableLayer, layer)
+
+
+def _layer_error(layer: object, where: str) -> None:
+    """Raise the :class:`~moe_overlap.IntegrationError` that names what ``layer`` gets wrong."""
     missing = missing_members(layer, LAYER_MEMBERS)
     if missing:
         raise IntegrationError(
@@ -184,39 +286,57 @@ def check_layer(layer: object, where: str) -> SchedulableLayer:
         )
     cls = type(layer).__name__
     is_moe: object = getattr(layer, "is_moe")  # noqa: B009 - checked above
-    _expect_bool(f"{where}: {cls}.is_moe", is_moe)
+    if type(is_moe) is not bool:
+        raise IntegrationError(f"{where}: {cls}.is_moe: expected a bool, received {_kind(is_moe)}")
     nle: object = getattr(layer, "num_local_experts")  # noqa: B009
-    if nle is not None and (not isinstance(nle, int) or isinstance(nle, bool) or nle < 1):
+    if not (nle is None or _is_count(nle, 1)):
         raise IntegrationError(
             f"{where}: {cls}.num_local_experts: expected None or an int >= 1, "
             f"received {_kind(nle)}"
         )
     for slot in SLOTS if is_moe else SLOTS[::2]:
-        _expect_callable(f"{where}: {cls}.{slot}", getattr(layer, slot))
-    check_free_input_config(getattr(layer, "config"), f"{where}: {cls}.config")  # noqa: B009
-    return cast(SchedulableLayer, layer)
+        value: object = getattr(layer, slot)
+        if not callable(value):
+            raise IntegrationError(
+                f"{where}: {cls}.{slot}: expected a callable, received {_kind(value)}"
+            )
+    raise AssertionError("unreachable: _layer_error found nothing wrong")
 
 
-def check_wgrad_layers(modules: object, where: str) -> list[WgradLayer]:
-    """``modules`` as a list of :class:`~moe_overlap.WgradLayer` s, or raise naming the first bad one."""
-    if not isinstance(modules, Sequence) or isinstance(modules, (str, bytes)):
-        raise IntegrationError(
-            f"{where}: expected a sequence of WgradLayers, received {type(modules).__name__}"
-        )
-    items = cast("Sequence[object]", modules)
+def check_wgrad_layers(
+    modules: object, where: str | Callable[[], str], what: str = ""
+) -> list[WgradLayer]:
+    """``modules`` as a list of :class:`~moe_overlap.WgradLayer` s, or raise naming the first bad one.
+
+    The error names ``where`` (a callable is called only then), then ``what`` and ``[i]``.
+    """
+
+    def name() -> str:
+        base = where if isinstance(where, str) else where()
+        return f"{base}: {what}" if what else base
+
+    if not isinstance(modules, (list, tuple)):
+        if not isinstance(modules, Sequence) or isinstance(modules, (str, bytes)):
+            raise IntegrationError(
+                f"{name()}: expected a sequence of WgradLayers, received {type(modules).__name__}"
+            )
+    items = list(cast("Sequence[object]", modules))
     for i, module in enumerate(items):
-        check_wgrad_layer(module, f"{where}[{i}]")
-    return cast("list[WgradLayer]", list(items))
+        if not already_checked(module):
+            check_wgrad_layer(module, lambda i=i: f"{name()}[{i}]")
+    return cast("list[WgradLayer]", items)
 
 
-def check_wgrad_layer(module: object, where: str) -> WgradLayer:
+def check_wgrad_layer(module: object, where: str | Callable[[], str]) -> WgradLayer:
     """``module`` as a :class:`~moe_overlap.WgradLayer` (``backward_dw()`` and ``parameters()``)."""
     missing = missing_members(module, ("backward_dw", "parameters"))
     if missing:
+        name = where if isinstance(where, str) else where()
         raise IntegrationError(
-            f"{where}: {type(module).__name__} is not a WgradLayer (a module whose weight "
+            f"{name}: {type(module).__name__} is not a WgradLayer (a module whose weight "
             f"gradients backward_dw() computes); missing members: {missing}"
         )
+    _remember(module)
     return cast(WgradLayer, module)
 
 

@@ -11,12 +11,12 @@ import torch
 from torch import Tensor
 
 from ._chunk_plan import ModelChunkSchedulePlan, check_grad_mode
-from ._conformance import check_model
+from ._conformance import check_model, checks_memoized
 from ._errors import ConfigError, IntegrationError
 from ._options import ScheduleOptions
 from ._protocols import PreprocessableModel, StepObserver
 from ._streams import StreamPair
-from ._wgrad_check import check_wgrad_done
+from ._wgrad_check import check_wgrad_done, declared_wgrad
 
 __all__ = ["Microbatch", "combined_1f1b"]
 
@@ -113,10 +113,28 @@ def combined_1f1b(
     gradients a delayed-wgrad model still holds) before that next step, as after an
     overflowed mixed-precision step.
     """
-    model = check_model(model)
-    _check_arguments(microbatches, overlap, options, streams, loss_scale, on_plan, observer)
-    check_grad_mode("combined_1f1b")
-    check_wgrad_done(model, when="before the step (left from an earlier one)")
+    with checks_memoized():  # the model and its layers are checked once, not per plan
+        model = check_model(model)
+        _check_arguments(microbatches, overlap, options, streams, loss_scale, on_plan, observer)
+        check_grad_mode("combined_1f1b")
+        declared = declared_wgrad(model)
+        check_wgrad_done(model, when="before the step (left from an earlier one)", declared=declared)
+        losses = _run(model, microbatches, overlap, options, streams, loss_scale, on_plan, observer)
+    check_wgrad_done(model, when="when combined_1f1b returns", declared=declared)
+    return [loss.detach() for loss in losses]
+
+
+def _run(
+    model: PreprocessableModel,
+    microbatches: Sequence[Microbatch],
+    overlap: bool,
+    options: ScheduleOptions,
+    streams: StreamPair | None,
+    loss_scale: float,
+    on_plan: PlanCallback | None,
+    observer: StepObserver | None,
+) -> list[Tensor]:
+    """The schedule itself: build, run and release the plans; the losses, in order."""
 
     def build(i: int) -> ModelChunkSchedulePlan:
         mb = microbatches[i]
@@ -169,8 +187,7 @@ def combined_1f1b(
         for plan in live:
             if not plan.released:
                 plan.release_state()
-    check_wgrad_done(model, when="when combined_1f1b returns")
-    return [loss.detach() for loss in losses]
+    return losses
 
 
 def _check_arguments(

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
+from typing import cast
 
 import torch
 from torch import Tensor
 
+from ._debug import DEBUG
 from ._errors import ConfigError, IntegrationError, WgradError
 from ._free_input import should_free_input
 from ._node import ScheduleNode, default_backward, weak_method
@@ -152,8 +154,26 @@ class TransformerLayerNode(ScheduleNode):
         return d
 
     def handed_on(self) -> tuple[Tensor | None, ...]:
-        """What this slot keeps for later slots: its detached tensors and the layer state."""
-        return (*self.detached, *self.layer_state.tensors())
+        """What this slot keeps for later slots: the tensors it detached; in debug mode
+        also every tensor in the layer state (kept there by this or an earlier slot)."""
+        if not DEBUG:
+            return self.detached
+        state = self.layer_state
+        kept = (
+            *self.detached,
+            state.residual,
+            state.probs,
+            state.dispatched_probs,
+            state.shared_expert_output,
+            state.tokens_per_expert,
+        )
+        if state.extras:
+            kept += tuple(v for v in state.extras.values() if isinstance(v, Tensor))
+        return kept
+
+    def graph_tails(self) -> tuple[Tensor, ...]:
+        """The pre-detach tensors: backward also runs from them."""
+        return self.before_detached
 
     def forward_impl(self, *args: Tensor | None) -> Tensor | tuple[Tensor, ...]:
         """Call the slot function with this node and the (detached) inputs."""
@@ -209,19 +229,25 @@ class TransformerLayerNode(ScheduleNode):
             raise WgradError(f"layer node {self.name!r}: backward_dw called twice")
         stream = self.stream()
         # No graph: weight-gradient work never needs one, and recording it would keep
-        # autograd graphs alive through the parameters' .grad.
-        with stream_context(stream), torch.no_grad():
-            timer = self.timer
-            if timer is not None:
-                timer.start(stream)
-            for module in callables:
-                module.backward_dw()
-            if timer is not None:
-                timer.stop(stream)
-            if self.post_wgrad_grad_acc_hooks is None:
-                self.post_wgrad_grad_acc_hooks = _collect_wgrad_hooks(callables)
-            for hook in self.post_wgrad_grad_acc_hooks:
-                hook()
+        # autograd graphs alive through the parameters' .grad. The raw switch, not
+        # torch.no_grad(): this runs per node and the context manager costs ~1 us.
+        grad_was = torch.is_grad_enabled()
+        _set_grad_enabled(False)
+        try:
+            with stream_context(stream):
+                timer = self.timer
+                if timer is not None:
+                    timer.start(stream)
+                for module in callables:
+                    module.backward_dw()
+                if timer is not None:
+                    timer.stop(stream)
+                if self.post_wgrad_grad_acc_hooks is None:
+                    self.post_wgrad_grad_acc_hooks = _collect_wgrad_hooks(callables)
+                for hook in self.post_wgrad_grad_acc_hooks:
+                    hook()
+        finally:
+            _set_grad_enabled(grad_was)
         self.bwd_dw_callables = None
         if self.is_layer_first_node and self._post_backward_hook is not None:
             self._post_backward_hook()
@@ -241,6 +267,12 @@ class TransformerLayerNode(ScheduleNode):
         super().release_state()
         self.detached = ()
         self.before_detached = ()
+
+
+_set_grad_enabled = cast(
+    "Callable[[bool], None]",
+    torch._C._set_grad_enabled,  # pyright: ignore[reportPrivateUsage] - what torch.no_grad calls
+)
 
 
 def _collect_wgrad_hooks(callables: Sequence[WgradLayer]) -> list[Callable[[], object]]:

@@ -31,7 +31,8 @@ class TransformerLayerSchedulePlan:
     MTP layers, a no-op otherwise. All share the microbatch's ``event`` and a fresh
     :class:`~moe_overlap.LayerState`.
 
-    The layer is checked member by member here (``where`` names it in errors). It delays
+    The layer is checked member by member here (``owner``, the model's class name, names
+    it in errors as ``owner.decoder.layers[index]``). It delays
     its weight gradients exactly when ``pre_dispatch_wgrad()`` or ``mlp_wgrad()`` lists a
     module; ``options.delay_wgrad_compute``, when not ``None``, must agree
     (:class:`~moe_overlap.ConfigError` otherwise).
@@ -48,9 +49,13 @@ class TransformerLayerSchedulePlan:
         *,
         options: ScheduleOptions = _DEFAULT_OPTIONS,
         index: int = 0,
-        where: str | None = None,
+        owner: str | None = None,
     ) -> None:
-        where = f"TransformerLayerSchedulePlan(layer {index})" if where is None else where
+        def where() -> str:  # built only for an error message
+            if owner is None:
+                return f"TransformerLayerSchedulePlan(layer {index})"
+            return f"{owner}.decoder.layers[{index}]"
+
         layer = check_layer(layer, where)
         first, last = _layer_position(layer, extra_args)
         mtp = as_mtp_layer(layer)
@@ -58,9 +63,10 @@ class TransformerLayerSchedulePlan:
         # The layer is the one source of truth for delayed wgrad: it delays exactly the
         # modules it lists. ScheduleOptions.delay_wgrad_compute, when given, must agree.
         pre_dw = BackwardDWWrapper(layer)
-        mlp_dw = check_wgrad_layers(layer.mlp_wgrad(), f"{where}: mlp_wgrad()")
+        mlp_dw = check_wgrad_layers(layer.mlp_wgrad(), where, "mlp_wgrad()")
         delay = bool(pre_dw.parts) or bool(mlp_dw)
-        _check_delay_option(where, options.delay_wgrad_compute, len(pre_dw.parts), len(mlp_dw))
+        if options.delay_wgrad_compute is not None and options.delay_wgrad_compute != delay:
+            _delay_option_error(where(), options.delay_wgrad_compute, pre_dw.parts, mlp_dw)
         args = LayerArgs(
             config=layer.config,
             is_moe=layer.is_moe,
@@ -187,18 +193,17 @@ class TransformerLayerSchedulePlan:
         return execute(steps, f_layer, b_layer, f_input, b_grad, observer=observer)
 
 
-def _check_delay_option(where: str, option: bool | None, n_pre: int, n_mlp: int) -> None:
-    """``ScheduleOptions.delay_wgrad_compute``, when set, must say what the layer does."""
-    delay = bool(n_pre or n_mlp)
-    if option is None or option == delay:
-        return
-    does = "delays" if delay else "does not delay"
-    fix = "without" if delay else "with"
+def _delay_option_error(
+    where: str, option: bool, pre: Sequence[object], mlp: Sequence[object]
+) -> None:
+    """``ScheduleOptions.delay_wgrad_compute`` says otherwise than the layer does."""
+    does = "does not delay" if option else "delays"
+    fix = "with" if option else "without"
     raise ConfigError(
         f"{where}: ScheduleOptions(delay_wgrad_compute={option}) expected the layer to "
         f"{'delay' if option else 'compute at once'} its weight gradients, but it {does} "
-        f"them (pre_dispatch_wgrad() lists {n_pre} modules, mlp_wgrad() {n_mlp}); the "
-        f"layers decide: build the model {fix} delayed wgrad, or leave "
+        f"them (pre_dispatch_wgrad() lists {len(pre)} modules, mlp_wgrad() {len(mlp)}); "
+        f"the layers decide: build the model {fix} delayed wgrad, or leave "
         "delay_wgrad_compute unset"
     )
 

@@ -19,14 +19,7 @@ from torch import Tensor
 
 from ._debug import DEBUG
 from ._errors import IntegrationError, NodeStateError
-from ._node_checks import (
-    SavedStorages,
-    check_in_graph,
-    check_no_alias,
-    freed_memory_hint,
-    saved_and_freed_error,
-    inputs_saved_by_autograd,
-)
+from ._node_checks import check_in_graph, check_no_alias, check_not_saved
 from ._protocols import NodeTimer, StreamProvider
 from ._streams import AnyEvent, CpuEvent, CpuStream, record_tensor_on, use_stream
 
@@ -62,18 +55,19 @@ def weak_method(method: Callable[_P, _R]) -> Callable[_P, _R]:
             f"weak_method: expected a bound method, received {method!r} "
             f"of type {type(method).__name__}"
         )
-    ref: weakref.WeakMethod[Callable[_P, _R]] = weakref.WeakMethod(method)
+    # Typed as forwarding anything: the wrapper passes on exactly what it receives. The
+    # casts are string-typed so no typing object is built per call (this is per node).
+    ref = cast("weakref.WeakMethod[Callable[..., object]]", weakref.WeakMethod(method))
     name: str = getattr(method, "__qualname__", None) or type(method).__name__
 
     def call(*args: object, **kwargs: object) -> object:
         bound = ref()
         if bound is None:
             raise NodeStateError(f"weak_method: the owner of {name} was garbage-collected")
-        return cast(Callable[..., object], bound)(*args, **kwargs)
+        return bound(*args, **kwargs)
 
     call.__qualname__ = f"weak_method({name})"
-    # Typed through a cast: the wrapper forwards exactly what it receives.
-    return cast(Callable[_P, _R], call)
+    return cast("Callable[_P, _R]", call)
 
 
 class NodePhase(enum.Enum):
@@ -186,7 +180,6 @@ class ScheduleNode:
         self.inputs: tuple[Tensor | None, ...] = ()
         self.outputs: tuple[Tensor, ...] = ()
         self.non_differentiable: tuple[Tensor, ...] = ()
-        self.saved_inputs: tuple[str, ...] = ()  # debug mode: inputs saved, then freed
         self.timer = None
 
     def forward(self, *inputs: Tensor | None) -> tuple[Tensor, ...]:
@@ -209,12 +202,7 @@ class ScheduleNode:
             timer = self.timer
             if timer is not None:
                 timer.start(stream)
-            if DEBUG and self.free_input:
-                with SavedStorages() as saved:
-                    result = self.forward_func(*detached)
-                self.saved_inputs = inputs_saved_by_autograd(inputs, saved.pointers)
-            else:
-                result = self.forward_func(*detached)
+            result = self.forward_func(*detached)
             if timer is not None:
                 timer.stop(stream)
             outputs = _as_tuple(self.name, result)
@@ -224,14 +212,31 @@ class ScheduleNode:
                 check_in_graph(self.name, detached, outputs, self.non_differentiable)
                 break
         self.phase = NodePhase.FORWARDED
-        if self.free_input:
-            storages = [t.untyped_storage() for t in inputs if t is not None]
-            check_no_alias(self.name, storages, outputs, self.handed_on())
+        if not self.free_input:
+            return outputs
+        # Release the inputs' storage, unless something still in use lives in it.
+        storages: list[torch.UntypedStorage] = []
+        freed: list[int] = []
+        for tensor in inputs:
+            if tensor is not None:
+                storage = tensor.untyped_storage()
+                storages.append(storage)
+                freed.append(storage.data_ptr())
+        for t in outputs:
+            if t.untyped_storage().data_ptr() in freed:
+                check_no_alias(self.name, storages, outputs, ())
+        for t in self.handed_on():
+            if t is not None and t.untyped_storage().data_ptr() in freed:
+                check_no_alias(self.name, storages, (), self.handed_on())
+        if DEBUG:
+            roots = [t.grad_fn for t in (*outputs, *self.graph_tails())]
+            check_not_saved(self.name, storages, inputs, roots)
+        if not isinstance(stream, CpuStream):
             for tensor in inputs:
                 if tensor is not None:
                     record_tensor_on(tensor, stream)
-            for storage in storages:
-                storage.resize_(0)
+        for storage in storages:
+            storage.resize_(0)
         return outputs
 
     def mark_non_differentiable(self, *tensors: Tensor) -> None:
@@ -246,6 +251,10 @@ class ScheduleNode:
 
     def handed_on(self) -> tuple[Tensor | None, ...]:
         """Tensors this node keeps for later nodes besides its outputs (none here)."""
+        return ()
+
+    def graph_tails(self) -> tuple[Tensor, ...]:
+        """Tensors besides the outputs whose graph this node's backward runs (none here)."""
         return ()
 
     def backward(self, *output_grad: Tensor | None) -> tuple[Tensor | None, ...]:
@@ -265,22 +274,15 @@ class ScheduleNode:
             timer = self.timer
             if timer is not None:
                 timer.start(stream)
-            if self.saved_inputs:  # debug mode, inputs saved then freed: name them
-                try:
-                    self.backward_impl(self.outputs, output_grad)
-                except RuntimeError as exc:
-                    if freed_memory_hint(exc):
-                        raise saved_and_freed_error(self.name, self.saved_inputs, exc) from exc
-                    raise
-            else:
-                self.backward_impl(self.outputs, output_grad)
+            self.backward_impl(self.outputs, output_grad)
             if timer is not None:
                 timer.stop(stream)
-        for grad in output_grad:
-            # The grads may come from the other stream: keep their memory until this
-            # node's backward kernels are done with it.
-            if grad is not None:
-                record_tensor_on(grad, stream)
+        if not isinstance(stream, CpuStream):
+            for grad in output_grad:
+                # The grads may come from the other stream: keep their memory until this
+                # node's backward kernels are done with it.
+                if grad is not None:
+                    record_tensor_on(grad, stream)
         grads = tuple(t.grad if t is not None else None for t in self.inputs)
         self.release_state()
         return grads
@@ -296,7 +298,6 @@ class ScheduleNode:
         self.inputs = ()
         self.outputs = ()
         self.non_differentiable = ()
-        self.saved_inputs = ()
         self.phase = NodePhase.DONE
 
     def __repr__(self) -> str:

@@ -1,16 +1,15 @@
 """Checks a node runs on what its forward returned: still in the graph, not freed early.
 
 Cheap ones run on every forward (a few attribute reads per tensor). The saved-tensor
-diagnosis wraps the forward in autograd hooks and runs in debug mode only
-(``docs/debug.md``): it records which inputs autograd saved, and names them if backward
-then reads freed memory. It cannot fail at forward: some ops save a tensor only for its
-metadata (``index_add`` saves its source for ``dim()``), which survives the release.
+check walks the autograd graph around a freeing node and runs in debug mode only
+(``docs/debug.md``); it must run at forward, since a backward that reads released memory
+crashes the process instead of raising.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from types import TracebackType
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -19,12 +18,12 @@ from ._errors import IntegrationError
 
 __all__ = [
     "FREED_MEMORY_HINT",
-    "SavedStorages",
+    "METADATA_ONLY_SAVES",
     "check_in_graph",
     "check_no_alias",
+    "check_not_saved",
     "freed_memory_hint",
-    "saved_and_freed_error",
-    "inputs_saved_by_autograd",
+    "graph_saves",
 ]
 
 FREED_MEMORY_HINT = (
@@ -101,59 +100,73 @@ def check_no_alias(
                 )
 
 
-class SavedStorages:
-    """Record the storages autograd saves for backward inside a ``with`` block."""
-
-    __slots__ = ("_hooks", "pointers")
-
-    def __init__(self) -> None:
-        self.pointers: set[int] = set()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
-
-    def _pack(self, t: Tensor) -> Tensor:
-        try:
-            self.pointers.add(t.untyped_storage().data_ptr())
-        except (RuntimeError, NotImplementedError):  # storage-less tensor subclasses
-            pass
-        # A detached alias: returning ``t`` itself would tie a saved output to its own
-        # grad_fn in a reference cycle.
-        return t.detach()
-
-    def __enter__(self) -> SavedStorages:
-        self._hooks.__enter__()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self._hooks.__exit__(exc_type, exc, tb)
+# (autograd node, saved attribute) pairs whose backward reads only the tensor's metadata
+# (sizes), which outlives the release: index_add keeps its source for ``expand_as``.
+METADATA_ONLY_SAVES = frozenset({("IndexAddBackward0", "_saved_source")})
 
 
-def _unpack(t: Tensor) -> Tensor:
-    return t
+def graph_saves(roots: Sequence[object], pointers: set[int]) -> list[str]:
+    """Where the autograd graph below ``roots`` saved a tensor living in ``pointers``.
 
-
-def inputs_saved_by_autograd(inputs: Sequence[Tensor | None], saved: set[int]) -> tuple[str, ...]:
-    """Descriptions of the inputs autograd saved (or saved a view of) for backward."""
-    out: list[str] = []
-    for j, t in enumerate(inputs):
-        if t is None:
+    Walks ``grad_fn`` nodes through ``next_functions`` and reads their saved tensors
+    (``_saved_*`` of built-in nodes, ``saved_tensors`` of custom Functions); returns
+    ``"NodeName.field"`` for each hit, except :data:`METADATA_ONLY_SAVES`. Debug mode only:
+    it touches every node of the graph.
+    """
+    found: list[str] = []
+    seen: set[int] = set()
+    stack = [r for r in roots if r is not None]
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen:
             continue
-        ptr = t.untyped_storage().data_ptr()
-        if ptr and ptr in saved:
-            out.append(f"input {j} ({_describe(t)})")
-    return tuple(out)
+        seen.add(id(fn))
+        kind = type(fn).__name__
+        for attr in dir(fn):
+            if not (attr.startswith("_saved_") or attr == "saved_tensors"):
+                continue
+            if (kind, attr) in METADATA_ONLY_SAVES:
+                continue
+            try:
+                value: object = getattr(fn, attr)
+            except RuntimeError:  # saved tensors already released
+                continue
+            values = cast("tuple[object, ...]", value) if isinstance(value, (tuple, list)) else (
+                value,
+            )
+            for t in values:
+                if isinstance(t, Tensor) and t.untyped_storage().data_ptr() in pointers:
+                    found.append(f"{kind}.{attr.removeprefix('_saved_')}")
+        nexts = cast("tuple[tuple[object, int], ...]", getattr(fn, "next_functions", ()))
+        stack += [nxt for nxt, _ in nexts if nxt is not None]
+    return found
 
 
-def saved_and_freed_error(name: str, saved: Sequence[str], exc: BaseException) -> IntegrationError:
-    """The debug-mode diagnosis of a backward that read an input free-input released."""
-    return IntegrationError(
-        f"node {name!r}: backward read memory the free-input policy had released: autograd "
-        f"saved {', '.join(saved)} of this node for backward, and the node freed its inputs "
-        "after forward; expected the slot to compute on a fresh buffer (e.g. the experts on "
-        "a permuted copy, or a .clone() of the input), or pass "
-        f"ScheduleOptions(free_input=False) (torch said: {exc})"
-    )
+def check_not_saved(
+    name: str,
+    storages: Sequence[torch.UntypedStorage],
+    inputs: Sequence[Tensor | None],
+    graph_roots: Sequence[object],
+) -> None:
+    """Debug mode: raise if autograd saved (a view of) an input the node is about to free.
+
+    Looks at the graph that produced the inputs (the previous node's) and at this node's
+    own (``graph_roots``: its outputs' and handed-on tensors' ``grad_fn``). Backward would
+    read freed memory there, which crashes the process (a segfault on CPU, an illegal
+    memory access on CUDA) rather than raising.
+    """
+    pointers = {s.data_ptr() for s in storages} - {0}
+    if not pointers:
+        return
+    producer = [t.grad_fn for t in inputs if t is not None]
+    hits = graph_saves([*producer, *graph_roots], pointers)
+    if hits:
+        raise IntegrationError(
+            f"node {name!r}: the free-input policy releases this node's inputs after forward, "
+            f"but autograd saved one of them (or a view) for backward: {sorted(set(hits))}; "
+            "backward would read freed memory. Expected the tensors a freeing slot receives "
+            "to be needed by no backward: have the previous slot hand over a fresh tensor "
+            "(e.g. .clone(), or the all-to-all's receive buffer) and compute this slot on a "
+            "copy (e.g. the experts on a permuted copy), or pass "
+            "ScheduleOptions(free_input=False) (checked in debug mode)"
+        )

@@ -63,6 +63,9 @@ class ChunkState:
 _FIELDS = ("residual", "probs", "dispatched_probs", "shared_expert_output", "tokens_per_expert")
 
 
+_set = object.__setattr__
+
+
 class LayerState:
     """State the nodes of one layer share within one microbatch.
 
@@ -86,13 +89,21 @@ class LayerState:
         "tokens_per_expert",
     )
 
+    residual: Tensor | None
+    probs: Tensor | None
+    dispatched_probs: Tensor | None
+    shared_expert_output: Tensor | None
+    tokens_per_expert: Tensor | None
+    extras: dict[str, object]
+
     def __init__(self) -> None:
-        self.residual: Tensor | None = None
-        self.probs: Tensor | None = None
-        self.dispatched_probs: Tensor | None = None
-        self.shared_expert_output: Tensor | None = None
-        self.tokens_per_expert: Tensor | None = None
-        self.extras: dict[str, object] = {}
+        # Through object.__setattr__: these fields exist, and a plan builds one per layer.
+        _set(self, "residual", None)
+        _set(self, "probs", None)
+        _set(self, "dispatched_probs", None)
+        _set(self, "shared_expert_output", None)
+        _set(self, "tokens_per_expert", None)
+        _set(self, "extras", {})
 
     def __setattr__(self, name: str, value: object) -> None:
         try:
@@ -148,9 +159,9 @@ class LayerState:
 
     def clear(self) -> None:
         """Drop every reference (end of the layer's backward)."""
-        self.residual = None
-        self.probs = None
-        self.dispatched_probs = None
-        self.shared_expert_output = None
-        self.tokens_per_expert = None
+        _set(self, "residual", None)
+        _set(self, "probs", None)
+        _set(self, "dispatched_probs", None)
+        _set(self, "shared_expert_output", None)
+        _set(self, "tokens_per_expert", None)
         self.extras.clear()

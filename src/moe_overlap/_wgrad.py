@@ -4,12 +4,12 @@ No ``from __future__ import annotations`` here: the NamedTuple's field types mus
 objects at run time for debug mode's checks.
 """
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple, cast
 
 from torch.nn import Parameter
 
-from ._conformance import check_wgrad_layer
+from ._conformance import already_checked, check_wgrad_layer
 from ._errors import IntegrationError
 from ._free_input import CudaGraphModule, graph_module_names
 from ._options import Hook
@@ -35,7 +35,7 @@ class BackwardDWWrapper:
 
     def __init__(self, layer: SchedulableLayer) -> None:
         self.parts = check_wgrad_scopes(
-            layer.pre_dispatch_wgrad(), f"{type(layer).__name__}.pre_dispatch_wgrad()"
+            layer.pre_dispatch_wgrad(), lambda: f"{type(layer).__name__}.pre_dispatch_wgrad()"
         )
         self.graphed_modules = graph_module_names(layer.config.cuda_graph_modules)
         self.graphed_backward_dw_callable: Hook | None = None
@@ -59,28 +59,39 @@ class BackwardDWWrapper:
             yield from part.module.parameters()
 
 
-def check_wgrad_scopes(parts: object, where: str) -> tuple[WgradScope, ...]:
-    """``parts`` as a tuple of :class:`~moe_overlap.WgradScope` s, or raise naming the bad one."""
-    if not isinstance(parts, Sequence) or isinstance(parts, (str, bytes)):
+def check_wgrad_scopes(parts: object, where: str | Callable[[], str]) -> tuple[WgradScope, ...]:
+    """``parts`` as a tuple of :class:`~moe_overlap.WgradScope` s, or raise naming the bad one.
+
+    ``where`` names the list in errors (a callable is called only then).
+    """
+    if isinstance(parts, (list, tuple)):
+        items = tuple(cast("Sequence[object]", parts))
+    elif isinstance(parts, Sequence) and not isinstance(parts, (str, bytes)):
+        items = tuple(cast("Sequence[object]", parts))
+    else:
         raise IntegrationError(
-            f"{where}: expected a sequence of WgradScope(scope, module), "
+            f"{_name(where)}: expected a sequence of WgradScope(scope, module), "
             f"received {type(parts).__name__}"
         )
-    items = cast("Sequence[object]", parts)
     for i, part in enumerate(items):
         if not isinstance(part, WgradScope):
             raise IntegrationError(
-                f"{where}[{i}]: expected a WgradScope(scope, module) naming the CUDA-graph "
-                f"scope that covers the module, received {type(part).__name__}; wrap it: "
-                "WgradScope(CudaGraphModule.attn, module)"
+                f"{_name(where)}[{i}]: expected a WgradScope(scope, module) naming the "
+                f"CUDA-graph scope that covers the module, received {type(part).__name__}; "
+                "wrap it: WgradScope(CudaGraphModule.attn, module)"
             )
         if not isinstance(part.scope, CudaGraphModule):  # pyright: ignore[reportUnnecessaryIsInstance]
             raise IntegrationError(
-                f"{where}[{i}].scope: expected a CudaGraphModule, "
+                f"{_name(where)}[{i}].scope: expected a CudaGraphModule, "
                 f"received {type(part.scope).__name__} {part.scope!r}"
             )
-        check_wgrad_layer(part.module, f"{where}[{i}].module")
-    return cast("tuple[WgradScope, ...]", tuple(items))
+        if not already_checked(part.module):
+            check_wgrad_layer(part.module, lambda i=i: f"{_name(where)}[{i}].module")
+    return cast("tuple[WgradScope, ...]", items)
+
+
+def _name(where: str | Callable[[], str]) -> str:
+    return where if isinstance(where, str) else where()
 
 
 _BackwardDWWrapper = BackwardDWWrapper

@@ -9,73 +9,94 @@ from torch import nn
 
 from ._errors import WgradError
 
-__all__ = ["check_wgrad_done", "owed_wgrad"]
+__all__ = ["check_wgrad_done", "declared_wgrad", "owed_wgrad"]
 
 
-def _modules(model: object) -> Iterator[tuple[str, object]]:
-    """The model's modules, then those its layers list for delayed wgrad (which a model
-    need not register as submodules), each once."""
-    seen: set[int] = set()
-    if isinstance(model, nn.Module):
-        for name, module in model.named_modules():
-            seen.add(id(module))
-            yield name, module
+def declared_wgrad(model: object) -> list[tuple[str, object]]:
+    """What the model's layers list for delayed wgrad, named, in layer order.
+
+    A model need not register these as submodules (the transformers adapter does not), so
+    they are asked for besides ``model.modules()``.
+    """
     decoder: object = getattr(model, "decoder", None)
     layers: object = getattr(decoder, "layers", ())
     if not isinstance(layers, (list, tuple, nn.ModuleList)):
-        return
+        return []
+    out: list[tuple[str, object]] = []
     for i, layer in enumerate(cast("Sequence[object]", layers)):
-        for j, part in enumerate(_declared(layer)):
-            prefix = f"decoder.layers.{i}.wgrad.{j}"
-            found = part.named_modules(prefix=prefix) if isinstance(part, nn.Module) else (
-                [(prefix, part)]
-            )
-            for name, module in found:
-                if id(module) not in seen:
-                    seen.add(id(module))
-                    yield name, module
-
-
-def _declared(layer: object) -> list[object]:
-    """What ``layer`` lists for delayed wgrad (nothing when it lists nothing valid)."""
-    pre: object = getattr(layer, "pre_dispatch_wgrad", None)
-    mlp: object = getattr(layer, "mlp_wgrad", None)
-    out: list[object] = []
-    if callable(pre):
-        out += [getattr(part, "module", None) for part in cast("Sequence[object]", pre())]
-    if callable(mlp):
-        out += list(cast("Sequence[object]", mlp()))
+        pre: object = getattr(layer, "pre_dispatch_wgrad", None)
+        mlp: object = getattr(layer, "mlp_wgrad", None)
+        if callable(pre):
+            for j, part in enumerate(cast("Sequence[object]", pre())):
+                name = f"decoder.layers[{i}].pre_dispatch_wgrad()[{j}]"
+                out.append((name, getattr(part, "module", None)))
+        if callable(mlp):
+            for j, module in enumerate(cast("Sequence[object]", mlp())):
+                out.append((f"decoder.layers[{i}].mlp_wgrad()[{j}]", module))
     return out
 
 
-def owed_wgrad(model: object) -> dict[str, int]:
-    """``{"path (class)": count}`` of the modules of ``model`` whose ``pending_wgrad`` is > 0.
+def _candidates(model: object, declared: Sequence[tuple[str, object]]) -> Iterator[object]:
+    """Every module of ``model`` and of ``declared``, each once."""
+    seen: set[int] = set()
+    parts = [part for _, part in declared]
+    roots = [model, *parts] if isinstance(model, nn.Module) else parts
+    for root in roots:
+        found = root.modules() if isinstance(root, nn.Module) else (root,)
+        for module in found:
+            if id(module) not in seen:
+                seen.add(id(module))
+                yield module
 
-    Only modules with an int ``pending_wgrad`` (a :class:`~moe_overlap.PendingWgrad`)
-    are asked; the attribute is looked up on the class or the instance's ``__dict__``,
-    never through ``nn.Module.__getattr__`` (cheap enough to run every step). A module's
-    string ``label``, when it has one, names it instead of its path.
+
+def _count(module: object) -> int:
+    attrs: dict[str, object] = getattr(module, "__dict__", {})
+    # On the class or in the instance dict: never through nn.Module.__getattr__ (slow).
+    if not (hasattr(type(module), "pending_wgrad") or "pending_wgrad" in attrs):
+        return 0
+    count: object = getattr(module, "pending_wgrad", None)
+    return count if type(count) is int else 0
+
+
+def owed_wgrad(
+    model: object, declared: Sequence[tuple[str, object]] | None = None
+) -> dict[str, int]:
+    """``{"name (class)": count}`` of the modules of ``model`` whose ``pending_wgrad`` is > 0.
+
+    Asks every module of ``model`` and every part its layers list
+    (:func:`declared_wgrad`, or ``declared`` when given) that has an int
+    ``pending_wgrad`` (a :class:`~moe_overlap.PendingWgrad`). Names are the module's
+    ``label`` when it has one, else its path in ``model``; found only on a hit.
     """
+    parts = declared_wgrad(model) if declared is None else declared
+    owing = [(m, n) for m in _candidates(model, parts) if (n := _count(m)) > 0]
+    if not owing:
+        return {}
+    paths = {id(m): name for name, m in model.named_modules()} if isinstance(model, nn.Module) else {}
+    listed = {id(part): name for name, part in parts}
     owed: dict[str, int] = {}
-    for name, module in _modules(model):
+    for module, count in owing:
         attrs: dict[str, object] = getattr(module, "__dict__", {})
-        if not (hasattr(type(module), "pending_wgrad") or "pending_wgrad" in attrs):
-            continue
-        count: object = getattr(module, "pending_wgrad", None)
-        if isinstance(count, int) and not isinstance(count, bool) and count > 0:
-            label = attrs.get("label")  # the reference blocks' qualified name
-            where = label if isinstance(label, str) else name or "(model)"
-            owed[f"{where} ({type(module).__name__})"] = count
+        label = attrs.get("label")
+        if isinstance(label, str):
+            where = label
+        elif id(module) in paths:
+            where = paths[id(module)] or "(model)"
+        else:
+            where = listed.get(id(module), "a module inside a listed wgrad part")
+        owed[f"{where} ({type(module).__name__})"] = count
     return owed
 
 
-def check_wgrad_done(model: object, *, when: str = "now") -> None:
+def check_wgrad_done(
+    model: object, *, when: str = "now", declared: Sequence[tuple[str, object]] | None = None
+) -> None:
     """Raise :class:`~moe_overlap.WgradError` if a module of ``model`` still owes a weight gradient.
 
     :func:`~moe_overlap.combined_1f1b` calls it before and after every step; call it
     yourself after driving :meth:`~moe_overlap.ModelChunkSchedulePlan.run` directly.
     """
-    owed = owed_wgrad(model)
+    owed = owed_wgrad(model, declared)
     if not owed:
         return
     raise WgradError(

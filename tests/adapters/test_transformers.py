@@ -176,7 +176,7 @@ def test_discard_wgrad_makes_the_adapter_usable_after_a_failed_step() -> None:
         combined_1f1b(adapter, mbs)
     # The message names the modules holding them: layer 0's experts (a non-module
     # WgradLayer the layer lists, found through mlp_wgrad(); down and gate_up pending).
-    assert "decoder.layers.0.wgrad.1 (ExpertWeights)': 2" in str(info.value)
+    assert "decoder.layers[0].mlp_wgrad()[0] (ExpertWeights)': 2" in str(info.value)
     adapter.discard_wgrad()
     model.zero_grad(set_to_none=True)
     assert adapter.pending_wgrad() == 0
