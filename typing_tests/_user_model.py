@@ -1,13 +1,16 @@
-"""A minimal user model and layer written against the public Protocols (shared fixtures).
+"""The guide's user model (``docs/integrate.md``) with type annotations (shared fixtures).
 
-Type-checked only: nothing here is run. ``check_positive.py`` asserts these satisfy the
-Protocols; ``check_negative.py`` varies them one member at a time.
+Type-checked here, run there: ``tests/test_docs.py`` runs the guide's code and checks that
+every class of the guide is in this file, identical but for annotations and docstrings, so
+change both together. ``check_positive.py`` asserts these satisfy the Protocols;
+``check_negative.py`` varies them one member at a time.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -34,51 +37,127 @@ class UserConfig:
     cuda_graph_modules: tuple[CudaGraphModule, ...] = ()
 
 
-class DelayedLinear(nn.Linear):
-    """A linear layer whose weight gradient is computed in ``backward_dw``."""
-
-    def backward_dw(self) -> None:
-        pass
-
-
 class UserLayer(nn.Module):
-    """A schedulable MoE layer: four slot methods, MoE metadata, delayed-wgrad modules."""
+    """A schedulable MoE layer: attention stand-in, top-1 router, two experts."""
 
     def __init__(self, config: UserConfig) -> None:
         super().__init__()
         self.config = config
         self.is_moe = True
         self.num_local_experts: int | None = 2
-        self.attn = DelayedLinear(8, 8)
-        self.expert = DelayedLinear(8, 8)
+        self.attn = nn.Linear(8, 8, bias=False)
+        self.router = nn.Linear(8, 2, bias=False)
+        self.expert = nn.ModuleList([nn.Linear(8, 8, bias=False), nn.Linear(8, 8, bias=False)])
+
+    def attention(self, x: Tensor) -> Tensor:
+        return x + self.attn(x)  # type: ignore[no-any-return]  # a module call is Any
+
+    def route(self, h: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        tokens = h.flatten(0, 1)
+        probs, choice = torch.softmax(self.router(tokens), dim=-1).max(dim=-1)
+        order = torch.argsort(choice, stable=True)
+        return tokens[order], probs[order], order, torch.bincount(choice, minlength=2)
+
+    def experts(self, rows: Tensor, probs: Tensor, counts: Tensor) -> Tensor:
+        chunks = torch.split(rows, counts.tolist())  # pyright: ignore[reportUnknownMemberType, reportUnknownArgumentType]
+        out = torch.cat([expert(c) for expert, c in zip(self.expert, chunks, strict=True)])
+        return out * probs.unsqueeze(-1)
+
+    def unpermute(self, out: Tensor, order: Tensor, residual: Tensor) -> Tensor:
+        return residual + torch.zeros_like(out).index_copy(0, order, out).view_as(residual)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.attention(x)
+        rows, probs, order, counts = self.route(h)
+        return self.unpermute(self.experts(rows, probs, counts), order, h)
 
     def slot_pre_dispatch(
         self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
     ) -> tuple[Tensor, ...]:
-        (hidden,) = inputs
-        out = hidden + self.attn(hidden)
-        node.layer_state.residual = node.detach(out)
-        return (out, torch.ones_like(out))
+        (x,) = inputs
+        h = self.attention(x)
+        rows, probs, order, counts = self.route(h)
+        node.layer_state.residual = node.detach(h)
+        node.layer_state.tokens_per_expert = counts
+        node.layer_state.stash("order", order)
+        return rows, probs
 
     def slot_dispatch(self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
-        tokens, probs = inputs
-        node.layer_state.dispatched_probs = node.detach(probs)
-        return tokens
+        rows, probs = inputs
+        node.layer_state.dispatched_probs = node.detach(probs.clone())
+        return rows.clone()
 
     def slot_mlp(self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
-        probs = node.layer_state.dispatched_probs
-        out: Tensor = self.expert(inputs[0])
-        return out if probs is None else out * probs
+        (rows,) = inputs
+        state = node.layer_state
+        assert state.dispatched_probs is not None
+        assert state.tokens_per_expert is not None
+        return self.experts(rows.clone(), state.dispatched_probs, state.tokens_per_expert)
 
     def slot_combine(self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
-        residual = node.layer_state.residual
-        return inputs[0] if residual is None else inputs[0] + residual
+        state = node.layer_state
+        assert state.residual is not None
+        return self.unpermute(inputs[0], state.take("order", Tensor), state.residual)
 
     def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
+        return []
+
+    def mlp_wgrad(self) -> Sequence[WgradLayer]:
+        return []
+
+
+class DelayedMatmul(torch.autograd.Function):
+    """``x @ weight.T`` whose weight gradient waits in ``owner.pending``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, owner: DelayedLinear) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.owner = owner
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, None, None]:
+        (grad,) = grads
+        x, weight = ctx.saved_tensors
+        ctx.owner.pending.append((x, grad))
+        return grad @ weight, None, None
+
+
+class DelayedLinear(nn.Linear):
+    """A linear layer whose weight gradient is computed in ``backward_dw``."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__(in_features, out_features, bias=False)  # pyright: ignore[reportUnknownMemberType]
+        self.pending: list[tuple[Tensor, Tensor]] = []
+
+    @property
+    def pending_wgrad(self) -> int:
+        return len(self.pending)
+
+    def forward(self, input: Tensor) -> Tensor:
+        return DelayedMatmul.apply(input, self.weight, self)  # type: ignore[no-any-return, no-untyped-call]  # pyright: ignore[reportUnknownMemberType, reportUnknownVariableType]
+
+    def backward_dw(self) -> None:
+        for x, grad in self.pending:
+            dw = grad.flatten(0, -2).t() @ x.flatten(0, -2)
+            self.weight.grad = dw if self.weight.grad is None else self.weight.grad + dw
+        self.pending.clear()
+
+
+class DelayedUserLayer(UserLayer):
+    """``UserLayer`` with the weight gradients of its attention and experts delayed."""
+
+    def __init__(self, config: UserConfig) -> None:
+        super().__init__(config)
+        self.attn = DelayedLinear(8, 8)
+        self.expert = nn.ModuleList([DelayedLinear(8, 8), DelayedLinear(8, 8)])
+
+    def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
+        assert isinstance(self.attn, DelayedLinear)
         return [WgradScope(CudaGraphModule.attn, self.attn)]
 
     def mlp_wgrad(self) -> Sequence[WgradLayer]:
-        return [self.expert]
+        return [m for m in self.expert if isinstance(m, DelayedLinear)]
 
 
 class UserDecoder(nn.Module):
@@ -88,20 +167,21 @@ class UserDecoder(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(layers)
         self.input_tensor: Tensor | None = None
-        self.final_layernorm: nn.LayerNorm | None = nn.LayerNorm(8)
+        self.final_layernorm: Callable[[Tensor], Tensor] | None = None
 
 
 class UserModel(nn.Module):
-    """A model with Megatron's hook names, its signatures spelled out in full."""
+    """A model with Megatron's hook names; unused ``_postprocess`` keywords in ``**kwargs``."""
 
-    def __init__(self, config: UserConfig) -> None:
+    def __init__(self, config: UserConfig, layer: type[UserLayer] = UserLayer) -> None:
         super().__init__()
         self.pre_process = True
         self.post_process = True
         self.config = config
-        self.decoder = UserDecoder([UserLayer(config), UserLayer(config)])
         self.embedding = nn.Embedding(16, 8)
-        self.head = nn.Linear(8, 16)
+        self.decoder = UserDecoder([layer(config), layer(config)])
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, 16, bias=False)
 
     def _preprocess(
         self,
@@ -112,10 +192,8 @@ class UserModel(nn.Module):
         packed_seq_params: object | None = None,
         padding_mask: Tensor | None = None,
     ) -> PreprocessOutput:
-        if decoder_input is None:
-            assert input_ids is not None
-            embedded: Tensor = self.embedding(input_ids)
-            decoder_input = embedded
+        if decoder_input is None:  # the first pipeline stage embeds the tokens
+            return PreprocessOutput(self.embedding(input_ids), padding_mask=padding_mask)
         return PreprocessOutput(decoder_input, padding_mask=padding_mask)
 
     def _postprocess(
@@ -127,21 +205,17 @@ class UserModel(nn.Module):
         rotary_pos_emb: Tensor | None,
         rotary_pos_cos: Tensor | None,
         rotary_pos_sin: Tensor | None,
-        *,
-        mtp_in_postprocess: bool | None = None,
-        loss_mask: Tensor | None = None,
-        decoder_input: Tensor | None = None,
-        attention_mask: Tensor | None = None,
-        packed_seq_params: object | None = None,
-        sequence_len_offset: Tensor | int | None = None,
-        runtime_gather_output: bool | None = None,
-        extra_block_kwargs: Mapping[str, object] | None = None,
-        output_processor: object | None = None,
-        output_processor_context: object | None = None,
+        **kwargs: object,
     ) -> Tensor:
-        logits: Tensor = self.head(hidden_states)
+        logits = self.head(self.norm(hidden_states))
         assert labels is not None
         return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+
+    def forward(self, input_ids: Tensor, labels: Tensor) -> Tensor:
+        h = self._preprocess(input_ids, None).decoder_input
+        for layer in self.decoder.layers:
+            h = layer(h)
+        return self._postprocess(h, input_ids, None, labels, None, None, None)
 
 
 class ShortUserModel(nn.Module):

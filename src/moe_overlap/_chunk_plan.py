@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -15,7 +15,7 @@ from ._layer_plan import TransformerLayerSchedulePlan
 from ._node import ScheduleNode
 from ._options import ChunkHooks, PostBackwardHook, PostForwardHook, PreHook, ScheduleOptions
 from ._process_nodes import PostProcessNode, PreProcessNode
-from ._protocols import PreprocessableModel, StepObserver
+from ._protocols import PreprocessableModel, SchedulableLayer, StepObserver
 from ._state import ChunkState
 from ._steps import ChunkShape, Role, Slot, Step, chunk_steps
 from ._streams import (
@@ -121,7 +121,7 @@ class ModelChunkSchedulePlan:
         owner = type(model).__name__
         self.layers: list[TransformerLayerSchedulePlan] = [
             TransformerLayerSchedulePlan(
-                layer,  # checked by the layer plan, named after ``owner``
+                cast(SchedulableLayer, layer),  # checked there, named after ``owner``
                 self.event,
                 self.state,
                 streams.comp_provider,

@@ -8,7 +8,7 @@ inside a slot.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from typing import cast
 
 from torch import Tensor
@@ -25,8 +25,9 @@ from ._protocols import (
 __all__ = [
     "DISPATCHER_BACKENDS",
     "DISPATCHER_TYPES",
-    "as_mtp_layer",
+    "Indexed",
     "already_checked",
+    "as_mtp_layer",
     "check_free_input_config",
     "check_layer",
     "check_model",
@@ -85,7 +86,7 @@ _depth = 0
 
 
 @contextlib.contextmanager
-def checks_memoized() -> Iterator[None]:
+def checks_memoized() -> Generator[None, None, None]:
     """Check each model, layer and wgrad module once for all the plans built inside."""
     global _memo, _depth
     if _depth == 0:
@@ -131,9 +132,7 @@ def check_model(model: object) -> PreprocessableModel:
     """
     if already_checked(model):
         return cast(PreprocessableModel, model)
-    pre, post, config, decoder, prep, postp = (
-        getattr(model, m, _MISSING) for m in MODEL_MEMBERS
-    )
+    pre, post, config, decoder, prep, postp = (getattr(model, m, _MISSING) for m in MODEL_MEMBERS)
     layers = getattr(decoder, "layers", _MISSING)
     tensor = getattr(decoder, "input_tensor", _MISSING)
     norm = getattr(decoder, "final_layernorm", _MISSING)
@@ -291,8 +290,7 @@ def _layer_error(layer: object, where: str) -> None:
     nle: object = getattr(layer, "num_local_experts")  # noqa: B009
     if not (nle is None or _is_count(nle, 1)):
         raise IntegrationError(
-            f"{where}: {cls}.num_local_experts: expected None or an int >= 1, "
-            f"received {_kind(nle)}"
+            f"{where}: {cls}.num_local_experts: expected None or an int >= 1, received {_kind(nle)}"
         )
     for slot in SLOTS if is_moe else SLOTS[::2]:
         value: object = getattr(layer, slot)
@@ -315,16 +313,31 @@ def check_wgrad_layers(
         base = where if isinstance(where, str) else where()
         return f"{base}: {what}" if what else base
 
-    if not isinstance(modules, (list, tuple)):
-        if not isinstance(modules, Sequence) or isinstance(modules, (str, bytes)):
-            raise IntegrationError(
-                f"{name()}: expected a sequence of WgradLayers, received {type(modules).__name__}"
-            )
+    if not isinstance(modules, (list, tuple)) and (
+        not isinstance(modules, Sequence) or isinstance(modules, (str, bytes))
+    ):
+        raise IntegrationError(
+            f"{name()}: expected a sequence of WgradLayers, received {type(modules).__name__}"
+        )
     items = list(cast("Sequence[object]", modules))
     for i, module in enumerate(items):
         if not already_checked(module):
-            check_wgrad_layer(module, lambda i=i: f"{name()}[{i}]")
+            check_wgrad_layer(module, Indexed(name, i, ""))
     return cast("list[WgradLayer]", items)
+
+
+class Indexed:
+    """``f"{where()}[{index}]{suffix}"``, built only when an error message needs it."""
+
+    __slots__ = ("index", "suffix", "where")
+
+    def __init__(self, where: Callable[[], str], index: int, suffix: str) -> None:
+        self.where = where
+        self.index = index
+        self.suffix = suffix
+
+    def __call__(self) -> str:
+        return f"{self.where()}[{self.index}]{self.suffix}"
 
 
 def check_wgrad_layer(module: object, where: str | Callable[[], str]) -> WgradLayer:

@@ -43,16 +43,15 @@ class Microbatch:
             value: object = getattr(self, name)
             if value is not None and not isinstance(value, Tensor):
                 raise ConfigError(
-                    f"Microbatch.{name}: expected a Tensor or None, received "
-                    f"{type(value).__name__}"
+                    f"Microbatch.{name}: expected a Tensor or None, received {type(value).__name__}"
                 )
-        kwargs: object = self.extra_block_kwargs
+        kwargs = cast(object, self.extra_block_kwargs)  # checked: typing cannot promise it
         if kwargs is not None and not isinstance(kwargs, Mapping):
             raise ConfigError(
                 "Microbatch.extra_block_kwargs: expected a mapping or None, received "
                 f"{type(kwargs).__name__}"
             )
-        gather: object = self.runtime_gather_output
+        gather = cast(object, self.runtime_gather_output)
         if gather is not None and not isinstance(gather, bool):
             raise ConfigError(
                 "Microbatch.runtime_gather_output: expected a bool or None, received "
@@ -118,7 +117,9 @@ def combined_1f1b(
         _check_arguments(microbatches, overlap, options, streams, loss_scale, on_plan, observer)
         check_grad_mode("combined_1f1b")
         declared = declared_wgrad(model)
-        check_wgrad_done(model, when="before the step (left from an earlier one)", declared=declared)
+        check_wgrad_done(
+            model, when="before the step (left from an earlier one)", declared=declared
+        )
         losses = _run(model, microbatches, overlap, options, streams, loss_scale, on_plan, observer)
     check_wgrad_done(model, when="when combined_1f1b returns", declared=declared)
     return [loss.detach() for loss in losses]

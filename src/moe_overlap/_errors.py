@@ -10,10 +10,10 @@ from __future__ import annotations
 __all__ = [
     "ConfigError",
     "IntegrationError",
+    "LayerStateAttributeError",
     "MoeOverlapError",
     "NodeStateError",
     "PlanReleasedError",
-    "LayerStateAttributeError",
     "ScheduleError",
     "StreamError",
     "TypeHintError",

@@ -222,11 +222,11 @@ class ScheduleNode:
                 storage = tensor.untyped_storage()
                 storages.append(storage)
                 freed.append(storage.data_ptr())
-        for t in outputs:
-            if t.untyped_storage().data_ptr() in freed:
+        for out in outputs:
+            if out.untyped_storage().data_ptr() in freed:
                 check_no_alias(self.name, storages, outputs, ())
-        for t in self.handed_on():
-            if t is not None and t.untyped_storage().data_ptr() in freed:
+        for kept in self.handed_on():
+            if kept is not None and kept.untyped_storage().data_ptr() in freed:
                 check_no_alias(self.name, storages, (), self.handed_on())
         if DEBUG:
             roots = [t.grad_fn for t in (*outputs, *self.graph_tails())]

@@ -131,8 +131,8 @@ def graph_saves(roots: Sequence[object], pointers: set[int]) -> list[str]:
                 value: object = getattr(fn, attr)
             except RuntimeError:  # saved tensors already released
                 continue
-            values = cast("tuple[object, ...]", value) if isinstance(value, (tuple, list)) else (
-                value,
+            values = (
+                cast("tuple[object, ...]", value) if isinstance(value, (tuple, list)) else (value,)
             )
             for t in values:
                 if isinstance(t, Tensor) and t.untyped_storage().data_ptr() in pointers:

@@ -6,7 +6,7 @@ a type error and every field has a type.
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from torch import Tensor
 
@@ -105,37 +105,26 @@ class LayerState:
         _set(self, "tokens_per_expert", None)
         _set(self, "extras", {})
 
-    def __setattr__(self, name: str, value: object) -> None:
-        try:
-            object.__setattr__(self, name, value)
-        except AttributeError:
+    if not TYPE_CHECKING:  # hidden from type checkers: an unknown field stays a type error
+
+        def __setattr__(self, name: str, value: object) -> None:
+            try:
+                object.__setattr__(self, name, value)
+            except AttributeError:
+                raise LayerStateAttributeError(
+                    f"LayerState: cannot set {name!r}; expected one of its fields "
+                    f"{list(_FIELDS)}; keep anything else with "
+                    f"layer_state.stash({name!r}, value) and read it with "
+                    f"layer_state.take({name!r}, kind)"
+                ) from None
+
+        def __getattr__(self, name: str) -> object:
+            # Only reached for names that are not fields (slots raise for unset ones first).
             raise LayerStateAttributeError(
-                f"LayerState: cannot set {name!r}; expected one of its fields "
-                f"{list(_FIELDS)}; keep anything else with "
-                f"layer_state.stash({name!r}, value) and read it with "
-                f"layer_state.take({name!r}, kind)"
-            ) from None
-
-    def __getattr__(self, name: str) -> object:
-        # Only reached for names that are not fields (slots raise for unset ones first).
-        raise LayerStateAttributeError(
-            f"LayerState has no attribute {name!r}; expected one of its fields "
-            f"{list(_FIELDS)}, or a value stashed with stash(key, value) and read with "
-            f"take({name!r}, kind)"
-        )
-
-    def tensors(self) -> tuple[Tensor | None, ...]:
-        """Every tensor the state holds: the tensor fields and tensors stashed in extras."""
-        fields = (
-            self.residual,
-            self.probs,
-            self.dispatched_probs,
-            self.shared_expert_output,
-            self.tokens_per_expert,
-        )
-        if not self.extras:
-            return fields
-        return (*fields, *(v for v in self.extras.values() if isinstance(v, Tensor)))
+                f"LayerState has no attribute {name!r}; expected one of its fields "
+                f"{list(_FIELDS)}, or a value stashed with stash(key, value) and read with "
+                f"take({name!r}, kind)"
+            )
 
     def stash(self, key: str, value: object) -> None:
         """Keep ``value`` for a later slot of the same layer and microbatch."""

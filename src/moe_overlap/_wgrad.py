@@ -9,7 +9,7 @@ from typing import NamedTuple, cast
 
 from torch.nn import Parameter
 
-from ._conformance import already_checked, check_wgrad_layer
+from ._conformance import Indexed, already_checked, check_wgrad_layer
 from ._errors import IntegrationError
 from ._free_input import CudaGraphModule, graph_module_names
 from ._options import Hook
@@ -64,9 +64,9 @@ def check_wgrad_scopes(parts: object, where: str | Callable[[], str]) -> tuple[W
 
     ``where`` names the list in errors (a callable is called only then).
     """
-    if isinstance(parts, (list, tuple)):
-        items = tuple(cast("Sequence[object]", parts))
-    elif isinstance(parts, Sequence) and not isinstance(parts, (str, bytes)):
+    if isinstance(parts, (list, tuple)) or (
+        isinstance(parts, Sequence) and not isinstance(parts, (str, bytes))
+    ):
         items = tuple(cast("Sequence[object]", parts))
     else:
         raise IntegrationError(
@@ -86,7 +86,7 @@ def check_wgrad_scopes(parts: object, where: str | Callable[[], str]) -> tuple[W
                 f"received {type(part.scope).__name__} {part.scope!r}"
             )
         if not already_checked(part.module):
-            check_wgrad_layer(part.module, lambda i=i: f"{_name(where)}[{i}].module")
+            check_wgrad_layer(part.module, Indexed(lambda: _name(where), i, ".module"))
     return cast("tuple[WgradScope, ...]", items)
 
 

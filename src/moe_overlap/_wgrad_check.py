@@ -72,7 +72,12 @@ def owed_wgrad(
     owing = [(m, n) for m in _candidates(model, parts) if (n := _count(m)) > 0]
     if not owing:
         return {}
-    paths = {id(m): name for name, m in model.named_modules()} if isinstance(model, nn.Module) else {}
+    named = (
+        cast("list[tuple[str, nn.Module]]", list(model.named_modules()))  # pyright: ignore[reportUnknownArgumentType] - torch's generator type
+        if isinstance(model, nn.Module)
+        else []
+    )
+    paths = {id(m): name for name, m in named}
     listed = {id(part): name for name, part in parts}
     owed: dict[str, int] = {}
     for module, count in owing:

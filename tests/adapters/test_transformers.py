@@ -9,6 +9,7 @@ import sys
 
 import pytest
 import torch
+from torch import Tensor
 
 pytest.importorskip("transformers")
 
@@ -18,7 +19,7 @@ from moe_overlap import (
     PreprocessableModel,
     SchedulableLayer,
     ScheduleError,
-    ScheduleOptions,
+    TransformerLayerNode,
     WgradError,
     WgradLayer,
     combined_1f1b,
@@ -161,13 +162,15 @@ def test_discard_wgrad_makes_the_adapter_usable_after_a_failed_step() -> None:
     original = layer.slot_dispatch
     calls: list[int] = []
 
-    def flaky(node, inputs):
+    def flaky(
+        node: TransformerLayerNode, inputs: tuple[Tensor, ...]
+    ) -> Tensor | tuple[Tensor, ...]:
         calls.append(1)
         if len(calls) == 2:  # microbatch 1's forward, after microbatch 0's mlp backward
             raise RuntimeError("all-to-all failed")
         return original(node, inputs)
 
-    layer.slot_dispatch = flaky
+    vars(layer)["slot_dispatch"] = flaky  # an instance patch, removed below
     with pytest.raises(ScheduleError, match="all-to-all failed"):
         combined_1f1b(adapter, mbs)
     del layer.slot_dispatch

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 import torch
 
-from moe_overlap import ConfigError, ScheduleError, ScheduleOptions, WgradError, combined_1f1b
+from moe_overlap import ConfigError, ScheduleOptions, WgradError, combined_1f1b
 from moe_overlap.models import (
     DelayedWgradGroupedLinear,
     DelayedWgradLinear,
