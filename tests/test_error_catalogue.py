@@ -4,7 +4,12 @@ still trains correctly on the next step. ``docs/errors.md`` lists the same case 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import os
 import re
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +27,14 @@ from moe_overlap import (
     IntegrationError,
     LayerArgs,
     LayerState,
+    LayerStateAttributeError,
     Microbatch,
     ModelChunkSchedulePlan,
     NodeStateError,
     PlanReleasedError,
     ScheduleError,
     ScheduleNode,
+    ScheduleOptions,
     Step,
     StreamError,
     TransformerLayerNode,
@@ -39,7 +46,15 @@ from moe_overlap import (
 from moe_overlap._streams import use_stream
 
 from .test_parity import assert_same
-from .toy_model import ToyConfig, ToyLayer, ToyModel, grads, make_microbatches, plain_step
+from .toy_model import (
+    DelayedLinear,
+    ToyConfig,
+    ToyLayer,
+    ToyModel,
+    grads,
+    make_microbatches,
+    plain_step,
+)
 
 CONFIG = ToyConfig()
 
@@ -68,6 +83,12 @@ def patch(obj: object, name: str, value: object) -> None:
 def layer0(ctx: Ctx) -> ToyLayer:
     layer = ctx.model.decoder.layers[0]
     assert isinstance(layer, ToyLayer)
+    return layer
+
+
+def moe_layer(ctx: Ctx) -> ToyLayer:
+    layer = ctx.model.decoder.layers[1]
+    assert isinstance(layer, ToyLayer) and layer.is_moe
     return layer
 
 
@@ -238,6 +259,256 @@ def layer_state_wrong_kind(ctx: Ctx) -> None:
     state.take("route", str)
 
 
+# --- gradients that would go missing (issue: never silently wrong) -------------------------
+
+
+def delay_option_contradicts_layers(ctx: Ctx) -> None:
+    ctx.model.set_delay(True)  # the layers delay and list their modules ...
+    combined_1f1b(ctx.model, ctx.mbs, options=ScheduleOptions(delay_wgrad_compute=False))
+
+
+def delay_option_without_delaying_layers(ctx: Ctx) -> None:
+    combined_1f1b(ctx.model, ctx.mbs, options=ScheduleOptions(delay_wgrad_compute=True))
+
+
+def undeclared_delayed_module(ctx: Ctx) -> None:
+    layer0(ctx).attn.delay = True  # delays, but the layer does not list it
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+def pending_wgrad_from_an_earlier_backward(ctx: Ctx) -> None:
+    ctx.model.set_delay(True)
+    ctx.model(ctx.mbs[0]).backward()  # plain backward: wgrad left pending
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+def step_under_no_grad(ctx: Ctx) -> None:
+    with torch.no_grad():
+        combined_1f1b(ctx.model, ctx.mbs)
+
+
+def step_under_inference_mode(ctx: Ctx) -> None:
+    with torch.inference_mode():
+        combined_1f1b(ctx.model, ctx.mbs)
+
+
+def run_under_no_grad(ctx: Ctx) -> None:
+    p0 = plan(ctx)
+    with torch.no_grad():
+        ModelChunkSchedulePlan.run(p0, None)
+
+
+def slot_output_cut_from_graph(ctx: Ctx) -> None:
+    layer = layer0(ctx)
+    patch(layer, "slot_mlp", lambda node, inputs: ToyLayer.slot_mlp(layer, node, inputs).detach())
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+def slot_output_cut_with_delayed_wgrad(ctx: Ctx) -> None:
+    ctx.model.set_delay(True)
+    layer = layer0(ctx)
+
+    def cut(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
+        with torch.no_grad():
+            return ToyLayer.slot_mlp(layer, node, inputs)
+
+    patch(layer, "slot_mlp", cut)
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+def postprocess_loss_cut_from_graph(ctx: Ctx) -> None:
+    model = ctx.model
+    patch(model, "_postprocess", lambda *a, **k: ToyModel._postprocess(model, *a, **k).detach())
+    combined_1f1b(model, ctx.mbs)
+
+
+# --- free-input hazards ----------------------------------------------------------------------
+
+
+def slot_returns_its_freed_input(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+    patch(layer, "slot_dispatch", lambda node, inputs: inputs)  # rows, probs, unchanged
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+def slot_returns_a_view_of_its_freed_input(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+    patch(layer, "slot_combine", lambda node, inputs: inputs[0][:1])
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+def slot_hands_on_its_freed_input(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+
+    def dispatch(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> Tensor:
+        rows, probs = inputs
+        node.layer_state.dispatched_probs = node.detach(probs)  # kept, then freed
+        return rows.clone()
+
+    patch(layer, "slot_dispatch", dispatch)
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+def freed_input_read_in_backward(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+
+    def pre_dispatch(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        rows, probs = ToyLayer.slot_pre_dispatch(layer, node, inputs)
+        return rows, torch.softmax(probs, dim=0)  # softmax saves its result; dispatch frees it
+
+    patch(layer, "slot_pre_dispatch", pre_dispatch)
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+# --- conformance at plan build ----------------------------------------------------------------
+
+
+def decoder_is_a_module_list(ctx: Ctx) -> None:
+    decoder = ctx.model.decoder
+    ctx.model.decoder = decoder.layers  # type: ignore[assignment]
+    try:
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        ctx.model.decoder = decoder
+
+
+def decoder_without_final_layernorm(ctx: Ctx) -> None:
+    del ctx.model.decoder.final_layernorm
+    try:
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        ctx.model.decoder.final_layernorm = None
+
+
+def decoder_input_tensor_not_a_tensor(ctx: Ctx) -> None:
+    ctx.model.decoder.input_tensor = [1.0]  # type: ignore[assignment]
+    try:
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        ctx.model.decoder.input_tensor = None
+
+
+def model_config_without_mtp_num_layers(ctx: Ctx) -> None:
+    config = ctx.model.config
+    ctx.model.config = object()  # type: ignore[assignment]
+    try:
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        ctx.model.config = config
+
+
+def stage_flag_not_a_bool(ctx: Ctx) -> None:
+    ctx.model.post_process = 1  # type: ignore[assignment]
+    try:
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        ctx.model.post_process = True
+
+
+def layer_config_without_free_input_fields(ctx: Ctx) -> None:
+    layer = layer0(ctx)
+    config = layer.config
+    layer.config = object()  # type: ignore[assignment]
+    try:
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        layer.config = config
+
+
+def layer_config_unknown_dispatcher(ctx: Ctx) -> None:
+    layer = layer0(ctx)
+    config = layer.config
+    layer.config = dataclasses.replace(config, moe_token_dispatcher_type="all2all")
+    try:
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        layer.config = config
+
+
+def layer_is_moe_not_a_bool(ctx: Ctx) -> None:
+    layer = layer0(ctx)
+    layer.is_moe = 1  # type: ignore[assignment]
+    try:
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        layer.is_moe = True
+
+
+def layer_num_local_experts_invalid(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+    layer.num_local_experts = 0
+    try:
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        layer.num_local_experts = CONFIG.num_experts
+
+
+def mlp_wgrad_lists_a_plain_linear(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+    patch(layer, "mlp_wgrad", lambda: [layer.router])
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+def pre_dispatch_wgrad_without_scope(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+    patch(layer, "pre_dispatch_wgrad", lambda: [layer.attn])
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+# --- arguments of the public entry points ----------------------------------------------------
+
+
+def options_flag_not_a_bool(ctx: Ctx) -> None:
+    ScheduleOptions(free_input="no")  # type: ignore[arg-type]
+
+
+def options_flag_minus_one(ctx: Ctx) -> None:
+    ScheduleOptions(ep_overlap_early_attn_memory_release=-1)  # type: ignore[arg-type]
+
+
+def overlap_not_a_bool(ctx: Ctx) -> None:
+    combined_1f1b(ctx.model, ctx.mbs, overlap="False")  # type: ignore[arg-type]
+
+
+def loss_scale_not_a_number(ctx: Ctx) -> None:
+    combined_1f1b(ctx.model, ctx.mbs, loss_scale="1")  # type: ignore[arg-type]
+
+
+def loss_scale_not_finite(ctx: Ctx) -> None:
+    combined_1f1b(ctx.model, ctx.mbs, loss_scale=float("nan"))
+
+
+def options_not_schedule_options(ctx: Ctx) -> None:
+    combined_1f1b(ctx.model, ctx.mbs, options={"free_input": False})  # type: ignore[arg-type]
+
+
+def streams_not_a_stream_pair(ctx: Ctx) -> None:
+    combined_1f1b(ctx.model, ctx.mbs, streams="cuda")  # type: ignore[arg-type]
+
+
+def microbatch_field_not_a_tensor(ctx: Ctx) -> None:
+    Microbatch(input_ids=[[1, 2, 3]])  # type: ignore[arg-type]
+
+
+def microbatches_a_generator(ctx: Ctx) -> None:
+    combined_1f1b(ctx.model, (mb for mb in ctx.mbs))  # type: ignore[arg-type]
+
+
+def layer_state_unknown_attribute(ctx: Ctx) -> None:
+    LayerState().route = 1  # type: ignore[attr-defined]
+
+
+def layer_state_unknown_attribute_in_a_slot(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+
+    def dispatch(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        node.layer_state.route = 1  # type: ignore[attr-defined]
+        return inputs
+
+    patch(layer, "slot_dispatch", dispatch)
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
 @dataclass(frozen=True)
 class Case:
     fn: Callable[[Ctx], None]
@@ -349,6 +620,188 @@ CASES = [
     ),
     Case(layer_state_missing_key, IntegrationError, r"nothing stashed under 'route'"),
     Case(layer_state_wrong_kind, IntegrationError, r"'route' holds a int, expected a str"),
+    Case(
+        delay_option_contradicts_layers,
+        ConfigError,
+        r"decoder\.layers\[0\]: ScheduleOptions\(delay_wgrad_compute=False\) expected the layer "
+        r"to compute at once.*but it delays them",
+    ),
+    Case(
+        delay_option_without_delaying_layers,
+        ConfigError,
+        r"ScheduleOptions\(delay_wgrad_compute=True\) expected the layer to delay.*does not delay",
+    ),
+    Case(
+        undeclared_delayed_module,
+        WgradError,
+        r"computed when combined_1f1b returns.*'decoder\.layers\.0\.attn \(DelayedLinear\)': 2",
+    ),
+    Case(
+        pending_wgrad_from_an_earlier_backward,
+        WgradError,
+        r"computed before the step \(left from an earlier one\).*discard_wgrad",
+    ),
+    Case(step_under_no_grad, ConfigError, r"combined_1f1b: expected autograd enabled.*no_grad"),
+    Case(step_under_inference_mode, ConfigError, r"received grad mode off \(torch\.inference_mode"),
+    Case(run_under_no_grad, ConfigError, r"ModelChunkSchedulePlan\.run: expected autograd enabled"),
+    Case(
+        slot_output_cut_from_graph,
+        ScheduleError,
+        r"node 'mlp': output 0 \(float32\[\d+, 16\]\) does not require grad although the "
+        r"node's inputs do.*node\.mark_non_differentiable",
+        IntegrationError,
+    ),
+    Case(
+        slot_output_cut_with_delayed_wgrad,
+        ScheduleError,
+        r"layer 0, slot mlp, forward.*does not require grad",
+        IntegrationError,
+    ),
+    Case(
+        postprocess_loss_cut_from_graph,
+        ScheduleError,
+        r"node 'post_process': output 0 \(float32\[\]\) does not require grad",
+        IntegrationError,
+    ),
+    Case(
+        slot_returns_its_freed_input,
+        ScheduleError,
+        r"node 'moe_dispatch': output 0 \(float32\[32, 16\]\) shares storage with input 0, "
+        r"which the free-input policy releases.*ScheduleOptions\(free_input=False\)",
+        IntegrationError,
+    ),
+    Case(
+        slot_returns_a_view_of_its_freed_input,
+        ScheduleError,
+        r"node 'moe_combine': output 0 .* shares storage with input 0",
+        IntegrationError,
+    ),
+    Case(
+        slot_hands_on_its_freed_input,
+        ScheduleError,
+        r"node 'moe_dispatch': tensor kept for a later slot 0 \(float32\[32\]\) shares storage "
+        r"with input 1",
+        IntegrationError,
+    ),
+    Case(
+        freed_input_read_in_backward,
+        ScheduleError,
+        r"layer 1, slot pre_dispatch, backward.*data is not allocated.*hint: a tensor released by "
+        r"the free-input policy was read again.*MOE_OVERLAP_DEBUG=1",
+        RuntimeError,
+    ),
+    Case(
+        decoder_is_a_module_list,
+        IntegrationError,
+        r"ToyModel\.decoder \(ModuleList\) is not a decoder; missing members: \['layers', "
+        r"'input_tensor', 'final_layernorm'\]; a decoder is an object with `layers`",
+    ),
+    Case(
+        decoder_without_final_layernorm,
+        IntegrationError,
+        r"ToyModel\.decoder \(ToyDecoder\) is not a decoder; missing members: \['final_layernorm'\]",
+    ),
+    Case(
+        decoder_input_tensor_not_a_tensor,
+        IntegrationError,
+        r"decoder\.input_tensor: expected None or a Tensor.*received list",
+    ),
+    Case(
+        model_config_without_mtp_num_layers,
+        IntegrationError,
+        r"ToyModel\.config \(object\): expected a member mtp_num_layers",
+    ),
+    Case(
+        stage_flag_not_a_bool,
+        IntegrationError,
+        r"ToyModel\.post_process: expected a bool, received int 1",
+    ),
+    Case(
+        layer_config_without_free_input_fields,
+        IntegrationError,
+        r"decoder\.layers\[0\]: ToyLayer\.config \(object\): expected the free-input fields.*missing: "
+        r"\['moe_token_dispatcher_type'",
+    ),
+    Case(
+        layer_config_unknown_dispatcher,
+        ConfigError,
+        r"moe_token_dispatcher_type: expected one of \['alltoall', 'allgather', 'flex'\], received "
+        r"str 'all2all'",
+    ),
+    Case(
+        layer_is_moe_not_a_bool,
+        IntegrationError,
+        r"decoder\.layers\[0\]: ToyLayer\.is_moe: expected a bool, received int 1",
+    ),
+    Case(
+        layer_num_local_experts_invalid,
+        IntegrationError,
+        r"ToyLayer\.num_local_experts: expected None or an int >= 1, received int 0",
+    ),
+    Case(
+        mlp_wgrad_lists_a_plain_linear,
+        IntegrationError,
+        r"decoder\.layers\[1\]: mlp_wgrad\(\)\[0\]: Linear is not a WgradLayer.*"
+        r"missing members: \['backward_dw'\]",
+    ),
+    Case(
+        pre_dispatch_wgrad_without_scope,
+        IntegrationError,
+        r"ToyLayer\.pre_dispatch_wgrad\(\)\[0\]: expected a WgradScope\(scope, module\).*"
+        r"received DelayedLinear",
+    ),
+    Case(
+        options_flag_not_a_bool,
+        ConfigError,
+        r"ScheduleOptions\.free_input: expected a bool, received str 'no'",
+    ),
+    Case(
+        options_flag_minus_one,
+        ConfigError,
+        r"ScheduleOptions\.ep_overlap_early_attn_memory_release: expected a bool, received int -1",
+    ),
+    Case(overlap_not_a_bool, ConfigError, r"overlap must be a bool, received str 'False'"),
+    Case(
+        loss_scale_not_a_number,
+        ConfigError,
+        r"loss_scale must be a finite real number, received str '1'",
+    ),
+    Case(
+        loss_scale_not_finite,
+        ConfigError,
+        r"loss_scale must be a finite real number, received float nan",
+    ),
+    Case(
+        options_not_schedule_options,
+        ConfigError,
+        r"options must be a ScheduleOptions, received dict",
+    ),
+    Case(
+        streams_not_a_stream_pair,
+        ConfigError,
+        r"streams must be a StreamPair \(make_streams\(device\)\) or None, received str",
+    ),
+    Case(
+        microbatch_field_not_a_tensor,
+        ConfigError,
+        r"Microbatch\.input_ids: expected a Tensor or None, received list",
+    ),
+    Case(
+        microbatches_a_generator,
+        ConfigError,
+        r"microbatches must be a sequence \(list or tuple\) of Microbatch, received generator",
+    ),
+    Case(
+        layer_state_unknown_attribute,
+        LayerStateAttributeError,
+        r"LayerState: cannot set 'route'.*stash\('route', value\).*take\('route', kind\)",
+    ),
+    Case(
+        layer_state_unknown_attribute_in_a_slot,
+        ScheduleError,
+        r"slot dispatch, forward.*LayerState: cannot set 'route'",
+        LayerStateAttributeError,
+    ),
 ]
 
 
@@ -373,21 +826,199 @@ def test_misuse(case: Case) -> None:
 
 
 def undo_patches(model: ToyModel) -> None:
+    """The user's fix: patches removed, delayed wgrad off again and what was pending dropped."""
     for name in ("_preprocess", "_postprocess"):
         model.__dict__.pop(name, None)
     for layer in model.decoder.layers:
-        for name in ("slot_pre_dispatch", "slot_dispatch", "slot_mlp", "slot_combine"):
+        for name in (*SLOT_NAMES, "pre_dispatch_wgrad", "mlp_wgrad"):
             layer.__dict__.pop(name, None)
+    model.set_delay(False)
+    for module in model.modules():
+        if isinstance(module, DelayedLinear):
+            module.pending.clear()
+
+
+SLOT_NAMES = ("slot_pre_dispatch", "slot_dispatch", "slot_mlp", "slot_combine")
+
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_catalogue_is_documented() -> None:
-    doc = Path(__file__).resolve().parents[1] / "docs" / "errors.md"
+    doc = ROOT / "docs" / "errors.md"
     if not doc.exists():
         pytest.fail("docs/errors.md is missing")
     text = doc.read_text()
-    missing = [c.id for c in CASES if f"`{c.id}`" not in text]
+    ids = [c.id for c in CASES] + list(DEBUG_CASES) + ["keyboard_interrupt_in_run"]
+    missing = [i for i in ids if f"`{i}`" not in text]
     assert missing == [], f"cases not in docs/errors.md: {missing}"
 
 
 def test_at_least_twenty_cases() -> None:
     assert len(CASES) >= 20
+
+
+def test_keyboard_interrupt_in_run_releases_and_propagates_unchanged() -> None:
+    """A BaseException inside a node: plans released, streams synchronized, not wrapped."""
+    ref = ToyModel(CONFIG, "mm")
+    model = copy.deepcopy(ref)
+    ctx = Ctx(model, make_microbatches(2, CONFIG))
+    p0 = plan(ctx, 0)
+    loss = ModelChunkSchedulePlan.run(p0, None)
+    assert loss is not None
+
+    def interrupted(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> Tensor:
+        raise KeyboardInterrupt
+
+    patch(moe_layer(ctx), "slot_mlp", interrupted)  # plans take the slots when built
+    p1 = plan(ctx, 1)
+    with pytest.raises(KeyboardInterrupt) as info:
+        ModelChunkSchedulePlan.run(p1, p0, b_grad=torch.ones_like(loss))
+    assert type(info.value) is KeyboardInterrupt
+    assert p0.released and p1.released
+    undo_patches(model)
+    model.zero_grad(set_to_none=True)
+    mbs = make_microbatches(3, CONFIG, seed=5)
+    plain_step(ref, mbs)
+    combined_1f1b(model, mbs)
+    assert_same(grads(model), grads(ref))
+
+
+def test_marked_non_differentiable_output_is_accepted() -> None:
+    """node.mark_non_differentiable: a float output without grad on purpose runs, exactly."""
+    ref = ToyModel(CONFIG, "mm")
+    model = copy.deepcopy(ref)
+    layer = model.decoder.layers[1]
+    assert isinstance(layer, ToyLayer)
+
+    def dispatch(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        rows = ToyLayer.slot_dispatch(layer, node, inputs)
+        assert isinstance(rows, Tensor)
+        mask = torch.ones(rows.shape[0])  # a float mask that carries no gradient
+        node.mark_non_differentiable(mask)
+        return rows, mask
+
+    def mlp(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
+        rows, mask = inputs
+        assert not mask.requires_grad
+        return ToyLayer.slot_mlp(layer, node, (rows,))
+
+    patch(layer, "slot_dispatch", dispatch)
+    patch(layer, "slot_mlp", mlp)
+    mbs = make_microbatches(3, CONFIG, seed=5)
+    plain_step(ref, mbs)
+    combined_1f1b(model, mbs)
+    assert_same(grads(model), grads(ref))
+    # Without the mark, the same slot is refused.
+    undo_patches(model)
+
+    def unmarked(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        rows = ToyLayer.slot_dispatch(layer, node, inputs)
+        assert isinstance(rows, Tensor)
+        return rows, torch.ones(rows.shape[0])
+
+    patch(layer, "slot_dispatch", unmarked)
+    patch(layer, "slot_mlp", mlp)
+    with pytest.raises(ScheduleError, match="output 1 .* does not require grad"):
+        combined_1f1b(model, mbs)
+
+
+def test_toy_delayed_weight_gradients_carry_no_graph() -> None:
+    """backward_dw runs without autograd whatever the module does: no graph behind .grad."""
+    model = ToyModel(CONFIG, "dm")
+    model.set_delay(True)
+    combined_1f1b(model, make_microbatches(2, CONFIG))
+    delayed = [m.weight for m in model.modules() if isinstance(m, DelayedLinear)]
+    assert delayed
+    for weight in delayed:
+        assert weight.grad is not None
+        assert weight.grad.grad_fn is None and not weight.grad.requires_grad
+
+
+DEBUG_CASES = {
+    "debug_freed_input_saved_by_the_previous_slot": (
+        "freed_input_read_in_backward",
+        r"node 'moe_dispatch': the free-input policy releases this node's inputs after forward, "
+        r"but autograd saved one of them \(or a view\) for backward: \['SoftmaxBackward0\.result'\]",
+    ),
+    "debug_freed_input_saved_by_the_slot": (
+        "mlp_saves_its_freed_input",
+        r"node 'mlp': .* autograd saved one of them .*MulBackward0",
+    ),
+    "debug_layer_state_aliases_a_freed_input": (
+        "residual_is_the_dispatched_tensor",
+        r"node 'moe_dispatch': tensor kept for a later slot \d+ .* shares storage with input 0",
+    ),
+}
+"""Debug-mode cases (``MOE_OVERLAP_DEBUG=1``, so in a fresh interpreter): id -> (misuse, message)."""
+
+
+def mlp_saves_its_freed_input(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+
+    def mlp(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> Tensor | tuple[Tensor, ...]:
+        (rows,) = inputs
+        return ToyLayer.slot_mlp(layer, node, (rows * rows,))  # mul saves its operands
+
+    patch(layer, "slot_mlp", mlp)
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+def residual_is_the_dispatched_tensor(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+
+    def pre_dispatch(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        rows, probs = ToyLayer.slot_pre_dispatch(layer, node, inputs)
+        node.layer_state.stash("rows", node.detach(rows))  # kept for combine, then freed
+        return rows, probs
+
+    patch(layer, "slot_pre_dispatch", pre_dispatch)
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+@pytest.mark.slow
+def test_debug_mode_catalogue() -> None:
+    """In debug mode, free-input hazards are errors at the freeing slot's forward."""
+    code = textwrap.dedent(
+        f"""
+        import copy, re, sys
+        import moe_overlap as mo
+        from tests import test_error_catalogue as cat
+        from tests.toy_model import ToyModel, grads, make_microbatches, plain_step
+        from tests.test_parity import assert_same
+        cases = {DEBUG_CASES!r}
+        for case_id, (fn, pattern) in cases.items():
+            ref = ToyModel(cat.CONFIG, "mm")
+            model = copy.deepcopy(ref)
+            ctx = cat.Ctx(model, make_microbatches(2, cat.CONFIG))
+            try:
+                getattr(cat, fn)(ctx)
+            except mo.ScheduleError as e:
+                assert isinstance(e.__cause__, mo.IntegrationError), (case_id, repr(e.__cause__))
+                assert re.search(pattern, str(e), re.DOTALL), (case_id, str(e))
+            else:
+                raise AssertionError(case_id + ": no error")
+            cat.undo_patches(model)
+            model.zero_grad(set_to_none=True)
+            mbs = make_microbatches(3, cat.CONFIG, seed=5)
+            plain_step(ref, mbs)
+            mo.combined_1f1b(model, mbs, loss_scale=1)  # an int is a float in debug mode too
+            plain_grads = grads(ref)
+            assert_same(grads(model), plain_grads)
+        print("ok")
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "MOE_OVERLAP_DEBUG"}
+    env["MOE_OVERLAP_DEBUG"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "src")])
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        timeout=300,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip() == "ok"

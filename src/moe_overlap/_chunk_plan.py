@@ -11,7 +11,7 @@ from torch import Tensor
 from ._conformance import check_model
 from ._errors import ConfigError, IntegrationError, PlanReleasedError, StreamError
 from ._executor import BValue, FValue, execute
-from ._layer_plan import TransformerLayerSchedulePlan
+from ._layer_plan import POSITIONS, TransformerLayerSchedulePlan
 from ._node import ScheduleNode
 from ._options import ChunkHooks, PostBackwardHook, PostForwardHook, PreHook, ScheduleOptions
 from ._process_nodes import PostProcessNode, PreProcessNode
@@ -126,7 +126,7 @@ class ModelChunkSchedulePlan:
                 self.state,
                 streams.comp_provider,
                 streams.comm_provider,
-                {"is_first_layer": i == 0, "is_last_layer": i == n - 1},
+                POSITIONS[i == 0, i == n - 1],
                 options=options,
                 index=i,
                 owner=owner,

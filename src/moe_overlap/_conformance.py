@@ -309,6 +309,9 @@ def check_wgrad_layers(
     The error names ``where`` (a callable is called only then), then ``what`` and ``[i]``.
     """
 
+    if isinstance(modules, (list, tuple)) and not modules:
+        return []
+
     def name() -> str:
         base = where if isinstance(where, str) else where()
         return f"{base}: {what}" if what else base

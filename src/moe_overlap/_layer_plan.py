@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 
 from torch import Tensor
 
@@ -18,7 +19,7 @@ from ._steps import LayerShape, Slot, Step, layer_pair_steps
 from ._streams import AnyEvent
 from ._wgrad import BackwardDWWrapper
 
-__all__ = ["TransformerLayerSchedulePlan"]
+__all__ = ["POSITIONS", "TransformerLayerSchedulePlan"]
 
 _DEFAULT_OPTIONS = ScheduleOptions()
 
@@ -210,6 +211,15 @@ def _delay_option_error(
 
 _POSITION_KEYS = frozenset({"is_first_layer", "is_last_layer"})
 
+POSITIONS: dict[tuple[bool, bool], Mapping[str, object]] = {
+    (first, last): MappingProxyType({"is_first_layer": first, "is_last_layer": last})
+    for first in (False, True)
+    for last in (False, True)
+}
+"""A layer's place in its chunk as Megatron-style ``extra_args``, one shared mapping per
+``(is_first_layer, is_last_layer)``: what chunk plans pass, recognised without a look."""
+_POSITION_OF = {id(mapping): key for key, mapping in POSITIONS.items()}
+
 
 def _layer_position(
     layer: SchedulableLayer, extra_args: LayerArgs | Mapping[str, object] | None
@@ -218,13 +228,16 @@ def _layer_position(
 
     A Megatron-style mapping is validated as :class:`~moe_overlap.LayerArgs`; only the
     layer position is used, the rest comes from the layer itself (as Megatron-Core
-    overwrites it). A mapping of just the two position flags (what chunk plans pass) takes
-    a fast path with the same checks.
+    overwrites it). The shared :data:`POSITIONS` mappings (what chunk plans pass) and any
+    mapping of just the two position flags take a fast path with the same checks.
     """
     if extra_args is None:
         return False, False
     if isinstance(extra_args, LayerArgs):
         return extra_args.is_first_layer, extra_args.is_last_layer
+    known = _POSITION_OF.get(id(extra_args))
+    if known is not None and POSITIONS[known] is extra_args:
+        return known
     if extra_args.keys() <= _POSITION_KEYS:
         first = extra_args.get("is_first_layer", False)
         last = extra_args.get("is_last_layer", False)

@@ -34,8 +34,11 @@ class BackwardDWWrapper:
     """
 
     def __init__(self, layer: SchedulableLayer) -> None:
-        self.parts = check_wgrad_scopes(
-            layer.pre_dispatch_wgrad(), lambda: f"{type(layer).__name__}.pre_dispatch_wgrad()"
+        parts = layer.pre_dispatch_wgrad()
+        self.parts: tuple[WgradScope, ...] = (
+            ()
+            if isinstance(parts, (list, tuple)) and not parts  # nothing delayed: nothing to check
+            else check_wgrad_scopes(parts, lambda: f"{type(layer).__name__}.pre_dispatch_wgrad()")
         )
         self.graphed_modules = graph_module_names(layer.config.cuda_graph_modules)
         self.graphed_backward_dw_callable: Hook | None = None
