@@ -624,7 +624,7 @@ CASES = [
         delay_option_contradicts_layers,
         ConfigError,
         r"decoder\.layers\[0\]: ScheduleOptions\(delay_wgrad_compute=False\) expected the layer "
-        r"to compute at once.*but it delays them",
+        r"to compute its weight gradients at once, but it delays them",
     ),
     Case(
         delay_option_without_delaying_layers,

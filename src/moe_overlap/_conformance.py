@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Generator, Iterable, Sequence
-from typing import cast
+from typing import NoReturn, cast
 
 from torch import Tensor
 
@@ -153,7 +153,7 @@ def check_model(model: object) -> PreprocessableModel:
     return cast(PreprocessableModel, model)
 
 
-def _model_error(model: object) -> None:
+def _model_error(model: object) -> NoReturn:
     """Raise the :class:`~moe_overlap.IntegrationError` that names what ``model`` gets wrong."""
     name = type(model).__name__
     missing = missing_members(model, MODEL_MEMBERS)
@@ -276,7 +276,7 @@ def check_layer(layer: object, where: str | Callable[[], str]) -> SchedulableLay
     return cast(SchedulableLayer, layer)
 
 
-def _layer_error(layer: object, where: str) -> None:
+def _layer_error(layer: object, where: str) -> NoReturn:
     """Raise the :class:`~moe_overlap.IntegrationError` that names what ``layer`` gets wrong."""
     missing = missing_members(layer, LAYER_MEMBERS)
     if missing:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
+from typing import NoReturn
 
 from torch import Tensor
 
@@ -196,14 +197,15 @@ class TransformerLayerSchedulePlan:
 
 def _delay_option_error(
     where: str, option: bool, pre: Sequence[object], mlp: Sequence[object]
-) -> None:
+) -> NoReturn:
     """``ScheduleOptions.delay_wgrad_compute`` says otherwise than the layer does."""
     does = "does not delay" if option else "delays"
     fix = "with" if option else "without"
     raise ConfigError(
         f"{where}: ScheduleOptions(delay_wgrad_compute={option}) expected the layer to "
-        f"{'delay' if option else 'compute at once'} its weight gradients, but it {does} "
-        f"them (pre_dispatch_wgrad() lists {len(pre)} modules, mlp_wgrad() {len(mlp)}); "
+        f"{'delay its weight gradients' if option else 'compute its weight gradients at once'}"
+        f", but it {does} them (pre_dispatch_wgrad() lists {len(pre)} modules, mlp_wgrad() "
+        f"{len(mlp)}); "
         f"the layers decide: build the model {fix} delayed wgrad, or leave "
         "delay_wgrad_compute unset"
     )
