@@ -20,7 +20,8 @@ def run(code: str, *, debug: bool) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "MOE_OVERLAP_DEBUG"}
     if debug:
         env["MOE_OVERLAP_DEBUG"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "src")])
+    # Keep the caller's path after ours (where beartype may be installed aside, on a GPU box).
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "src"), env.get("PYTHONPATH", "")])
     return subprocess.run(
         [sys.executable, "-W", "error::UserWarning", "-c", textwrap.dedent(code)],
         capture_output=True,

@@ -1010,7 +1010,8 @@ def test_debug_mode_catalogue() -> None:
     )
     env = {k: v for k, v in os.environ.items() if k != "MOE_OVERLAP_DEBUG"}
     env["MOE_OVERLAP_DEBUG"] = "1"
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "src")])
+    # Keep the caller's path after ours (where beartype may be installed aside, on a GPU box).
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "src"), env.get("PYTHONPATH", "")])
     out = subprocess.run(
         [sys.executable, "-c", code],
         capture_output=True,

@@ -277,7 +277,7 @@ def test_global_streams_first_call_wins() -> None:
     assert set_streams(device="cpu") is first
     assert get_comp_stream() is first.comp and get_comm_stream() is first.comm
     mine = CpuStream("mine")
-    replaced = set_streams(comm_stream=mine)
+    replaced = set_streams(comm_stream=mine, device="cpu")  # on a GPU box the default is CUDA
     assert replaced.comm is mine
     reset_streams()
 

@@ -114,13 +114,15 @@ def graph_saves(roots: Sequence[object], pointers: set[int]) -> list[str]:
     it touches every node of the graph.
     """
     found: list[str] = []
-    seen: set[int] = set()
+    # Holds every visited node: torch may build a node's Python object on each access and
+    # drop it after, so an id() is only unique (and a revisit recognised) while it lives.
+    seen: dict[int, object] = {}
     stack = [r for r in roots if r is not None]
     while stack:
         fn = stack.pop()
         if id(fn) in seen:
             continue
-        seen.add(id(fn))
+        seen[id(fn)] = fn
         kind = type(fn).__name__
         for attr in dir(fn):
             if not (attr.startswith("_saved_") or attr == "saved_tensors"):
