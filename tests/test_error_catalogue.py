@@ -300,7 +300,13 @@ def run_under_no_grad(ctx: Ctx) -> None:
 
 def slot_output_cut_from_graph(ctx: Ctx) -> None:
     layer = layer0(ctx)
-    patch(layer, "slot_mlp", lambda node, inputs: ToyLayer.slot_mlp(layer, node, inputs).detach())
+
+    def cut(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> Tensor:
+        out = ToyLayer.slot_mlp(layer, node, inputs)
+        assert isinstance(out, Tensor)
+        return out.detach()
+
+    patch(layer, "slot_mlp", cut)
     combined_1f1b(ctx.model, ctx.mbs)
 
 
