@@ -77,7 +77,13 @@ def plan(ctx: Ctx, i: int = 0) -> ModelChunkSchedulePlan:
 
 
 def patch(obj: object, name: str, value: object) -> None:
+    """Set what the types forbid: the misuse under test."""
     setattr(obj, name, value)
+
+
+def bad(value: object) -> Any:
+    """A value of the wrong type, passed where the types forbid it: the misuse under test."""
+    return value
 
 
 def layer0(ctx: Ctx) -> ToyLayer:
@@ -371,7 +377,7 @@ def freed_input_read_in_backward(ctx: Ctx) -> None:
 
 def decoder_is_a_module_list(ctx: Ctx) -> None:
     decoder = ctx.model.decoder
-    ctx.model.decoder = decoder.layers  # type: ignore[assignment]
+    patch(ctx.model, "decoder", decoder.layers)
     try:
         combined_1f1b(ctx.model, ctx.mbs)
     finally:
@@ -387,7 +393,7 @@ def decoder_without_final_layernorm(ctx: Ctx) -> None:
 
 
 def decoder_input_tensor_not_a_tensor(ctx: Ctx) -> None:
-    ctx.model.decoder.input_tensor = [1.0]  # type: ignore[assignment]
+    patch(ctx.model.decoder, "input_tensor", [1.0])
     try:
         combined_1f1b(ctx.model, ctx.mbs)
     finally:
@@ -396,7 +402,7 @@ def decoder_input_tensor_not_a_tensor(ctx: Ctx) -> None:
 
 def model_config_without_mtp_num_layers(ctx: Ctx) -> None:
     config = ctx.model.config
-    ctx.model.config = object()  # type: ignore[assignment]
+    patch(ctx.model, "config", object())
     try:
         combined_1f1b(ctx.model, ctx.mbs)
     finally:
@@ -404,7 +410,7 @@ def model_config_without_mtp_num_layers(ctx: Ctx) -> None:
 
 
 def stage_flag_not_a_bool(ctx: Ctx) -> None:
-    ctx.model.post_process = 1  # type: ignore[assignment]
+    patch(ctx.model, "post_process", 1)
     try:
         combined_1f1b(ctx.model, ctx.mbs)
     finally:
@@ -414,7 +420,7 @@ def stage_flag_not_a_bool(ctx: Ctx) -> None:
 def layer_config_without_free_input_fields(ctx: Ctx) -> None:
     layer = layer0(ctx)
     config = layer.config
-    layer.config = object()  # type: ignore[assignment]
+    patch(layer, "config", object())
     try:
         combined_1f1b(ctx.model, ctx.mbs)
     finally:
@@ -433,7 +439,7 @@ def layer_config_unknown_dispatcher(ctx: Ctx) -> None:
 
 def layer_is_moe_not_a_bool(ctx: Ctx) -> None:
     layer = layer0(ctx)
-    layer.is_moe = 1  # type: ignore[assignment]
+    patch(layer, "is_moe", 1)
     try:
         combined_1f1b(ctx.model, ctx.mbs)
     finally:
@@ -465,19 +471,19 @@ def pre_dispatch_wgrad_without_scope(ctx: Ctx) -> None:
 
 
 def options_flag_not_a_bool(ctx: Ctx) -> None:
-    ScheduleOptions(free_input="no")  # type: ignore[arg-type]
+    ScheduleOptions(free_input=bad("no"))
 
 
 def options_flag_minus_one(ctx: Ctx) -> None:
-    ScheduleOptions(ep_overlap_early_attn_memory_release=-1)  # type: ignore[arg-type]
+    ScheduleOptions(ep_overlap_early_attn_memory_release=bad(-1))
 
 
 def overlap_not_a_bool(ctx: Ctx) -> None:
-    combined_1f1b(ctx.model, ctx.mbs, overlap="False")  # type: ignore[arg-type]
+    combined_1f1b(ctx.model, ctx.mbs, overlap=bad("False"))
 
 
 def loss_scale_not_a_number(ctx: Ctx) -> None:
-    combined_1f1b(ctx.model, ctx.mbs, loss_scale="1")  # type: ignore[arg-type]
+    combined_1f1b(ctx.model, ctx.mbs, loss_scale=bad("1"))
 
 
 def loss_scale_not_finite(ctx: Ctx) -> None:
@@ -485,30 +491,30 @@ def loss_scale_not_finite(ctx: Ctx) -> None:
 
 
 def options_not_schedule_options(ctx: Ctx) -> None:
-    combined_1f1b(ctx.model, ctx.mbs, options={"free_input": False})  # type: ignore[arg-type]
+    combined_1f1b(ctx.model, ctx.mbs, options=bad({"free_input": False}))
 
 
 def streams_not_a_stream_pair(ctx: Ctx) -> None:
-    combined_1f1b(ctx.model, ctx.mbs, streams="cuda")  # type: ignore[arg-type]
+    combined_1f1b(ctx.model, ctx.mbs, streams=bad("cuda"))
 
 
 def microbatch_field_not_a_tensor(ctx: Ctx) -> None:
-    Microbatch(input_ids=[[1, 2, 3]])  # type: ignore[arg-type]
+    Microbatch(input_ids=bad([[1, 2, 3]]))
 
 
 def microbatches_a_generator(ctx: Ctx) -> None:
-    combined_1f1b(ctx.model, (mb for mb in ctx.mbs))  # type: ignore[arg-type]
+    combined_1f1b(ctx.model, bad(mb for mb in ctx.mbs))
 
 
 def layer_state_unknown_attribute(ctx: Ctx) -> None:
-    LayerState().route = 1  # type: ignore[attr-defined]
+    patch(LayerState(), "route", 1)
 
 
 def layer_state_unknown_attribute_in_a_slot(ctx: Ctx) -> None:
     layer = moe_layer(ctx)
 
     def dispatch(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        node.layer_state.route = 1  # type: ignore[attr-defined]
+        patch(node.layer_state, "route", 1)
         return inputs
 
     patch(layer, "slot_dispatch", dispatch)
