@@ -5,11 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import os
 import re
-import subprocess
-import sys
-import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,6 +41,7 @@ from moe_overlap import (
 )
 from moe_overlap._streams import use_stream
 
+from .test_debug_mode import run as run_python
 from .test_parity import assert_same
 from .toy_model import (
     DelayedLinear,
@@ -991,8 +988,7 @@ def residual_is_the_dispatched_tensor(ctx: Ctx) -> None:
 @pytest.mark.slow
 def test_debug_mode_catalogue() -> None:
     """In debug mode, free-input hazards are errors at the freeing slot's forward."""
-    code = textwrap.dedent(
-        f"""
+    code = f"""
         import copy, re, sys
         import moe_overlap as mo
         from tests import test_error_catalogue as cat
@@ -1019,19 +1015,6 @@ def test_debug_mode_catalogue() -> None:
             assert_same(grads(model), plain_grads)
         print("ok")
         """
-    )
-    env = {k: v for k, v in os.environ.items() if k != "MOE_OVERLAP_DEBUG"}
-    env["MOE_OVERLAP_DEBUG"] = "1"
-    # Keep the caller's path after ours (where beartype may be installed aside, on a GPU box).
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        timeout=300,
-        check=False,
-    )
+    out = run_python(code, debug=True)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.strip() == "ok"

@@ -9,7 +9,6 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from ._debug import DEBUG
 from ._errors import ConfigError, IntegrationError, WgradError
 from ._free_input import should_free_input
 from ._node import ScheduleNode, default_backward, weak_method
@@ -154,10 +153,8 @@ class TransformerLayerNode(ScheduleNode):
         return d
 
     def handed_on(self) -> tuple[Tensor | None, ...]:
-        """What this slot keeps for later slots: the tensors it detached; in debug mode
-        also every tensor in the layer state (kept there by this or an earlier slot)."""
-        if not DEBUG:
-            return self.detached
+        """Debug mode: what this slot keeps for later slots, its detached tensors and every
+        tensor in the layer state (kept there by this or an earlier slot)."""
         state = self.layer_state
         kept = (
             *self.detached,

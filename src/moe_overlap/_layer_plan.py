@@ -53,11 +53,7 @@ class TransformerLayerSchedulePlan:
         index: int = 0,
         owner: str | None = None,
     ) -> None:
-        def where() -> str:  # built only for an error message
-            if owner is None:
-                return f"TransformerLayerSchedulePlan(layer {index})"
-            return f"{owner}.decoder.layers[{index}]"
-
+        where = _layer_name(owner, index)  # formats only for an error message
         layer = check_layer(layer, where)
         first, last = _layer_position(layer, extra_args)
         mtp = as_mtp_layer(layer)
@@ -220,7 +216,33 @@ POSITIONS: dict[tuple[bool, bool], Mapping[str, object]] = {
 }
 """A layer's place in its chunk as Megatron-style ``extra_args``, one shared mapping per
 ``(is_first_layer, is_last_layer)``: what chunk plans pass, recognised without a look."""
-_POSITION_OF = {id(mapping): key for key, mapping in POSITIONS.items()}
+_POSITION_ITEMS = tuple(POSITIONS.items())
+
+
+class _LayerName:
+    """``owner.decoder.layers[index]``, formatted when an error message asks for it."""
+
+    __slots__ = ("index", "owner")
+
+    def __init__(self, owner: str | None, index: int) -> None:
+        self.owner = owner
+        self.index = index
+
+    def __call__(self) -> str:
+        if self.owner is None:
+            return f"TransformerLayerSchedulePlan(layer {self.index})"
+        return f"{self.owner}.decoder.layers[{self.index}]"
+
+
+_LAYER_NAMES: dict[str | None, list[_LayerName]] = {}
+
+
+def _layer_name(owner: str | None, index: int) -> _LayerName:
+    """One shared name object per (model class, layer index): plans build one per layer."""
+    names = _LAYER_NAMES.setdefault(owner, [])
+    while len(names) <= index:
+        names.append(_LayerName(owner, len(names)))
+    return names[index]
 
 
 def _layer_position(
@@ -237,9 +259,9 @@ def _layer_position(
         return False, False
     if isinstance(extra_args, LayerArgs):
         return extra_args.is_first_layer, extra_args.is_last_layer
-    known = _POSITION_OF.get(id(extra_args))
-    if known is not None and POSITIONS[known] is extra_args:
-        return known
+    for known, mapping in _POSITION_ITEMS:
+        if mapping is extra_args:
+            return known
     if extra_args.keys() <= _POSITION_KEYS:
         first = extra_args.get("is_first_layer", False)
         last = extra_args.get("is_last_layer", False)

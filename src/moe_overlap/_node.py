@@ -158,6 +158,8 @@ class ScheduleNode:
     """
 
     timer: NodeTimer | None
+    detached: tuple[Tensor, ...] = ()
+    """Tensors the node handed to later nodes itself (layer slots, through ``detach``)."""
 
     def __init__(
         self,
@@ -214,29 +216,28 @@ class ScheduleNode:
         self.phase = NodePhase.FORWARDED
         if not self.free_input:
             return outputs
-        # Release the inputs' storage, unless something still in use lives in it.
-        storages: list[torch.UntypedStorage] = []
-        freed: list[int] = []
+        # Release the inputs' storage, unless something still in use lives in it (checked
+        # for every input before any is released; no allocation on this per-node path).
+        kept = self.handed_on() if DEBUG else self.detached
         for tensor in inputs:
-            if tensor is not None:
-                storage = tensor.untyped_storage()
-                storages.append(storage)
-                freed.append(storage.data_ptr())
-        for out in outputs:
-            if out.untyped_storage().data_ptr() in freed:
-                check_no_alias(self.name, storages, outputs, ())
-        for kept in self.handed_on():
-            if kept is not None and kept.untyped_storage().data_ptr() in freed:
-                check_no_alias(self.name, storages, (), self.handed_on())
+            ptr = 0 if tensor is None else tensor.untyped_storage().data_ptr()
+            if not ptr:  # no tensor, or an empty storage: no memory to lose
+                continue
+            for out in outputs:
+                if out.untyped_storage().data_ptr() == ptr:
+                    check_no_alias(self.name, _storages(inputs), outputs, ())
+            for t in kept:
+                if t is not None and t.untyped_storage().data_ptr() == ptr:
+                    check_no_alias(self.name, _storages(inputs), (), kept)
         if DEBUG:
             roots = [t.grad_fn for t in (*outputs, *self.graph_tails())]
-            check_not_saved(self.name, storages, inputs, roots)
-        if not isinstance(stream, CpuStream):
-            for tensor in inputs:
-                if tensor is not None:
+            check_not_saved(self.name, _storages(inputs), inputs, roots)
+        cuda = not isinstance(stream, CpuStream)
+        for tensor in inputs:
+            if tensor is not None:
+                if cuda:
                     record_tensor_on(tensor, stream)
-        for storage in storages:
-            storage.resize_(0)
+                tensor.untyped_storage().resize_(0)
         return outputs
 
     def mark_non_differentiable(self, *tensors: Tensor) -> None:
@@ -250,8 +251,8 @@ class ScheduleNode:
         self.non_differentiable = (*self.non_differentiable, *tensors)
 
     def handed_on(self) -> tuple[Tensor | None, ...]:
-        """Tensors this node keeps for later nodes besides its outputs (none here)."""
-        return ()
+        """Debug mode: every tensor this node or its layer keeps for later nodes."""
+        return self.detached
 
     def graph_tails(self) -> tuple[Tensor, ...]:
         """Tensors besides the outputs whose graph this node's backward runs (none here)."""
@@ -325,6 +326,10 @@ class NoopScheduleNode(ScheduleNode):
 
     def backward(self, *output_grad: Tensor | None) -> tuple[Tensor | None, ...]:
         return output_grad
+
+
+def _storages(inputs: tuple[Tensor | None, ...]) -> list[torch.UntypedStorage]:
+    return [t.untyped_storage() for t in inputs if t is not None]
 
 
 def _detach_keep_grad(tensor: Tensor | None) -> Tensor | None:
