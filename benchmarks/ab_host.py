@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> None:
         b = summary["b"][f"{key}_median"]
         summary.setdefault("b_minus_a", {})[f"{key}_median"] = b - a
         summary.setdefault("b_over_a", {})[f"{key}_median"] = b / a
-    print(json.dumps({"a_src": args.a, "b_src": args.b, "rounds": args.rounds, **summary}, indent=1))
+    print(
+        json.dumps({"a_src": args.a, "b_src": args.b, "rounds": args.rounds, **summary}, indent=1)
+    )
 
 
 if __name__ == "__main__":

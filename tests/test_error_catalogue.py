@@ -331,6 +331,34 @@ def postprocess_loss_cut_from_graph(ctx: Ctx) -> None:
     combined_1f1b(model, ctx.mbs)
 
 
+def layer_state_tensor_cut_from_graph(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+
+    def pre_dispatch(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        rows, probs = ToyLayer.slot_pre_dispatch(layer, node, inputs)
+        residual = node.layer_state.residual
+        assert residual is not None
+        node.layer_state.residual = residual.detach()  # t.detach(), not node.detach(t)
+        return rows, probs
+
+    patch(layer, "slot_pre_dispatch", pre_dispatch)
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+def stashed_tensor_cut_from_graph(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+
+    def dispatch(
+        node: TransformerLayerNode, inputs: tuple[Tensor, ...]
+    ) -> Tensor | tuple[Tensor, ...]:
+        with torch.no_grad():
+            node.layer_state.stash("scale", inputs[1] * 2)  # made under no_grad
+        return ToyLayer.slot_dispatch(layer, node, inputs)
+
+    patch(layer, "slot_dispatch", dispatch)
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
 # --- free-input hazards ----------------------------------------------------------------------
 
 
@@ -670,6 +698,19 @@ CASES = [
         postprocess_loss_cut_from_graph,
         ScheduleError,
         r"node 'post_process': output 0 \(float32\[\]\) does not require grad",
+        IntegrationError,
+    ),
+    Case(
+        layer_state_tensor_cut_from_graph,
+        ScheduleError,
+        r"node 'pre_dispatch_computation': layer_state\.residual \(float32\[2, 8, 16\]\) does not "
+        r"require grad although the node's inputs do.*node\.detach\(t\) \(not t\.detach\(\)",
+        IntegrationError,
+    ),
+    Case(
+        stashed_tensor_cut_from_graph,
+        ScheduleError,
+        r"node 'moe_dispatch': layer_state\.stash\('scale'\) \(float32\[32\]\) does not require grad",
         IntegrationError,
     ),
     Case(

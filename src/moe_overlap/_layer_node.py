@@ -12,6 +12,7 @@ from torch import Tensor
 from ._errors import ConfigError, IntegrationError, WgradError
 from ._free_input import should_free_input
 from ._node import ScheduleNode, default_backward, weak_method
+from ._node_checks import check_kept_in_graph
 from ._options import Hook
 from ._protocols import FreeInputConfig, SlotFn, StreamProvider, WgradLayer
 from ._state import ChunkState, LayerState
@@ -181,7 +182,13 @@ class TransformerLayerNode(ScheduleNode):
                     f"layer node {self.name!r}: input {i} is None; slots take Tensors"
                 )
             inputs.append(a)
-        return self.submodule(self, tuple(inputs))
+        out = self.submodule(self, tuple(inputs))
+        state = self.layer_state
+        if state.ungraded:  # floating tensors kept without grad by this slot
+            kept = tuple(state.ungraded)
+            state.ungraded.clear()
+            check_kept_in_graph(self.name, inputs, kept, self.non_differentiable)
+        return out
 
     def backward_impl(
         self, outputs: tuple[Tensor, ...], output_grad: tuple[Tensor | None, ...]

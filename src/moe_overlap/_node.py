@@ -241,12 +241,13 @@ class ScheduleNode:
         return outputs
 
     def mark_non_differentiable(self, *tensors: Tensor) -> None:
-        """Declare outputs that carry no gradient on purpose (masks, counts as floats).
+        """Declare tensors that carry no gradient on purpose (masks, counts as floats).
 
-        A floating-point output that does not require grad while an input does is
-        otherwise an error: it usually means the graph was cut by mistake (``detach()``,
-        ``torch.no_grad()``, ``.data``) and backward would silently skip it. Integer
-        outputs (routing indices) never need marking.
+        A floating-point output (or, for a layer slot, a tensor kept in ``layer_state``)
+        that does not require grad while an input does is otherwise an error: it usually
+        means the graph was cut by mistake (``detach()``, ``torch.no_grad()``, ``.data``)
+        and backward would silently skip it. Integer tensors (routing indices) never need
+        marking.
         """
         self.non_differentiable = (*self.non_differentiable, *tensors)
 

@@ -20,6 +20,7 @@ __all__ = [
     "FREED_MEMORY_HINT",
     "METADATA_ONLY_SAVES",
     "check_in_graph",
+    "check_kept_in_graph",
     "check_no_alias",
     "check_not_saved",
     "freed_memory_hint",
@@ -71,6 +72,28 @@ def check_in_graph(
             "expected it to stay in the autograd graph (was it made under torch.no_grad(), "
             "with .detach() or .data?). If it carries no gradient on purpose, call "
             "node.mark_non_differentiable(t) on it in the slot"
+        )
+
+
+def check_kept_in_graph(
+    name: str,
+    inputs: Sequence[Tensor | None],
+    kept: Sequence[tuple[str, Tensor]],
+    allowed: Sequence[Tensor],
+) -> None:
+    """Raise if the slot kept a float tensor without grad for a later slot while its inputs
+    need grad: the gradient that slot sends back through it would be silently lost."""
+    if not any(t is not None and t.requires_grad for t in inputs):
+        return
+    for where, t in kept:
+        if any(t is a for a in allowed):
+            continue
+        raise IntegrationError(
+            f"node {name!r}: layer_state.{where} ({_describe(t)}) does not require grad "
+            "although the node's inputs do, so the gradient a later slot sends back through "
+            "it would silently be lost; expected a tensor still in the autograd graph, handed "
+            "on with node.detach(t) (not t.detach() or torch.no_grad()). If it carries no "
+            "gradient on purpose, call node.mark_non_differentiable(t) on it in the slot"
         )
 
 

@@ -66,6 +66,11 @@ _FIELDS = ("residual", "probs", "dispatched_probs", "shared_expert_output", "tok
 _set = object.__setattr__
 
 
+def _note_ungraded(state: "LayerState", name: str, value: Tensor) -> None:
+    if value.is_floating_point() or value.is_complex():
+        state.ungraded.append((name, value))
+
+
 class LayerState:
     """State the nodes of one layer share within one microbatch.
 
@@ -87,6 +92,7 @@ class LayerState:
         "residual",
         "shared_expert_output",
         "tokens_per_expert",
+        "ungraded",
     )
 
     residual: Tensor | None
@@ -95,6 +101,10 @@ class LayerState:
     shared_expert_output: Tensor | None
     tokens_per_expert: Tensor | None
     extras: dict[str, object]
+    ungraded: list[tuple[str, Tensor]]
+    """Floating-point tensors kept without ``requires_grad`` since the running slot began
+    (a field or a stash key, and the tensor): the slot's node checks them after its
+    forward, as it checks its outputs."""
 
     def __init__(self) -> None:
         # Through object.__setattr__: these fields exist, and a plan builds one per layer.
@@ -104,10 +114,13 @@ class LayerState:
         _set(self, "shared_expert_output", None)
         _set(self, "tokens_per_expert", None)
         _set(self, "extras", {})
+        _set(self, "ungraded", [])
 
     if not TYPE_CHECKING:  # hidden from type checkers: an unknown field stays a type error
 
         def __setattr__(self, name: str, value: object) -> None:
+            if isinstance(value, Tensor) and not value.requires_grad:
+                _note_ungraded(self, name, value)
             try:
                 object.__setattr__(self, name, value)
             except AttributeError:
@@ -128,6 +141,8 @@ class LayerState:
 
     def stash(self, key: str, value: object) -> None:
         """Keep ``value`` for a later slot of the same layer and microbatch."""
+        if isinstance(value, Tensor) and not value.requires_grad:
+            _note_ungraded(self, f"stash({key!r})", value)
         self.extras[key] = value
 
     def take(self, key: str, kind: type[_T]) -> _T:
@@ -154,3 +169,4 @@ class LayerState:
         _set(self, "shared_expert_output", None)
         _set(self, "tokens_per_expert", None)
         self.extras.clear()
+        self.ungraded.clear()
