@@ -999,6 +999,11 @@ DEBUG_CASES = {
         "residual_is_the_dispatched_tensor",
         r"node 'moe_dispatch': tensor kept for a later slot \d+ .* shares storage with input 0",
     ),
+    "debug_tensor_passed_without_node_detach": (
+        "residual_without_node_detach",
+        r"node 'moe_combine': its outputs depend on a tensor \(float32\[2, 8, 16\]\) that is not "
+        r"a parameter, not one of its inputs and not handed on with node\.detach",
+    ),
 }
 """Debug-mode cases (``MOE_OVERLAP_DEBUG=1``, so in a fresh interpreter): id -> (misuse, message)."""
 
@@ -1020,6 +1025,21 @@ def residual_is_the_dispatched_tensor(ctx: Ctx) -> None:
     def pre_dispatch(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         rows, probs = ToyLayer.slot_pre_dispatch(layer, node, inputs)
         node.layer_state.stash("rows", node.detach(rows))  # kept for combine, then freed
+        return rows, probs
+
+    patch(layer, "slot_pre_dispatch", pre_dispatch)
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+def residual_without_node_detach(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+
+    def pre_dispatch(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        (x,) = inputs
+        a = layer._attention(x, node.chunk_state.rotary_pos_emb)
+        rows, probs, route, _ = layer._route(a)
+        node.layer_state.residual = a  # still in this slot's graph: no node.detach
+        node.layer_state.stash("route", route)
         return rows, probs
 
     patch(layer, "slot_pre_dispatch", pre_dispatch)

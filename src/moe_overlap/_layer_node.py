@@ -9,10 +9,11 @@ from typing import cast
 import torch
 from torch import Tensor
 
+from ._debug import DEBUG
 from ._errors import ConfigError, IntegrationError, WgradError
 from ._free_input import should_free_input
 from ._node import ScheduleNode, default_backward, weak_method
-from ._node_checks import check_kept_in_graph
+from ._node_checks import check_kept_in_graph, check_own_leaves
 from ._options import Hook
 from ._protocols import FreeInputConfig, SlotFn, StreamProvider, WgradLayer
 from ._state import ChunkState, LayerState
@@ -151,6 +152,8 @@ class TransformerLayerNode(ScheduleNode):
         d.requires_grad_(t.requires_grad)
         self.before_detached = (*self.before_detached, t)
         self.detached = (*self.detached, d)
+        if DEBUG:
+            self.layer_state.detached_leaves.append(d)
         return d
 
     def handed_on(self) -> tuple[Tensor | None, ...]:
@@ -184,6 +187,10 @@ class TransformerLayerNode(ScheduleNode):
             inputs.append(a)
         out = self.submodule(self, tuple(inputs))
         state = self.layer_state
+        if DEBUG:
+            outs = (out,) if isinstance(out, Tensor) else out
+            roots = [t.grad_fn for t in (*outs, *self.before_detached) if isinstance(t, Tensor)]
+            check_own_leaves(self.name, roots, (*inputs, *state.detached_leaves))
         if state.ungraded:  # floating tensors kept without grad by this slot
             kept = tuple(state.ungraded)
             state.ungraded.clear()

@@ -23,6 +23,7 @@ __all__ = [
     "check_kept_in_graph",
     "check_no_alias",
     "check_not_saved",
+    "check_own_leaves",
     "freed_memory_hint",
     "graph_saves",
 ]
@@ -124,8 +125,11 @@ def check_no_alias(
 
 
 # (autograd node, saved attribute) pairs whose backward reads only the tensor's metadata
-# (sizes), which outlives the release: index_add keeps its source for ``expand_as``.
-METADATA_ONLY_SAVES = frozenset({("IndexAddBackward0", "_saved_source")})
+# (sizes), which outlives the release: index_add and index_copy keep their source for
+# ``expand_as``.
+METADATA_ONLY_SAVES = frozenset(
+    {("IndexAddBackward0", "_saved_source"), ("IndexCopyBackward0", "_saved_source")}
+)
 
 
 def graph_saves(roots: Sequence[object], pointers: set[int]) -> list[str]:
@@ -195,3 +199,35 @@ def check_not_saved(
             "copy (e.g. the experts on a permuted copy), or pass "
             "ScheduleOptions(free_input=False) (checked in debug mode)"
         )
+
+
+def check_own_leaves(name: str, roots: Sequence[object], allowed: Sequence[Tensor]) -> None:
+    """Debug mode: raise if a slot's graph reaches a leaf that is neither a parameter, nor
+    the slot's own input, nor a tensor some slot of the layer handed on with ``node.detach``.
+
+    Such a leaf is another node's input, reached through a tensor passed between slots
+    without ``node.detach``: its gradient would then be accumulated by two backward passes
+    in another order than plain ``backward()`` (or the shared graph run twice).
+    """
+    ok = {id(t) for t in allowed}
+    seen: dict[int, object] = {}  # holds the nodes: see graph_saves
+    stack = [r for r in roots if r is not None]
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen:
+            continue
+        seen[id(fn)] = fn
+        leaf: object = getattr(fn, "variable", None)
+        if isinstance(leaf, Tensor) and type(fn).__name__ == "AccumulateGrad":
+            if isinstance(leaf, torch.nn.Parameter) or id(leaf) in ok:
+                continue
+            raise IntegrationError(
+                f"node {name!r}: its outputs depend on a tensor ({_describe(leaf)}) that is "
+                "not a parameter, not one of its inputs and not handed on with node.detach: "
+                "a tensor from another slot (or another microbatch) used as it is, so its "
+                "gradient would not be computed as plain backward() computes it; expected "
+                "tensors passed between slots to go through node.detach(t) (checked in "
+                "debug mode)"
+            )
+        nexts = cast("tuple[tuple[object, int], ...]", getattr(fn, "next_functions", ()))
+        stack += [nxt for nxt, _ in nexts if nxt is not None]

@@ -86,6 +86,7 @@ class LayerState:
 
     __slots__ = (
         "__weakref__",
+        "detached_leaves",
         "dispatched_probs",
         "extras",
         "probs",
@@ -101,6 +102,9 @@ class LayerState:
     shared_expert_output: Tensor | None
     tokens_per_expert: Tensor | None
     extras: dict[str, object]
+    detached_leaves: list[Tensor]
+    """Debug mode: every tensor the layer's slots made with ``node.detach`` (legitimate
+    leaves of a later slot's graph)."""
     ungraded: list[tuple[str, Tensor]]
     """Floating-point tensors kept without ``requires_grad`` since the running slot began
     (a field or a stash key, and the tensor): the slot's node checks them after its
@@ -115,6 +119,7 @@ class LayerState:
         _set(self, "tokens_per_expert", None)
         _set(self, "extras", {})
         _set(self, "ungraded", [])
+        _set(self, "detached_leaves", [])
 
     if not TYPE_CHECKING:  # hidden from type checkers: an unknown field stays a type error
 
@@ -170,3 +175,4 @@ class LayerState:
         _set(self, "tokens_per_expert", None)
         self.extras.clear()
         self.ungraded.clear()
+        self.detached_leaves.clear()

@@ -86,6 +86,7 @@ def main() -> None:
             )
         )
     finally:
+        dist.barrier()  # leave together: a rank tearing gloo down alone can abort the other
         dist.destroy_process_group()
 
 

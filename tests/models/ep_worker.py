@@ -56,6 +56,7 @@ def main() -> None:
         except ConfigError as exc:
             print(json.dumps({"case": "config_error", "rank": rank, "message": str(exc)}))
     finally:
+        dist.barrier()  # leave together: a rank tearing gloo down alone can abort the other
         dist.destroy_process_group()
 
 
