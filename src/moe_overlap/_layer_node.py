@@ -189,7 +189,7 @@ class TransformerLayerNode(ScheduleNode):
         state = self.layer_state
         if DEBUG:
             outs = (out,) if isinstance(out, Tensor) else out
-            roots = [t.grad_fn for t in (*outs, *self.before_detached) if isinstance(t, Tensor)]
+            roots = [t.grad_fn for t in (*outs, *self.before_detached)]
             check_own_leaves(self.name, roots, (*inputs, *state.detached_leaves))
         if state.ungraded:  # floating tensors kept without grad by this slot
             kept = tuple(state.ungraded)
