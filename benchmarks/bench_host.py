@@ -13,7 +13,7 @@ import argparse
 import json
 import statistics
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +28,7 @@ from moe_overlap import (
     combined_1f1b,
     make_streams,
 )
+from moe_overlap.blocks import MegatronHooks
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,7 +103,7 @@ class TrivialDecoder(nn.Module):
         self.final_layernorm: Callable[[Tensor], Tensor] | None = None
 
 
-class TrivialModel(nn.Module):
+class TrivialModel(MegatronHooks, nn.Module):
     """``n`` trivial MoE layers; a :class:`moe_overlap.PreprocessableModel`."""
 
     def __init__(self, n_layers: int) -> None:
@@ -121,31 +122,15 @@ class TrivialModel(nn.Module):
         decoder_input: Tensor | None = None,
         packed_seq_params: object | None = None,
         padding_mask: Tensor | None = None,
-    ) -> tuple[object, ...]:
+    ) -> PreprocessOutput:
         assert decoder_input is not None
         return PreprocessOutput(decoder_input * self.scale, None, None, None, None, None)
 
-    def _postprocess(
-        self,
-        hidden_states: Tensor,
-        input_ids: Tensor | None,
-        position_ids: Tensor | None,
-        labels: Tensor | None,
-        rotary_pos_emb: Tensor | None,
-        rotary_pos_cos: Tensor | None,
-        rotary_pos_sin: Tensor | None,
-        *,
-        mtp_in_postprocess: bool | None = None,
-        loss_mask: Tensor | None = None,
-        decoder_input: Tensor | None = None,
-        attention_mask: Tensor | None = None,
-        packed_seq_params: object | None = None,
-        sequence_len_offset: Tensor | int | None = None,
-        runtime_gather_output: bool | None = None,
-        extra_block_kwargs: Mapping[str, object] | None = None,
-        output_processor: Callable[..., object] | None = None,
-        output_processor_context: object | None = None,
+    def output(
+        self, hidden_states: Tensor, labels: Tensor | None, loss_mask: Tensor | None
     ) -> Tensor:
+        """The loss: the sum of the last hidden states (no labels needed)."""
+        del labels, loss_mask
         return hidden_states.sum()
 
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_overlap import Microbatch, PreprocessOutput, TransformerLayerNode, WgradLayer, WgradScope
+from moe_overlap.blocks import MegatronHooks
 
 __all__ = [
     "ExpertWgrad",
@@ -437,7 +438,7 @@ class SliceDecoder(nn.Module):
         self.final_layernorm: Callable[[Tensor], Tensor] | None = None
 
 
-class MoESliceModel(nn.Module):
+class MoESliceModel(MegatronHooks, nn.Module):
     """``num_layers`` MoE slice layers between a scaling 'embedding' and a square loss.
 
     Implements :class:`moe_overlap.PreprocessableModel`. The microbatch's
@@ -476,31 +477,15 @@ class MoESliceModel(nn.Module):
         decoder_input: Tensor | None = None,
         packed_seq_params: object | None = None,
         padding_mask: Tensor | None = None,
-    ) -> tuple[object, ...]:
+    ) -> PreprocessOutput:
         assert decoder_input is not None, "MoESliceModel takes decoder_input"
         return PreprocessOutput(decoder_input * self.embed_scale, None, None, None, None, None)
 
-    def _postprocess(
-        self,
-        hidden_states: Tensor,
-        input_ids: Tensor | None,
-        position_ids: Tensor | None,
-        labels: Tensor | None,
-        rotary_pos_emb: Tensor | None,
-        rotary_pos_cos: Tensor | None,
-        rotary_pos_sin: Tensor | None,
-        *,
-        mtp_in_postprocess: bool | None = None,
-        loss_mask: Tensor | None = None,
-        decoder_input: Tensor | None = None,
-        attention_mask: Tensor | None = None,
-        packed_seq_params: object | None = None,
-        sequence_len_offset: Tensor | int | None = None,
-        runtime_gather_output: bool | None = None,
-        extra_block_kwargs: Mapping[str, object] | None = None,
-        output_processor: Callable[..., object] | None = None,
-        output_processor_context: object | None = None,
+    def output(
+        self, hidden_states: Tensor, labels: Tensor | None, loss_mask: Tensor | None
     ) -> Tensor:
+        """The loss: mean square of the last hidden states (no labels needed)."""
+        del labels, loss_mask
         return hidden_states.float().square().mean()
 
 

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from moe_overlap import ConfigError, Microbatch, combined_1f1b
-from moe_overlap.models import GPTMoEConfig, GPTMoEModel, MoELayer, check_no_pending_wgrad
+from moe_overlap.blocks import check_no_pending_wgrad
+from moe_overlap.models import GPTMoEConfig, GPTMoEModel, MoELayer
 from moe_overlap.timeline import Timeline
 
 __all__ = ["DemoArgs", "demo_config", "main", "run_demo"]

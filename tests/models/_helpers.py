@@ -11,7 +11,8 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from moe_overlap import Microbatch, combined_1f1b
-from moe_overlap.models import GPTMoEConfig, GPTMoEModel, MoELayer, check_no_pending_wgrad
+from moe_overlap.blocks import check_no_pending_wgrad
+from moe_overlap.models import GPTMoEConfig, GPTMoEModel, MoELayer
 
 SMALL = GPTMoEConfig(
     vocab_size=64,

@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from moe_overlap import ConfigError, ScheduleOptions, WgradError, combined_1f1b
-from moe_overlap.models import (
+from moe_overlap.blocks import (
     DelayedWgradGroupedLinear,
     DelayedWgradLinear,
     DelayedWgradModule,
-    GPTMoEModel,
     check_no_pending_wgrad,
     discard_wgrad,
     finish_wgrad,
     pending_wgrad,
 )
+from moe_overlap.models import GPTMoEModel
 from tests.models._helpers import SMALL, microbatches
 
 

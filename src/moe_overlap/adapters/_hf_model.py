@@ -5,7 +5,7 @@ Legend: ``B`` batch, ``S`` sequence, ``D`` hidden, ``V`` vocabulary.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import cast
 
@@ -16,7 +16,6 @@ from torch import Tensor, nn
 from moe_overlap import (
     ConfigError,
     CudaGraphModule,
-    PreprocessOutput,
     ScheduleOptions,
     WgradError,
 )
@@ -24,6 +23,7 @@ from moe_overlap.adapters._hf_aux import RouterAuxLoss
 from moe_overlap.adapters._hf_ep import expert_parameter_names, shard_experts
 from moe_overlap.adapters._hf_layers import HFDenseLayer, HFLayer, HFMoELayer
 from moe_overlap.adapters._hf_parts import ModelParts, find_parts
+from moe_overlap.blocks import MegatronHooks, Rotary
 from moe_overlap.models import TokenDispatcher
 
 __all__ = ["AdapterConfig", "AdapterDecoder", "TransformersMoEAdapter"]
@@ -81,7 +81,7 @@ def _label_delayed_modules(model: nn.Module, layers: tuple[HFLayer, ...]) -> Non
             layer.experts.down.label = f"{experts}.down_proj"
 
 
-class TransformersMoEAdapter:
+class TransformersMoEAdapter(MegatronHooks):
     """A transformers 5 MoE ``*ForCausalLM`` (Mixtral, Qwen2-MoE, ...) for :func:`~moe_overlap.combined_1f1b`.
 
     The adapter holds no weights: it reads and trains ``model``'s own parameters, so the
@@ -210,16 +210,14 @@ class TransformersMoEAdapter:
         for layer in self.decoder.layers:
             layer.discard_wgrad()
 
-    def _preprocess(
-        self,
-        input_ids: Tensor | None,
-        position_ids: Tensor | None,
-        *,
-        decoder_input: Tensor | None = None,
-        packed_seq_params: object | None = None,
-        padding_mask: Tensor | None = None,
-    ) -> PreprocessOutput:
-        """Token embedding and the model's rotary cos/sin; opens the aux-loss microbatch."""
+    # --- MegatronHooks: what _preprocess / _postprocess are built on ----------------------
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """The transformers model's token embedding."""
+        out: Tensor = self.parts.embed(input_ids)
+        return out
+
+    def on_microbatch(self, decoder_input: Tensor) -> None:
+        """Refuse pending weight gradients; open the aux-loss microbatch."""
         pending = {k: n for layer in self.decoder.layers for k, n in layer.pending_wgrad().items()}
         if pending:
             raise WgradError(
@@ -227,48 +225,20 @@ class TransformersMoEAdapter:
                 f"at the start of a microbatch (use schedule_options(); after a failed step, "
                 f"discard_wgrad()), received {pending}"
             )
-        if packed_seq_params is not None:
-            raise ConfigError(
-                "TransformersMoEAdapter._preprocess: expected packed_seq_params=None, "
-                f"received {type(packed_seq_params).__name__}"
-            )
-        if decoder_input is None:
-            if input_ids is None:
-                raise ConfigError(
-                    "TransformersMoEAdapter._preprocess: expected input_ids or decoder_input, "
-                    "received neither"
-                )
-            decoder_input = self.parts.embed(input_ids)
-        assert decoder_input is not None
-        x_BSD = decoder_input
-        if position_ids is None:
-            position_ids = torch.arange(x_BSD.shape[1], device=x_BSD.device).unsqueeze(0)
-        rotary: tuple[Tensor, Tensor] = self.parts.rotary(x_BSD, position_ids)
-        cos, sin = rotary
         if self.aux is not None:
-            self.aux.begin(x_BSD.device)
-        return PreprocessOutput(x_BSD, None, cos, sin, None, padding_mask)
+            self.aux.begin(decoder_input.device)
 
-    def _postprocess(
-        self,
-        hidden_states: Tensor,
-        input_ids: Tensor | None,
-        position_ids: Tensor | None,
-        labels: Tensor | None,
-        rotary_pos_emb: Tensor | None,
-        rotary_pos_cos: Tensor | None,
-        rotary_pos_sin: Tensor | None,
-        *,
-        mtp_in_postprocess: bool | None = None,
-        loss_mask: Tensor | None = None,
-        decoder_input: Tensor | None = None,
-        attention_mask: Tensor | None = None,
-        packed_seq_params: object | None = None,
-        sequence_len_offset: Tensor | int | None = None,
-        runtime_gather_output: bool | None = None,
-        extra_block_kwargs: Mapping[str, object] | None = None,
-        output_processor: Callable[..., object] | None = None,
-        output_processor_context: object | None = None,
+    def rotary(self, decoder_input: Tensor, position_ids: Tensor | None) -> Rotary:
+        """The transformers model's rotary cos/sin (positions ``0 .. S-1`` by default)."""
+        if position_ids is None:
+            position_ids = torch.arange(decoder_input.shape[1], device=decoder_input.device)
+            position_ids = position_ids.unsqueeze(0)
+        cos_sin: tuple[Tensor, Tensor] = self.parts.rotary(decoder_input, position_ids)
+        cos, sin = cos_sin
+        return Rotary(None, cos, sin)
+
+    def output(
+        self, hidden_states: Tensor, labels: Tensor | None, loss_mask: Tensor | None
     ) -> Tensor:
         """Final norm, LM head, the model's loss (+ the router aux loss); logits without labels."""
         aux = self.aux.finish() if self.aux is not None else None

@@ -2,8 +2,8 @@
 
 Legend: ``N`` rows grouped by local expert, ``D`` hidden, ``F`` expert hidden.
 
-Built on the reference model's :class:`~moe_overlap.models.DelayedWgradLinear` and
-:class:`~moe_overlap.models.DelayedWgradGroupedLinear`, pointed at the transformers
+Built on :class:`~moe_overlap.blocks.DelayedWgradLinear` and
+:class:`~moe_overlap.blocks.DelayedWgradGroupedLinear`, pointed at the transformers
 model's own parameters (no copy), so ``state_dict`` keys and checkpoints stay the
 transformers ones.
 """
@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from moe_overlap.models import (
+from moe_overlap.blocks import (
     DelayedWgradGroupedLinear,
     DelayedWgradLinear,
     DelayedWgradModule,

@@ -2,7 +2,8 @@
 
 :class:`GPTMoEModel` is a :class:`~moe_overlap.PreprocessableModel` whose layers are
 :class:`~moe_overlap.SchedulableLayer` s; its ``forward`` is the plain (unscheduled) path
-used as the bit-exact reference for :func:`~moe_overlap.combined_1f1b`.
+used as the bit-exact reference for :func:`~moe_overlap.combined_1f1b`. Its delayed-wgrad
+linears and model hooks are :mod:`moe_overlap.blocks`.
 """
 
 from moe_overlap.models._blocks import RMSNorm as RMSNorm
@@ -23,19 +24,9 @@ from moe_overlap.models._layers import MoELayer as MoELayer
 from moe_overlap.models._layers import PlainContext as PlainContext
 from moe_overlap.models._layers import SlotContext as SlotContext
 from moe_overlap.models._router import TopKRouter as TopKRouter
-from moe_overlap.models._wgrad import DelayedWgradGroupedLinear as DelayedWgradGroupedLinear
-from moe_overlap.models._wgrad import DelayedWgradLinear as DelayedWgradLinear
-from moe_overlap.models._wgrad import DelayedWgradModule as DelayedWgradModule
-from moe_overlap.models._wgrad import check_no_pending_wgrad as check_no_pending_wgrad
-from moe_overlap.models._wgrad import discard_wgrad as discard_wgrad
-from moe_overlap.models._wgrad import finish_wgrad as finish_wgrad
-from moe_overlap.models._wgrad import pending_wgrad as pending_wgrad
 
 __all__ = [
     "Decoder",
-    "DelayedWgradGroupedLinear",
-    "DelayedWgradLinear",
-    "DelayedWgradModule",
     "DenseLayer",
     "DispatchMeta",
     "DispatcherKind",
@@ -52,9 +43,5 @@ __all__ = [
     "SwiGLUMLP",
     "TokenDispatcher",
     "TopKRouter",
-    "check_no_pending_wgrad",
-    "discard_wgrad",
-    "finish_wgrad",
     "masked_cross_entropy",
-    "pending_wgrad",
 ]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_overlap.models._wgrad import DelayedWgradLinear
+from moe_overlap.blocks._wgrad import DelayedWgradLinear
 
 __all__ = ["RMSNorm", "RotaryTables", "SelfAttention", "SwiGLUMLP", "apply_rotary", "rotary_tables"]
 

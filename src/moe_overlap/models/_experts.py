@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_overlap.models._wgrad import DelayedWgradGroupedLinear
+from moe_overlap.blocks._wgrad import DelayedWgradGroupedLinear
 
 __all__ = ["GroupedExperts"]
 

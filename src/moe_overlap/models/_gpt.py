@@ -13,7 +13,7 @@ addition is not associative across microbatches.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from typing import cast
 
 import torch
@@ -21,14 +21,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_overlap import ChunkState, ConfigError, PreprocessOutput, ScheduleOptions
+from moe_overlap import ChunkState, ScheduleOptions
+from moe_overlap.blocks._model import MegatronHooks, Rotary
+from moe_overlap.blocks._wgrad import DelayedWgradModule, check_no_pending_wgrad
 from moe_overlap.models._blocks import RMSNorm, rotary_tables
 from moe_overlap.models._config import GPTMoEConfig
 from moe_overlap.models._dispatcher import TokenDispatcher
 from moe_overlap.models._experts import GroupedExperts
 from moe_overlap.models._layers import DenseLayer, GPTLayer, MoELayer
 from moe_overlap.models._router import TopKRouter
-from moe_overlap.models._wgrad import DelayedWgradModule, check_no_pending_wgrad
 
 __all__ = ["Decoder", "GPTMoEModel"]
 
@@ -43,7 +44,7 @@ class Decoder(nn.Module):
         self.final_layernorm: Callable[[Tensor], Tensor] | None = None
 
 
-class GPTMoEModel(nn.Module):
+class GPTMoEModel(MegatronHooks, nn.Module):
     """A small GPT with dense and MoE layers, schedulable by :func:`~moe_overlap.combined_1f1b`.
 
     ``forward`` is the plain path (no schedule) computing the same operations, so
@@ -137,57 +138,28 @@ class GPTMoEModel(nn.Module):
             ep_overlap_early_attn_memory_release=ep_overlap_early_attn_memory_release,
         )
 
-    def _preprocess(
-        self,
-        input_ids: Tensor | None,
-        position_ids: Tensor | None,
-        *,
-        decoder_input: Tensor | None = None,
-        packed_seq_params: object | None = None,
-        padding_mask: Tensor | None = None,
-    ) -> PreprocessOutput:
-        """Embedding and rotary tables; checks that no weight gradient is still pending."""
+    # --- MegatronHooks: what _preprocess / _postprocess are built on ----------------------
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """The token embedding."""
+        return cast(Tensor, self.embedding(input_ids))
+
+    def on_microbatch(self, decoder_input: Tensor) -> None:
+        """No weight gradient may still be pending when a microbatch starts."""
+        del decoder_input
         check_no_pending_wgrad(self)
-        if packed_seq_params is not None:
-            raise ConfigError(
-                "GPTMoEModel._preprocess: packed sequences are not supported; expected "
-                f"packed_seq_params=None, received {type(packed_seq_params).__name__}"
-            )
-        if decoder_input is None:
-            if input_ids is None:
-                raise ConfigError(
-                    "GPTMoEModel._preprocess: expected input_ids or decoder_input, received neither"
-                )
-            decoder_input = self.embedding(input_ids)
-        assert decoder_input is not None
+
+    def rotary(self, decoder_input: Tensor, position_ids: Tensor | None) -> Rotary:
+        """Rotary tables for ``position_ids`` (``0 .. S-1`` for every row by default)."""
         B, S = decoder_input.shape[:2]
         if position_ids is None:
             position_ids = torch.arange(S, device=decoder_input.device).expand(B, S)
         freqs, cos, sin = rotary_tables(
             position_ids, self.config.head_dim, self.config.rotary_base, self.config.dtype
         )
-        return PreprocessOutput(decoder_input, freqs, cos, sin, None, padding_mask)
+        return Rotary(freqs, cos, sin)
 
-    def _postprocess(
-        self,
-        hidden_states: Tensor,
-        input_ids: Tensor | None,
-        position_ids: Tensor | None,
-        labels: Tensor | None,
-        rotary_pos_emb: Tensor | None,
-        rotary_pos_cos: Tensor | None,
-        rotary_pos_sin: Tensor | None,
-        *,
-        mtp_in_postprocess: bool | None = None,
-        loss_mask: Tensor | None = None,
-        decoder_input: Tensor | None = None,
-        attention_mask: Tensor | None = None,
-        packed_seq_params: object | None = None,
-        sequence_len_offset: Tensor | int | None = None,
-        runtime_gather_output: bool | None = None,
-        extra_block_kwargs: Mapping[str, object] | None = None,
-        output_processor: Callable[..., object] | None = None,
-        output_processor_context: object | None = None,
+    def output(
+        self, hidden_states: Tensor, labels: Tensor | None, loss_mask: Tensor | None
     ) -> Tensor:
         """Final norm, output layer; with ``labels`` the masked mean cross-entropy (float32).
 

@@ -1,0 +1,39 @@
+"""Building blocks for integrations: the parts a schedulable MoE model needs.
+
+- delayed weight gradients: :class:`DelayedWgradLinear`, :class:`DelayedWgradGroupedLinear`
+  (their base :class:`DelayedWgradModule`), and the model-wide :func:`pending_wgrad`,
+  :func:`check_no_pending_wgrad`, :func:`finish_wgrad`, :func:`discard_wgrad`;
+- the model's hooks: :class:`MegatronHooks` implements ``_preprocess`` / ``_postprocess``
+  with Megatron-Core's names on top of ``embed`` / ``rotary`` / ``output``.
+
+The reference model (:mod:`moe_overlap.models`) and the transformers adapter are built on
+them.
+"""
+
+from moe_overlap.blocks._model import MegatronHooks as MegatronHooks
+from moe_overlap.blocks._model import Rotary as Rotary
+from moe_overlap.blocks._wgrad import DelayedWgradGroupedLinear as DelayedWgradGroupedLinear
+from moe_overlap.blocks._wgrad import DelayedWgradLinear as DelayedWgradLinear
+from moe_overlap.blocks._wgrad import DelayedWgradModule as DelayedWgradModule
+from moe_overlap.blocks._wgrad import DenseKernel as DenseKernel
+from moe_overlap.blocks._wgrad import GroupedKernel as GroupedKernel
+from moe_overlap.blocks._wgrad import MatmulKernel as MatmulKernel
+from moe_overlap.blocks._wgrad import check_no_pending_wgrad as check_no_pending_wgrad
+from moe_overlap.blocks._wgrad import discard_wgrad as discard_wgrad
+from moe_overlap.blocks._wgrad import finish_wgrad as finish_wgrad
+from moe_overlap.blocks._wgrad import pending_wgrad as pending_wgrad
+
+__all__ = [
+    "DelayedWgradGroupedLinear",
+    "DelayedWgradLinear",
+    "DelayedWgradModule",
+    "DenseKernel",
+    "GroupedKernel",
+    "MatmulKernel",
+    "MegatronHooks",
+    "Rotary",
+    "check_no_pending_wgrad",
+    "discard_wgrad",
+    "finish_wgrad",
+    "pending_wgrad",
+]

@@ -1,0 +1,114 @@
+"""``PreprocessableModel``'s two Megatron-named hooks, on top of what a model defines.
+
+Megatron-Core's ``GPTModel._preprocess`` / ``_postprocess`` take 6 and 19 parameters; the
+schedule calls them by those names. :class:`MegatronHooks` implements both once: a model
+says how it embeds token ids (:meth:`~MegatronHooks.embed`), which rotary tables it uses
+(:meth:`~MegatronHooks.rotary`) and what it computes from the last hidden states
+(:meth:`~MegatronHooks.output`: the loss with labels, usually the logits without).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
+from torch import Tensor
+
+from moe_overlap import ConfigError, IntegrationError, PreprocessOutput
+
+__all__ = ["MegatronHooks", "Rotary"]
+
+
+class Rotary(NamedTuple):
+    """The rotary tables a model hands its layers (through the chunk state); all optional."""
+
+    emb: Tensor | None = None
+    cos: Tensor | None = None
+    sin: Tensor | None = None
+
+
+class MegatronHooks:
+    """Mixin: ``_preprocess`` and ``_postprocess`` with Megatron-Core's names and checks.
+
+    Mix it into the model class (``class MyModel(MegatronHooks, nn.Module)``) and define
+    :meth:`output`, plus :meth:`embed` when the model takes token ids and :meth:`rotary`
+    when its layers read rotary tables. ``_preprocess`` refuses packed sequences and a call
+    with neither ``input_ids`` nor ``decoder_input`` (:class:`~moe_overlap.ConfigError`);
+    on a later pipeline stage the schedule passes ``decoder.input_tensor`` as
+    ``decoder_input`` and nothing is embedded.
+    """
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        """The decoder input for ``input_ids`` (the token embedding)."""
+        raise IntegrationError(
+            f"{type(self).__name__}.embed: expected the model to define embed(input_ids) "
+            "to take token ids, or to be given decoder_input"
+        )
+
+    def rotary(self, decoder_input: Tensor, position_ids: Tensor | None) -> Rotary:
+        """Rotary tables for ``position_ids`` (``None``: the model's default positions)."""
+        del decoder_input, position_ids
+        return Rotary()
+
+    def on_microbatch(self, decoder_input: Tensor) -> None:
+        """Called once per microbatch before the rotary tables (checks, per-step state)."""
+        del decoder_input
+
+    def output(
+        self, hidden_states: Tensor, labels: Tensor | None, loss_mask: Tensor | None
+    ) -> Tensor:
+        """What the last layer's hidden states become: the scalar loss with ``labels``."""
+        raise IntegrationError(
+            f"{type(self).__name__}.output: expected the model to define "
+            "output(hidden_states, labels, loss_mask) returning the loss"
+        )
+
+    def _preprocess(
+        self,
+        input_ids: Tensor | None,
+        position_ids: Tensor | None,
+        *,
+        decoder_input: Tensor | None = None,
+        packed_seq_params: object | None = None,
+        padding_mask: Tensor | None = None,
+    ) -> PreprocessOutput:
+        """Embedding (unless given ``decoder_input``) and rotary tables."""
+        name = type(self).__name__
+        if packed_seq_params is not None:
+            raise ConfigError(
+                f"{name}._preprocess: packed sequences are not supported; expected "
+                f"packed_seq_params=None, received {type(packed_seq_params).__name__}"
+            )
+        if decoder_input is None:
+            if input_ids is None:
+                raise ConfigError(
+                    f"{name}._preprocess: expected input_ids or decoder_input, received neither"
+                )
+            decoder_input = self.embed(input_ids)
+        self.on_microbatch(decoder_input)
+        rot = self.rotary(decoder_input, position_ids)
+        return PreprocessOutput(decoder_input, rot.emb, rot.cos, rot.sin, None, padding_mask)
+
+    def _postprocess(
+        self,
+        hidden_states: Tensor,
+        input_ids: Tensor | None,
+        position_ids: Tensor | None,
+        labels: Tensor | None,
+        rotary_pos_emb: Tensor | None,
+        rotary_pos_cos: Tensor | None,
+        rotary_pos_sin: Tensor | None,
+        *,
+        mtp_in_postprocess: bool | None = None,
+        loss_mask: Tensor | None = None,
+        decoder_input: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        packed_seq_params: object | None = None,
+        sequence_len_offset: Tensor | int | None = None,
+        runtime_gather_output: bool | None = None,
+        extra_block_kwargs: Mapping[str, object] | None = None,
+        output_processor: Callable[..., object] | None = None,
+        output_processor_context: object | None = None,
+    ) -> Tensor:
+        """:meth:`output` of the hidden states; the other keywords are Megatron's, unused."""
+        return self.output(hidden_states, labels, loss_mask)
