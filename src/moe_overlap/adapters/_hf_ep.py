@@ -1,7 +1,7 @@
 """Expert parallelism for a transformers MoE model: shard its expert weights, gather them back.
 
 Rank ``r`` of an EP group of size ``P`` keeps global experts ``r*L .. r*L+L-1`` (``L =
-E/P``), the order :class:`~moe_overlap.models.TokenDispatcher` sends tokens in. Every other
+E/P``), the order :class:`~moe_overlap.blocks.TokenDispatcher` sends tokens in. Every other
 parameter stays replicated. :func:`gather_experts` rebuilds the full transformers
 ``state_dict`` (same keys, full ``[E, ...]`` expert tensors) for checkpoints.
 """

@@ -48,8 +48,7 @@ from moe_overlap.adapters._hf_wgrad import (
     delay_linears,
     delay_linears_in,
 )
-from moe_overlap.blocks import DelayedWgradModule
-from moe_overlap.models import DispatchMeta, PermuteMeta, TokenDispatcher
+from moe_overlap.blocks import DelayedWgradModule, DispatchMeta, PermuteMeta, TokenDispatcher
 
 __all__ = ["HFDenseLayer", "HFLayer", "HFMoELayer", "MaskFunction", "mask_function"]
 

@@ -23,8 +23,7 @@ from moe_overlap.adapters._hf_aux import RouterAuxLoss
 from moe_overlap.adapters._hf_ep import expert_parameter_names, shard_experts
 from moe_overlap.adapters._hf_layers import HFDenseLayer, HFLayer, HFMoELayer
 from moe_overlap.adapters._hf_parts import ModelParts, find_parts
-from moe_overlap.blocks import MegatronHooks, Rotary
-from moe_overlap.models import TokenDispatcher
+from moe_overlap.blocks import MegatronHooks, Rotary, TokenDispatcher
 
 __all__ = ["AdapterConfig", "AdapterDecoder", "TransformersMoEAdapter"]
 

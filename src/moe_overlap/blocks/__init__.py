@@ -3,6 +3,11 @@
 - delayed weight gradients: :class:`DelayedWgradLinear`, :class:`DelayedWgradGroupedLinear`
   (their base :class:`DelayedWgradModule`), and the model-wide :func:`pending_wgrad`,
   :func:`check_no_pending_wgrad`, :func:`finish_wgrad`, :func:`discard_wgrad`;
+- routing: :class:`TopKRouter` (softmax top-k, selection bias, the load-balancing loss
+  through :func:`attach_aux_loss`);
+- token movement: :class:`TokenDispatcher` permutes copies by expert (:class:`PermuteMeta`,
+  frozen, handed from pre-dispatch to combine), moves them over the expert-parallel group
+  (:class:`DispatchMeta`) or a one-device loopback, and back;
 - the model's hooks: :class:`MegatronHooks` implements ``_preprocess`` / ``_postprocess``
   with Megatron-Core's names on top of ``embed`` / ``rotary`` / ``output``.
 
@@ -10,8 +15,14 @@ The reference model (:mod:`moe_overlap.models`) and the transformers adapter are
 them.
 """
 
+from moe_overlap.blocks._dispatcher import DispatcherKind as DispatcherKind
+from moe_overlap.blocks._dispatcher import DispatchMeta as DispatchMeta
+from moe_overlap.blocks._dispatcher import PermuteMeta as PermuteMeta
+from moe_overlap.blocks._dispatcher import TokenDispatcher as TokenDispatcher
 from moe_overlap.blocks._model import MegatronHooks as MegatronHooks
 from moe_overlap.blocks._model import Rotary as Rotary
+from moe_overlap.blocks._router import TopKRouter as TopKRouter
+from moe_overlap.blocks._router import attach_aux_loss as attach_aux_loss
 from moe_overlap.blocks._wgrad import DelayedWgradGroupedLinear as DelayedWgradGroupedLinear
 from moe_overlap.blocks._wgrad import DelayedWgradLinear as DelayedWgradLinear
 from moe_overlap.blocks._wgrad import DelayedWgradModule as DelayedWgradModule
@@ -28,10 +39,16 @@ __all__ = [
     "DelayedWgradLinear",
     "DelayedWgradModule",
     "DenseKernel",
+    "DispatchMeta",
+    "DispatcherKind",
     "GroupedKernel",
     "MatmulKernel",
     "MegatronHooks",
+    "PermuteMeta",
     "Rotary",
+    "TokenDispatcher",
+    "TopKRouter",
+    "attach_aux_loss",
     "check_no_pending_wgrad",
     "discard_wgrad",
     "finish_wgrad",

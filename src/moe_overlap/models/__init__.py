@@ -9,11 +9,7 @@ linears and model hooks are :mod:`moe_overlap.blocks`.
 from moe_overlap.models._blocks import RMSNorm as RMSNorm
 from moe_overlap.models._blocks import SelfAttention as SelfAttention
 from moe_overlap.models._blocks import SwiGLUMLP as SwiGLUMLP
-from moe_overlap.models._config import DispatcherKind as DispatcherKind
 from moe_overlap.models._config import GPTMoEConfig as GPTMoEConfig
-from moe_overlap.models._dispatcher import DispatchMeta as DispatchMeta
-from moe_overlap.models._dispatcher import PermuteMeta as PermuteMeta
-from moe_overlap.models._dispatcher import TokenDispatcher as TokenDispatcher
 from moe_overlap.models._experts import GroupedExperts as GroupedExperts
 from moe_overlap.models._gpt import Decoder as Decoder
 from moe_overlap.models._gpt import GPTMoEModel as GPTMoEModel
@@ -23,25 +19,19 @@ from moe_overlap.models._layers import GPTLayer as GPTLayer
 from moe_overlap.models._layers import MoELayer as MoELayer
 from moe_overlap.models._layers import PlainContext as PlainContext
 from moe_overlap.models._layers import SlotContext as SlotContext
-from moe_overlap.models._router import TopKRouter as TopKRouter
 
 __all__ = [
     "Decoder",
     "DenseLayer",
-    "DispatchMeta",
-    "DispatcherKind",
     "GPTLayer",
     "GPTMoEConfig",
     "GPTMoEModel",
     "GroupedExperts",
     "MoELayer",
-    "PermuteMeta",
     "PlainContext",
     "RMSNorm",
     "SelfAttention",
     "SlotContext",
     "SwiGLUMLP",
-    "TokenDispatcher",
-    "TopKRouter",
     "masked_cross_entropy",
 ]

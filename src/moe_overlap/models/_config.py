@@ -8,13 +8,9 @@ from typing import Literal
 import torch
 
 from moe_overlap import ConfigError, CudaGraphModule
+from moe_overlap.blocks._dispatcher import DispatcherKind
 
-__all__ = ["DispatcherKind", "GPTMoEConfig"]
-
-DispatcherKind = Literal["alltoall", "loopback"]
-"""``alltoall``: a real expert-parallel all-to-all over the EP group (skipped at EP=1);
-``loopback``: one device, the dispatched tokens make a real round trip through pinned host
-memory so the bytes moved equal an all-to-all's (benchmarks without a peer)."""
+__all__ = ["GPTMoEConfig"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

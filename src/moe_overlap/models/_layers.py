@@ -30,11 +30,11 @@ from moe_overlap import (
     WgradLayer,
     WgradScope,
 )
+from moe_overlap.blocks._dispatcher import DispatchMeta, PermuteMeta, TokenDispatcher
+from moe_overlap.blocks._router import TopKRouter
 from moe_overlap.models._blocks import RMSNorm, SelfAttention, SwiGLUMLP
 from moe_overlap.models._config import GPTMoEConfig
-from moe_overlap.models._dispatcher import DispatchMeta, PermuteMeta, TokenDispatcher
 from moe_overlap.models._experts import GroupedExperts
-from moe_overlap.models._router import TopKRouter
 
 __all__ = ["DenseLayer", "GPTLayer", "MoELayer", "PlainContext", "SlotContext"]
 

@@ -20,16 +20,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from moe_overlap import ConfigError
-from moe_overlap.models._config import DispatcherKind
 
-__all__ = ["DispatchMeta", "PermuteMeta", "TokenDispatcher"]
+__all__ = ["DispatchMeta", "DispatcherKind", "PermuteMeta", "TokenDispatcher"]
+
+DispatcherKind = Literal["alltoall", "loopback"]
+"""``alltoall``: a real expert-parallel all-to-all over the EP group (skipped at EP=1);
+``loopback``: one device, the dispatched tokens make a real round trip through pinned host
+memory so the bytes moved equal an all-to-all's (benchmarks without a peer)."""
 
 # torch.distributed leaves these unannotated; give them types once, here.
 _all_to_all_single = cast(
