@@ -48,12 +48,9 @@ from moe_overlap.adapters._hf_wgrad import (
     delay_linears,
     delay_linears_in,
 )
-from moe_overlap.blocks import DelayedWgradModule, DispatchMeta, PermuteMeta, TokenDispatcher
+from moe_overlap.blocks import DelayedWgradModule, TokenDispatcher, single_input
 
 __all__ = ["HFDenseLayer", "HFLayer", "HFMoELayer", "MaskFunction", "mask_function"]
-
-_PERMUTE = "permute"
-_DISPATCH = "dispatch"
 
 
 @runtime_checkable
@@ -78,12 +75,6 @@ def mask_function(kind: str) -> MaskFunction:
         "create_sliding_window_causal_mask" if kind == "sliding_attention" else "create_causal_mask"
     )
     return cast(MaskFunction, getattr(masking, name))
-
-
-def _single(inputs: tuple[Tensor, ...], where: str) -> Tensor:
-    if len(inputs) != 1:
-        raise IntegrationError(f"{where}: expected 1 input tensor, received {len(inputs)}")
-    return inputs[0]
 
 
 def positions(cs: ChunkState, x_BSD: Tensor) -> Tensor:
@@ -185,7 +176,7 @@ class HFDenseLayer(_LayerBase):
     def slot_pre_dispatch(
         self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
     ) -> Tensor:
-        return self.attention_half(node, _single(inputs, self.where("pre_dispatch")))
+        return self.attention_half(node, single_input(inputs, self.where("pre_dispatch")))
 
     def slot_dispatch(
         self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
@@ -195,7 +186,7 @@ class HFDenseLayer(_LayerBase):
 
     def slot_mlp(self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
         del node
-        h_BSD = _single(inputs, self.where("mlp"))
+        h_BSD = single_input(inputs, self.where("mlp"))
         p = self.parts
         mlp: Tensor = p.mlp(p.post_norm(h_BSD))
         return h_BSD + mlp
@@ -251,7 +242,7 @@ class HFMoELayer(_LayerBase):
         self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
     ) -> tuple[Tensor, ...]:
         """Attention, norm, router, shared expert, permute; returns ``(tokens_ND, probs_N)``."""
-        h_BSD = self.attention_half(node, _single(inputs, self.where("pre_dispatch")))
+        h_BSD = self.attention_half(node, single_input(inputs, self.where("pre_dispatch")))
         state = node.layer_state
         state.residual = node.detach(h_BSD)
         moe, block = self.moe, self.moe.block
@@ -270,9 +261,7 @@ class HFMoELayer(_LayerBase):
             gate_T1: Tensor = child(block, "shared_expert_gate")(hn_TD)
             shared_TD = torch.sigmoid(gate_T1) * shared_TD
             state.shared_expert_output = node.detach(shared_TD)
-        tokens_ND, probs_N, meta = self.dispatcher.permute(hn_TD, weights_TK, experts_TK)
-        state.stash(_PERMUTE, meta)
-        return tokens_ND, probs_N
+        return self.dispatcher.slot_permute(node, hn_TD, weights_TK, experts_TK)
 
     def slot_dispatch(self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
         """The all-to-all; keeps the received routing weights for mlp."""
@@ -281,43 +270,24 @@ class HFMoELayer(_LayerBase):
                 f"{self.where('dispatch')}: expected 2 inputs (tokens, probs), "
                 f"received {len(inputs)}"
             )
-        state = node.layer_state
-        meta = state.take(_PERMUTE, PermuteMeta)
-        recv_MD, recv_M, dmeta = self.dispatcher.dispatch(inputs[0], inputs[1], meta)
-        state.dispatched_probs = node.detach(recv_M)
-        state.stash(_DISPATCH, dmeta)
-        return recv_MD
+        return self.dispatcher.slot_dispatch(node, inputs[0], inputs[1])
 
     def slot_mlp(self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
         """Local sort (a copy: the input may be freed), experts, * routing weight, unsort."""
-        recv_MD = _single(inputs, self.where("mlp"))
-        state = node.layer_state
-        dmeta = state.take(_DISPATCH, DispatchMeta)
-        probs_M = state.dispatched_probs
-        if probs_M is None:
-            raise IntegrationError(
-                f"{self.where('mlp')}: expected dispatched_probs from dispatch, received None"
-            )
-        x_MD = recv_MD.index_select(0, dmeta.sort_M)
-        y_MD = self.experts(x_MD, dmeta.local_sizes)
-        p_M = probs_M.index_select(0, dmeta.sort_M)
+        recv_MD = single_input(inputs, self.where("mlp"))
         # As transformers: expert output times its weight, then cast to the hidden dtype.
-        weighted_MD = (y_MD * p_M.unsqueeze(-1)).to(y_MD.dtype)
-        return weighted_MD.index_select(0, dmeta.unsort_M)
+        return self.dispatcher.slot_experts(node, recv_MD, self.experts, weigh_in_float32=False)
 
     def slot_combine(self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
         """All-to-all back, unpermute, + shared expert, + residual."""
-        out_MD = _single(inputs, self.where("combine"))
+        out_MD = single_input(inputs, self.where("combine"))
         state = node.layer_state
-        pmeta = state.take(_PERMUTE, PermuteMeta)
-        dmeta = state.take(_DISPATCH, DispatchMeta)
+        moe_TD = self.dispatcher.slot_combine(node, out_MD)
         residual = state.residual
         if residual is None:
             raise IntegrationError(
                 f"{self.where('combine')}: expected the residual from pre_dispatch, received None"
             )
-        back_ND = self.dispatcher.combine(out_MD, dmeta)
-        moe_TD = self.dispatcher.unpermute(back_ND, pmeta)
         if self.moe.shared_expert is not None:
             shared = state.shared_expert_output
             if shared is None:

@@ -8,6 +8,9 @@
 - token movement: :class:`TokenDispatcher` permutes copies by expert (:class:`PermuteMeta`,
   frozen, handed from pre-dispatch to combine), moves them over the expert-parallel group
   (:class:`DispatchMeta`) or a one-device loopback, and back;
+- slots: :class:`SlotContext` (what a slot sees of its node) and :class:`PlainContext`, its
+  stand-in on the plain path, so one function serves both; :meth:`TokenDispatcher.slot_permute`
+  and its three siblings are the dispatcher's steps as slots call them;
 - the model's hooks: :class:`MegatronHooks` implements ``_preprocess`` / ``_postprocess``
   with Megatron-Core's names on top of ``embed`` / ``rotary`` / ``output``.
 
@@ -23,6 +26,9 @@ from moe_overlap.blocks._model import MegatronHooks as MegatronHooks
 from moe_overlap.blocks._model import Rotary as Rotary
 from moe_overlap.blocks._router import TopKRouter as TopKRouter
 from moe_overlap.blocks._router import attach_aux_loss as attach_aux_loss
+from moe_overlap.blocks._slots import PlainContext as PlainContext
+from moe_overlap.blocks._slots import SlotContext as SlotContext
+from moe_overlap.blocks._slots import single_input as single_input
 from moe_overlap.blocks._wgrad import DelayedWgradGroupedLinear as DelayedWgradGroupedLinear
 from moe_overlap.blocks._wgrad import DelayedWgradLinear as DelayedWgradLinear
 from moe_overlap.blocks._wgrad import DelayedWgradModule as DelayedWgradModule
@@ -45,7 +51,9 @@ __all__ = [
     "MatmulKernel",
     "MegatronHooks",
     "PermuteMeta",
+    "PlainContext",
     "Rotary",
+    "SlotContext",
     "TokenDispatcher",
     "TopKRouter",
     "attach_aux_loss",
@@ -53,4 +61,5 @@ __all__ = [
     "discard_wgrad",
     "finish_wgrad",
     "pending_wgrad",
+    "single_input",
 ]

@@ -18,7 +18,7 @@ permutation plus a sum over ``K`` (no scatter-add), deterministic on every devic
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
@@ -26,7 +26,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from moe_overlap import ConfigError
+from moe_overlap import ConfigError, IntegrationError
+from moe_overlap.blocks._slots import SlotContext
+
+# Layer-state keys of the metadata handed between slots.
+_PERMUTE = "moe_overlap.permute"
+_DISPATCH = "moe_overlap.dispatch"
 
 __all__ = ["DispatchMeta", "DispatcherKind", "PermuteMeta", "TokenDispatcher"]
 
@@ -298,6 +303,58 @@ class TokenDispatcher:
         T, K = meta.num_tokens, meta.topk
         copies_ND = back_ND.index_select(0, meta.inverse_N)
         return copies_ND.view(T, K, -1).sum(dim=1)
+
+    # --- slot-level: the four steps as a layer's slots call them ---------------------------
+    def slot_permute(
+        self, ctx: SlotContext, hidden_TD: Tensor, probs_TK: Tensor, experts_TK: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Pre-dispatch: :meth:`permute`, keeping the metadata in the layer state for later slots."""
+        tokens_ND, probs_N, meta = self.permute(hidden_TD, probs_TK, experts_TK)
+        ctx.layer_state.stash(_PERMUTE, meta)
+        return tokens_ND, probs_N
+
+    def slot_dispatch(self, ctx: SlotContext, tokens_ND: Tensor, probs_N: Tensor) -> Tensor:
+        """Dispatch: the all-to-all; the received probs go to ``layer_state.dispatched_probs``."""
+        state = ctx.layer_state
+        recv_MD, recv_M, dmeta = self.dispatch(
+            tokens_ND, probs_N, state.take(_PERMUTE, PermuteMeta)
+        )
+        state.dispatched_probs = ctx.detach(recv_M)
+        state.stash(_DISPATCH, dmeta)
+        return recv_MD
+
+    def slot_experts(
+        self,
+        ctx: SlotContext,
+        recv_MD: Tensor,
+        experts: Callable[[Tensor, Sequence[int]], Tensor],
+        *,
+        weigh_in_float32: bool,
+    ) -> Tensor:
+        """Mlp: sort by local expert (a copy: the input may be freed), ``experts(rows,
+        sizes)``, weigh by the routing probs (in float32 or the output's dtype, as the plain
+        model does), back to received order."""
+        state = ctx.layer_state
+        dmeta = state.take(_DISPATCH, DispatchMeta)
+        probs_M = state.dispatched_probs
+        if probs_M is None:
+            raise IntegrationError(
+                "TokenDispatcher.slot_experts: expected dispatched_probs from slot_dispatch, "
+                "received None"
+            )
+        x_MD = recv_MD.index_select(0, dmeta.sort_M)
+        y_MD = experts(x_MD, dmeta.local_sizes)
+        p_M = probs_M.index_select(0, dmeta.sort_M)
+        y = y_MD.float() if weigh_in_float32 else y_MD
+        weighted_MD = (y * p_M.unsqueeze(-1)).to(y_MD.dtype)
+        return weighted_MD.index_select(0, dmeta.unsort_M)
+
+    def slot_combine(self, ctx: SlotContext, out_MD: Tensor) -> Tensor:
+        """Combine: the all-to-all back and :meth:`unpermute`; each token's MoE output ``[T, D]``."""
+        state = ctx.layer_state
+        pmeta = state.take(_PERMUTE, PermuteMeta)
+        dmeta = state.take(_DISPATCH, DispatchMeta)
+        return self.unpermute(self.combine(out_MD, dmeta), pmeta)
 
     def _local(self, x: Tensor) -> Tensor:
         if self.kind == "loopback":

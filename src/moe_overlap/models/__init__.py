@@ -17,8 +17,6 @@ from moe_overlap.models._gpt import masked_cross_entropy as masked_cross_entropy
 from moe_overlap.models._layers import DenseLayer as DenseLayer
 from moe_overlap.models._layers import GPTLayer as GPTLayer
 from moe_overlap.models._layers import MoELayer as MoELayer
-from moe_overlap.models._layers import PlainContext as PlainContext
-from moe_overlap.models._layers import SlotContext as SlotContext
 
 __all__ = [
     "Decoder",
@@ -28,10 +26,8 @@ __all__ = [
     "GPTMoEModel",
     "GroupedExperts",
     "MoELayer",
-    "PlainContext",
     "RMSNorm",
     "SelfAttention",
-    "SlotContext",
     "SwiGLUMLP",
     "masked_cross_entropy",
 ]

@@ -17,7 +17,6 @@ dispatch and combine save nothing, and mlp copies its input (the local sort) bef
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, runtime_checkable
 
 import torch
 from torch import Tensor, nn
@@ -26,48 +25,18 @@ from moe_overlap import (
     ChunkState,
     CudaGraphModule,
     IntegrationError,
-    LayerState,
     WgradLayer,
     WgradScope,
 )
-from moe_overlap.blocks._dispatcher import DispatchMeta, PermuteMeta, TokenDispatcher
+from moe_overlap.blocks._dispatcher import TokenDispatcher
 from moe_overlap.blocks._router import TopKRouter
+from moe_overlap.blocks._slots import PlainContext, SlotContext
+from moe_overlap.blocks._slots import single_input as _single
 from moe_overlap.models._blocks import RMSNorm, SelfAttention, SwiGLUMLP
 from moe_overlap.models._config import GPTMoEConfig
 from moe_overlap.models._experts import GroupedExperts
 
-__all__ = ["DenseLayer", "GPTLayer", "MoELayer", "PlainContext", "SlotContext"]
-
-_PERMUTE = "permute"
-_DISPATCH = "dispatch"
-
-
-@runtime_checkable
-class SlotContext(Protocol):
-    """What a slot reads from its node; :class:`~moe_overlap.TransformerLayerNode` is one."""
-
-    @property
-    def layer_state(self) -> LayerState: ...
-    @property
-    def chunk_state(self) -> ChunkState: ...
-    def detach(self, t: Tensor) -> Tensor: ...
-
-
-class PlainContext:
-    """The slot context of the plain (unscheduled) path: ``detach`` keeps the graph whole."""
-
-    def __init__(self, chunk_state: ChunkState) -> None:
-        self.layer_state = LayerState()
-        self.chunk_state = chunk_state
-
-    def detach(self, t: Tensor) -> Tensor:
-        return t
-
-
-def _single(inputs: tuple[Tensor, ...], where: str) -> Tensor:
-    if len(inputs) != 1:
-        raise IntegrationError(f"{where}: expected 1 input tensor, received {len(inputs)}")
-    return inputs[0]
+__all__ = ["DenseLayer", "GPTLayer", "MoELayer"]
 
 
 def _rotary(ctx: SlotContext, where: str) -> tuple[Tensor, Tensor]:
@@ -239,47 +208,26 @@ class MoELayer(nn.Module):
         if self.shared_expert is not None:
             shared: Tensor = self.shared_expert(hn_TD)
             state.shared_expert_output = ctx.detach(shared)
-        tokens_ND, probs_N, meta = self.dispatcher.permute(hn_TD, probs_TK, experts_TK)
-        state.stash(_PERMUTE, meta)
-        return tokens_ND, probs_N
+        return self.dispatcher.slot_permute(ctx, hn_TD, probs_TK, experts_TK)
 
     def dispatch(self, ctx: SlotContext, tokens_ND: Tensor, probs_N: Tensor) -> Tensor:
         """The all-to-all; keeps the received probs for mlp in ``dispatched_probs``."""
-        state = ctx.layer_state
-        meta = state.take(_PERMUTE, PermuteMeta)
-        recv_MD, recv_M, dmeta = self.dispatcher.dispatch(tokens_ND, probs_N, meta)
-        state.dispatched_probs = ctx.detach(recv_M)
-        state.stash(_DISPATCH, dmeta)
-        return recv_MD
+        return self.dispatcher.slot_dispatch(ctx, tokens_ND, probs_N)
 
     def mlp_forward(self, ctx: SlotContext, recv_MD: Tensor) -> Tensor:
         """Local sort (a copy: the input may be freed), experts, weighting by probs, unsort."""
-        state = ctx.layer_state
-        dmeta = state.take(_DISPATCH, DispatchMeta)
-        probs_M = state.dispatched_probs
-        if probs_M is None:
-            raise IntegrationError(
-                f"{self._where('mlp')}: expected dispatched_probs from dispatch, received None"
-            )
-        x_MD = recv_MD.index_select(0, dmeta.sort_M)
-        y_MD: Tensor = self.experts(x_MD, dmeta.local_sizes)
-        p_M = probs_M.index_select(0, dmeta.sort_M)
-        weighted_MD = (y_MD.float() * p_M.unsqueeze(-1)).to(y_MD.dtype)
-        return weighted_MD.index_select(0, dmeta.unsort_M)
+        return self.dispatcher.slot_experts(ctx, recv_MD, self.experts, weigh_in_float32=True)
 
     def combine(self, ctx: SlotContext, out_MD: Tensor) -> Tensor:
         """All-to-all back, unpermute, add the residual and the shared expert's output."""
         state = ctx.layer_state
-        pmeta = state.take(_PERMUTE, PermuteMeta)
-        dmeta = state.take(_DISPATCH, DispatchMeta)
+        moe_TD = self.dispatcher.slot_combine(ctx, out_MD)
         residual = state.residual
         if residual is None:
             raise IntegrationError(
                 f"{self._where('combine')}: expected the residual from pre_dispatch, received None"
             )
-        back_ND = self.dispatcher.combine(out_MD, dmeta)
-        moe_BSD = self.dispatcher.unpermute(back_ND, pmeta).view(residual.shape)
-        out = residual + moe_BSD
+        out = residual + moe_TD.view(residual.shape)
         shared = state.shared_expert_output
         if self.shared_expert is not None:
             if shared is None:

@@ -1,0 +1,44 @@
+"""TokenDispatcher's slot-level steps, through a PlainContext, on one device."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+import torch
+from torch import Tensor
+
+from moe_overlap import ChunkState, IntegrationError
+from moe_overlap.blocks import PlainContext, TokenDispatcher
+
+
+@pytest.mark.parametrize("kind", ["alltoall", "loopback"])
+def test_four_steps_weigh_and_sum_each_tokens_copies(kind: str) -> None:
+    torch.manual_seed(0)
+    T, D, X, K = 6, 4, 3, 2
+    hidden = torch.randn(T, D)
+    probs = torch.rand(T, K)
+    experts = torch.stack([torch.randperm(X)[:K] for _ in range(T)])
+    dispatcher = TokenDispatcher(X, K, kind=kind)  # type: ignore[arg-type]
+    ctx = PlainContext(ChunkState())
+    seen: list[tuple[int, ...]] = []
+
+    def double(rows: Tensor, sizes: Sequence[int]) -> Tensor:
+        seen.append(tuple(sizes))
+        return rows * 2
+
+    tokens, p = dispatcher.slot_permute(ctx, hidden, probs, experts)
+    recv = dispatcher.slot_dispatch(ctx, tokens, p)
+    out = dispatcher.slot_experts(ctx, recv, double, weigh_in_float32=True)
+    moe = dispatcher.slot_combine(ctx, out)
+    expected = (2 * hidden.unsqueeze(1) * probs.unsqueeze(-1)).sum(1)
+    torch.testing.assert_close(moe, expected)
+    counts = torch.bincount(experts.flatten(), minlength=X)
+    assert seen == [tuple(counts.tolist())]  # rows grouped by local expert
+
+
+def test_experts_step_needs_the_dispatch_step() -> None:
+    dispatcher = TokenDispatcher(2, 1)
+    ctx = PlainContext(ChunkState())
+    with pytest.raises(IntegrationError, match="nothing stashed"):
+        dispatcher.slot_experts(ctx, torch.ones(1, 1), lambda r, s: r, weigh_in_float32=False)
