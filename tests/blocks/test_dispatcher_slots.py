@@ -9,17 +9,17 @@ import torch
 from torch import Tensor
 
 from moe_overlap import ChunkState, IntegrationError
-from moe_overlap.blocks import PlainContext, TokenDispatcher
+from moe_overlap.blocks import DispatcherKind, PlainContext, TokenDispatcher
 
 
 @pytest.mark.parametrize("kind", ["alltoall", "loopback"])
-def test_four_steps_weigh_and_sum_each_tokens_copies(kind: str) -> None:
+def test_four_steps_weigh_and_sum_each_tokens_copies(kind: DispatcherKind) -> None:
     torch.manual_seed(0)
     T, D, X, K = 6, 4, 3, 2
     hidden = torch.randn(T, D)
     probs = torch.rand(T, K)
     experts = torch.stack([torch.randperm(X)[:K] for _ in range(T)])
-    dispatcher = TokenDispatcher(X, K, kind=kind)  # type: ignore[arg-type]
+    dispatcher = TokenDispatcher(X, K, kind=kind)
     ctx = PlainContext(ChunkState())
     seen: list[tuple[int, ...]] = []
 

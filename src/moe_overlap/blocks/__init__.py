@@ -3,8 +3,8 @@
 - delayed weight gradients: :class:`DelayedWgradLinear`, :class:`DelayedWgradGroupedLinear`
   (their base :class:`DelayedWgradModule`), and the model-wide :func:`pending_wgrad`,
   :func:`check_no_pending_wgrad`, :func:`finish_wgrad`, :func:`discard_wgrad`;
-- routing: :class:`TopKRouter` (softmax top-k, selection bias, the load-balancing loss
-  through :func:`attach_aux_loss`);
+- routing: :class:`TopKRouter` (softmax or sigmoid scores, a selection bias, group-limited
+  top-k, renormalization, the load-balancing loss through :func:`attach_aux_loss`);
 - token movement: :class:`TokenDispatcher` permutes copies by expert (:class:`PermuteMeta`,
   frozen, handed from pre-dispatch to combine), moves them over the expert-parallel group
   (:class:`DispatchMeta`) or a one-device loopback, and back;
@@ -24,6 +24,7 @@ from moe_overlap.blocks._dispatcher import PermuteMeta as PermuteMeta
 from moe_overlap.blocks._dispatcher import TokenDispatcher as TokenDispatcher
 from moe_overlap.blocks._model import MegatronHooks as MegatronHooks
 from moe_overlap.blocks._model import Rotary as Rotary
+from moe_overlap.blocks._router import ScoreFunction as ScoreFunction
 from moe_overlap.blocks._router import TopKRouter as TopKRouter
 from moe_overlap.blocks._router import attach_aux_loss as attach_aux_loss
 from moe_overlap.blocks._slots import PlainContext as PlainContext
@@ -53,6 +54,7 @@ __all__ = [
     "PermuteMeta",
     "PlainContext",
     "Rotary",
+    "ScoreFunction",
     "SlotContext",
     "TokenDispatcher",
     "TopKRouter",

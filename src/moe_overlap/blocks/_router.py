@@ -1,4 +1,5 @@
-"""Top-k softmax router with an optional load-balancing auxiliary loss.
+"""Top-k router (softmax or sigmoid scores, selection bias, group-limited selection) with an
+optional load-balancing auxiliary loss.
 
 Legend: ``T`` tokens, ``D`` hidden, ``X`` experts (global), ``K`` top-k.
 """
@@ -6,13 +7,15 @@ Legend: ``T`` tokens, ``D`` hidden, ``X`` experts (global), ``K`` top-k.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["TopKRouter", "attach_aux_loss"]
+from moe_overlap import ConfigError
+
+__all__ = ["ScoreFunction", "TopKRouter", "attach_aux_loss"]
 
 
 class _AuxLossInjector(torch.autograd.Function):
@@ -57,15 +60,29 @@ def attach_aux_loss(probs: Tensor, aux_loss: Tensor, coeff: float) -> Tensor:
     return _inject_aux_loss(probs, aux_loss, coeff)
 
 
-class TopKRouter(nn.Module):
-    """``softmax(x @ W^T)`` over experts in float32, then the top ``k``.
+ScoreFunction = Literal["softmax", "sigmoid"]
+"""How logits become expert scores: Mixtral/Qwen-style ``softmax``, DeepSeek-V3-style
+``sigmoid``."""
 
+
+class TopKRouter(nn.Module):
+    """Expert scores of ``x @ W^T`` in float32, then the top ``k`` experts per token.
+
+    ``score``: ``softmax`` over experts (the default) or an independent ``sigmoid``.
     ``expert_bias`` (a buffer, zeros by default) is added to the scores for *selection
-    only*, as in DeepSeek-V3's aux-free balancing; tests use it to starve experts.
-    The switch-style auxiliary loss ``X * sum_x f_x * P_x`` is attached to the probs
-    when ``aux_loss_coeff > 0``; its gradient is ``aux_loss_coeff * aux_loss_scale``, where
-    ``aux_loss_scale`` (1 by default) should equal the scale applied to the language-model
-    loss (``combined_1f1b(..., loss_scale=...)``), as Megatron-Core's
+    only* (DeepSeek-V3's aux-free score-correction bias); tests also use it to starve
+    experts. With ``num_groups > 1`` selection is group-limited (DeepSeek-V3,
+    Megatron-Core's ``group_limited_topk``): experts are split into ``num_groups`` equal
+    groups, each group is scored by the sum of its best ``topk // topk_groups`` selection
+    scores, and the ``k`` experts are taken from the best ``topk_groups`` groups only. The
+    returned probabilities are the chosen experts' scores, renormalized to sum to one when
+    ``normalize`` (as DeepSeek-V3 does with sigmoid scores), times ``scaling``.
+
+    The switch-style auxiliary loss ``X * sum_x f_x * P_x`` is attached to the scores
+    when ``aux_loss_coeff > 0`` (sigmoid scores normalized over experts first); its
+    gradient is ``aux_loss_coeff * aux_loss_scale``, where ``aux_loss_scale`` (1 by
+    default) should equal the scale applied to the language-model loss
+    (``combined_1f1b(..., loss_scale=...)``), as Megatron-Core's
     ``MoEAuxLossAutoScaler.set_loss_scale`` does.
     """
 
@@ -78,12 +95,23 @@ class TopKRouter(nn.Module):
         topk: int,
         *,
         aux_loss_coeff: float,
+        score: ScoreFunction = "softmax",
+        num_groups: int = 1,
+        topk_groups: int = 1,
+        normalize: bool = False,
+        scaling: float = 1.0,
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
     ) -> None:
         super().__init__()
+        _check_routing(num_experts, topk, score, num_groups, topk_groups)
         self.topk = topk
         self.num_experts = num_experts
+        self.score: ScoreFunction = score
+        self.num_groups = num_groups
+        self.topk_groups = topk_groups
+        self.normalize = normalize
+        self.scaling = scaling
         self.aux_loss_coeff = aux_loss_coeff
         self.aux_loss_scale = 1.0
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype, device=device))
@@ -94,18 +122,66 @@ class TopKRouter(nn.Module):
     def forward(self, x_TD: Tensor) -> tuple[Tensor, Tensor]:
         """Return ``(probs_TK float32, experts_TK int64)``."""
         logits_TX = F.linear(x_TD, self.weight).float()
-        scores_TX = torch.softmax(logits_TX, dim=-1)
+        if self.score == "softmax":
+            scores_TX = torch.softmax(logits_TX, dim=-1)
+        else:
+            scores_TX = torch.sigmoid(logits_TX)
         if self.aux_loss_coeff > 0:
             coeff = self.aux_loss_coeff * self.aux_loss_scale
             scores_TX = attach_aux_loss(scores_TX, self._aux_loss(scores_TX), coeff)
-        _, experts_TK = torch.topk(scores_TX.detach() + self.expert_bias, self.topk, dim=-1)
+        experts_TK = self._select(scores_TX.detach())
         probs_TK = scores_TX.gather(1, experts_TK)
+        if self.normalize:
+            probs_TK = probs_TK / (probs_TK.sum(dim=-1, keepdim=True) + 1e-20)
+        if self.scaling != 1.0:
+            probs_TK = probs_TK * self.scaling
         return probs_TK, experts_TK
 
+    def _select(self, scores_TX: Tensor) -> Tensor:
+        """The top-``k`` experts by selection score (bias added), group-limited if asked."""
+        sel_TX = scores_TX + self.expert_bias
+        if self.num_groups > 1:
+            T, G = sel_TX.shape[0], self.num_groups
+            per_group = sel_TX.view(T, G, -1)
+            best = self.topk // self.topk_groups
+            group_TG = per_group.topk(best, dim=-1).values.sum(dim=-1)
+            keep_TG = torch.zeros_like(group_TG, dtype=torch.bool)
+            keep_TG.scatter_(1, group_TG.topk(self.topk_groups, dim=-1).indices, True)
+            sel_TX = per_group.masked_fill(~keep_TG.unsqueeze(-1), float("-inf")).view(T, -1)
+        _, experts_TK = torch.topk(sel_TX, self.topk, dim=-1)
+        return experts_TK
+
     def _aux_loss(self, scores_TX: Tensor) -> Tensor:
-        _, experts_TK = torch.topk(scores_TX.detach() + self.expert_bias, self.topk, dim=-1)
+        experts_TK = self._select(scores_TX.detach())
+        if self.score == "sigmoid":
+            scores_TX = scores_TX / (scores_TX.sum(dim=-1, keepdim=True) + 1e-20)
         # One-hot sum, not bincount: bincount has no deterministic CUDA kernel.
         experts_X = torch.arange(self.num_experts, device=experts_TK.device)
         counts_X = (experts_TK.reshape(-1, 1) == experts_X).sum(0)
         frac_X = counts_X.to(torch.float32) / max(experts_TK.numel(), 1)
         return self.num_experts * (frac_X * scores_TX.mean(0)).sum()
+
+
+def _check_routing(
+    num_experts: int, topk: int, score: str, num_groups: int, topk_groups: int
+) -> None:
+    if score not in ("softmax", "sigmoid"):
+        raise ConfigError(f"TopKRouter: score must be 'softmax' or 'sigmoid', received {score!r}")
+    if not 1 <= topk <= num_experts:
+        raise ConfigError(
+            f"TopKRouter: expected 1 <= topk <= num_experts={num_experts}, received topk={topk}"
+        )
+    if num_groups < 1 or num_experts % num_groups:
+        raise ConfigError(
+            f"TopKRouter: num_groups must divide num_experts={num_experts}, received {num_groups}"
+        )
+    if num_groups > 1 and not (1 <= topk_groups <= num_groups and topk % topk_groups == 0):
+        raise ConfigError(
+            f"TopKRouter: with num_groups={num_groups}, expected 1 <= topk_groups <= "
+            f"num_groups dividing topk={topk}, received topk_groups={topk_groups}"
+        )
+    if num_groups > 1 and topk // topk_groups > num_experts // num_groups:
+        raise ConfigError(
+            f"TopKRouter: each kept group holds {num_experts // num_groups} experts, fewer than "
+            f"topk // topk_groups = {topk // topk_groups}"
+        )
