@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import moe_overlap.__main__ as demo_module
+import moe_overlap.demo as demo_module
 from moe_overlap import ConfigError, Direction, ModelChunkSchedulePlan, combined_1f1b
 from moe_overlap.__main__ import main
 from moe_overlap.models import GPTMoEModel
