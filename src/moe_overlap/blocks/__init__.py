@@ -1,5 +1,8 @@
 """Building blocks for integrations: the parts a schedulable MoE model needs.
 
+- transformer parts: :class:`RMSNorm`, rotary tables (:func:`rotary_tables`,
+  :func:`apply_rotary`), causal :class:`SelfAttention`, :class:`SwiGLUMLP` and the routed
+  :class:`GroupedExperts`, their projections delayed-wgrad linears;
 - delayed weight gradients: :class:`DelayedWgradLinear`, :class:`DelayedWgradGroupedLinear`
   (their base :class:`DelayedWgradModule`), and the model-wide :func:`pending_wgrad`,
   :func:`check_no_pending_wgrad`, :func:`finish_wgrad`, :func:`discard_wgrad`;
@@ -22,6 +25,7 @@ from moe_overlap.blocks._dispatcher import DispatcherKind as DispatcherKind
 from moe_overlap.blocks._dispatcher import DispatchMeta as DispatchMeta
 from moe_overlap.blocks._dispatcher import PermuteMeta as PermuteMeta
 from moe_overlap.blocks._dispatcher import TokenDispatcher as TokenDispatcher
+from moe_overlap.blocks._experts import GroupedExperts as GroupedExperts
 from moe_overlap.blocks._model import MegatronHooks as MegatronHooks
 from moe_overlap.blocks._model import Rotary as Rotary
 from moe_overlap.blocks._router import ScoreFunction as ScoreFunction
@@ -30,6 +34,12 @@ from moe_overlap.blocks._router import attach_aux_loss as attach_aux_loss
 from moe_overlap.blocks._slots import PlainContext as PlainContext
 from moe_overlap.blocks._slots import SlotContext as SlotContext
 from moe_overlap.blocks._slots import single_input as single_input
+from moe_overlap.blocks._transformer import RMSNorm as RMSNorm
+from moe_overlap.blocks._transformer import RotaryTables as RotaryTables
+from moe_overlap.blocks._transformer import SelfAttention as SelfAttention
+from moe_overlap.blocks._transformer import SwiGLUMLP as SwiGLUMLP
+from moe_overlap.blocks._transformer import apply_rotary as apply_rotary
+from moe_overlap.blocks._transformer import rotary_tables as rotary_tables
 from moe_overlap.blocks._wgrad import DelayedWgradGroupedLinear as DelayedWgradGroupedLinear
 from moe_overlap.blocks._wgrad import DelayedWgradLinear as DelayedWgradLinear
 from moe_overlap.blocks._wgrad import DelayedWgradModule as DelayedWgradModule
@@ -48,20 +58,27 @@ __all__ = [
     "DenseKernel",
     "DispatchMeta",
     "DispatcherKind",
+    "GroupedExperts",
     "GroupedKernel",
     "MatmulKernel",
     "MegatronHooks",
     "PermuteMeta",
     "PlainContext",
+    "RMSNorm",
     "Rotary",
+    "RotaryTables",
     "ScoreFunction",
+    "SelfAttention",
     "SlotContext",
+    "SwiGLUMLP",
     "TokenDispatcher",
     "TopKRouter",
+    "apply_rotary",
     "attach_aux_loss",
     "check_no_pending_wgrad",
     "discard_wgrad",
     "finish_wgrad",
     "pending_wgrad",
+    "rotary_tables",
     "single_input",
 ]

@@ -6,11 +6,7 @@ used as the bit-exact reference for :func:`~moe_overlap.combined_1f1b`. Its dela
 linears and model hooks are :mod:`moe_overlap.blocks`.
 """
 
-from moe_overlap.models._blocks import RMSNorm as RMSNorm
-from moe_overlap.models._blocks import SelfAttention as SelfAttention
-from moe_overlap.models._blocks import SwiGLUMLP as SwiGLUMLP
 from moe_overlap.models._config import GPTMoEConfig as GPTMoEConfig
-from moe_overlap.models._experts import GroupedExperts as GroupedExperts
 from moe_overlap.models._gpt import Decoder as Decoder
 from moe_overlap.models._gpt import GPTMoEModel as GPTMoEModel
 from moe_overlap.models._gpt import masked_cross_entropy as masked_cross_entropy
@@ -24,10 +20,6 @@ __all__ = [
     "GPTLayer",
     "GPTMoEConfig",
     "GPTMoEModel",
-    "GroupedExperts",
     "MoELayer",
-    "RMSNorm",
-    "SelfAttention",
-    "SwiGLUMLP",
     "masked_cross_entropy",
 ]

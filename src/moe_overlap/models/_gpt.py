@@ -23,12 +23,12 @@ from torch import Tensor, nn
 
 from moe_overlap import ChunkState, ScheduleOptions
 from moe_overlap.blocks._dispatcher import TokenDispatcher
+from moe_overlap.blocks._experts import GroupedExperts
 from moe_overlap.blocks._model import MegatronHooks, Rotary
 from moe_overlap.blocks._router import TopKRouter
+from moe_overlap.blocks._transformer import RMSNorm, rotary_tables
 from moe_overlap.blocks._wgrad import DelayedWgradModule, check_no_pending_wgrad
-from moe_overlap.models._blocks import RMSNorm, rotary_tables
 from moe_overlap.models._config import GPTMoEConfig
-from moe_overlap.models._experts import GroupedExperts
 from moe_overlap.models._layers import DenseLayer, GPTLayer, MoELayer
 
 __all__ = ["Decoder", "GPTMoEModel"]

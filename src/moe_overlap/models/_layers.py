@@ -29,12 +29,12 @@ from moe_overlap import (
     WgradScope,
 )
 from moe_overlap.blocks._dispatcher import TokenDispatcher
+from moe_overlap.blocks._experts import GroupedExperts
 from moe_overlap.blocks._router import TopKRouter
 from moe_overlap.blocks._slots import PlainContext, SlotContext
 from moe_overlap.blocks._slots import single_input as _single
-from moe_overlap.models._blocks import RMSNorm, SelfAttention, SwiGLUMLP
+from moe_overlap.blocks._transformer import RMSNorm, SelfAttention, SwiGLUMLP
 from moe_overlap.models._config import GPTMoEConfig
-from moe_overlap.models._experts import GroupedExperts
 
 __all__ = ["DenseLayer", "GPTLayer", "MoELayer"]
 
