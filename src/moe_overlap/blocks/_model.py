@@ -7,7 +7,8 @@ says how it embeds token ids (:meth:`~MegatronHooks.embed`), which rotary tables
 (:meth:`~MegatronHooks.output`: the loss with labels, usually the logits without).
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations``: the NamedTuple's field types must be real objects
+# at run time for debug mode's checks.
 
 from collections.abc import Callable, Mapping
 from typing import NamedTuple
