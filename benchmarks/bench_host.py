@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from moe_overlap import (
+    ChunkState,
     Microbatch,
     PreprocessOutput,
     TransformerLayerNode,
@@ -28,7 +29,14 @@ from moe_overlap import (
     combined_1f1b,
     make_streams,
 )
-from moe_overlap.blocks import MegatronHooks
+from moe_overlap.blocks import (
+    DelayedWgradLinear,
+    GroupedExperts,
+    MegatronHooks,
+    PlainContext,
+    TokenDispatcher,
+    TopKRouter,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,13 +156,76 @@ def _plain_cost_us(model: TrivialModel, mbs: Sequence[Microbatch]) -> float:
     return (time.perf_counter() - t0) * 1e6
 
 
+def _per_call_us(fn: Callable[[], object], repeats: int, calls: int = 200) -> float:
+    """Median over ``repeats`` of the mean host time of ``calls`` calls, in µs."""
+    samples: list[float] = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - t0) * 1e6 / calls)
+    return statistics.median(samples)
+
+
+def _blocks_cost_us(repeats: int) -> dict[str, float]:
+    """Host cost of each block's step on tiny CPU tensors (so the library is all there is)."""
+    T, D, X, K = 16, 8, 4, 2
+    hidden = torch.randn(T, D, requires_grad=True)
+    router = TopKRouter(D, X, K, aux_loss_coeff=0.0)
+    nn.init.normal_(router.weight)
+    dispatcher = TokenDispatcher(X, K)
+    experts = GroupedExperts(X, D, D, expert_offset=0, delay_wgrad=True)
+    for w in experts.parameters():
+        nn.init.normal_(w)
+    linear = DelayedWgradLinear(D, D, delay_wgrad=True)
+    nn.init.normal_(linear.weight)
+    probs, chosen = router(hidden)
+    ctx = PlainContext(ChunkState())
+
+    def four_steps() -> Tensor:
+        tokens, p = dispatcher.slot_permute(ctx, hidden, probs, chosen)
+        recv = dispatcher.slot_dispatch(ctx, tokens, p)
+        out = dispatcher.slot_experts(ctx, recv, experts, weigh_in_float32=True)
+        return dispatcher.slot_combine(ctx, out)
+
+    def permute() -> object:
+        return dispatcher.slot_permute(ctx, hidden, probs, chosen)
+
+    def wgrad_cycle() -> None:
+        linear(hidden).sum().backward()
+        linear.backward_dw()
+
+    model = TrivialModel(1)
+    x = torch.randn(4)
+
+    def hooks() -> Tensor:
+        # The two hooks are what the schedule calls; their names are Megatron's.
+        pre = model._preprocess(None, None, decoder_input=x)  # pyright: ignore[reportPrivateUsage]
+        h = pre.decoder_input
+        return model._postprocess(h, None, None, None, None, None, None)  # pyright: ignore[reportPrivateUsage]
+
+    return {
+        "TopKRouter.forward": _per_call_us(lambda: router(hidden), repeats),
+        "TokenDispatcher.slot_permute": _per_call_us(permute, repeats),
+        "TokenDispatcher four slot steps (EP=1, 4 experts)": _per_call_us(four_steps, repeats),
+        "DelayedWgradLinear forward+backward+backward_dw": _per_call_us(wgrad_cycle, repeats),
+        "MegatronHooks._preprocess + _postprocess": _per_call_us(hooks, repeats),
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="host cost per node of the schedule, on CPU")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--repeats", type=int, default=30)
+    p.add_argument(
+        "--blocks", action="store_true", help="host µs per call of each moe_overlap.blocks step"
+    )
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if args.blocks:
+        print(json.dumps(_blocks_cost_us(args.repeats), indent=1))
+        return
     model = TrivialModel(args.layers)
     mbs = [Microbatch(decoder_input=torch.randn(4)) for _ in range(args.microbatches)]
     streams = make_streams("cpu")
