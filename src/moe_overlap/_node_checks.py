@@ -8,7 +8,7 @@ crashes the process instead of raising.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import cast
 
 import torch
@@ -26,6 +26,7 @@ __all__ = [
     "check_own_leaves",
     "freed_memory_hint",
     "graph_saves",
+    "walk_graph",
 ]
 
 FREED_MEMORY_HINT = (
@@ -141,15 +142,7 @@ def graph_saves(roots: Sequence[object], pointers: set[int]) -> list[str]:
     it touches every node of the graph.
     """
     found: list[str] = []
-    # Holds every visited node: torch may build a node's Python object on each access and
-    # drop it after, so an id() is only unique (and a revisit recognised) while it lives.
-    seen: dict[int, object] = {}
-    stack = [r for r in roots if r is not None]
-    while stack:
-        fn = stack.pop()
-        if id(fn) in seen:
-            continue
-        seen[id(fn)] = fn
+    for fn in walk_graph(roots):
         kind = type(fn).__name__
         for attr in dir(fn):
             if not (attr.startswith("_saved_") or attr == "saved_tensors"):
@@ -166,8 +159,6 @@ def graph_saves(roots: Sequence[object], pointers: set[int]) -> list[str]:
             for t in values:
                 if isinstance(t, Tensor) and t.untyped_storage().data_ptr() in pointers:
                     found.append(f"{kind}.{attr.removeprefix('_saved_')}")
-        nexts = cast("tuple[tuple[object, int], ...]", getattr(fn, "next_functions", ()))
-        stack += [nxt for nxt, _ in nexts if nxt is not None]
     return found
 
 
@@ -210,24 +201,36 @@ def check_own_leaves(name: str, roots: Sequence[object], allowed: Sequence[Tenso
     in another order than plain ``backward()`` (or the shared graph run twice).
     """
     ok = {id(t) for t in allowed}
-    seen: dict[int, object] = {}  # holds the nodes: see graph_saves
+    for fn in walk_graph(roots):
+        leaf: object = getattr(fn, "variable", None)
+        if not (isinstance(leaf, Tensor) and type(fn).__name__ == "AccumulateGrad"):
+            continue
+        if isinstance(leaf, torch.nn.Parameter) or id(leaf) in ok:
+            continue
+        raise IntegrationError(
+            f"node {name!r}: its outputs depend on a tensor ({_describe(leaf)}) that is "
+            "not a parameter, not one of its inputs and not handed on with node.detach: "
+            "a tensor from another slot (or another microbatch) used as it is, so its "
+            "gradient would not be computed as plain backward() computes it; expected "
+            "tensors passed between slots to go through node.detach(t) (checked in "
+            "debug mode)"
+        )
+
+
+def walk_graph(roots: Sequence[object]) -> Iterator[object]:
+    """Every autograd node below ``roots`` (through ``next_functions``), each once.
+
+    Holds the nodes it has visited: torch may build a node's Python object on each access
+    and drop it after, so an ``id()`` is only unique (and a revisit recognised) while it
+    lives.
+    """
+    seen: dict[int, object] = {}
     stack = [r for r in roots if r is not None]
     while stack:
         fn = stack.pop()
         if id(fn) in seen:
             continue
         seen[id(fn)] = fn
-        leaf: object = getattr(fn, "variable", None)
-        if isinstance(leaf, Tensor) and type(fn).__name__ == "AccumulateGrad":
-            if isinstance(leaf, torch.nn.Parameter) or id(leaf) in ok:
-                continue
-            raise IntegrationError(
-                f"node {name!r}: its outputs depend on a tensor ({_describe(leaf)}) that is "
-                "not a parameter, not one of its inputs and not handed on with node.detach: "
-                "a tensor from another slot (or another microbatch) used as it is, so its "
-                "gradient would not be computed as plain backward() computes it; expected "
-                "tensors passed between slots to go through node.detach(t) (checked in "
-                "debug mode)"
-            )
+        yield fn
         nexts = cast("tuple[tuple[object, int], ...]", getattr(fn, "next_functions", ()))
         stack += [nxt for nxt, _ in nexts if nxt is not None]
