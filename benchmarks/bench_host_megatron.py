@@ -54,7 +54,7 @@ import torch
 from torch import Tensor, nn
 
 from moe_overlap import ChunkState, LayerArgs, LayerState, TransformerLayerNode
-from moe_overlap._streams import AnyEvent, AnyStream, make_event, make_streams
+from moe_overlap.engine._streams import AnyEvent, AnyStream, make_event, make_streams
 
 SLOTS = ("pre_dispatch_computation", "moe_dispatch", "mlp", "moe_combine")
 """Megatron-Core's slot names; the free-input policy keys on them."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moe_overlap._streams import reset_streams
+from moe_overlap.engine._streams import reset_streams
 
 
 @pytest.fixture(autouse=True)

@@ -39,7 +39,7 @@ from moe_overlap import (
     make_streams,
     weak_method,
 )
-from moe_overlap._streams import use_stream
+from moe_overlap.engine._streams import use_stream
 
 from .test_debug_mode import run as run_python
 from .test_parity import assert_same

@@ -33,7 +33,7 @@ from moe_overlap import (
     set_streams,
     weak_method,
 )
-from moe_overlap._streams import reset_streams, use_stream
+from moe_overlap.engine._streams import reset_streams, use_stream
 
 CPU = CpuStream("test")
 

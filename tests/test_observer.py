@@ -25,7 +25,7 @@ from moe_overlap import (
     chunk_steps,
     combined_1f1b,
 )
-from moe_overlap._streams import AnyStream
+from moe_overlap.engine._streams import AnyStream
 from moe_overlap.timeline import Timeline
 
 from .test_failures import Boom, Trap, install, tag_microbatches

@@ -5,72 +5,74 @@ Set ``MOE_OVERLAP_DEBUG=1`` before the first import to check every public call a
 time with beartype; otherwise beartype is not imported and nothing is wrapped.
 """
 
-from moe_overlap._debug import debug_enabled as _debug_enabled
+from moe_overlap.engine._debug import debug_enabled as _debug_enabled
 
 if _debug_enabled():  # must run before any other submodule is imported
-    from moe_overlap._debug import install_beartype
+    from moe_overlap.engine._debug import install_beartype
 
     install_beartype()
 
-from moe_overlap._chunk_plan import ModelChunkSchedulePlan as ModelChunkSchedulePlan
-from moe_overlap._driver import Microbatch as Microbatch
-from moe_overlap._driver import combined_1f1b as combined_1f1b
-from moe_overlap._errors import ConfigError as ConfigError
-from moe_overlap._errors import IntegrationError as IntegrationError
-from moe_overlap._errors import LayerStateAttributeError as LayerStateAttributeError
-from moe_overlap._errors import MoeOverlapError as MoeOverlapError
-from moe_overlap._errors import NodeStateError as NodeStateError
-from moe_overlap._errors import PlanReleasedError as PlanReleasedError
-from moe_overlap._errors import ScheduleError as ScheduleError
-from moe_overlap._errors import StreamError as StreamError
-from moe_overlap._errors import TypeHintError as TypeHintError
-from moe_overlap._errors import WgradError as WgradError
-from moe_overlap._free_input import CudaGraphModule as CudaGraphModule
-from moe_overlap._free_input import should_free_input as should_free_input
-from moe_overlap._layer_node import LayerArgs as LayerArgs
-from moe_overlap._layer_node import TransformerLayerNode as TransformerLayerNode
-from moe_overlap._layer_plan import TransformerLayerSchedulePlan as TransformerLayerSchedulePlan
-from moe_overlap._node import NoopScheduleNode as NoopScheduleNode
-from moe_overlap._node import ScheduleNode as ScheduleNode
-from moe_overlap._node import weak_method as weak_method
-from moe_overlap._options import ChunkHooks as ChunkHooks
-from moe_overlap._options import ScheduleOptions as ScheduleOptions
-from moe_overlap._process_nodes import PostProcessNode as PostProcessNode
-from moe_overlap._process_nodes import PreProcessNode as PreProcessNode
-from moe_overlap._protocols import FreeInputConfig as FreeInputConfig
-from moe_overlap._protocols import MtpSchedulableLayer as MtpSchedulableLayer
-from moe_overlap._protocols import NodeTimer as NodeTimer
-from moe_overlap._protocols import PendingWgrad as PendingWgrad
-from moe_overlap._protocols import PreprocessableModel as PreprocessableModel
-from moe_overlap._protocols import SchedulableLayer as SchedulableLayer
-from moe_overlap._protocols import SlotFn as SlotFn
-from moe_overlap._protocols import StepObserver as StepObserver
-from moe_overlap._protocols import StreamProvider as StreamProvider
-from moe_overlap._protocols import WgradLayer as WgradLayer
-from moe_overlap._state import ChunkState as ChunkState
-from moe_overlap._state import LayerState as LayerState
-from moe_overlap._state import PreprocessOutput as PreprocessOutput
-from moe_overlap._steps import ChunkShape as ChunkShape
-from moe_overlap._steps import Direction as Direction
-from moe_overlap._steps import LayerShape as LayerShape
-from moe_overlap._steps import Role as Role
-from moe_overlap._steps import Slot as Slot
-from moe_overlap._steps import Step as Step
-from moe_overlap._steps import StreamKind as StreamKind
-from moe_overlap._steps import chunk_steps as chunk_steps
-from moe_overlap._steps import format_steps as format_steps
-from moe_overlap._steps import layer_pair_steps as layer_pair_steps
-from moe_overlap._streams import CpuEvent as CpuEvent
-from moe_overlap._streams import CpuStream as CpuStream
-from moe_overlap._streams import StreamPair as StreamPair
-from moe_overlap._streams import get_comm_stream as get_comm_stream
-from moe_overlap._streams import get_comp_stream as get_comp_stream
-from moe_overlap._streams import make_event as make_event
-from moe_overlap._streams import make_streams as make_streams
-from moe_overlap._streams import set_streams as set_streams
-from moe_overlap._wgrad import BackwardDWWrapper as BackwardDWWrapper
-from moe_overlap._wgrad import WgradScope as WgradScope
-from moe_overlap._wgrad_check import check_wgrad_done as check_wgrad_done
+from moe_overlap.engine._chunk_plan import ModelChunkSchedulePlan as ModelChunkSchedulePlan
+from moe_overlap.engine._driver import Microbatch as Microbatch
+from moe_overlap.engine._driver import combined_1f1b as combined_1f1b
+from moe_overlap.engine._errors import ConfigError as ConfigError
+from moe_overlap.engine._errors import IntegrationError as IntegrationError
+from moe_overlap.engine._errors import LayerStateAttributeError as LayerStateAttributeError
+from moe_overlap.engine._errors import MoeOverlapError as MoeOverlapError
+from moe_overlap.engine._errors import NodeStateError as NodeStateError
+from moe_overlap.engine._errors import PlanReleasedError as PlanReleasedError
+from moe_overlap.engine._errors import ScheduleError as ScheduleError
+from moe_overlap.engine._errors import StreamError as StreamError
+from moe_overlap.engine._errors import TypeHintError as TypeHintError
+from moe_overlap.engine._errors import WgradError as WgradError
+from moe_overlap.engine._free_input import CudaGraphModule as CudaGraphModule
+from moe_overlap.engine._free_input import should_free_input as should_free_input
+from moe_overlap.engine._layer_node import LayerArgs as LayerArgs
+from moe_overlap.engine._layer_node import TransformerLayerNode as TransformerLayerNode
+from moe_overlap.engine._layer_plan import (
+    TransformerLayerSchedulePlan as TransformerLayerSchedulePlan,
+)
+from moe_overlap.engine._node import NoopScheduleNode as NoopScheduleNode
+from moe_overlap.engine._node import ScheduleNode as ScheduleNode
+from moe_overlap.engine._node import weak_method as weak_method
+from moe_overlap.engine._options import ChunkHooks as ChunkHooks
+from moe_overlap.engine._options import ScheduleOptions as ScheduleOptions
+from moe_overlap.engine._process_nodes import PostProcessNode as PostProcessNode
+from moe_overlap.engine._process_nodes import PreProcessNode as PreProcessNode
+from moe_overlap.engine._protocols import FreeInputConfig as FreeInputConfig
+from moe_overlap.engine._protocols import MtpSchedulableLayer as MtpSchedulableLayer
+from moe_overlap.engine._protocols import NodeTimer as NodeTimer
+from moe_overlap.engine._protocols import PendingWgrad as PendingWgrad
+from moe_overlap.engine._protocols import PreprocessableModel as PreprocessableModel
+from moe_overlap.engine._protocols import SchedulableLayer as SchedulableLayer
+from moe_overlap.engine._protocols import SlotFn as SlotFn
+from moe_overlap.engine._protocols import StepObserver as StepObserver
+from moe_overlap.engine._protocols import StreamProvider as StreamProvider
+from moe_overlap.engine._protocols import WgradLayer as WgradLayer
+from moe_overlap.engine._state import ChunkState as ChunkState
+from moe_overlap.engine._state import LayerState as LayerState
+from moe_overlap.engine._state import PreprocessOutput as PreprocessOutput
+from moe_overlap.engine._steps import ChunkShape as ChunkShape
+from moe_overlap.engine._steps import Direction as Direction
+from moe_overlap.engine._steps import LayerShape as LayerShape
+from moe_overlap.engine._steps import Role as Role
+from moe_overlap.engine._steps import Slot as Slot
+from moe_overlap.engine._steps import Step as Step
+from moe_overlap.engine._steps import StreamKind as StreamKind
+from moe_overlap.engine._steps import chunk_steps as chunk_steps
+from moe_overlap.engine._steps import format_steps as format_steps
+from moe_overlap.engine._steps import layer_pair_steps as layer_pair_steps
+from moe_overlap.engine._streams import CpuEvent as CpuEvent
+from moe_overlap.engine._streams import CpuStream as CpuStream
+from moe_overlap.engine._streams import StreamPair as StreamPair
+from moe_overlap.engine._streams import get_comm_stream as get_comm_stream
+from moe_overlap.engine._streams import get_comp_stream as get_comp_stream
+from moe_overlap.engine._streams import make_event as make_event
+from moe_overlap.engine._streams import make_streams as make_streams
+from moe_overlap.engine._streams import set_streams as set_streams
+from moe_overlap.engine._wgrad import BackwardDWWrapper as BackwardDWWrapper
+from moe_overlap.engine._wgrad import WgradScope as WgradScope
+from moe_overlap.engine._wgrad_check import check_wgrad_done as check_wgrad_done
 
 __version__ = "0.1.0"
 

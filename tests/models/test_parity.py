@@ -11,7 +11,7 @@ from moe_overlap import (
     WgradLayer,
     combined_1f1b,
 )
-from moe_overlap._conformance import check_layer, check_model
+from moe_overlap.engine._conformance import check_layer, check_model
 from moe_overlap.models import GPTMoEModel, MoELayer
 from tests.models._helpers import SMALL, check_parity, microbatches
 

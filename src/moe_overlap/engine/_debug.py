@@ -31,8 +31,8 @@ def install_beartype() -> None:
     from beartype import BeartypeConf, FrozenDict
     from beartype.claw import beartype_package
 
-    from moe_overlap import _protocols as protocols
-    from moe_overlap._errors import TypeHintError
+    from moe_overlap.engine import _protocols as protocols
+    from moe_overlap.engine._errors import TypeHintError
 
     overrides: dict[object, object] = {
         getattr(protocols, name): object for name in protocols.__all__
