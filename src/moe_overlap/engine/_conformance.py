@@ -34,6 +34,7 @@ __all__ = [
     "check_wgrad_layers",
     "checks_memoized",
     "missing_members",
+    "named",
 ]
 
 MODEL_MEMBERS = ("pre_process", "post_process", "config", "decoder", "_preprocess", "_postprocess")
@@ -268,10 +269,9 @@ def check_layer(layer: object, where: str | Callable[[], str]) -> SchedulableLay
         and callable(mlp)
         and (not is_moe or (callable(dispatch) and callable(combine)))
     ):
-        _layer_error(layer, where if isinstance(where, str) else where())
+        _layer_error(layer, named(where))
     if not _config_ok(config):
-        name = where if isinstance(where, str) else where()
-        check_free_input_config(config, f"{name}: {type(layer).__name__}.config")
+        check_free_input_config(config, f"{named(where)}: {type(layer).__name__}.config")
     _remember(layer)
     return cast(SchedulableLayer, layer)
 
@@ -313,7 +313,7 @@ def check_wgrad_layers(
         return []
 
     def name() -> str:
-        base = where if isinstance(where, str) else where()
+        base = named(where)
         return f"{base}: {what}" if what else base
 
     if not isinstance(modules, (list, tuple)) and (
@@ -327,6 +327,11 @@ def check_wgrad_layers(
         if not already_checked(module):
             check_wgrad_layer(module, Indexed(name, i, ""))
     return cast("list[WgradLayer]", items)
+
+
+def named(where: str | Callable[[], str]) -> str:
+    """The name an error message gives: ``where`` itself, or what the callable formats."""
+    return where if isinstance(where, str) else where()
 
 
 class Indexed:
@@ -347,9 +352,8 @@ def check_wgrad_layer(module: object, where: str | Callable[[], str]) -> WgradLa
     """``module`` as a :class:`~moe_overlap.WgradLayer` (``backward_dw()`` and ``parameters()``)."""
     missing = missing_members(module, ("backward_dw", "parameters"))
     if missing:
-        name = where if isinstance(where, str) else where()
         raise IntegrationError(
-            f"{name}: {type(module).__name__} is not a WgradLayer (a module whose weight "
+            f"{named(where)}: {type(module).__name__} is not a WgradLayer (a module whose weight "
             f"gradients backward_dw() computes); missing members: {missing}"
         )
     _remember(module)

@@ -9,7 +9,7 @@ from typing import NamedTuple, cast
 
 from torch.nn import Parameter
 
-from ._conformance import Indexed, already_checked, check_wgrad_layer
+from ._conformance import Indexed, already_checked, check_wgrad_layer, named
 from ._errors import IntegrationError
 from ._free_input import CudaGraphModule, graph_module_names
 from ._options import Hook
@@ -73,28 +73,24 @@ def check_wgrad_scopes(parts: object, where: str | Callable[[], str]) -> tuple[W
         items = tuple(cast("Sequence[object]", parts))
     else:
         raise IntegrationError(
-            f"{_name(where)}: expected a sequence of WgradScope(scope, module), "
+            f"{named(where)}: expected a sequence of WgradScope(scope, module), "
             f"received {type(parts).__name__}"
         )
     for i, part in enumerate(items):
         if not isinstance(part, WgradScope):
             raise IntegrationError(
-                f"{_name(where)}[{i}]: expected a WgradScope(scope, module) naming the "
+                f"{named(where)}[{i}]: expected a WgradScope(scope, module) naming the "
                 f"CUDA-graph scope that covers the module, received {type(part).__name__}; "
                 "wrap it: WgradScope(CudaGraphModule.attn, module)"
             )
         if not isinstance(part.scope, CudaGraphModule):  # pyright: ignore[reportUnnecessaryIsInstance]
             raise IntegrationError(
-                f"{_name(where)}[{i}].scope: expected a CudaGraphModule, "
+                f"{named(where)}[{i}].scope: expected a CudaGraphModule, "
                 f"received {type(part.scope).__name__} {part.scope!r}"
             )
         if not already_checked(part.module):
-            check_wgrad_layer(part.module, Indexed(lambda: _name(where), i, ".module"))
+            check_wgrad_layer(part.module, Indexed(lambda: named(where), i, ".module"))
     return cast("tuple[WgradScope, ...]", items)
-
-
-def _name(where: str | Callable[[], str]) -> str:
-    return where if isinstance(where, str) else where()
 
 
 _BackwardDWWrapper = BackwardDWWrapper
