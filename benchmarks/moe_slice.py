@@ -1,9 +1,9 @@
 """A DeepSeek-V3-like MoE layer slice for one GPU, with a host-loopback all-to-all.
 
-One GPU has no peer, so the expert-parallel all-to-all is emulated: dispatch and combine
-move the permuted tokens device -> pinned host -> device on the stream they run on (the
-copy engines, no SMs), the same bytes a rank of an EP all-to-all sends and receives. The
-rank plays EP rank 0 of ``num_experts // local_experts`` ranks: the rows routed to the
+One GPU has no peer, so the expert-parallel all-to-all is emulated (the library's
+:class:`~moe_overlap.blocks.HostLoopback`): dispatch and combine move the permuted tokens
+device -> pinned host -> device on the stream they run on (the copy engines, no SMs), the
+same bytes a rank of an EP all-to-all sends and receives. The rank plays EP rank 0 of ``num_experts // local_experts`` ranks: the rows routed to the
 other ranks' experts (``remote_fraction`` of the buffer) go through the host, the local
 rows are copied on the device. The rank's own routed rows stand in for the rows the other
 ranks would send it, so the local experts see a real EP rank's load.
@@ -18,22 +18,18 @@ heads, ``D`` head dim, ``F`` expert FFN size, ``G`` global experts, ``J`` source
 
 from __future__ import annotations
 
-import enum
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_overlap import Microbatch, PreprocessOutput, TransformerLayerNode, WgradLayer, WgradScope
-from moe_overlap.blocks import MegatronHooks
+from moe_overlap.blocks import GroupedExperts, HostLoopback, LoopbackMode, MegatronHooks, loopback
 
 __all__ = [
-    "ExpertWgrad",
-    "Loopback",
     "LoopbackMode",
     "MoESliceLayer",
     "MoESliceModel",
@@ -41,15 +37,6 @@ __all__ = [
     "expert_positions",
     "make_microbatches",
 ]
-
-
-class LoopbackMode(str, enum.Enum):
-    """What dispatch and combine do with the permuted tokens."""
-
-    HOST = "host"
-    """Round trip of the remote rows through pinned host memory (the emulated all-to-all)."""
-    DEVICE = "device"
-    """One device-side copy of the whole buffer (compute-only runs)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,93 +90,13 @@ class SliceConfig:
     def remote_rows(self) -> int:
         return round(self.slots * self.remote_fraction)
 
+    def make_loopback(self) -> HostLoopback:
+        """The emulated all-to-all: the remote rows through the host, duplex in chunks."""
+        return HostLoopback(remote_rows=self.remote_rows(), chunks=self.chunks, mode=self.loopback)
+
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
-
-
-class Loopback:
-    """The emulated all-to-all: device -> pinned host -> device, duplex in chunks.
-
-    Runs on the current stream (the comm stream in the schedule). Each chunk's host->device
-    copy goes on a side stream so it overlaps the next chunk's device->host copy, as the
-    send and receive of an all-to-all overlap; the current stream waits for the side stream
-    before returning. One pinned staging buffer is shared by every call: every call joins
-    the side stream back before the next call's first copy, so no two calls overlap on it.
-    """
-
-    def __init__(self, config: SliceConfig, dtype: torch.dtype, device: torch.device) -> None:
-        self.mode = config.loopback
-        self.chunks = max(1, config.chunks)
-        self.remote_rows = config.remote_rows()
-        numel = config.slots * config.hidden
-        cuda = device.type == "cuda"
-        self.host = torch.empty(numel, dtype=dtype, pin_memory=cuda)
-        self.side: torch.cuda.Stream | None = _new_stream(device) if cuda else None
-        self.calls = 0
-        self.bytes_moved = 0
-
-    def __call__(self, x_PH: Tensor) -> Tensor:
-        """Return a copy of ``x_PH`` (contiguous rows) that travelled as configured."""
-        x_PH = x_PH.contiguous()
-        self.calls += 1
-        if self.mode is LoopbackMode.DEVICE:
-            return x_PH.clone()
-        out = torch.empty_like(x_PH)
-        rows, hidden = x_PH.shape
-        remote = min(self.remote_rows, rows)
-        if remote < rows:
-            out[remote:].copy_(x_PH[remote:])
-        host = self.host[: remote * hidden].view(remote, hidden)
-        self.bytes_moved += 2 * remote * hidden * x_PH.element_size()
-        side = self.side
-        if side is None:  # CPU: two plain copies
-            host.copy_(x_PH[:remote])
-            out[:remote].copy_(host)
-            return out
-        cur = torch.cuda.current_stream(x_PH.device)
-        step = math.ceil(remote / self.chunks)
-        for lo in range(0, remote, step):
-            hi = min(remote, lo + step)
-            host[lo:hi].copy_(x_PH[lo:hi], non_blocking=True)
-            side.wait_stream(cur)
-            with torch.cuda.stream(side):
-                out[lo:hi].copy_(host[lo:hi], non_blocking=True)
-        cur.wait_stream(side)
-        return out
-
-
-_new_stream: Callable[[torch.device], torch.cuda.Stream] = torch.cuda.Stream
-
-
-class _LoopbackFn(torch.autograd.Function):
-    """Forward: the loopback of the tokens; backward: the loopback of their grads."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,  # torch's FunctionCtx declares no fields; we add our own
-        x: Tensor,
-        loopback: Loopback,
-    ) -> Tensor:
-        ctx.loopback = loopback
-        return loopback(x)
-
-    @staticmethod
-    def backward(
-        ctx: Any,  # see forward
-        *grad_outputs: Tensor,
-    ) -> tuple[Tensor, None]:
-        (grad,) = grad_outputs
-        lb = ctx.loopback
-        assert isinstance(lb, Loopback)
-        return lb(grad), None
-
-
-# Function.apply is untyped; give it its signature once, here.
-_loopback = cast(
-    "Callable[[Tensor, Loopback], Tensor]",
-    _LoopbackFn.apply,  # pyright: ignore[reportUnknownMemberType]
-)
 
 
 def expert_positions(expert_R: Tensor, num_experts: int) -> Tensor:
@@ -207,112 +114,48 @@ def expert_positions(expert_R: Tensor, num_experts: int) -> Tensor:
     return torch.empty_like(pos_sorted_R).scatter_(0, order_R, pos_sorted_R)
 
 
-class ExpertWgrad:
-    """The routed experts' weights as a :class:`moe_overlap.WgradLayer`.
-
-    While :attr:`delay` is set, the backward of an expert matmul computes only the input
-    gradient and keeps ``(input, output grad)``; :meth:`backward_dw` then computes and
-    accumulates the weight gradients (in the mlp slot's ``WGRAD`` step, which the schedule
-    runs because the layer then lists this module in ``mlp_wgrad()``).
-    """
-
-    def __init__(self, weights: tuple[nn.Parameter, ...]) -> None:
-        self.weights = weights
-        self.delay = False
-        self.pending: list[tuple[nn.Parameter, Tensor, Tensor]] = []
-        self.delayed = 0
-        """Weight gradients computed by :meth:`backward_dw` so far."""
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        return iter(self.weights)
-
-    @property
-    def pending_wgrad(self) -> int:
-        """Weight gradients still owed (a :class:`moe_overlap.PendingWgrad`)."""
-        return len(self.pending)
-
-    def backward_dw(self) -> None:
-        with torch.no_grad():
-            for w, x, g in self.pending:
-                _accumulate(w, torch.bmm(x.transpose(1, 2), g))
-                self.delayed += 1
-        self.pending.clear()
-
-
-def _accumulate(w: nn.Parameter, dw: Tensor) -> None:
-    if w.grad is None:
-        w.grad = dw
-    else:
-        w.grad += dw
-
-
-class _ExpertBmmFn(torch.autograd.Function):
-    """``x @ w`` per expert, with the weight gradient now or kept for ``backward_dw``."""
-
-    @staticmethod
-    def forward(
-        ctx: Any,  # torch's FunctionCtx declares no fields; we add our own
-        x: Tensor,
-        w: Tensor,
-        owner: ExpertWgrad,
-    ) -> Tensor:
-        ctx.save_for_backward(x, w)
-        ctx.owner = owner
-        ctx.weight = w
-        return torch.bmm(x, w)
-
-    @staticmethod
-    def backward(
-        ctx: Any,  # see forward
-        *grad_outputs: Tensor,
-    ) -> tuple[Tensor, Tensor | None, None]:
-        (g,) = grad_outputs
-        x, w = ctx.saved_tensors
-        owner = ctx.owner
-        assert isinstance(owner, ExpertWgrad)
-        gx = torch.bmm(g, w.transpose(1, 2))
-        if owner.delay:
-            weight = ctx.weight
-            assert isinstance(weight, nn.Parameter)
-            owner.pending.append((weight, x, g))
-            return gx, None, None
-        return gx, torch.bmm(x.transpose(1, 2), g), None
-
-
-_expert_bmm = cast(
-    "Callable[[Tensor, Tensor, ExpertWgrad], Tensor]",
-    _ExpertBmmFn.apply,  # pyright: ignore[reportUnknownMemberType]
-)
-
-
 def _param(*shape: int, scale: float, dtype: torch.dtype, device: torch.device) -> nn.Parameter:
-    return nn.Parameter(
-        torch.randn(*shape, dtype=torch.float32, device=device).mul_(scale).to(dtype)
-    )
+    return nn.Parameter(_randn(shape, scale, dtype, device))
+
+
+def _randn(shape: Sequence[int], scale: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    return torch.randn(*shape, dtype=torch.float32, device=device).mul_(scale).to(dtype)
 
 
 class MoESliceLayer(nn.Module):
     """Attention (QKV, SDPA, out projection) + top-k router + capacity-padded local experts.
 
-    Implements :class:`moe_overlap.SchedulableLayer`. The routed experts' weight gradients
-    are delayed (``mlp_wgrad``) while :attr:`ExpertWgrad.delay` is set; attention's never are.
+    Implements :class:`moe_overlap.SchedulableLayer`. The routed experts are the library's
+    :class:`~moe_overlap.blocks.GroupedExperts` on capacity-padded rows (one batched GEMM
+    each); their weight gradients are delayed (``mlp_wgrad``) while
+    :meth:`MoESliceModel.set_delay_wgrad` says so; attention's never are.
     """
 
     def __init__(
-        self, config: SliceConfig, loopback: Loopback, dtype: torch.dtype, device: torch.device
+        self, config: SliceConfig, mover: HostLoopback, dtype: torch.dtype, device: torch.device
     ) -> None:
         super().__init__()
         h, f, e = config.hidden, config.ffn, config.local_experts
         self.cfg = config
-        self.loopback = loopback
+        self.loopback = mover
         self.norm1 = nn.Parameter(torch.ones(h, dtype=dtype, device=device))
         self.norm2 = nn.Parameter(torch.ones(h, dtype=dtype, device=device))
         self.qkv = _param(3 * h, h, scale=h**-0.5, dtype=dtype, device=device)
         self.proj = _param(h, h, scale=h**-0.5, dtype=dtype, device=device)
         self.router = _param(config.num_experts, h, scale=h**-0.5, dtype=dtype, device=device)
-        self.w13 = _param(e, h, 2 * f, scale=h**-0.5, dtype=dtype, device=device)
-        self.w2 = _param(e, f, h, scale=f**-0.5, dtype=dtype, device=device)
-        self.expert_wgrad = ExpertWgrad((self.w13, self.w2))
+        self.experts = GroupedExperts(
+            e, h, f, expert_offset=0, delay_wgrad=False, dtype=dtype, device=device
+        )
+        with torch.no_grad():
+            self.experts.fc1.weight.copy_(_randn((e, 2 * f, h), h**-0.5, dtype, device))
+            self.experts.fc2.weight.copy_(_randn((e, h, f), f**-0.5, dtype, device))
+
+    @property
+    def delay_wgrad(self) -> bool:
+        return self.experts.fc1.delay_wgrad
+
+    def set_delay_wgrad(self, delay: bool) -> None:
+        self.experts.fc1.delay_wgrad = self.experts.fc2.delay_wgrad = delay
 
     # --- SchedulableLayer members -----------------------------------------------------------
     @property
@@ -332,7 +175,7 @@ class MoESliceLayer(nn.Module):
 
     def mlp_wgrad(self) -> Sequence[WgradLayer]:
         # Listed only while delaying: the layer is what tells the schedule to run wgrad.
-        return [self.expert_wgrad] if self.expert_wgrad.delay else []
+        return [self.experts] if self.delay_wgrad else []
 
     def slot_pre_dispatch(
         self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
@@ -349,7 +192,7 @@ class MoESliceLayer(nn.Module):
         self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
     ) -> Tensor | tuple[Tensor, ...]:
         (rows_PH,) = inputs
-        return _loopback(rows_PH, self.loopback)
+        return loopback(rows_PH, self.loopback)
 
     def slot_mlp(
         self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
@@ -360,8 +203,7 @@ class MoESliceLayer(nn.Module):
         # The all-to-all delivers rows source-rank-major; sort them expert-major (a fresh
         # buffer, as Megatron's sort_chunks_by_idxs makes, so the input can be freed).
         x_ECH = recv_PH.view(j, e, c // j, h).transpose(0, 1).reshape(e, c, h)
-        gate_ECF, up_ECF = _expert_bmm(x_ECH, self.w13, self.expert_wgrad).chunk(2, dim=-1)
-        y_ECH = _expert_bmm(F.silu(gate_ECF) * up_ECF, self.w2, self.expert_wgrad)
+        y_ECH: Tensor = self.experts(x_ECH, ())  # padded: every expert has C rows
         return y_ECH.view(e, j, c // j, h).transpose(0, 1).reshape(e * c, h)
 
     def slot_combine(
@@ -373,7 +215,7 @@ class MoESliceLayer(nn.Module):
         assert residual_SH is not None
         assert probs_P is not None
         token_of_slot_P = state.take("token_of_slot", Tensor)
-        back_PH = _loopback(y_PH, self.loopback)
+        back_PH = loopback(y_PH, self.loopback)
         weighted_PH = back_PH * probs_P.unsqueeze(-1).to(back_PH.dtype)
         s, h = residual_SH.shape
         out_SH = residual_SH.new_zeros(s + 1, h).index_add(0, token_of_slot_P, weighted_PH)
@@ -453,7 +295,7 @@ class MoESliceModel(MegatronHooks, nn.Module):
         self.config = config
         self.pre_process = True
         self.post_process = True
-        self.loopback = Loopback(config, dtype, device)
+        self.loopback = config.make_loopback()
         self.embed_scale = nn.Parameter(torch.ones(config.hidden, dtype=dtype, device=device))
         layers = [
             MoESliceLayer(config, self.loopback, dtype, device) for _ in range(config.num_layers)
@@ -467,7 +309,7 @@ class MoESliceModel(MegatronHooks, nn.Module):
         """Delay the experts' weight gradients (match ``ScheduleOptions.delay_wgrad_compute``)."""
         for layer in self.decoder.layers:
             assert isinstance(layer, MoESliceLayer)
-            layer.expert_wgrad.delay = delay
+            layer.set_delay_wgrad(delay)
 
     def _preprocess(
         self,

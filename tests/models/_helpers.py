@@ -77,11 +77,12 @@ def check_parity(
     free_input: bool = True,
     starved: tuple[int, ...] = (),
     ep_group: dist.ProcessGroup | None = None,
+    count_group: dist.ProcessGroup | None = None,
     data_seed: int = 0,
     loss_scale: float = 1.0,
 ) -> Parity:
     """Run ``combined_1f1b`` and plain per-microbatch backward from the same weights."""
-    scheduled = GPTMoEModel(config, ep_group=ep_group)
+    scheduled = GPTMoEModel(config, ep_group=ep_group, count_group=count_group)
     plain = GPTMoEModel(dataclasses.replace(config, delay_wgrad_compute=False), ep_group=ep_group)
     plain.load_state_dict(scheduled.state_dict())
     starve(scheduled, starved)

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from moe_overlap import ConfigError
+from moe_overlap.blocks import TokenDispatcher
 from tests.models._helpers import SMALL, check_parity
 
 
@@ -25,6 +26,7 @@ class Case:
     fields: dict[str, object] = field(default_factory=dict[str, object])
     starved: tuple[int, ...] = ()
     overlap: bool = True
+    count_group: bool = False
 
 
 CASES: dict[str, Case] = {
@@ -33,6 +35,7 @@ CASES: dict[str, Case] = {
     "all_moe_aux": Case({"first_k_dense": 0, "moe_aux_loss_coeff": 0.01}),
     "starved_delay": Case({"delay_wgrad_compute": True}, starved=(0, 1)),
     "no_overlap": Case(overlap=False),
+    "count_group": Case({"delay_wgrad_compute": True}, count_group=True),
 }
 
 
@@ -40,6 +43,8 @@ def main() -> None:
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    counts = dist.new_group([0, 1])
+    assert isinstance(counts, dist.ProcessGroup)  # typed as a union with a sentinel int
     try:
         for name, case in CASES.items():
             config = dataclasses.replace(SMALL, **case.fields)  # type: ignore[arg-type]
@@ -48,6 +53,7 @@ def main() -> None:
                 starved=case.starved,
                 overlap=case.overlap,
                 ep_group=dist.group.WORLD,
+                count_group=counts if case.count_group else None,
                 data_seed=100 + rank,
             )
             print(json.dumps({"case": name, "rank": rank, **dataclasses.asdict(result)}))
@@ -55,6 +61,10 @@ def main() -> None:
             check_parity(dataclasses.replace(SMALL, num_experts=3), ep_group=dist.group.WORLD)
         except ConfigError as exc:
             print(json.dumps({"case": "config_error", "rank": rank, "message": str(exc)}))
+        try:
+            TokenDispatcher(4, 2, count_group=counts)
+        except ConfigError as exc:
+            print(json.dumps({"case": "count_group_error", "rank": rank, "message": str(exc)}))
     finally:
         dist.barrier()  # leave together: a rank tearing gloo down alone can abort the other
         dist.destroy_process_group()

@@ -12,7 +12,7 @@ def ep2_results() -> list[dict[str, object]]:
     return run_ranks("tests.models.ep_worker")
 
 
-CASES = ["moe", "shared_delay", "all_moe_aux", "starved_delay", "no_overlap"]
+CASES = ["moe", "shared_delay", "all_moe_aux", "starved_delay", "no_overlap", "count_group"]
 
 
 @pytest.mark.slow
@@ -43,3 +43,11 @@ def test_ep_size_must_divide_experts(ep2_results: list[dict[str, object]]) -> No
     assert len(rows) == 2
     for r in rows:
         assert "num_experts=3" in str(r["message"]) and "EP size 2" in str(r["message"])
+
+
+@pytest.mark.slow
+def test_count_group_must_match_the_ep_group(ep2_results: list[dict[str, object]]) -> None:
+    rows = [r for r in ep2_results if r["case"] == "count_group_error"]
+    assert len(rows) == 2
+    for r in rows:
+        assert "count_group" in str(r["message"]) and "size 1" in str(r["message"])

@@ -48,7 +48,14 @@ from moe_overlap.adapters._hf_wgrad import (
     delay_linears,
     delay_linears_in,
 )
-from moe_overlap.blocks import DelayedWgradModule, TokenDispatcher, single_input
+from moe_overlap.blocks import (
+    DelayedWgradModule,
+    DenseSlots,
+    TokenDispatcher,
+    add_residual,
+    pair_input,
+    single_input,
+)
 
 __all__ = ["HFDenseLayer", "HFLayer", "HFMoELayer", "MaskFunction", "mask_function"]
 
@@ -156,11 +163,8 @@ class _LayerBase:
             module.discard_wgrad()
 
 
-class HFDenseLayer(_LayerBase):
+class HFDenseLayer(DenseSlots, _LayerBase):
     """A dense decoder layer (e.g. Qwen2-MoE's ``mlp_only_layers``): no dispatch/combine."""
-
-    is_moe = False
-    num_local_experts = None
 
     def __init__(
         self,
@@ -178,24 +182,12 @@ class HFDenseLayer(_LayerBase):
     ) -> Tensor:
         return self.attention_half(node, single_input(inputs, self.where("pre_dispatch")))
 
-    def slot_dispatch(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
-    ) -> tuple[Tensor, ...]:
-        del node
-        return inputs
-
     def slot_mlp(self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
         del node
         h_BSD = single_input(inputs, self.where("mlp"))
         p = self.parts
         mlp: Tensor = p.mlp(p.post_norm(h_BSD))
         return h_BSD + mlp
-
-    def slot_combine(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
-    ) -> tuple[Tensor, ...]:
-        del node
-        return inputs
 
     def mlp_wgrad(self) -> Sequence[WgradLayer]:
         return [self.mlp_group] if self.delay_wgrad else []
@@ -265,12 +257,7 @@ class HFMoELayer(_LayerBase):
 
     def slot_dispatch(self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
         """The all-to-all; keeps the received routing weights for mlp."""
-        if len(inputs) != 2:
-            raise IntegrationError(
-                f"{self.where('dispatch')}: expected 2 inputs (tokens, probs), "
-                f"received {len(inputs)}"
-            )
-        return self.dispatcher.slot_dispatch(node, inputs[0], inputs[1])
+        return self.dispatcher.slot_dispatch(node, *pair_input(inputs, self.where("dispatch")))
 
     def slot_mlp(self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
         """Local sort (a copy: the input may be freed), experts, * routing weight, unsort."""
@@ -281,24 +268,10 @@ class HFMoELayer(_LayerBase):
     def slot_combine(self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
         """All-to-all back, unpermute, + shared expert, + residual."""
         out_MD = single_input(inputs, self.where("combine"))
-        state = node.layer_state
         moe_TD = self.dispatcher.slot_combine(node, out_MD)
-        residual = state.residual
-        if residual is None:
-            raise IntegrationError(
-                f"{self.where('combine')}: expected the residual from pre_dispatch, received None"
-            )
-        if self.moe.shared_expert is not None:
-            shared = state.shared_expert_output
-            if shared is None:
-                raise IntegrationError(
-                    f"{self.where('combine')}: expected the shared expert output from "
-                    "pre_dispatch, received None"
-                )
-            moe_TD = moe_TD + shared
-        state.residual = None
-        state.shared_expert_output = None
-        return residual + moe_TD.view(residual.shape)
+        return add_residual(
+            node, moe_TD, self.where("combine"), shared=self.moe.shared_expert is not None
+        )
 
     def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
         scopes = list(super().pre_dispatch_wgrad())

@@ -4,16 +4,19 @@
   :func:`apply_rotary`), causal :class:`SelfAttention`, :class:`SwiGLUMLP` and the routed
   :class:`GroupedExperts`, their projections delayed-wgrad linears;
 - delayed weight gradients: :class:`DelayedWgradLinear`, :class:`DelayedWgradGroupedLinear`
-  (their base :class:`DelayedWgradModule`), and the model-wide :func:`pending_wgrad`,
+  (rows per group as :class:`GroupSizes`, or capacity-padded; their base
+  :class:`DelayedWgradModule`), and the model-wide :func:`pending_wgrad`,
   :func:`check_no_pending_wgrad`, :func:`finish_wgrad`, :func:`discard_wgrad`;
 - routing: :class:`TopKRouter` (softmax or sigmoid scores, a selection bias, group-limited
   top-k, renormalization, the load-balancing loss through :func:`attach_aux_loss`);
 - token movement: :class:`TokenDispatcher` permutes copies by expert (:class:`PermuteMeta`,
-  frozen, handed from pre-dispatch to combine), moves them over the expert-parallel group
-  (:class:`DispatchMeta`) or a one-device loopback, and back;
+  frozen, handed from pre-dispatch to combine), plans the exchange there (:class:`DispatchMeta`,
+  the one host sync), moves them over the expert-parallel group or a one-device
+  :class:`HostLoopback` (:func:`loopback` as an autograd op), and back;
 - slots: :class:`SlotContext` (what a slot sees of its node) and :class:`PlainContext`, its
   stand-in on the plain path, so one function serves both; :meth:`TokenDispatcher.slot_permute`
-  and its three siblings are the dispatcher's steps as slots call them;
+  and its three siblings are the dispatcher's steps as slots call them; :func:`add_residual`
+  ends a combine; :class:`DenseSlots` gives a dense layer its pass-through dispatch/combine;
 - the model's hooks: :class:`MegatronHooks` implements ``_preprocess`` / ``_postprocess``
   with Megatron-Core's names on top of ``embed`` / ``rotary`` / ``output``.
 
@@ -26,13 +29,19 @@ from moe_overlap.blocks._dispatcher import DispatchMeta as DispatchMeta
 from moe_overlap.blocks._dispatcher import PermuteMeta as PermuteMeta
 from moe_overlap.blocks._dispatcher import TokenDispatcher as TokenDispatcher
 from moe_overlap.blocks._experts import GroupedExperts as GroupedExperts
+from moe_overlap.blocks._loopback import HostLoopback as HostLoopback
+from moe_overlap.blocks._loopback import LoopbackMode as LoopbackMode
+from moe_overlap.blocks._loopback import loopback as loopback
 from moe_overlap.blocks._model import MegatronHooks as MegatronHooks
 from moe_overlap.blocks._model import Rotary as Rotary
 from moe_overlap.blocks._router import ScoreFunction as ScoreFunction
 from moe_overlap.blocks._router import TopKRouter as TopKRouter
 from moe_overlap.blocks._router import attach_aux_loss as attach_aux_loss
+from moe_overlap.blocks._slots import DenseSlots as DenseSlots
 from moe_overlap.blocks._slots import PlainContext as PlainContext
 from moe_overlap.blocks._slots import SlotContext as SlotContext
+from moe_overlap.blocks._slots import add_residual as add_residual
+from moe_overlap.blocks._slots import pair_input as pair_input
 from moe_overlap.blocks._slots import single_input as single_input
 from moe_overlap.blocks._transformer import RMSNorm as RMSNorm
 from moe_overlap.blocks._transformer import RotaryTables as RotaryTables
@@ -45,6 +54,7 @@ from moe_overlap.blocks._wgrad import DelayedWgradLinear as DelayedWgradLinear
 from moe_overlap.blocks._wgrad import DelayedWgradModule as DelayedWgradModule
 from moe_overlap.blocks._wgrad import DenseKernel as DenseKernel
 from moe_overlap.blocks._wgrad import GroupedKernel as GroupedKernel
+from moe_overlap.blocks._wgrad import GroupSizes as GroupSizes
 from moe_overlap.blocks._wgrad import MatmulKernel as MatmulKernel
 from moe_overlap.blocks._wgrad import check_no_pending_wgrad as check_no_pending_wgrad
 from moe_overlap.blocks._wgrad import discard_wgrad as discard_wgrad
@@ -56,10 +66,14 @@ __all__ = [
     "DelayedWgradLinear",
     "DelayedWgradModule",
     "DenseKernel",
+    "DenseSlots",
     "DispatchMeta",
     "DispatcherKind",
+    "GroupSizes",
     "GroupedExperts",
     "GroupedKernel",
+    "HostLoopback",
+    "LoopbackMode",
     "MatmulKernel",
     "MegatronHooks",
     "PermuteMeta",
@@ -73,11 +87,14 @@ __all__ = [
     "SwiGLUMLP",
     "TokenDispatcher",
     "TopKRouter",
+    "add_residual",
     "apply_rotary",
     "attach_aux_loss",
     "check_no_pending_wgrad",
     "discard_wgrad",
     "finish_wgrad",
+    "loopback",
+    "pair_input",
     "pending_wgrad",
     "rotary_tables",
     "single_input",

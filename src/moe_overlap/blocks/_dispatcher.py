@@ -6,10 +6,17 @@ experts.
 
 Forward order across the slots::
 
-    pre_dispatch: permute       (copies grouped by expert, hence by destination rank)
-    dispatch:     all-to-all    (counts first, then tokens and probs)
-    mlp:          local sort    (received copies grouped by local expert)
-    combine:      all-to-all back, unpermute (sum of the K copies of each token)
+    pre_dispatch: permute       (copies grouped by expert, hence by destination rank),
+                  plan          (counts exchanged, the one host sync: split sizes to the host)
+    dispatch:     all-to-all    (tokens and probs; no host sync)
+    mlp:          local sort    (received copies grouped by local expert; no host sync)
+    combine:      all-to-all back, unpermute (sum of the K copies of each token; no host sync)
+
+The all-to-all needs its split sizes on the host, so one host sync per layer and microbatch
+is unavoidable for a dropless dispatch; it happens in pre-dispatch (a compute slot), right
+after routing, so the comm slots only enqueue work. Over NCCL the count exchange is queued
+on the group's stream behind the all-to-alls already issued there (the other microbatch's);
+``count_group``, a second group over the same ranks, lets it skip that queue.
 
 Every step produces a fresh buffer and saves no input for backward, which is what the
 schedule's free-input policy requires. The unpermute is an ``index_select`` by the inverse
@@ -27,7 +34,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_overlap import ConfigError, IntegrationError
+from moe_overlap.blocks._loopback import HostLoopback, loopback
 from moe_overlap.blocks._slots import SlotContext
+from moe_overlap.blocks._wgrad import GroupSizes
 
 # Layer-state keys of the metadata handed between slots.
 _PERMUTE = "moe_overlap.permute"
@@ -38,7 +47,8 @@ __all__ = ["DispatchMeta", "DispatcherKind", "PermuteMeta", "TokenDispatcher"]
 DispatcherKind = Literal["alltoall", "loopback"]
 """``alltoall``: a real expert-parallel all-to-all over the EP group (skipped at EP=1);
 ``loopback``: one device, the dispatched tokens make a real round trip through pinned host
-memory so the bytes moved equal an all-to-all's (benchmarks without a peer)."""
+memory (a :class:`~moe_overlap.blocks.HostLoopback`) so the bytes moved equal an
+all-to-all's (benchmarks without a peer)."""
 
 # torch.distributed leaves these unannotated; give them types once, here.
 _all_to_all_single = cast(
@@ -54,29 +64,30 @@ class PermuteMeta:
     """What pre-dispatch hands combine: how copies were grouped by expert.
 
     ``order_N[i]`` is the flat ``(token, k)`` index of sorted copy ``i``;
-    ``inverse_N`` undoes it. ``tokens_per_expert`` counts copies per global expert.
+    ``inverse_N`` undoes it. ``tokens_per_expert_X`` counts copies per global expert (on
+    the device).
     """
 
     order_N: Tensor
     inverse_N: Tensor
     tokens_per_expert_X: Tensor
-    tokens_per_expert: tuple[int, ...]
     num_tokens: int
     topk: int
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class DispatchMeta:
-    """What dispatch hands mlp and combine: split sizes and the local sort.
+    """The dispatch plan (made in pre-dispatch): split sizes and the local sort.
 
-    ``send_splits[p]`` copies went to rank ``p`` and ``recv_splits[p]`` came from it;
-    ``local_sizes[l]`` copies are for local expert ``l``; ``sort_M`` groups received
-    copies by local expert and ``unsort_M`` undoes it.
+    ``send_splits[p]`` copies go to rank ``p`` and ``recv_splits[p]`` come from it;
+    ``local_sizes[l]`` copies are for local expert ``l`` (with their device offsets for the
+    grouped GEMM); ``sort_M`` groups received copies by local expert and ``unsort_M`` undoes
+    it.
     """
 
     send_splits: tuple[int, ...]
     recv_splits: tuple[int, ...]
-    local_sizes: tuple[int, ...]
+    local_sizes: GroupSizes
     sort_M: Tensor
     unsort_M: Tensor
 
@@ -115,50 +126,10 @@ def _exchange(
     return out
 
 
-class _HostRoundTrip(torch.autograd.Function):
-    """Copy device -> pinned host -> device on the current stream; backward does the same.
-
-    Values are unchanged; the bytes moved equal an all-to-all's. On CPU, a copy.
-    """
-
-    @staticmethod
-    def forward(
-        ctx: Any,  # torch's FunctionCtx is unused here
-        x: Tensor,
-    ) -> Tensor:
-        del ctx
-        return _round_trip(x)
-
-    @staticmethod
-    def backward(
-        ctx: Any,  # see forward
-        *grad_outputs: Tensor,
-    ) -> Tensor:
-        (grad,) = grad_outputs
-        del ctx
-        return _round_trip(grad)
-
-
-def _round_trip(x: Tensor) -> Tensor:
-    if x.device.type == "cpu":
-        return x.clone()
-    # Pinned blocks come from the caching host allocator, which keeps them alive until the
-    # copies queued on this stream finish, so dropping `host` here is safe.
-    host = torch.empty(x.shape, dtype=x.dtype, device="cpu", pin_memory=True)
-    host.copy_(x, non_blocking=True)
-    out = torch.empty_like(x, memory_format=torch.contiguous_format)
-    out.copy_(host, non_blocking=True)
-    return out
-
-
-# Function.apply is untyped; give the two their signatures once, here.
+# Function.apply is untyped; give it its signature once, here.
 _all_to_all = cast(
     "Callable[[Tensor, dist.ProcessGroup, list[int], list[int]], Tensor]",
     _AllToAll.apply,  # pyright: ignore[reportUnknownMemberType]
-)
-_host_round_trip = cast(
-    "Callable[[Tensor], Tensor]",
-    _HostRoundTrip.apply,  # pyright: ignore[reportUnknownMemberType]
 )
 
 
@@ -195,9 +166,19 @@ class TokenDispatcher:
         *,
         kind: DispatcherKind = "alltoall",
         group: dist.ProcessGroup | None = None,
+        count_group: dist.ProcessGroup | None = None,
     ) -> None:
         ep = _get_world_size(group) if group is not None else 1
         rank = _get_rank(group) if group is not None else 0
+        if count_group is not None and (
+            group is None or _get_world_size(count_group) != ep or _get_rank(count_group) != rank
+        ):
+            raise ConfigError(
+                "TokenDispatcher: expected count_group to span the ranks of the EP group in "
+                f"the same order (size {ep}, this rank {rank}), received a group of size "
+                f"{_get_world_size(count_group)} where this rank is "
+                f"{_get_rank(count_group)}; leave it None to exchange counts on the EP group"
+            )
         if num_experts % ep:
             raise ConfigError(
                 f"TokenDispatcher: the expert-parallel size must divide num_experts="
@@ -209,7 +190,9 @@ class TokenDispatcher:
                 f"expected an EP size of 1, received {ep}"
             )
         self.kind: DispatcherKind = kind
+        self.loopback: HostLoopback | None = HostLoopback() if kind == "loopback" else None
         self.group = group if ep > 1 else None
+        self.count_group = (count_group or group) if ep > 1 else None
         self.ep_size = ep
         self.ep_rank = rank
         self.num_experts = num_experts
@@ -239,58 +222,68 @@ class TokenDispatcher:
             order_N=order_N,
             inverse_N=_inverse(order_N),
             tokens_per_expert_X=counts_X,
-            tokens_per_expert=tuple(int_list(counts_X)),
             num_tokens=T,
             topk=K,
         )
         return tokens_ND, probs_N, meta
 
-    def dispatch(
-        self, tokens_ND: Tensor, probs_N: Tensor, meta: PermuteMeta
-    ) -> tuple[Tensor, Tensor, DispatchMeta]:
-        """Send copies to their experts' ranks; return received tokens, probs and metadata."""
-        if self.group is None:
-            recv_MD = self._local(tokens_ND)
-            recv_M = self._local(probs_N)
-            n = tokens_ND.shape[0]
-            ident = torch.arange(n, device=tokens_ND.device)
-            return (
-                recv_MD,
-                recv_M,
-                DispatchMeta(
-                    send_splits=(n,),
-                    recv_splits=(n,),
-                    local_sizes=meta.tokens_per_expert,
-                    sort_M=ident,
-                    unsort_M=ident,
-                ),
-            )
-        P, L, group = self.ep_size, self.local_experts, self.group
+    def plan(self, meta: PermuteMeta) -> DispatchMeta:
+        """Exchange the per-expert counts and bring the split sizes to the host.
+
+        The dispatch's one host sync (it waits for the routing). Run it where a sync costs
+        least: :meth:`slot_permute` runs it in pre-dispatch.
+        """
         counts_X = meta.tokens_per_expert_X
+        device = counts_X.device
+        if self.group is None:
+            n = meta.num_tokens * meta.topk
+            ident = torch.arange(n, device=device)
+            return DispatchMeta(
+                send_splits=(n,),
+                recv_splits=(n,),
+                local_sizes=GroupSizes(
+                    int_list(counts_X.cpu()), counts_X.cumsum(0, dtype=torch.int32)
+                ),
+                sort_M=ident,
+                unsort_M=ident,
+            )
+        P, L = self.ep_size, self.local_experts
         recv_counts_X = torch.empty_like(counts_X)
-        _all_to_all_single(recv_counts_X, counts_X, group=group)
-        send_PL = torch.tensor(meta.tokens_per_expert, dtype=torch.int64).view(P, L)
-        recv_PL = recv_counts_X.cpu().view(P, L)
-        send_splits = int_list(send_PL.sum(1))
+        _all_to_all_single(recv_counts_X, counts_X, group=self.count_group)
+        both = torch.stack([counts_X, recv_counts_X]).cpu()
+        send_splits = int_list(both[0].view(P, L).sum(1))
+        recv_PL = both[1].view(P, L)
         recv_splits = int_list(recv_PL.sum(1))
-        local_sizes = tuple(int_list(recv_PL.sum(0)))
-        local_expert_M = torch.repeat_interleave(torch.arange(L).repeat(P), recv_PL.flatten()).to(
-            tokens_ND.device
+        local_L = recv_counts_X.view(P, L).sum(0)
+        # Received copies come grouped by source rank, then by local expert: a copy's local
+        # expert, expanded from the counts on the device (output size known: no sync).
+        local_expert_M = torch.repeat_interleave(
+            torch.arange(L, device=device).repeat(P),
+            recv_counts_X,
+            output_size=sum(recv_splits),
         )
         sort_M = torch.argsort(local_expert_M, stable=True)
-        recv_MD = _all_to_all(tokens_ND, group, recv_splits, send_splits)
-        recv_M = _all_to_all(probs_N, group, recv_splits, send_splits)
-        return (
-            recv_MD,
-            recv_M,
-            DispatchMeta(
-                send_splits=tuple(send_splits),
-                recv_splits=tuple(recv_splits),
-                local_sizes=local_sizes,
-                sort_M=sort_M,
-                unsort_M=_inverse(sort_M),
-            ),
+        return DispatchMeta(
+            send_splits=tuple(send_splits),
+            recv_splits=tuple(recv_splits),
+            local_sizes=GroupSizes(int_list(recv_PL.sum(0)), local_L.cumsum(0, dtype=torch.int32)),
+            sort_M=sort_M,
+            unsort_M=_inverse(sort_M),
         )
+
+    def dispatch(
+        self, tokens_ND: Tensor, probs_N: Tensor, meta: DispatchMeta
+    ) -> tuple[Tensor, Tensor]:
+        """Send copies to their experts' ranks as :meth:`plan` says; received tokens and probs.
+
+        No host sync: only the two all-to-alls (or the one-device copies) are enqueued.
+        """
+        if self.group is None:
+            return self._local(tokens_ND), self._local(probs_N)
+        send, recv = list(meta.send_splits), list(meta.recv_splits)
+        recv_MD = _all_to_all(tokens_ND, self.group, recv, send)
+        recv_M = _all_to_all(probs_N, self.group, recv, send)
+        return recv_MD, recv_M
 
     def combine(self, out_MD: Tensor, meta: DispatchMeta) -> Tensor:
         """Send expert outputs (in received order) back to the ranks their tokens came from."""
@@ -308,19 +301,19 @@ class TokenDispatcher:
     def slot_permute(
         self, ctx: SlotContext, hidden_TD: Tensor, probs_TK: Tensor, experts_TK: Tensor
     ) -> tuple[Tensor, Tensor]:
-        """Pre-dispatch: :meth:`permute`, keeping the metadata in the layer state for later slots."""
+        """Pre-dispatch: :meth:`permute` and :meth:`plan`, keeping both metadata values in the
+        layer state for the later slots."""
         tokens_ND, probs_N, meta = self.permute(hidden_TD, probs_TK, experts_TK)
-        ctx.layer_state.stash(_PERMUTE, meta)
+        state = ctx.layer_state
+        state.stash(_PERMUTE, meta)
+        state.stash(_DISPATCH, self.plan(meta))
         return tokens_ND, probs_N
 
     def slot_dispatch(self, ctx: SlotContext, tokens_ND: Tensor, probs_N: Tensor) -> Tensor:
         """Dispatch: the all-to-all; the received probs go to ``layer_state.dispatched_probs``."""
         state = ctx.layer_state
-        recv_MD, recv_M, dmeta = self.dispatch(
-            tokens_ND, probs_N, state.take(_PERMUTE, PermuteMeta)
-        )
+        recv_MD, recv_M = self.dispatch(tokens_ND, probs_N, state.take(_DISPATCH, DispatchMeta))
         state.dispatched_probs = ctx.detach(recv_M)
-        state.stash(_DISPATCH, dmeta)
         return recv_MD
 
     def slot_experts(
@@ -357,6 +350,6 @@ class TokenDispatcher:
         return self.unpermute(self.combine(out_MD, dmeta), pmeta)
 
     def _local(self, x: Tensor) -> Tensor:
-        if self.kind == "loopback":
-            return _host_round_trip(x)
+        if self.loopback is not None:
+            return loopback(x, self.loopback)
         return x.clone()

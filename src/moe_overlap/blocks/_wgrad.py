@@ -15,19 +15,20 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, Protocol, cast, overload, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_overlap import WgradError
+from moe_overlap import ConfigError, WgradError
 
 __all__ = [
     "DelayedWgradGroupedLinear",
     "DelayedWgradLinear",
     "DelayedWgradModule",
     "DenseKernel",
+    "GroupSizes",
     "GroupedKernel",
     "MatmulKernel",
     "check_no_pending_wgrad",
@@ -71,23 +72,74 @@ def _grouped_mm_usable(x: Tensor, weight: Tensor) -> bool:
     return weight.shape[-1] % 8 == 0 and weight.shape[-2] % 8 == 0
 
 
+class GroupSizes(Sequence[int]):
+    """Rows per group, on the host and (optionally) as device offsets for the grouped GEMM.
+
+    A ``Sequence[int]`` of the sizes. ``offsets`` holds their cumulative sum as ``int32`` on
+    the rows' device; given, the grouped GEMM reads it instead of copying the sizes to the
+    device (a host-to-device copy from pageable memory, which waits for the GPU). The
+    dispatcher builds it from the counts it already has on the device.
+    """
+
+    __slots__ = ("_sizes", "offsets")
+
+    def __init__(self, sizes: Sequence[int], offsets: Tensor | None = None) -> None:
+        self._sizes = tuple(sizes)
+        self.offsets = offsets
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._sizes)
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[int]: ...
+    def __getitem__(self, index: int | slice) -> int | Sequence[int]:
+        return self._sizes[index]
+
+    def __repr__(self) -> str:
+        return f"GroupSizes({list(self._sizes)})"
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return self._sizes
+
+
 @dataclass(frozen=True, slots=True)
 class GroupedKernel:
     """One GEMM per group: rows of ``x`` come grouped, ``sizes[g]`` rows for group ``g``.
 
     ``W`` has shape ``[G, O, I]``. A group may have zero rows (its weight grad is zero). On
-    a Hopper GPU in bf16 forward and input grad use ``torch._grouped_mm``; the weight grad
-    is one ``mm`` per group everywhere (it must be one expression for both paths anyway).
+    a Hopper GPU in bf16 forward and input grad use ``torch._grouped_mm`` (its offsets from
+    a :class:`GroupSizes` when it has them); the weight grad is one ``mm`` per group
+    everywhere (it must be one expression for both paths anyway).
+
+    ``x`` may also be ``[G, C, I]``: every group padded to the same ``C`` rows (capacity
+    padding); then all three products are one batched GEMM and ``sizes`` is unused.
     """
 
     sizes: tuple[int, ...]
+    offsets: Tensor | None = None
+
+    @classmethod
+    def of(cls, sizes: Sequence[int]) -> GroupedKernel:
+        if isinstance(sizes, GroupSizes):
+            return cls(sizes.sizes, sizes.offsets)
+        return cls(tuple(sizes))
 
     def _offsets(self, device: torch.device) -> Tensor:
+        if self.offsets is not None:
+            return self.offsets
         return torch.tensor(self.sizes, dtype=torch.int32, device=device).cumsum(
             0, dtype=torch.int32
         )
 
     def forward(self, x: Tensor, weight: Tensor) -> Tensor:
+        if x.dim() == 3:
+            return torch.bmm(x, weight.transpose(-2, -1))
         if _grouped_mm_usable(x, weight):
             return torch._grouped_mm(  # pyright: ignore[reportPrivateUsage, reportPrivateImportUsage] - no public grouped GEMM yet
                 x, weight.transpose(-2, -1), offs=self._offsets(x.device)
@@ -96,6 +148,8 @@ class GroupedKernel:
         return torch.cat([F.linear(p, weight[g]) for g, p in enumerate(parts)], dim=0)
 
     def dgrad(self, grad_y: Tensor, weight: Tensor) -> Tensor:
+        if grad_y.dim() == 3:
+            return torch.bmm(grad_y, weight)
         if _grouped_mm_usable(grad_y, weight):
             w_GOI = weight.contiguous()
             return torch._grouped_mm(  # pyright: ignore[reportPrivateUsage, reportPrivateImportUsage] - see forward
@@ -105,6 +159,8 @@ class GroupedKernel:
         return torch.cat([p.matmul(weight[g]) for g, p in enumerate(parts)], dim=0)
 
     def wgrad(self, x: Tensor, grad_y: Tensor) -> Tensor:
+        if x.dim() == 3:
+            return torch.bmm(grad_y.transpose(-2, -1), x)
         xs = torch.split(x, list(self.sizes), dim=0)
         gys = torch.split(grad_y, list(self.sizes), dim=0)
         return torch.stack([gy.t().matmul(xi) for xi, gy in zip(xs, gys, strict=True)])
@@ -273,8 +329,21 @@ class DelayedWgradGroupedLinear(DelayedWgradModule):
         self.groups = groups
 
     def forward(self, x_NI: Tensor, sizes: Sequence[int]) -> Tensor:
-        """``x_NI`` rows grouped by group, ``sizes[g]`` rows each (zero allowed)."""
-        return self._apply_kernel(x_NI, GroupedKernel(tuple(sizes)))
+        """``x_NI`` rows grouped by group, ``sizes[g]`` rows each (zero allowed); or
+        ``[groups, C, in_features]``, each group padded to ``C`` rows (``sizes`` unused)."""
+        if x_NI.dim() == 3:
+            if x_NI.shape[0] != self.groups:
+                raise ConfigError(
+                    f"{self.label}: expected padded input [groups={self.groups}, C, "
+                    f"{self.weight.shape[-1]}], received {list(x_NI.shape)}"
+                )
+        elif len(sizes) != self.groups or sum(sizes) != x_NI.shape[0]:
+            raise ConfigError(
+                f"{self.label}: expected {self.groups} group sizes summing to the "
+                f"{x_NI.shape[0]} rows of the input, received {list(sizes)}; pass the rows "
+                "per group in order, zero for an empty group"
+            )
+        return self._apply_kernel(x_NI, GroupedKernel.of(sizes))
 
 
 def _delayed(model: nn.Module) -> Iterator[DelayedWgradModule]:

@@ -49,7 +49,9 @@ class GPTMoEModel(MegatronHooks, nn.Module):
 
     ``forward`` is the plain path (no schedule) computing the same operations, so
     ``model(...).backward()`` per microbatch and the schedule give bit-identical losses
-    and gradients. ``ep_group`` shards the experts over its ranks (``None``: all local);
+    and gradients. ``ep_group`` shards the experts over its ranks (``None``: all local;
+    ``count_group``, the same ranks, carries the dispatch's count exchange, see
+    :class:`~moe_overlap.blocks.TokenDispatcher`);
     non-expert parameters are replicated and initialised identically on every rank, and
     global expert ``x`` gets the same initial weights whatever the EP size.
     """
@@ -59,6 +61,7 @@ class GPTMoEModel(MegatronHooks, nn.Module):
         config: GPTMoEConfig,
         *,
         ep_group: dist.ProcessGroup | None = None,
+        count_group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
@@ -66,7 +69,11 @@ class GPTMoEModel(MegatronHooks, nn.Module):
         c = config
         self.config = config
         self.dispatcher = TokenDispatcher(
-            c.num_experts, c.moe_router_topk, kind=c.dispatcher, group=ep_group
+            c.num_experts,
+            c.moe_router_topk,
+            kind=c.dispatcher,
+            group=ep_group,
+            count_group=count_group,
         )
         self.embedding = nn.Embedding(c.vocab_size, c.hidden_size, dtype=c.dtype, device=dev)
         layers: list[GPTLayer] = [

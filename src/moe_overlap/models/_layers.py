@@ -31,7 +31,13 @@ from moe_overlap import (
 from moe_overlap.blocks._dispatcher import TokenDispatcher
 from moe_overlap.blocks._experts import GroupedExperts
 from moe_overlap.blocks._router import TopKRouter
-from moe_overlap.blocks._slots import PlainContext, SlotContext
+from moe_overlap.blocks._slots import (
+    DenseSlots,
+    PlainContext,
+    SlotContext,
+    add_residual,
+    pair_input,
+)
 from moe_overlap.blocks._slots import single_input as _single
 from moe_overlap.blocks._transformer import RMSNorm, SelfAttention, SwiGLUMLP
 from moe_overlap.models._config import GPTMoEConfig
@@ -70,14 +76,11 @@ class _AttentionBlock(nn.Module):
         return x_BSD + attn
 
 
-class DenseLayer(nn.Module):
+class DenseLayer(DenseSlots, nn.Module):
     """Attention then a SwiGLU MLP, each with a residual. Not MoE: no dispatch/combine.
 
     Slots: pre-dispatch = attention block; mlp = ``h + mlp(norm(h))``.
     """
-
-    is_moe = False
-    num_local_experts = None
 
     def __init__(self, config: GPTMoEConfig, index: int, device: torch.device | None) -> None:
         super().__init__()
@@ -113,16 +116,8 @@ class DenseLayer(nn.Module):
     def slot_pre_dispatch(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
         return self.pre_dispatch(node, _single(inputs, f"DenseLayer {self.index} pre_dispatch"))
 
-    def slot_dispatch(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> tuple[Tensor, ...]:
-        del node
-        return inputs
-
     def slot_mlp(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
         return self.mlp_forward(node, _single(inputs, f"DenseLayer {self.index} mlp"))
-
-    def slot_combine(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> tuple[Tensor, ...]:
-        del node
-        return inputs
 
     def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
         if not self.config.delay_wgrad_compute:
@@ -220,23 +215,10 @@ class MoELayer(nn.Module):
 
     def combine(self, ctx: SlotContext, out_MD: Tensor) -> Tensor:
         """All-to-all back, unpermute, add the residual and the shared expert's output."""
-        state = ctx.layer_state
         moe_TD = self.dispatcher.slot_combine(ctx, out_MD)
-        residual = state.residual
-        if residual is None:
-            raise IntegrationError(
-                f"{self._where('combine')}: expected the residual from pre_dispatch, received None"
-            )
-        out = residual + moe_TD.view(residual.shape)
-        shared = state.shared_expert_output
-        if self.shared_expert is not None:
-            if shared is None:
-                raise IntegrationError(
-                    f"{self._where('combine')}: expected the shared expert output from "
-                    "pre_dispatch, received None"
-                )
-            out = out + shared.view(residual.shape)
-        return out
+        return add_residual(
+            ctx, moe_TD, self._where("combine"), shared=self.shared_expert is not None
+        )
 
     def run_plain(self, x_BSD: Tensor, chunk_state: ChunkState) -> Tensor:
         """The layer without a schedule (same operations as the slots)."""
@@ -252,12 +234,7 @@ class MoELayer(nn.Module):
         return self.pre_dispatch(node, _single(inputs, self._where("pre_dispatch")))
 
     def slot_dispatch(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
-        if len(inputs) != 2:
-            raise IntegrationError(
-                f"{self._where('dispatch')}: expected 2 inputs (tokens, probs), "
-                f"received {len(inputs)}"
-            )
-        return self.dispatch(node, inputs[0], inputs[1])
+        return self.dispatch(node, *pair_input(inputs, self._where("dispatch")))
 
     def slot_mlp(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
         return self.mlp_forward(node, _single(inputs, self._where("mlp")))

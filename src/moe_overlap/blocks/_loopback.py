@@ -1,0 +1,129 @@
+"""The one-device stand-in for an all-to-all: a round trip through pinned host memory.
+
+One GPU has no peer, so an expert-parallel all-to-all can only be emulated: the rows that
+would leave the rank go device -> pinned host -> device on the stream the call runs on
+(the copy engines, no SMs), the bytes a rank of the all-to-all sends and receives. Values
+are unchanged, so a model using it computes exactly what it computes without it.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from torch import Tensor
+
+__all__ = ["HostLoopback", "LoopbackMode", "loopback"]
+
+
+class LoopbackMode(str, enum.Enum):
+    """What a :class:`HostLoopback` does with the rows."""
+
+    HOST = "host"
+    """Round trip of the remote rows through pinned host memory (the emulated all-to-all)."""
+    DEVICE = "device"
+    """One device-side copy of the whole buffer (compute-only runs)."""
+
+
+class HostLoopback:
+    """Returns a copy of its input whose first ``remote_rows`` rows travelled through the host.
+
+    ``remote_rows`` ``None`` sends every row (a whole all-to-all's bytes); a count stands for
+    the rows a real EP rank sends off-rank (``(P-1)/P`` of them), the rest are copied on the
+    device. The transfer is cut into ``chunks``: each chunk's host-to-device copy runs on a
+    side stream while the next chunk goes device-to-host, as the send and receive of an
+    all-to-all overlap; the calling stream waits for the side stream before the call
+    returns. Staging blocks come from PyTorch's caching host allocator, which keeps each
+    alive until the copies queued on it finish, so calls on any streams are safe. On CPU,
+    two plain copies. ``calls`` and ``bytes_moved`` count what it did.
+    """
+
+    def __init__(
+        self,
+        *,
+        remote_rows: int | None = None,
+        chunks: int = 1,
+        mode: LoopbackMode = LoopbackMode.HOST,
+    ) -> None:
+        self.remote_rows = remote_rows
+        self.chunks = max(1, chunks)
+        self.mode = mode
+        self.calls = 0
+        self.bytes_moved = 0
+        self._side: dict[torch.device, torch.cuda.Stream] = {}
+
+    def __call__(self, x: Tensor) -> Tensor:
+        x = x.contiguous()
+        self.calls += 1
+        if self.mode is LoopbackMode.DEVICE:
+            return x.clone()
+        out = torch.empty_like(x)
+        rows = x.shape[0] if x.dim() else 1
+        flat, flat_out = x.view(rows, -1), out.view(rows, -1)
+        remote = rows if self.remote_rows is None else min(self.remote_rows, rows)
+        if remote < rows:
+            flat_out[remote:].copy_(flat[remote:])
+        self.bytes_moved += 2 * remote * flat.shape[1] * x.element_size()
+        if not x.is_cuda:
+            flat_out[:remote].copy_(flat[:remote].clone())
+            return out
+        host = torch.empty((remote, flat.shape[1]), dtype=x.dtype, pin_memory=True)
+        cur = torch.cuda.current_stream(x.device)
+        side = self._side_stream(x.device)
+        step = max(1, math.ceil(remote / self.chunks))
+        for lo in range(0, remote, step):
+            hi = min(remote, lo + step)
+            host[lo:hi].copy_(flat[lo:hi], non_blocking=True)
+            side.wait_stream(cur)
+            with torch.cuda.stream(side):
+                flat_out[lo:hi].copy_(host[lo:hi], non_blocking=True)
+        # The calling stream (which owns out's memory) waits for the side stream's writes, so
+        # anything it runs later, a reuse of out's block included, comes after them.
+        cur.wait_stream(side)
+        return out
+
+    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        side = self._side.get(device)
+        if side is None:
+            side = self._side[device] = _new_stream(device)
+        return side
+
+
+_new_stream: Callable[[torch.device], torch.cuda.Stream] = torch.cuda.Stream
+
+
+class _LoopbackFn(torch.autograd.Function):
+    """Forward: the loopback of the rows; backward: the loopback of their grads."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,  # torch's FunctionCtx declares no fields; we add our own
+        x: Tensor,
+        mover: HostLoopback,
+    ) -> Tensor:
+        ctx.mover = mover
+        return mover(x)
+
+    @staticmethod
+    def backward(
+        ctx: Any,  # see forward
+        *grad_outputs: Tensor,
+    ) -> tuple[Tensor, None]:
+        (grad,) = grad_outputs
+        mover: HostLoopback = ctx.mover
+        return mover(grad), None
+
+
+# Function.apply is untyped; give it its signature once, here.
+_loopback_apply = cast(
+    "Callable[[Tensor, HostLoopback], Tensor]",
+    _LoopbackFn.apply,  # pyright: ignore[reportUnknownMemberType]
+)
+
+
+def loopback(x: Tensor, mover: HostLoopback) -> Tensor:
+    """``mover(x)`` as an autograd op: its backward sends the gradient the same way."""
+    return _loopback_apply(x, mover)
