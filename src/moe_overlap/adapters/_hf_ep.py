@@ -9,6 +9,7 @@ parameter stays replicated. :func:`gather_experts` rebuilds the full transformer
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import cast
 
 import torch
@@ -16,11 +17,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moe_overlap import ConfigError
-from moe_overlap.adapters._hf_parts import find_parts
+from moe_overlap.adapters._hf_structure import block_of
 
-__all__ = ["expert_parameter_names", "gather_experts", "shard_experts"]
-
-_EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+__all__ = ["Experts", "expert_parameter_names", "experts_of", "gather_experts", "shard_experts"]
 
 # torch.distributed leaves these unannotated; give them types once, here.
 _all_gather = cast(
@@ -37,20 +36,68 @@ def _group_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return _get_world_size(group), _get_rank(group)
 
 
-def _expert_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module, int]]:
-    """``(qualified name, experts module, global expert count)`` of every MoE layer."""
-    parts = find_parts(model)
+_GLOBAL = "_moe_overlap_num_experts"
+
+
+@dataclass(frozen=True, slots=True)
+class Experts:
+    """A MoE layer's routed-experts module and its global expert count."""
+
+    module: nn.Module
+    num_global: int
+
+    def weights(self) -> list[str]:
+        """Names of the parameters with one slice per expert (sharded under EP)."""
+        local = self.num_local
+        return [
+            n
+            for n, p in self.module.named_parameters(recurse=False)
+            if p.dim() >= 2 and p.shape[0] == local
+        ]
+
+    @property
+    def num_local(self) -> int:
+        value: object = getattr(self.module, "num_experts", None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        return max(p.shape[0] for p in self.module.parameters(recurse=False) if p.dim() == 3)
+
+
+def experts_of(layer: nn.Module) -> Experts:
+    """The routed experts of a MoE decoder layer (see ``block_of``)."""
+    found = block_of(layer)
+    if found is None:
+        raise ConfigError(
+            f"{type(layer).__name__}: expected a MoE block with experts, received none"
+        )
+    module = found[1].get_submodule("experts")
+    recorded: object = getattr(module, _GLOBAL, None)
+    if isinstance(recorded, int):
+        return Experts(module, recorded)
+    value: object = getattr(module, "num_experts", None)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return Experts(module, value)
+    return Experts(
+        module, max(p.shape[0] for p in module.parameters(recurse=False) if p.dim() == 3)
+    )
+
+
+def _expert_modules(model: nn.Module) -> Iterator[tuple[str, Experts]]:
+    """``(qualified name, experts)`` of every MoE layer."""
     # torch leaves named_modules() unannotated.
     named = cast("Iterator[tuple[str, nn.Module]]", model.named_modules())
     names = {id(m): n for n, m in named}
-    for layer in parts.layers:
-        if layer.moe is not None:
-            yield names[id(layer.moe.experts)], layer.moe.experts, layer.moe.num_experts
+    layers = model.get_submodule("model.layers")
+    assert isinstance(layers, nn.ModuleList)
+    for layer in layers:
+        if block_of(layer) is not None:
+            experts = experts_of(layer)
+            yield names[id(experts.module)], experts
 
 
 def expert_parameter_names(model: nn.Module) -> list[str]:
     """The ``state_dict`` keys of the routed experts' weights (sharded under EP)."""
-    return [f"{name}.{w}" for name, _, _ in _expert_modules(model) for w in _EXPERT_WEIGHTS]
+    return [f"{name}.{w}" for name, e in _expert_modules(model) for w in e.weights()]
 
 
 def shard_experts(model: nn.Module, group: dist.ProcessGroup | None) -> None:
@@ -58,27 +105,33 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None) -> None:
 
     ``model`` must hold all experts (as built or loaded by transformers); its own
     ``forward`` no longer runs afterwards (it indexes global experts), the adapter's
-    schedule does. Raises :class:`~moe_overlap.ConfigError` when the group size does not
-    divide the number of experts or the experts are already sharded.
+    schedule does. The experts module's ``num_experts`` becomes the local count. Raises
+    :class:`~moe_overlap.ConfigError` when the group size does not divide the number of
+    experts or the experts are already sharded.
     """
     size, rank = _group_size_rank(group)
-    for name, experts, num_experts in _expert_modules(model):
+    for name, experts in _expert_modules(model):
+        num_experts = experts.num_global
         if num_experts % size:
             raise ConfigError(
                 f"shard_experts: the expert-parallel size must divide num_experts="
                 f"{num_experts} ({name}), received EP size {size}"
             )
+        if experts.num_local != num_experts:
+            raise ConfigError(
+                f"shard_experts: {name}: expected all {num_experts} experts, received "
+                f"{experts.num_local} (already sharded?)"
+            )
         local = num_experts // size
-        for w in _EXPERT_WEIGHTS:
-            full = getattr(experts, w)
+        module = experts.module
+        for w in experts.weights():
+            full = getattr(module, w)
             assert isinstance(full, nn.Parameter)
-            if full.shape[0] != num_experts:
-                raise ConfigError(
-                    f"shard_experts: {name}.{w}: expected all {num_experts} experts, received "
-                    f"{full.shape[0]} (already sharded?)"
-                )
             piece = full.detach()[rank * local : (rank + 1) * local].clone()
-            setattr(experts, w, nn.Parameter(piece, requires_grad=full.requires_grad))
+            setattr(module, w, nn.Parameter(piece, requires_grad=full.requires_grad))
+        object.__setattr__(module, _GLOBAL, num_experts)
+        if isinstance(getattr(module, "num_experts", None), int):
+            module.num_experts = local
 
 
 def gather_experts(model: nn.Module, group: dist.ProcessGroup | None) -> dict[str, Tensor]:
@@ -91,17 +144,17 @@ def gather_experts(model: nn.Module, group: dist.ProcessGroup | None) -> dict[st
     """
     size, _ = _group_size_rank(group)
     state = {k: v.detach() for k, v in model.state_dict().items()}
-    for name, experts, num_experts in _expert_modules(model):
-        for w in _EXPERT_WEIGHTS:
-            local = getattr(experts, w)
+    for name, experts in _expert_modules(model):
+        if experts.num_local * size != experts.num_global:
+            raise ConfigError(
+                f"gather_experts: {name}: expected {experts.num_global // size} local experts "
+                f"for EP size {size}, received {experts.num_local}"
+            )
+        if size == 1:
+            continue
+        for w in experts.weights():
+            local = getattr(experts.module, w)
             assert isinstance(local, nn.Parameter)
-            if local.shape[0] * size != num_experts:
-                raise ConfigError(
-                    f"gather_experts: {name}.{w}: expected {num_experts // size} local experts "
-                    f"for EP size {size}, received {local.shape[0]}"
-                )
-            if size == 1:
-                continue
             pieces = [torch.empty_like(local.detach()) for _ in range(size)]
             _all_gather(pieces, local.detach().contiguous(), group=group)
             state[f"{name}.{w}"] = torch.cat(pieces, dim=0)

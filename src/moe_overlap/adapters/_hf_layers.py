@@ -1,37 +1,40 @@
 """A transformers decoder layer cut into the four slots of :class:`~moe_overlap.SchedulableLayer`.
 
 Legend: ``B`` batch, ``S`` sequence, ``D`` hidden, ``T = B*S`` tokens, ``K`` top-k,
-``E`` experts, ``N = T*K`` token copies sent, ``M`` copies received.
+``N = T*K`` token copies sent, ``M`` copies received.
 
-MoE layer slots (transformers' ``*DecoderLayer.forward`` and ``*SparseMoeBlock.forward``,
-split)::
+MoE layer slots (a :class:`~._hf_structure.MoESplit` of the layer's own forward; every
+module called is the layer's own)::
 
-    pre_dispatch: h = x + self_attn(input_layernorm(x)); hn = post_attention_layernorm(h);
-                  router; shared expert (gated); permute copies by expert
-    dispatch:     all-to-all of copies and routing weights (a copy at EP=1)
-    mlp:          local sort (a copy), expert SwiGLU on the fused 3-D weights,
-                  * routing weight, unsort
-    combine:      all-to-all back, unpermute (sum over K), + shared, + residual h
+    pre_dispatch: h = x + attn(in_norm(x)) [norms, multiplier as the split says];
+                  u = pre_mlp_norm(h); the MoE block's own forward on u with its experts
+                  stood in for (router, shared experts, gates run as the model defines
+                  them; the stand-in keeps what the block hands its experts); extra
+                  MLPs on u; permute the experts' rows by expert
+    dispatch:     all-to-all of rows and routing weights (a copy at EP=1)
+    mlp:          local sort (a copy), the model's experts module (or ExpertWeights, for
+                  delayed wgrad), unsort
+    combine:      all-to-all back, unpermute (sum over K), + the block's other output
+                  (+ extras), [post-MLP norm], + residual h
 
-Dense layers: pre_dispatch is the attention half, mlp is ``h + mlp(post_norm(h))``.
+Dense layers run the layer's own ``forward`` whole in pre-dispatch; the other three
+slots pass it through.
 
 Free-input contract (:func:`~moe_overlap.should_free_input`): dispatch and combine inputs,
 and the mlp input with more than one local expert, lose their storage after forward.
 Dispatch and combine save nothing (all-to-all, copies, ``index_select`` and a sum), the
-mlp copies its input before the expert GEMMs, and the routing weights multiply inside mlp.
+mlp copies its input before the experts.
 """
 
 from __future__ import annotations
 
-import importlib
-from collections.abc import Sequence
-from typing import Protocol, cast, runtime_checkable
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from moe_overlap import (
-    ChunkState,
     CudaGraphModule,
     FreeInputConfig,
     IntegrationError,
@@ -40,118 +43,74 @@ from moe_overlap import (
     WgradScope,
 )
 from moe_overlap.adapters._hf_aux import RouterAuxLoss
-from moe_overlap.adapters._hf_parts import LayerParts, MoEParts, child
-from moe_overlap.adapters._hf_wgrad import (
-    DelayedLinear,
+from moe_overlap.adapters._hf_calls import LayerCall, swap_child
+from moe_overlap.adapters._hf_experts import (
+    ExpertLayout,
     ExpertWeights,
     WgradGroup,
-    delay_linears,
     delay_linears_in,
 )
+from moe_overlap.adapters._hf_structure import MoESplit, experts_arguments, first_tensor
 from moe_overlap.blocks import (
     DelayedWgradModule,
     DenseSlots,
+    GroupSizes,
+    PlainContext,
+    SlotContext,
     TokenDispatcher,
-    add_residual,
     pair_input,
     single_input,
 )
+from moe_overlap.engine._state import ChunkState
 
-__all__ = ["HFDenseLayer", "HFLayer", "HFMoELayer", "MaskFunction", "mask_function"]
+__all__ = ["HFDenseLayer", "HFLayer", "HFMoELayer", "LayerCalls"]
 
+LayerCalls = Callable[[ChunkState, int], LayerCall]
+"""The model's arguments for layer ``i`` of a microbatch (from the adapter's cache)."""
 
-@runtime_checkable
-class MaskFunction(Protocol):
-    """transformers' ``create_causal_mask`` / ``create_sliding_window_causal_mask``."""
-
-    def __call__(
-        self,
-        *,
-        config: object,
-        inputs_embeds: Tensor,
-        attention_mask: Tensor | None,
-        past_key_values: None,
-        position_ids: Tensor | None,
-    ) -> object: ...
+_REST = "moe_overlap.hf.rest"
 
 
-def mask_function(kind: str) -> MaskFunction:
-    """The transformers mask builder for an attention kind (imported here, lazily)."""
-    masking = importlib.import_module("transformers.masking_utils")
-    name = (
-        "create_sliding_window_causal_mask" if kind == "sliding_attention" else "create_causal_mask"
-    )
-    return cast(MaskFunction, getattr(masking, name))
+class _ExpertsStandIn(nn.Module):
+    """Takes the experts' place inside the block's forward: keeps the call, returns zeros."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.args: tuple[object, ...] = ()
+        self.kwargs: dict[str, object] = {}
 
-def positions(cs: ChunkState, x_BSD: Tensor) -> Tensor:
-    """``position_ids``, or ``arange(S)`` as transformers defaults them."""
-    if cs.position_ids is not None:
-        return cs.position_ids
-    return torch.arange(x_BSD.shape[1], device=x_BSD.device).unsqueeze(0)
+    def forward(self, *args: object, **kwargs: object) -> Tensor:
+        self.args, self.kwargs = args, kwargs
+        first = args[0] if args else next(iter(kwargs.values()))
+        assert isinstance(first, Tensor)
+        return torch.zeros_like(first)
+
+    def get(self, key: tuple[str, int | str]) -> Tensor:
+        kind, k = key
+        value = self.args[int(k)] if kind == "arg" else self.kwargs[str(k)]
+        assert isinstance(value, Tensor)
+        return value
 
 
 class _LayerBase:
-    """What dense and MoE layers share: the attention half and the wgrad lists."""
+    """What dense and MoE layers share: identity, wgrad bookkeeping."""
 
     is_moe: bool
 
     def __init__(
-        self,
-        parts: LayerParts,
-        config: FreeInputConfig,
-        *,
-        hf_config: object,
-        delay_wgrad: bool,
+        self, layer: nn.Module, index: int, config: FreeInputConfig, calls: LayerCalls
     ) -> None:
-        self.parts = parts
+        self.layer = layer
+        self.index = index
         self.config = config
-        self.hf_config = hf_config
-        self.index = parts.index
-        self.delay_wgrad = delay_wgrad
-        self.attention_wgrad = WgradGroup(
-            delay_linears_in(parts.attention, delay_wgrad=delay_wgrad)
-        )
-        self.mask_fn = mask_function(parts.attention_kind)
+        self.calls = calls
 
     def where(self, slot: str) -> str:
-        return f"{type(self).__name__} {self.index} {slot}"
-
-    def attention_half(self, node: TransformerLayerNode, x_BSD: Tensor) -> Tensor:
-        """``x + self_attn(input_layernorm(x))`` with the chunk's rotary cos/sin and mask."""
-        cs = node.chunk_state
-        cos, sin = cs.rotary_pos_cos, cs.rotary_pos_sin
-        if cos is None or sin is None:
-            raise IntegrationError(
-                f"{self.where('pre_dispatch')}: expected rotary_pos_cos/sin in the chunk state "
-                f"(from _preprocess), received {type(cos).__name__}/{type(sin).__name__}"
-            )
-        pos = positions(cs, x_BSD)
-        mask = self.mask_fn(
-            config=self.hf_config,
-            inputs_embeds=x_BSD,
-            attention_mask=cs.attention_mask,
-            past_key_values=None,
-            position_ids=pos,
-        )
-        p = self.parts
-        h_BSD: Tensor = p.input_norm(x_BSD)
-        attn: tuple[Tensor, object] = p.attention(
-            hidden_states=h_BSD,
-            position_embeddings=(cos, sin),
-            attention_mask=mask,
-            position_ids=pos,
-        )
-        return x_BSD + attn[0]
-
-    def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
-        if not self.delay_wgrad:
-            return []
-        return [WgradScope(CudaGraphModule.attn, self.attention_wgrad)]
+        return f"{type(self.layer).__name__} {self.index} {slot}"
 
     def delayed_modules(self) -> tuple[DelayedWgradModule, ...]:
         """Every delayable module of the layer (what ``pending_wgrad`` counts)."""
-        return self.attention_wgrad.modules
+        raise NotImplementedError
 
     def pending_wgrad(self) -> dict[str, int]:
         """``{label: count}`` of the delayed modules with weight gradients pending."""
@@ -164,126 +123,261 @@ class _LayerBase:
 
 
 class HFDenseLayer(DenseSlots, _LayerBase):
-    """A dense decoder layer (e.g. Qwen2-MoE's ``mlp_only_layers``): no dispatch/combine."""
+    """A decoder layer without routed experts: its own ``forward``, whole, in pre-dispatch."""
 
     def __init__(
         self,
-        parts: LayerParts,
+        layer: nn.Module,
+        index: int,
         config: FreeInputConfig,
+        calls: LayerCalls,
         *,
-        hf_config: object,
         delay_wgrad: bool,
     ) -> None:
-        super().__init__(parts, config, hf_config=hf_config, delay_wgrad=delay_wgrad)
-        self.mlp_group = WgradGroup(delay_linears_in(parts.mlp, delay_wgrad=delay_wgrad))
+        super().__init__(layer, index, config, calls)
+        self.delay_wgrad = delay_wgrad
+        self.group = WgradGroup(delay_linears_in(layer, delay_wgrad=delay_wgrad))
+
+    def forward(self, x_BSD: Tensor, chunk_state: ChunkState) -> Tensor:
+        call = self.calls(chunk_state, self.index)
+        return first_tensor(self.layer(x_BSD, *call.args, **dict(call.kwargs)))
 
     def slot_pre_dispatch(
         self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
     ) -> Tensor:
-        return self.attention_half(node, single_input(inputs, self.where("pre_dispatch")))
+        return self.forward(single_input(inputs, self.where("pre_dispatch")), node.chunk_state)
 
-    def slot_mlp(self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
+    def slot_mlp(
+        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+    ) -> tuple[Tensor, ...]:
         del node
-        h_BSD = single_input(inputs, self.where("mlp"))
-        p = self.parts
-        mlp: Tensor = p.mlp(p.post_norm(h_BSD))
-        return h_BSD + mlp
+        return inputs
+
+    def run_plain(self, x_BSD: Tensor, chunk_state: ChunkState) -> Tensor:
+        return self.forward(x_BSD, chunk_state)
+
+    def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
+        if not (self.delay_wgrad and self.group.modules):
+            return []
+        return [WgradScope(CudaGraphModule.attn, self.group)]
 
     def mlp_wgrad(self) -> Sequence[WgradLayer]:
-        return [self.mlp_group] if self.delay_wgrad else []
+        return []
 
     def delayed_modules(self) -> tuple[DelayedWgradModule, ...]:
-        return super().delayed_modules() + self.mlp_group.modules
+        return self.group.modules
 
 
 class HFMoELayer(_LayerBase):
-    """A sparse decoder layer: router, routed experts (EP-sharded), optional shared expert."""
+    """A sparse decoder layer split as its :class:`~._hf_structure.MoESplit` says."""
 
     is_moe = True
 
     def __init__(
         self,
-        parts: LayerParts,
+        layer: nn.Module,
+        index: int,
         config: FreeInputConfig,
+        calls: LayerCalls,
         *,
-        hf_config: object,
-        delay_wgrad: bool,
+        split: MoESplit,
         dispatcher: TokenDispatcher,
+        delay_wgrad: bool,
+        hidden_size: int,
         aux: RouterAuxLoss | None,
+        router_logits: tuple[type[nn.Module], int] | None,
     ) -> None:
-        super().__init__(parts, config, hf_config=hf_config, delay_wgrad=delay_wgrad)
-        moe = parts.moe
-        assert moe is not None
-        self.moe: MoEParts = moe
+        super().__init__(layer, index, config, calls)
+        self.split = split
         self.dispatcher = dispatcher
+        self.delay_wgrad = delay_wgrad
         self.aux = aux
-        gate_up = getattr(moe.experts, "gate_up_proj")  # noqa: B009 - checked by find_parts
-        down = getattr(moe.experts, "down_proj")  # noqa: B009 - checked by find_parts
-        self.experts = ExpertWeights(gate_up, down, moe.act_fn, delay_wgrad=delay_wgrad)
-        shared: list[DelayedLinear] = []
-        if moe.shared_expert is not None:
-            shared += delay_linears(moe.block, "shared_expert", delay_wgrad=delay_wgrad)
-            shared += delay_linears(moe.block, "shared_expert_gate", delay_wgrad=delay_wgrad)
-        self.shared_group = WgradGroup(shared)
+        self.block = layer.get_submodule(split.block)
+        self.experts_module = self.block.get_submodule("experts")
+        self.stand_in = _ExpertsStandIn()
+        where = f"{type(layer).__name__}.{split.block}.experts"
+        self.layout = ExpertLayout.of(self.experts_module, hidden_size, where)
+        self.weights = (
+            ExpertWeights(self.experts_module, self.layout, delay_wgrad=delay_wgrad)
+            if delay_wgrad or split.experts.kind == "prescaled"
+            else None
+        )
+        self.router_module: nn.Module | None = None
+        self.router_index = 0
+        if router_logits is not None:
+            cls, self.router_index = router_logits
+            self.router_module = next((m for m in self.block.modules() if isinstance(m, cls)), None)
+        attn = layer.get_submodule(split.attn)
+        skip = (self.experts_module,)
+        self.attention_group = WgradGroup(delay_linears_in(attn, delay_wgrad=delay_wgrad))
+        mlp_side = delay_linears_in(self.block, delay_wgrad=delay_wgrad, skip=skip)
+        for name, _ in split.extras:
+            mlp_side += delay_linears_in(layer.get_submodule(name), delay_wgrad=delay_wgrad)
+        self.block_group = WgradGroup(mlp_side)
 
     @property
     def num_local_experts(self) -> int:
         return self.dispatcher.local_experts
 
+    def _child(self, name: str | None) -> Callable[[Tensor], Tensor] | None:
+        if name is None:
+            return None
+        return cast("Callable[[Tensor], Tensor]", self.layer.get_submodule(name))
+
+    def _scaled(self, x: Tensor) -> Tensor:
+        m = self.split.multiplier
+        return x * m if m is not None else x
+
+    # --- the math, once, for the slots and the plain path --------------------------------
+    def pre_dispatch(self, ctx: SlotContext, x_BSD: Tensor) -> tuple[Tensor, Tensor]:
+        s = self.split
+        call = self.calls(ctx.chunk_state, self.index)
+        in_norm = self._child(s.in_norm)
+        xa = in_norm(x_BSD) if in_norm is not None else x_BSD
+        attn = self.layer.get_submodule(s.attn)
+        a = first_tensor(s.attn_call.call(attn, xa, call))
+        attn_out_norm = self._child(s.attn_out_norm)
+        if attn_out_norm is not None:
+            a = attn_out_norm(a)
+        h = x_BSD + self._scaled(a)
+        pre = self._child(s.pre_mlp_norm)
+        u = xa if s.parallel else (pre(h) if pre is not None else h)
+        rest, hidden_TD, index_TK, weights_TK, logits = self._block(u, call)
+        for name, spec in s.extras:
+            rest = rest + first_tensor(spec.call(self.layer.get_submodule(name), u, call)).view(
+                rest.shape
+            )
+        if self.aux is not None:
+            if logits is None:
+                raise IntegrationError(
+                    f"{self.where('pre_dispatch')}: expected router logits for the aux loss, received none"
+                )
+            weights_TK = self.aux.attach(
+                self.index, weights_TK, logits, ctx.chunk_state.attention_mask
+            )
+        state = ctx.layer_state
+        state.residual = ctx.detach(h)
+        # Zeros when the block adds nothing to its experts (no shared expert): then there is
+        # nothing to hand on (the self-check runs this same code, so a block adding a
+        # constant would be refused there).
+        state.stash(_REST, ctx.detach(rest) if rest.requires_grad else None)
+        return self.dispatcher.slot_permute(ctx, hidden_TD, weights_TK, index_TK)
+
+    def _block(
+        self, u: Tensor, call: LayerCall
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+        """The block's own forward with the experts stood in for; what it handed them."""
+        s, ex = self.split, self.split.experts
+        seen: dict[str, object] = {}
+        hooks = []
+        if self.router_module is not None:
+
+            def keep_logits(m: nn.Module, args: object, out: object) -> None:
+                del m, args
+                seen["logits"] = out[self.router_index] if isinstance(out, tuple) else out
+
+            hooks.append(self.router_module.register_forward_hook(keep_logits))
+        if ex.kind == "prescaled":
+            router = self.block.get_submodule(ex.router)
+
+            def keep_scores(m: nn.Module, args: object, out: object) -> None:
+                del m, args
+                seen["scores"] = out[ex.router_output] if isinstance(out, tuple) else out
+
+            hooks.append(router.register_forward_hook(keep_scores))
+        try:
+            with swap_child(self.block, "experts", self.stand_in):
+                rest = first_tensor(s.block_call.call(self.block, u, call))
+        finally:
+            for h in hooks:
+                h.remove()
+        logits = seen.get("logits")
+        if ex.kind == "routed":
+            get = self.stand_in.get
+            hidden, index, weights = get(ex.hidden), get(ex.index), get(ex.weights)
+        else:
+            scores = seen.get("scores")
+            assert isinstance(scores, Tensor)
+            hidden = u.reshape(-1, u.shape[-1])
+            weights, index = torch.topk(scores, ex.top_k, dim=-1)
+        self.stand_in.args, self.stand_in.kwargs = (), {}
+        hidden_TD = hidden.reshape(-1, hidden.shape[-1])
+        return rest, hidden_TD, index, weights, logits if isinstance(logits, Tensor) else None
+
+    def dispatch(self, ctx: SlotContext, tokens_ND: Tensor, probs_N: Tensor) -> Tensor:
+        return self.dispatcher.slot_dispatch(ctx, tokens_ND, probs_N)
+
+    def experts(self, ctx: SlotContext, recv_MD: Tensor) -> Tensor:
+        """The routed experts on the received rows, each row weighted as the model weighs it."""
+        ex, weights = self.split.experts, self.weights
+
+        def run(x_MD: Tensor, sizes: GroupSizes, p_M: Tensor) -> Tensor:
+            if ex.kind == "prescaled":  # as the model: rows scaled by their score, then experts
+                assert weights is not None
+                return weights((x_MD * p_M.unsqueeze(-1)).to(x_MD.dtype), sizes)
+            if weights is not None:  # delayed wgrad: the same products, grouped
+                return (weights(x_MD, sizes) * p_M.unsqueeze(-1)).to(x_MD.dtype)
+            ids = sizes.group_ids(x_MD.device).unsqueeze(-1)
+            args, kwargs = experts_arguments(ex, x_MD, ids, p_M.unsqueeze(-1))
+            out: Tensor = self.experts_module(*args, **kwargs)
+            return out
+
+        return self.dispatcher.slot_routed_experts(ctx, recv_MD, run)
+
+    def combine(self, ctx: SlotContext, out_MD: Tensor) -> Tensor:
+        state = ctx.layer_state
+        moe_TD = self.dispatcher.slot_combine(ctx, out_MD)
+        residual = state.residual
+        if residual is None:
+            raise IntegrationError(
+                f"{self.where('combine')}: expected the residual from pre_dispatch, received None"
+            )
+        rest: object = state.extras.get(_REST)
+        m = moe_TD.view(residual.shape) + rest.view(residual.shape) if isinstance(rest, Tensor) else moe_TD.view(residual.shape)
+        post = self._child(self.split.mlp_out_norm)
+        if post is not None:
+            m = post(m)
+        state.residual = None
+        return residual + self._scaled(m).view(residual.shape)
+
+    def run_plain(self, x_BSD: Tensor, chunk_state: ChunkState) -> Tensor:
+        """The layer without a schedule (same operations as the slots)."""
+        ctx = PlainContext(chunk_state)
+        tokens_ND, probs_N = self.pre_dispatch(ctx, x_BSD)
+        recv_MD = self.dispatch(ctx, tokens_ND, probs_N)
+        return self.combine(ctx, self.experts(ctx, recv_MD))
+
+    # --- SchedulableLayer -----------------------------------------------------------------
     def slot_pre_dispatch(
         self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
     ) -> tuple[Tensor, ...]:
-        """Attention, norm, router, shared expert, permute; returns ``(tokens_ND, probs_N)``."""
-        h_BSD = self.attention_half(node, single_input(inputs, self.where("pre_dispatch")))
-        state = node.layer_state
-        state.residual = node.detach(h_BSD)
-        moe, block = self.moe, self.moe.block
-        hn_BSD: Tensor = self.parts.post_norm(h_BSD)
-        hn_TD = hn_BSD.view(-1, hn_BSD.shape[-1])
-        shared_TD: Tensor | None = None
-        if moe.shared_expert is not None:
-            shared_TD = child(block, "shared_expert")(hn_TD)
-        routed: tuple[Tensor, Tensor, Tensor] = moe.router(hn_TD)
-        logits_TE, weights_TK, experts_TK = routed
-        if self.aux is not None:
-            weights_TK = self.aux.attach(
-                self.index, weights_TK, logits_TE, node.chunk_state.attention_mask
-            )
-        if shared_TD is not None:
-            gate_T1: Tensor = child(block, "shared_expert_gate")(hn_TD)
-            shared_TD = torch.sigmoid(gate_T1) * shared_TD
-            state.shared_expert_output = node.detach(shared_TD)
-        return self.dispatcher.slot_permute(node, hn_TD, weights_TK, experts_TK)
+        return self.pre_dispatch(node, single_input(inputs, self.where("pre_dispatch")))
 
     def slot_dispatch(self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
-        """The all-to-all; keeps the received routing weights for mlp."""
-        return self.dispatcher.slot_dispatch(node, *pair_input(inputs, self.where("dispatch")))
+        return self.dispatch(node, *pair_input(inputs, self.where("dispatch")))
 
     def slot_mlp(self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
-        """Local sort (a copy: the input may be freed), experts, * routing weight, unsort."""
-        recv_MD = single_input(inputs, self.where("mlp"))
-        # As transformers: expert output times its weight, then cast to the hidden dtype.
-        return self.dispatcher.slot_experts(node, recv_MD, self.experts, weigh_in_float32=False)
+        return self.experts(node, single_input(inputs, self.where("mlp")))
 
     def slot_combine(self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
-        """All-to-all back, unpermute, + shared expert, + residual."""
-        out_MD = single_input(inputs, self.where("combine"))
-        moe_TD = self.dispatcher.slot_combine(node, out_MD)
-        return add_residual(
-            node, moe_TD, self.where("combine"), shared=self.moe.shared_expert is not None
-        )
+        return self.combine(node, single_input(inputs, self.where("combine")))
 
     def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
-        scopes = list(super().pre_dispatch_wgrad())
-        if self.delay_wgrad and self.shared_group.modules:
-            scopes.append(WgradScope(CudaGraphModule.moe_router, self.shared_group))
+        if not self.delay_wgrad:
+            return []
+        scopes = []
+        if self.attention_group.modules:
+            scopes.append(WgradScope(CudaGraphModule.attn, self.attention_group))
+        if self.block_group.modules:
+            scopes.append(WgradScope(CudaGraphModule.moe_router, self.block_group))
         return scopes
 
     def mlp_wgrad(self) -> Sequence[WgradLayer]:
-        return [self.experts] if self.delay_wgrad else []
+        return [self.weights] if self.delay_wgrad and self.weights is not None else []
 
     def delayed_modules(self) -> tuple[DelayedWgradModule, ...]:
-        return super().delayed_modules() + self.shared_group.modules + self.experts.modules()
+        experts = self.weights.modules() if self.delay_wgrad and self.weights is not None else ()
+        return self.attention_group.modules + self.block_group.modules + experts
 
 
 HFLayer = HFDenseLayer | HFMoELayer

@@ -1,31 +1,42 @@
 """A transformers MoE causal LM as a :class:`~moe_overlap.PreprocessableModel`.
 
-Legend: ``B`` batch, ``S`` sequence, ``D`` hidden, ``V`` vocabulary.
+Legend: ``B`` batch, ``S`` sequence, ``D`` hidden.
 """
 
 from __future__ import annotations
 
+import inspect
+import sys
+import time
+import weakref
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moe_overlap import (
-    ConfigError,
-    CudaGraphModule,
-    ScheduleOptions,
-    WgradError,
-)
+from moe_overlap import ConfigError, CudaGraphModule, IntegrationError, ScheduleOptions, WgradError
 from moe_overlap.adapters._hf_aux import RouterAuxLoss
-from moe_overlap.adapters._hf_ep import expert_parameter_names, shard_experts
+from moe_overlap.adapters._hf_calls import LayerCall, causal_lm_output, decoder_input, layer_calls
+from moe_overlap.adapters._hf_ep import expert_parameter_names, experts_of, shard_experts
 from moe_overlap.adapters._hf_layers import HFDenseLayer, HFLayer, HFMoELayer
-from moe_overlap.adapters._hf_parts import ModelParts, find_parts
-from moe_overlap.blocks import MegatronHooks, Rotary, TokenDispatcher
+from moe_overlap.adapters._hf_probe import (
+    Mismatch,
+    compare_layer,
+    float32_call,
+    float32_copy,
+    structure_key,
+)
+from moe_overlap.adapters._hf_structure import MoESplit, block_of, candidate_splits, trace_layer
+from moe_overlap.blocks import MegatronHooks, TokenDispatcher
+from moe_overlap.engine._state import ChunkState
 
-__all__ = ["AdapterConfig", "AdapterDecoder", "TransformersMoEAdapter"]
+__all__ = ["AdapterConfig", "AdapterDecoder", "SelfCheck", "TransformersMoEAdapter"]
+
+_PROBE_TOKENS = 6
+_DENSE = "dense"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -45,6 +56,18 @@ class AdapterConfig:
     mtp_num_layers: int | None = None
 
 
+@dataclass(slots=True)
+class SelfCheck:
+    """What the construction-time self-check did: per structure, the split kept."""
+
+    enabled: bool
+    seconds: float = 0.0
+    structures: list[tuple[str, list[int], str]] = field(
+        default_factory=list[tuple[str, list[int], str]]
+    )
+    """``(layer class, layer indices, split kept)``: ``dense`` or a :class:`MoESplit` description."""
+
+
 class AdapterDecoder:
     """``decoder`` as the schedule sees it: the adapted layers; final norm in post-process."""
 
@@ -54,55 +77,100 @@ class AdapterDecoder:
         self.final_layernorm: Callable[[Tensor], Tensor] | None = None
 
 
-def _uniform(parts: ModelParts) -> tuple[int, int]:
-    """``(num_experts, top_k)``, the same for every MoE layer (one dispatcher serves all)."""
-    shapes = {(p.moe.num_experts, p.moe.top_k) for p in parts.layers if p.moe is not None}
-    if len(shapes) > 1:
+def _child(module: nn.Module, name: str) -> nn.Module:
+    value: object = getattr(module, name, None)
+    if not isinstance(value, nn.Module):
         raise ConfigError(
-            f"TransformersMoEAdapter: expected every MoE layer to have the same experts and "
-            f"top-k, received {sorted(shapes)}"
+            f"{type(module).__name__}.{name}: expected a torch.nn.Module, received {type(value).__name__}"
         )
-    return shapes.pop() if shapes else (1, 1)
+    return value
 
 
-def _label_delayed_modules(model: nn.Module, layers: tuple[HFLayer, ...]) -> None:
-    """Name each delayed module after its place in ``model``, for error messages."""
-    # torch leaves named_modules() unannotated.
-    named = cast("Iterator[tuple[str, nn.Module]]", model.named_modules())
-    names = {id(m): n for n, m in named}
-    for layer in layers:
-        for module in layer.delayed_modules():
-            if id(module) in names:
-                module.label = names[id(module)]
-        if isinstance(layer, HFMoELayer):
-            experts = names[id(layer.moe.experts)]
-            layer.experts.gate_up.label = f"{experts}.gate_up_proj"
-            layer.experts.down.label = f"{experts}.down_proj"
+def _refuse_randomness(model: nn.Module, config: object) -> None:
+    """Dropout or router noise in training cannot be matched between schedule and model."""
+    if not model.training:
+        return
+    for name in dir(config):
+        if name.endswith(("dropout", "jitter_noise", "dropout_rate")):
+            value: object = getattr(config, name, None)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                raise ConfigError(
+                    f"{type(config).__name__}.{name}: expected 0 in training (random dropout or "
+                    f"router noise differs between the schedule and the model), received {value}"
+                )
+
+
+def _router_logits(base: nn.Module) -> tuple[type[nn.Module], int] | None:
+    """transformers' own record of where router logits come from (module class, index)."""
+    records: object = getattr(type(base), "_can_record_outputs", None)
+    if not isinstance(records, dict):
+        return None
+    entry: object = cast("dict[str, object]", records).get("router_logits")
+    target: object = getattr(entry, "target_class", None)
+    if isinstance(target, type) and issubclass(target, nn.Module):
+        index: object = getattr(entry, "index", 0)
+        return target, index if isinstance(index, int) else 0
+    return None
+
+
+def _standard_aux(model: nn.Module) -> bool:
+    """The model's ``forward`` adds transformers' standard load-balancing loss."""
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return False
+    module = sys.modules.get(type(model).__module__)
+    fn: object = getattr(module, "load_balancing_loss_func", None)
+    if "load_balancing_loss_func(" not in source or not callable(fn):
+        return False
+    mixtral = sys.modules.get("transformers.models.mixtral.modeling_mixtral")
+    if mixtral is None:
+        import importlib
+
+        mixtral = importlib.import_module("transformers.models.mixtral.modeling_mixtral")
+    reference: object = getattr(mixtral, "load_balancing_loss_func", None)
+
+    def body(f: object) -> str:
+        try:
+            src = inspect.getsource(cast("Callable[..., object]", f))
+        except (OSError, TypeError):
+            return ""
+        return "".join(
+            line.strip()
+            for line in src.splitlines()
+            if line.strip() and not line.strip().startswith("#")
+        )
+
+    return body(fn) == body(reference) and body(fn) != ""
 
 
 class TransformersMoEAdapter(MegatronHooks):
-    """A transformers 5 MoE ``*ForCausalLM`` (Mixtral, Qwen2-MoE, ...) for :func:`~moe_overlap.combined_1f1b`.
+    """A transformers 5 MoE ``*ForCausalLM`` for :func:`~moe_overlap.combined_1f1b`.
 
     The adapter holds no weights: it reads and trains ``model``'s own parameters, so the
     optimizer takes ``model.parameters()`` and checkpoints stay in transformers' format.
+    Everything the model computes outside its decoder layers (embedding scaling, masks,
+    rotary tables of any form, final norm, LM head, logit scaling, loss) is the model's own
+    ``forward``, run with the layers stood in for; inside a MoE layer every module called
+    is the layer's own (see :mod:`moe_overlap.adapters.transformers`).
 
     Args:
-        model: the causal LM (``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``, or any
-            family with the structure described in :mod:`moe_overlap.adapters.transformers`).
+        model: the causal LM.
         ep_group: expert-parallel group; ``None`` keeps every expert local. A model holding
-            all experts is sharded in place (:func:`shard_experts`); one already sharded is
-            taken as is.
-        delay_wgrad_compute: delay the weight gradients of the attention projections, the
-            shared expert, the dense MLPs and the routed experts to the schedule's
-            ``backward_dw`` steps (their ``nn.Linear`` s are swapped, in place, for
-            delayable linears sharing the same parameters and ``state_dict`` keys).
+            all experts is sharded in place (:func:`shard_experts`) after the self-check.
+        delay_wgrad_compute: delay the weight gradients of the layers' ``nn.Linear`` s
+            (swapped in place for delayable linears sharing their parameters and
+            ``state_dict`` keys) and of the routed experts to the schedule's ``backward_dw``.
         router_aux_loss: add transformers' load-balancing loss times
-            ``config.router_aux_loss_coef`` to the loss; ``None`` follows
-            ``config.output_router_logits``, as the model's own ``forward`` does.
+            ``config.router_aux_loss_coef``; ``None`` follows ``config.output_router_logits``
+            as the model's own ``forward`` does.
+        self_check: compare the adapter's split of each distinct layer structure with the
+            layer's own ``forward`` on a float32 probe (outputs and gradients) and refuse a
+            mismatch with :class:`~moe_overlap.ConfigError`. On by default; ``False`` takes
+            the likeliest split unverified (see :attr:`self_check_report`).
 
-    ``_postprocess`` returns ``loss_function(logits, labels, vocab_size)``, the model's own
-    loss (labels are shifted inside it; use ``-100`` to ignore positions). A ``loss_mask``
-    is rejected, as transformers has none.
+    Raises :class:`~moe_overlap.ConfigError` at construction for a model it cannot train
+    exactly, naming the member and the reason.
     """
 
     def __init__(
@@ -112,63 +180,267 @@ class TransformersMoEAdapter(MegatronHooks):
         ep_group: dist.ProcessGroup | None = None,
         delay_wgrad_compute: bool = False,
         router_aux_loss: bool | None = None,
+        self_check: bool = True,
     ) -> None:
-        parts = find_parts(model)
-        num_experts, top_k = _uniform(parts)
+        name = type(model).__name__
         self.model = model
-        self.parts = parts
+        self.base = _child(model, "model")
+        layer_list = _child(self.base, "layers")
+        if not isinstance(layer_list, nn.ModuleList):
+            raise ConfigError(
+                f"{name}.model.layers: expected a torch.nn.ModuleList, received {type(layer_list).__name__}"
+            )
+        hf_config: object = getattr(model, "config", None)
+        if hf_config is None:
+            raise ConfigError(f"{name}.config: expected a transformers config, received None")
+        self.hf_config = hf_config
+        _refuse_randomness(model, hf_config)
         self.config = AdapterConfig(delay_wgrad_compute=delay_wgrad_compute)
-        self.dispatcher = TokenDispatcher(num_experts, top_k, group=ep_group)
-        if self.dispatcher.ep_size > 1 and self._holds_all_experts():
+        hidden_size = self._int("hidden_size")
+        self.hidden_size = hidden_size
+        layers = list(layer_list)
+        moe_layers = [i for i, layer in enumerate(layers) if block_of(layer) is not None]
+        if not moe_layers:
+            raise ConfigError(
+                f"{name}: expected MoE layers (a child holding routed 'experts'), received none"
+            )
+        num_experts = {experts_of(layers[i]).num_global for i in moe_layers}
+        if len(num_experts) != 1:
+            raise ConfigError(
+                f"{name}: expected every MoE layer to have the same number of experts, received {sorted(num_experts)}"
+            )
+        top_k = self._top_k()
+        self.self_check_report = SelfCheck(enabled=self_check)
+        plans = self._plan(layers, top_k=top_k, delay=delay_wgrad_compute, self_check=self_check)
+        self.dispatcher = TokenDispatcher(num_experts.pop(), top_k, group=ep_group)
+        if self.dispatcher.ep_size > 1:
             shard_experts(model, ep_group)
-        self._check_local_experts()
-        want_aux = parts.output_router_logits if router_aux_loss is None else router_aux_loss
-        has_moe = any(p.moe is not None for p in parts.layers)
-        self.aux = (
-            RouterAuxLoss(num_experts=num_experts, top_k=top_k, coef=parts.router_aux_loss_coef)
-            if want_aux and has_moe
-            else None
+        want_aux = (
+            bool(getattr(hf_config, "output_router_logits", False))
+            if router_aux_loss is None
+            else router_aux_loss
         )
-        layers: list[HFLayer] = []
-        for p in parts.layers:
-            if p.moe is None:
-                layers.append(
+        self.aux: RouterAuxLoss | None = None
+        router_logits = _router_logits(self.base)
+        if want_aux:
+            if not _standard_aux(model) or router_logits is None:
+                raise ConfigError(
+                    f"{name}: router_aux_loss: the adapter adds transformers' standard "
+                    "load_balancing_loss_func; this model's forward computes no such loss "
+                    "(pass router_aux_loss=False)"
+                )
+            coef: object = getattr(hf_config, "router_aux_loss_coef", 0.0)
+            self.aux = RouterAuxLoss(
+                num_experts=self.dispatcher.num_experts,
+                top_k=top_k,
+                coef=float(coef) if isinstance(coef, (int, float)) else 0.0,
+            )
+        self._calls: dict[int, tuple[LayerCall, ...]] = {}
+        adapted: list[HFLayer] = []
+        for i, layer in enumerate(layers):
+            plan = plans[i]
+            if plan == _DENSE:
+                adapted.append(
                     HFDenseLayer(
-                        p, self.config, hf_config=parts.hf_config, delay_wgrad=delay_wgrad_compute
+                        layer, i, self.config, self.layer_call, delay_wgrad=delay_wgrad_compute
                     )
                 )
             else:
-                layers.append(
+                assert isinstance(plan, MoESplit)
+                adapted.append(
                     HFMoELayer(
-                        p,
+                        layer,
+                        i,
                         self.config,
-                        hf_config=parts.hf_config,
-                        delay_wgrad=delay_wgrad_compute,
+                        self.layer_call,
+                        split=plan,
                         dispatcher=self.dispatcher,
+                        delay_wgrad=delay_wgrad_compute,
+                        hidden_size=hidden_size,
                         aux=self.aux,
+                        router_logits=router_logits if self.aux is not None else None,
                     )
                 )
-        self.decoder = AdapterDecoder(tuple(layers))
-        _label_delayed_modules(model, self.decoder.layers)
+        self.decoder = AdapterDecoder(tuple(adapted))
+        self._accepts_router_flag = (
+            "output_router_logits" in inspect.signature(type(model).forward).parameters
+        )
+        self._label_delayed_modules()
 
-    def _local_rows(self) -> set[int]:
-        return {
-            layer.moe.experts.get_parameter("gate_up_proj").shape[0]
-            for layer in self.parts.layers
-            if layer.moe is not None
-        }
-
-    def _holds_all_experts(self) -> bool:
-        return self._local_rows() == {self.dispatcher.num_experts}
-
-    def _check_local_experts(self) -> None:
-        rows = self._local_rows()
-        if rows and rows != {self.dispatcher.local_experts}:
+    # --- construction --------------------------------------------------------------------
+    def _int(self, key: str) -> int:
+        value: object = getattr(self.hf_config, key, None)
+        if not isinstance(value, int) or isinstance(value, bool):
             raise ConfigError(
-                f"TransformersMoEAdapter: expected {self.dispatcher.local_experts} local experts "
-                f"per MoE layer (EP size {self.dispatcher.ep_size}), received {sorted(rows)}"
+                f"{type(self.hf_config).__name__}.{key}: expected an int, received {value!r}"
             )
+        return value
 
+    def _top_k(self) -> int:
+        for key in ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token"):
+            value: object = getattr(self.hf_config, key, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+        raise ConfigError(
+            f"{type(self.hf_config).__name__}: expected num_experts_per_tok (the router's top-k), received none"
+        )
+
+    def _probe_calls(
+        self, dtype: torch.dtype, device: torch.device
+    ) -> tuple[Tensor, tuple[LayerCall, ...]]:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(2, _PROBE_TOKENS, self.hidden_size, generator=g)
+        with torch.no_grad():
+            calls = layer_calls(
+                self.base,
+                inputs_embeds=x.to(dtype=dtype, device=device),
+                attention_mask=None,
+                position_ids=None,
+            )
+        return x, calls
+
+    def _plan(
+        self, layers: list[nn.Module], *, top_k: int, delay: bool, self_check: bool
+    ) -> list[MoESplit | str]:
+        start = time.perf_counter()
+        p0 = next(self.model.parameters())
+        x, calls = self._probe_calls(p0.dtype, p0.device)
+        multiplier: object = getattr(self.hf_config, "residual_multiplier", None)
+        mult = (
+            float(multiplier)
+            if isinstance(multiplier, (int, float)) and not isinstance(multiplier, bool)
+            else None
+        )
+        plans: list[MoESplit | str] = []
+        seen: dict[tuple[object, ...], tuple[MoESplit | str, list[int]]] = {}
+        for i, layer in enumerate(layers):
+            key = structure_key(layer, calls[i])
+            if key in seen:
+                plan, where = seen[key]
+                where.append(i)
+                plans.append(plan)
+                continue
+            plan = self._plan_one(
+                layer,
+                i,
+                x.to(p0.device),
+                float32_call(calls[i]),
+                top_k=top_k,
+                mult=mult,
+                delay=delay,
+                self_check=self_check,
+            )
+            seen[key] = (plan, [i])
+            plans.append(plan)
+        for plan, where in seen.values():
+            text = plan if isinstance(plan, str) else plan.describe()
+            self.self_check_report.structures.append((type(layers[where[0]]).__name__, where, text))
+        self.self_check_report.seconds = time.perf_counter() - start
+        return plans
+
+    def _plan_one(
+        self,
+        layer: nn.Module,
+        index: int,
+        x: Tensor,
+        call: LayerCall,
+        *,
+        top_k: int,
+        mult: float | None,
+        delay: bool,
+        self_check: bool,
+    ) -> MoESplit | str:
+        where = f"{type(layer).__name__} (layer {index})"
+        calls: Callable[[ChunkState, int], LayerCall] = lambda cs, i: call  # noqa: E731
+        found = block_of(layer)
+        if found is None:
+            if self_check and delay:
+                ref, cand = float32_copy(layer), float32_copy(layer)
+                dense = HFDenseLayer(cand, index, self.config, calls, delay_wgrad=True)
+                mismatch = compare_layer(
+                    ref, dense.run_plain, cand, lambda: _finish(dense), x, call, seed=index
+                )
+                if mismatch is not None:
+                    raise ConfigError(
+                        f"{where}: with delayed weight gradients the layer no longer computes its own forward: {mismatch}"
+                    )
+            return _DENSE
+        traced = float32_copy(layer)
+        with torch.enable_grad():
+            _, trace = trace_layer(traced, x.clone().requires_grad_(), call)
+        splits = candidate_splits(traced, trace, top_k=top_k, multiplier=mult)
+        if not self_check:
+            return splits[0]
+        best: tuple[Mismatch, MoESplit] | None = None
+        experts = experts_of(layer).num_global
+        for split in splits:
+            ref, cand = float32_copy(layer), float32_copy(layer)
+            adapted = HFMoELayer(
+                cand,
+                index,
+                self.config,
+                calls,
+                split=split,
+                dispatcher=TokenDispatcher(experts, top_k),
+                delay_wgrad=delay,
+                hidden_size=self.hidden_size,
+                aux=None,
+                router_logits=None,
+            )
+            try:
+                mismatch = compare_layer(
+                    ref, adapted.run_plain, cand, lambda: _finish(adapted), x, call, seed=index
+                )
+            except (RuntimeError, ValueError, TypeError, IntegrationError) as exc:
+                mismatch = Mismatch(f"the split's run ({type(exc).__name__}: {exc})", float("inf"))
+            if mismatch is None:
+                return split
+            if best is None or mismatch.difference < best[0].difference:
+                best = (mismatch, split)
+        assert best is not None
+        raise ConfigError(
+            f"{where}: the adapter's split of this layer does not reproduce its forward on the "
+            f"float32 probe: {best[0]} (closest split tried: {best[1].describe()}; "
+            f"{len(splits)} tried)"
+        )
+
+    def _label_delayed_modules(self) -> None:
+        """Name each delayed module after its place in the model, for error messages."""
+        named = cast("Iterator[tuple[str, nn.Module]]", self.model.named_modules())
+        names = {id(m): n for n, m in named}
+        for layer in self.decoder.layers:
+            for module in layer.delayed_modules():
+                if id(module) in names:
+                    module.label = names[id(module)]
+            if isinstance(layer, HFMoELayer) and layer.weights is not None:
+                experts = names[id(layer.experts_module)]
+                layer.weights.gate_up.label = f"{experts}.gate_up_proj"
+                layer.weights.down.label = f"{experts}.down_proj"
+
+    # --- the layers' arguments, per microbatch -------------------------------------------
+    def layer_call(self, chunk_state: ChunkState, index: int) -> LayerCall:
+        """What the model passes layer ``index`` for this microbatch (computed once per chunk)."""
+        key = id(chunk_state)
+        calls = self._calls.get(key)
+        if calls is None:
+            x = chunk_state.decoder_input
+            if x is None:
+                raise IntegrationError(
+                    f"{type(self.model).__name__} adapter: expected the chunk's decoder_input "
+                    "(from _preprocess), received None"
+                )
+            with torch.no_grad():
+                calls = layer_calls(
+                    self.base,
+                    inputs_embeds=x.detach(),
+                    attention_mask=chunk_state.attention_mask,
+                    position_ids=chunk_state.position_ids,
+                )
+            self._calls[key] = calls
+            weakref.finalize(chunk_state, self._calls.pop, key, None)
+        return calls[index]
+
+    # --- public helpers -------------------------------------------------------------------
     @property
     def pre_process(self) -> bool:
         return True
@@ -211,9 +483,8 @@ class TransformersMoEAdapter(MegatronHooks):
 
     # --- MegatronHooks: what _preprocess / _postprocess are built on ----------------------
     def embed(self, input_ids: Tensor) -> Tensor:
-        """The transformers model's token embedding."""
-        out: Tensor = self.parts.embed(input_ids)
-        return out
+        """The first layer's input as the model's own ``forward`` computes it."""
+        return decoder_input(self.base, input_ids=input_ids, position_ids=None)
 
     def on_microbatch(self, decoder_input: Tensor) -> None:
         """Refuse pending weight gradients; open the aux-loss microbatch."""
@@ -227,31 +498,34 @@ class TransformersMoEAdapter(MegatronHooks):
         if self.aux is not None:
             self.aux.begin(decoder_input.device)
 
-    def rotary(self, decoder_input: Tensor, position_ids: Tensor | None) -> Rotary:
-        """The transformers model's rotary cos/sin (positions ``0 .. S-1`` by default)."""
-        if position_ids is None:
-            position_ids = torch.arange(decoder_input.shape[1], device=decoder_input.device)
-            position_ids = position_ids.unsqueeze(0)
-        cos_sin: tuple[Tensor, Tensor] = self.parts.rotary(decoder_input, position_ids)
-        cos, sin = cos_sin
-        return Rotary(None, cos, sin)
-
     def output(
         self, hidden_states: Tensor, labels: Tensor | None, loss_mask: Tensor | None
     ) -> Tensor:
-        """Final norm, LM head, the model's loss (+ the router aux loss); logits without labels."""
+        """The model's own final norm, head and loss (+ the router aux loss); logits without labels."""
         aux = self.aux.finish() if self.aux is not None else None
         if loss_mask is not None:
             raise ConfigError(
                 "TransformersMoEAdapter: transformers models take no loss_mask; expected None "
                 "(set ignored label positions to -100), received a tensor"
             )
-        p = self.parts
-        logits_BSV: Tensor = p.lm_head(p.norm(hidden_states))
-        if labels is None:
-            return logits_BSV
-        loss = p.loss_function(logits_BSV, labels, p.vocab_size)
-        if aux is not None:
-            assert self.aux is not None
-            loss = loss + self.aux.coef * aux.to(loss.device)
-        return loss
+        out = causal_lm_output(
+            self.model,
+            self.base,
+            hidden_states,
+            labels=labels,
+            attention_mask=None,
+            position_ids=None,
+            accepts_router_flag=self._accepts_router_flag,
+        )
+        if labels is None or aux is None:
+            return out
+        assert self.aux is not None
+        return out + self.aux.coef * aux.to(out.device)
+
+
+def _finish(layer: HFLayer) -> None:
+    """The delayed weight gradients of one backward, as the schedule's wgrad steps run them."""
+    for scope in layer.pre_dispatch_wgrad():
+        scope.module.backward_dw()
+    for part in layer.mlp_wgrad():
+        part.backward_dw()

@@ -35,12 +35,12 @@ from __future__ import annotations
 from moe_overlap.adapters._hf_ep import expert_parameter_names as expert_parameter_names
 from moe_overlap.adapters._hf_ep import gather_experts as gather_experts
 from moe_overlap.adapters._hf_ep import shard_experts as shard_experts
+from moe_overlap.adapters._hf_experts import DelayedLinear as DelayedLinear
 from moe_overlap.adapters._hf_layers import HFDenseLayer as HFDenseLayer
 from moe_overlap.adapters._hf_layers import HFLayer as HFLayer
 from moe_overlap.adapters._hf_layers import HFMoELayer as HFMoELayer
 from moe_overlap.adapters._hf_model import AdapterConfig as AdapterConfig
 from moe_overlap.adapters._hf_model import TransformersMoEAdapter as TransformersMoEAdapter
-from moe_overlap.adapters._hf_wgrad import DelayedLinear as DelayedLinear
 
 __all__ = [
     "AdapterConfig",

@@ -238,11 +238,14 @@ class TokenDispatcher:
         if self.group is None:
             n = meta.num_tokens * meta.topk
             ident = torch.arange(n, device=device)
+            experts_X = torch.arange(self.num_experts, device=device)
             return DispatchMeta(
                 send_splits=(n,),
                 recv_splits=(n,),
                 local_sizes=GroupSizes(
-                    int_list(counts_X.cpu()), counts_X.cumsum(0, dtype=torch.int32)
+                    int_list(counts_X.cpu()),
+                    counts_X.cumsum(0, dtype=torch.int32),
+                    torch.repeat_interleave(experts_X, counts_X, output_size=n),
                 ),
                 sort_M=ident,
                 unsort_M=ident,
@@ -263,10 +266,15 @@ class TokenDispatcher:
             output_size=sum(recv_splits),
         )
         sort_M = torch.argsort(local_expert_M, stable=True)
+        sorted_M = torch.repeat_interleave(
+            torch.arange(L, device=device), local_L, output_size=sum(recv_splits)
+        )
         return DispatchMeta(
             send_splits=tuple(send_splits),
             recv_splits=tuple(recv_splits),
-            local_sizes=GroupSizes(int_list(recv_PL.sum(0)), local_L.cumsum(0, dtype=torch.int32)),
+            local_sizes=GroupSizes(
+                int_list(recv_PL.sum(0)), local_L.cumsum(0, dtype=torch.int32), sorted_M
+            ),
             sort_M=sort_M,
             unsort_M=_inverse(sort_M),
         )
@@ -341,6 +349,28 @@ class TokenDispatcher:
         y = y_MD.float() if weigh_in_float32 else y_MD
         weighted_MD = (y * p_M.unsqueeze(-1)).to(y_MD.dtype)
         return weighted_MD.index_select(0, dmeta.unsort_M)
+
+    def slot_routed_experts(
+        self,
+        ctx: SlotContext,
+        recv_MD: Tensor,
+        experts: Callable[[Tensor, GroupSizes, Tensor], Tensor],
+    ) -> Tensor:
+        """Mlp, for experts that weigh their own output: sort by local expert (a copy),
+        ``experts(rows, sizes, probs)`` returning the weighted rows (``sizes`` carries each
+        row's local expert, ``sizes.ids``), back to received order."""
+        state = ctx.layer_state
+        dmeta = state.take(_DISPATCH, DispatchMeta)
+        probs_M = state.dispatched_probs
+        if probs_M is None:
+            raise IntegrationError(
+                "TokenDispatcher.slot_routed_experts: expected dispatched_probs from "
+                "slot_dispatch, received None"
+            )
+        x_MD = recv_MD.index_select(0, dmeta.sort_M)
+        p_M = probs_M.index_select(0, dmeta.sort_M)
+        y_MD = experts(x_MD, dmeta.local_sizes, p_M)
+        return y_MD.index_select(0, dmeta.unsort_M)
 
     def slot_combine(self, ctx: SlotContext, out_MD: Tensor) -> Tensor:
         """Combine: the all-to-all back and :meth:`unpermute`; each token's MoE output ``[T, D]``."""

@@ -77,15 +77,27 @@ class GroupSizes(Sequence[int]):
 
     A ``Sequence[int]`` of the sizes. ``offsets`` holds their cumulative sum as ``int32`` on
     the rows' device; given, the grouped GEMM reads it instead of copying the sizes to the
-    device (a host-to-device copy from pageable memory, which waits for the GPU). The
-    dispatcher builds it from the counts it already has on the device.
+    device (a host-to-device copy from pageable memory, which waits for the GPU). ``ids``
+    holds each row's group (for per-group biases). The dispatcher builds both from the
+    counts it already has on the device.
     """
 
-    __slots__ = ("_sizes", "offsets")
+    __slots__ = ("_sizes", "ids", "offsets")
 
-    def __init__(self, sizes: Sequence[int], offsets: Tensor | None = None) -> None:
+    def __init__(
+        self, sizes: Sequence[int], offsets: Tensor | None = None, ids: Tensor | None = None
+    ) -> None:
         self._sizes = tuple(sizes)
         self.offsets = offsets
+        self.ids = ids
+
+    def group_ids(self, device: torch.device) -> Tensor:
+        """Each row's group, ``[sum(sizes)]`` (from ``ids`` when given)."""
+        if self.ids is not None:
+            return self.ids
+        counts = torch.tensor(self._sizes, dtype=torch.int64, device=device)
+        groups = torch.arange(len(self._sizes), device=device)
+        return torch.repeat_interleave(groups, counts, output_size=sum(self._sizes))
 
     def __len__(self) -> int:
         return len(self._sizes)
@@ -119,16 +131,23 @@ class GroupedKernel:
 
     ``x`` may also be ``[G, C, I]``: every group padded to the same ``C`` rows (capacity
     padding); then all three products are one batched GEMM and ``sizes`` is unused.
+    ``transposed``: ``W`` is stored ``[G, I, O]`` (``y = x @ W[g]``), as some transformers
+    families store their experts.
     """
 
     sizes: tuple[int, ...]
     offsets: Tensor | None = None
+    transposed: bool = False
 
     @classmethod
-    def of(cls, sizes: Sequence[int]) -> GroupedKernel:
+    def of(cls, sizes: Sequence[int], *, transposed: bool = False) -> GroupedKernel:
         if isinstance(sizes, GroupSizes):
-            return cls(sizes.sizes, sizes.offsets)
-        return cls(tuple(sizes))
+            return cls(sizes.sizes, sizes.offsets, transposed)
+        return cls(tuple(sizes), None, transposed)
+
+    def _w_OI(self, weight: Tensor) -> Tensor:
+        """The weight as ``[G, O, I]`` (a view)."""
+        return weight.transpose(-2, -1) if self.transposed else weight
 
     def _offsets(self, device: torch.device) -> Tensor:
         if self.offsets is not None:
@@ -138,31 +157,38 @@ class GroupedKernel:
         )
 
     def forward(self, x: Tensor, weight: Tensor) -> Tensor:
+        w_OI = self._w_OI(weight)
         if x.dim() == 3:
-            return torch.bmm(x, weight.transpose(-2, -1))
-        if _grouped_mm_usable(x, weight):
+            return torch.bmm(x, w_OI.transpose(-2, -1))
+        if _grouped_mm_usable(x, w_OI):
             return torch._grouped_mm(  # pyright: ignore[reportPrivateUsage, reportPrivateImportUsage] - no public grouped GEMM yet
-                x, weight.transpose(-2, -1), offs=self._offsets(x.device)
+                x, w_OI.transpose(-2, -1), offs=self._offsets(x.device)
             )
         parts = torch.split(x, list(self.sizes), dim=0)
-        return torch.cat([F.linear(p, weight[g]) for g, p in enumerate(parts)], dim=0)
+        return torch.cat([F.linear(p, w_OI[g]) for g, p in enumerate(parts)], dim=0)
 
     def dgrad(self, grad_y: Tensor, weight: Tensor) -> Tensor:
+        w_OI = self._w_OI(weight)
         if grad_y.dim() == 3:
-            return torch.bmm(grad_y, weight)
-        if _grouped_mm_usable(grad_y, weight):
-            w_GOI = weight.contiguous()
+            return torch.bmm(grad_y, w_OI)
+        if _grouped_mm_usable(grad_y, w_OI):
             return torch._grouped_mm(  # pyright: ignore[reportPrivateUsage, reportPrivateImportUsage] - see forward
-                grad_y, w_GOI, offs=self._offsets(grad_y.device)
+                grad_y,
+                w_OI if self.transposed else w_OI.contiguous(),
+                offs=self._offsets(grad_y.device),
             )
         parts = torch.split(grad_y, list(self.sizes), dim=0)
-        return torch.cat([p.matmul(weight[g]) for g, p in enumerate(parts)], dim=0)
+        return torch.cat([p.matmul(w_OI[g]) for g, p in enumerate(parts)], dim=0)
 
     def wgrad(self, x: Tensor, grad_y: Tensor) -> Tensor:
         if x.dim() == 3:
+            if self.transposed:
+                return torch.bmm(x.transpose(-2, -1), grad_y)
             return torch.bmm(grad_y.transpose(-2, -1), x)
         xs = torch.split(x, list(self.sizes), dim=0)
         gys = torch.split(grad_y, list(self.sizes), dim=0)
+        if self.transposed:
+            return torch.stack([xi.t().matmul(gy) for xi, gy in zip(xs, gys, strict=True)])
         return torch.stack([gy.t().matmul(xi) for xi, gy in zip(xs, gys, strict=True)])
 
 
@@ -310,7 +336,8 @@ _DENSE = DenseKernel()
 
 
 class DelayedWgradGroupedLinear(DelayedWgradModule):
-    """One linear per group (expert): ``W`` of shape ``[groups, out_features, in_features]``."""
+    """One linear per group (expert): ``W`` of shape ``[groups, out_features, in_features]``
+    (``[groups, in_features, out_features]`` when ``transposed``)."""
 
     def __init__(
         self,
@@ -319,14 +346,20 @@ class DelayedWgradGroupedLinear(DelayedWgradModule):
         out_features: int,
         *,
         delay_wgrad: bool,
+        transposed: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
     ) -> None:
-        weight = nn.Parameter(
-            torch.empty(groups, out_features, in_features, dtype=dtype, device=device)
+        shape = (
+            (groups, in_features, out_features)
+            if transposed
+            else (groups, out_features, in_features)
         )
+        weight = nn.Parameter(torch.empty(*shape, dtype=dtype, device=device))
         super().__init__(weight, delay_wgrad=delay_wgrad)
         self.groups = groups
+        self.transposed = transposed
+        self.in_features = in_features
 
     def forward(self, x_NI: Tensor, sizes: Sequence[int]) -> Tensor:
         """``x_NI`` rows grouped by group, ``sizes[g]`` rows each (zero allowed); or
@@ -335,7 +368,7 @@ class DelayedWgradGroupedLinear(DelayedWgradModule):
             if x_NI.shape[0] != self.groups:
                 raise ConfigError(
                     f"{self.label}: expected padded input [groups={self.groups}, C, "
-                    f"{self.weight.shape[-1]}], received {list(x_NI.shape)}"
+                    f"{self.in_features}], received {list(x_NI.shape)}"
                 )
         elif len(sizes) != self.groups or sum(sizes) != x_NI.shape[0]:
             raise ConfigError(
@@ -343,7 +376,7 @@ class DelayedWgradGroupedLinear(DelayedWgradModule):
                 f"{x_NI.shape[0]} rows of the input, received {list(sizes)}; pass the rows "
                 "per group in order, zero for an empty group"
             )
-        return self._apply_kernel(x_NI, GroupedKernel.of(sizes))
+        return self._apply_kernel(x_NI, GroupedKernel.of(sizes, transposed=self.transposed))
 
 
 def _delayed(model: nn.Module) -> Iterator[DelayedWgradModule]:

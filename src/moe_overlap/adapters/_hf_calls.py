@@ -1,0 +1,280 @@
+"""Run a transformers model's own code around its decoder layers, and replay child calls.
+
+The adapter never re-implements what the model computes outside its layers. It runs the
+model's own ``forward`` with the decoder layers swapped for stand-ins:
+
+- :func:`decoder_input`: the embedding as the model computes it (scaling included), taken
+  at the first layer's input;
+- :func:`layer_calls`: the arguments the model passes each layer (masks per attention
+  kind, rotary tables of any form, positions, ...);
+- :func:`causal_lm_output`: the model's final norm, LM head, logit scaling and loss,
+  applied to the last layer's output.
+
+:class:`CallSpec` records how a layer calls one of its children (which argument is the
+hidden input, which come from the layer's own arguments, which are constants), so the
+slots can make the same call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import cast
+
+from torch import Tensor, nn
+
+from moe_overlap import ConfigError
+
+__all__ = [
+    "ArgSource",
+    "CallSpec",
+    "LayerCall",
+    "causal_lm_output",
+    "decoder_input",
+    "layer_calls",
+    "swap_child",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCall:
+    """What the model passed one decoder layer, besides its hidden states."""
+
+    args: tuple[object, ...]
+    kwargs: Mapping[str, object]
+
+    def value(self, name: str) -> object:
+        return self.kwargs.get(name)
+
+
+class _Stop(Exception):
+    """Ends the model's forward once the stand-ins have what they need."""
+
+
+class _Stand(nn.Module):
+    """A decoder layer's stand-in: records its call, returns a given or its own input."""
+
+    def __init__(self, layer: nn.Module, index: int, calls: list[LayerCall | None]) -> None:
+        super().__init__()
+        object.__setattr__(self, "_layer", layer)  # not a submodule: no double registration
+        self.index = index
+        self.calls = calls
+        self.feed: Tensor | None = None
+        self.stop = False
+
+    def __getattr__(self, name: str) -> object:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            layer = cast(nn.Module, object.__getattribute__(self, "_layer"))
+            return getattr(layer, name)
+
+    def forward(self, *args: object, **kwargs: object) -> object:
+        hidden = args[0] if args else kwargs.pop("hidden_states", None)
+        self.calls[self.index] = LayerCall(tuple(args[1:]), dict(kwargs))
+        if self.stop:
+            raise _Stop(hidden)
+        return self.feed if self.feed is not None else hidden
+
+
+@contextmanager
+def _stand_ins(base: nn.Module) -> Iterator[list[_Stand]]:
+    layers = base.get_submodule("layers")
+    assert isinstance(layers, nn.ModuleList)
+    originals = list(layers)
+    calls: list[LayerCall | None] = [None] * len(originals)
+    stands = [_Stand(layer, i, calls) for i, layer in enumerate(originals)]
+    for i, stand in enumerate(stands):
+        layers[i] = stand
+    try:
+        yield stands
+    finally:
+        for i, layer in enumerate(originals):
+            layers[i] = layer
+
+
+def decoder_input(base: nn.Module, *, input_ids: Tensor, position_ids: Tensor | None) -> Tensor:
+    """The first layer's input, as ``base.forward`` computes it from ``input_ids``."""
+    with _stand_ins(base) as stands:
+        stands[0].stop = True
+        try:
+            base(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        except _Stop as stop:
+            (hidden,) = stop.args
+            if isinstance(hidden, Tensor):
+                return hidden
+        raise ConfigError(
+            f"{type(base).__name__}.forward: expected it to call its first decoder layer with "
+            "the hidden states, received no such call"
+        )
+
+
+def layer_calls(
+    base: nn.Module,
+    *,
+    inputs_embeds: Tensor,
+    attention_mask: Tensor | None,
+    position_ids: Tensor | None,
+) -> tuple[LayerCall, ...]:
+    """What ``base.forward`` passes each decoder layer for inputs shaped like ``inputs_embeds``.
+
+    Raises :class:`~moe_overlap.ConfigError` when an argument depends on parameters (it
+    would tie every layer's slots to one graph) or a layer is never called.
+    """
+    with _stand_ins(base) as stands:
+        stands[-1].stop = True
+        try:
+            base(
+                inputs_embeds=inputs_embeds,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                use_cache=False,
+            )
+        except _Stop:
+            pass
+        calls = stands[0].calls
+    out: list[LayerCall] = []
+    for i, call in enumerate(calls):
+        if call is None:
+            raise ConfigError(
+                f"{type(base).__name__}.forward: expected it to call decoder layer {i}, "
+                "received no call"
+            )
+        for name, value in [*enumerate(call.args), *call.kwargs.items()]:
+            if isinstance(value, Tensor) and value.requires_grad:
+                raise ConfigError(
+                    f"{type(base).__name__}.forward: layer {i}'s argument {name!r} depends on "
+                    "parameters; the adapter supports layer arguments that carry no gradient "
+                    "(masks, positions, rotary tables)"
+                )
+        out.append(call)
+    return tuple(out)
+
+
+def causal_lm_output(
+    model: nn.Module,
+    base: nn.Module,
+    hidden_states: Tensor,
+    *,
+    labels: Tensor | None,
+    attention_mask: Tensor | None,
+    position_ids: Tensor | None,
+    accepts_router_flag: bool,
+) -> Tensor:
+    """``model.forward``'s loss (or logits) with ``hidden_states`` as the last layer's output.
+
+    Every layer's stand-in passes the given hidden states on, so the model's own final
+    norm, LM head, logit scaling and loss function run on them. The router logits are not
+    requested (the adapter adds the load-balancing loss itself).
+    """
+    with _stand_ins(base) as stands:
+        for stand in stands:
+            stand.feed = hidden_states
+        kwargs: dict[str, object] = {}
+        if accepts_router_flag:
+            kwargs["output_router_logits"] = False
+        out: object = model(
+            inputs_embeds=hidden_states.detach(),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            labels=labels,
+            use_cache=False,
+            **kwargs,
+        )
+    if labels is not None:
+        loss: object = getattr(out, "loss", None)
+        if isinstance(loss, Tensor):
+            return loss
+        raise ConfigError(
+            f"{type(model).__name__}.forward: expected a loss for the given labels, "
+            f"received {type(loss).__name__}"
+        )
+    logits: object = getattr(out, "logits", None)
+    if not isinstance(logits, Tensor):
+        raise ConfigError(
+            f"{type(model).__name__}.forward: expected logits, received {type(logits).__name__}"
+        )
+    return logits
+
+
+@contextmanager
+def swap_child(parent: nn.Module, name: str, stand_in: nn.Module) -> Iterator[None]:
+    """``parent.name`` is ``stand_in`` inside the block (restored after, even on error)."""
+    modules = cast("dict[str, nn.Module | None]", parent._modules)  # pyright: ignore[reportPrivateUsage]
+    original = modules[name]
+    modules[name] = stand_in
+    try:
+        yield
+    finally:
+        modules[name] = original
+
+
+@dataclass(frozen=True, slots=True)
+class ArgSource:
+    """Where one argument of a child call comes from.
+
+    ``kind``: ``"input"`` (the hidden states the slot passes), ``"layer"`` (the layer's
+    argument named ``key``, or positional argument ``index``), ``"const"`` (``value``).
+    """
+
+    kind: str
+    key: str = ""
+    index: int = -1
+    value: object = None
+
+
+@dataclass(frozen=True, slots=True)
+class CallSpec:
+    """How a layer calls a child: positional and keyword argument sources."""
+
+    args: tuple[ArgSource, ...]
+    kwargs: tuple[tuple[str, ArgSource], ...]
+
+    @staticmethod
+    def record(
+        where: str,
+        args: Sequence[object],
+        kwargs: Mapping[str, object],
+        *,
+        hidden: object,
+        call: LayerCall,
+    ) -> CallSpec:
+        """Match a recorded call's arguments to the layer's input and arguments, by identity."""
+
+        def source(name: str, value: object) -> ArgSource:
+            if value is hidden:
+                return ArgSource("input")
+            # The layer's argument of the same name, passed on (None included: a mask may be
+            # None for the probe and a tensor later).
+            if name in call.kwargs and call.kwargs[name] is value:
+                return ArgSource("layer", key=name)
+            if not isinstance(value, (bool, int, float, str)) and value is not None:
+                for key, v in call.kwargs.items():
+                    if v is value:
+                        return ArgSource("layer", key=key)
+                for i, v in enumerate(call.args):
+                    if v is value:
+                        return ArgSource("layer", index=i)
+            if isinstance(value, Tensor) or (isinstance(value, (list, tuple, dict)) and value):
+                raise ConfigError(
+                    f"{where}: argument {name!r} is computed inside the decoder layer; the "
+                    "adapter can pass on only the layer's hidden input, the layer's own "
+                    f"arguments and constants, received a {type(value).__name__}"
+                )
+            return ArgSource("const", value=value)
+
+        return CallSpec(
+            tuple(source(str(i), a) for i, a in enumerate(args)),
+            tuple((k, source(k, v)) for k, v in kwargs.items()),
+        )
+
+    def call(self, fn: Callable[..., object], hidden: Tensor, layer: LayerCall) -> object:
+        def value(src: ArgSource) -> object:
+            if src.kind == "input":
+                return hidden
+            if src.kind == "layer":
+                return layer.args[src.index] if src.index >= 0 else layer.value(src.key)
+            return src.value
+
+        return fn(*[value(a) for a in self.args], **{k: value(a) for k, a in self.kwargs})

@@ -1,0 +1,144 @@
+"""The adapter's self-check: its slot split against the transformers layer's own forward.
+
+For each distinct decoder-layer structure the adapter builds its layer on a float32 copy
+and runs it on a probe (a private generator's random hidden states, the model's own layer
+arguments for a tiny batch), next to the original layer's ``forward`` on another copy; it
+compares the outputs, the input gradient and every parameter's gradient. Candidate splits
+are tried in order and the first that matches is kept; when none does, a
+:class:`~moe_overlap.ConfigError` names the layer class and the largest difference.
+Nothing outside the copies is touched and the global RNG is not used.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from moe_overlap.adapters._hf_calls import LayerCall
+from moe_overlap.engine._state import ChunkState
+
+__all__ = [
+    "PROBE_TOLERANCE",
+    "Mismatch",
+    "compare_layer",
+    "float32_call",
+    "float32_copy",
+    "structure_key",
+]
+
+PROBE_TOLERANCE = 1e-5
+"""Largest difference accepted, relative to the largest magnitude of the compared tensor:
+float32 rounding from summing the routed experts' outputs in another order is ~1e-7."""
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    """The largest difference the probe found (``None`` from :func:`compare_layer` if none)."""
+
+    what: str
+    difference: float
+
+    def __str__(self) -> str:
+        return f"{self.what} differs by {self.difference:.3g} (relative; float32 rounding is < {PROBE_TOLERANCE:g})"
+
+
+def structure_key(layer: nn.Module, call: LayerCall) -> tuple[object, ...]:
+    """Layers with equal keys compute alike: module tree, parameter shapes, argument kinds."""
+    modules = tuple(
+        (name, type(m).__qualname__, tuple(tuple(p.shape) for p in m.parameters(recurse=False)))
+        for name, m in layer.named_modules()
+    )
+    kinds = tuple(sorted((k, type(v).__name__) for k, v in call.kwargs.items()))
+    return (type(layer).__qualname__, modules, kinds, getattr(layer, "attention_type", None))
+
+
+def _to_float32(value: object) -> object:
+    if isinstance(value, Tensor) and value.is_floating_point():
+        return value.float()
+    if isinstance(value, tuple):
+        return tuple(_to_float32(v) for v in value)
+    if isinstance(value, list):
+        return [_to_float32(v) for v in value]
+    return value
+
+
+def float32_call(call: LayerCall) -> LayerCall:
+    return LayerCall(
+        tuple(_to_float32(a) for a in call.args),
+        {k: _to_float32(v) for k, v in call.kwargs.items()},
+    )
+
+
+def _rel(a: Tensor, b: Tensor) -> float:
+    a, b = a.detach(), b.detach()
+    scale = float(b.abs().max()) if b.numel() else 0.0
+    diff = float((a.double() - b.double()).abs().max()) if b.numel() else 0.0
+    return diff / scale if scale > 0 else diff
+
+
+def _grads(module: nn.Module) -> Iterator[tuple[str, Tensor | None]]:
+    for name, p in module.named_parameters():
+        yield name, p.grad
+
+
+def compare_layer(
+    reference: nn.Module,
+    run: Callable[[Tensor, ChunkState], Tensor],
+    candidate: nn.Module,
+    finish: Callable[[], None],
+    hidden: Tensor,
+    call: LayerCall,
+    *,
+    seed: int,
+) -> Mismatch | None:
+    """Run ``reference(x, **call)`` and ``run(x, ...)`` (built on ``candidate``) on one probe.
+
+    ``finish`` runs the candidate's delayed weight gradients after its backward. Returns
+    the largest mismatch over output, input gradient and parameter gradients, or ``None``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    layer_call = call
+    x_ref = hidden.clone().requires_grad_()
+    x_cand = hidden.clone().requires_grad_()
+    out_ref = reference(x_ref, *layer_call.args, **dict(layer_call.kwargs))
+    out_r = out_ref[0] if isinstance(out_ref, tuple) else out_ref
+    assert isinstance(out_r, Tensor)
+    out_c = run(x_cand, ChunkState())
+    worst = (
+        Mismatch("output", _rel(out_c, out_r))
+        if out_c.shape == out_r.shape
+        else Mismatch("output shape", float("inf"))
+    )
+    if worst.difference > PROBE_TOLERANCE:
+        return worst
+    grad_out = torch.randn(out_r.shape, generator=g, dtype=out_r.dtype)
+    torch.autograd.backward(out_r, grad_out)
+    torch.autograd.backward(out_c, grad_out)
+    finish()
+    pairs: list[tuple[str, Tensor | None, Tensor | None]] = [
+        ("input gradient", x_cand.grad, x_ref.grad)
+    ]
+    cand_grads = dict(_grads(candidate))
+    for name, ref_grad in _grads(reference):
+        pairs.append((f"gradient of {name}", cand_grads.get(name), ref_grad))
+    for what, got, want in pairs:
+        if (got is None) != (want is None):
+            absent = "no gradient" if got is None else "a gradient the layer does not give"
+            return Mismatch(f"{what} (the split gives {absent})", float("inf"))
+        if got is not None and want is not None:
+            d = _rel(got, want)
+            if d > worst.difference:
+                worst = Mismatch(what, d)
+    return worst if worst.difference > PROBE_TOLERANCE else None
+
+
+def float32_copy(layer: nn.Module) -> nn.Module:
+    """A float32 deep copy (the probe never touches the model's own layer)."""
+    dup = copy.deepcopy(layer)
+    dup.float()
+    dup.train(layer.training)
+    return dup

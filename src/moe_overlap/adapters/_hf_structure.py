@@ -1,0 +1,316 @@
+"""How a transformers decoder layer computes, read off one traced run of its own forward.
+
+A run of the layer's ``forward`` on a probe, with hooks on its children, shows which
+children it calls, in which order, with which arguments. From that the adapter derives
+the candidate splits of a MoE layer into slots (:class:`MoESplit`): the norms before and
+after attention and the MLP, the MoE block (the child holding ``experts``), children that
+add to it (a shared MLP), a parallel attention/MLP residual, a residual multiplier. The
+self-check (:mod:`._hf_probe`) keeps the candidate that reproduces the layer.
+
+How the block calls its experts decides the routed-expert convention
+(:class:`ExpertsCall`): ``routed`` — ``experts(hidden [T, D], index [T, K], weights
+[T, K])`` in some argument order, what transformers 5's families do; ``prescaled`` — one
+argument, every token repeated per expert and scaled by its router score (Llama 4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor, nn
+
+from moe_overlap import ConfigError
+from moe_overlap.adapters._hf_calls import CallSpec, LayerCall
+
+__all__ = ["ChildCall", "ExpertsCall", "LayerTrace", "MoESplit", "candidate_splits", "trace_layer"]
+
+
+@dataclass(slots=True)
+class ChildCall:
+    """One call of a child module during the traced forward."""
+
+    name: str
+    module: nn.Module
+    args: tuple[object, ...]
+    kwargs: dict[str, object]
+    output: object
+
+
+@dataclass(slots=True)
+class LayerTrace:
+    """The traced run: the layer's input, its children's calls, the MoE block's inside."""
+
+    hidden: Tensor
+    call: LayerCall
+    children: list[ChildCall] = field(default_factory=list[ChildCall])
+    block_name: str | None = None
+    block_children: list[ChildCall] = field(default_factory=list[ChildCall])
+    experts_calls: list[ChildCall] = field(default_factory=list[ChildCall])
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertsCall:
+    """How the MoE block calls ``experts`` (see the module docstring)."""
+
+    kind: str
+    """``routed`` or ``prescaled``."""
+    hidden: tuple[str, int | str]
+    index: tuple[str, int | str] = ("", -1)
+    weights: tuple[str, int | str] = ("", -1)
+    router: str = ""
+    """``prescaled``: the block child whose output holds the ``[T, E]`` router scores..."""
+    router_output: int = 0
+    """... at this position of its output tuple."""
+    top_k: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class MoESplit:
+    """A MoE decoder layer as the slots compute it (names are the layer's children)::
+
+    a = attn(in_norm(x));  a = attn_out_norm(a);  h = x + a * multiplier
+    u = pre_mlp_norm(h)                      (parallel: u = in_norm(x))
+    m = block(u) [+ extra(u) ...];  m = mlp_out_norm(m);  out = h + m * multiplier
+    """
+
+    in_norm: str | None
+    attn: str
+    attn_call: CallSpec
+    attn_out_norm: str | None
+    pre_mlp_norm: str | None
+    block: str
+    block_call: CallSpec
+    extras: tuple[tuple[str, CallSpec], ...]
+    mlp_out_norm: str | None
+    parallel: bool
+    multiplier: float | None
+    experts: ExpertsCall
+
+    def describe(self) -> str:
+        parts = [
+            f"in_norm={self.in_norm}",
+            f"attn={self.attn}",
+            f"attn_out_norm={self.attn_out_norm}",
+            f"pre_mlp_norm={self.pre_mlp_norm}",
+            f"block={self.block}",
+            f"extras={[n for n, _ in self.extras]}",
+            f"mlp_out_norm={self.mlp_out_norm}",
+            f"parallel={self.parallel}",
+            f"multiplier={self.multiplier}",
+            f"experts={self.experts.kind}",
+        ]
+        return ", ".join(parts)
+
+
+def is_norm(module: nn.Module) -> bool:
+    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "norm" in type(module).__name__.lower()
+
+
+def block_of(layer: nn.Module) -> tuple[str, nn.Module] | None:
+    """The child holding a routed ``experts`` module (the MoE block), if the layer has one."""
+    for name, child in layer.named_children():
+        experts: object = getattr(child, "experts", None)
+        if isinstance(experts, nn.Module) and any(p.dim() == 3 for p in experts.parameters()):
+            return name, child
+    return None
+
+
+@contextmanager
+def _hooks(modules: list[tuple[str, nn.Module]], out: list[ChildCall]) -> Iterator[None]:
+    handles = []
+    for name, module in modules:
+
+        def hook(
+            m: nn.Module,
+            args: tuple[object, ...],
+            kwargs: dict[str, object],
+            output: object,
+            name: str = name,
+        ) -> None:
+            out.append(ChildCall(name, m, args, dict(kwargs), output))
+
+        handles.append(module.register_forward_hook(hook, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def first_tensor(value: object) -> Tensor:
+    if isinstance(value, Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], Tensor):
+        first: Tensor = value[0]
+        return first
+    raise ConfigError(
+        f"expected a tensor or a tuple starting with one, received {type(value).__name__}"
+    )
+
+
+def trace_layer(layer: nn.Module, hidden: Tensor, call: LayerCall) -> tuple[Tensor, LayerTrace]:
+    """Run ``layer`` as the model does, recording its children's calls; its output too."""
+    trace = LayerTrace(hidden, call)
+    children = list(layer.named_children())
+    found = block_of(layer)
+    inner: list[tuple[str, nn.Module]] = []
+    experts: list[tuple[str, nn.Module]] = []
+    if found is not None:
+        trace.block_name = found[0]
+        inner = list(found[1].named_children())
+        experts = [("experts", found[1].get_submodule("experts"))]
+    with (
+        _hooks(children, trace.children),
+        _hooks(inner, trace.block_children),
+        _hooks(experts, trace.experts_calls),
+    ):
+        out = layer(hidden, *call.args, **dict(call.kwargs))
+    return first_tensor(out), trace
+
+
+def _arg(call: ChildCall) -> object:
+    """The first argument (the hidden input) of a child call."""
+    if call.args:
+        return call.args[0]
+    return call.kwargs.get("hidden_states")
+
+
+def _spec(where: str, c: ChildCall, trace: LayerTrace) -> CallSpec:
+    return CallSpec.record(where, c.args, c.kwargs, hidden=_arg(c), call=trace.call)
+
+
+def _experts_call(trace: LayerTrace, where: str, top_k: int) -> ExpertsCall:
+    if len(trace.experts_calls) != 1:
+        raise ConfigError(
+            f"{where}: expected the MoE block to call its experts once, received "
+            f"{len(trace.experts_calls)} calls"
+        )
+    c = trace.experts_calls[0]
+    slots: list[tuple[tuple[str, int | str], Tensor]] = [
+        (("arg", i), a) for i, a in enumerate(c.args) if isinstance(a, Tensor)
+    ] + [(("kw", k), v) for k, v in c.kwargs.items() if isinstance(v, Tensor)]
+    ints = [s for s, t in slots if not t.is_floating_point()]
+    floats = [s for s, t in slots if t.is_floating_point()]
+    if len(slots) == 3 and len(ints) == 1 and len(floats) == 2:
+        return ExpertsCall("routed", hidden=floats[0], index=ints[0], weights=floats[1])
+    if len(slots) == 1 and len(floats) == 1:
+        rows = slots[0][1].shape[0]
+        tokens = trace.hidden.shape[0] * trace.hidden.shape[1]
+        for bc in trace.block_children:
+            outs = bc.output if isinstance(bc.output, tuple) else (bc.output,)
+            for i, o in enumerate(outs):
+                if (
+                    isinstance(o, Tensor)
+                    and o.dim() == 2
+                    and o.shape[0] == tokens
+                    and rows == tokens * o.shape[1]
+                    and bool(((o != 0).sum(-1) == top_k).all())
+                ):
+                    return ExpertsCall(
+                        "prescaled", hidden=floats[0], router=bc.name, router_output=i, top_k=top_k
+                    )
+    raise ConfigError(
+        f"{where}: expected experts(hidden [T, D], index [T, K], weights [T, K]) or "
+        "experts(hidden scaled by router scores [E*T, D]), received arguments "
+        + ", ".join(f"{k}: {tuple(t.shape)} {t.dtype}" for k, t in slots)
+    )
+
+
+def candidate_splits(
+    layer: nn.Module, trace: LayerTrace, *, top_k: int, multiplier: float | None
+) -> list[MoESplit]:
+    """Every split of a MoE layer the traced call order allows, the likeliest first.
+
+    Raises :class:`~moe_overlap.ConfigError` when the order fits none (children the split
+    cannot place, a block called more than once, ...).
+    """
+    where = type(layer).__name__
+    calls = [
+        c for c in trace.children if not (isinstance(c.module, nn.Dropout) and c.module.p == 0)
+    ]
+    for c in calls:
+        if isinstance(c.module, nn.Dropout):
+            raise ConfigError(f"{where}.{c.name}: dropout p={c.module.p} > 0 cannot be reproduced")
+    names = [c.name for c in calls]
+    block = trace.block_name
+    assert block is not None
+    if names.count(block) != 1:
+        raise ConfigError(
+            f"{where}: expected one call of the MoE block {block!r}, received calls {names}"
+        )
+    b = names.index(block)
+    before, after = calls[:b], calls[b + 1 :]
+    attn_i = next((i for i, c in enumerate(before) if not is_norm(c.module)), None)
+    if attn_i is None:
+        raise ConfigError(
+            f"{where}: expected an attention child before {block!r}, received {names}"
+        )
+    pre = before[:attn_i]
+    attn = before[attn_i]
+    mid = before[attn_i + 1 :]
+    if len(pre) > 1 or any(not is_norm(c.module) for c in mid) or len(mid) > 2:
+        raise ConfigError(
+            f"{where}: expected [norm] attention [norm] [norm] {block} ..., received calls {names}"
+        )
+    post_norms = [c for c in after if is_norm(c.module)]
+    extras = [c for c in after if not is_norm(c.module)]
+    if len(post_norms) > 1 or (post_norms and after.index(post_norms[0]) != len(after) - 1):
+        raise ConfigError(
+            f"{where}: expected at most one norm after the MLP part, received calls {names}"
+        )
+    block_call = calls[b]
+    u = _arg(block_call)
+    for e in extras:
+        if _arg(e) is not u:
+            raise ConfigError(
+                f"{where}.{e.name}: expected it to take the MoE block's input, as a shared MLP "
+                "does; received another tensor"
+            )
+    experts = _experts_call(trace, f"{where}.{block}", top_k)
+    base = MoESplit(
+        in_norm=pre[0].name if pre else None,
+        attn=attn.name,
+        attn_call=_spec(f"{where}.{attn.name}", attn, trace),
+        attn_out_norm=None,
+        pre_mlp_norm=None,
+        block=block,
+        block_call=_spec(f"{where}.{block}", block_call, trace),
+        extras=tuple((e.name, _spec(f"{where}.{e.name}", e, trace)) for e in extras),
+        mlp_out_norm=post_norms[0].name if post_norms else None,
+        parallel=False,
+        multiplier=multiplier,
+        experts=experts,
+    )
+    if len(mid) == 2:
+        shapes = [replace(base, attn_out_norm=mid[0].name, pre_mlp_norm=mid[1].name)]
+    elif len(mid) == 1:
+        shapes = [replace(base, pre_mlp_norm=mid[0].name), replace(base, attn_out_norm=mid[0].name)]
+    else:
+        shapes = [replace(base, parallel=True), base] if pre else [base]
+    if multiplier is not None:
+        shapes += [replace(s, multiplier=None) for s in shapes]
+    return shapes
+
+
+def experts_arguments(
+    call: ExpertsCall, hidden: Tensor, index: Tensor, weights: Tensor
+) -> tuple[list[object], dict[str, object]]:
+    """Positional and keyword arguments for ``experts`` in the block's own convention."""
+    values = {call.hidden: hidden, call.index: index, call.weights: weights}
+    n = 1 + max((int(k) for (kind, k) in values if kind == "arg"), default=-1)
+    args: list[object] = [None] * n
+    kwargs: dict[str, object] = {}
+    for (kind, key), v in values.items():
+        if kind == "arg":
+            args[int(key)] = v
+        else:
+            kwargs[str(key)] = v
+    return args, kwargs
+
+
+def zeros_like_output(x: Tensor) -> Tensor:
+    """What the stand-in experts return: zeros shaped like their input rows."""
+    return torch.zeros_like(x)
