@@ -30,8 +30,10 @@ __all__ = [
     "ArgSource",
     "CallSpec",
     "LayerCall",
+    "base_model",
     "causal_lm_output",
     "decoder_input",
+    "decoder_layers",
     "layer_calls",
     "swap_child",
 ]
@@ -78,10 +80,34 @@ class _Stand(nn.Module):
         return self.feed if self.feed is not None else hidden
 
 
+def base_model(model: nn.Module) -> nn.Module:
+    """The causal LM's decoder stack (transformers' ``base_model``: ``model.model`` mostly)."""
+    base: object = getattr(model, "base_model", None)
+    if not isinstance(base, nn.Module) or base is model:
+        raise ConfigError(
+            f"{type(model).__name__}.base_model: expected the decoder stack (a transformers "
+            f"*ForCausalLM), received {type(base).__name__}"
+        )
+    return base
+
+
+def decoder_layers(base: nn.Module) -> nn.ModuleList:
+    """The decoder stack's list of layers: its ``nn.ModuleList`` child of ``num_hidden_layers``."""
+    config: object = getattr(base, "config", None)
+    n: object = getattr(config, "num_hidden_layers", None)
+    lists = [(k, m) for k, m in base.named_children() if isinstance(m, nn.ModuleList)]
+    fits = [m for k, m in lists if k == "layers"] or [m for _, m in lists if len(m) == n]
+    if len(fits) != 1:
+        raise ConfigError(
+            f"{type(base).__name__}: expected one nn.ModuleList of the {n} decoder layers, "
+            f"received {[(k, len(m)) for k, m in lists]}"
+        )
+    return fits[0]
+
+
 @contextmanager
 def _stand_ins(base: nn.Module) -> Iterator[list[_Stand]]:
-    layers = base.get_submodule("layers")
-    assert isinstance(layers, nn.ModuleList)
+    layers = decoder_layers(base)
     originals = list(layers)
     calls: list[LayerCall | None] = [None] * len(originals)
     stands = [_Stand(layer, i, calls) for i, layer in enumerate(originals)]

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moe_overlap import ConfigError
+from moe_overlap.adapters._hf_calls import base_model, decoder_layers
 from moe_overlap.adapters._hf_structure import block_of
 
 __all__ = ["Experts", "expert_parameter_names", "experts_of", "gather_experts", "shard_experts"]
@@ -87,9 +88,7 @@ def _expert_modules(model: nn.Module) -> Iterator[tuple[str, Experts]]:
     # torch leaves named_modules() unannotated.
     named = cast("Iterator[tuple[str, nn.Module]]", model.named_modules())
     names = {id(m): n for n, m in named}
-    layers = model.get_submodule("model.layers")
-    assert isinstance(layers, nn.ModuleList)
-    for layer in layers:
+    for layer in decoder_layers(base_model(model)):
         if block_of(layer) is not None:
             experts = experts_of(layer)
             yield names[id(experts.module)], experts

@@ -91,17 +91,23 @@ def delay_linears(parent: nn.Module, name: str, *, delay_wgrad: bool) -> list[De
 
 
 def delay_linears_in(
-    module: nn.Module, *, delay_wgrad: bool, skip: tuple[nn.Module, ...] = ()
+    module: nn.Module,
+    *,
+    delay_wgrad: bool,
+    skip: tuple[nn.Module, ...] = (),
+    only: frozenset[int] | None = None,
 ) -> list[DelayedLinear]:
-    """:func:`delay_linears` for every child of ``module`` (not under ``skip``)."""
+    """:func:`delay_linears` for every child of ``module`` (not under ``skip``; with
+    ``only``, just the linears whose ``id`` it holds)."""
     found: list[DelayedLinear] = []
     for child_name, child in list(module.named_children()):
         if any(child is s for s in skip):
             continue
         if type(child) is nn.Linear or isinstance(child, DelayedLinear):
-            found += delay_linears(module, child_name, delay_wgrad=delay_wgrad)
+            if only is None or id(child) in only:
+                found += delay_linears(module, child_name, delay_wgrad=delay_wgrad)
         else:
-            found += delay_linears_in(child, delay_wgrad=delay_wgrad, skip=skip)
+            found += delay_linears_in(child, delay_wgrad=delay_wgrad, skip=skip, only=only)
     return found
 
 

@@ -133,10 +133,12 @@ class HFDenseLayer(DenseSlots, _LayerBase):
         calls: LayerCalls,
         *,
         delay_wgrad: bool,
+        delayable: frozenset[str],
     ) -> None:
         super().__init__(layer, index, config, calls)
         self.delay_wgrad = delay_wgrad
-        self.group = WgradGroup(delay_linears_in(layer, delay_wgrad=delay_wgrad))
+        only = _ids(layer, delayable)
+        self.group = WgradGroup(delay_linears_in(layer, delay_wgrad=delay_wgrad, only=only))
 
     def forward(self, x_BSD: Tensor, chunk_state: ChunkState) -> Tensor:
         call = self.calls(chunk_state, self.index)
@@ -186,6 +188,7 @@ class HFMoELayer(_LayerBase):
         hidden_size: int,
         aux: RouterAuxLoss | None,
         router_logits: tuple[type[nn.Module], int] | None,
+        delayable: frozenset[str],
     ) -> None:
         super().__init__(layer, index, config, calls)
         self.split = split
@@ -209,10 +212,14 @@ class HFMoELayer(_LayerBase):
             self.router_module = next((m for m in self.block.modules() if isinstance(m, cls)), None)
         attn = layer.get_submodule(split.attn)
         skip = (self.experts_module,)
-        self.attention_group = WgradGroup(delay_linears_in(attn, delay_wgrad=delay_wgrad))
-        mlp_side = delay_linears_in(self.block, delay_wgrad=delay_wgrad, skip=skip)
+        only = _ids(layer, delayable)
+        self.attention_group = WgradGroup(
+            delay_linears_in(attn, delay_wgrad=delay_wgrad, only=only)
+        )
+        mlp_side = delay_linears_in(self.block, delay_wgrad=delay_wgrad, skip=skip, only=only)
         for name, _ in split.extras:
-            mlp_side += delay_linears_in(layer.get_submodule(name), delay_wgrad=delay_wgrad)
+            part = layer.get_submodule(name)
+            mlp_side += delay_linears_in(part, delay_wgrad=delay_wgrad, only=only)
         self.block_group = WgradGroup(mlp_side)
 
     @property
@@ -333,7 +340,11 @@ class HFMoELayer(_LayerBase):
                 f"{self.where('combine')}: expected the residual from pre_dispatch, received None"
             )
         rest: object = state.extras.get(_REST)
-        m = moe_TD.view(residual.shape) + rest.view(residual.shape) if isinstance(rest, Tensor) else moe_TD.view(residual.shape)
+        m = moe_TD.view(residual.shape)
+        if self.split.experts_scale is not None:
+            m = m * self.split.experts_scale
+        if isinstance(rest, Tensor):
+            m = m + rest.view(residual.shape)
         post = self._child(self.split.mlp_out_norm)
         if post is not None:
             m = post(m)
@@ -378,6 +389,11 @@ class HFMoELayer(_LayerBase):
     def delayed_modules(self) -> tuple[DelayedWgradModule, ...]:
         experts = self.weights.modules() if self.delay_wgrad and self.weights is not None else ()
         return self.attention_group.modules + self.block_group.modules + experts
+
+
+def _ids(layer: nn.Module, names: frozenset[str]) -> frozenset[int]:
+    """The modules of ``layer`` at ``names`` (the linears a traced forward called once)."""
+    return frozenset(id(layer.get_submodule(n)) for n in names)
 
 
 HFLayer = HFDenseLayer | HFMoELayer

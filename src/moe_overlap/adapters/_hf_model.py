@@ -5,7 +5,9 @@ Legend: ``B`` batch, ``S`` sequence, ``D`` hidden.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+from functools import partial
 import sys
 import time
 import weakref
@@ -19,7 +21,14 @@ from torch import Tensor, nn
 
 from moe_overlap import ConfigError, CudaGraphModule, IntegrationError, ScheduleOptions, WgradError
 from moe_overlap.adapters._hf_aux import RouterAuxLoss
-from moe_overlap.adapters._hf_calls import LayerCall, causal_lm_output, decoder_input, layer_calls
+from moe_overlap.adapters._hf_calls import (
+    LayerCall,
+    base_model,
+    causal_lm_output,
+    decoder_input,
+    decoder_layers,
+    layer_calls,
+)
 from moe_overlap.adapters._hf_ep import expert_parameter_names, experts_of, shard_experts
 from moe_overlap.adapters._hf_layers import HFDenseLayer, HFLayer, HFMoELayer
 from moe_overlap.adapters._hf_probe import (
@@ -29,14 +38,32 @@ from moe_overlap.adapters._hf_probe import (
     float32_copy,
     structure_key,
 )
-from moe_overlap.adapters._hf_structure import MoESplit, block_of, candidate_splits, trace_layer
+from moe_overlap.adapters._hf_structure import (
+    MoESplit,
+    block_of,
+    candidate_splits,
+    experts_scale,
+    trace_layer,
+)
 from moe_overlap.blocks import MegatronHooks, TokenDispatcher
 from moe_overlap.engine._state import ChunkState
 
 __all__ = ["AdapterConfig", "AdapterDecoder", "SelfCheck", "TransformersMoEAdapter"]
 
 _PROBE_TOKENS = 6
-_DENSE = "dense"
+_NOT_SOFTMAX = ("linear", "mamba", "conv", "delta", "ssm", "recurrent")
+
+
+@dataclass(frozen=True, slots=True)
+class LayerPlan:
+    """How one decoder layer is scheduled: dense (``split`` None) or split; which linears
+    may delay their weight gradient (called once in the traced forward)."""
+
+    split: MoESplit | None
+    delayable: frozenset[str]
+
+    def describe(self) -> str:
+        return "dense" if self.split is None else self.split.describe()
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -97,6 +124,20 @@ def _refuse_randomness(model: nn.Module, config: object) -> None:
                 raise ConfigError(
                     f"{type(config).__name__}.{name}: expected 0 in training (random dropout or "
                     f"router noise differs between the schedule and the model), received {value}"
+                )
+
+
+def _refuse_mixers(config: object, num_layers: int) -> None:
+    """Layers whose token mixer is not softmax attention (linear attention, Mamba, convs)."""
+    for key in ("layer_types", "layers_block_type", "mixer_types"):
+        kinds: object = getattr(config, key, None)
+        if not isinstance(kinds, (list, tuple)):
+            continue
+        for i, kind in enumerate(cast("list[object]", list(kinds))[:num_layers]):
+            if isinstance(kind, str) and any(w in kind.lower() for w in _NOT_SOFTMAX):
+                raise ConfigError(
+                    f"{type(config).__name__}.{key}[{i}]: the adapter schedules softmax-attention "
+                    f"layers (full or sliding window); expected such a layer, received {kind!r}"
                 )
 
 
@@ -184,12 +225,8 @@ class TransformersMoEAdapter(MegatronHooks):
     ) -> None:
         name = type(model).__name__
         self.model = model
-        self.base = _child(model, "model")
-        layer_list = _child(self.base, "layers")
-        if not isinstance(layer_list, nn.ModuleList):
-            raise ConfigError(
-                f"{name}.model.layers: expected a torch.nn.ModuleList, received {type(layer_list).__name__}"
-            )
+        self.base = base_model(model)
+        layer_list = decoder_layers(self.base)
         hf_config: object = getattr(model, "config", None)
         if hf_config is None:
             raise ConfigError(f"{name}.config: expected a transformers config, received None")
@@ -210,8 +247,20 @@ class TransformersMoEAdapter(MegatronHooks):
                 f"{name}: expected every MoE layer to have the same number of experts, received {sorted(num_experts)}"
             )
         top_k = self._top_k()
+        _refuse_mixers(hf_config, len(layers))
         self.self_check_report = SelfCheck(enabled=self_check)
-        plans = self._plan(layers, top_k=top_k, delay=delay_wgrad_compute, self_check=self_check)
+        try:
+            plans = self._plan(
+                layers, top_k=top_k, delay=delay_wgrad_compute, self_check=self_check
+            )
+        except ConfigError:
+            raise
+        except Exception as exc:  # the model's own code, run as the adapter runs it
+            raise ConfigError(
+                f"{name}: its layers could not be run the way the adapter runs them (the model's "
+                f"forward with the layers stood in for, then each layer on a probe): "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
         self.dispatcher = TokenDispatcher(num_experts.pop(), top_k, group=ep_group)
         if self.dispatcher.ep_size > 1:
             shard_experts(model, ep_group)
@@ -239,28 +288,33 @@ class TransformersMoEAdapter(MegatronHooks):
         adapted: list[HFLayer] = []
         for i, layer in enumerate(layers):
             plan = plans[i]
-            if plan == _DENSE:
+            if plan.split is None:
                 adapted.append(
                     HFDenseLayer(
-                        layer, i, self.config, self.layer_call, delay_wgrad=delay_wgrad_compute
-                    )
-                )
-            else:
-                assert isinstance(plan, MoESplit)
-                adapted.append(
-                    HFMoELayer(
                         layer,
                         i,
                         self.config,
                         self.layer_call,
-                        split=plan,
-                        dispatcher=self.dispatcher,
                         delay_wgrad=delay_wgrad_compute,
-                        hidden_size=hidden_size,
-                        aux=self.aux,
-                        router_logits=router_logits if self.aux is not None else None,
+                        delayable=plan.delayable,
                     )
                 )
+                continue
+            adapted.append(
+                HFMoELayer(
+                    layer,
+                    i,
+                    self.config,
+                    self.layer_call,
+                    split=plan.split,
+                    dispatcher=self.dispatcher,
+                    delay_wgrad=delay_wgrad_compute,
+                    hidden_size=hidden_size,
+                    aux=self.aux,
+                    router_logits=router_logits if self.aux is not None else None,
+                    delayable=plan.delayable,
+                )
+            )
         self.decoder = AdapterDecoder(tuple(adapted))
         self._accepts_router_flag = (
             "output_router_logits" in inspect.signature(type(model).forward).parameters
@@ -301,7 +355,7 @@ class TransformersMoEAdapter(MegatronHooks):
 
     def _plan(
         self, layers: list[nn.Module], *, top_k: int, delay: bool, self_check: bool
-    ) -> list[MoESplit | str]:
+    ) -> list[LayerPlan]:
         start = time.perf_counter()
         p0 = next(self.model.parameters())
         x, calls = self._probe_calls(p0.dtype, p0.device)
@@ -311,8 +365,8 @@ class TransformersMoEAdapter(MegatronHooks):
             if isinstance(multiplier, (int, float)) and not isinstance(multiplier, bool)
             else None
         )
-        plans: list[MoESplit | str] = []
-        seen: dict[tuple[object, ...], tuple[MoESplit | str, list[int]]] = {}
+        plans: list[LayerPlan] = []
+        seen: dict[tuple[object, ...], tuple[LayerPlan, list[int]]] = {}
         for i, layer in enumerate(layers):
             key = structure_key(layer, calls[i])
             if key in seen:
@@ -333,8 +387,9 @@ class TransformersMoEAdapter(MegatronHooks):
             seen[key] = (plan, [i])
             plans.append(plan)
         for plan, where in seen.values():
-            text = plan if isinstance(plan, str) else plan.describe()
-            self.self_check_report.structures.append((type(layers[where[0]]).__name__, where, text))
+            self.self_check_report.structures.append(
+                (type(layers[where[0]]).__name__, where, plan.describe())
+            )
         self.self_check_report.seconds = time.perf_counter() - start
         return plans
 
@@ -349,28 +404,40 @@ class TransformersMoEAdapter(MegatronHooks):
         mult: float | None,
         delay: bool,
         self_check: bool,
-    ) -> MoESplit | str:
+    ) -> LayerPlan:
         where = f"{type(layer).__name__} (layer {index})"
         calls: Callable[[ChunkState, int], LayerCall] = lambda cs, i: call  # noqa: E731
-        found = block_of(layer)
-        if found is None:
+        traced = float32_copy(layer)
+        with torch.enable_grad():
+            out, trace = trace_layer(traced, x.clone().requires_grad_(), call)
+        # A linear may delay its weight gradient if the forward calls it once and its weight
+        # gets a gradient at all (an indexer's projection, say, gets none).
+        torch.autograd.backward(out.sum())
+        delayable = frozenset(
+            n
+            for n in trace.delayable()
+            if traced.get_submodule(n).get_parameter("weight").grad is not None
+        )
+        if block_of(layer) is None:
             if self_check and delay:
                 ref, cand = float32_copy(layer), float32_copy(layer)
-                dense = HFDenseLayer(cand, index, self.config, calls, delay_wgrad=True)
+                dense = HFDenseLayer(
+                    cand, index, self.config, calls, delay_wgrad=True, delayable=delayable
+                )
                 mismatch = compare_layer(
                     ref, dense.run_plain, cand, lambda: _finish(dense), x, call, seed=index
                 )
                 if mismatch is not None:
                     raise ConfigError(
-                        f"{where}: with delayed weight gradients the layer no longer computes its own forward: {mismatch}"
+                        f"{where}: with delayed weight gradients the layer no longer computes "
+                        f"its own forward: {mismatch}"
                     )
-            return _DENSE
-        traced = float32_copy(layer)
-        with torch.enable_grad():
-            _, trace = trace_layer(traced, x.clone().requires_grad_(), call)
+            return LayerPlan(None, delayable)
         splits = candidate_splits(traced, trace, top_k=top_k, multiplier=mult)
+        scale = experts_scale(traced.get_submodule(splits[0].block), trace, splits[0], where)
+        splits = [dataclasses.replace(s, experts_scale=scale) for s in splits]
         if not self_check:
-            return splits[0]
+            return LayerPlan(splits[0], delayable)
         best: tuple[Mismatch, MoESplit] | None = None
         experts = experts_of(layer).num_global
         for split in splits:
@@ -386,15 +453,16 @@ class TransformersMoEAdapter(MegatronHooks):
                 hidden_size=self.hidden_size,
                 aux=None,
                 router_logits=None,
+                delayable=delayable,
             )
             try:
                 mismatch = compare_layer(
-                    ref, adapted.run_plain, cand, lambda: _finish(adapted), x, call, seed=index
+                    ref, adapted.run_plain, cand, partial(_finish, adapted), x, call, seed=index
                 )
             except (RuntimeError, ValueError, TypeError, IntegrationError) as exc:
                 mismatch = Mismatch(f"the split's run ({type(exc).__name__}: {exc})", float("inf"))
             if mismatch is None:
-                return split
+                return LayerPlan(split, delayable)
             if best is None or mismatch.difference < best[0].difference:
                 best = (mismatch, split)
         assert best is not None

@@ -23,9 +23,17 @@ import torch
 from torch import Tensor, nn
 
 from moe_overlap import ConfigError
-from moe_overlap.adapters._hf_calls import CallSpec, LayerCall
+from moe_overlap.adapters._hf_calls import CallSpec, LayerCall, swap_child
 
-__all__ = ["ChildCall", "ExpertsCall", "LayerTrace", "MoESplit", "candidate_splits", "trace_layer"]
+__all__ = [
+    "ChildCall",
+    "ExpertsCall",
+    "LayerTrace",
+    "MoESplit",
+    "candidate_splits",
+    "experts_scale",
+    "trace_layer",
+]
 
 
 @dataclass(slots=True)
@@ -49,6 +57,12 @@ class LayerTrace:
     block_name: str | None = None
     block_children: list[ChildCall] = field(default_factory=list[ChildCall])
     experts_calls: list[ChildCall] = field(default_factory=list[ChildCall])
+    linear_calls: dict[str, int] = field(default_factory=dict[str, int])
+    """Calls of each exact ``nn.Linear`` under the layer (by name relative to it)."""
+
+    def delayable(self) -> frozenset[str]:
+        """The linears whose weight gradient may wait: called exactly once per forward."""
+        return frozenset(n for n, k in self.linear_calls.items() if k == 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,6 +102,8 @@ class MoESplit:
     parallel: bool
     multiplier: float | None
     experts: ExpertsCall
+    experts_scale: float | None = None
+    """The block returns ``experts_scale * experts(...) + rest`` (``None``: 1)."""
 
     def describe(self) -> str:
         parts = [
@@ -101,6 +117,7 @@ class MoESplit:
             f"parallel={self.parallel}",
             f"multiplier={self.multiplier}",
             f"experts={self.experts.kind}",
+            f"experts_scale={self.experts_scale}",
         ]
         return ", ".join(parts)
 
@@ -162,12 +179,27 @@ def trace_layer(layer: nn.Module, hidden: Tensor, call: LayerCall) -> tuple[Tens
         trace.block_name = found[0]
         inner = list(found[1].named_children())
         experts = [("experts", found[1].get_submodule("experts"))]
-    with (
-        _hooks(children, trace.children),
-        _hooks(inner, trace.block_children),
-        _hooks(experts, trace.experts_calls),
-    ):
-        out = layer(hidden, *call.args, **dict(call.kwargs))
+    counts = trace.linear_calls
+    handles = []
+    for name, m in layer.named_modules():
+        if type(m) is nn.Linear:
+            counts[name] = 0
+
+            def count(mod: nn.Module, args: object, name: str = name) -> None:
+                del mod, args
+                counts[name] += 1
+
+            handles.append(m.register_forward_pre_hook(count))
+    try:
+        with (
+            _hooks(children, trace.children),
+            _hooks(inner, trace.block_children),
+            _hooks(experts, trace.experts_calls),
+        ):
+            out = layer(hidden, *call.args, **dict(call.kwargs))
+    finally:
+        for h in handles:
+            h.remove()
     return first_tensor(out), trace
 
 
@@ -314,3 +346,47 @@ def experts_arguments(
 def zeros_like_output(x: Tensor) -> Tensor:
     """What the stand-in experts return: zeros shaped like their input rows."""
     return torch.zeros_like(x)
+
+
+class _Returns(nn.Module):
+    """Stands in for the experts and returns a given tensor."""
+
+    def __init__(self, value: Tensor) -> None:
+        super().__init__()
+        self.value = value
+
+    def forward(self, *args: object, **kwargs: object) -> Tensor:
+        del args, kwargs
+        return self.value
+
+
+def experts_scale(block: nn.Module, trace: LayerTrace, split: MoESplit, where: str) -> float | None:
+    """How the block's output depends on its experts' output: ``c`` in ``c * experts + rest``.
+
+    Measured by running the block on its traced input with the experts returning zeros and
+    then a random tensor; ``None`` for ``c = 1``. Raises :class:`~moe_overlap.ConfigError`
+    when the dependence is not a constant multiple (a norm or gate after the experts).
+    """
+    call = next(c for c in trace.children if c.name == split.block)
+    u = _arg(call)
+    assert isinstance(u, Tensor)
+    ec = trace.experts_calls[0]
+    kind, key = split.experts.hidden
+    x = ec.args[int(key)] if kind == "arg" else ec.kwargs[str(key)]
+    assert isinstance(x, Tensor)
+    g = torch.Generator().manual_seed(7)
+    r = torch.randn(x.shape, generator=g, dtype=x.dtype).to(x.device)
+    outs = []
+    with torch.no_grad():
+        for value in (torch.zeros_like(r), r):
+            with swap_child(block, "experts", _Returns(value)):
+                outs.append(first_tensor(split.block_call.call(block, u.detach(), trace.call)))
+    diff = (outs[1] - outs[0]).reshape(-1).double()
+    ref = r.reshape(-1).double()
+    c = float((diff * ref).sum() / (ref * ref).sum())
+    if float((diff - c * ref).abs().max()) > 1e-5 * float(ref.abs().max()) * max(1.0, abs(c)):
+        raise ConfigError(
+            f"{where}: the MoE block transforms its routed experts' output other than by a "
+            "constant factor (a norm or gate after the experts), which the slots cannot split"
+        )
+    return None if abs(c - 1.0) < 1e-6 else c

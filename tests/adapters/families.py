@@ -1,0 +1,308 @@
+"""Every MoE causal-LM family of the installed transformers, tried tiny against the adapter.
+
+``python -m tests.adapters.families --write docs/families.md`` regenerates the table in the
+docs; ``tests/adapters/test_families.py`` runs the same checks and fails when the table is
+stale or when an accepted family computes anything but the model's own result.
+
+A family is found by its modeling source (a ``*ForCausalLM`` class and routed experts), built
+tiny from its config class (:func:`tiny_config`: the same small sizes for every family,
+set on whichever of the config's fields exist, plus the few per-family settings a config
+needs to have a MoE layer at all), and checked as :func:`check_family` says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import inspect
+import pathlib
+import re
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from moe_overlap import ConfigError, Microbatch
+
+LAYERS = 4
+VOCAB = 128
+IDS_BELOW = 100
+"""Token ids of the probe batches (a few families mask logits past an unpadded vocabulary)."""
+
+# (config field, value or a function of the field's default giving the value, None = keep)
+_Rule = tuple[str, object]
+
+
+def _when_set(value: object) -> Callable[[object], object]:
+    return lambda default: value if default else None
+
+
+def _groups(default: object) -> object:
+    return 4 if isinstance(default, int) and default > 1 else None
+
+
+RULES: tuple[_Rule, ...] = (
+    ("vocab_size", VOCAB),
+    ("hidden_size", 64),
+    ("d_model", 64),
+    ("num_hidden_layers", LAYERS),
+    ("n_layers", LAYERS),
+    ("num_layers", LAYERS),
+    ("num_attention_heads", 4),
+    ("n_heads", 4),
+    ("ffn_hidden_size", 64),
+    ("expert_ffn_hidden_size", 32),
+    ("vocab_size_per_layer_input", _when_set(VOCAB)),
+    ("hidden_size_per_layer_input", _when_set(16)),
+    ("zero_expert_num", _when_set(2)),
+    ("head_dim", 16),
+    ("intermediate_size", 64),
+    ("intermediate_size_mlp", 64),
+    ("dense_intermediate_size", 64),
+    ("moe_intermediate_size", 32),
+    ("shared_expert_intermediate_size", 32),
+    ("shared_intermediate_size", 32),
+    ("moe_shared_expert_intermediate_size", 32),
+    ("num_experts", 8),
+    ("n_routed_experts", 8),
+    ("num_local_experts", 8),
+    ("moe_num_experts", 8),
+    ("num_experts_per_tok", 2),
+    ("moe_topk", 2),
+    ("moe_k", 2),
+    ("top_k_experts", 2),
+    ("n_shared_experts", 1),
+    ("num_shared_experts", 1),
+    ("moe_num_shared_experts", 1),
+    ("n_group", _groups),
+    ("num_expert_group", _groups),
+    ("first_k_dense_replace", 1),
+    ("num_dense_layers", 1),
+    ("mlp_only_layers", [0]),
+    ("decoder_sparse_step", 1),
+    ("moe_layer_start_index", 1),
+    ("moe_layer_interval", 1),
+    ("interleave_moe_layer_step", 2),
+    ("kv_lora_rank", 16),
+    ("q_lora_rank", _when_set(32)),
+    ("qk_rope_head_dim", 8),
+    ("qk_nope_head_dim", 16),
+    ("v_head_dim", 16),
+    ("sliding_window", _when_set(4)),
+    ("max_position_embeddings", 64),
+    ("router_jitter_noise", _when_set(0.0)),
+    ("attention_dropout", _when_set(0.0)),
+)
+
+OVERRIDES: dict[str, dict[str, object]] = {
+    "hunyuan_v1_moe": {"num_experts": 8, "moe_topk": 2},  # defaults: one expert, top-1
+    "gemma4": {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2},
+    "doge": {"is_moe": True, "num_experts": 16},
+    "zaya": {"num_experts_per_tok": 1},  # its config accepts top-1 only
+    "dbrx": {
+        "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2},
+    },
+    "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
+    "granitemoehybrid": {
+        "layer_types": ["mamba", "attention", "mamba", "attention"],
+    },
+}
+"""Settings without which the family's config builds no MoE layer (or does not build)."""
+
+
+MAX_PARAMETERS = 5_000_000
+"""A tiny build above this (a config field the rules miss) is not run."""
+
+
+def _get(config: object, key: str) -> object:
+    try:
+        return getattr(config, key, None)
+    except Exception:  # noqa: BLE001 - per-layer configs refuse global reads of some fields
+        return None
+
+
+def _fields(config_cls: type) -> set[str]:
+    if dataclasses.is_dataclass(config_cls):
+        return {f.name for f in dataclasses.fields(config_cls)}
+    return set(inspect.signature(config_cls.__init__).parameters)
+
+
+def tiny_config(family: str, config_cls: type) -> dict[str, object]:
+    """The tiny settings for ``family``'s config class."""
+    fields = _fields(config_cls)
+    default = config_cls()
+    kw: dict[str, object] = {}
+    for key, rule in RULES:
+        if key not in fields:
+            continue
+        value = rule(_get(default, key)) if callable(rule) else rule
+        if value is not None:
+            kw[key] = value
+    if "num_key_value_heads" in fields:
+        kv, heads = _get(default, "num_key_value_heads"), _get(default, "num_attention_heads")
+        kw["num_key_value_heads"] = kw.get("num_attention_heads", 4) if kv in (None, heads) else 2
+    if "topk_group" in fields and kw.get("n_group", kw.get("num_expert_group")) == 4:
+        kw["topk_group"] = 2
+    if "qk_rope_head_dim" in fields and "head_dim" in fields:
+        kw["head_dim"] = kw["qk_rope_head_dim"]
+    for tok in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        value = _get(default, tok)
+        if tok in fields and isinstance(value, int) and value >= VOCAB:
+            kw[tok] = 0 if tok == "pad_token_id" else 1
+        elif tok in fields and isinstance(value, list):
+            kw[tok] = [1]
+    kw.update(OVERRIDES.get(family, {}))
+    return kw
+
+
+_MOE = re.compile(r"self\.experts\s*=")
+_CLM = re.compile(r"^class (\w+ForCausalLM)\((\w+)", re.M)
+
+
+def discover() -> list[tuple[str, str]]:
+    """``(family, ForCausalLM class)`` of every modeling module with routed experts."""
+    import transformers
+
+    root = pathlib.Path(transformers.__file__).parent / "models"
+    found: list[tuple[str, str]] = []
+    for d in sorted(p for p in root.iterdir() if p.is_dir()):
+        f = d / f"modeling_{d.name}.py"
+        if not f.exists():
+            continue
+        src = f.read_text()
+        if not _MOE.search(src):
+            continue
+        classes = [c for c, _ in _CLM.findall(src)]
+        if classes:
+            found.append((d.name, classes[0]))
+    return found
+
+
+@dataclass(frozen=True)
+class Row:
+    """One family's outcome."""
+
+    family: str
+    causal_lm: str
+    status: str
+    """``supported``, ``refused`` or ``wrong`` (accepted, but not the model's result)."""
+    detail: str
+    seconds: float
+
+
+def build(family: str, causal_lm: str, *, seed: int = 0) -> nn.Module:
+    module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    cls: Any = getattr(module, causal_lm)
+    config_cls: Any = cls.config_class
+    config = config_cls(**tiny_config(family, config_cls))
+    with torch.device("meta"):
+        size = sum(p.numel() for p in cls(config).parameters())
+    if size > MAX_PARAMETERS:
+        raise ValueError(f"the tiny settings leave {size:,} parameters (> {MAX_PARAMETERS:,})")
+    torch.manual_seed(seed)
+    model: nn.Module = cls(config)
+    return model.float().train()
+
+
+def batches(n: int = 2, *, seed: int = 1) -> list[Microbatch]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, IDS_BELOW, (2, 8), generator=g)
+        out.append(Microbatch(input_ids=ids, labels=ids.clone()))
+    return out
+
+
+def check_family(family: str, causal_lm: str) -> Row:
+    """Build tiny, then for delayed wgrad off and on: the adapter at construction, plain
+    schedule vs the model's own ``forward`` + ``backward()`` (loss within 1e-5, gradients
+    within 1e-4 relative), overlapped bit-identical to plain."""
+    from tests.adapters import _hf
+
+    start = time.perf_counter()
+    try:
+        model = build(family, causal_lm)
+    except Exception as exc:  # noqa: BLE001 - a family whose own config does not build
+        return Row(family, causal_lm, "refused", f"does not build tiny: {type(exc).__name__}: {_short(exc)}", 0.0)
+    mbs = batches()
+    details = []
+    for delay in (False, True):
+        try:
+            outcome = _hf.compare(model, mbs, delay=delay, loss_atol=1e-5, grad_rtol=1e-4)
+        except ConfigError as exc:
+            return Row(family, causal_lm, "refused", _short(exc), time.perf_counter() - start)
+        except Exception as exc:  # noqa: BLE001 - accepted and then failed: a bug to fix
+            return Row(family, causal_lm, "wrong", f"delay={delay}: {type(exc).__name__}: {_short(exc)}", time.perf_counter() - start)
+        if not outcome.ok:
+            return Row(family, causal_lm, "wrong", f"delay={delay}: {outcome}", time.perf_counter() - start)
+        details.append(f"loss {outcome.loss_diff:.1e}, grads {outcome.grad_rel_diff:.1e}")
+    return Row(family, causal_lm, "supported", "; ".join(details), time.perf_counter() - start)
+
+
+def _short(exc: BaseException, n: int = 300) -> str:
+    text = " ".join(str(exc).split())
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def table(rows: Sequence[Row]) -> str:
+    import transformers
+
+    counts = {s: sum(r.status == s for r in rows) for s in ("supported", "refused", "wrong")}
+    lines = [
+        "# transformers MoE families",
+        "",
+        f"Generated by `python -m tests.adapters.families --write docs/families.md` from "
+        f"transformers {transformers.__version__} (torch {torch.__version__.split('+')[0]}); "
+        "`tests/adapters/test_families.py` fails when it is stale.",
+        "",
+        "Each family is built tiny from its own config class (4 layers, hidden 64, 8 experts, "
+        "top-2, float32) and trained one step of two microbatches: *supported* means the "
+        "plain schedule matches the model's own `forward` + `backward()` (loss within 1e-5, "
+        "gradients within 1e-4 relative) and the overlapped schedule is bit-identical to the "
+        "plain one, with and without `delay_wgrad_compute`; *refused* means "
+        "`TransformersMoEAdapter` raises `ConfigError` at construction, with the reason shown.",
+        "",
+        f"**{counts['supported']} supported, {counts['refused']} refused, "
+        f"{counts['wrong']} wrong** (of {len(rows)}).",
+        "",
+        "| family | class | status | detail |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        detail = r.detail.replace("|", "\\|")
+        lines.append(f"| `{r.family}` | `{r.causal_lm}` | {r.status} | {detail} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_all() -> list[Row]:
+    torch.set_num_threads(1)
+    return [check_family(f, c) for f, c in discover()]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--write", type=pathlib.Path, help="write the markdown table here")
+    p.add_argument("--family", action="append", help="only these families (print rows)")
+    args = p.parse_args(argv)
+    if args.family:
+        names = dict(discover())
+        for fam in args.family:
+            print(check_family(fam, names[fam]))
+        return 0
+    rows = run_all()
+    text = table(rows)
+    if args.write:
+        args.write.write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
