@@ -83,6 +83,8 @@ class _Stand(nn.Module):
 def base_model(model: nn.Module) -> nn.Module:
     """The causal LM's decoder stack (transformers' ``base_model``: ``model.model`` mostly)."""
     base: object = getattr(model, "base_model", None)
+    if base is model:  # a prefix naming a wrapper the causal LM does not have (Llama 4)
+        base = getattr(model, "model", None)
     if not isinstance(base, nn.Module) or base is model:
         raise ConfigError(
             f"{type(model).__name__}.base_model: expected the decoder stack (a transformers "

@@ -50,7 +50,12 @@ from moe_overlap.adapters._hf_experts import (
     WgradGroup,
     delay_linears_in,
 )
-from moe_overlap.adapters._hf_structure import MoESplit, experts_arguments, first_tensor
+from moe_overlap.adapters._hf_structure import (
+    MoESplit,
+    block_norm_identity,
+    experts_arguments,
+    first_tensor,
+)
 from moe_overlap.blocks import (
     DelayedWgradModule,
     DenseSlots,
@@ -293,7 +298,10 @@ class HFMoELayer(_LayerBase):
 
             hooks.append(router.register_forward_hook(keep_scores))
         try:
-            with swap_child(self.block, "experts", self.stand_in):
+            with (
+                swap_child(self.block, "experts", self.stand_in),
+                block_norm_identity(self.block, s),
+            ):
                 rest = first_tensor(s.block_call.call(self.block, u, call))
         finally:
             for h in hooks:
@@ -345,6 +353,10 @@ class HFMoELayer(_LayerBase):
             m = m * self.split.experts_scale
         if isinstance(rest, Tensor):
             m = m + rest.view(residual.shape)
+        if self.split.block_out_norm is not None:
+            m = cast(
+                "Callable[[Tensor], Tensor]", self.block.get_submodule(self.split.block_out_norm)
+            )(m)
         post = self._child(self.split.mlp_out_norm)
         if post is not None:
             m = post(m)

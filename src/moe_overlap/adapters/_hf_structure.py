@@ -31,6 +31,7 @@ __all__ = [
     "LayerTrace",
     "MoESplit",
     "candidate_splits",
+    "block_norm_identity",
     "experts_scale",
     "trace_layer",
 ]
@@ -103,7 +104,10 @@ class MoESplit:
     multiplier: float | None
     experts: ExpertsCall
     experts_scale: float | None = None
-    """The block returns ``experts_scale * experts(...) + rest`` (``None``: 1)."""
+    """The block returns ``experts_scale * experts(...) + rest`` (``None``: 1)..."""
+    block_out_norm: str | None = None
+    """... then this child of the block normalizes it (stood in for by the identity in
+    pre-dispatch, applied in combine)."""
 
     def describe(self) -> str:
         parts = [
@@ -118,6 +122,7 @@ class MoESplit:
             f"multiplier={self.multiplier}",
             f"experts={self.experts.kind}",
             f"experts_scale={self.experts_scale}",
+            f"block_out_norm={self.block_out_norm}",
         ]
         return ", ".join(parts)
 
@@ -127,12 +132,17 @@ def is_norm(module: nn.Module) -> bool:
 
 
 def block_of(layer: nn.Module) -> tuple[str, nn.Module] | None:
-    """The child holding a routed ``experts`` module (the MoE block), if the layer has one."""
+    """The child holding a routed ``experts`` module (the MoE block), if the layer has one.
+
+    With several (JetMoE's attention is a mixture of attention experts too), the last
+    registered: the feed-forward part comes after the attention.
+    """
+    found: tuple[str, nn.Module] | None = None
     for name, child in layer.named_children():
         experts: object = getattr(child, "experts", None)
         if isinstance(experts, nn.Module) and any(p.dim() == 3 for p in experts.parameters()):
-            return name, child
-    return None
+            found = (name, child)
+    return found
 
 
 @contextmanager
@@ -302,6 +312,16 @@ def candidate_splits(
                 "does; received another tensor"
             )
     experts = _experts_call(trace, f"{where}.{block}", top_k)
+    inner = [c.name for c in trace.block_children]
+    last = trace.block_children[-1] if trace.block_children else None
+    block_out_norm = (
+        last.name
+        if last is not None
+        and is_norm(last.module)
+        and "experts" in inner
+        and inner.index("experts") < len(inner) - 1
+        else None
+    )
     base = MoESplit(
         in_norm=pre[0].name if pre else None,
         attn=attn.name,
@@ -315,6 +335,7 @@ def candidate_splits(
         parallel=False,
         multiplier=multiplier,
         experts=experts,
+        block_out_norm=block_out_norm,
     )
     if len(mid) == 2:
         shapes = [replace(base, attn_out_norm=mid[0].name, pre_mlp_norm=mid[1].name)]
@@ -367,6 +388,8 @@ def experts_scale(block: nn.Module, trace: LayerTrace, split: MoESplit, where: s
     then a random tensor; ``None`` for ``c = 1``. Raises :class:`~moe_overlap.ConfigError`
     when the dependence is not a constant multiple (a norm or gate after the experts).
     """
+    if split.experts.kind == "prescaled":
+        return None  # a sum over every expert's rows, not one per token: the probe checks it
     call = next(c for c in trace.children if c.name == split.block)
     u = _arg(call)
     assert isinstance(u, Tensor)
@@ -379,7 +402,7 @@ def experts_scale(block: nn.Module, trace: LayerTrace, split: MoESplit, where: s
     outs = []
     with torch.no_grad():
         for value in (torch.zeros_like(r), r):
-            with swap_child(block, "experts", _Returns(value)):
+            with swap_child(block, "experts", _Returns(value)), block_norm_identity(block, split):
                 outs.append(first_tensor(split.block_call.call(block, u.detach(), trace.call)))
     diff = (outs[1] - outs[0]).reshape(-1).double()
     ref = r.reshape(-1).double()
@@ -390,3 +413,13 @@ def experts_scale(block: nn.Module, trace: LayerTrace, split: MoESplit, where: s
             "constant factor (a norm or gate after the experts), which the slots cannot split"
         )
     return None if abs(c - 1.0) < 1e-6 else c
+
+
+@contextmanager
+def block_norm_identity(block: nn.Module, split: MoESplit) -> Iterator[None]:
+    """The block's output norm (if the split has one) is the identity inside the block."""
+    if split.block_out_norm is None:
+        yield
+        return
+    with swap_child(block, split.block_out_norm, nn.Identity()):
+        yield
