@@ -32,6 +32,8 @@ from moe_overlap import ConfigError, Microbatch
 LAYERS = 4
 VOCAB = 128
 IDS_BELOW = 100
+LOSS_ATOL = 1e-5
+GRAD_RTOL = 1e-4
 """Token ids of the probe batches (a few families mask logits past an unpadded vocabulary)."""
 
 # (config field, value or a function of the field's default giving the value, None = keep)
@@ -230,20 +232,40 @@ def check_family(family: str, causal_lm: str) -> Row:
     try:
         model = build(family, causal_lm)
     except Exception as exc:  # noqa: BLE001 - a family whose own config does not build
-        return Row(family, causal_lm, "not built", f"does not build tiny: {type(exc).__name__}: {_short(exc)}", 0.0)
+        return Row(
+            family,
+            causal_lm,
+            "not built",
+            f"does not build tiny: {type(exc).__name__}: {_short(exc)}",
+            0.0,
+        )
     mbs = batches()
     details = []
     for delay in (False, True):
         try:
-            outcome = _hf.compare(model, mbs, delay=delay, loss_atol=1e-5, grad_rtol=1e-4)
+            outcome = _hf.compare(model, mbs, delay=delay, loss_atol=LOSS_ATOL, grad_rtol=GRAD_RTOL)
         except ConfigError as exc:
             return Row(family, causal_lm, "refused", _short(exc), time.perf_counter() - start)
         except Exception as exc:  # noqa: BLE001 - accepted and then failed: a bug to fix
-            return Row(family, causal_lm, "wrong", f"delay={delay}: {type(exc).__name__}: {_short(exc)}", time.perf_counter() - start)
+            return Row(
+                family,
+                causal_lm,
+                "wrong",
+                f"delay={delay}: {type(exc).__name__}: {_short(exc)}",
+                time.perf_counter() - start,
+            )
         if not outcome.ok:
-            return Row(family, causal_lm, "wrong", f"delay={delay}: {outcome}", time.perf_counter() - start)
+            return Row(
+                family, causal_lm, "wrong", f"delay={delay}: {outcome}", time.perf_counter() - start
+            )
         details.append(f"loss {outcome.loss_diff:.1e}, grads {outcome.grad_rel_diff:.1e}")
-    return Row(family, causal_lm, "supported", "; ".join(details), time.perf_counter() - start)
+    # The measured differences vary in the last digit across CPUs; the table keeps the verdict.
+    del details
+    return Row(family, causal_lm, "supported", "", time.perf_counter() - start)
+
+
+STATUSES = ("supported", "refused", "wrong", "not built")
+MIXER_REFUSAL = "the adapter schedules softmax-attention layers"
 
 
 def _short(exc: BaseException, n: int = 300) -> str:
@@ -254,7 +276,8 @@ def _short(exc: BaseException, n: int = 300) -> str:
 def table(rows: Sequence[Row]) -> str:
     import transformers
 
-    counts = {s: sum(r.status == s for r in rows) for s in ("supported", "refused", "wrong")}
+    counts = {s: sum(r.status == s for r in rows) for s in STATUSES}
+    mixers = sum(r.status == "refused" and MIXER_REFUSAL in r.detail for r in rows)
     lines = [
         "# transformers MoE families",
         "",
@@ -269,8 +292,10 @@ def table(rows: Sequence[Row]) -> str:
         "plain one, with and without `delay_wgrad_compute`; *refused* means "
         "`TransformersMoEAdapter` raises `ConfigError` at construction, with the reason shown.",
         "",
-        f"**{counts['supported']} supported, {counts['refused']} refused, "
-        f"{counts['wrong']} wrong** (of {len(rows)}).",
+        f"**{counts['supported']} supported, {counts['refused']} refused "
+        f"({mixers} of them for layers that are not softmax attention), "
+        f"{counts['wrong']} wrong, {counts['not built']} not built** (of {len(rows)}; *not built*: "
+        "the tiny settings do not fit the family's config, so it was not tried).",
         "",
         "| family | class | status | detail |",
         "|---|---|---|---|",

@@ -247,6 +247,19 @@ class TransformersMoEAdapter(MegatronHooks):
                 f"{name}: expected every MoE layer to have the same number of experts, received {sorted(num_experts)}"
             )
         top_k = self._top_k()
+        sharded = [
+            i
+            for i in moe_layers
+            if experts_of(layers[i]).num_local != experts_of(layers[i]).num_global
+        ]
+        if sharded and self_check:
+            e = experts_of(layers[sharded[0]])
+            raise ConfigError(
+                f"{name}: the experts are already sharded ({e.num_local} of {e.num_global} in "
+                f"layer {sharded[0]}); the self-check compares each layer with its own forward, "
+                "which needs all experts: pass the full model (the adapter shards it after the "
+                "check) or self_check=False"
+            )
         _refuse_mixers(hf_config, len(layers))
         self.self_check_report = SelfCheck(enabled=self_check)
         try:
@@ -262,8 +275,14 @@ class TransformersMoEAdapter(MegatronHooks):
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         self.dispatcher = TokenDispatcher(num_experts.pop(), top_k, group=ep_group)
-        if self.dispatcher.ep_size > 1:
+        if self.dispatcher.ep_size > 1 and not sharded:
             shard_experts(model, ep_group)
+        local = {experts_of(layers[i]).num_local for i in moe_layers}
+        if local != {self.dispatcher.local_experts}:
+            raise ConfigError(
+                f"{name}: expected {self.dispatcher.local_experts} local experts per MoE layer "
+                f"(EP size {self.dispatcher.ep_size}), received {sorted(local)}"
+            )
         want_aux = (
             bool(getattr(hf_config, "output_router_logits", False))
             if router_aux_loss is None

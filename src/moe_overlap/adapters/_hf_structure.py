@@ -16,8 +16,9 @@ argument, every token repeated per expert and scaled by its router score (Llama 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field, replace
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -178,17 +179,46 @@ def first_tensor(value: object) -> Tensor:
     )
 
 
+class _RecordingExperts(nn.Module):
+    """Takes the experts' place while tracing: records the call, returns zeros (so the trace
+    never depends on which experts this rank holds)."""
+
+    def __init__(self, experts: nn.Module, *calls: list[ChildCall]) -> None:
+        super().__init__()
+        object.__setattr__(self, "_experts", experts)
+        self.calls = calls
+
+    def __getattr__(self, name: str) -> object:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(cast(nn.Module, object.__getattribute__(self, "_experts")), name)
+
+    def forward(self, *args: object, **kwargs: object) -> Tensor:
+        first = args[0] if args else next(iter(kwargs.values()))
+        assert isinstance(first, Tensor)
+        out = torch.zeros_like(first)
+        experts = cast(nn.Module, object.__getattribute__(self, "_experts"))
+        for calls in self.calls:
+            calls.append(ChildCall("experts", experts, args, dict(kwargs), out))
+        return out
+
+
 def trace_layer(layer: nn.Module, hidden: Tensor, call: LayerCall) -> tuple[Tensor, LayerTrace]:
-    """Run ``layer`` as the model does, recording its children's calls; its output too."""
+    """Run ``layer`` as the model does (its routed experts stood in for by zeros), recording
+    its children's calls; and its output."""
     trace = LayerTrace(hidden, call)
     children = list(layer.named_children())
     found = block_of(layer)
     inner: list[tuple[str, nn.Module]] = []
-    experts: list[tuple[str, nn.Module]] = []
+    swap: AbstractContextManager[None] = nullcontext()
     if found is not None:
         trace.block_name = found[0]
-        inner = list(found[1].named_children())
-        experts = [("experts", found[1].get_submodule("experts"))]
+        inner = [(n, m) for n, m in found[1].named_children() if n != "experts"]
+        recorder = _RecordingExperts(
+            found[1].get_submodule("experts"), trace.experts_calls, trace.block_children
+        )
+        swap = swap_child(found[1], "experts", recorder)
     counts = trace.linear_calls
     handles = []
     for name, m in layer.named_modules():
@@ -201,11 +231,7 @@ def trace_layer(layer: nn.Module, hidden: Tensor, call: LayerCall) -> tuple[Tens
 
             handles.append(m.register_forward_pre_hook(count))
     try:
-        with (
-            _hooks(children, trace.children),
-            _hooks(inner, trace.block_children),
-            _hooks(experts, trace.experts_calls),
-        ):
+        with swap, _hooks(children, trace.children), _hooks(inner, trace.block_children):
             out = layer(hidden, *call.args, **dict(call.kwargs))
     finally:
         for h in handles:
