@@ -24,12 +24,26 @@ from moe_overlap.adapters.transformers import (
     gather_experts,
     shard_experts,
 )
+from tests.adapters import families
 from tests.adapters._hf import compare, grads, microbatches, mixtral, qwen2_moe, reference_step
+
+
+def _family(name: str, causal_lm: str) -> Callable[..., nn.Module]:
+    def build(**kwargs: object) -> nn.Module:
+        del kwargs
+        return families.build(name, causal_lm)
+
+    return build
+
 
 CASES: dict[str, tuple[Callable[..., nn.Module], dict[str, object], bool]] = {
     "mixtral_aux": (mixtral, {"aux": True}, False),
     "mixtral_delay": (mixtral, {}, True),
     "qwen2_moe_mixed_aux_delay": (qwen2_moe, {"aux": True}, True),
+    "deepseek_v3": (_family("deepseek_v3", "DeepseekV3ForCausalLM"), {}, False),
+    "deepseek_v3_delay": (_family("deepseek_v3", "DeepseekV3ForCausalLM"), {}, True),
+    "gpt_oss": (_family("gpt_oss", "GptOssForCausalLM"), {}, False),
+    "gpt_oss_delay": (_family("gpt_oss", "GptOssForCausalLM"), {}, True),
 }
 
 

@@ -15,7 +15,18 @@ def ep2_results() -> list[dict[str, object]]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["mixtral_aux", "mixtral_delay", "qwen2_moe_mixed_aux_delay"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        "mixtral_aux",
+        "mixtral_delay",
+        "qwen2_moe_mixed_aux_delay",
+        "deepseek_v3",
+        "deepseek_v3_delay",
+        "gpt_oss",
+        "gpt_oss_delay",
+    ],
+)
 def test_ep2_matches_transformers_and_overlap_is_exact(
     ep2_results: list[dict[str, object]], case: str
 ) -> None:
