@@ -115,7 +115,7 @@ def compare_layer(
     )
     if worst.difference > PROBE_TOLERANCE:
         return worst
-    grad_out = torch.randn(out_r.shape, generator=g, dtype=out_r.dtype)
+    grad_out = torch.randn(out_r.shape, generator=g, dtype=out_r.dtype).to(out_r.device)
     torch.autograd.backward(out_r, grad_out)
     torch.autograd.backward(out_c, grad_out)
     finish()
