@@ -30,10 +30,11 @@ def test_bf16_overlap_is_bit_identical(family: str, delay: bool) -> None:
     try:
         causal_lm = dict(families.discover())[family]
         model = families.build(family, causal_lm).to(device="cuda", dtype=torch.bfloat16)
-        mbs = [
-            Microbatch(input_ids=m.input_ids.cuda(), labels=m.labels.cuda())  # type: ignore[union-attr]
-            for m in families.batches(4)
-        ]
+        mbs: list[Microbatch] = []
+        for b in families.batches(4):
+            assert b.input_ids is not None
+            assert b.labels is not None
+            mbs.append(Microbatch(input_ids=b.input_ids.cuda(), labels=b.labels.cuda()))
         runs = []
         for overlap in (False, True):
             m = copy.deepcopy(model)

@@ -7,6 +7,7 @@ import copy
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -195,9 +196,9 @@ def test_checkpoint_round_trip_and_training_from_it(family: str, tmp_path: Path)
     trains through the adapter exactly as the saved one; shard/gather returns the same
     state dict."""
     causal_lm = dict(families.discover())[family]
-    model = families.build(family, causal_lm)
+    model: Any = families.build(family, causal_lm)  # a transformers PreTrainedModel
     model.save_pretrained(tmp_path)
-    loaded = type(model).from_pretrained(tmp_path).float().train()
+    loaded: Any = type(model).from_pretrained(tmp_path).float().train()
     saved, back = model.state_dict(), loaded.state_dict()
     assert list(back) == list(saved)
     assert all(torch.equal(back[k], saved[k]) for k in saved)

@@ -17,10 +17,11 @@ slots can make the same call.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+import contextlib
+from collections.abc import Callable, Generator, Mapping, Sequence, Sized
+from contextlib import suppress
 from dataclasses import dataclass
-from typing import cast
+from typing import Any, cast
 
 from torch import Tensor, nn
 
@@ -65,7 +66,7 @@ class _Stand(nn.Module):
         self.feed: Tensor | None = None
         self.stop = False
 
-    def __getattr__(self, name: str) -> object:
+    def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
@@ -107,8 +108,8 @@ def decoder_layers(base: nn.Module) -> nn.ModuleList:
     return fits[0]
 
 
-@contextmanager
-def _stand_ins(base: nn.Module) -> Iterator[list[_Stand]]:
+@contextlib.contextmanager
+def _stand_ins(base: nn.Module) -> Generator[list[_Stand], None, None]:
     layers = decoder_layers(base)
     originals = list(layers)
     calls: list[LayerCall | None] = [None] * len(originals)
@@ -152,15 +153,13 @@ def layer_calls(
     """
     with _stand_ins(base) as stands:
         stands[-1].stop = True
-        try:
+        with suppress(_Stop):
             base(
                 inputs_embeds=inputs_embeds,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 use_cache=False,
             )
-        except _Stop:
-            pass
         calls = stands[0].calls
     out: list[LayerCall] = []
     for i, call in enumerate(calls):
@@ -226,10 +225,10 @@ def causal_lm_output(
     return logits
 
 
-@contextmanager
-def swap_child(parent: nn.Module, name: str, stand_in: nn.Module) -> Iterator[None]:
+@contextlib.contextmanager
+def swap_child(parent: nn.Module, name: str, stand_in: nn.Module) -> Generator[None, None, None]:
     """``parent.name`` is ``stand_in`` inside the block (restored after, even on error)."""
-    modules = cast("dict[str, nn.Module | None]", parent._modules)  # pyright: ignore[reportPrivateUsage]
+    modules = parent._modules  # pyright: ignore[reportPrivateUsage]
     original = modules[name]
     modules[name] = stand_in
     try:
@@ -284,13 +283,16 @@ class CallSpec:
                 for i, v in enumerate(call.args):
                     if v is value:
                         return ArgSource("layer", index=i)
-            if isinstance(value, Tensor) or (isinstance(value, (list, tuple, dict)) and value):
+            kind = type(value).__name__
+            if isinstance(value, Tensor) or (
+                isinstance(value, (list, tuple, dict)) and len(cast("Sized", value)) > 0
+            ):
                 raise ConfigError(
                     f"{where}: argument {name!r} is computed inside the decoder layer; the "
                     "adapter can pass on only the layer's hidden input, the layer's own "
-                    f"arguments and constants, received a {type(value).__name__}"
+                    f"arguments and constants, received a {kind}"
                 )
-            return ArgSource("const", value=value)
+            return ArgSource("const", value=value)  # pyright: ignore[reportUnknownArgumentType] - any constant
 
         return CallSpec(
             tuple(source(str(i), a) for i, a in enumerate(args)),

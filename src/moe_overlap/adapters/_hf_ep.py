@@ -130,7 +130,7 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None) -> None:
             setattr(module, w, nn.Parameter(piece, requires_grad=full.requires_grad))
         object.__setattr__(module, _GLOBAL, num_experts)
         if isinstance(getattr(module, "num_experts", None), int):
-            module.num_experts = local
+            setattr(module, "num_experts", local)  # noqa: B010 - an attribute of the HF module
 
 
 def gather_experts(model: nn.Module, group: dist.ProcessGroup | None) -> dict[str, Tensor]:

@@ -215,7 +215,8 @@ class ExpertWeights:
         self.layout = layout
         up_name = "gate_up_proj" if layout.has_gate else "up_proj"
         up, down = _param(experts, up_name), _param(experts, "down_proj")
-        assert up is not None and down is not None  # ExpertLayout.of checked them
+        assert up is not None  # ExpertLayout.of checked both
+        assert down is not None
         t = layout.is_transposed
         self.gate_up = _grouped(up, delay_wgrad=delay_wgrad, transposed=t)
         self.down = _grouped(down, delay_wgrad=delay_wgrad, transposed=t)
@@ -241,7 +242,7 @@ class ExpertWeights:
         else:
             assert self.act is not None
             h = self.act(h)
-        out = self.down(h, groups)
+        out: Tensor = self.down(h, groups)
         if self.down_bias is not None:
             out = out + self.down_bias.index_select(0, groups.group_ids(x_ND.device))
         if lay.has_post_expert_norm:

@@ -33,6 +33,7 @@ from typing import cast
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from moe_overlap import (
     CudaGraphModule,
@@ -281,7 +282,7 @@ class HFMoELayer(_LayerBase):
         """The block's own forward with the experts stood in for; what it handed them."""
         s, ex = self.split, self.split.experts
         seen: dict[str, object] = {}
-        hooks = []
+        hooks: list[RemovableHandle] = []
         if self.router_module is not None:
 
             def keep_logits(m: nn.Module, args: object, out: object) -> None:
@@ -388,7 +389,7 @@ class HFMoELayer(_LayerBase):
     def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
         if not self.delay_wgrad:
             return []
-        scopes = []
+        scopes: list[WgradScope] = []
         if self.attention_group.modules:
             scopes.append(WgradScope(CudaGraphModule.attn, self.attention_group))
         if self.block_group.modules:

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from functools import partial
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import cast
 
 import torch
@@ -104,15 +104,6 @@ class AdapterDecoder:
         self.final_layernorm: Callable[[Tensor], Tensor] | None = None
 
 
-def _child(module: nn.Module, name: str) -> nn.Module:
-    value: object = getattr(module, name, None)
-    if not isinstance(value, nn.Module):
-        raise ConfigError(
-            f"{type(module).__name__}.{name}: expected a torch.nn.Module, received {type(value).__name__}"
-        )
-    return value
-
-
 def _refuse_randomness(model: nn.Module, config: object) -> None:
     """Dropout or router noise in training cannot be matched between schedule and model."""
     if not model.training:
@@ -133,7 +124,7 @@ def _refuse_mixers(config: object, num_layers: int) -> None:
         kinds: object = getattr(config, key, None)
         if not isinstance(kinds, (list, tuple)):
             continue
-        for i, kind in enumerate(cast("list[object]", list(kinds))[:num_layers]):
+        for i, kind in enumerate(list(cast("Sequence[object]", kinds))[:num_layers]):
             if isinstance(kind, str) and any(w in kind.lower() for w in _NOT_SOFTMAX):
                 raise ConfigError(
                     f"{type(config).__name__}.{key}[{i}]: the adapter schedules softmax-attention "

@@ -12,13 +12,15 @@ Nothing outside the copies is touched and the global RNG is not used.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor, nn
 
 from moe_overlap.adapters._hf_calls import LayerCall
+from moe_overlap.adapters._hf_structure import first_tensor
 from moe_overlap.engine._state import ChunkState
 
 __all__ = [
@@ -48,9 +50,10 @@ class Mismatch:
 
 def structure_key(layer: nn.Module, call: LayerCall) -> tuple[object, ...]:
     """Layers with equal keys compute alike: module tree, parameter shapes, argument kinds."""
+    named = cast("list[tuple[str, nn.Module]]", list(layer.named_modules()))  # pyright: ignore[reportUnknownArgumentType]
     modules = tuple(
         (name, type(m).__qualname__, tuple(tuple(p.shape) for p in m.parameters(recurse=False)))
-        for name, m in layer.named_modules()
+        for name, m in named
     )
     kinds = tuple(sorted((k, type(v).__name__) for k, v in call.kwargs.items()))
     return (type(layer).__qualname__, modules, kinds, getattr(layer, "attention_type", None))
@@ -59,10 +62,9 @@ def structure_key(layer: nn.Module, call: LayerCall) -> tuple[object, ...]:
 def _to_float32(value: object) -> object:
     if isinstance(value, Tensor) and value.is_floating_point():
         return value.float()
-    if isinstance(value, tuple):
-        return tuple(_to_float32(v) for v in value)
-    if isinstance(value, list):
-        return [_to_float32(v) for v in value]
+    if isinstance(value, (tuple, list)):
+        items = [_to_float32(v) for v in cast("Sequence[object]", value)]
+        return tuple(items) if isinstance(value, tuple) else items
     return value
 
 
@@ -104,9 +106,7 @@ def compare_layer(
     layer_call = call
     x_ref = hidden.clone().requires_grad_()
     x_cand = hidden.clone().requires_grad_()
-    out_ref = reference(x_ref, *layer_call.args, **dict(layer_call.kwargs))
-    out_r = out_ref[0] if isinstance(out_ref, tuple) else out_ref
-    assert isinstance(out_r, Tensor)
+    out_r = first_tensor(reference(x_ref, *layer_call.args, **dict(layer_call.kwargs)))
     out_c = run(x_cand, ChunkState())
     worst = (
         Mismatch("output", _rel(out_c, out_r))

@@ -15,13 +15,15 @@ argument, every token repeated per expert and scaled by its router score (Llama 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+import contextlib
+from collections.abc import Generator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
 
 from moe_overlap import ConfigError
 from moe_overlap.adapters._hf_calls import CallSpec, LayerCall, swap_child
@@ -31,8 +33,8 @@ __all__ = [
     "ExpertsCall",
     "LayerTrace",
     "MoESplit",
-    "candidate_splits",
     "block_norm_identity",
+    "candidate_splits",
     "experts_scale",
     "trace_layer",
 ]
@@ -128,6 +130,11 @@ class MoESplit:
         return ", ".join(parts)
 
 
+def _named_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``module.named_modules()``, typed (torch leaves the generator unannotated)."""
+    return cast("list[tuple[str, nn.Module]]", list(module.named_modules()))  # pyright: ignore[reportUnknownArgumentType]
+
+
 def is_norm(module: nn.Module) -> bool:
     return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or "norm" in type(module).__name__.lower()
 
@@ -146,9 +153,11 @@ def block_of(layer: nn.Module) -> tuple[str, nn.Module] | None:
     return found
 
 
-@contextmanager
-def _hooks(modules: list[tuple[str, nn.Module]], out: list[ChildCall]) -> Iterator[None]:
-    handles = []
+@contextlib.contextmanager
+def _hooks(
+    modules: list[tuple[str, nn.Module]], out: list[ChildCall]
+) -> Generator[None, None, None]:
+    handles: list[RemovableHandle] = []
     for name, module in modules:
 
         def hook(
@@ -169,14 +178,15 @@ def _hooks(modules: list[tuple[str, nn.Module]], out: list[ChildCall]) -> Iterat
 
 
 def first_tensor(value: object) -> Tensor:
+    """``value`` or its first item, a tensor (a module's output), or ConfigError."""
+    kind = type(value).__name__
     if isinstance(value, Tensor):
         return value
-    if isinstance(value, (tuple, list)) and value and isinstance(value[0], Tensor):
-        first: Tensor = value[0]
-        return first
-    raise ConfigError(
-        f"expected a tensor or a tuple starting with one, received {type(value).__name__}"
-    )
+    if isinstance(value, (tuple, list)):
+        items = cast("Sequence[object]", value)
+        if items and isinstance(items[0], Tensor):
+            return items[0]
+    raise ConfigError(f"expected a tensor or a tuple starting with one, received {kind}")
 
 
 class _RecordingExperts(nn.Module):
@@ -188,7 +198,7 @@ class _RecordingExperts(nn.Module):
         object.__setattr__(self, "_experts", experts)
         self.calls = calls
 
-    def __getattr__(self, name: str) -> object:
+    def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
@@ -220,8 +230,8 @@ def trace_layer(layer: nn.Module, hidden: Tensor, call: LayerCall) -> tuple[Tens
         )
         swap = swap_child(found[1], "experts", recorder)
     counts = trace.linear_calls
-    handles = []
-    for name, m in layer.named_modules():
+    handles: list[RemovableHandle] = []
+    for name, m in _named_modules(layer):
         if type(m) is nn.Linear:
             counts[name] = 0
 
@@ -257,9 +267,9 @@ def _experts_call(trace: LayerTrace, where: str, top_k: int) -> ExpertsCall:
             f"{len(trace.experts_calls)} calls"
         )
     c = trace.experts_calls[0]
-    slots: list[tuple[tuple[str, int | str], Tensor]] = [
-        (("arg", i), a) for i, a in enumerate(c.args) if isinstance(a, Tensor)
-    ] + [(("kw", k), v) for k, v in c.kwargs.items() if isinstance(v, Tensor)]
+    slots: list[tuple[tuple[str, int | str], Tensor]] = []
+    slots += [(("arg", i), a) for i, a in enumerate(c.args) if isinstance(a, Tensor)]
+    slots += [(("kw", k), v) for k, v in c.kwargs.items() if isinstance(v, Tensor)]
     ints = [s for s, t in slots if not t.is_floating_point()]
     floats = [s for s, t in slots if t.is_floating_point()]
     if len(slots) == 3 and len(ints) == 1 and len(floats) == 2:
@@ -268,7 +278,8 @@ def _experts_call(trace: LayerTrace, where: str, top_k: int) -> ExpertsCall:
         rows = slots[0][1].shape[0]
         tokens = trace.hidden.shape[0] * trace.hidden.shape[1]
         for bc in trace.block_children:
-            outs = bc.output if isinstance(bc.output, tuple) else (bc.output,)
+            raw: object = bc.output
+            outs = cast("tuple[object, ...]", raw) if isinstance(raw, tuple) else (raw,)
             for i, o in enumerate(outs):
                 if (
                     isinstance(o, Tensor)
@@ -425,7 +436,7 @@ def experts_scale(block: nn.Module, trace: LayerTrace, split: MoESplit, where: s
     assert isinstance(x, Tensor)
     g = torch.Generator().manual_seed(7)
     r = torch.randn(x.shape, generator=g, dtype=x.dtype).to(x.device)
-    outs = []
+    outs: list[Tensor] = []
     with torch.no_grad():
         for value in (torch.zeros_like(r), r):
             with swap_child(block, "experts", _Returns(value)), block_norm_identity(block, split):
@@ -441,8 +452,8 @@ def experts_scale(block: nn.Module, trace: LayerTrace, split: MoESplit, where: s
     return None if abs(c - 1.0) < 1e-6 else c
 
 
-@contextmanager
-def block_norm_identity(block: nn.Module, split: MoESplit) -> Iterator[None]:
+@contextlib.contextmanager
+def block_norm_identity(block: nn.Module, split: MoESplit) -> Generator[None, None, None]:
     """The block's output norm (if the split has one) is the identity inside the block."""
     if split.block_out_norm is None:
         yield
