@@ -12,22 +12,32 @@ This module (and only it) needs ``transformers`` (``pip install 'moe-overlap[tra
                            options=adapter.schedule_options())
     optimizer.step()  # over model.parameters()
 
-Supported: the structure Mixtral and Qwen2-MoE share in transformers 5 (and families built
-like them, e.g. Qwen3-MoE, OLMoE): ``model.{embed_tokens, layers, norm, rotary_emb}``,
-``lm_head``, ``loss_function``; layers with ``input_layernorm``, ``self_attn``,
-``post_attention_layernorm`` and an ``mlp`` that is either dense or a sparse block with a
-top-k ``gate`` and ``experts`` on fused 3-D ``gate_up_proj`` / ``down_proj`` weights,
-optionally a gated ``shared_expert`` (Qwen2-MoE). Dense layers (``mlp_only_layers``,
-``decoder_sparse_step``) are scheduled as dense slots. Attention runs through the model's
-own ``self_attn`` (any ``attn_implementation``) with the masks transformers builds.
+How: nothing is re-implemented. Outside the decoder layers the adapter runs the model's
+own ``forward`` with the layers stood in for (embedding and its scaling, masks per attention
+kind, rotary tables of any form; final norm, LM head, logit scaling, the model's loss). A
+MoE layer is cut into slots from one traced run of its own ``forward``: its own attention,
+norms (pre, post and sandwich), residual multiplier or parallel residual, the MoE block's
+own ``forward`` (router, correction bias, group-limited top-k, routed scaling, shared
+experts and their gates, as the family defines them) with the routed experts stood in
+for, and the experts module itself on the dispatched rows (any activation, biases,
+transposed or interleaved weights). Dense layers run their own ``forward`` whole.
 
-Numerics: the adapter computes the same operations as the model's ``forward`` except the
-routed experts (grouped by expert, summed over top-k in a different order), so losses and
-gradients match transformers to float32 rounding (about 1e-6 relative), and
+Self-check (``self_check=True``, the default): at construction, each distinct layer
+structure is split on a float32 copy and compared with the layer's own ``forward`` on a
+probe (outputs, input and parameter gradients); a mismatch beyond float32 rounding is a
+:class:`~moe_overlap.ConfigError` naming the layer class and the difference, so a family
+the adapter cannot split is refused, never silently mistrained. ``docs/families.md`` lists
+every MoE family of the pinned transformers and what the adapter does with it.
+
+Numerics: losses and gradients match the model's ``forward`` to float32 rounding (the
+routed experts' outputs are summed in another order), and
 :func:`~moe_overlap.combined_1f1b` with and without overlap are bit-identical.
 
-Not supported: KV caches / generation (use the model itself), packed sequences,
-``router_jitter_noise > 0``, experts with bias or transposed/interleaved weights.
+Not supported (refused at construction): layers that are not softmax attention (linear
+attention, Mamba, convolutions), layers that hand state to the next layer, dropout or
+router noise in training, blocks whose routed output is not a constant multiple of the
+experts' plus the rest (a gate after the experts). Also not: KV caches / generation (use
+the model itself), packed sequences.
 """
 
 from __future__ import annotations
