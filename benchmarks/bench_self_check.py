@@ -16,9 +16,9 @@ import time
 from pathlib import Path
 
 import torch
+from tests.adapters import families
 
 from moe_overlap.adapters.transformers import TransformersMoEAdapter
-from tests.adapters import families
 
 MEDIUM = {
     "hidden_size": 1024,
@@ -44,22 +44,23 @@ def _build(family: str, size: str) -> torch.nn.Module:
         module = __import__(f"transformers.models.{family}.modeling_{family}", fromlist=["x"])
         cls = getattr(module, causal_lm)
         config = cls.config_class(**families.tiny_config(family, cls.config_class))
-        return cls(config).float().train()
+        model: torch.nn.Module = cls(config).float().train()
+        return model
     finally:
         families.OVERRIDES[family] = saved
 
 
 def main() -> int:
     torch.set_num_threads(2)
-    rows = []
+    rows: list[dict[str, object]] = []
     for family in ("deepseek_v3", "qwen2_moe"):
         for size in ("tiny", "medium"):
             model = _build(family, size)
             params = sum(p.numel() for p in model.parameters())
             for delay in (False, True):
-                times = {}
+                times: dict[bool, float] = {}
                 for check in (True, False):
-                    samples = []
+                    samples: list[float] = []
                     for _ in range(3):
                         m = copy.deepcopy(model)
                         t = time.perf_counter()
@@ -76,7 +77,9 @@ def main() -> int:
                         "construct_s_no_check": times[False],
                     }
                 )
-    print("| family | size | parameters | delayed wgrad | construction, self-check on (s) | off (s) |")
+    print(
+        "| family | size | parameters | delayed wgrad | construction, self-check on (s) | off (s) |"
+    )
     print("|---|---|---|---|---|---|")
     for r in rows:
         print(

@@ -244,3 +244,25 @@ def test_self_check_report_and_pre_sharded_models() -> None:
     assert report.structures[1][2] == "dense"
     shard_experts(model, None)  # EP=1: nothing changes, the experts stay whole
     TransformersMoEAdapter(model)
+
+
+def test_pre_sharded_model_needs_self_check_off() -> None:
+    """Experts already sharded: the check needs the layer's own forward with all experts."""
+    model = mixtral()
+    for i in range(2):
+        experts = model.get_submodule(f"model.layers.{i}.mlp.experts")
+        for name in ("gate_up_proj", "down_proj"):
+            full = experts.get_parameter(name)
+            setattr(experts, name, torch.nn.Parameter(full.detach()[:2].clone()))
+        object.__setattr__(experts, "_moe_overlap_num_experts", 4)
+        setattr(experts, "num_experts", 2)  # noqa: B010 - what shard_experts leaves
+    with pytest.raises(
+        ConfigError, match=r"already sharded \(2 of 4 in layer 0\).*self_check=False"
+    ):
+        TransformersMoEAdapter(model)
+
+
+def test_aux_loss_needs_the_standard_one() -> None:
+    causal_lm = dict(families.discover())["deepseek_v3"]
+    with pytest.raises(ConfigError, match="standard load_balancing_loss_func"):
+        TransformersMoEAdapter(families.build("deepseek_v3", causal_lm), router_aux_loss=True)
