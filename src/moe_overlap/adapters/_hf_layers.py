@@ -61,10 +61,9 @@ from moe_overlap.blocks import (
     DelayedWgradModule,
     DenseSlots,
     GroupSizes,
-    PlainContext,
+    MoESlots,
     SlotContext,
     TokenDispatcher,
-    pair_input,
     single_input,
 )
 from moe_overlap.engine._state import ChunkState
@@ -176,10 +175,8 @@ class HFDenseLayer(DenseSlots, _LayerBase):
         return self.group.modules
 
 
-class HFMoELayer(_LayerBase):
+class HFMoELayer(_LayerBase, MoESlots):
     """A sparse decoder layer split as its :class:`~._hf_structure.MoESplit` says."""
-
-    is_moe = True
 
     def __init__(
         self,
@@ -323,7 +320,7 @@ class HFMoELayer(_LayerBase):
     def dispatch(self, ctx: SlotContext, tokens_ND: Tensor, probs_N: Tensor) -> Tensor:
         return self.dispatcher.slot_dispatch(ctx, tokens_ND, probs_N)
 
-    def experts(self, ctx: SlotContext, recv_MD: Tensor) -> Tensor:
+    def mlp_forward(self, ctx: SlotContext, recv_MD: Tensor) -> Tensor:
         """The routed experts on the received rows, each row weighted as the model weighs it."""
         ex, weights = self.split.experts, self.weights
 
@@ -363,28 +360,6 @@ class HFMoELayer(_LayerBase):
             m = post(m)
         state.residual = None
         return residual + self._scaled(m).view(residual.shape)
-
-    def run_plain(self, x_BSD: Tensor, chunk_state: ChunkState) -> Tensor:
-        """The layer without a schedule (same operations as the slots)."""
-        ctx = PlainContext(chunk_state)
-        tokens_ND, probs_N = self.pre_dispatch(ctx, x_BSD)
-        recv_MD = self.dispatch(ctx, tokens_ND, probs_N)
-        return self.combine(ctx, self.experts(ctx, recv_MD))
-
-    # --- SchedulableLayer -----------------------------------------------------------------
-    def slot_pre_dispatch(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
-    ) -> tuple[Tensor, ...]:
-        return self.pre_dispatch(node, single_input(inputs, self.where("pre_dispatch")))
-
-    def slot_dispatch(self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
-        return self.dispatch(node, *pair_input(inputs, self.where("dispatch")))
-
-    def slot_mlp(self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
-        return self.experts(node, single_input(inputs, self.where("mlp")))
-
-    def slot_combine(self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
-        return self.combine(node, single_input(inputs, self.where("combine")))
 
     def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
         if not self.delay_wgrad:

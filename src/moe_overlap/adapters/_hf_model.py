@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moe_overlap import ConfigError, CudaGraphModule, IntegrationError, ScheduleOptions, WgradError
+from moe_overlap import ConfigError, CudaGraphModule, IntegrationError, WgradError
 from moe_overlap.adapters._hf_aux import RouterAuxLoss
 from moe_overlap.adapters._hf_calls import (
     LayerCall,
@@ -526,16 +526,6 @@ class TransformersMoEAdapter(MegatronHooks):
     @property
     def post_process(self) -> bool:
         return True
-
-    def schedule_options(
-        self, *, free_input: bool = True, ep_overlap_early_attn_memory_release: bool = False
-    ) -> ScheduleOptions:
-        """Schedule options matching this adapter (``delay_wgrad_compute`` included)."""
-        return ScheduleOptions(
-            delay_wgrad_compute=self.config.delay_wgrad_compute,
-            free_input=free_input,
-            ep_overlap_early_attn_memory_release=ep_overlap_early_attn_memory_release,
-        )
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """The model's parameters (what the optimizer takes)."""

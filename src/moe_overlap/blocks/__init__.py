@@ -16,7 +16,8 @@
 - slots: :class:`SlotContext` (what a slot sees of its node) and :class:`PlainContext`, its
   stand-in on the plain path, so one function serves both; :meth:`TokenDispatcher.slot_permute`
   and its three siblings are the dispatcher's steps as slots call them; :func:`add_residual`
-  ends a combine; :class:`DenseSlots` gives a dense layer its pass-through dispatch/combine;
+  ends a combine; :class:`DenseSlots` gives a dense layer its pass-through dispatch/combine and :class:`MoESlots`
+  a MoE layer its four slots and plain path from four steps;
 - the model's hooks: :class:`MegatronHooks` implements ``_preprocess`` / ``_postprocess``
   with Megatron-Core's names on top of ``embed`` / ``rotary`` / ``output``.
 
@@ -38,6 +39,7 @@ from moe_overlap.blocks._router import ScoreFunction as ScoreFunction
 from moe_overlap.blocks._router import TopKRouter as TopKRouter
 from moe_overlap.blocks._router import attach_aux_loss as attach_aux_loss
 from moe_overlap.blocks._slots import DenseSlots as DenseSlots
+from moe_overlap.blocks._slots import MoESlots as MoESlots
 from moe_overlap.blocks._slots import PlainContext as PlainContext
 from moe_overlap.blocks._slots import SlotContext as SlotContext
 from moe_overlap.blocks._slots import add_residual as add_residual
@@ -76,6 +78,7 @@ __all__ = [
     "LoopbackMode",
     "MatmulKernel",
     "MegatronHooks",
+    "MoESlots",
     "PermuteMeta",
     "PlainContext",
     "RMSNorm",

@@ -335,20 +335,13 @@ class TokenDispatcher:
         """Mlp: sort by local expert (a copy: the input may be freed), ``experts(rows,
         sizes)``, weigh by the routing probs (in float32 or the output's dtype, as the plain
         model does), back to received order."""
-        state = ctx.layer_state
-        dmeta = state.take(_DISPATCH, DispatchMeta)
-        probs_M = state.dispatched_probs
-        if probs_M is None:
-            raise IntegrationError(
-                "TokenDispatcher.slot_experts: expected dispatched_probs from slot_dispatch, "
-                "received None"
-            )
-        x_MD = recv_MD.index_select(0, dmeta.sort_M)
-        y_MD = experts(x_MD, dmeta.local_sizes)
-        p_M = probs_M.index_select(0, dmeta.sort_M)
-        y = y_MD.float() if weigh_in_float32 else y_MD
-        weighted_MD = (y * p_M.unsqueeze(-1)).to(y_MD.dtype)
-        return weighted_MD.index_select(0, dmeta.unsort_M)
+
+        def weighed(x_MD: Tensor, sizes: GroupSizes, p_M: Tensor) -> Tensor:
+            y_MD = experts(x_MD, sizes)
+            y = y_MD.float() if weigh_in_float32 else y_MD
+            return (y * p_M.unsqueeze(-1)).to(y_MD.dtype)
+
+        return self.slot_routed_experts(ctx, recv_MD, weighed)
 
     def slot_routed_experts(
         self,
@@ -356,16 +349,16 @@ class TokenDispatcher:
         recv_MD: Tensor,
         experts: Callable[[Tensor, GroupSizes, Tensor], Tensor],
     ) -> Tensor:
-        """Mlp, for experts that weigh their own output: sort by local expert (a copy),
-        ``experts(rows, sizes, probs)`` returning the weighted rows (``sizes`` carries each
-        row's local expert, ``sizes.ids``), back to received order."""
+        """Mlp, for experts that weigh their own output: sort by local expert (a copy: the
+        input may be freed), ``experts(rows, sizes, probs)`` returning the weighted rows
+        (``sizes`` carries each row's local expert, ``sizes.ids``), back to received order."""
         state = ctx.layer_state
         dmeta = state.take(_DISPATCH, DispatchMeta)
         probs_M = state.dispatched_probs
         if probs_M is None:
             raise IntegrationError(
-                "TokenDispatcher.slot_routed_experts: expected dispatched_probs from "
-                "slot_dispatch, received None"
+                "TokenDispatcher: the mlp step expected dispatched_probs from slot_dispatch, "
+                "received None"
             )
         x_MD = recv_MD.index_select(0, dmeta.sort_M)
         p_M = probs_M.index_select(0, dmeta.sort_M)

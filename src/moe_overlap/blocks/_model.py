@@ -15,7 +15,7 @@ from typing import NamedTuple
 
 from torch import Tensor
 
-from moe_overlap import ConfigError, IntegrationError, PreprocessOutput
+from moe_overlap import ConfigError, IntegrationError, PreprocessOutput, ScheduleOptions
 
 __all__ = ["MegatronHooks", "Rotary"]
 
@@ -50,6 +50,18 @@ class MegatronHooks:
         """Rotary tables for ``position_ids`` (``None``: the model's default positions)."""
         del decoder_input, position_ids
         return Rotary()
+
+    def schedule_options(
+        self, *, free_input: bool = True, ep_overlap_early_attn_memory_release: bool = False
+    ) -> ScheduleOptions:
+        """Schedule options matching this model (``delay_wgrad_compute`` from its config)."""
+        config: object = getattr(self, "config", None)
+        delay: object = getattr(config, "delay_wgrad_compute", None)
+        return ScheduleOptions(
+            delay_wgrad_compute=delay if isinstance(delay, bool) else None,
+            free_input=free_input,
+            ep_overlap_early_attn_memory_release=ep_overlap_early_attn_memory_release,
+        )
 
     def on_microbatch(self, decoder_input: Tensor) -> None:
         """Called once per microbatch before the rotary tables (checks, per-step state)."""

@@ -10,6 +10,7 @@ from moe_overlap import ChunkState, IntegrationError, LayerState
 
 __all__ = [
     "DenseSlots",
+    "MoESlots",
     "PlainContext",
     "SlotContext",
     "add_residual",
@@ -100,3 +101,55 @@ class DenseSlots:
     def slot_combine(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> tuple[Tensor, ...]:
         del node
         return inputs
+
+
+class MoESlots:
+    """Mixin for a MoE layer written once as four steps on a :class:`SlotContext`.
+
+    Define :meth:`pre_dispatch`, :meth:`dispatch`, :meth:`mlp_forward`, :meth:`combine` and
+    :meth:`where`; the mixin gives the four ``slot_*`` methods of
+    :class:`~moe_overlap.SchedulableLayer` (checking their inputs) and :meth:`run_plain`,
+    the same steps without a schedule (a :class:`PlainContext`).
+    """
+
+    is_moe = True
+
+    def where(self, slot: str) -> str:
+        """The layer and slot, as error messages name them."""
+        return f"{type(self).__name__} {slot}"
+
+    def pre_dispatch(self, ctx: SlotContext, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Everything before the all-to-all; returns ``(tokens, probs)``."""
+        raise NotImplementedError
+
+    def dispatch(self, ctx: SlotContext, tokens: Tensor, probs: Tensor) -> Tensor:
+        """The all-to-all; returns the received rows."""
+        raise NotImplementedError
+
+    def mlp_forward(self, ctx: SlotContext, received: Tensor) -> Tensor:
+        """The experts on the received rows."""
+        raise NotImplementedError
+
+    def combine(self, ctx: SlotContext, out: Tensor) -> Tensor:
+        """The all-to-all back and what follows it; the layer's output."""
+        raise NotImplementedError
+
+    def run_plain(self, x: Tensor, chunk_state: ChunkState) -> Tensor:
+        """The layer without a schedule (the same operations as the slots)."""
+        ctx = PlainContext(chunk_state)
+        received = self.dispatch(ctx, *self.pre_dispatch(ctx, x))
+        return self.combine(ctx, self.mlp_forward(ctx, received))
+
+    def slot_pre_dispatch(
+        self, node: SlotContext, inputs: tuple[Tensor, ...], /
+    ) -> tuple[Tensor, ...]:
+        return self.pre_dispatch(node, single_input(inputs, self.where("pre_dispatch")))
+
+    def slot_dispatch(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
+        return self.dispatch(node, *pair_input(inputs, self.where("dispatch")))
+
+    def slot_mlp(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
+        return self.mlp_forward(node, single_input(inputs, self.where("mlp")))
+
+    def slot_combine(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
+        return self.combine(node, single_input(inputs, self.where("combine")))

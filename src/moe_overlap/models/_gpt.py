@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_overlap import ChunkState, ScheduleOptions
+from moe_overlap import ChunkState
 from moe_overlap.blocks._dispatcher import TokenDispatcher
 from moe_overlap.blocks._experts import GroupedExperts
 from moe_overlap.blocks._model import MegatronHooks, Rotary
@@ -135,17 +135,6 @@ class GPTMoEModel(MegatronHooks, nn.Module):
             if isinstance(module, TopKRouter):
                 module.aux_loss_scale = scale
 
-    def schedule_options(
-        self, *, free_input: bool = True, ep_overlap_early_attn_memory_release: bool = False
-    ) -> ScheduleOptions:
-        """Schedule options matching this model (``delay_wgrad_compute`` from the config)."""
-        return ScheduleOptions(
-            delay_wgrad_compute=self.config.delay_wgrad_compute,
-            free_input=free_input,
-            ep_overlap_early_attn_memory_release=ep_overlap_early_attn_memory_release,
-        )
-
-    # --- MegatronHooks: what _preprocess / _postprocess are built on ----------------------
     def embed(self, input_ids: Tensor) -> Tensor:
         """The token embedding."""
         return cast(Tensor, self.embedding(input_ids))

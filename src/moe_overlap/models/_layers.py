@@ -33,10 +33,10 @@ from moe_overlap.blocks._experts import GroupedExperts
 from moe_overlap.blocks._router import TopKRouter
 from moe_overlap.blocks._slots import (
     DenseSlots,
+    MoESlots,
     PlainContext,
     SlotContext,
     add_residual,
-    pair_input,
 )
 from moe_overlap.blocks._slots import single_input as _single
 from moe_overlap.blocks._transformer import RMSNorm, SelfAttention, SwiGLUMLP
@@ -128,7 +128,7 @@ class DenseLayer(DenseSlots, nn.Module):
         return [self.mlp] if self.config.delay_wgrad_compute else []
 
 
-class MoELayer(nn.Module):
+class MoELayer(MoESlots, nn.Module):
     """Attention then a routed mixture of SwiGLU experts (plus an optional shared expert).
 
     Slots::
@@ -138,8 +138,6 @@ class MoELayer(nn.Module):
         mlp:          local sort, experts, * probs, unsort
         combine:      all-to-all back, unpermute, + residual h (+ shared)
     """
-
-    is_moe = True
 
     def __init__(
         self,
@@ -189,12 +187,12 @@ class MoELayer(nn.Module):
     def num_local_experts(self) -> int:
         return self.dispatcher.local_experts
 
-    def _where(self, slot: str) -> str:
+    def where(self, slot: str) -> str:
         return f"MoELayer {self.index} {slot}"
 
     def pre_dispatch(self, ctx: SlotContext, x_BSD: Tensor) -> tuple[Tensor, Tensor]:
         """Attention, router, shared expert, permute; returns ``(tokens_ND, probs_N)``."""
-        cos, sin = _rotary(ctx, self._where("pre_dispatch"))
+        cos, sin = _rotary(ctx, self.where("pre_dispatch"))
         h_BSD: Tensor = self.attn_block(x_BSD, cos, sin)
         state = ctx.layer_state
         state.residual = ctx.detach(h_BSD)
@@ -217,30 +215,8 @@ class MoELayer(nn.Module):
         """All-to-all back, unpermute, add the residual and the shared expert's output."""
         moe_TD = self.dispatcher.slot_combine(ctx, out_MD)
         return add_residual(
-            ctx, moe_TD, self._where("combine"), shared=self.shared_expert is not None
+            ctx, moe_TD, self.where("combine"), shared=self.shared_expert is not None
         )
-
-    def run_plain(self, x_BSD: Tensor, chunk_state: ChunkState) -> Tensor:
-        """The layer without a schedule (same operations as the slots)."""
-        ctx = PlainContext(chunk_state)
-        tokens_ND, probs_N = self.pre_dispatch(ctx, x_BSD)
-        recv_MD = self.dispatch(ctx, tokens_ND, probs_N)
-        return self.combine(ctx, self.mlp_forward(ctx, recv_MD))
-
-    # SchedulableLayer
-    def slot_pre_dispatch(
-        self, node: SlotContext, inputs: tuple[Tensor, ...], /
-    ) -> tuple[Tensor, ...]:
-        return self.pre_dispatch(node, _single(inputs, self._where("pre_dispatch")))
-
-    def slot_dispatch(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
-        return self.dispatch(node, *pair_input(inputs, self._where("dispatch")))
-
-    def slot_mlp(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
-        return self.mlp_forward(node, _single(inputs, self._where("mlp")))
-
-    def slot_combine(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
-        return self.combine(node, _single(inputs, self._where("combine")))
 
     def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
         if not self.config.delay_wgrad_compute:
