@@ -118,19 +118,19 @@ class MoESlots:
         """The layer and slot, as error messages name them."""
         return f"{type(self).__name__} {slot}"
 
-    def pre_dispatch(self, ctx: SlotContext, x: Tensor) -> tuple[Tensor, Tensor]:
+    def pre_dispatch(self, ctx: SlotContext, x: Tensor, /) -> tuple[Tensor, Tensor]:
         """Everything before the all-to-all; returns ``(tokens, probs)``."""
         raise NotImplementedError
 
-    def dispatch(self, ctx: SlotContext, tokens: Tensor, probs: Tensor) -> Tensor:
+    def dispatch(self, ctx: SlotContext, tokens: Tensor, probs: Tensor, /) -> Tensor:
         """The all-to-all; returns the received rows."""
         raise NotImplementedError
 
-    def mlp_forward(self, ctx: SlotContext, received: Tensor) -> Tensor:
+    def mlp_forward(self, ctx: SlotContext, received: Tensor, /) -> Tensor:
         """The experts on the received rows."""
         raise NotImplementedError
 
-    def combine(self, ctx: SlotContext, out: Tensor) -> Tensor:
+    def combine(self, ctx: SlotContext, out: Tensor, /) -> Tensor:
         """The all-to-all back and what follows it; the layer's output."""
         raise NotImplementedError
 
