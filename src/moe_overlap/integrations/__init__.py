@@ -1,0 +1,7 @@
+"""Integrations with the PyTorch stack people train with (``pipelining``: pipeline parallel).
+
+Each module here is the only place that touches the other library's private names, behind
+a check of the torch version it was tested with.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,97 @@
+"""The OVERLAP_F_B lowering on schedule data (no process group), as torch tests its own."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.pipelining.schedules import (
+    FORWARD,
+    FULL_BACKWARD,
+    OVERLAP_F_B,
+    ScheduleInterleaved1F1B,
+    _Action,
+    _add_send_recv,
+)
+
+from moe_overlap import ConfigError
+from moe_overlap.integrations.pipelining import check_torch, pair_overlap_f_b
+
+
+class _Stage:
+    """What a schedule's constructor reads of a stage (torch's tests mock it the same way)."""
+
+    def __init__(self, index: int, num_stages: int, group_size: int, rank: int) -> None:
+        self.stage_index = index
+        self.num_stages = num_stages
+        self.group_size = group_size
+        self.group_rank = rank
+        self.is_first = index == 0
+        self.is_last = index == num_stages - 1
+        self.submod = nn.Identity()
+
+
+def _interleaved(pp: int, stages_per_rank: int, n_mb: int) -> dict[int, list[_Action | None]]:
+    n = pp * stages_per_rank
+    stages: list[Any] = [_Stage(k * pp, n, pp, 0) for k in range(stages_per_rank)]  # rank 0's
+    schedule = ScheduleInterleaved1F1B(stages, n_microbatches=n_mb, loss_fn=lambda a, b: a)
+    return {r: list(acts) for r, acts in schedule.pipeline_order.items()}
+
+
+def _same_compute(lowered: Sequence[_Action | None], original: Sequence[_Action | None]) -> bool:
+    """The lowered rank runs the original's compute actions in the original order, two
+    neighbours merged into each pair (in either order inside it)."""
+    todo = [a for a in original if a is not None]
+    for item in (a for a in lowered if a is not None):
+        n = 2 if item.sub_actions is not None else 1
+        head, todo = todo[:n], todo[n:]
+        if set(item.sub_actions or (item,)) != set(head):
+            return False
+    return not todo
+
+
+@pytest.mark.parametrize(("pp", "per_rank", "n_mb"), [(2, 2, 4), (2, 2, 8), (4, 2, 8)])
+def test_interleaved_1f1b_pairs_without_deadlock(pp: int, per_rank: int, n_mb: int) -> None:
+    order = _interleaved(pp, per_rank, n_mb)
+    n = pp * per_rank
+    lowered = pair_overlap_f_b(order, num_stages=n, stage_to_rank=lambda s: s % pp)
+    pairs = [a for acts in lowered.values() for a in acts if a is not None and a.sub_actions]
+    assert pairs, "the steady state has neighbouring forwards and backwards to pair"
+    for rank in order:
+        assert _same_compute(lowered[rank], order[rank])
+    for p in pairs:
+        assert p.computation_type == OVERLAP_F_B
+        assert p.sub_actions is not None
+        f, b = p.sub_actions
+        assert (f.computation_type, b.computation_type) == (FORWARD, FULL_BACKWARD)
+        assert f.microbatch_index != b.microbatch_index
+    compute = {r: [a for a in acts if a is not None] for r, acts in lowered.items()}
+    _add_send_recv(compute, lambda s: s % pp, n)  # lowers to communication
+
+
+def test_a_pair_that_would_deadlock_is_not_made() -> None:
+    """Rank 0 pairs (0F1, 0B0); rank 1's (1B0, 1F1) would then wait on rank 0's pair, which
+    waits on 1B0: a cycle, so rank 1 keeps the two apart."""
+    a = _Action.from_str
+    order: dict[int, list[_Action | None]] = {
+        0: [a("0F0"), a("0F1"), a("0B0"), a("0B1")],
+        1: [a("1F0"), a("1B0"), a("1F1"), a("1B1")],
+    }
+    lowered = pair_overlap_f_b(order, num_stages=2, stage_to_rank=lambda s: s)
+    assert [repr(x) for x in lowered[0]] == ["0F0", "(0F1;0B0)OVERLAP_F_B", "0B1"]
+    assert lowered[1] == order[1]
+
+
+def test_same_microbatch_is_never_paired() -> None:
+    a = _Action.from_str
+    order: dict[int, list[_Action | None]] = {0: [a("0F0"), a("0B0")]}
+    assert pair_overlap_f_b(order, num_stages=1, stage_to_rank=lambda s: 0) == order
+
+
+def test_untested_torch_is_refused() -> None:
+    check_torch(torch.__version__)
+    with pytest.raises(ConfigError, match=r"tested with torch 2.11, 2.13; received torch 2.99"):
+        check_torch("2.99.0+cpu")
