@@ -42,6 +42,7 @@ from tests.adapters._hf import (
     mixtral,
     other_family,
     qwen2_moe,
+    reference_step,
 )
 
 
@@ -266,3 +267,42 @@ def test_aux_loss_needs_the_standard_one() -> None:
     causal_lm = dict(families.discover())["deepseek_v3"]
     with pytest.raises(ConfigError, match="standard load_balancing_loss_func"):
         TransformersMoEAdapter(families.build("deepseek_v3", causal_lm), router_aux_loss=True)
+
+
+def test_frozen_shared_expert_still_adds_its_output() -> None:
+    """Expert-only fine-tuning: the frozen shared expert's output carries no gradient and
+    must still reach combine (its presence is decided at construction, not per step)."""
+    model = qwen2_moe()
+    for name, p in model.named_parameters():
+        p.requires_grad_("mlp.experts." in name or "lm_head" in name)
+    mbs = microbatches(2)
+    ref = reference_step(copy.deepcopy(model), mbs)
+    adapter = TransformersMoEAdapter(copy.deepcopy(model))
+    for overlap in (False, True):
+        losses = combined_1f1b(adapter, mbs, overlap=overlap)
+        assert max(abs(float(a - b)) for a, b in zip(losses, ref, strict=True)) <= 1e-6
+
+
+def test_adapting_again_follows_the_new_delay_setting() -> None:
+    """A second adapter without delayed wgrad on a model an earlier one made delayable:
+    every gradient is computed, none left pending."""
+    model = mixtral()
+    TransformersMoEAdapter(model, delay_wgrad_compute=True)
+    reference = copy.deepcopy(model)
+    adapter = TransformersMoEAdapter(model, delay_wgrad_compute=False)
+    mbs = microbatches(2)
+    combined_1f1b(adapter, mbs)
+    assert adapter.pending_wgrad() == 0
+    TransformersMoEAdapter(reference, delay_wgrad_compute=False)
+    reference_step(reference, mbs)
+    ours, theirs = dict(model.named_parameters()), dict(reference.named_parameters())
+    for name, p in ours.items():
+        q = theirs[name]
+        assert p.grad is not None and q.grad is not None, name
+        assert float((p.grad - q.grad).abs().max()) <= 1e-5 * float(q.grad.abs().max()), name
+
+
+def test_router_noise_is_refused_in_eval_mode_too() -> None:
+    """A model adapted in eval mode (as from_pretrained returns it) trains after .train()."""
+    with pytest.raises(ConfigError, match="router_jitter_noise"):
+        TransformersMoEAdapter(mixtral(router_jitter_noise=0.1).eval())

@@ -169,11 +169,11 @@ def layer_calls(
                 "received no call"
             )
         for name, value in [*enumerate(call.args), *call.kwargs.items()]:
-            if isinstance(value, Tensor) and value.requires_grad:
+            if isinstance(value, Tensor) and value.grad_fn is not None:
                 raise ConfigError(
                     f"{type(base).__name__}.forward: layer {i}'s argument {name!r} depends on "
-                    "parameters; the adapter supports layer arguments that carry no gradient "
-                    "(masks, positions, rotary tables)"
+                    "parameters or the embeddings; the adapter supports layer arguments that "
+                    "carry no gradient (masks, positions, rotary tables)"
                 )
         out.append(call)
     return tuple(out)

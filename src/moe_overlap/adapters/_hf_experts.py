@@ -106,6 +106,8 @@ def delay_linears_in(
         if type(child) is nn.Linear or isinstance(child, DelayedLinear):
             if only is None or id(child) in only:
                 found += delay_linears(module, child_name, delay_wgrad=delay_wgrad)
+            elif isinstance(child, DelayedLinear):
+                child.delay_wgrad = False  # swapped by an earlier adapter, not delayed now
         else:
             found += delay_linears_in(child, delay_wgrad=delay_wgrad, skip=skip, only=only)
     return found

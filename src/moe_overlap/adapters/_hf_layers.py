@@ -74,6 +74,15 @@ LayerCalls = Callable[[ChunkState, int], LayerCall]
 """The model's arguments for layer ``i`` of a microbatch (from the adapter's cache)."""
 
 _REST = "moe_overlap.hf.rest"
+_EXTRA = "moe_overlap.hf.extra"
+
+
+def _hand_on(ctx: SlotContext, t: Tensor) -> Tensor:
+    """``t`` for a later slot: cut from the graph by the node, or marked as gradient-free."""
+    if t.requires_grad:
+        return ctx.detach(t)
+    ctx.mark_non_differentiable(t)
+    return t
 
 
 class _ExpertsStandIn(nn.Module):
@@ -253,24 +262,25 @@ class HFMoELayer(_LayerBase, MoESlots):
         pre = self._child(s.pre_mlp_norm)
         u = xa if s.parallel else (pre(h) if pre is not None else h)
         rest, hidden_TD, index_TK, weights_TK, logits = self._block(u, call)
+        extra: Tensor | None = None
         for name, spec in s.extras:
-            rest = rest + first_tensor(spec.call(self.layer.get_submodule(name), u, call)).view(
-                rest.shape
-            )
+            out = first_tensor(spec.call(self.layer.get_submodule(name), u, call))
+            extra = out if extra is None else extra + out
         if self.aux is not None:
             if logits is None:
                 raise IntegrationError(
-                    f"{self.where('pre_dispatch')}: expected router logits for the aux loss, received none"
+                    f"{self.where('pre_dispatch')}: expected router logits for the aux loss, "
+                    "received none"
                 )
             weights_TK = self.aux.attach(
                 self.index, weights_TK, logits, ctx.chunk_state.attention_mask
             )
         state = ctx.layer_state
         state.residual = ctx.detach(h)
-        # Zeros when the block adds nothing to its experts (no shared expert): then there is
-        # nothing to hand on (the self-check runs this same code, so a block adding a
-        # constant would be refused there).
-        state.stash(_REST, ctx.detach(rest) if rest.requires_grad else None)
+        # The block's output with its experts stood in for (its shared experts) and the
+        # extras beside it go to combine; a frozen shared expert's carries no gradient.
+        state.stash(_REST, _hand_on(ctx, rest) if s.block_adds else None)
+        state.stash(_EXTRA, _hand_on(ctx, extra) if extra is not None else None)
         return self.dispatcher.slot_permute(ctx, hidden_TD, weights_TK, index_TK)
 
     def _block(
@@ -346,6 +356,7 @@ class HFMoELayer(_LayerBase, MoESlots):
                 f"{self.where('combine')}: expected the residual from pre_dispatch, received None"
             )
         rest: object = state.extras.get(_REST)
+        extra: object = state.extras.get(_EXTRA)
         m = moe_TD.view(residual.shape)
         if self.split.experts_scale is not None:
             m = m * self.split.experts_scale
@@ -355,6 +366,8 @@ class HFMoELayer(_LayerBase, MoESlots):
             m = cast(
                 "Callable[[Tensor], Tensor]", self.block.get_submodule(self.split.block_out_norm)
             )(m)
+        if isinstance(extra, Tensor):  # as the layer: the block's output plus its extras
+            m = m + extra.view(residual.shape)
         post = self._child(self.split.mlp_out_norm)
         if post is not None:
             m = post(m)

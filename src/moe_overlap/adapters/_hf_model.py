@@ -42,7 +42,7 @@ from moe_overlap.adapters._hf_structure import (
     MoESplit,
     block_of,
     candidate_splits,
-    experts_scale,
+    measure_block,
     trace_layer,
 )
 from moe_overlap.blocks import MegatronHooks, TokenDispatcher
@@ -104,17 +104,16 @@ class AdapterDecoder:
         self.final_layernorm: Callable[[Tensor], Tensor] | None = None
 
 
-def _refuse_randomness(model: nn.Module, config: object) -> None:
-    """Dropout or router noise in training cannot be matched between schedule and model."""
-    if not model.training:
-        return
+def _refuse_randomness(config: object) -> None:
+    """Dropout or router noise cannot be matched between schedule and model (refused in any
+    mode: a model adapted in eval mode trains after ``model.train()``)."""
     for name in dir(config):
         if name.endswith(("dropout", "jitter_noise", "dropout_rate")):
             value: object = getattr(config, name, None)
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
                 raise ConfigError(
-                    f"{type(config).__name__}.{name}: expected 0 in training (random dropout or "
-                    f"router noise differs between the schedule and the model), received {value}"
+                    f"{type(config).__name__}.{name}: expected 0 (random dropout or router noise "
+                    f"differs between the schedule and the model), received {value}"
                 )
 
 
@@ -222,7 +221,7 @@ class TransformersMoEAdapter(MegatronHooks):
         if hf_config is None:
             raise ConfigError(f"{name}.config: expected a transformers config, received None")
         self.hf_config = hf_config
-        _refuse_randomness(model, hf_config)
+        _refuse_randomness(hf_config)
         self.config = AdapterConfig(delay_wgrad_compute=delay_wgrad_compute)
         hidden_size = self._int("hidden_size")
         self.hidden_size = hidden_size
@@ -266,14 +265,6 @@ class TransformersMoEAdapter(MegatronHooks):
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         self.dispatcher = TokenDispatcher(num_experts.pop(), top_k, group=ep_group)
-        if self.dispatcher.ep_size > 1 and not sharded:
-            shard_experts(model, ep_group)
-        local = {experts_of(layers[i]).num_local for i in moe_layers}
-        if local != {self.dispatcher.local_experts}:
-            raise ConfigError(
-                f"{name}: expected {self.dispatcher.local_experts} local experts per MoE layer "
-                f"(EP size {self.dispatcher.ep_size}), received {sorted(local)}"
-            )
         want_aux = (
             bool(getattr(hf_config, "output_router_logits", False))
             if router_aux_loss is None
@@ -293,6 +284,15 @@ class TransformersMoEAdapter(MegatronHooks):
                 num_experts=self.dispatcher.num_experts,
                 top_k=top_k,
                 coef=float(coef) if isinstance(coef, (int, float)) else 0.0,
+            )
+        # Every refusal above; only now is the model changed (a refused model stays whole).
+        if self.dispatcher.ep_size > 1 and not sharded:
+            shard_experts(model, ep_group)
+        local = {experts_of(layers[i]).num_local for i in moe_layers}
+        if local != {self.dispatcher.local_experts}:
+            raise ConfigError(
+                f"{name}: expected {self.dispatcher.local_experts} local experts per MoE layer "
+                f"(EP size {self.dispatcher.ep_size}), received {sorted(local)}"
             )
         self._calls: dict[int, tuple[LayerCall, ...]] = {}
         adapted: list[HFLayer] = []
@@ -354,12 +354,12 @@ class TransformersMoEAdapter(MegatronHooks):
     ) -> tuple[Tensor, tuple[LayerCall, ...]]:
         g = torch.Generator().manual_seed(0)
         x = torch.randn(2, _PROBE_TOKENS, self.hidden_size, generator=g)
-        with torch.no_grad():
+        # With grad, from embeddings that require it: a layer argument computed from
+        # parameters or from the embeddings would tie the layers into one graph (refused).
+        embeds = x.to(dtype=dtype, device=device, copy=True).requires_grad_()
+        with torch.enable_grad():
             calls = layer_calls(
-                self.base,
-                inputs_embeds=x.to(dtype=dtype, device=device),
-                attention_mask=None,
-                position_ids=None,
+                self.base, inputs_embeds=embeds, attention_mask=None, position_ids=None
             )
         return x, calls
 
@@ -417,7 +417,7 @@ class TransformersMoEAdapter(MegatronHooks):
     ) -> LayerPlan:
         where = f"{type(layer).__name__} (layer {index})"
         calls: Callable[[ChunkState, int], LayerCall] = lambda cs, i: call  # noqa: E731
-        traced = float32_copy(layer)
+        traced = float32_copy(layer, immediate=True)
         with torch.enable_grad():
             out, trace = trace_layer(traced, x.clone().requires_grad_(), call)
         # A linear may delay its weight gradient if the forward calls it once and its weight
@@ -430,7 +430,7 @@ class TransformersMoEAdapter(MegatronHooks):
         )
         if block_of(layer) is None:
             if self_check and delay:
-                ref, cand = float32_copy(layer), float32_copy(layer)
+                ref, cand = float32_copy(layer, immediate=True), float32_copy(layer)
                 dense = HFDenseLayer(
                     cand, index, self.config, calls, delay_wgrad=True, delayable=delayable
                 )
@@ -444,14 +444,19 @@ class TransformersMoEAdapter(MegatronHooks):
                     )
             return LayerPlan(None, delayable)
         splits = candidate_splits(traced, trace, top_k=top_k, multiplier=mult)
-        scale = experts_scale(traced.get_submodule(splits[0].block), trace, splits[0], where)
-        splits = [dataclasses.replace(s, experts_scale=scale) for s in splits]
+        measured = measure_block(traced.get_submodule(splits[0].block), trace, splits[0], where)
+        splits = [
+            dataclasses.replace(
+                s, experts_scale=measured.experts_scale, block_adds=measured.block_adds
+            )
+            for s in splits
+        ]
         if not self_check:
             return LayerPlan(splits[0], delayable)
         best: tuple[Mismatch, MoESplit] | None = None
         experts = experts_of(layer).num_global
         for split in splits:
-            ref, cand = float32_copy(layer), float32_copy(layer)
+            ref, cand = float32_copy(layer, immediate=True), float32_copy(layer)
             adapted = HFMoELayer(
                 cand,
                 index,
@@ -469,7 +474,7 @@ class TransformersMoEAdapter(MegatronHooks):
                 mismatch = compare_layer(
                     ref, adapted.run_plain, cand, partial(_finish, adapted), x, call, seed=index
                 )
-            except (RuntimeError, ValueError, TypeError, IntegrationError) as exc:
+            except Exception as exc:
                 mismatch = Mismatch(f"the split's run ({type(exc).__name__}: {exc})", float("inf"))
             if mismatch is None:
                 return LayerPlan(split, delayable)

@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from moe_overlap.adapters._hf_calls import LayerCall
 from moe_overlap.adapters._hf_structure import first_tensor
+from moe_overlap.blocks import DelayedWgradModule
 from moe_overlap.engine._state import ChunkState
 
 __all__ = [
@@ -104,8 +105,8 @@ def compare_layer(
     """
     g = torch.Generator().manual_seed(seed)
     layer_call = call
-    x_ref = hidden.clone().requires_grad_()
-    x_cand = hidden.clone().requires_grad_()
+    x_ref = hidden.detach().clone().requires_grad_()
+    x_cand = hidden.detach().clone().requires_grad_()
     out_r = first_tensor(reference(x_ref, *layer_call.args, **dict(layer_call.kwargs)))
     out_c = run(x_cand, ChunkState())
     worst = (
@@ -136,9 +137,19 @@ def compare_layer(
     return worst if worst.difference > PROBE_TOLERANCE else None
 
 
-def float32_copy(layer: nn.Module) -> nn.Module:
-    """A float32 deep copy (the probe never touches the model's own layer)."""
+def float32_copy(layer: nn.Module, *, immediate: bool = False) -> nn.Module:
+    """A float32 deep copy in training mode (the probe never touches the model's own layer;
+    it checks what training runs, whatever mode the model is in now).
+
+    ``immediate``: linears an earlier adapter made delayable compute their weight gradient
+    in backward, as the ``nn.Linear`` they replaced (the layer's own forward, for reference).
+    """
     dup = copy.deepcopy(layer)
     dup.float()
-    dup.train(layer.training)
+    dup.train()
+    if immediate:
+        for m in dup.modules():
+            if isinstance(m, DelayedWgradModule):
+                m.discard_wgrad()
+                m.delay_wgrad = False
     return dup

@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 
 from moe_overlap import ConfigError
 from moe_overlap.adapters._hf_calls import CallSpec, LayerCall, swap_child
+from moe_overlap.adapters._hf_experts import DelayedLinear
 
 __all__ = [
     "ChildCall",
@@ -35,7 +36,7 @@ __all__ = [
     "MoESplit",
     "block_norm_identity",
     "candidate_splits",
-    "experts_scale",
+    "measure_block",
     "trace_layer",
 ]
 
@@ -111,6 +112,9 @@ class MoESplit:
     block_out_norm: str | None = None
     """... then this child of the block normalizes it (stood in for by the identity in
     pre-dispatch, applied in combine)."""
+    block_adds: bool = True
+    """The block's output with its experts returning zeros is not zero (shared experts):
+    ``rest`` is handed to combine whether or not it carries a gradient."""
 
     def describe(self) -> str:
         parts = [
@@ -126,6 +130,7 @@ class MoESplit:
             f"experts={self.experts.kind}",
             f"experts_scale={self.experts_scale}",
             f"block_out_norm={self.block_out_norm}",
+            f"block_adds={self.block_adds}",
         ]
         return ", ".join(parts)
 
@@ -232,7 +237,7 @@ def trace_layer(layer: nn.Module, hidden: Tensor, call: LayerCall) -> tuple[Tens
     counts = trace.linear_calls
     handles: list[RemovableHandle] = []
     for name, m in _named_modules(layer):
-        if type(m) is nn.Linear:
+        if type(m) is nn.Linear or isinstance(m, DelayedLinear):
             counts[name] = 0
 
             def count(mod: nn.Module, args: object, name: str = name) -> None:
@@ -418,15 +423,15 @@ class _Returns(nn.Module):
         return self.value
 
 
-def experts_scale(block: nn.Module, trace: LayerTrace, split: MoESplit, where: str) -> float | None:
-    """How the block's output depends on its experts' output: ``c`` in ``c * experts + rest``.
+def measure_block(block: nn.Module, trace: LayerTrace, split: MoESplit, where: str) -> MoESplit:
+    """The split with how the block's output depends on its experts' output: ``c`` in
+    ``c * experts + rest`` (``experts_scale``; ``None`` for 1) and whether ``rest`` is
+    ever non-zero (``block_adds``).
 
     Measured by running the block on its traced input with the experts returning zeros and
-    then a random tensor; ``None`` for ``c = 1``. Raises :class:`~moe_overlap.ConfigError`
-    when the dependence is not a constant multiple (a norm or gate after the experts).
+    then a random tensor. Raises :class:`~moe_overlap.ConfigError` when the dependence is
+    not a constant multiple (a norm or gate after the experts).
     """
-    if split.experts.kind == "prescaled":
-        return None  # a sum over every expert's rows, not one per token: the probe checks it
     call = next(c for c in trace.children if c.name == split.block)
     u = _arg(call)
     assert isinstance(u, Tensor)
@@ -441,6 +446,10 @@ def experts_scale(block: nn.Module, trace: LayerTrace, split: MoESplit, where: s
         for value in (torch.zeros_like(r), r):
             with swap_child(block, "experts", _Returns(value)), block_norm_identity(block, split):
                 outs.append(first_tensor(split.block_call.call(block, u.detach(), trace.call)))
+    adds = bool(outs[0].abs().max() > 0)
+    if split.experts.kind == "prescaled":
+        # A sum over every expert's rows, not one row per token: the self-check covers it.
+        return replace(split, block_adds=adds)
     diff = (outs[1] - outs[0]).reshape(-1).double()
     ref = r.reshape(-1).double()
     c = float((diff * ref).sum() / (ref * ref).sum())
@@ -449,7 +458,7 @@ def experts_scale(block: nn.Module, trace: LayerTrace, split: MoESplit, where: s
             f"{where}: the MoE block transforms its routed experts' output other than by a "
             "constant factor (a norm or gate after the experts), which the slots cannot split"
         )
-    return None if abs(c - 1.0) < 1e-6 else c
+    return replace(split, experts_scale=None if abs(c - 1.0) < 1e-6 else c, block_adds=adds)
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ class SlotContext(Protocol):
     @property
     def chunk_state(self) -> ChunkState: ...
     def detach(self, t: Tensor) -> Tensor: ...
+    def mark_non_differentiable(self, *tensors: Tensor) -> None: ...
 
 
 class PlainContext:
@@ -43,6 +44,9 @@ class PlainContext:
 
     def detach(self, t: Tensor) -> Tensor:
         return t
+
+    def mark_non_differentiable(self, *tensors: Tensor) -> None:
+        del tensors  # nothing is checked on the plain path
 
 
 def single_input(inputs: tuple[Tensor, ...], where: str) -> Tensor:
