@@ -163,12 +163,13 @@ def tiny_config(family: str, config_cls: type) -> dict[str, object]:
     return kw
 
 
-_MOE = re.compile(r"self\.experts\s*=")
+_MOE = re.compile(r"self\.experts\s*=|^class \w*(MoE|Moe)\w*\(", re.M)
+"""Routed experts, or a class named for a mixture of experts (Doge's product-key CDMoE)."""
 _CLM = re.compile(r"^class (\w+ForCausalLM)\((\w+)", re.M)
 
 
 def discover() -> list[tuple[str, str]]:
-    """``(family, ForCausalLM class)`` of every modeling module with routed experts."""
+    """``(family, ForCausalLM class)`` of every modeling module with a mixture of experts."""
     import transformers
 
     root = pathlib.Path(transformers.__file__).parent / "models"

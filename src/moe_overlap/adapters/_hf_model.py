@@ -229,7 +229,10 @@ class TransformersMoEAdapter(MegatronHooks):
         moe_layers = [i for i, layer in enumerate(layers) if block_of(layer) is not None]
         if not moe_layers:
             raise ConfigError(
-                f"{name}: expected MoE layers (a child holding routed 'experts'), received none"
+                f"{name}: expected MoE layers, each with a child (the MoE block) holding an "
+                "'experts' module with 3-D expert weights (transformers' fused layout); "
+                "received none. Experts stored otherwise (flat 2-D weights, product keys, "
+                "experts directly on the decoder layer) are not supported"
             )
         num_experts = {experts_of(layers[i]).num_global for i in moe_layers}
         if len(num_experts) != 1:
