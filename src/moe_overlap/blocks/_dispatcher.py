@@ -192,7 +192,7 @@ class TokenDispatcher:
         self.kind: DispatcherKind = kind
         self.loopback: HostLoopback | None = HostLoopback() if kind == "loopback" else None
         self.group = group if ep > 1 else None
-        self.count_group = (count_group or group) if ep > 1 else None
+        self.count_group = (count_group if count_group is not None else group) if ep > 1 else None
         self.ep_size = ep
         self.ep_rank = rank
         self.num_experts = num_experts
