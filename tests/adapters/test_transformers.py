@@ -306,3 +306,25 @@ def test_router_noise_is_refused_in_eval_mode_too() -> None:
     """A model adapted in eval mode (as from_pretrained returns it) trains after .train()."""
     with pytest.raises(ConfigError, match="router_jitter_noise"):
         TransformersMoEAdapter(mixtral(router_jitter_noise=0.1).eval())
+
+
+def test_layers_differing_in_a_plain_setting_are_checked_apart() -> None:
+    """Same class and parameters, but a per-layer number the forward uses: layer 0's factor
+    is 1 (the split reproduces it), layer 1's is not, so layer 1 is checked on its own and
+    refused instead of trained with layer 0's verdict."""
+    model = mixtral()
+
+    class FactorLayer(type(model.get_submodule("model.layers.0"))):  # type: ignore[misc]
+        factor = 1.0
+
+        def forward(self, *args: object, **kwargs: object) -> Tensor:
+            out = super().forward(*args, **kwargs)
+            assert isinstance(out, Tensor)
+            return out * self.factor
+
+    for i, factor in enumerate((1.0, 1.5)):
+        layer = model.get_submodule(f"model.layers.{i}")
+        layer.__class__ = FactorLayer
+        setattr(layer, "factor", factor)  # noqa: B010 - an instance setting
+    with pytest.raises(ConfigError, match=r"FactorLayer \(layer 1\).*differs by"):
+        TransformersMoEAdapter(model)

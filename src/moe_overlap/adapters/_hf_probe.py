@@ -49,15 +49,38 @@ class Mismatch:
         return f"{self.what} differs by {self.difference:.3g} (relative; float32 rounding is < {PROBE_TOLERANCE:g})"
 
 
+_INDEX_NAMES = frozenset({"layer_idx", "layer_index", "index", "layer_id"})
+"""Attributes that only number a layer (caches are off in training); every other plain
+attribute (a per-layer scale, window or flag) makes layers distinct structures."""
+
+
+def _settings(module: nn.Module) -> tuple[tuple[str, object], ...]:
+    return tuple(
+        sorted(
+            (k, v)
+            for k, v in vars(module).items()
+            if isinstance(v, (bool, int, float, str))
+            and not k.startswith("_")
+            and k not in _INDEX_NAMES
+        )
+    )
+
+
 def structure_key(layer: nn.Module, call: LayerCall) -> tuple[object, ...]:
-    """Layers with equal keys compute alike: module tree, parameter shapes, argument kinds."""
+    """Layers with equal keys compute alike: module tree, parameter shapes, plain settings
+    (attributes holding numbers, flags or names), argument kinds."""
     named = cast("list[tuple[str, nn.Module]]", list(layer.named_modules()))  # pyright: ignore[reportUnknownArgumentType]
     modules = tuple(
-        (name, type(m).__qualname__, tuple(tuple(p.shape) for p in m.parameters(recurse=False)))
+        (
+            name,
+            type(m).__qualname__,
+            tuple(tuple(p.shape) for p in m.parameters(recurse=False)),
+            _settings(m),
+        )
         for name, m in named
     )
     kinds = tuple(sorted((k, type(v).__name__) for k, v in call.kwargs.items()))
-    return (type(layer).__qualname__, modules, kinds, getattr(layer, "attention_type", None))
+    return (type(layer).__qualname__, modules, kinds)
 
 
 def _to_float32(value: object) -> object:
