@@ -26,6 +26,7 @@ from moe_overlap.adapters.transformers import (
 )
 from tests.adapters import families
 from tests.adapters._hf import compare, grads, microbatches, mixtral, qwen2_moe, reference_step
+from tests.gloo_ranks import exit_worker
 
 
 def _family(name: str, causal_lm: str) -> Callable[..., nn.Module]:
@@ -105,4 +106,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_worker(main)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from moe_overlap import ConfigError
 from moe_overlap.blocks import TokenDispatcher
+from tests.gloo_ranks import exit_worker
 from tests.models._helpers import SMALL, check_parity
 
 
@@ -71,4 +72,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    exit_worker(main)

@@ -560,7 +560,11 @@ class TransformersMoEAdapter(MegatronHooks):
     # --- MegatronHooks: what _preprocess / _postprocess are built on ----------------------
     def embed(self, input_ids: Tensor) -> Tensor:
         """The first layer's input as the model's own ``forward`` computes it."""
-        return decoder_input(self.base, input_ids=input_ids, position_ids=None)
+        return self.embed_at(input_ids, None)
+
+    def embed_at(self, input_ids: Tensor, position_ids: Tensor | None) -> Tensor:
+        """The first layer's input for these positions, by the model's own ``forward``."""
+        return decoder_input(self.base, input_ids=input_ids, position_ids=position_ids)
 
     def on_microbatch(self, decoder_input: Tensor) -> None:
         """Refuse pending weight gradients; open the aux-loss microbatch."""

@@ -46,6 +46,12 @@ class MegatronHooks:
             "to take token ids, or to be given decoder_input"
         )
 
+    def embed_at(self, input_ids: Tensor, position_ids: Tensor | None) -> Tensor:
+        """:meth:`embed` for a model whose embedding also reads the positions (the default
+        ignores them)."""
+        del position_ids
+        return self.embed(input_ids)
+
     def rotary(self, decoder_input: Tensor, position_ids: Tensor | None) -> Rotary:
         """Rotary tables for ``position_ids`` (``None``: the model's default positions)."""
         del decoder_input, position_ids
@@ -97,7 +103,7 @@ class MegatronHooks:
                 raise ConfigError(
                     f"{name}._preprocess: expected input_ids or decoder_input, received neither"
                 )
-            decoder_input = self.embed(input_ids)
+            decoder_input = self.embed_at(input_ids, position_ids)
         self.on_microbatch(decoder_input)
         rot = self.rotary(decoder_input, position_ids)
         return PreprocessOutput(decoder_input, rot.emb, rot.cos, rot.sin, None, padding_mask)
