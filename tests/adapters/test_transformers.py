@@ -328,3 +328,20 @@ def test_layers_differing_in_a_plain_setting_are_checked_apart() -> None:
         setattr(layer, "factor", factor)  # noqa: B010 - an instance setting
     with pytest.raises(ConfigError, match=r"FactorLayer \(layer 1\).*differs by"):
         TransformersMoEAdapter(model)
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_position_ids_reach_the_model_as_given(use_cache: bool) -> None:
+    """Custom positions (every other one) give the model's own loss, through the rotary
+    tables and the masks, which transformers builds differently with and without a KV
+    cache (without one it reads such positions as packed sequences): the adapter follows
+    the config's ``use_cache``, as the model's own ``forward`` does."""
+    model = mixtral()
+    model.config.use_cache = use_cache
+    ids = microbatches(1)[0].input_ids
+    assert ids is not None
+    pos = (2 * torch.arange(ids.shape[1])).unsqueeze(0).expand_as(ids)
+    own = model(input_ids=ids, position_ids=pos, labels=ids).loss.detach()
+    adapter = TransformersMoEAdapter(copy.deepcopy(model))
+    (loss,) = combined_1f1b(adapter, [Microbatch(input_ids=ids, position_ids=pos, labels=ids)])
+    assert abs(float(loss - own)) <= 1e-6

@@ -10,6 +10,11 @@ model's own ``forward`` with the decoder layers swapped for stand-ins:
 - :func:`causal_lm_output`: the model's final norm, LM head, logit scaling and loss,
   applied to the last layer's output.
 
+Each runs as the model's ``forward`` runs with the config's defaults (``use_cache``
+included: transformers builds its masks differently without a cache, e.g. it reads
+position ids that are not consecutive as packed sequences); any KV cache it creates is
+dropped from the layers' arguments.
+
 :class:`CallSpec` records how a layer calls one of its children (which argument is the
 hidden input, which come from the layer's own arguments, which are constants), so the
 slots can make the same call.
@@ -128,7 +133,7 @@ def decoder_input(base: nn.Module, *, input_ids: Tensor, position_ids: Tensor | 
     with _stand_ins(base) as stands:
         stands[0].stop = True
         try:
-            base(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+            base(input_ids=input_ids, position_ids=position_ids)
         except _Stop as stop:
             (hidden,) = stop.args
             if isinstance(hidden, Tensor):
@@ -158,11 +163,11 @@ def layer_calls(
                 inputs_embeds=inputs_embeds,
                 attention_mask=attention_mask,
                 position_ids=position_ids,
-                use_cache=False,
             )
         calls = stands[0].calls
     out: list[LayerCall] = []
-    for i, call in enumerate(calls):
+    for i, recorded in enumerate(calls):
+        call = _without_cache(recorded) if recorded is not None else None
         if call is None:
             raise ConfigError(
                 f"{type(base).__name__}.forward: expected it to call decoder layer {i}, "
@@ -177,6 +182,23 @@ def layer_calls(
                 )
         out.append(call)
     return tuple(out)
+
+
+def _is_cache(value: object) -> bool:
+    """A transformers KV cache (what ``use_cache`` makes the model create)."""
+    return callable(getattr(value, "get_seq_length", None)) and callable(
+        getattr(value, "update", None)
+    )
+
+
+def _without_cache(call: LayerCall) -> LayerCall:
+    """The call with any KV cache replaced by ``None``: the model's forward ran as its
+    config says (``use_cache`` included: the masks it builds depend on it), but training
+    keeps no keys and values."""
+    return LayerCall(
+        tuple(None if _is_cache(a) else a for a in call.args),
+        {k: None if _is_cache(v) else v for k, v in call.kwargs.items()},
+    )
 
 
 def causal_lm_output(
@@ -206,7 +228,6 @@ def causal_lm_output(
             attention_mask=attention_mask,
             position_ids=position_ids,
             labels=labels,
-            use_cache=False,
             **kwargs,
         )
     if labels is not None:
