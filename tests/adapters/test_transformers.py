@@ -337,7 +337,7 @@ def test_position_ids_reach_the_model_as_given(use_cache: bool) -> None:
     cache (without one it reads such positions as packed sequences): the adapter follows
     the config's ``use_cache``, as the model's own ``forward`` does."""
     model = mixtral()
-    model.config.use_cache = use_cache
+    setattr(model.config, "use_cache", use_cache)  # noqa: B010 - a transformers config
     ids = microbatches(1)[0].input_ids
     assert ids is not None
     pos = (2 * torch.arange(ids.shape[1])).unsqueeze(0).expand_as(ids)
