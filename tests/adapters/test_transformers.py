@@ -345,3 +345,14 @@ def test_position_ids_reach_the_model_as_given(use_cache: bool) -> None:
     adapter = TransformersMoEAdapter(copy.deepcopy(model))
     (loss,) = combined_1f1b(adapter, [Microbatch(input_ids=ids, position_ids=pos, labels=ids)])
     assert abs(float(loss - own)) <= 1e-6
+
+
+@pytest.mark.parametrize("delay", [False, True])
+def test_with_the_models_activation_checkpointing(delay: bool) -> None:
+    """transformers' activation checkpointing on (dense layers recompute inside their
+    slot): the same exactness; the self-check probes the math without it."""
+    model: Any = qwen2_moe()
+    model.activation_checkpointing_enable()
+    model.train()
+    result = compare(model, microbatches(2), delay=delay)
+    assert result.ok, result

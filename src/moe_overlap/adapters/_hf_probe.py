@@ -170,6 +170,9 @@ def float32_copy(layer: nn.Module, *, immediate: bool = False) -> nn.Module:
     dup = copy.deepcopy(layer)
     dup.float()
     dup.train()
+    for m in dup.modules():  # activation checkpointing changes memory, not the math
+        if getattr(m, "gradient_checkpointing", False) is True:
+            setattr(m, "gradient_checkpointing", False)  # noqa: B010 - transformers' flag
     if immediate:
         for m in dup.modules():
             if isinstance(m, DelayedWgradModule):
