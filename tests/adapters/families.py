@@ -200,11 +200,23 @@ class Row:
     seconds: float
 
 
-def build(family: str, causal_lm: str, *, seed: int = 0) -> nn.Module:
+def build(family: str, causal_lm: str, *, seed: int = 0, aux: bool = False) -> nn.Module:
+    """The tiny model; ``aux`` asks for the router logits (and a load-balancing loss
+    coefficient), where the config has those fields."""
     module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     cls: Any = getattr(module, causal_lm)
     config_cls: Any = cls.config_class
-    config = config_cls(**tiny_config(family, config_cls))
+    settings = tiny_config(family, config_cls)
+    if aux:
+        fields = _fields(config_cls)
+        settings.update(
+            {
+                k: v
+                for k, v in (("output_router_logits", True), ("router_aux_loss_coef", 0.1))
+                if k in fields
+            }
+        )
+    config = config_cls(**settings)
     with torch.device("meta"):
         size = sum(p.numel() for p in cls(config).parameters())
     if size > MAX_PARAMETERS:
@@ -214,24 +226,34 @@ def build(family: str, causal_lm: str, *, seed: int = 0) -> nn.Module:
     return model.float().train()
 
 
-def batches(n: int = 2, *, seed: int = 1) -> list[Microbatch]:
+def batches(n: int = 2, *, seed: int = 1, padded: bool = False) -> list[Microbatch]:
+    """Random microbatches; ``padded`` left-pads the first sequence (mask 0, labels -100)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(n):
         ids = torch.randint(0, IDS_BELOW, (2, 8), generator=g)
-        out.append(Microbatch(input_ids=ids, labels=ids.clone()))
+        labels = ids.clone()
+        mask = None
+        if padded:
+            mask = torch.ones(2, 8, dtype=torch.long)
+            mask[0, :3] = 0
+            labels[0, :3] = -100
+        out.append(Microbatch(input_ids=ids, labels=labels, attention_mask=mask))
     return out
 
 
 def check_family(family: str, causal_lm: str) -> Row:
-    """Build tiny, then for delayed wgrad off and on: the adapter at construction, plain
-    schedule vs the model's own ``forward`` + ``backward()`` (loss within 1e-5, gradients
-    within 1e-4 relative), overlapped bit-identical to plain."""
+    """Build tiny and check three runs: delayed wgrad off and on; then with the router
+    logits asked for (the model's load-balancing loss, where it has one), a padded batch and
+    delayed wgrad. Each: the adapter at construction, plain schedule vs the model's own
+    ``forward`` + ``backward()`` (loss within 1e-5, gradients within 1e-4 relative),
+    overlapped bit-identical to plain."""
     from tests.adapters import _hf
 
     start = time.perf_counter()
     try:
         model = build(family, causal_lm)
+        aux_model = build(family, causal_lm, aux=True)
     except Exception as exc:
         return Row(
             family,
@@ -240,29 +262,34 @@ def check_family(family: str, causal_lm: str) -> Row:
             f"does not build tiny: {type(exc).__name__}: {_short(exc)}",
             0.0,
         )
-    mbs = batches()
-    details = []
-    for delay in (False, True):
+    runs = [
+        ("delay=False", model, batches(), False),
+        ("delay=True", model, batches(), True),
+        ("router logits, padded, delay=True", aux_model, batches(padded=True), True),
+    ]
+    note = ""
+    for label, m, mbs, delay in runs:
         try:
-            outcome = _hf.compare(model, mbs, delay=delay, loss_atol=LOSS_ATOL, grad_rtol=GRAD_RTOL)
+            outcome = _hf.compare(m, mbs, delay=delay, loss_atol=LOSS_ATOL, grad_rtol=GRAD_RTOL)
         except ConfigError as exc:
+            if m is aux_model:  # the family trains; its own aux loss is what is refused
+                note = f"with output_router_logits: refused, {_short(exc)}"
+                break
             return Row(family, causal_lm, "refused", _short(exc), time.perf_counter() - start)
         except Exception as exc:
             return Row(
                 family,
                 causal_lm,
                 "wrong",
-                f"delay={delay}: {type(exc).__name__}: {_short(exc)}",
+                f"{label}: {type(exc).__name__}: {_short(exc)}",
                 time.perf_counter() - start,
             )
         if not outcome.ok:
             return Row(
-                family, causal_lm, "wrong", f"delay={delay}: {outcome}", time.perf_counter() - start
+                family, causal_lm, "wrong", f"{label}: {outcome}", time.perf_counter() - start
             )
-        details.append(f"loss {outcome.loss_diff:.1e}, grads {outcome.grad_rel_diff:.1e}")
     # The measured differences vary in the last digit across CPUs; the table keeps the verdict.
-    del details
-    return Row(family, causal_lm, "supported", "", time.perf_counter() - start)
+    return Row(family, causal_lm, "supported", note, time.perf_counter() - start)
 
 
 STATUSES = ("supported", "refused", "wrong", "not built")
@@ -290,8 +317,10 @@ def table(rows: Sequence[Row]) -> str:
         "top-2, float32) and trained one step of two microbatches: *supported* means the "
         "plain schedule matches the model's own `forward` + `backward()` (loss within 1e-5, "
         "gradients within 1e-4 relative) and the overlapped schedule is bit-identical to the "
-        "plain one, with and without `delay_wgrad_compute`; *refused* means "
-        "`TransformersMoEAdapter` raises `ConfigError` at construction, with the reason shown.",
+        "plain one, with and without `delay_wgrad_compute`, and again with "
+        "`output_router_logits` set (the model's load-balancing loss, where it has one) on a "
+        "padded batch; *refused* means `TransformersMoEAdapter` raises `ConfigError` at "
+        "construction, with the reason shown.",
         "",
         f"**{counts['supported']} supported, {counts['refused']} refused "
         f"({mixers} of them for layers that are not softmax attention), "

@@ -144,6 +144,15 @@ def _router_logits(base: nn.Module) -> tuple[type[nn.Module], int] | None:
     return None
 
 
+def _computes_aux(model: nn.Module) -> bool:
+    """The model's ``forward`` computes a load-balancing loss (of any kind) at all."""
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return True  # unknown: ask for the standard one, refused if it is not
+    return "aux_loss" in source or "load_balancing" in source
+
+
 def _standard_aux(model: nn.Module) -> bool:
     """The model's ``forward`` adds transformers' standard load-balancing loss."""
     try:
@@ -268,8 +277,10 @@ class TransformersMoEAdapter(MegatronHooks):
                 f"{type(exc).__name__}: {exc}"
             ) from exc
         self.dispatcher = TokenDispatcher(num_experts.pop(), top_k, group=ep_group)
+        # None follows the model: its forward adds a load-balancing loss when the config
+        # asks for router logits and the forward computes one at all.
         want_aux = (
-            bool(getattr(hf_config, "output_router_logits", False))
+            bool(getattr(hf_config, "output_router_logits", False)) and _computes_aux(model)
             if router_aux_loss is None
             else router_aux_loss
         )
@@ -279,8 +290,8 @@ class TransformersMoEAdapter(MegatronHooks):
             if not _standard_aux(model) or router_logits is None:
                 raise ConfigError(
                     f"{name}: router_aux_loss: the adapter adds transformers' standard "
-                    "load_balancing_loss_func; this model's forward computes no such loss "
-                    "(pass router_aux_loss=False)"
+                    "load_balancing_loss_func; this model's forward computes no such loss or "
+                    "another one (pass router_aux_loss=False to train without it)"
                 )
             coef: object = getattr(hf_config, "router_aux_loss_coef", 0.0)
             self.aux = RouterAuxLoss(
