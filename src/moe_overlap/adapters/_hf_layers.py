@@ -52,6 +52,7 @@ from moe_overlap.adapters._hf_experts import (
     delay_linears_in,
 )
 from moe_overlap.adapters._hf_structure import (
+    ExpertsStandIn,
     MoESplit,
     block_norm_identity,
     experts_arguments,
@@ -83,27 +84,6 @@ def _hand_on(ctx: SlotContext, t: Tensor) -> Tensor:
         return ctx.detach(t)
     ctx.mark_non_differentiable(t)
     return t
-
-
-class _ExpertsStandIn(nn.Module):
-    """Takes the experts' place inside the block's forward: keeps the call, returns zeros."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.args: tuple[object, ...] = ()
-        self.kwargs: dict[str, object] = {}
-
-    def forward(self, *args: object, **kwargs: object) -> Tensor:
-        self.args, self.kwargs = args, kwargs
-        first = args[0] if args else next(iter(kwargs.values()))
-        assert isinstance(first, Tensor)
-        return torch.zeros_like(first)
-
-    def get(self, key: tuple[str, int | str]) -> Tensor:
-        kind, k = key
-        value = self.args[int(k)] if kind == "arg" else self.kwargs[str(k)]
-        assert isinstance(value, Tensor)
-        return value
 
 
 class _LayerBase:
@@ -209,7 +189,7 @@ class HFMoELayer(_LayerBase, MoESlots):
         self.aux = aux
         self.block = layer.get_submodule(split.block)
         self.experts_module = self.block.get_submodule("experts")
-        self.stand_in = _ExpertsStandIn()
+        self.stand_in = ExpertsStandIn(self.experts_module)
         where = f"{type(layer).__name__}.{split.block}.experts"
         self.layout = ExpertLayout.of(self.experts_module, hidden_size, where)
         self.weights = (
@@ -222,15 +202,31 @@ class HFMoELayer(_LayerBase, MoESlots):
         if router_logits is not None:
             cls, self.router_index = router_logits
             self.router_module = next((m for m in self.block.modules() if isinstance(m, cls)), None)
+        # The children the slots call, looked up once (not per slot and microbatch).
         attn = layer.get_submodule(split.attn)
+        self.attn = attn
+        self.in_norm = self._child(split.in_norm)
+        self.attn_out_norm = self._child(split.attn_out_norm)
+        self.pre_mlp_norm = self._child(split.pre_mlp_norm)
+        self.mlp_out_norm = self._child(split.mlp_out_norm)
+        self.block_out_norm = (
+            cast("Callable[[Tensor], Tensor]", self.block.get_submodule(split.block_out_norm))
+            if split.block_out_norm is not None
+            else None
+        )
+        self.extras = tuple((layer.get_submodule(n), spec) for n, spec in split.extras)
+        self.score_router = (
+            self.block.get_submodule(split.experts.router)
+            if split.experts.kind == "prescaled"
+            else None
+        )
         skip = (self.experts_module,)
         only = _ids(layer, delayable)
         self.attention_group = WgradGroup(
             delay_linears_in(attn, delay_wgrad=delay_wgrad, only=only)
         )
         mlp_side = delay_linears_in(self.block, delay_wgrad=delay_wgrad, skip=skip, only=only)
-        for name, _ in split.extras:
-            part = layer.get_submodule(name)
+        for part, _ in self.extras:
             mlp_side += delay_linears_in(part, delay_wgrad=delay_wgrad, only=only)
         self.block_group = WgradGroup(mlp_side)
 
@@ -251,20 +247,17 @@ class HFMoELayer(_LayerBase, MoESlots):
     def pre_dispatch(self, ctx: SlotContext, x_BSD: Tensor) -> tuple[Tensor, Tensor]:
         s = self.split
         call = self.calls(ctx.chunk_state, self.index)
-        in_norm = self._child(s.in_norm)
-        xa = in_norm(x_BSD) if in_norm is not None else x_BSD
-        attn = self.layer.get_submodule(s.attn)
-        a = first_tensor(s.attn_call.call(attn, xa, call))
-        attn_out_norm = self._child(s.attn_out_norm)
-        if attn_out_norm is not None:
-            a = attn_out_norm(a)
+        xa = self.in_norm(x_BSD) if self.in_norm is not None else x_BSD
+        a = first_tensor(s.attn_call.call(self.attn, xa, call))
+        if self.attn_out_norm is not None:
+            a = self.attn_out_norm(a)
         h = x_BSD + self._scaled(a)
-        pre = self._child(s.pre_mlp_norm)
+        pre = self.pre_mlp_norm
         u = xa if s.parallel else (pre(h) if pre is not None else h)
         rest, hidden_TD, index_TK, weights_TK, logits = self._block(u, call)
         extra: Tensor | None = None
-        for name, spec in s.extras:
-            out = first_tensor(spec.call(self.layer.get_submodule(name), u, call))
+        for part, spec in self.extras:
+            out = first_tensor(spec.call(part, u, call))
             extra = out if extra is None else extra + out
         if self.aux is not None:
             if logits is None:
@@ -297,8 +290,8 @@ class HFMoELayer(_LayerBase, MoESlots):
                 seen["logits"] = out[self.router_index] if isinstance(out, tuple) else out
 
             hooks.append(self.router_module.register_forward_hook(keep_logits))
-        if ex.kind == "prescaled":
-            router = self.block.get_submodule(ex.router)
+        if self.score_router is not None:
+            router = self.score_router
 
             def keep_scores(m: nn.Module, args: object, out: object) -> None:
                 del m, args
@@ -323,7 +316,7 @@ class HFMoELayer(_LayerBase, MoESlots):
             assert isinstance(scores, Tensor)
             hidden = u.reshape(-1, u.shape[-1])
             weights, index = torch.topk(scores, ex.top_k, dim=-1)
-        self.stand_in.args, self.stand_in.kwargs = (), {}
+        self.stand_in.forget()
         hidden_TD = hidden.reshape(-1, hidden.shape[-1])
         return rest, hidden_TD, index, weights, logits if isinstance(logits, Tensor) else None
 
@@ -362,15 +355,12 @@ class HFMoELayer(_LayerBase, MoESlots):
             m = m * self.split.experts_scale
         if isinstance(rest, Tensor):
             m = m + rest.view(residual.shape)
-        if self.split.block_out_norm is not None:
-            m = cast(
-                "Callable[[Tensor], Tensor]", self.block.get_submodule(self.split.block_out_norm)
-            )(m)
+        if self.block_out_norm is not None:
+            m = self.block_out_norm(m)
         if isinstance(extra, Tensor):  # as the layer: the block's output plus its extras
             m = m + extra.view(residual.shape)
-        post = self._child(self.split.mlp_out_norm)
-        if post is not None:
-            m = post(m)
+        if self.mlp_out_norm is not None:
+            m = self.mlp_out_norm(m)
         state.residual = None
         return residual + self._scaled(m).view(residual.shape)
 

@@ -32,6 +32,7 @@ from moe_overlap.adapters._hf_experts import DelayedLinear
 __all__ = [
     "ChildCall",
     "ExpertsCall",
+    "ExpertsStandIn",
     "LayerTrace",
     "MoESplit",
     "block_norm_identity",
@@ -194,14 +195,25 @@ def first_tensor(value: object) -> Tensor:
     raise ConfigError(f"expected a tensor or a tuple starting with one, received {kind}")
 
 
-class _RecordingExperts(nn.Module):
-    """Takes the experts' place while tracing: records the call, returns zeros (so the trace
-    never depends on which experts this rank holds)."""
+class ExpertsStandIn(nn.Module):
+    """Takes a block's routed experts' place inside the block's own forward.
 
-    def __init__(self, experts: nn.Module, *calls: list[ChildCall]) -> None:
+    Keeps the call's arguments (:meth:`get`; and, as :class:`ChildCall`, in each list of
+    ``records``) and returns ``value``, or zeros shaped like the first argument (so the
+    block's output is what it adds beside its experts, and a trace never depends on which
+    experts this rank holds). Other attributes are the experts module's, which the block
+    may read.
+    """
+
+    def __init__(
+        self, experts: nn.Module, *records: list[ChildCall], value: Tensor | None = None
+    ) -> None:
         super().__init__()
         object.__setattr__(self, "_experts", experts)
-        self.calls = calls
+        self.records = records
+        self.value = value
+        self.args: tuple[object, ...] = ()
+        self.kwargs: dict[str, object] = {}
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -210,13 +222,28 @@ class _RecordingExperts(nn.Module):
             return getattr(cast(nn.Module, object.__getattribute__(self, "_experts")), name)
 
     def forward(self, *args: object, **kwargs: object) -> Tensor:
-        first = args[0] if args else next(iter(kwargs.values()))
-        assert isinstance(first, Tensor)
-        out = torch.zeros_like(first)
+        self.args, self.kwargs = args, kwargs
+        if self.value is not None:
+            out = self.value
+        else:
+            first = args[0] if args else next(iter(kwargs.values()))
+            assert isinstance(first, Tensor)
+            out = torch.zeros_like(first)
         experts = cast(nn.Module, object.__getattribute__(self, "_experts"))
-        for calls in self.calls:
+        for calls in self.records:
             calls.append(ChildCall("experts", experts, args, dict(kwargs), out))
         return out
+
+    def get(self, key: tuple[str, int | str]) -> Tensor:
+        """The argument of the last call at ``key`` (``("arg", i)`` or ``("kw", name)``)."""
+        kind, k = key
+        value = self.args[int(k)] if kind == "arg" else self.kwargs[str(k)]
+        assert isinstance(value, Tensor)
+        return value
+
+    def forget(self) -> None:
+        """Drop the kept arguments (they hold the block's tensors)."""
+        self.args, self.kwargs = (), {}
 
 
 def trace_layer(layer: nn.Module, hidden: Tensor, call: LayerCall) -> tuple[Tensor, LayerTrace]:
@@ -230,7 +257,7 @@ def trace_layer(layer: nn.Module, hidden: Tensor, call: LayerCall) -> tuple[Tens
     if found is not None:
         trace.block_name = found[0]
         inner = [(n, m) for n, m in found[1].named_children() if n != "experts"]
-        recorder = _RecordingExperts(
+        recorder = ExpertsStandIn(
             found[1].get_submodule("experts"), trace.experts_calls, trace.block_children
         )
         swap = swap_child(found[1], "experts", recorder)
@@ -411,18 +438,6 @@ def zeros_like_output(x: Tensor) -> Tensor:
     return torch.zeros_like(x)
 
 
-class _Returns(nn.Module):
-    """Stands in for the experts and returns a given tensor."""
-
-    def __init__(self, value: Tensor) -> None:
-        super().__init__()
-        self.value = value
-
-    def forward(self, *args: object, **kwargs: object) -> Tensor:
-        del args, kwargs
-        return self.value
-
-
 def measure_block(block: nn.Module, trace: LayerTrace, split: MoESplit, where: str) -> MoESplit:
     """The split with how the block's output depends on its experts' output: ``c`` in
     ``c * experts + rest`` (``experts_scale``; ``None`` for 1) and whether ``rest`` is
@@ -444,7 +459,8 @@ def measure_block(block: nn.Module, trace: LayerTrace, split: MoESplit, where: s
     outs: list[Tensor] = []
     with torch.no_grad():
         for value in (torch.zeros_like(r), r):
-            with swap_child(block, "experts", _Returns(value)), block_norm_identity(block, split):
+            stand_in = ExpertsStandIn(block.get_submodule("experts"), value=value)
+            with swap_child(block, "experts", stand_in), block_norm_identity(block, split):
                 outs.append(first_tensor(split.block_call.call(block, u.detach(), trace.call)))
     adds = bool(outs[0].abs().max() > 0)
     if split.experts.kind == "prescaled":
