@@ -233,7 +233,7 @@ def test_self_check_refuses_a_layer_it_cannot_split() -> None:
     TransformersMoEAdapter(model, self_check=False)
 
 
-def test_self_check_report_and_pre_sharded_models() -> None:
+def test_self_check_report() -> None:
     model = qwen2_moe()
     adapter = TransformersMoEAdapter(copy.deepcopy(model))
     report = adapter.self_check_report
@@ -243,7 +243,7 @@ def test_self_check_report_and_pre_sharded_models() -> None:
         ("Qwen2MoeDecoderLayer", [1]),
     ]
     assert report.structures[1][2] == "dense"
-    shard_experts(model, None)  # EP=1: nothing changes, the experts stay whole
+    shard_experts(model, None)  # EP=1 keeps every expert: the check still runs
     TransformersMoEAdapter(model)
 
 
