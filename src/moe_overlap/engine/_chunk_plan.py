@@ -60,6 +60,8 @@ class ModelChunkSchedulePlan:
         options: :class:`~moe_overlap.ScheduleOptions`.
         microbatch: index shown in error messages and timelines.
         vp_stage: virtual-pipeline stage passed to the p2p hooks.
+        float32_output: return a half-precision post-process result (the loss) in float32;
+            off, in the model's dtype (a pipeline stage's output for the schedule's loss).
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class ModelChunkSchedulePlan:
         options: ScheduleOptions = _DEFAULT_OPTIONS,
         microbatch: int | None = None,
         vp_stage: int | None = None,
+        float32_output: bool = True,
     ) -> None:
         model = check_model(model)
         anchor = next((t for t in (input_ids, decoder_input, labels) if t is not None), None)
@@ -136,7 +139,13 @@ class ModelChunkSchedulePlan:
         for lp in self.layers:
             lp.microbatch = microbatch
         self.post_process: PostProcessNode | None = (
-            PostProcessNode(model, self.state, self.event, streams.comp_provider)
+            PostProcessNode(
+                model,
+                self.state,
+                self.event,
+                streams.comp_provider,
+                float32_output=float32_output,
+            )
             if model.post_process
             else None
         )

@@ -112,6 +112,8 @@ class PostProcessNode(ScheduleNode):
     Calls ``_postprocess`` with ``mtp_in_postprocess=False``: MTP layers are layer nodes of
     the chunk. The decoder's final norm is applied here only when this rank's decoder is
     empty and the model has no MTP layers (otherwise the last layer applies it).
+    ``float32_output=False`` returns ``_postprocess``'s result in its own dtype (a pipeline's
+    last stage whose output goes to the schedule's loss function as the plain module's does).
     """
 
     def __init__(
@@ -120,13 +122,17 @@ class PostProcessNode(ScheduleNode):
         chunk_state: ChunkState,
         event: AnyEvent,
         stream: StreamProvider,
+        *,
+        float32_output: bool = True,
     ) -> None:
         super().__init__(weak_method(self.forward_impl), stream, event, name="post_process")
         self.model = model
         self.chunk_state = chunk_state
+        self.float32_output = float32_output
 
     def forward_impl(self, hidden_states: Tensor) -> Tensor:
-        """Optional final norm, then ``_postprocess``; half-precision results become float32."""
+        """Optional final norm, then ``_postprocess``; half-precision results become float32
+        (unless ``float32_output`` is off)."""
         model, cs = self.model, self.chunk_state
         norm = model.decoder.final_layernorm
         if not model.config.mtp_num_layers and len(model.decoder.layers) == 0 and norm is not None:
@@ -151,6 +157,6 @@ class PostProcessNode(ScheduleNode):
             output_processor_context=cs.output_processor_context,
         )
         out = _as_tensor(f"{type(model).__name__}._postprocess", raw)
-        if out.dtype in (torch.float16, torch.bfloat16):
+        if self.float32_output and out.dtype in (torch.float16, torch.bfloat16):
             out = out.float()
         return out

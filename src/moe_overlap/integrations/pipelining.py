@@ -1,38 +1,71 @@
-"""``torch.distributed.pipelining`` schedules with ``OVERLAP_F_B`` actions for the EP overlap.
+"""Run ``torch.distributed.pipelining`` schedules through ``moe_overlap`` plans.
 
-A forward of one (stage, microbatch) and a full backward of another, run as one
-``OVERLAP_F_B`` action, is what :meth:`~moe_overlap.ModelChunkSchedulePlan.run` overlaps
-(the all-to-all of one under the compute of the other). ``ScheduleDualPipeV`` emits such
-actions itself; :func:`pair_overlap_f_b` lowers any other compute-only schedule (e.g.
-``ScheduleInterleaved1F1B``'s ``pipeline_order``) by pairing neighbouring forwards and
-backwards, as Megatron-Core's combined 1F1B does with virtual pipeline stages.
+:func:`prepare_schedule` makes a schedule's compute actions run as chunk plans: ``F`` a
+plan's forward, ``B`` its backward, and ``OVERLAP_F_B`` (a forward of one (stage,
+microbatch) with a full backward of another on the same rank) one
+:meth:`~moe_overlap.ModelChunkSchedulePlan.run` that overlaps the all-to-all of one under
+the compute of the other. ``ScheduleDualPipeV`` emits such actions itself;
+:func:`pair_overlap_f_b` (``prepare_schedule(..., pair=True)``) lowers any other
+compute-only schedule, e.g. ``ScheduleInterleaved1F1B``, by pairing neighbouring forwards
+and backwards, as Megatron-Core's combined 1F1B does with virtual pipeline stages.
+Communication actions (``SEND_*`` / ``RECV_*``), ``REDUCE_GRAD`` (gradient scaling) and
+the loss function stay torch's own.
 
-Status: this module holds the lowering only. Running the paired actions through
-``moe_overlap`` plans inside ``_PipelineScheduleRuntime`` (issue 13) is not built yet; the
-lowered schedule runs today with torch's own sequential execution of the sub-actions.
-
-Private torch names used: ``torch.distributed.pipelining.schedules._Action``,
-``_ComputationType`` (``FORWARD``, ``FULL_BACKWARD``, ``OVERLAP_F_B``) and
-``_add_send_recv`` (torch's own lowering of a compute schedule to communication, used to
-prove a pairing cannot deadlock). Tested with torch 2.11 and 2.13; on another version
-every function raises :class:`~moe_overlap.ConfigError` before touching them.
+Private torch names used, all in this module: of ``torch.distributed.pipelining.schedules``
+``_PipelineScheduleRuntime`` (``register_custom_function``, ``_step_microbatches``,
+``_prepare_schedule_with_comms``, ``_assert_unsharded``, ``fwd_recv_ops`` /
+``bwd_recv_ops``, ``backward_counter``, ``pipeline_order``, ``_stages``,
+``_n_microbatches``, ``_maybe_compute_loss`` / ``_maybe_get_loss``, ``_internal_losses``,
+``_loss_fn``, ``stage_index_to_group_rank``, ``_num_stages``), ``_Action``,
+``_ComputationType``, ``_wait_batch_p2p`` and ``_add_send_recv``; of ``stage``
+(``_PipelineStageBase``): ``_retrieve_recv_activations`` / ``_retrieve_recv_grads``,
+``fwd_cache`` / ``bwd_cache``, ``output_chunks``, ``set_local_fwd_input`` /
+``set_local_bwd_input`` / ``get_local_bwd_output``, ``dw_builder``, and the output checks
+(``_validate_fwd_outputs`` in 2.11, ``_runtime_validate`` / ``_validate_stage_tensors`` /
+``_stage_meta`` in 2.13); of ``_utils``: ``flatten_args``. Tested with torch 2.11 and 2.13;
+on another release every function raises :class:`~moe_overlap.ConfigError` before touching
+them (:func:`check_torch`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
+import inspect
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+from torch import Tensor, nn
 
-from moe_overlap import ConfigError
+from moe_overlap import (
+    ConfigError,
+    IntegrationError,
+    ModelChunkSchedulePlan,
+    MoeOverlapError,
+    NodeStateError,
+    ScheduleError,
+    ScheduleOptions,
+    StepObserver,
+    WgradError,
+)
+from moe_overlap.engine._conformance import check_model
+from moe_overlap.engine._wgrad_check import check_wgrad_done, owed_wgrad
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import (
         _Action,  # pyright: ignore[reportPrivateUsage] - this module owns the private names
+        _PipelineContext,  # pyright: ignore[reportPrivateUsage]
     )
+    from torch.distributed.pipelining.stage import _PipelineStageBase
 
-__all__ = ["TESTED_TORCH", "check_torch", "pair_overlap_f_b"]
+__all__ = [
+    "TESTED_TORCH",
+    "PipelineOverlap",
+    "check_torch",
+    "pair_overlap_f_b",
+    "prepare_schedule",
+]
 
 TESTED_TORCH = ("2.11", "2.13")
 """The torch releases (major.minor) whose pipelining internals this module was tested with."""
@@ -112,3 +145,683 @@ def _lowers(order: Order, num_stages: int, stage_to_rank: Callable[[int], int]) 
     except AssertionError:
         return False
     return True
+
+
+# --------------------------------------------------------------------------------------
+# The runtime: torch's compute actions through moe_overlap plans.
+
+_PLAN_KWARGS = ("position_ids", "attention_mask", "padding_mask")
+"""Stage-module keyword arguments (``schedule.step(..., **kwargs)``) a plan takes by name."""
+
+Key = tuple[int, int]
+"""(stage index, microbatch index)."""
+
+
+def prepare_schedule(
+    schedule: object,
+    *,
+    pair: bool = False,
+    overlap: bool = True,
+    options: ScheduleOptions | None = None,
+    observer: StepObserver | None = None,
+) -> PipelineOverlap:
+    """Make ``schedule`` run its compute actions through ``moe_overlap`` chunk plans.
+
+    ``schedule`` is a multi-stage ``torch.distributed.pipelining`` schedule run by torch's
+    action runtime (``ScheduleDualPipeV``, ``ScheduleInterleaved1F1B``,
+    ``ScheduleLoopedBFS``, ``ScheduleInterleavedZeroBubble``, ``ScheduleZBVZeroBubble``)
+    built from ``PipelineStage`` s whose modules are :class:`~moe_overlap.PreprocessableModel`
+    chunks: ``pre_process`` on the first stage only (it takes the token ids), ``post_process``
+    on the last only (its output goes to the schedule's ``loss_fn``), every other stage
+    taking one hidden-states tensor; ``forward`` of each is its plain path, which torch's
+    shape inference and an unprepared schedule run. The user then calls
+    ``schedule.step(...)`` as before.
+
+    - ``FORWARD`` runs a plan's forward, ``FULL_BACKWARD`` its backward (from the received
+      output gradient, or from the loss on the last stage); ``OVERLAP_F_B`` runs the two
+      plans as one :meth:`~moe_overlap.ModelChunkSchedulePlan.run` (``overlap=False``: one
+      after the other, for comparison).
+    - ``BACKWARD_INPUT`` runs the whole backward and keeps the weight gradients aside;
+      ``BACKWARD_WEIGHT`` adds them to ``.grad`` as torch's split does (values as torch's
+      zero-bubble split, without its compute saving).
+    - ``pair=True`` first lowers the schedule's compute actions with
+      :func:`pair_overlap_f_b` (for schedules that emit no ``OVERLAP_F_B`` of their own).
+    - ``options``: the plans' :class:`~moe_overlap.ScheduleOptions`; by default each stage
+      module's ``schedule_options()`` when it has one, else the defaults.
+    - ``observer`` (e.g. a :class:`~moe_overlap.timeline.Timeline`) times every plan step.
+
+    Refused with :class:`~moe_overlap.ConfigError` / :class:`~moe_overlap.IntegrationError`:
+    a torch release not in :data:`TESTED_TORCH`, a single-stage schedule (``Schedule1F1B``,
+    ``ScheduleGPipe``: no action runtime), a schedule prepared twice, a stage module that is
+    not a ``PreprocessableModel`` or whose ``pre_process`` / ``post_process`` disagree with
+    the stage's place, one wrapped by DDP or FSDP, a stage with a ``dw_builder``, and an
+    ``OVERLAP_F_B`` whose parts are not one ``FORWARD`` and one ``FULL_BACKWARD``.
+
+    A failure inside a plan raises :class:`~moe_overlap.ScheduleError` naming the pipeline
+    rank, the action (stage, microbatch) and the plan step. Recovery is as after a failed
+    :func:`~moe_overlap.combined_1f1b` step on every rank: zero the gradients (and drop
+    pending delayed weight gradients) before the next ``step``; the plans and torch's
+    per-step loss list are released here.
+    """
+    check_torch()
+    return PipelineOverlap(schedule, pair=pair, overlap=overlap, options=options, observer=observer)
+
+
+@dataclass(slots=True)
+class _Forwarded:
+    """What a forward leaves for its backward."""
+
+    plan: ModelChunkSchedulePlan
+    inputs: list[object]  # the stage's flat inputs, as torch caches them (their grads go back)
+    leaf: Tensor | None  # last stage: the output handed to loss_fn (a leaf)
+
+
+@dataclass(slots=True)
+class _ForwardCall:
+    stage: _PipelineStageBase
+    key: Key
+    args: tuple[object, ...]
+    kwargs: dict[str, object]
+    plan: ModelChunkSchedulePlan | None  # None: the plain path (no autograd / no backward)
+
+
+@dataclass(slots=True)
+class _BackwardCall:
+    stage: _PipelineStageBase
+    key: Key
+    forwarded: _Forwarded | None  # None: the stage has no backward
+    grad: Tensor | None
+
+
+class PipelineOverlap:
+    """A schedule prepared by :func:`prepare_schedule` (keeps the plans between actions).
+
+    Attributes:
+        schedule: the torch schedule.
+        paired: how many ``OVERLAP_F_B`` actions this rank runs per step.
+    """
+
+    def __init__(
+        self,
+        schedule: object,
+        *,
+        pair: bool,
+        overlap: bool,
+        options: ScheduleOptions | None,
+        observer: StepObserver | None,
+    ) -> None:
+        from torch.distributed.pipelining import schedules as S
+
+        runtime = S._PipelineScheduleRuntime  # pyright: ignore[reportPrivateUsage]
+        if not isinstance(schedule, runtime):
+            raise ConfigError(
+                "prepare_schedule: expected a multi-stage torch.distributed.pipelining "
+                "schedule run by torch's action runtime (ScheduleDualPipeV, "
+                "ScheduleInterleaved1F1B, ScheduleLoopedBFS, ...), received "
+                f"{type(schedule).__name__}; a single-stage schedule (Schedule1F1B, "
+                "ScheduleGPipe) has no actions to overlap: use ScheduleInterleaved1F1B"
+            )
+        if getattr(schedule, "_moe_overlap", None) is not None:
+            raise ConfigError(
+                f"prepare_schedule: this {type(schedule).__name__} is already prepared; "
+                "prepare a schedule once"
+            )
+        for name, flag in (("pair", pair), ("overlap", overlap)):
+            if not isinstance(flag, bool):
+                raise ConfigError(
+                    f"prepare_schedule: {name} must be a bool, received {type(flag).__name__}"
+                )
+        if options is not None and not isinstance(options, ScheduleOptions):
+            raise ConfigError(
+                "prepare_schedule: options must be a ScheduleOptions or None, received "
+                f"{type(options).__name__}"
+            )
+        if observer is not None and not callable(getattr(observer, "timer", None)):
+            raise ConfigError(
+                "prepare_schedule: observer must be a StepObserver (with timer(step, "
+                f"microbatch)) or None, received {type(observer).__name__}"
+            )
+        self.schedule: Any = schedule  # torch's schedules are untyped
+        self.overlap = overlap
+        self.observer = observer
+        self._stages: dict[int, _PipelineStageBase] = {
+            s.stage_index: s for s in self.schedule._stages
+        }
+        self._options = {i: _stage_options(st, options) for i, st in self._stages.items()}
+        for stage in self._stages.values():
+            _check_stage(stage)
+        if pair:
+            self._pair()
+        self.paired = _check_actions(self.schedule)
+        self._live: dict[Key, _Forwarded] = {}
+        self._held: dict[Key, list[tuple[nn.Parameter, Tensor | None]]] = {}
+        self._return_outputs = True
+        self._loss_kwargs: dict[str, Any] | None = None
+        self._first_action = True
+        for kind, fn in (
+            (S.FORWARD, self._on_forward),
+            (S.FULL_BACKWARD, self._on_full_backward),
+            (S.BACKWARD_INPUT, self._on_backward_input),
+            (S.BACKWARD_WEIGHT, self._on_backward_weight),
+            (S.OVERLAP_F_B, self._on_overlap),
+        ):
+            self.schedule.register_custom_function(kind, fn)
+        self._wrap_step()
+        self.schedule._moe_overlap = self
+
+    @property
+    def rank(self) -> int:
+        rank: int = self.schedule.rank
+        return rank
+
+    # -- set-up -------------------------------------------------------------------------
+
+    def _pair(self) -> None:
+        sched = self.schedule
+        to_rank: dict[int, int] = dict(sched.stage_index_to_group_rank)
+        lowered = pair_overlap_f_b(
+            sched.pipeline_order, num_stages=sched._num_stages, stage_to_rank=to_rank.__getitem__
+        )
+        sched.pipeline_order = lowered
+        sched._prepare_schedule_with_comms(lowered)
+
+    def _wrap_step(self) -> None:
+        """Wrap the runtime's per-step entry: read ``return_outputs`` / ``loss_kwargs`` (the
+        custom functions' context lacks them) and clean up after a failed step."""
+        original = self.schedule._step_microbatches
+        signature = inspect.signature(original)
+
+        def step_microbatches(*args: object, **kwargs: object) -> object:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            self._return_outputs = bool(bound.arguments.get("return_outputs", True))
+            loss_kwargs = bound.arguments.get("loss_kwargs")
+            self._loss_kwargs = cast("dict[str, Any] | None", loss_kwargs)
+            self._begin_step()
+            try:
+                result = original(*args, **kwargs)
+            except BaseException:
+                self._abort_step()
+                raise
+            self._end_step()
+            return result
+
+        self.schedule._step_microbatches = step_microbatches
+
+    def _begin_step(self) -> None:
+        for index, stage in self._stages.items():
+            check_wgrad_done(
+                stage.submod,
+                when=f"before a pipeline step (stage {index}, left from an earlier step)",
+            )
+        self._first_action = True
+
+    def _after_shape_inference(self) -> None:
+        """torch's shape inference (first step, 2.13) runs the plain backward: weight
+        gradients a delayed-wgrad stage queued there are not the step's; drop them."""
+        self._first_action = False
+        for index, stage in self._stages.items():
+            if not owed_wgrad(stage.submod):
+                continue
+            for module in stage.submod.modules():
+                drop: object = getattr(module, "discard_wgrad", None)
+                if getattr(module, "pending_wgrad", 0) and callable(drop):
+                    drop()
+            check_wgrad_done(
+                stage.submod,
+                when=(
+                    f"after torch's shape inference of stage {index} (its plain backward "
+                    "queued them); give PipelineStage input_args/output_args to skip it"
+                ),
+            )
+
+    def _end_step(self) -> None:
+        left = sorted(self._live) + sorted(self._held)
+        if left:
+            self.release()
+            raise NodeStateError(
+                f"pipeline rank {self.rank}: expected every forward backed and every "
+                f"weight gradient added by the end of the step, received (stage, "
+                f"microbatch) {left} left; the schedule misses their B / W actions"
+            )
+        for index, stage in self._stages.items():
+            check_wgrad_done(stage.submod, when=f"at the end of a pipeline step (stage {index})")
+
+    def _abort_step(self) -> None:
+        """After a failed step: release the plans and torch's per-step state (the loss
+        list is indexed by microbatch; stale entries would be read as the next step's)."""
+        self.release()
+        sched = self.schedule
+        sched._internal_losses.clear()
+        sched.fwd_recv_ops.clear()
+        sched.bwd_recv_ops.clear()
+
+    def release(self) -> None:
+        """Release every plan kept between actions and the weight gradients held aside."""
+        for forwarded in self._live.values():
+            if not forwarded.plan.released:
+                forwarded.plan.release_state()
+        self._live.clear()
+        self._held.clear()
+
+    # -- the custom functions -----------------------------------------------------------
+
+    def _on_forward(self, action: _Action, ctx: _PipelineContext) -> None:
+        with self._at(action, "forward"):
+            call = self._forward_begin(action, ctx)
+            out = self._run(call, None) if call.plan is not None else None
+            self._forward_end(call, out, ctx)
+
+    def _on_full_backward(self, action: _Action, ctx: _PipelineContext) -> None:
+        del ctx
+        with self._at(action, "full backward"):
+            call = self._backward_begin(action, full=True)
+            self._run(None, call)
+            self._backward_end(call)
+
+    def _on_backward_input(self, action: _Action, ctx: _PipelineContext) -> None:
+        del ctx
+        with self._at(action, "input backward"):
+            call = self._backward_begin(action, full=False)
+            params = list(call.stage.submod.parameters())
+            aside = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            try:
+                self._run(None, call)
+            finally:
+                self._held[call.key] = [(p, p.grad) for p in params]
+                for p, g in zip(params, aside, strict=True):
+                    p.grad = g
+            self._backward_end(call)
+
+    def _on_backward_weight(self, action: _Action, ctx: _PipelineContext) -> None:
+        del ctx
+        with self._at(action, "weight backward"):
+            stage, key = self._stage_of(action)
+            self.schedule._assert_unsharded(stage)
+            self.schedule.backward_counter[key[0]] += 1
+            if not stage.has_backward:
+                return
+            held = self._held.pop(key, None)
+            if held is None:
+                raise NodeStateError(
+                    f"pipeline rank {self.rank}: {action} (weight backward of stage "
+                    f"{key[0]}, microbatch {key[1]}) before its input backward"
+                )
+            for p, g in held:  # as torch's stage_backward_weight accumulates
+                if g is None:
+                    continue
+                if p.grad is None:
+                    p.grad = g
+                else:
+                    p.grad += g
+
+    def _on_overlap(self, action: _Action, ctx: _PipelineContext) -> None:
+        assert action.sub_actions is not None  # checked at prepare
+        f_action, b_action = action.sub_actions
+        if not self.overlap:
+            self._on_forward(f_action, ctx)
+            self._on_full_backward(b_action, ctx)
+            return
+        with self._at(action, "overlapped forward and full backward"):
+            f = self._forward_begin(f_action, ctx)
+            b = self._backward_begin(b_action, full=True)
+            out = self._run(f, b)
+            self._forward_end(f, out, ctx)
+            self._backward_end(b)
+
+    # -- the halves of torch's FORWARD / FULL_BACKWARD branches --------------------------
+
+    def _stage_of(self, action: _Action) -> tuple[_PipelineStageBase, Key]:
+        index, mb = action.stage_index, action.microbatch_index
+        if mb is None or index not in self._stages:
+            raise NodeStateError(
+                f"pipeline rank {self.rank}: {action} names no (stage, microbatch) of this "
+                f"rank (its stages: {sorted(self._stages)})"
+            )
+        return self._stages[index], (index, mb)
+
+    def _forward_begin(self, action: _Action, ctx: _PipelineContext) -> _ForwardCall:
+        if self._first_action:
+            self._after_shape_inference()
+        from torch.distributed.pipelining.schedules import (
+            _wait_batch_p2p,  # pyright: ignore[reportPrivateUsage] - see the module docstring
+        )
+
+        sched = self.schedule
+        stage, key = self._stage_of(action)
+        sched._assert_unsharded(stage)
+        index, mb = key
+        if not stage.is_first and index - 1 not in self._stages:
+            if key not in sched.fwd_recv_ops:
+                raise NodeStateError(
+                    f"pipeline rank {self.rank}: {action} computed before receiving its input"
+                )
+            _wait_batch_p2p(sched.fwd_recv_ops.pop(key))
+        arg_mbs = cast("list[tuple[object, ...]]", ctx.arg_mbs)
+        kwarg_mbs = cast("list[dict[str, object] | None]", ctx.kwarg_mbs)
+        args: tuple[object, ...] = (
+            tuple(arg_mbs[mb]) if stage.is_first else tuple(stage._retrieve_recv_activations(mb))  # pyright: ignore[reportPrivateUsage]
+        )
+        kwargs = dict(kwarg_mbs[mb] or {})
+        _validate_inputs(stage, args)
+        stale = self._live.pop(key, None)
+        if stale is not None:
+            stale.plan.release_state()
+        plan = None
+        if stage.has_backward and torch.is_grad_enabled():
+            plan = self._plan(stage, mb, args, kwargs)
+        return _ForwardCall(stage, key, args, kwargs, plan)
+
+    def _plan(
+        self,
+        stage: _PipelineStageBase,
+        mb: int,
+        args: tuple[object, ...],
+        kwargs: Mapping[str, object],
+    ) -> ModelChunkSchedulePlan:
+        where = f"pipeline stage {stage.stage_index} ({type(stage.submod).__name__})"
+        if len(args) != 1 or not isinstance(args[0], Tensor):
+            shown = ", ".join(type(a).__name__ for a in args)
+            raise IntegrationError(
+                f"{where}: expected one tensor input (token ids on the first stage, hidden "
+                f"states after it), received ({shown})"
+            )
+        unknown = sorted(set(kwargs) - set(_PLAN_KWARGS))
+        if unknown:
+            raise ConfigError(
+                f"{where}: a plan takes the stage keyword arguments {_PLAN_KWARGS}, received "
+                f"also {unknown}; pass what the layers read through those, or through the "
+                "stage's inputs"
+            )
+        x = args[0]
+        model = check_model(stage.submod)
+
+        def tensor_kwarg(name: str) -> Tensor | None:
+            value = kwargs.get(name)
+            if value is None or isinstance(value, Tensor):
+                return value
+            raise ConfigError(
+                f"{where}: keyword {name} must be a Tensor or None, received "
+                f"{type(value).__name__}"
+            )
+
+        plan = ModelChunkSchedulePlan(
+            model,
+            x if stage.is_first else None,
+            tensor_kwarg("position_ids"),
+            tensor_kwarg("attention_mask"),
+            decoder_input=None if stage.is_first else x,
+            padding_mask=tensor_kwarg("padding_mask"),
+            options=self._options[stage.stage_index],
+            microbatch=mb,
+            vp_stage=stage.stage_index,
+            float32_output=False,
+        )
+        return plan
+
+    def _run(self, f: _ForwardCall | None, b: _BackwardCall | None) -> Tensor | None:
+        """One :meth:`ModelChunkSchedulePlan.run`; a later stage's input goes in as
+        ``decoder.input_tensor`` (read by the pre-process node, first step of the run)."""
+        f_plan = f.plan if f is not None else None
+        b_plan = b.forwarded.plan if b is not None and b.forwarded is not None else None
+        if f_plan is None and b_plan is None:
+            return None
+        decoder = None
+        if f is not None and f_plan is not None and not f.stage.is_first:
+            decoder = check_model(f.stage.submod).decoder
+            decoder.input_tensor = cast(Tensor, f.args[0])
+        try:
+            return ModelChunkSchedulePlan.run(
+                f_plan, b_plan, b_grad=b.grad if b is not None else None, observer=self.observer
+            )
+        finally:
+            if decoder is not None:
+                decoder.input_tensor = None
+
+    def _forward_end(self, call: _ForwardCall, out: Tensor | None, ctx: _PipelineContext) -> None:
+        from torch.distributed.pipelining._utils import flatten_args
+
+        sched, stage = self.schedule, call.stage
+        index, mb = call.key
+        if call.plan is None:  # the plain path: torch's own forward of the stage module
+            output: object = stage.forward_one_chunk(
+                mb, call.args, call.kwargs, save_forward_output=self._return_outputs
+            )
+        else:
+            assert out is not None
+            leaf = out.detach().requires_grad_(out.requires_grad) if stage.is_last else None
+            result = leaf if leaf is not None else out
+            output = result
+            if stage.is_last and self._return_outputs:
+                stage.output_chunks.append(result)
+            inputs: list[object] = list(flatten_args(call.args)) + list(flatten_args(call.kwargs))
+            stage.fwd_cache[mb] = ((result,), inputs)
+            _validate_outputs(stage, (result,))
+            self._live[call.key] = _Forwarded(call.plan, inputs, leaf)
+        if self._loss_kwargs is None:
+            sched._maybe_compute_loss(stage, output, ctx.target_mbs, mb)
+        else:
+            sched._maybe_compute_loss(stage, output, ctx.target_mbs, mb, self._loss_kwargs)
+        if index + 1 in self._stages:  # torch's V-schedule hand-off between local stages
+            self._stages[index + 1].set_local_fwd_input(output, mb)
+
+    def _backward_begin(self, action: _Action, *, full: bool) -> _BackwardCall:
+        if self._first_action:
+            self._after_shape_inference()
+        from torch.distributed.pipelining.schedules import (
+            _wait_batch_p2p,  # pyright: ignore[reportPrivateUsage] - see the module docstring
+        )
+
+        sched = self.schedule
+        stage, key = self._stage_of(action)
+        index, mb = key
+        sched._assert_unsharded(stage)
+        if not stage.is_last and index + 1 not in self._stages:
+            if key not in sched.bwd_recv_ops:
+                raise NodeStateError(
+                    f"pipeline rank {self.rank}: {action} computed before receiving its "
+                    "output gradient"
+                )
+            _wait_batch_p2p(sched.bwd_recv_ops.pop(key))
+        loss = sched._maybe_get_loss(stage, mb)
+        if full:
+            sched.backward_counter[index] += 1
+        if not stage.has_backward:
+            return _BackwardCall(stage, key, None, None)
+        forwarded = self._live.pop(key, None)
+        if forwarded is None:
+            raise NodeStateError(
+                f"pipeline rank {self.rank}: {action} (backward of stage {index}, "
+                f"microbatch {mb}) without its forward through moe_overlap"
+            )
+        stage.fwd_cache.pop(mb)
+        if stage.is_last:
+            grad = self._loss_grad(stage, forwarded, loss, full=full)
+        else:
+            grads = tuple(stage._retrieve_recv_grads(mb))  # pyright: ignore[reportPrivateUsage]
+            _validate_output_grads(stage, grads)
+            grad = grads[0] if len(grads) == 1 else None
+        if not isinstance(grad, Tensor):
+            forwarded.plan.release_state()
+            raise IntegrationError(
+                f"pipeline stage {index}: expected one gradient tensor for the stage output "
+                f"of microbatch {mb}, received {type(grad).__name__}; the stage output must "
+                "require grad"
+            )
+        return _BackwardCall(stage, key, forwarded, grad)
+
+    def _loss_grad(
+        self, stage: _PipelineStageBase, forwarded: _Forwarded, loss: object, *, full: bool
+    ) -> Tensor | None:
+        """The last stage's output gradient: the loss's backward into the leaf handed to
+        ``loss_fn`` (a full backward also reaches ``loss_fn``'s own parameters, as torch's
+        does; an input backward computes the output gradient only, as torch's does)."""
+        leaf = forwarded.leaf
+        assert leaf is not None
+        if not isinstance(loss, Tensor):
+            raise IntegrationError(
+                f"pipeline stage {stage.stage_index}: the last stage's backward needs the "
+                f"schedule's loss, received {type(loss).__name__}; build the schedule with a "
+                "loss_fn"
+            )
+        if full:
+            torch.autograd.backward(loss)
+            return leaf.grad
+        (grad,) = torch.autograd.grad(loss, leaf)
+        loss.detach_()  # torch's input backward detaches the loss it started from
+        return grad
+
+    def _backward_end(self, call: _BackwardCall) -> None:
+        stage = call.stage
+        index, mb = call.key
+        if call.forwarded is None:
+            return
+        inputs = call.forwarded.inputs
+        grads_input = tuple(t.grad if isinstance(t, Tensor) else None for t in inputs)
+        stage.bwd_cache[mb] = _positional_grads(stage, grads_input)
+        _validate_input_grads(stage, stage.bwd_cache[mb])
+        if stage.is_last and not stage.is_first and call.forwarded.leaf is not None:
+            call.forwarded.leaf.detach_()
+        if index - 1 in self._stages:  # torch's V-schedule hand-off between local stages
+            self._stages[index - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+
+    @contextmanager
+    def _at(self, action: _Action, what: str) -> Iterator[None]:
+        """Name the pipeline position in a failure: ScheduleError for a failed plan step
+        and for anything not the library's own; the library's own errors as they are."""
+        try:
+            yield
+        except ScheduleError as e:
+            position = f"pipeline rank {self.rank}, {_describe(action)}"
+            raise ScheduleError(f"{position}: {e}", position=f"{position}; {e.position}") from e
+        except MoeOverlapError:
+            raise
+        except Exception as e:
+            position = f"pipeline rank {self.rank}, {_describe(action)} ({what})"
+            raise ScheduleError(
+                f"{position}: {type(e).__name__}: {e}", position=position
+            ) from e
+
+
+def _describe(action: _Action) -> str:
+    """``stage 1 microbatch 2 (forward) with stage 0 microbatch 1 (full backward)``."""
+    kinds = {"F": "forward", "B": "full backward", "I": "input backward", "W": "weight backward"}
+    parts = action.sub_actions or (action,)
+    named = [
+        f"stage {a.stage_index} microbatch {a.microbatch_index} "
+        f"({kinds.get(str(a.computation_type.value), str(a.computation_type))})"
+        for a in parts
+    ]
+    return " with ".join(named) + f" [action {action}]"
+
+
+def _stage_options(stage: _PipelineStageBase, options: ScheduleOptions | None) -> ScheduleOptions:
+    if options is not None:
+        return options
+    make: object = getattr(stage.submod, "schedule_options", None)
+    if callable(make):
+        made = make()
+        if isinstance(made, ScheduleOptions):
+            return made
+    return ScheduleOptions()
+
+
+def _check_stage(stage: _PipelineStageBase) -> None:
+    """A stage the plans can run: its module a PreprocessableModel placed as the stage is."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    module = stage.submod
+    where = f"pipeline stage {stage.stage_index} ({type(module).__name__})"
+    if isinstance(module, (FSDPModule, DistributedDataParallel)):
+        raise ConfigError(
+            f"{where}: expected the stage module itself, received it wrapped by "
+            f"{type(module).__name__}; data-parallel wrappers are not composed with the "
+            "pipeline integration yet (their hooks do not fire when plan slots call "
+            "submodules): prepare an unwrapped stage"
+        )
+    if stage.dw_builder is not None:
+        raise ConfigError(
+            f"{where}: expected a stage without dw_builder (the plans compute the weight "
+            "gradients), received one"
+        )
+    model = check_model(module)
+    for flag, expected, meaning in (
+        ("pre_process", stage.is_first, "the first stage embeds"),
+        ("post_process", stage.is_last, "the last stage's output goes to loss_fn"),
+    ):
+        got: bool = getattr(model, flag)
+        if got != expected:
+            raise IntegrationError(
+                f"{where}: expected {flag}={expected} for stage {stage.stage_index} of "
+                f"{stage.num_stages} ({meaning}), received {flag}={got}"
+            )
+
+
+def _check_actions(schedule: Any) -> int:
+    """Every compute action of this rank is one the plans run; the number of pairs."""
+    from torch.distributed.pipelining import schedules as S
+
+    pairs = 0
+    for action in schedule.pipeline_order_with_comms[schedule.rank]:
+        if action.computation_type != S.OVERLAP_F_B:
+            continue
+        parts = action.sub_actions or ()
+        kinds = tuple(a.computation_type for a in parts)
+        if kinds != (S.FORWARD, S.FULL_BACKWARD):
+            raise ConfigError(
+                f"prepare_schedule: expected each OVERLAP_F_B as (FORWARD, FULL_BACKWARD), "
+                f"received {action} with parts {[str(k) for k in kinds]}"
+            )
+        pairs += 1
+    return pairs
+
+
+def _validate_inputs(stage: _PipelineStageBase, args: tuple[object, ...]) -> None:
+    """torch 2.13's optional runtime check of the stage inputs (2.11 has none)."""
+    if getattr(stage, "_runtime_validate", False):
+        stage._validate_stage_tensors(  # pyright: ignore[reportAttributeAccessIssue] - 2.13
+            f"Stage {stage.stage_index} forward inputs", stage._stage_meta.inputs, args
+        )
+
+
+def _validate_outputs(stage: _PipelineStageBase, outputs: tuple[Tensor, ...]) -> None:
+    """torch's output check after a forward: 2.11 always, 2.13 when asked (not last)."""
+    check: object = getattr(stage, "_validate_fwd_outputs", None)
+    if callable(check):
+        check(outputs)
+    elif getattr(stage, "_runtime_validate", False) and not stage.is_last:
+        stage._validate_stage_tensors(  # pyright: ignore[reportAttributeAccessIssue] - 2.13
+            f"Stage {stage.stage_index} forward outputs", stage._stage_meta.outputs, outputs
+        )
+
+
+def _validate_output_grads(stage: _PipelineStageBase, grads: tuple[object, ...]) -> None:
+    if getattr(stage, "_runtime_validate", False):
+        stage._validate_stage_tensors(  # pyright: ignore[reportAttributeAccessIssue] - 2.13
+            f"Stage {stage.stage_index} backward input (output_grads)",
+            stage._stage_meta.output_grads,
+            grads,
+        )
+
+
+def _validate_input_grads(stage: _PipelineStageBase, grads: tuple[Tensor | None, ...]) -> None:
+    if getattr(stage, "_runtime_validate", False) and not stage.is_first:
+        stage._validate_stage_tensors(  # pyright: ignore[reportAttributeAccessIssue] - 2.13
+            f"Stage {stage.stage_index} backward output (input_grads)",
+            stage._stage_meta.input_grads,
+            grads,
+        )
+
+
+def _positional_grads(
+    stage: _PipelineStageBase, grads: tuple[Tensor | None, ...]
+) -> tuple[Tensor | None, ...]:
+    """What torch caches to send back: 2.13 the positional inputs' grads, 2.11 all."""
+    meta: object = getattr(stage, "_stage_meta", None)
+    inputs: object = getattr(meta, "inputs", None)
+    if isinstance(inputs, (tuple, list)):
+        return grads[: len(cast("Sequence[object]", inputs))]
+    return grads

@@ -13,6 +13,7 @@ from moe_overlap.models._gpt import masked_cross_entropy as masked_cross_entropy
 from moe_overlap.models._layers import DenseLayer as DenseLayer
 from moe_overlap.models._layers import GPTLayer as GPTLayer
 from moe_overlap.models._layers import MoELayer as MoELayer
+from moe_overlap.models._stage import GPTMoEStage as GPTMoEStage
 
 __all__ = [
     "Decoder",
@@ -20,6 +21,7 @@ __all__ = [
     "GPTLayer",
     "GPTMoEConfig",
     "GPTMoEModel",
+    "GPTMoEStage",
     "MoELayer",
     "masked_cross_entropy",
 ]

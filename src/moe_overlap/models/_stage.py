@@ -1,0 +1,108 @@
+"""A pipeline stage of the reference model: a range of its layers, sharing its modules."""
+
+from __future__ import annotations
+
+from typing import cast
+
+from torch import Tensor, nn
+
+from moe_overlap import ChunkState, ConfigError, IntegrationError
+from moe_overlap.blocks._model import MegatronHooks, Rotary
+from moe_overlap.blocks._wgrad import check_no_pending_wgrad
+from moe_overlap.models._gpt import Decoder, GPTMoEModel, masked_cross_entropy
+
+__all__ = ["GPTMoEStage"]
+
+
+class GPTMoEStage(MegatronHooks, nn.Module):
+    """Layers ``layers`` of ``model`` as one pipeline stage (a ``PreprocessableModel``).
+
+    The stage holds ``model``'s own modules (no copy): the embedding when ``layers`` starts
+    at 0 (``pre_process``), the final norm and output layer when it ends at the last layer
+    (``post_process``). ``forward`` is the plain path a ``torch.distributed.pipelining``
+    stage runs: token ids (first stage) or hidden states ``[B, S, D]`` in; hidden states,
+    or the logits ``[B, S, V]`` on the last stage, out (the schedule's ``loss_fn`` makes the
+    loss; :func:`~moe_overlap.models.masked_cross_entropy` is the model's own). Build the
+    same full model on every pipeline rank (seeded, so identical) and take each rank's stages
+    from it.
+    """
+
+    def __init__(self, model: GPTMoEModel, layers: range) -> None:
+        super().__init__()
+        n = model.config.num_layers
+        if layers.step != 1 or not 0 <= layers.start <= layers.stop <= n:
+            raise ConfigError(
+                f"GPTMoEStage: expected layers as range(a, b) with 0 <= a <= b <= {n} "
+                f"(the model's num_layers), received {layers!r}"
+            )
+        self.config = model.config
+        self.layers_range = layers
+        self._pre = layers.start == 0
+        self._post = layers.stop == n
+        self.embedding = model.embedding if self._pre else None
+        self.layer_list = model.layer_list[layers.start : layers.stop]
+        self.decoder = Decoder(list(self.layer_list))
+        self.final_norm = model.final_norm if self._post else None
+        self.output_layer = model.output_layer if self._post else None
+        self._rotary = model.rotary
+
+    @property
+    def pre_process(self) -> bool:
+        return self._pre
+
+    @property
+    def post_process(self) -> bool:
+        return self._post
+
+    def extra_repr(self) -> str:
+        r = self.layers_range
+        return f"layers={r.start}..{r.stop - 1}, pre_process={self._pre}, post_process={self._post}"
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        if self.embedding is None:
+            raise IntegrationError(
+                f"GPTMoEStage({self.extra_repr()}): only the first stage embeds token ids; "
+                "this stage takes hidden states"
+            )
+        return cast(Tensor, self.embedding(input_ids))
+
+    def on_microbatch(self, decoder_input: Tensor) -> None:
+        del decoder_input
+        check_no_pending_wgrad(self)
+
+    def rotary(self, decoder_input: Tensor, position_ids: Tensor | None) -> Rotary:
+        return self._rotary(decoder_input, position_ids)
+
+    def output(
+        self, hidden_states: Tensor, labels: Tensor | None, loss_mask: Tensor | None
+    ) -> Tensor:
+        """Final norm and output layer (the logits); with ``labels`` the model's loss."""
+        if self.final_norm is None or self.output_layer is None:
+            raise IntegrationError(
+                f"GPTMoEStage({self.extra_repr()}): only the last stage has the output layer"
+            )
+        logits_BSV: Tensor = self.output_layer(self.final_norm(hidden_states))
+        if labels is None:
+            return logits_BSV
+        return masked_cross_entropy(logits_BSV, labels, loss_mask)
+
+    def forward(self, x: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        """The plain path: token ids or hidden states in, hidden states or logits out."""
+        if self._pre:
+            pre = self._preprocess(x, position_ids)
+        else:
+            pre = self._preprocess(None, position_ids, decoder_input=x)
+        cs = ChunkState(
+            input_ids=x if self._pre else None,
+            position_ids=position_ids,
+            decoder_input=pre.decoder_input,
+            rotary_pos_emb=pre.rotary_pos_emb,
+            rotary_pos_cos=pre.rotary_pos_cos,
+            rotary_pos_sin=pre.rotary_pos_sin,
+        )
+        h = pre.decoder_input
+        for layer in self.layer_list:
+            h = layer.run_plain(h, cs)
+        if not self._post:
+            return h
+        return self.output(h, None, None)

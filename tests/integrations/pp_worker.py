@@ -1,0 +1,235 @@
+"""One gloo rank of the pipelining tests: a torch schedule with and without moe_overlap.
+
+Configured by ``PP_CASE`` (JSON: ``pp``, ``ep``, ``schedule`` ``"dualpipev"`` or
+``"interleaved"``, ``microbatches``, ``delay``, ``stages`` (layer boundaries),
+``starve`` (route no token to the last EP rank's experts), ``fail_at`` (a microbatch whose
+forward fails in an overlapped action, on rank 0)). Prints one JSON line per rank: the
+losses of each run and whether every gradient of this rank's stages is bit-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleInterleaved1F1B
+
+from moe_overlap import ScheduleError, Step
+from moe_overlap.blocks import TopKRouter, discard_wgrad
+from moe_overlap.blocks._slots import PlainContext
+from moe_overlap.integrations.pipelining import prepare_schedule
+from moe_overlap.models import GPTMoEConfig, GPTMoEModel, GPTMoEStage, masked_cross_entropy
+from tests.gloo_ranks import exit_worker
+
+B, S = 2, 8
+
+
+class Interleaving:
+    """Counts the plan steps and how often consecutive ones belong to two microbatches."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.switches = 0
+        self._last: int | None = None
+
+    def timer(self, step: Step, microbatch: int | None) -> None:
+        del step
+        self.steps += 1
+        if self._last is not None and microbatch != self._last:
+            self.switches += 1
+        self._last = microbatch
+
+
+def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
+    return masked_cross_entropy(logits, labels, None)
+
+
+def build(
+    case: dict[str, Any], ep_group: dist.ProcessGroup | None, *, delay: bool
+) -> GPTMoEModel:
+    config = GPTMoEConfig(
+        num_layers=case["stages"][-1],
+        first_k_dense=1,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_experts=4,
+        moe_ffn_hidden_size=16,
+        moe_router_topk=2,
+        delay_wgrad_compute=delay,
+        seed=3,
+    )
+    model = GPTMoEModel(config, ep_group=ep_group)
+    if case.get("starve"):
+        for m in model.modules():
+            if isinstance(m, TopKRouter):
+                m.expert_bias[config.num_experts // 2 :] = -1e4
+    return model
+
+
+def stage_indices(case: dict[str, Any], pp_rank: int) -> list[int]:
+    pp, n = case["pp"], 2 * case["pp"]
+    if case["schedule"] == "dualpipev":
+        return [pp_rank, n - 1 - pp_rank]
+    return [pp_rank, pp_rank + pp]
+
+
+def make_schedule(
+    case: dict[str, Any], model: GPTMoEModel, pp_rank: int, pp_group: dist.ProcessGroup
+) -> Any:
+    bounds, n = case["stages"], 2 * case["pp"]
+    stages = []
+    for index in stage_indices(case, pp_rank):
+        module = GPTMoEStage(model, range(bounds[index], bounds[index + 1]))
+        stages.append(PipelineStage(module, index, n, torch.device("cpu"), group=pp_group))
+    cls = ScheduleDualPipeV if case["schedule"] == "dualpipev" else ScheduleInterleaved1F1B
+    return cls(stages, n_microbatches=case["microbatches"], loss_fn=loss_fn)
+
+
+def batch(case: dict[str, Any], step: int) -> tuple[Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(100 + step)
+    n = B * case["microbatches"]
+    return torch.randint(0, 128, (n, S), generator=gen), torch.randint(0, 128, (n, S), generator=gen)
+
+
+def stage_params(case: dict[str, Any], model: GPTMoEModel, pp_rank: int) -> list[nn.Parameter]:
+    bounds = case["stages"]
+    out: list[nn.Parameter] = []
+    for index in stage_indices(case, pp_rank):
+        out += list(GPTMoEStage(model, range(bounds[index], bounds[index + 1])).parameters())
+    return out
+
+
+def run(
+    case: dict[str, Any],
+    model: GPTMoEModel,
+    schedule: Any,
+    pp_rank: int,
+    steps: int,
+) -> list[list[float]]:
+    """``steps`` schedule steps (grads zeroed before each); the last stage's losses."""
+    losses_per_step: list[list[float]] = []
+    last = 2 * case["pp"] - 1 in stage_indices(case, pp_rank)
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        x, y = batch(case, step)
+        losses: list[Tensor] = []
+        if pp_rank == 0:
+            schedule.step(x, target=y, losses=losses)
+        else:
+            schedule.step(target=y, losses=losses)
+        losses_per_step.append([float(v) for v in losses] if last else [])
+    return losses_per_step
+
+
+def plain_reference(
+    case: dict[str, Any], model: GPTMoEModel, steps: int
+) -> list[Tensor | None]:
+    """Single-process plain training of the whole model: grads of the last step."""
+    n = case["microbatches"]
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        x, y = batch(case, step)
+        for xs, ys in zip(x.chunk(n), y.chunk(n), strict=True):
+            (loss_fn(model(xs), ys) / n).backward()
+    return [p.grad for p in model.parameters()]
+
+
+def main() -> None:
+    case: dict[str, Any] = json.loads(os.environ["PP_CASE"])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    pp, ep = case["pp"], case["ep"]
+    assert world == pp * ep
+    pp_rank, ep_rank = divmod(rank, ep)
+    ep_groups = [dist.new_group([p * ep + e for e in range(ep)]) for p in range(pp)]
+    pp_groups = [dist.new_group([p * ep + e for p in range(pp)]) for e in range(ep)]
+    ep_group = ep_groups[pp_rank] if ep > 1 else None
+    pp_group = pp_groups[ep_rank]
+    steps = 2
+
+    torch.use_deterministic_algorithms(True)
+    base_model = build(case, ep_group, delay=False)
+    base = run(case, base_model, make_schedule(case, base_model, pp_rank, pp_group), pp_rank, steps)
+
+    model = build(case, ep_group, delay=case["delay"])
+    schedule = make_schedule(case, model, pp_rank, pp_group)
+    seen = Interleaving()
+    overlap = prepare_schedule(
+        schedule, pair=case["schedule"] == "interleaved", observer=seen
+    )
+    failure = ""
+    if case.get("fail_at") is not None:
+        failure = fail_once(case, model, schedule, pp_rank)
+        discard_wgrad(model)
+    got = run(case, model, schedule, pp_rank, steps)
+
+    mine = stage_params(case, model, pp_rank)
+    theirs = stage_params(case, base_model, pp_rank)
+    identical = all(
+        (a.grad is None and b.grad is None)
+        or (a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad))
+        for a, b in zip(mine, theirs, strict=True)
+    )
+    ids = {id(p) for p in theirs}
+    ref_model = build(case, ep_group, delay=False)
+    ref = plain_reference(case, ref_model, steps)
+    close = all(
+        g is not None
+        and p.grad is not None
+        and torch.allclose(p.grad, g, rtol=1e-4, atol=1e-6)
+        for p, g in zip(base_model.parameters(), ref, strict=True)
+        if id(p) in ids
+    )
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "pairs": overlap.paired,
+                "plan_steps": seen.steps,
+                "switches": seen.switches,
+                "base": base,
+                "got": got,
+                "identical": identical,
+                "close_to_plain": close,
+                "failure": failure,
+            }
+        ),
+        flush=True,
+    )
+    dist.barrier()
+
+
+def fail_once(case: dict[str, Any], model: GPTMoEModel, schedule: Any, pp_rank: int) -> str:
+    """One step in which a layer of rank 0 fails at microbatch ``fail_at`` (world 1 only:
+    a peer of a failed rank would wait for it)."""
+    layer = model.layer_list[-1]
+    original = layer.pre_dispatch
+    calls = {"n": 0}
+
+    def failing(*args: Any) -> Any:
+        if isinstance(args[0], PlainContext):  # torch's shape inference: the plain path
+            return original(*args)
+        calls["n"] += 1
+        if calls["n"] == case["fail_at"]:
+            raise RuntimeError("injected failure")
+        return original(*args)
+
+    layer.pre_dispatch = failing  # type: ignore[method-assign]
+    message = ""
+    try:
+        run(case, model, schedule, pp_rank, 1)
+    except ScheduleError as e:
+        message = str(e)
+    finally:
+        del layer.pre_dispatch
+    model.zero_grad(set_to_none=True)
+    return message
+
+
+if __name__ == "__main__":
+    exit_worker(main)

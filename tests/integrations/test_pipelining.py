@@ -1,0 +1,78 @@
+"""torch.distributed.pipelining schedules through moe_overlap plans, on real gloo ranks.
+
+Each case runs the same torch schedule twice on identically initialised models: unprepared
+(torch's own execution on the plain stage modules) and prepared by ``prepare_schedule``
+(every compute action through plans, ``OVERLAP_F_B`` overlapped). Losses and every
+gradient must be bit-identical, and within float32 rounding of single-process plain
+training. The stage layout is uneven on purpose: stage 0 holds only the dense layer, the
+others one or two MoE layers; ``starve`` routes no token to the last EP rank's experts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import pytest
+
+from tests.gloo_ranks import run_ranks
+
+UNEVEN = [0, 1, 3, 4, 6]  # layer boundaries of 4 stages: dense only, 2 MoE, 1 MoE, 2 MoE
+
+CASES: dict[str, dict[str, Any]] = {
+    "dualpipev-pp2-mb4": dict(pp=2, ep=1, schedule="dualpipev", microbatches=4, delay=False),
+    "dualpipev-pp2-mb8-delay": dict(pp=2, ep=1, schedule="dualpipev", microbatches=8, delay=True),
+    "interleaved-pp2-mb4-delay": dict(
+        pp=2, ep=1, schedule="interleaved", microbatches=4, delay=True
+    ),
+    "interleaved-pp2-mb8": dict(pp=2, ep=1, schedule="interleaved", microbatches=8, delay=False),
+    "dualpipev-pp2-ep2-mb4-delay-starved": dict(
+        pp=2, ep=2, schedule="dualpipev", microbatches=4, delay=True, starve=True
+    ),
+    "dualpipev-pp2-ep2-mb8": dict(pp=2, ep=2, schedule="dualpipev", microbatches=8, delay=False),
+    "interleaved-pp2-ep2-mb8-delay": dict(
+        pp=2, ep=2, schedule="interleaved", microbatches=8, delay=True
+    ),
+}
+
+
+def _run(case: dict[str, Any]) -> list[dict[str, Any]]:
+    os.environ["PP_CASE"] = json.dumps({"stages": UNEVEN, **case})
+    try:
+        rows = run_ranks("tests.integrations.pp_worker", world=case["pp"] * case["ep"])
+    finally:
+        del os.environ["PP_CASE"]
+    return [dict(r) for r in rows]
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_overlapped_schedule_is_bit_identical(name: str) -> None:
+    rows = _run(CASES[name])
+    assert len(rows) == CASES[name]["pp"] * CASES[name]["ep"]
+    for row in rows:
+        assert row["pairs"] > 0, "the schedule has OVERLAP_F_B actions on every rank"
+        assert row["plan_steps"] > 0, "the compute actions ran through plans"
+        assert row["switches"] >= 2 * row["pairs"], "overlapped runs interleave microbatches"
+        assert row["got"] == row["base"], f"rank {row['rank']}: losses differ"
+        assert row["identical"], f"rank {row['rank']}: a gradient differs from torch's run"
+        assert row["close_to_plain"], f"rank {row['rank']}: far from plain training"
+    losses = [r["got"] for r in rows if r["got"][0]]
+    assert losses and all(len(step) == CASES[name]["microbatches"] for step in losses[0])
+
+
+def test_failure_names_the_pipeline_position_and_the_next_step_is_exact() -> None:
+    """World 1: DualPipeV's two stages on one rank (the V hand-off, I/W actions)."""
+    case = dict(
+        pp=1, ep=1, schedule="dualpipev", microbatches=4, delay=True, fail_at=3, stages=[0, 2, 4]
+    )
+    os.environ["PP_CASE"] = json.dumps(case)
+    try:
+        (row,) = run_ranks("tests.integrations.pp_worker", world=1)
+    finally:
+        del os.environ["PP_CASE"]
+    failure = str(row["failure"])
+    assert failure.startswith("pipeline rank 0, stage 1 microbatch 2 (forward) with stage 0 ")
+    assert "OVERLAP_F_B" in failure and "slot pre_dispatch" in failure
+    assert "injected failure" in failure
+    assert row["got"] == row["base"] and row["identical"] and row["close_to_plain"]
