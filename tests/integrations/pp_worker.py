@@ -49,9 +49,7 @@ def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
     return masked_cross_entropy(logits, labels, None)
 
 
-def build(
-    case: dict[str, Any], ep_group: dist.ProcessGroup | None, *, delay: bool
-) -> GPTMoEModel:
+def build(case: dict[str, Any], ep_group: dist.ProcessGroup | None, *, delay: bool) -> GPTMoEModel:
     config = GPTMoEConfig(
         num_layers=case["stages"][-1],
         first_k_dense=1,
@@ -82,7 +80,7 @@ def make_schedule(
     case: dict[str, Any], model: GPTMoEModel, pp_rank: int, pp_group: dist.ProcessGroup
 ) -> Any:
     bounds, n = case["stages"], 2 * case["pp"]
-    stages = []
+    stages: list[Any] = []
     for index in stage_indices(case, pp_rank):
         module = GPTMoEStage(model, range(bounds[index], bounds[index + 1]))
         stages.append(PipelineStage(module, index, n, torch.device("cpu"), group=pp_group))
@@ -93,7 +91,9 @@ def make_schedule(
 def batch(case: dict[str, Any], step: int) -> tuple[Tensor, Tensor]:
     gen = torch.Generator().manual_seed(100 + step)
     n = B * case["microbatches"]
-    return torch.randint(0, 128, (n, S), generator=gen), torch.randint(0, 128, (n, S), generator=gen)
+    return torch.randint(0, 128, (n, S), generator=gen), torch.randint(
+        0, 128, (n, S), generator=gen
+    )
 
 
 def stage_params(case: dict[str, Any], model: GPTMoEModel, pp_rank: int) -> list[nn.Parameter]:
@@ -126,9 +126,7 @@ def run(
     return losses_per_step
 
 
-def plain_reference(
-    case: dict[str, Any], model: GPTMoEModel, steps: int
-) -> list[Tensor | None]:
+def plain_reference(case: dict[str, Any], model: GPTMoEModel, steps: int) -> list[Tensor | None]:
     """Single-process plain training of the whole model: grads of the last step."""
     n = case["microbatches"]
     for step in range(steps):
@@ -146,8 +144,8 @@ def main() -> None:
     pp, ep = case["pp"], case["ep"]
     assert world == pp * ep
     pp_rank, ep_rank = divmod(rank, ep)
-    ep_groups = [dist.new_group([p * ep + e for e in range(ep)]) for p in range(pp)]
-    pp_groups = [dist.new_group([p * ep + e for p in range(pp)]) for e in range(ep)]
+    ep_groups = [_group([p * ep + e for e in range(ep)]) for p in range(pp)]
+    pp_groups = [_group([p * ep + e for p in range(pp)]) for e in range(ep)]
     ep_group = ep_groups[pp_rank] if ep > 1 else None
     pp_group = pp_groups[ep_rank]
     steps = 2
@@ -159,9 +157,7 @@ def main() -> None:
     model = build(case, ep_group, delay=case["delay"])
     schedule = make_schedule(case, model, pp_rank, pp_group)
     seen = Interleaving()
-    overlap = prepare_schedule(
-        schedule, pair=case["schedule"] == "interleaved", observer=seen
-    )
+    overlap = prepare_schedule(schedule, pair=case["schedule"] == "interleaved", observer=seen)
     failure = ""
     if case.get("fail_at") is not None:
         failure = fail_once(case, model, schedule, pp_rank)
@@ -179,9 +175,7 @@ def main() -> None:
     ref_model = build(case, ep_group, delay=False)
     ref = plain_reference(case, ref_model, steps)
     close = all(
-        g is not None
-        and p.grad is not None
-        and torch.allclose(p.grad, g, rtol=1e-4, atol=1e-6)
+        g is not None and p.grad is not None and torch.allclose(p.grad, g, rtol=1e-4, atol=1e-6)
         for p, g in zip(base_model.parameters(), ref, strict=True)
         if id(p) in ids
     )
@@ -204,6 +198,12 @@ def main() -> None:
     dist.barrier()
 
 
+def _group(ranks: list[int]) -> dist.ProcessGroup:
+    group = dist.new_group(ranks)
+    assert isinstance(group, dist.ProcessGroup)
+    return group
+
+
 def fail_once(case: dict[str, Any], model: GPTMoEModel, schedule: Any, pp_rank: int) -> str:
     """One step in which a layer of rank 0 fails at microbatch ``fail_at`` (world 1 only:
     a peer of a failed rank would wait for it)."""
@@ -219,7 +219,7 @@ def fail_once(case: dict[str, Any], model: GPTMoEModel, schedule: Any, pp_rank: 
             raise RuntimeError("injected failure")
         return original(*args)
 
-    layer.pre_dispatch = failing  # type: ignore[method-assign]
+    setattr(layer, "pre_dispatch", failing)  # noqa: B010 - an instance attribute shadows it
     message = ""
     try:
         run(case, model, schedule, pp_rank, 1)

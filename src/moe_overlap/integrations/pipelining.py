@@ -1,3 +1,5 @@
+# pyright: reportPrivateUsage=false
+# This module is where moe_overlap touches torch.distributed.pipelining's private names.
 """Run ``torch.distributed.pipelining`` schedules through ``moe_overlap`` plans.
 
 :func:`prepare_schedule` makes a schedule's compute actions run as chunk plans: ``F`` a
@@ -30,7 +32,8 @@ them (:func:`check_torch`).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -47,15 +50,14 @@ from moe_overlap import (
     ScheduleError,
     ScheduleOptions,
     StepObserver,
-    WgradError,
 )
 from moe_overlap.engine._conformance import check_model
 from moe_overlap.engine._wgrad_check import check_wgrad_done, owed_wgrad
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import (
-        _Action,  # pyright: ignore[reportPrivateUsage] - this module owns the private names
-        _PipelineContext,  # pyright: ignore[reportPrivateUsage]
+        _Action,
+        _PipelineContext,
     )
     from torch.distributed.pipelining.stage import _PipelineStageBase
 
@@ -106,7 +108,7 @@ def pair_overlap_f_b(
         FORWARD,
         FULL_BACKWARD,
         OVERLAP_F_B,
-        _Action,  # pyright: ignore[reportPrivateUsage] - see the module docstring
+        _Action,
     )
 
     def pairable(a: _Action | None, b: _Action | None) -> _Action | None:
@@ -135,7 +137,7 @@ def pair_overlap_f_b(
 def _lowers(order: Order, num_stages: int, stage_to_rank: Callable[[int], int]) -> bool:
     """torch's send/recv placement succeeds (no rank waits forever)."""
     from torch.distributed.pipelining.schedules import (
-        _add_send_recv,  # pyright: ignore[reportPrivateUsage] - see the module docstring
+        _add_send_recv,
     )
 
     compute = {r: [a for a in acts if a is not None] for r, acts in order.items()}
@@ -155,6 +157,9 @@ _PLAN_KWARGS = ("position_ids", "attention_mask", "padding_mask")
 
 Key = tuple[int, int]
 """(stage index, microbatch index)."""
+
+_PREPARED: weakref.WeakSet[object] = weakref.WeakSet()
+"""The schedules :func:`prepare_schedule` has prepared (each only once)."""
 
 
 def prepare_schedule(
@@ -252,7 +257,7 @@ class PipelineOverlap:
     ) -> None:
         from torch.distributed.pipelining import schedules as S
 
-        runtime = S._PipelineScheduleRuntime  # pyright: ignore[reportPrivateUsage]
+        runtime = S._PipelineScheduleRuntime
         if not isinstance(schedule, runtime):
             raise ConfigError(
                 "prepare_schedule: expected a multi-stage torch.distributed.pipelining "
@@ -261,17 +266,19 @@ class PipelineOverlap:
                 f"{type(schedule).__name__}; a single-stage schedule (Schedule1F1B, "
                 "ScheduleGPipe) has no actions to overlap: use ScheduleInterleaved1F1B"
             )
-        if getattr(schedule, "_moe_overlap", None) is not None:
+        if schedule in _PREPARED:
             raise ConfigError(
                 f"prepare_schedule: this {type(schedule).__name__} is already prepared; "
                 "prepare a schedule once"
             )
-        for name, flag in (("pair", pair), ("overlap", overlap)):
+        flags = (("pair", cast(object, pair)), ("overlap", cast(object, overlap)))
+        for name, flag in flags:
             if not isinstance(flag, bool):
                 raise ConfigError(
                     f"prepare_schedule: {name} must be a bool, received {type(flag).__name__}"
                 )
-        if options is not None and not isinstance(options, ScheduleOptions):
+        given = cast(object, options)
+        if given is not None and not isinstance(given, ScheduleOptions):
             raise ConfigError(
                 "prepare_schedule: options must be a ScheduleOptions or None, received "
                 f"{type(options).__name__}"
@@ -307,7 +314,7 @@ class PipelineOverlap:
         ):
             self.schedule.register_custom_function(kind, fn)
         self._wrap_step()
-        self.schedule._moe_overlap = self
+        _PREPARED.add(schedule)
 
     @property
     def rank(self) -> int:
@@ -486,7 +493,7 @@ class PipelineOverlap:
         if self._first_action:
             self._after_shape_inference()
         from torch.distributed.pipelining.schedules import (
-            _wait_batch_p2p,  # pyright: ignore[reportPrivateUsage] - see the module docstring
+            _wait_batch_p2p,
         )
 
         sched = self.schedule
@@ -499,11 +506,12 @@ class PipelineOverlap:
                     f"pipeline rank {self.rank}: {action} computed before receiving its input"
                 )
             _wait_batch_p2p(sched.fwd_recv_ops.pop(key))
-        arg_mbs = cast("list[tuple[object, ...]]", ctx.arg_mbs)
-        kwarg_mbs = cast("list[dict[str, object] | None]", ctx.kwarg_mbs)
-        args: tuple[object, ...] = (
-            tuple(arg_mbs[mb]) if stage.is_first else tuple(stage._retrieve_recv_activations(mb))  # pyright: ignore[reportPrivateUsage]
-        )
+        context: Any = ctx  # torch leaves the microbatch lists' items untyped
+        arg_mbs: list[tuple[object, ...]] = context.arg_mbs
+        kwarg_mbs: list[dict[str, object] | None] = context.kwarg_mbs
+        torch_stage: Any = stage
+        received: Any = None if stage.is_first else torch_stage._retrieve_recv_activations(mb)
+        args: tuple[object, ...] = tuple(arg_mbs[mb]) if stage.is_first else tuple(received)
         kwargs = dict(kwarg_mbs[mb] or {})
         _validate_inputs(stage, args)
         stale = self._live.pop(key, None)
@@ -543,8 +551,7 @@ class PipelineOverlap:
             if value is None or isinstance(value, Tensor):
                 return value
             raise ConfigError(
-                f"{where}: keyword {name} must be a Tensor or None, received "
-                f"{type(value).__name__}"
+                f"{where}: keyword {name} must be a Tensor or None, received {type(value).__name__}"
             )
 
         plan = ModelChunkSchedulePlan(
@@ -571,19 +578,23 @@ class PipelineOverlap:
         decoder = None
         if f is not None and f_plan is not None and not f.stage.is_first:
             decoder = check_model(f.stage.submod).decoder
-            decoder.input_tensor = cast(Tensor, f.args[0])
+            # Megatron's set_input_tensor: the Protocol declares the member read-only.
+            setattr(decoder, "input_tensor", f.args[0])  # noqa: B010
         try:
             return ModelChunkSchedulePlan.run(
                 f_plan, b_plan, b_grad=b.grad if b is not None else None, observer=self.observer
             )
         finally:
             if decoder is not None:
-                decoder.input_tensor = None
+                setattr(decoder, "input_tensor", None)  # noqa: B010
 
     def _forward_end(self, call: _ForwardCall, out: Tensor | None, ctx: _PipelineContext) -> None:
-        from torch.distributed.pipelining._utils import flatten_args
+        from torch.distributed.pipelining import _utils
 
+        utils: Any = _utils
+        flatten_args: Callable[[object], list[object]] = utils.flatten_args
         sched, stage = self.schedule, call.stage
+        targets: object = cast(Any, ctx).target_mbs
         index, mb = call.key
         if call.plan is None:  # the plain path: torch's own forward of the stage module
             output: object = stage.forward_one_chunk(
@@ -597,13 +608,14 @@ class PipelineOverlap:
             if stage.is_last and self._return_outputs:
                 stage.output_chunks.append(result)
             inputs: list[object] = list(flatten_args(call.args)) + list(flatten_args(call.kwargs))
-            stage.fwd_cache[mb] = ((result,), inputs)
+            cache = cast("dict[int, object]", stage.fwd_cache)
+            cache[mb] = ((result,), inputs)
             _validate_outputs(stage, (result,))
             self._live[call.key] = _Forwarded(call.plan, inputs, leaf)
         if self._loss_kwargs is None:
-            sched._maybe_compute_loss(stage, output, ctx.target_mbs, mb)
+            sched._maybe_compute_loss(stage, output, targets, mb)
         else:
-            sched._maybe_compute_loss(stage, output, ctx.target_mbs, mb, self._loss_kwargs)
+            sched._maybe_compute_loss(stage, output, targets, mb, self._loss_kwargs)
         if index + 1 in self._stages:  # torch's V-schedule hand-off between local stages
             self._stages[index + 1].set_local_fwd_input(output, mb)
 
@@ -611,7 +623,7 @@ class PipelineOverlap:
         if self._first_action:
             self._after_shape_inference()
         from torch.distributed.pipelining.schedules import (
-            _wait_batch_p2p,  # pyright: ignore[reportPrivateUsage] - see the module docstring
+            _wait_batch_p2p,
         )
 
         sched = self.schedule
@@ -640,7 +652,7 @@ class PipelineOverlap:
         if stage.is_last:
             grad = self._loss_grad(stage, forwarded, loss, full=full)
         else:
-            grads = tuple(stage._retrieve_recv_grads(mb))  # pyright: ignore[reportPrivateUsage]
+            grads = tuple(stage._retrieve_recv_grads(mb))
             _validate_output_grads(stage, grads)
             grad = grads[0] if len(grads) == 1 else None
         if not isinstance(grad, Tensor):
@@ -685,10 +697,11 @@ class PipelineOverlap:
         if stage.is_last and not stage.is_first and call.forwarded.leaf is not None:
             call.forwarded.leaf.detach_()
         if index - 1 in self._stages:  # torch's V-schedule hand-off between local stages
-            self._stages[index - 1].set_local_bwd_input(stage.get_local_bwd_output(mb), mb)
+            grads = cast(Any, stage).get_local_bwd_output(mb)  # untyped in torch
+            self._stages[index - 1].set_local_bwd_input(grads, mb)
 
     @contextmanager
-    def _at(self, action: _Action, what: str) -> Iterator[None]:
+    def _at(self, action: _Action, what: str) -> Generator[None]:
         """Name the pipeline position in a failure: ScheduleError for a failed plan step
         and for anything not the library's own; the library's own errors as they are."""
         try:
@@ -700,9 +713,7 @@ class PipelineOverlap:
             raise
         except Exception as e:
             position = f"pipeline rank {self.rank}, {_describe(action)} ({what})"
-            raise ScheduleError(
-                f"{position}: {type(e).__name__}: {e}", position=position
-            ) from e
+            raise ScheduleError(f"{position}: {type(e).__name__}: {e}", position=position) from e
 
 
 def _describe(action: _Action) -> str:
@@ -782,8 +793,10 @@ def _check_actions(schedule: Any) -> int:
 def _validate_inputs(stage: _PipelineStageBase, args: tuple[object, ...]) -> None:
     """torch 2.13's optional runtime check of the stage inputs (2.11 has none)."""
     if getattr(stage, "_runtime_validate", False):
-        stage._validate_stage_tensors(  # pyright: ignore[reportAttributeAccessIssue] - 2.13
-            f"Stage {stage.stage_index} forward inputs", stage._stage_meta.inputs, args
+        stage._validate_stage_tensors(
+            f"Stage {stage.stage_index} forward inputs",
+            stage._stage_meta.inputs,
+            cast("tuple[Tensor | None, ...]", args),
         )
 
 
@@ -793,23 +806,23 @@ def _validate_outputs(stage: _PipelineStageBase, outputs: tuple[Tensor, ...]) ->
     if callable(check):
         check(outputs)
     elif getattr(stage, "_runtime_validate", False) and not stage.is_last:
-        stage._validate_stage_tensors(  # pyright: ignore[reportAttributeAccessIssue] - 2.13
+        stage._validate_stage_tensors(
             f"Stage {stage.stage_index} forward outputs", stage._stage_meta.outputs, outputs
         )
 
 
 def _validate_output_grads(stage: _PipelineStageBase, grads: tuple[object, ...]) -> None:
     if getattr(stage, "_runtime_validate", False):
-        stage._validate_stage_tensors(  # pyright: ignore[reportAttributeAccessIssue] - 2.13
+        stage._validate_stage_tensors(
             f"Stage {stage.stage_index} backward input (output_grads)",
             stage._stage_meta.output_grads,
-            grads,
+            cast("tuple[Tensor | None, ...]", grads),
         )
 
 
 def _validate_input_grads(stage: _PipelineStageBase, grads: tuple[Tensor | None, ...]) -> None:
     if getattr(stage, "_runtime_validate", False) and not stage.is_first:
-        stage._validate_stage_tensors(  # pyright: ignore[reportAttributeAccessIssue] - 2.13
+        stage._validate_stage_tensors(
             f"Stage {stage.stage_index} backward output (input_grads)",
             stage._stage_meta.input_grads,
             grads,
