@@ -122,7 +122,7 @@ def run(
             schedule.step(x, target=y, losses=losses)
         else:
             schedule.step(target=y, losses=losses)
-        losses_per_step.append([float(v) for v in losses] if last else [])
+        losses_per_step.append([float(v.detach()) for v in losses] if last else [])
     return losses_per_step
 
 
