@@ -93,7 +93,9 @@ def make_schedule(
     stages: list[Any] = []
     for index in stage_indices(args.schedule, args.pp, pp_rank):
         module = GPTMoEStage(model, range(BOUNDS[index], BOUNDS[index + 1]))
-        stages.append(PipelineStage(module, index, 2 * args.pp, torch.device("cpu"), group=pp_group))
+        stages.append(
+            PipelineStage(module, index, 2 * args.pp, torch.device("cpu"), group=pp_group)
+        )
     cls = ScheduleDualPipeV if args.schedule == "dualpipev" else ScheduleInterleaved1F1B
     return cls(stages, n_microbatches=args.microbatches, loss_fn=loss_fn)
 
@@ -105,7 +107,7 @@ def batch(step: int, ep_rank: int, microbatches: int) -> tuple[Tensor, Tensor]:
     start = torch.randint(0, 96, (n, 1), generator=gen)
     stride = torch.randint(1, 4, (n, 1), generator=gen)
     tokens = (start + stride * torch.arange(SEQ + 1)) % 96
-    return tokens[:, :-1], tokens[:, 1:]
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 def train_step(
@@ -125,7 +127,9 @@ def train_step(
         schedule.step(x, target=y, losses=losses)
     else:
         schedule.step(target=y, losses=losses)
-    experts = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+    experts = {
+        id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()
+    }
     with torch.no_grad():
         for p in model.parameters():
             if p.grad is None:

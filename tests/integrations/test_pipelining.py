@@ -15,8 +15,16 @@ import os
 from typing import Any
 
 import pytest
+import torch
 
 from tests.gloo_ranks import run_ranks
+
+# torch 2.11's stage set-up sends a warm-up tensor between the two stages a V-schedule
+# puts on one rank; gloo cannot send to its own rank (2.13 skips same-rank neighbours).
+V_ON_GLOO = pytest.mark.skipif(
+    torch.__version__.startswith("2.11"),
+    reason="torch 2.11 DualPipeV warm-up sends to the same rank, which gloo refuses",
+)
 
 UNEVEN = [0, 1, 3, 4, 6]  # layer boundaries of 4 stages: dense only, 2 MoE, 1 MoE, 2 MoE
 
@@ -46,7 +54,10 @@ def _run(case: dict[str, Any]) -> list[dict[str, Any]]:
     return [dict(r) for r in rows]
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=V_ON_GLOO) if n.startswith("dualpipev") else n for n in sorted(CASES)],
+)
 def test_overlapped_schedule_is_bit_identical(name: str) -> None:
     rows = _run(CASES[name])
     assert len(rows) == CASES[name]["pp"] * CASES[name]["ep"]
@@ -61,6 +72,7 @@ def test_overlapped_schedule_is_bit_identical(name: str) -> None:
     assert losses and all(len(step) == CASES[name]["microbatches"] for step in losses[0])
 
 
+@V_ON_GLOO
 def test_failure_names_the_pipeline_position_and_the_next_step_is_exact() -> None:
     """World 1: DualPipeV's two stages on one rank (the V hand-off, I/W actions)."""
     case = dict(
