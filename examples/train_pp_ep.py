@@ -55,10 +55,18 @@ BATCH, SEQ = 2, 16
 # layer; the others one or two MoE layers).
 BOUNDS = (0, 1, 3, 4, 6)
 
-# torch.distributed leaves this unannotated; give it a type once, here.
+# torch.distributed leaves these unannotated; give them a type once, here.
 _all_reduce = cast(
     "Callable[..., object]",
     dist.all_reduce,  # pyright: ignore[reportUnknownMemberType]
+)
+_new_group = cast(
+    "Callable[[list[int]], object]",
+    dist.new_group,  # pyright: ignore[reportUnknownMemberType]
+)
+_barrier = cast(
+    "Callable[[], object]",
+    dist.barrier,  # pyright: ignore[reportUnknownMemberType]
 )
 
 
@@ -146,15 +154,17 @@ def train_step(
 
 
 def same_grads(a: nn.Module, b: nn.Module) -> bool:
-    pairs = zip(a.parameters(), b.parameters(), strict=True)
-    return all(
-        (p.grad is None) == (q.grad is None) and (p.grad is None or torch.equal(p.grad, q.grad))
-        for p, q in pairs
-    )
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        if p.grad is None or q.grad is None:
+            if (p.grad is None) != (q.grad is None):
+                return False
+        elif not torch.equal(p.grad, q.grad):
+            return False
+    return True
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--ep", type=int, default=2, help="expert-parallel size")
     parser.add_argument("--schedule", choices=("dualpipev", "interleaved"), default="dualpipev")
     parser.add_argument("--microbatches", type=int, default=4)
@@ -170,8 +180,8 @@ def main() -> None:
         raise SystemExit(f"world size {world} is not PP x EP for --ep {ep}")
     args.pp = pp = world // ep
     pp_rank, ep_rank = divmod(rank, ep)
-    ep_groups = [dist.new_group([p * ep + e for e in range(ep)]) for p in range(pp)]
-    pp_groups = [dist.new_group([p * ep + e for p in range(pp)]) for e in range(ep)]
+    ep_groups = [_new_group([p * ep + e for e in range(ep)]) for p in range(pp)]
+    pp_groups = [_new_group([p * ep + e for p in range(pp)]) for e in range(ep)]
     ep_group = cast("dist.ProcessGroup", ep_groups[pp_rank]) if ep > 1 else None
     pp_group = cast("dist.ProcessGroup", pp_groups[ep_rank])
     torch.use_deterministic_algorithms(True)
@@ -203,7 +213,7 @@ def main() -> None:
     if args.timeline is not None:
         args.timeline.mkdir(parents=True, exist_ok=True)
         timeline.to_chrome_trace(args.timeline / f"rank{rank}.json")
-    dist.barrier()
+    _barrier()
     dist.destroy_process_group()
 
 

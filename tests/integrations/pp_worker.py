@@ -9,8 +9,11 @@ losses of each run and whether every gradient of this rank's stages is bit-ident
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,6 +23,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleInterleaved1F1B
 
 from moe_overlap import ScheduleError, Step
+from moe_overlap.adapters.transformers import TransformersMoEAdapter, TransformersMoEStage
 from moe_overlap.blocks import TopKRouter, discard_wgrad
 from moe_overlap.blocks._slots import PlainContext
 from moe_overlap.integrations.pipelining import prepare_schedule
@@ -49,7 +53,18 @@ def loss_fn(logits: Tensor, labels: Tensor) -> Tensor:
     return masked_cross_entropy(logits, labels, None)
 
 
-def build(case: dict[str, Any], ep_group: dist.ProcessGroup | None, *, delay: bool) -> GPTMoEModel:
+@dataclass(frozen=True)
+class Built:
+    """A model for the case: its parameters in a fixed order, its stages, its own forward."""
+
+    model: nn.Module
+    stage: Callable[[range], nn.Module]
+    logits: Callable[[Tensor], Tensor]
+
+
+def build(case: dict[str, Any], ep_group: dist.ProcessGroup | None, *, delay: bool) -> Built:
+    if case.get("model") == "qwen3_moe":
+        return _qwen3_moe(case, delay=delay)
     config = GPTMoEConfig(
         num_layers=case["stages"][-1],
         first_k_dense=1,
@@ -67,7 +82,34 @@ def build(case: dict[str, Any], ep_group: dist.ProcessGroup | None, *, delay: bo
         for m in model.modules():
             if isinstance(m, TopKRouter):
                 m.expert_bias[config.num_experts // 2 :] = -1e4
-    return model
+    return Built(model, lambda r: GPTMoEStage(model, r), model)
+
+
+def _qwen3_moe(case: dict[str, Any], *, delay: bool) -> Built:
+    """A transformers Qwen3-MoE (QK norm) through the adapter; layer 0 dense."""
+    t: Any = importlib.import_module("transformers")
+    config = t.Qwen3MoeConfig(
+        vocab_size=128,
+        hidden_size=32,
+        num_hidden_layers=case["stages"][-1],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        intermediate_size=48,
+        mlp_only_layers=[0],
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(3)
+    model: nn.Module = t.Qwen3MoeForCausalLM(config)
+    adapter = TransformersMoEAdapter(model, delay_wgrad_compute=delay)
+
+    def logits(x: Tensor) -> Tensor:
+        out: Tensor = model(input_ids=x).logits
+        return out
+
+    return Built(model, lambda r: TransformersMoEStage(adapter, r), logits)
 
 
 def stage_indices(case: dict[str, Any], pp_rank: int) -> list[int]:
@@ -78,15 +120,17 @@ def stage_indices(case: dict[str, Any], pp_rank: int) -> list[int]:
 
 
 def make_schedule(
-    case: dict[str, Any], model: GPTMoEModel, pp_rank: int, pp_group: dist.ProcessGroup
-) -> Any:
+    case: dict[str, Any], built: Built, pp_rank: int, pp_group: dist.ProcessGroup
+) -> tuple[Any, list[nn.Module]]:
     bounds, n = case["stages"], 2 * case["pp"]
     stages: list[Any] = []
+    modules: list[nn.Module] = []
     for index in stage_indices(case, pp_rank):
-        module = GPTMoEStage(model, range(bounds[index], bounds[index + 1]))
+        module = built.stage(range(bounds[index], bounds[index + 1]))
+        modules.append(module)
         stages.append(PipelineStage(module, index, n, device(case), group=pp_group))
     cls = ScheduleDualPipeV if case["schedule"] == "dualpipev" else ScheduleInterleaved1F1B
-    return cls(stages, n_microbatches=case["microbatches"], loss_fn=loss_fn)
+    return cls(stages, n_microbatches=case["microbatches"], loss_fn=loss_fn), modules
 
 
 def device(case: dict[str, Any]) -> torch.device:
@@ -101,17 +145,9 @@ def batch(case: dict[str, Any], step: int) -> tuple[Tensor, Tensor]:
     return x.to(device(case)), y.to(device(case))
 
 
-def stage_params(case: dict[str, Any], model: GPTMoEModel, pp_rank: int) -> list[nn.Parameter]:
-    bounds = case["stages"]
-    out: list[nn.Parameter] = []
-    for index in stage_indices(case, pp_rank):
-        out += list(GPTMoEStage(model, range(bounds[index], bounds[index + 1])).parameters())
-    return out
-
-
 def run(
     case: dict[str, Any],
-    model: GPTMoEModel,
+    model: nn.Module,
     schedule: Any,
     pp_rank: int,
     steps: int,
@@ -131,15 +167,15 @@ def run(
     return losses_per_step
 
 
-def plain_reference(case: dict[str, Any], model: GPTMoEModel, steps: int) -> list[Tensor | None]:
-    """Single-process plain training of the whole model: grads of the last step."""
+def plain_reference(case: dict[str, Any], built: Built, steps: int) -> list[Tensor | None]:
+    """Single-process plain training of the whole model (its own forward): last step's grads."""
     n = case["microbatches"]
     for step in range(steps):
-        model.zero_grad(set_to_none=True)
+        built.model.zero_grad(set_to_none=True)
         x, y = batch(case, step)
         for xs, ys in zip(x.chunk(n), y.chunk(n), strict=True):
-            (loss_fn(model(xs), ys) / n).backward()
-    return [p.grad for p in model.parameters()]
+            (loss_fn(built.logits(xs), ys) / n).backward()
+    return [p.grad for p in built.model.parameters()]
 
 
 def main() -> None:
@@ -157,33 +193,40 @@ def main() -> None:
     steps = 2
 
     torch.use_deterministic_algorithms(True)
-    base_model = build(case, ep_group, delay=False)
-    base = run(case, base_model, make_schedule(case, base_model, pp_rank, pp_group), pp_rank, steps)
+    base_built = build(case, ep_group, delay=False)
+    base_schedule, base_stages = make_schedule(case, base_built, pp_rank, pp_group)
+    base = run(case, base_built.model, base_schedule, pp_rank, steps)
 
-    model = build(case, ep_group, delay=case["delay"])
-    schedule = make_schedule(case, model, pp_rank, pp_group)
+    built = build(case, ep_group, delay=case["delay"])
+    model = built.model
+    schedule, stages = make_schedule(case, built, pp_rank, pp_group)
     seen = Interleaving()
     overlap = prepare_schedule(schedule, pair=case["schedule"] == "interleaved", observer=seen)
     failure = ""
     if case.get("fail_at") is not None:
+        assert isinstance(model, GPTMoEModel)
         failure = fail_once(case, model, schedule, pp_rank)
         discard_wgrad(model)
     got = run(case, model, schedule, pp_rank, steps)
 
-    mine = stage_params(case, model, pp_rank)
-    theirs = stage_params(case, base_model, pp_rank)
-    identical = all(
-        (a.grad is None and b.grad is None)
-        or (a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad))
-        for a, b in zip(mine, theirs, strict=True)
-    )
+    mine = [p for m in stages for p in m.parameters()]
+    theirs = [p for m in base_stages for p in m.parameters()]
+    names = [n for m in stages for n, _ in m.named_parameters()]
+    differ = [
+        name
+        for name, a, b in zip(names, mine, theirs, strict=True)
+        if not (
+            (a.grad is None and b.grad is None)
+            or (a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad))
+        )
+    ]
+    identical = not differ
     ids = {id(p) for p in theirs}
-    ref_model = build(case, ep_group, delay=False)
-    ref = plain_reference(case, ref_model, steps)
+    ref = plain_reference(case, build(case, ep_group, delay=False), steps)
     rtol, atol = (1e-4, 1e-6) if device(case).type == "cpu" else (5e-2, 1e-2)
     close = all(
         g is not None and p.grad is not None and torch.allclose(p.grad, g, rtol=rtol, atol=atol)
-        for p, g in zip(base_model.parameters(), ref, strict=True)
+        for p, g in zip(base_built.model.parameters(), ref, strict=True)
         if id(p) in ids
     )
     print(
@@ -196,6 +239,7 @@ def main() -> None:
                 "base": base,
                 "got": got,
                 "identical": identical,
+                "differ": differ,
                 "close_to_plain": close,
                 "failure": failure,
             }

@@ -42,6 +42,13 @@ CASES: dict[str, dict[str, Any]] = {
     "interleaved-pp2-ep2-mb8-delay": dict(
         pp=2, ep=2, schedule="interleaved", microbatches=8, delay=True
     ),
+    # transformers' Qwen3-MoE through the adapter (TransformersMoEStage), layer 0 dense.
+    "qwen3-moe-interleaved-pp2-mb4": dict(
+        pp=2, ep=1, schedule="interleaved", microbatches=4, delay=False, model="qwen3_moe"
+    ),
+    "qwen3-moe-dualpipev-pp2-mb4-delay": dict(
+        pp=2, ep=1, schedule="dualpipev", microbatches=4, delay=True, model="qwen3_moe"
+    ),
 }
 
 
@@ -66,7 +73,13 @@ def test_overlapped_schedule_is_bit_identical(name: str) -> None:
         assert row["plan_steps"] > 0, "the compute actions ran through plans"
         assert row["switches"] >= 2 * row["pairs"], "overlapped runs interleave microbatches"
         assert row["got"] == row["base"], f"rank {row['rank']}: losses differ"
-        assert row["identical"], f"rank {row['rank']}: a gradient differs from torch's run"
+        if CASES[name].get("model") == "qwen3_moe" and CASES[name]["delay"]:
+            # The adapter computes delayed expert weight gradients with its own grouped
+            # GEMM, not the experts module's autograd: those equal torch's run to rounding
+            # (close_to_plain below); every other gradient is bit-identical.
+            assert all(".experts." in n for n in row["differ"]), row["differ"]
+        else:
+            assert row["identical"], f"rank {row['rank']}: {row['differ']} differ from torch's"
         assert row["close_to_plain"], f"rank {row['rank']}: far from plain training"
     losses = [r["got"] for r in rows if r["got"][0]]
     assert losses and all(len(step) == CASES[name]["microbatches"] for step in losses[0])
