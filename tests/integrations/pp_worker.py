@@ -20,7 +20,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import (
+    ScheduleDualPipeV,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
 
 from moe_overlap import ScheduleError, Step
 from moe_overlap.adapters.transformers import TransformersMoEAdapter, TransformersMoEStage
@@ -31,6 +37,14 @@ from moe_overlap.models import GPTMoEConfig, GPTMoEModel, GPTMoEStage, masked_cr
 from tests.gloo_ranks import exit_worker
 
 B, S = 2, 8
+SCHEDULES: dict[str, Any] = {
+    "dualpipev": ScheduleDualPipeV,
+    "interleaved": ScheduleInterleaved1F1B,
+    "interleaved-zero-bubble": ScheduleInterleavedZeroBubble,
+    "looped-bfs": ScheduleLoopedBFS,
+    "zbv": ScheduleZBVZeroBubble,
+}
+V_SHAPED = ("dualpipev", "zbv")
 
 
 class Interleaving:
@@ -114,7 +128,7 @@ def _qwen3_moe(case: dict[str, Any], *, delay: bool) -> Built:
 
 def stage_indices(case: dict[str, Any], pp_rank: int) -> list[int]:
     pp, n = case["pp"], 2 * case["pp"]
-    if case["schedule"] == "dualpipev":
+    if case["schedule"] in V_SHAPED:
         return [pp_rank, n - 1 - pp_rank]
     return [pp_rank, pp_rank + pp]
 
@@ -129,7 +143,7 @@ def make_schedule(
         module = built.stage(range(bounds[index], bounds[index + 1]))
         modules.append(module)
         stages.append(PipelineStage(module, index, n, device(case), group=pp_group))
-    cls = ScheduleDualPipeV if case["schedule"] == "dualpipev" else ScheduleInterleaved1F1B
+    cls = SCHEDULES[case["schedule"]]
     return cls(stages, n_microbatches=case["microbatches"], loss_fn=loss_fn), modules
 
 
@@ -201,7 +215,12 @@ def main() -> None:
     model = built.model
     schedule, stages = make_schedule(case, built, pp_rank, pp_group)
     seen = Interleaving()
-    overlap = prepare_schedule(schedule, pair=case["schedule"] == "interleaved", observer=seen)
+    overlap = prepare_schedule(
+        schedule,
+        pair=case["schedule"] != "dualpipev",
+        overlap=case.get("overlap", True),
+        observer=seen,
+    )
     failure = ""
     if case.get("fail_at") is not None:
         assert isinstance(model, GPTMoEModel)
