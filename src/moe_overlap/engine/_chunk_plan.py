@@ -11,6 +11,7 @@ from torch import Tensor
 from ._conformance import check_model
 from ._errors import ConfigError, IntegrationError, PlanReleasedError, StreamError
 from ._executor import BValue, FValue, execute
+from ._fsdp_check import check_fsdp
 from ._layer_plan import POSITIONS, TransformerLayerSchedulePlan
 from ._node import ScheduleNode
 from ._options import ChunkHooks, PostBackwardHook, PostForwardHook, PreHook, ScheduleOptions
@@ -138,6 +139,7 @@ class ModelChunkSchedulePlan:
         ]
         for lp in self.layers:
             lp.microbatch = microbatch
+        check_fsdp(model, layers, delayed=any(lp.shape.delay_wgrad for lp in self.layers))
         self.post_process: PostProcessNode | None = (
             PostProcessNode(
                 model,

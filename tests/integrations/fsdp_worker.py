@@ -1,0 +1,165 @@
+"""One gloo rank of the FSDP2 tests: combined_1f1b on a model sharded by fully_shard_slots.
+
+``FSDP_CASE`` (JSON): ``dp`` x ``ep`` ranks (ranks ``d * ep + e``), ``microbatches``,
+``layer_level`` (fully_shard the layers instead) or ``delay`` (delayed weight
+gradients): both must be refused. Prints one JSON line:
+the losses overlapped, one after the other and with plain ``backward()`` on the same
+sharding, whether every local gradient shard is bit-identical across the three, and
+whether it is within float32 rounding of single-process training of the whole data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from moe_overlap import ConfigError, Microbatch, combined_1f1b
+from moe_overlap.integrations.fsdp import fully_shard_slots
+from moe_overlap.models import GPTMoEConfig, GPTMoEModel
+from tests.gloo_ranks import exit_worker
+
+CONFIG = GPTMoEConfig(
+    hidden_size=32,
+    num_layers=4,
+    first_k_dense=1,
+    num_experts=4,
+    ffn_hidden_size=64,
+    moe_ffn_hidden_size=16,
+    moe_shared_expert_hidden_size=16,
+    seed=2,
+)
+
+
+def data(rank: int, n: int) -> list[Microbatch]:
+    g = torch.Generator().manual_seed(50 + rank)
+    out = []
+    for _ in range(n):
+        x = torch.randint(0, 128, (2, 8), generator=g)
+        out.append(Microbatch(input_ids=x, labels=x.roll(-1, 1)))
+    return out
+
+
+def local(grad: Tensor | None) -> Tensor | None:
+    if grad is None:
+        return None
+    to_local: Any = getattr(grad, "to_local", None)
+    if callable(to_local):
+        return cast(Tensor, to_local())
+    return grad
+
+
+def main() -> None:
+    case: dict[str, Any] = json.loads(os.environ["FSDP_CASE"])
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dp, ep, n = case["dp"], case["ep"], case["microbatches"]
+    d, e = divmod(rank, ep)
+    ep_groups = [dist.new_group([dd * ep + ee for ee in range(ep)]) for dd in range(dp)]
+    ep_group: Any = ep_groups[d] if ep > 1 else None
+    mesh = init_device_mesh("cpu", (world,))
+    expert_mesh = (
+        init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))["dp"] if ep > 1 else None
+    )
+
+    config = dataclasses.replace(CONFIG, delay_wgrad_compute=bool(case.get("delay")))
+
+    def build() -> GPTMoEModel:
+        model = GPTMoEModel(config, ep_group=ep_group)
+        if case.get("layer_level"):
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.layer_list:
+                fully_shard(layer)
+        else:
+            fully_shard_slots(model, mesh=mesh, expert_mesh=expert_mesh)
+        return model
+
+    mbs = data(rank, n)
+    if case.get("layer_level") or case.get("delay"):
+        model = build()
+        try:
+            combined_1f1b(model, mbs, options=model.schedule_options())
+        except ConfigError as exc:
+            print(json.dumps({"rank": rank, "refused": str(exc)}), flush=True)
+            return
+        raise AssertionError("the misplaced FSDP was not refused")
+
+    runs: dict[str, tuple[list[float], list[Tensor | None]]] = {}
+    for name in ("overlap", "sequential", "plain"):
+        model = build()
+        if name == "plain":
+            losses = []
+            for mb in mbs:
+                loss = model(mb.input_ids, labels=mb.labels)
+                loss.backward()
+                losses.append(loss.detach())
+        else:
+            losses = combined_1f1b(model, mbs, overlap=name == "overlap")
+        runs[name] = ([float(v) for v in losses], [local(p.grad) for p in model.parameters()])
+
+    def same(a: list[Tensor | None], b: list[Tensor | None]) -> bool:
+        return all(
+            (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+            for x, y in zip(a, b, strict=True)
+        )
+
+    # Single process, all ranks' data: the mean over replicas of each one's summed losses.
+    ref = GPTMoEModel(CONFIG)
+    for r in range(world):
+        for mb in data(r, n):
+            (ref(mb.input_ids, labels=mb.labels) / world).backward()
+    close = closeness(runs["overlap"][1], ref, build(), ep_rank=e, ep=ep)
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "losses": runs["overlap"][0],
+                "plain_losses": runs["plain"][0],
+                "overlap_vs_sequential": same(runs["overlap"][1], runs["sequential"][1]),
+                "overlap_vs_plain": same(runs["overlap"][1], runs["plain"][1]),
+                "close_to_single_process": close,
+            }
+        ),
+        flush=True,
+    )
+
+
+def closeness(
+    grads: list[Tensor | None], ref: GPTMoEModel, sharded: nn.Module, *, ep_rank: int, ep: int
+) -> bool:
+    """Each local shard against the same rows of the single-process gradient."""
+    from moe_overlap.blocks import GroupedExperts
+
+    experts = {
+        id(p) for m in ref.modules() if isinstance(m, GroupedExperts) for p in m.parameters()
+    }
+    ok = True
+    for (name, p), full, grad in zip(
+        sharded.named_parameters(), ref.parameters(), grads, strict=True
+    ):
+        assert grad is not None, name
+        want = full.grad
+        assert want is not None, name
+        if id(full) in experts and ep > 1:  # this EP rank's experts, then its FSDP shard
+            per = want.shape[0] // ep
+            want = want[ep_rank * per : (ep_rank + 1) * per]
+        placements: Any = getattr(p, "placements", None)
+        if placements is not None:  # dim-0 shard of this rank in p's mesh
+            mesh: Any = cast(Any, p).device_mesh
+            size, index = mesh.size(), mesh.get_local_rank()
+            rows = -(-want.shape[0] // size)
+            want = want[index * rows : (index + 1) * rows]
+        if want.shape != grad.shape or not torch.allclose(grad, want, rtol=1e-4, atol=1e-6):
+            ok = False
+    return ok
+
+
+if __name__ == "__main__":
+    exit_worker(main)
