@@ -35,6 +35,9 @@ from moe_overlap.blocks._loopback import LoopbackMode as LoopbackMode
 from moe_overlap.blocks._loopback import loopback as loopback
 from moe_overlap.blocks._model import MegatronHooks as MegatronHooks
 from moe_overlap.blocks._model import Rotary as Rotary
+from moe_overlap.blocks._recompute import RecomputePart as RecomputePart
+from moe_overlap.blocks._recompute import recompute as recompute
+from moe_overlap.blocks._recompute import save_matmuls as save_matmuls
 from moe_overlap.blocks._router import ScoreFunction as ScoreFunction
 from moe_overlap.blocks._router import TopKRouter as TopKRouter
 from moe_overlap.blocks._router import attach_aux_loss as attach_aux_loss
@@ -51,6 +54,7 @@ from moe_overlap.blocks._transformer import SelfAttention as SelfAttention
 from moe_overlap.blocks._transformer import SwiGLUMLP as SwiGLUMLP
 from moe_overlap.blocks._transformer import apply_rotary as apply_rotary
 from moe_overlap.blocks._transformer import rotary_tables as rotary_tables
+from moe_overlap.blocks._transformer import swiglu as swiglu
 from moe_overlap.blocks._wgrad import DelayedWgradGroupedLinear as DelayedWgradGroupedLinear
 from moe_overlap.blocks._wgrad import DelayedWgradLinear as DelayedWgradLinear
 from moe_overlap.blocks._wgrad import DelayedWgradModule as DelayedWgradModule
@@ -82,6 +86,7 @@ __all__ = [
     "PermuteMeta",
     "PlainContext",
     "RMSNorm",
+    "RecomputePart",
     "Rotary",
     "RotaryTables",
     "ScoreFunction",
@@ -99,6 +104,9 @@ __all__ = [
     "loopback",
     "pair_input",
     "pending_wgrad",
+    "recompute",
     "rotary_tables",
+    "save_matmuls",
     "single_input",
+    "swiglu",
 ]

@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_overlap.blocks._recompute import recompute
+from moe_overlap.blocks._transformer import swiglu
 from moe_overlap.blocks._wgrad import DelayedWgradGroupedLinear
 
 __all__ = ["GroupedExperts"]
@@ -22,7 +23,8 @@ class GroupedExperts(nn.Module):
 
     ``fc1.weight`` is ``[L, 2F, D]`` (gate and up), ``fc2.weight`` is ``[L, D, F]``; this
     rank holds global experts ``expert_offset .. expert_offset+L-1``. A
-    :class:`~moe_overlap.WgradLayer`.
+    :class:`~moe_overlap.WgradLayer`. ``recompute_activation``: the SwiGLU product
+    recomputed in backward.
     """
 
     def __init__(
@@ -33,10 +35,12 @@ class GroupedExperts(nn.Module):
         *,
         expert_offset: int,
         delay_wgrad: bool,
+        recompute_activation: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
     ) -> None:
         super().__init__()
+        self.recompute_activation = recompute_activation
         self.local_experts = local_experts
         self.expert_offset = expert_offset
         self.fc1 = DelayedWgradGroupedLinear(
@@ -48,8 +52,9 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x_ND: Tensor, sizes: Sequence[int]) -> Tensor:
         """``sizes[l]`` rows of ``x_ND`` go to local expert ``l``, in order."""
-        gate, up = self.fc1(x_ND, sizes).chunk(2, dim=-1)
-        out: Tensor = self.fc2(F.silu(gate) * up, sizes)
+        h = self.fc1(x_ND, sizes)
+        act = recompute(swiglu, h) if self.recompute_activation else swiglu(h)
+        out: Tensor = self.fc2(act, sizes)
         return out
 
     def backward_dw(self) -> None:

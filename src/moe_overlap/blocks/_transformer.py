@@ -13,30 +13,53 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_overlap.blocks._recompute import recompute
 from moe_overlap.blocks._wgrad import DelayedWgradLinear
 
-__all__ = ["RMSNorm", "RotaryTables", "SelfAttention", "SwiGLUMLP", "apply_rotary", "rotary_tables"]
+__all__ = [
+    "RMSNorm",
+    "RotaryTables",
+    "SelfAttention",
+    "SwiGLUMLP",
+    "apply_rotary",
+    "rotary_tables",
+    "swiglu",
+]
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32, scaled by a learned weight."""
+    """Root-mean-square norm, computed in float32, scaled by a learned weight.
+
+    ``recompute``: recomputed in backward instead of storing its float32 intermediates.
+    """
 
     def __init__(
         self,
         dim: int,
         *,
         eps: float,
+        recompute: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
     ) -> None:
         super().__init__()
         self.eps = eps
+        self.recompute = recompute
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: Tensor) -> Tensor:
+        return recompute(self._norm, x) if self.recompute else self._norm(x)
+
+    def _norm(self, x: Tensor) -> Tensor:
         xf = x.float()
         normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.to(x.dtype) * self.weight
+
+
+def swiglu(gate_up: Tensor) -> Tensor:
+    """``silu(gate) * up`` of ``[gate, up]`` concatenated on the last dim."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 RotaryTables = tuple[Tensor, Tensor, Tensor]
@@ -67,7 +90,7 @@ class SelfAttention(nn.Module):
     """Causal multi-head self-attention with rotary embedding; fused QKV and output projection.
 
     A :class:`~moe_overlap.WgradLayer`: ``backward_dw`` runs both projections' delayed
-    weight gradients.
+    weight gradients. ``recompute_core``: softmax(QK^T)V recomputed in backward.
     """
 
     def __init__(
@@ -77,12 +100,14 @@ class SelfAttention(nn.Module):
         *,
         impl: Literal["math", "sdpa"],
         delay_wgrad: bool,
+        recompute_core: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
     ) -> None:
         super().__init__()
         self.heads = heads
         self.impl = impl
+        self.recompute_core = recompute_core
         self.qkv = DelayedWgradLinear(
             hidden, 3 * hidden, delay_wgrad=delay_wgrad, dtype=dtype, device=device
         )
@@ -98,17 +123,22 @@ class SelfAttention(nn.Module):
         q, k, v = qkv.unbind(0)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
-        if self.impl == "sdpa":
-            ctx_BHSE = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            scores = q.matmul(k.transpose(-2, -1)) * (1.0 / math.sqrt(E))
-            causal = torch.ones(S, S, dtype=torch.bool, device=x_BSD.device).tril()
-            scores = scores.masked_fill(~causal, float("-inf"))
-            weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)
-            ctx_BHSE = weights.matmul(v)
+        core = self._core
+        ctx_BHSE = recompute(core, q, k, v) if self.recompute_core else core(q, k, v)
         out_BSD = ctx_BHSE.transpose(1, 2).reshape(B, S, D)
         out: Tensor = self.proj(out_BSD)
         return out
+
+    def _core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        """Causal softmax(QK^T / sqrt(E)) V, per head."""
+        if self.impl == "sdpa":
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        S, E = q.shape[-2], q.shape[-1]
+        scores = q.matmul(k.transpose(-2, -1)) * (1.0 / math.sqrt(E))
+        causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)
+        return weights.matmul(v)
 
     def backward_dw(self) -> None:
         """Delayed weight gradients of the output projection, then of QKV."""
@@ -119,7 +149,8 @@ class SelfAttention(nn.Module):
 class SwiGLUMLP(nn.Module):
     """``fc2(silu(gate) * up)`` with ``[gate, up] = fc1(x)``: the dense MLP and shared expert.
 
-    A :class:`~moe_overlap.WgradLayer`.
+    A :class:`~moe_overlap.WgradLayer`. ``recompute_activation``: ``silu(gate) * up``
+    recomputed in backward.
     """
 
     def __init__(
@@ -128,10 +159,12 @@ class SwiGLUMLP(nn.Module):
         ffn: int,
         *,
         delay_wgrad: bool,
+        recompute_activation: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
     ) -> None:
         super().__init__()
+        self.recompute_activation = recompute_activation
         self.fc1 = DelayedWgradLinear(
             hidden, 2 * ffn, delay_wgrad=delay_wgrad, dtype=dtype, device=device
         )
@@ -140,8 +173,9 @@ class SwiGLUMLP(nn.Module):
         )
 
     def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.fc1(x).chunk(2, dim=-1)
-        out: Tensor = self.fc2(F.silu(gate) * up)
+        h = self.fc1(x)
+        act = recompute(swiglu, h) if self.recompute_activation else swiglu(h)
+        out: Tensor = self.fc2(act)
         return out
 
     def backward_dw(self) -> None:

@@ -21,6 +21,7 @@ from ._debug import DEBUG
 from ._errors import IntegrationError, NodeStateError
 from ._node_checks import check_in_graph, check_no_alias, check_not_saved
 from ._protocols import NodeTimer, StreamProvider
+from ._recompute_hold import held_for_recompute
 from ._streams import AnyEvent, CpuEvent, CpuStream, record_tensor_on, use_stream
 
 __all__ = [
@@ -229,6 +230,15 @@ class ScheduleNode:
             for t in kept:
                 if t is not None and t.untyped_storage().data_ptr() == ptr:
                     check_no_alias(self.name, _storages(inputs), (), kept)
+            if held_for_recompute(ptr):
+                raise IntegrationError(
+                    f"node {self.name!r}: the free-input policy releases this node's inputs "
+                    "after forward, but a recomputed region (activation checkpointing) "
+                    "holds one of them to rerun on in backward, which would read freed "
+                    "memory; expected recomputed regions to take tensors no freeing slot "
+                    "receives (recompute inside the slot that produces them, or on a copy), "
+                    "or ScheduleOptions(free_input=False)"
+                )
         if DEBUG:
             roots = [t.grad_fn for t in (*outputs, *self.graph_tails())]
             check_not_saved(self.name, _storages(inputs), inputs, roots)

@@ -138,8 +138,11 @@ def graph_saves(roots: Sequence[object], pointers: set[int]) -> list[str]:
 
     Walks ``grad_fn`` nodes through ``next_functions`` and reads their saved tensors
     (``_saved_*`` of built-in nodes, ``saved_tensors`` of custom Functions); returns
-    ``"NodeName.field"`` for each hit, except :data:`METADATA_ONLY_SAVES`. Debug mode only:
-    it touches every node of the graph.
+    ``"NodeName.field"`` for each hit, except :data:`METADATA_ONLY_SAVES`. A saved tensor
+    behind an unpack hook (activation checkpointing, offloading) is not read: unpacking it
+    would recompute (or consume) it; a checkpointed region keeps its inputs for the
+    recompute, which fails loudly on a freed one. Debug mode only: it touches every node
+    of the graph.
     """
     found: list[str] = []
     for fn in walk_graph(roots):
@@ -147,7 +150,7 @@ def graph_saves(roots: Sequence[object], pointers: set[int]) -> list[str]:
         for attr in dir(fn):
             if not (attr.startswith("_saved_") or attr == "saved_tensors"):
                 continue
-            if (kind, attr) in METADATA_ONLY_SAVES:
+            if (kind, attr) in METADATA_ONLY_SAVES or _behind_hooks(fn, attr):
                 continue
             try:
                 value: object = getattr(fn, attr)
@@ -160,6 +163,17 @@ def graph_saves(roots: Sequence[object], pointers: set[int]) -> list[str]:
                 if isinstance(t, Tensor) and t.untyped_storage().data_ptr() in pointers:
                     found.append(f"{kind}.{attr.removeprefix('_saved_')}")
     return found
+
+
+def _behind_hooks(fn: object, attr: str) -> bool:
+    """Whether the saved tensor(s) ``attr`` of ``fn`` unpack through a saved-tensor hook."""
+    raw_name = "_raw_saved_tensors" if attr == "saved_tensors" else f"_raw{attr}"
+    try:
+        raw: object = getattr(fn, raw_name, None)
+    except RuntimeError:  # released
+        return False
+    items = cast("tuple[object, ...]", raw) if isinstance(raw, (tuple, list)) else (raw,)
+    return any(getattr(r, "unpack_hook", None) is not None for r in items)
 
 
 def check_not_saved(

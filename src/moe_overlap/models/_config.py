@@ -9,6 +9,7 @@ import torch
 
 from moe_overlap import ConfigError, CudaGraphModule
 from moe_overlap.blocks._dispatcher import DispatcherKind
+from moe_overlap.blocks._recompute import RecomputePart, check_recompute
 
 __all__ = ["GPTMoEConfig"]
 
@@ -27,6 +28,9 @@ class GPTMoEConfig:
     otherwise is an error).
     ``moe_aux_loss_coeff`` 0 turns the load-balancing loss off. ``attention`` ``math``
     is explicit, deterministic on every device; ``sdpa`` is PyTorch's fused kernel.
+    ``recompute`` names the parts recomputed in backward instead of stored
+    (:data:`~moe_overlap.blocks.RecomputePart`: ``norm``, ``attention_core``,
+    ``activation``, ``attention``), in the plain path and the schedule alike.
     """
 
     vocab_size: int = 128
@@ -48,6 +52,7 @@ class GPTMoEConfig:
     seed: int = 0
     dtype: torch.dtype = torch.float32
     delay_wgrad_compute: bool = False
+    recompute: tuple[RecomputePart, ...] = ()
     # FreeInputConfig / ModelConfigLike: what the schedule reads.
     moe_token_dispatcher_type: Literal["alltoall"] = "alltoall"
     moe_flex_dispatcher_backend: None = None
@@ -108,6 +113,7 @@ class GPTMoEConfig:
                 "GPTMoEConfig.dtype: expected torch.float32, torch.bfloat16 or torch.float64, "
                 f"received {self.dtype}"
             )
+        check_recompute(self.recompute, "GPTMoEConfig.recompute")
         if self.moe_aux_loss_coeff < 0:
             raise ConfigError(
                 "GPTMoEConfig.moe_aux_loss_coeff: expected >= 0, "

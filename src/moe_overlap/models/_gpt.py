@@ -82,7 +82,13 @@ class GPTMoEModel(MegatronHooks, nn.Module):
         ]
         self.layer_list: tuple[GPTLayer, ...] = tuple(layers)
         self.decoder = Decoder(layers)
-        self.final_norm = RMSNorm(c.hidden_size, eps=c.norm_eps, dtype=c.dtype, device=dev)
+        self.final_norm = RMSNorm(
+            c.hidden_size,
+            eps=c.norm_eps,
+            recompute="norm" in c.recompute,
+            dtype=c.dtype,
+            device=dev,
+        )
         self.output_layer = nn.Linear(
             c.hidden_size, c.vocab_size, bias=False, dtype=c.dtype, device=dev
         )

@@ -30,6 +30,7 @@ from moe_overlap import (
 )
 from moe_overlap.blocks._dispatcher import TokenDispatcher
 from moe_overlap.blocks._experts import GroupedExperts
+from moe_overlap.blocks._recompute import recompute, save_matmuls
 from moe_overlap.blocks._router import TopKRouter
 from moe_overlap.blocks._slots import (
     DenseSlots,
@@ -55,23 +56,45 @@ def _rotary(ctx: SlotContext, where: str) -> tuple[Tensor, Tensor]:
     return cs.rotary_pos_cos, cs.rotary_pos_sin
 
 
+def _norm(config: GPTMoEConfig, device: torch.device | None) -> RMSNorm:
+    c = config
+    return RMSNorm(
+        c.hidden_size,
+        eps=c.norm_eps,
+        recompute="norm" in c.recompute,
+        dtype=c.dtype,
+        device=device,
+    )
+
+
 class _AttentionBlock(nn.Module):
-    """``x + attention(norm(x))``: the first half of every layer."""
+    """``x + attention(norm(x))``: the first half of every layer.
+
+    With ``"attention"`` in ``config.recompute``, recomputed in backward selectively: its
+    matrix products saved, the rest recomputed (:func:`~moe_overlap.blocks.save_matmuls`).
+    """
 
     def __init__(self, config: GPTMoEConfig, device: torch.device | None) -> None:
         super().__init__()
         c = config
-        self.input_norm = RMSNorm(c.hidden_size, eps=c.norm_eps, dtype=c.dtype, device=device)
+        self.selective = "attention" in c.recompute
+        self.input_norm = _norm(c, device)
         self.attention = SelfAttention(
             c.hidden_size,
             c.num_attention_heads,
             impl=c.attention,
             delay_wgrad=c.delay_wgrad_compute,
+            recompute_core="attention_core" in c.recompute,
             dtype=c.dtype,
             device=device,
         )
 
     def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        if self.selective:
+            return recompute(self._block, x_BSD, cos, sin, policy=save_matmuls)
+        return self._block(x_BSD, cos, sin)
+
+    def _block(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         attn: Tensor = self.attention(self.input_norm(x_BSD), cos, sin)
         return x_BSD + attn
 
@@ -88,11 +111,12 @@ class DenseLayer(DenseSlots, nn.Module):
         self.config = config
         self.index = index
         self.attn_block = _AttentionBlock(c, device)
-        self.pre_mlp_norm = RMSNorm(c.hidden_size, eps=c.norm_eps, dtype=c.dtype, device=device)
+        self.pre_mlp_norm = _norm(c, device)
         self.mlp = SwiGLUMLP(
             c.hidden_size,
             c.ffn_hidden_size,
             delay_wgrad=c.delay_wgrad_compute,
+            recompute_activation="activation" in c.recompute,
             dtype=c.dtype,
             device=device,
         )
@@ -152,7 +176,7 @@ class MoELayer(MoESlots, nn.Module):
         self.index = index
         self.dispatcher = dispatcher
         self.attn_block = _AttentionBlock(c, device)
-        self.pre_mlp_norm = RMSNorm(c.hidden_size, eps=c.norm_eps, dtype=c.dtype, device=device)
+        self.pre_mlp_norm = _norm(c, device)
         self.router = TopKRouter(
             c.hidden_size,
             c.num_experts,
@@ -167,6 +191,7 @@ class MoELayer(MoESlots, nn.Module):
                 c.hidden_size,
                 shared,
                 delay_wgrad=c.delay_wgrad_compute,
+                recompute_activation="activation" in c.recompute,
                 dtype=c.dtype,
                 device=device,
             )
@@ -179,6 +204,7 @@ class MoELayer(MoESlots, nn.Module):
             c.moe_ffn_hidden_size,
             expert_offset=dispatcher.expert_offset,
             delay_wgrad=c.delay_wgrad_compute,
+            recompute_activation="activation" in c.recompute,
             dtype=c.dtype,
             device=device,
         )

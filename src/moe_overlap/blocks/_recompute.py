@@ -1,0 +1,113 @@
+"""Activation recomputation inside slots, through ``torch.utils.checkpoint`` (non-reentrant).
+
+A recomputed region stores only its inputs in forward and runs again when its slot's
+backward first needs what it would have saved: inside that slot's backward node, on that
+node's stream, whichever microbatch's forward is overlapped with it. The parts a layer
+may recompute are named by :data:`RecomputePart`:
+
+- ``"norm"``: each RMSNorm (its float32 intermediates are the saving);
+- ``"attention_core"``: softmax(QK^T)V (the ``S x S`` scores);
+- ``"activation"``: the SwiGLU product of the MLPs and the routed experts;
+- ``"attention"``: the whole attention block, *selectively*: matrix products (projections,
+  scores, context) are saved, everything else (norm, rotary, softmax, masking) recomputed,
+  with :func:`save_matmuls` as the policy of ``create_selective_checkpoint_contexts``.
+
+Recomputation reruns the same operations on the same inputs, so on a deterministic
+backend the results are bit-identical to storing. A recomputed region's inputs stay alive
+until its backward: a slot whose inputs the free-input policy releases must not pass them
+to one, as the recompute would read freed memory. :func:`recompute` records its inputs,
+and such a slot raises :class:`~moe_overlap.IntegrationError` instead of freeing them (a
+region checkpointed with ``torch.utils.checkpoint`` directly is not recorded: keep its
+inputs out of freeing slots, or turn free-input off).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import Any, Literal, cast, get_args
+
+import torch
+import torch.utils.checkpoint as _checkpoint
+from torch import Tensor
+from torch.utils.checkpoint import CheckpointPolicy
+
+from moe_overlap import ConfigError
+from moe_overlap.engine._recompute_hold import hold_for_recompute
+
+__all__ = ["RecomputePart", "check_recompute", "recompute", "save_matmuls"]
+
+RecomputePart = Literal["norm", "attention_core", "activation", "attention"]
+"""A part of a layer that can be recomputed in backward instead of stored."""
+
+_PARTS: tuple[str, ...] = get_args(RecomputePart)
+
+_aten: Any = torch.ops.aten
+_MATMULS = frozenset(
+    op
+    for op in (
+        getattr(_aten, name, None)
+        for name in (
+            "mm",
+            "bmm",
+            "addmm",
+            "baddbmm",
+            "_grouped_mm",
+            "_scaled_dot_product_flash_attention",
+            "_scaled_dot_product_efficient_attention",
+            "_scaled_dot_product_cudnn_attention",
+        )
+    )
+    if op is not None
+)
+
+
+def save_matmuls(ctx: object, op: object, *args: object, **kwargs: object) -> CheckpointPolicy:
+    """Selective-checkpoint policy: save matrix products' outputs, recompute the rest."""
+    del ctx, args, kwargs
+    packet: object = getattr(op, "overloadpacket", op)
+    if packet in _MATMULS:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def recompute(
+    fn: Callable[..., Tensor],
+    *args: object,
+    policy: Callable[..., CheckpointPolicy] | None = None,
+) -> Tensor:
+    """``fn(*args)``, recomputed in backward (selectively with ``policy``) when autograd records.
+
+    Non-reentrant ``torch.utils.checkpoint``; under ``torch.no_grad()`` a plain call.
+    """
+    if not torch.is_grad_enabled():
+        return fn(*args)
+    hold_for_recompute(args)  # a freeing slot then refuses to release them
+    # torch leaves checkpoint's signature partly unannotated.
+    run = cast("Callable[..., object]", _checkpoint.checkpoint)  # pyright: ignore[reportUnknownMemberType]
+    if policy is None:
+        out = run(fn, *args, use_reentrant=False)
+    else:
+        contexts = partial(
+            cast(
+                "Callable[..., object]",
+                _checkpoint.create_selective_checkpoint_contexts,  # pyright: ignore[reportUnknownMemberType]
+            ),
+            policy,
+        )
+        out = run(fn, *args, use_reentrant=False, context_fn=contexts)
+    return cast(Tensor, out)
+
+
+def check_recompute(parts: Iterable[object], where: str) -> frozenset[RecomputePart]:
+    """``parts`` as a set of :data:`RecomputePart`; an unknown name is a ConfigError."""
+    if isinstance(parts, str):
+        raise ConfigError(
+            f"{where}: expected a collection of recompute parts {_PARTS}, received the "
+            f"string {parts!r}; pass ({parts!r},)"
+        )
+    chosen = tuple(parts)
+    unknown = [p for p in chosen if p not in _PARTS]
+    if unknown:
+        raise ConfigError(f"{where}: expected recompute parts among {_PARTS}, received {unknown}")
+    return frozenset(cast("tuple[RecomputePart, ...]", chosen))
