@@ -10,7 +10,7 @@ import inspect
 import sys
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import cast
@@ -45,7 +45,8 @@ from moe_overlap.adapters._hf_structure import (
     measure_block,
     trace_layer,
 )
-from moe_overlap.blocks import MegatronHooks, TokenDispatcher
+from moe_overlap.blocks import MegatronHooks, TokenDispatcher, recompute_module
+from moe_overlap.blocks._recompute import check_recompute
 from moe_overlap.engine._state import ChunkState
 
 __all__ = ["AdapterConfig", "AdapterDecoder", "SelfCheck", "TransformersMoEAdapter"]
@@ -208,6 +209,11 @@ class TransformersMoEAdapter(MegatronHooks):
             layer's own ``forward`` on a float32 probe (outputs and gradients) and refuse a
             mismatch with :class:`~moe_overlap.ConfigError`. On by default; ``False`` takes
             the likeliest split unverified (see :attr:`self_check_report`).
+        recompute: parts of every layer recomputed in backward instead of stored, through
+            ``torch.utils.checkpoint`` (:func:`~moe_overlap.blocks.recompute_module`):
+            ``"attention"`` (the layer's attention module, selectively: its matrix products
+            kept) and ``"norm"`` (the norms around attention and MLP). Applied to the
+            model's own modules, so its own ``forward`` recomputes them too.
 
     Raises :class:`~moe_overlap.ConfigError` at construction for a model it cannot train
     exactly, naming the member and the reason.
@@ -221,8 +227,17 @@ class TransformersMoEAdapter(MegatronHooks):
         delay_wgrad_compute: bool = False,
         router_aux_loss: bool | None = None,
         self_check: bool = True,
+        recompute: Iterable[str] = (),
     ) -> None:
         name = type(model).__name__
+        parts = check_recompute(recompute, f"{name} adapter: recompute")
+        unsupported = sorted(parts - {"attention", "norm"})
+        if unsupported:
+            raise ConfigError(
+                f"{name} adapter: recompute: expected 'attention' and/or 'norm' (the layer's "
+                f"own modules the slots call), received also {unsupported}, which sit inside "
+                "transformers modules the adapter runs whole"
+            )
         self.model = model
         self.base = base_model(model)
         layer_list = decoder_layers(self.base)
@@ -340,6 +355,7 @@ class TransformersMoEAdapter(MegatronHooks):
                 )
             )
         self.decoder = AdapterDecoder(tuple(adapted))
+        self._recompute(parts)
         self._accepts_router_flag = (
             "output_router_logits" in inspect.signature(type(model).forward).parameters
         )
@@ -500,6 +516,31 @@ class TransformersMoEAdapter(MegatronHooks):
             f"float32 probe: {best[0]} (closest split tried: {best[1].describe()}; "
             f"{len(splits)} tried)"
         )
+
+    def _recompute(self, parts: frozenset[str]) -> None:
+        """Recompute the named parts of every layer (the MoE splits name the children; a
+        dense layer's children of the same names are its own attention and norms)."""
+        if not parts:
+            return
+        attn: set[str] = set()
+        norms: set[str] = set()
+        for layer in self.decoder.layers:
+            if isinstance(layer, HFMoELayer):
+                s = layer.split
+                attn.add(s.attn)
+                norms.update(
+                    n for n in (s.in_norm, s.attn_out_norm, s.pre_mlp_norm, s.mlp_out_norm) if n
+                )
+                if s.block_out_norm is not None:
+                    norms.add(f"{s.block}.{s.block_out_norm}")
+        for layer in self.decoder.layers:
+            owned = dict(cast("Iterator[tuple[str, nn.Module]]", layer.layer.named_modules()))
+            if "attention" in parts:
+                for n in sorted(attn & owned.keys()):
+                    recompute_module(owned[n], selective=True)
+            if "norm" in parts:
+                for n in sorted(norms & owned.keys()):
+                    recompute_module(owned[n])
 
     def _label_delayed_modules(self) -> None:
         """Name each delayed module after its place in the model, for error messages."""

@@ -37,6 +37,7 @@ from moe_overlap.blocks._model import MegatronHooks as MegatronHooks
 from moe_overlap.blocks._model import Rotary as Rotary
 from moe_overlap.blocks._recompute import RecomputePart as RecomputePart
 from moe_overlap.blocks._recompute import recompute as recompute
+from moe_overlap.blocks._recompute import recompute_module as recompute_module
 from moe_overlap.blocks._recompute import save_matmuls as save_matmuls
 from moe_overlap.blocks._router import ScoreFunction as ScoreFunction
 from moe_overlap.blocks._router import TopKRouter as TopKRouter
@@ -105,6 +106,7 @@ __all__ = [
     "pair_input",
     "pending_wgrad",
     "recompute",
+    "recompute_module",
     "rotary_tables",
     "save_matmuls",
     "single_input",

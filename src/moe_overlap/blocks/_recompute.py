@@ -23,19 +23,22 @@ inputs out of freeing slots, or turn free-input off).
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any, Literal, cast, get_args
+from typing import Any, Literal, TypeVar, cast, get_args
 
 import torch
 import torch.utils.checkpoint as _checkpoint
-from torch import Tensor
+from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from moe_overlap import ConfigError
 from moe_overlap.engine._recompute_hold import hold_for_recompute
 
-__all__ = ["RecomputePart", "check_recompute", "recompute", "save_matmuls"]
+__all__ = ["RecomputePart", "check_recompute", "recompute", "recompute_module", "save_matmuls"]
+
+_T = TypeVar("_T")
 
 RecomputePart = Literal["norm", "attention_core", "activation", "attention"]
 """A part of a layer that can be recomputed in backward instead of stored."""
@@ -72,21 +75,23 @@ def save_matmuls(ctx: object, op: object, *args: object, **kwargs: object) -> Ch
 
 
 def recompute(
-    fn: Callable[..., Tensor],
+    fn: Callable[..., _T],
     *args: object,
     policy: Callable[..., CheckpointPolicy] | None = None,
-) -> Tensor:
-    """``fn(*args)``, recomputed in backward (selectively with ``policy``) when autograd records.
+    **kwargs: object,
+) -> _T:
+    """``fn(*args, **kwargs)``, recomputed in backward (selectively with ``policy``) when
+    autograd records.
 
     Non-reentrant ``torch.utils.checkpoint``; under ``torch.no_grad()`` a plain call.
     """
     if not torch.is_grad_enabled():
-        return fn(*args)
-    hold_for_recompute(args)  # a freeing slot then refuses to release them
+        return fn(*args, **kwargs)
+    hold_for_recompute((*args, *kwargs.values()))  # a freeing slot then refuses to free them
     # torch leaves checkpoint's signature partly unannotated.
     run = cast("Callable[..., object]", _checkpoint.checkpoint)  # pyright: ignore[reportUnknownMemberType]
     if policy is None:
-        out = run(fn, *args, use_reentrant=False)
+        out = run(fn, *args, use_reentrant=False, **kwargs)
     else:
         contexts = partial(
             cast(
@@ -95,8 +100,25 @@ def recompute(
             ),
             policy,
         )
-        out = run(fn, *args, use_reentrant=False, context_fn=contexts)
-    return cast(Tensor, out)
+        out = run(fn, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+    return cast(_T, out)
+
+
+def recompute_module(module: nn.Module, *, selective: bool = False) -> None:
+    """Make every call of ``module`` recomputed in backward (selectively: matrix products
+    kept, :func:`save_matmuls`), wherever it is called from.
+
+    Sets ``module.forward`` to a method of ``module`` (a copy of ``module`` recomputes
+    too, and calls its own forward); parameters and ``state_dict`` are unchanged.
+    """
+    module.__dict__["_moe_overlap_recompute"] = save_matmuls if selective else None
+    module.forward = types.MethodType(_recomputed_forward, module)
+
+
+def _recomputed_forward(self: nn.Module, *args: object, **kwargs: object) -> object:
+    policy = cast("Callable[..., CheckpointPolicy] | None", self.__dict__["_moe_overlap_recompute"])
+    forward = cast("Callable[..., object]", type(self).forward.__get__(self))
+    return recompute(forward, *args, policy=policy, **kwargs)
 
 
 def check_recompute(parts: Iterable[object], where: str) -> frozenset[RecomputePart]:
