@@ -140,9 +140,10 @@ def graph_saves(roots: Sequence[object], pointers: set[int]) -> list[str]:
     (``_saved_*`` of built-in nodes, ``saved_tensors`` of custom Functions); returns
     ``"NodeName.field"`` for each hit, except :data:`METADATA_ONLY_SAVES`. A saved tensor
     behind an unpack hook (activation checkpointing, offloading) is not read: unpacking it
-    would recompute (or consume) it; a checkpointed region keeps its inputs for the
-    recompute, which fails loudly on a freed one. Debug mode only: it touches every node
-    of the graph.
+    would recompute (or consume) it. A region's own inputs are guarded instead where it is
+    made with :func:`moe_overlap.blocks.recompute` (a freeing node refuses to release
+    them); one made with ``torch.utils.checkpoint`` directly is not. Debug mode only: it
+    touches every node of the graph.
     """
     found: list[str] = []
     for fn in walk_graph(roots):

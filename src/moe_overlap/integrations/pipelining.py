@@ -294,9 +294,9 @@ class PipelineOverlap:
         self._stages: dict[int, _PipelineStageBase] = {
             s.stage_index: s for s in self.schedule._stages
         }
-        self._options = {i: _stage_options(st, options) for i, st in self._stages.items()}
         for stage in self._stages.values():
             _check_stage(stage)
+        self._options = {i: _stage_options(st, options) for i, st in self._stages.items()}
         if pair:
             self._pair()
         self.paired = _check_actions(self.schedule)
