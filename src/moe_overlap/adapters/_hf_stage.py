@@ -12,13 +12,12 @@ from moe_overlap import ConfigError, IntegrationError, ScheduleOptions, WgradErr
 from moe_overlap.adapters._hf_calls import causal_lm_output, decoder_layers
 from moe_overlap.adapters._hf_layers import HFLayer
 from moe_overlap.adapters._hf_model import AdapterConfig, AdapterDecoder, TransformersMoEAdapter
-from moe_overlap.blocks import MegatronHooks
-from moe_overlap.engine._state import ChunkState
+from moe_overlap.blocks import MegatronHooks, StageRange
 
 __all__ = ["TransformersMoEStage"]
 
 
-class TransformersMoEStage(MegatronHooks, nn.Module):
+class TransformersMoEStage(StageRange, MegatronHooks, nn.Module):
     """Decoder layers ``layers`` of an adapted model as one pipeline stage.
 
     A ``PreprocessableModel`` chunk and the ``nn.Module`` a ``PipelineStage`` takes. Its
@@ -39,13 +38,8 @@ class TransformersMoEStage(MegatronHooks, nn.Module):
     def __init__(self, adapter: TransformersMoEAdapter, layers: range) -> None:
         super().__init__()
         all_layers = adapter.decoder.layers
-        n = len(all_layers)
         name = type(adapter.model).__name__
-        if layers.step != 1 or not 0 <= layers.start < layers.stop <= n:
-            raise ConfigError(
-                f"TransformersMoEStage({name}): expected layers as range(a, b) with "
-                f"0 <= a < b <= {n} (the decoder layers), received {layers!r}"
-            )
+        self.set_range(layers, len(all_layers), f"TransformersMoEStage({name})")
         if adapter.aux is not None:
             raise ConfigError(
                 f"TransformersMoEStage({name}): the router aux loss sums over every layer of a "
@@ -53,22 +47,19 @@ class TransformersMoEStage(MegatronHooks, nn.Module):
                 "(TransformersMoEAdapter(..., router_aux_loss=False))"
             )
         object.__setattr__(self, "_adapter", adapter)  # not a submodule: it holds no weights
-        self.layers_range = layers
-        self._pre = layers.start == 0
-        self._post = layers.stop == n
         self.config: AdapterConfig = adapter.config
         self.layer_list: tuple[HFLayer, ...] = tuple(all_layers[layers.start : layers.stop])
         self.decoder = AdapterDecoder(self.layer_list)
         self.hf_layers = nn.ModuleList(layer.layer for layer in self.layer_list)
         first, last = _outside_parameters(adapter)
         tied = sorted(first.keys() & last.keys())
-        if tied and not (self._pre and self._post):
+        if tied and not (self.pre_process and self.post_process):
             raise ConfigError(
                 f"TransformersMoEStage({name}): {tied} are reached by both the embedding and "
                 "the LM head (tied weights); expected them on one stage, received a split "
                 "into stages (untie them: tie_word_embeddings=False)"
             )
-        owned = {**(first if self._pre else {}), **(last if self._post else {})}
+        owned = {**(first if self.pre_process else {}), **(last if self.post_process else {})}
         self.outside = nn.ModuleDict(
             {key.replace(".", "__"): module for key, module in sorted(owned.items())}
         )
@@ -76,18 +67,6 @@ class TransformersMoEStage(MegatronHooks, nn.Module):
     @property
     def adapter(self) -> TransformersMoEAdapter:
         return cast(TransformersMoEAdapter, object.__getattribute__(self, "_adapter"))
-
-    @property
-    def pre_process(self) -> bool:
-        return self._pre
-
-    @property
-    def post_process(self) -> bool:
-        return self._post
-
-    def extra_repr(self) -> str:
-        r = self.layers_range
-        return f"layers={r.start}..{r.stop - 1}, pre_process={self._pre}, post_process={self._post}"
 
     def schedule_options(
         self, *, free_input: bool = True, ep_overlap_early_attn_memory_release: bool = False
@@ -98,7 +77,7 @@ class TransformersMoEStage(MegatronHooks, nn.Module):
         )
 
     def embed_at(self, input_ids: Tensor, position_ids: Tensor | None) -> Tensor:
-        if not self._pre:
+        if not self.pre_process:
             raise IntegrationError(
                 f"TransformersMoEStage({self.extra_repr()}): only the first stage embeds "
                 "token ids; this stage takes hidden states"
@@ -120,7 +99,7 @@ class TransformersMoEStage(MegatronHooks, nn.Module):
     def output(
         self, hidden_states: Tensor, labels: Tensor | None, loss_mask: Tensor | None
     ) -> Tensor:
-        if not self._post:
+        if not self.post_process:
             raise IntegrationError(
                 f"TransformersMoEStage({self.extra_repr()}): only the last stage has the LM head"
             )
@@ -128,21 +107,7 @@ class TransformersMoEStage(MegatronHooks, nn.Module):
 
     def forward(self, x: Tensor, position_ids: Tensor | None = None) -> Tensor:
         """The plain path: token ids or hidden states in, hidden states or logits out."""
-        if self._pre:
-            pre = self._preprocess(x, position_ids)
-        else:
-            pre = self._preprocess(None, position_ids, decoder_input=x)
-        cs = ChunkState(
-            input_ids=x if self._pre else None,
-            position_ids=position_ids,
-            decoder_input=pre.decoder_input,
-        )
-        h = pre.decoder_input
-        for layer in self.layer_list:
-            h = layer.run_plain(h, cs)
-        if not self._post:
-            return h
-        return self.output(h, None, None)
+        return self.plain_forward(x, position_ids)
 
     def pending_wgrad(self) -> int:
         """How many delayed weight gradients of this stage wait for ``backward_dw``."""

@@ -34,7 +34,9 @@ from moe_overlap.blocks._loopback import HostLoopback as HostLoopback
 from moe_overlap.blocks._loopback import LoopbackMode as LoopbackMode
 from moe_overlap.blocks._loopback import loopback as loopback
 from moe_overlap.blocks._model import MegatronHooks as MegatronHooks
+from moe_overlap.blocks._model import PlainLayer as PlainLayer
 from moe_overlap.blocks._model import Rotary as Rotary
+from moe_overlap.blocks._model import StageRange as StageRange
 from moe_overlap.blocks._recompute import RecomputePart as RecomputePart
 from moe_overlap.blocks._recompute import recompute as recompute
 from moe_overlap.blocks._recompute import recompute_module as recompute_module
@@ -86,6 +88,7 @@ __all__ = [
     "MoESlots",
     "PermuteMeta",
     "PlainContext",
+    "PlainLayer",
     "RMSNorm",
     "RecomputePart",
     "Rotary",
@@ -93,6 +96,7 @@ __all__ = [
     "ScoreFunction",
     "SelfAttention",
     "SlotContext",
+    "StageRange",
     "SwiGLUMLP",
     "TokenDispatcher",
     "TopKRouter",

@@ -10,12 +10,12 @@ says how it embeds token ids (:meth:`~MegatronHooks.embed`), which rotary tables
 # No ``from __future__ import annotations``: the NamedTuple's field types must be real objects
 # at run time for debug mode's checks.
 
-from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Mapping
+from typing import NamedTuple, Protocol, cast
 
 from torch import Tensor
 
-from moe_overlap import ConfigError, IntegrationError, PreprocessOutput, ScheduleOptions
+from moe_overlap import ChunkState, ConfigError, IntegrationError, PreprocessOutput, ScheduleOptions
 
 __all__ = ["MegatronHooks", "Rotary"]
 
@@ -28,6 +28,49 @@ class Rotary(NamedTuple):
     sin: Tensor | None = None
 
 
+class StageRange:
+    """Mixin: a pipeline stage's place, layers ``layers_range`` of a model's ``n``.
+
+    ``pre_process`` when the range starts at 0, ``post_process`` when it ends at ``n``;
+    the two stage flags :class:`~moe_overlap.PreprocessableModel` asks for.
+    """
+
+    layers_range: range
+
+    def set_range(self, layers: range, n: int, where: str) -> None:
+        """Check ``layers`` (``range(a, b)``, ``0 <= a <= b <= n``) and keep it."""
+        if not isinstance(cast(object, layers), range) or layers.step != 1:
+            raise ConfigError(f"{where}: expected layers as range(a, b), received {layers!r}")
+        if not 0 <= layers.start <= layers.stop <= n:
+            raise ConfigError(
+                f"{where}: expected layers as range(a, b) with 0 <= a <= b <= {n} (the "
+                f"model's layers), received {layers!r}"
+            )
+        self.layers_range = layers
+        self._stage_n = n
+
+    @property
+    def pre_process(self) -> bool:
+        return self.layers_range.start == 0
+
+    @property
+    def post_process(self) -> bool:
+        return self.layers_range.stop == self._stage_n
+
+    def extra_repr(self) -> str:
+        r = self.layers_range
+        return (
+            f"layers={r.start}..{r.stop - 1}, pre_process={self.pre_process}, "
+            f"post_process={self.post_process}"
+        )
+
+
+class PlainLayer(Protocol):
+    """A layer with a plain path (the slots' operations without a schedule)."""
+
+    def run_plain(self, x: Tensor, chunk_state: ChunkState) -> Tensor: ...
+
+
 class MegatronHooks:
     """Mixin: ``_preprocess`` and ``_postprocess`` with Megatron-Core's names and checks.
 
@@ -38,6 +81,56 @@ class MegatronHooks:
     on a later pipeline stage the schedule passes ``decoder.input_tensor`` as
     ``decoder_input`` and nothing is embedded.
     """
+
+    def plain_forward(
+        self,
+        x: Tensor,
+        position_ids: Tensor | None = None,
+        *,
+        labels: Tensor | None = None,
+        loss_mask: Tensor | None = None,
+    ) -> Tensor:
+        """The chunk without a schedule: ``_preprocess``, each layer's ``run_plain``, then
+        ``_postprocess`` (the loss with ``labels``, else usually the logits).
+
+        ``x`` is the token ids when the model has ``pre_process`` (a first pipeline
+        stage or a whole model), else the hidden states from the previous stage; without
+        ``post_process`` the last layer's hidden states are returned.
+        """
+        pre_process = bool(getattr(self, "pre_process", True))
+        post_process = bool(getattr(self, "post_process", True))
+        if pre_process:
+            pre = self._preprocess(x, position_ids)
+        else:
+            pre = self._preprocess(None, position_ids, decoder_input=x)
+        input_ids = x if pre_process else None
+        cs = ChunkState(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            labels=labels,
+            loss_mask=loss_mask,
+            decoder_input=pre.decoder_input,
+            rotary_pos_emb=pre.rotary_pos_emb,
+            rotary_pos_cos=pre.rotary_pos_cos,
+            rotary_pos_sin=pre.rotary_pos_sin,
+        )
+        decoder: object = getattr(self, "decoder", None)
+        layers = cast("Iterable[PlainLayer]", getattr(decoder, "layers", ()))
+        h = pre.decoder_input
+        for layer in layers:
+            h = layer.run_plain(h, cs)
+        if not post_process:
+            return h
+        return self._postprocess(
+            h,
+            input_ids,
+            position_ids,
+            labels,
+            pre.rotary_pos_emb,
+            pre.rotary_pos_cos,
+            pre.rotary_pos_sin,
+            loss_mask=loss_mask,
+        )
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """The decoder input for ``input_ids`` (the token embedding)."""

@@ -21,7 +21,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_overlap import ChunkState
 from moe_overlap.blocks._dispatcher import TokenDispatcher
 from moe_overlap.blocks._experts import GroupedExperts
 from moe_overlap.blocks._model import MegatronHooks, Rotary
@@ -180,30 +179,7 @@ class GPTMoEModel(MegatronHooks, nn.Module):
         loss_mask: Tensor | None = None,
     ) -> Tensor:
         """The plain path: the loss (or logits without ``labels``) of one microbatch."""
-        pre = self._preprocess(input_ids, position_ids)
-        cs = ChunkState(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            labels=labels,
-            loss_mask=loss_mask,
-            decoder_input=pre.decoder_input,
-            rotary_pos_emb=pre.rotary_pos_emb,
-            rotary_pos_cos=pre.rotary_pos_cos,
-            rotary_pos_sin=pre.rotary_pos_sin,
-        )
-        h = pre.decoder_input
-        for layer in self.layer_list:
-            h = layer.run_plain(h, cs)
-        return self._postprocess(
-            h,
-            input_ids,
-            position_ids,
-            labels,
-            pre.rotary_pos_emb,
-            pre.rotary_pos_cos,
-            pre.rotary_pos_sin,
-            loss_mask=loss_mask,
-        )
+        return self.plain_forward(input_ids, position_ids, labels=labels, loss_mask=loss_mask)
 
 
 def masked_cross_entropy(logits_BSV: Tensor, labels_BS: Tensor, loss_mask: Tensor | None) -> Tensor:

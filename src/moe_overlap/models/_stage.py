@@ -6,15 +6,15 @@ from typing import cast
 
 from torch import Tensor, nn
 
-from moe_overlap import ChunkState, ConfigError, IntegrationError
-from moe_overlap.blocks._model import MegatronHooks, Rotary
+from moe_overlap import IntegrationError
+from moe_overlap.blocks._model import MegatronHooks, Rotary, StageRange
 from moe_overlap.blocks._wgrad import check_no_pending_wgrad
 from moe_overlap.models._gpt import Decoder, GPTMoEModel, masked_cross_entropy
 
 __all__ = ["GPTMoEStage"]
 
 
-class GPTMoEStage(MegatronHooks, nn.Module):
+class GPTMoEStage(StageRange, MegatronHooks, nn.Module):
     """Layers ``layers`` of ``model`` as one pipeline stage (a ``PreprocessableModel``).
 
     The stage holds ``model``'s own modules (no copy): the embedding when ``layers`` starts
@@ -29,34 +29,14 @@ class GPTMoEStage(MegatronHooks, nn.Module):
 
     def __init__(self, model: GPTMoEModel, layers: range) -> None:
         super().__init__()
-        n = model.config.num_layers
-        if layers.step != 1 or not 0 <= layers.start <= layers.stop <= n:
-            raise ConfigError(
-                f"GPTMoEStage: expected layers as range(a, b) with 0 <= a <= b <= {n} "
-                f"(the model's num_layers), received {layers!r}"
-            )
+        self.set_range(layers, model.config.num_layers, "GPTMoEStage")
         self.config = model.config
-        self.layers_range = layers
-        self._pre = layers.start == 0
-        self._post = layers.stop == n
-        self.embedding = model.embedding if self._pre else None
+        self.embedding = model.embedding if self.pre_process else None
         self.layer_list = model.layer_list[layers.start : layers.stop]
         self.decoder = Decoder(list(self.layer_list))
-        self.final_norm = model.final_norm if self._post else None
-        self.output_layer = model.output_layer if self._post else None
+        self.final_norm = model.final_norm if self.post_process else None
+        self.output_layer = model.output_layer if self.post_process else None
         self._rotary = model.rotary
-
-    @property
-    def pre_process(self) -> bool:
-        return self._pre
-
-    @property
-    def post_process(self) -> bool:
-        return self._post
-
-    def extra_repr(self) -> str:
-        r = self.layers_range
-        return f"layers={r.start}..{r.stop - 1}, pre_process={self._pre}, post_process={self._post}"
 
     def embed(self, input_ids: Tensor) -> Tensor:
         if self.embedding is None:
@@ -88,21 +68,4 @@ class GPTMoEStage(MegatronHooks, nn.Module):
 
     def forward(self, x: Tensor, position_ids: Tensor | None = None) -> Tensor:
         """The plain path: token ids or hidden states in, hidden states or logits out."""
-        if self._pre:
-            pre = self._preprocess(x, position_ids)
-        else:
-            pre = self._preprocess(None, position_ids, decoder_input=x)
-        cs = ChunkState(
-            input_ids=x if self._pre else None,
-            position_ids=position_ids,
-            decoder_input=pre.decoder_input,
-            rotary_pos_emb=pre.rotary_pos_emb,
-            rotary_pos_cos=pre.rotary_pos_cos,
-            rotary_pos_sin=pre.rotary_pos_sin,
-        )
-        h = pre.decoder_input
-        for layer in self.layer_list:
-            h = layer.run_plain(h, cs)
-        if not self._post:
-            return h
-        return self.output(h, None, None)
+        return self.plain_forward(x, position_ids)
