@@ -10,7 +10,7 @@ from torch import Tensor
 
 from ._conformance import check_model
 from ._errors import ConfigError, IntegrationError, PlanReleasedError, StreamError
-from ._executor import BValue, FValue, execute
+from ._executor import BValue, FValue, execute, execute_roles
 from ._fsdp_check import check_fsdp
 from ._layer_plan import POSITIONS, TransformerLayerSchedulePlan
 from ._node import ScheduleNode
@@ -18,7 +18,15 @@ from ._options import ChunkHooks, PostBackwardHook, PostForwardHook, PreHook, Sc
 from ._process_nodes import PostProcessNode, PreProcessNode
 from ._protocols import PreprocessableModel, SchedulableLayer, StepObserver
 from ._state import ChunkState
-from ._steps import ChunkShape, Role, Slot, Step, chunk_steps
+from ._steps import (
+    ChunkShape,
+    Role,
+    Slot,
+    Step,
+    backward_pair_steps,
+    chunk_steps,
+    forward_pair_steps,
+)
 from ._streams import (
     CpuStream,
     StreamPair,
@@ -31,7 +39,7 @@ from ._streams import (
     wait_event,
 )
 
-__all__ = ["ModelChunkSchedulePlan", "check_grad_mode", "default_streams"]
+__all__ = ["ModelChunkSchedulePlan", "check_grad_mode", "default_streams", "run_pair"]
 
 _DEFAULT_OPTIONS = ScheduleOptions()
 _CPU_STREAMS = StreamPair(comp=CpuStream("comp"), comm=CpuStream("comm"))
@@ -279,6 +287,57 @@ class ModelChunkSchedulePlan:
         if f is None:
             return None
         return f_value[0] if f_value else None
+
+
+def run_pair(
+    first: ModelChunkSchedulePlan,
+    second: ModelChunkSchedulePlan,
+    *,
+    b_grads: tuple[Tensor, Tensor] | None = None,
+    observer: StepObserver | None = None,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Two forwards (``b_grads`` ``None``) or two backwards of one model, overlapped.
+
+    The fill and the drain of combined 1F1B (:func:`~moe_overlap.forward_pair_steps`,
+    :func:`~moe_overlap.backward_pair_steps`): each microbatch's all-to-all runs under the
+    other's compute, ``first`` one slot ahead. Returns both forwards' outputs (the losses),
+    or ``(None, None)`` after the backwards, which release both plans; on failure both are
+    released, after synchronizing streams.
+    """
+    for plan in (first, second):
+        if plan.released:
+            raise PlanReleasedError(
+                f"run_pair: the plan of microbatch {plan.microbatch} was released; build a "
+                "new plan for every microbatch"
+            )
+    check_grad_mode("run_pair")
+    if b_grads is None:
+        roles = (Role.F, Role.F2)
+        steps = forward_pair_steps(first.shape, second.shape)
+        values: dict[Role, tuple[Tensor | None, ...]] = {roles[0]: (), roles[1]: ()}
+    else:
+        roles = (Role.B, Role.B2)
+        steps = backward_pair_steps(first.shape, second.shape)
+        values = {roles[0]: (b_grads[0],), roles[1]: (b_grads[1],)}
+    for plan in (first, second):
+        plan.record_current_stream()
+
+    def on_error() -> None:
+        for plan in (first, second):
+            synchronize(plan.streams.comp)
+            plan.release_state()
+
+    execute_roles(
+        steps, {roles[0]: first, roles[1]: second}, values, on_error=on_error, observer=observer
+    )
+    for plan in (first, second):
+        plan.wait_current_stream()
+    if b_grads is not None:
+        first.release_state()
+        second.release_state()
+        return None, None
+    outs = (values[roles[0]], values[roles[1]])
+    return (outs[0][0] if outs[0] else None), (outs[1][0] if outs[1] else None)
 
 
 def check_grad_mode(where: str) -> None:

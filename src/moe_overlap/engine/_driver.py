@@ -10,7 +10,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from ._chunk_plan import ModelChunkSchedulePlan, check_grad_mode
+from ._chunk_plan import ModelChunkSchedulePlan, check_grad_mode, run_pair
 from ._conformance import check_model, checks_memoized
 from ._errors import ConfigError, IntegrationError
 from ._options import ScheduleOptions
@@ -82,6 +82,7 @@ def combined_1f1b(
     loss_scale: float = 1.0,
     on_plan: PlanCallback | None = None,
     observer: StepObserver | None = None,
+    fill_drain: bool = False,
 ) -> list[Tensor]:
     """Run forward and backward of every microbatch; return the (detached, fp32) losses.
 
@@ -91,6 +92,12 @@ def combined_1f1b(
 
     each ``Fi+Bj`` a :meth:`ModelChunkSchedulePlan.run` interleaving microbatch ``i``'s
     forward with ``j``'s backward. Without it, ``F0 B0 F1 B1 ...`` through the same nodes.
+    With ``fill_drain`` (and at least two microbatches) the first two forwards and the
+    last two backwards are overlapped with each other too (:func:`run_pair`)::
+
+        F0+F1 | F2+B0 | F3+B1 | ... | F(N-1)+B(N-3) | B(N-2)+B(N-1)
+
+    keeping one more microbatch's activations alive throughout.
     Either way the losses and the gradients accumulated into the parameters are those of
     ``(loss_i * loss_scale).backward()`` per microbatch, in order.
 
@@ -115,12 +122,23 @@ def combined_1f1b(
     with checks_memoized():  # the model and its layers are checked once, not per plan
         model = check_model(model)
         _check_arguments(microbatches, overlap, options, streams, loss_scale, on_plan, observer)
+        _check_fill_drain(fill_drain, overlap)
         check_grad_mode("combined_1f1b")
         declared = declared_wgrad(model)
         check_wgrad_done(
             model, when="before the step (left from an earlier one)", declared=declared
         )
-        losses = _run(model, microbatches, overlap, options, streams, loss_scale, on_plan, observer)
+        losses = _run(
+            model,
+            microbatches,
+            overlap,
+            options,
+            streams,
+            loss_scale,
+            on_plan,
+            observer,
+            fill_drain=fill_drain,
+        )
     check_wgrad_done(model, when="when combined_1f1b returns", declared=declared)
     return [loss.detach() for loss in losses]
 
@@ -134,6 +152,8 @@ def _run(
     loss_scale: float,
     on_plan: PlanCallback | None,
     observer: StepObserver | None,
+    *,
+    fill_drain: bool = False,
 ) -> list[Tensor]:
     """The schedule itself: build, run and release the plans; the losses, in order."""
 
@@ -162,8 +182,12 @@ def _run(
     losses: list[Tensor] = []
     live: list[ModelChunkSchedulePlan] = []
 
+    def grad_of(plan: ModelChunkSchedulePlan) -> Tensor:
+        assert plan.microbatch is not None
+        return torch.full_like(losses[plan.microbatch], loss_scale)
+
     def forward(f: ModelChunkSchedulePlan | None, b: ModelChunkSchedulePlan | None) -> None:
-        grad = torch.full_like(losses[-1], loss_scale) if b is not None else None
+        grad = grad_of(b) if b is not None else None
         out = ModelChunkSchedulePlan.run(f, b, b_grad=grad, observer=observer)
         if b is not None:
             live.remove(b)
@@ -171,7 +195,18 @@ def _run(
             losses.append(_check_loss(model, out))
 
     try:
-        if overlap:
+        if overlap and fill_drain and len(microbatches) >= 2:
+            live += [build(0), build(1)]
+            first, second = run_pair(live[0], live[1], observer=observer)
+            losses += [_check_loss(model, first), _check_loss(model, second)]
+            for i in range(2, len(microbatches)):
+                oldest = live[0]
+                live.append(build(i))
+                forward(live[-1], oldest)
+            b1, b2 = live
+            run_pair(b1, b2, b_grads=(grad_of(b1), grad_of(b2)), observer=observer)
+            live.clear()
+        elif overlap:
             live.append(build(0))
             forward(live[-1], None)
             for i in range(1, len(microbatches)):
@@ -243,6 +278,19 @@ def _check_arguments(
         raise ConfigError(
             f"{where}: observer must be a StepObserver (with timer(step, microbatch)) or "
             f"None, received {type(observer).__name__}"
+        )
+
+
+def _check_fill_drain(fill_drain: object, overlap: object) -> None:
+    if not isinstance(fill_drain, bool):
+        raise ConfigError(
+            f"combined_1f1b: fill_drain must be a bool, received {type(fill_drain).__name__}"
+        )
+    if fill_drain and not overlap:
+        raise ConfigError(
+            "combined_1f1b: fill_drain overlaps the first two forwards and the last two "
+            "backwards of the overlapped schedule; expected overlap=True with it, received "
+            "overlap=False"
         )
 
 

@@ -9,7 +9,7 @@ and the steps around it, after the caller's cleanup ran; a ``BaseException`` tha
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from torch import Tensor
@@ -21,7 +21,7 @@ from ._node_checks import freed_memory_hint
 from ._protocols import StepObserver
 from ._steps import Direction, Role, Step, format_steps
 
-__all__ = ["NodeSource", "execute"]
+__all__ = ["NodeSource", "execute", "execute_roles"]
 
 FValue = tuple[Tensor, ...]
 BValue = tuple["Tensor | None", ...]
@@ -55,22 +55,48 @@ def execute(
     With an ``observer``, each non-hook step's node holds the observer's timer for
     ``step`` while it runs (``node.timer``), and ``None`` again afterwards, also on failure.
     """
+    values: dict[Role, Value] = {Role.F: f_value, Role.B: b_value}
+
+    def hook(step: Step) -> None:
+        assert run_hook is not None, "hook step without a hook runner"
+        run_hook(step, values[Role.F], values[Role.B])
+
+    execute_roles(
+        steps, {Role.F: f, Role.B: b}, values, run_hook=hook, on_error=on_error, observer=observer
+    )
+    return values[Role.F], values[Role.B]
+
+
+Value = tuple["Tensor | None", ...]
+
+
+def execute_roles(
+    steps: Sequence[Step],
+    plans: Mapping[Role, NodeSource | None],
+    values: dict[Role, Value],
+    *,
+    run_hook: Callable[[Step], None] | None = None,
+    on_error: Callable[[], None] | None = None,
+    observer: StepObserver | None = None,
+) -> None:
+    """Run ``steps`` in order, each on the plan of its role, threading ``values[role]``
+    (the tensors flowing forward, or the grads flowing backward) through its nodes."""
     for index, step in enumerate(steps):
         try:
             if step.direction is Direction.HOOK:
                 assert run_hook is not None, "hook step without a hook runner"
-                run_hook(step, f_value, b_value)
+                run_hook(step)
                 continue
-            source = f if step.role is Role.F else b
+            source = plans.get(step.role)
             assert source is not None, f"step {step} has no plan for its role"
             node = source.node_for(step)
             if observer is not None:
                 node.timer = observer.timer(step, source.microbatch)
             try:
                 if step.direction is Direction.FORWARD:
-                    f_value = node.forward(*f_value)
+                    values[step.role] = node.forward(*values[step.role])
                 elif step.direction is Direction.BACKWARD:
-                    b_value = node.backward(*b_value)
+                    values[step.role] = node.backward(*values[step.role])
                 else:
                     assert isinstance(node, TransformerLayerNode), f"wgrad step {step} on {node!r}"
                     node.backward_dw()
@@ -82,22 +108,26 @@ def execute(
                 on_error()
             if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: unchanged
                 raise
-            raise _schedule_error(steps, index, f, b, exc) from exc
-    return f_value, b_value
+            raise _schedule_error(steps, index, plans, exc) from exc
+
+
+_ROLE_NAMES = {
+    Role.F: "forward",
+    Role.B: "backward",
+    Role.F2: "second forward",
+    Role.B2: "second backward",
+}
 
 
 def _schedule_error(
     steps: Sequence[Step],
     index: int,
-    f: NodeSource | None,
-    b: NodeSource | None,
+    plans: Mapping[Role, NodeSource | None],
     exc: Exception,
 ) -> ScheduleError:
     step = steps[index]
-    f_mb = f.microbatch if f is not None else None
-    b_mb = b.microbatch if b is not None else None
-    role = "forward" if step.role is Role.F else "backward"
-    mb = f_mb if step.role is Role.F else b_mb
+    source = plans.get(step.role)
+    mb = source.microbatch if source is not None else None
     direction = {
         Direction.FORWARD: "forward",
         Direction.BACKWARD: "backward",
@@ -106,13 +136,17 @@ def _schedule_error(
     }[step.direction]
     layer = "-" if step.layer is None else str(step.layer)
     position = (
-        f"step {index} '{step}': {role} microbatch {mb}, layer {layer}, "
+        f"step {index} '{step}': {_ROLE_NAMES[step.role]} microbatch {mb}, layer {layer}, "
         f"slot {step.slot.value}, {direction}"
     )
-    pair = f"(forward microbatch {f_mb}, backward microbatch {b_mb})"
+    pair = ", ".join(
+        f"{_ROLE_NAMES[role]} microbatch {p.microbatch if p is not None else None}"
+        for role, p in plans.items()
+        if role in (Role.F, Role.B) or p is not None
+    )
     hint = freed_memory_hint(exc)
     message = (
-        f"{position} {pair} failed with {type(exc).__name__}: {exc}\n"
+        f"{position} ({pair}) failed with {type(exc).__name__}: {exc}\n"
         + (f"{hint}\n" if hint else "")
         + format_steps(steps, mark=index, context=6)
     )

@@ -11,7 +11,7 @@ A step prints as ``b.L3.combine.B@comm`` and :meth:`Step.parse` reads that back.
 
 import enum
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -25,8 +25,10 @@ __all__ = [
     "Slot",
     "Step",
     "StreamKind",
+    "backward_pair_steps",
     "chunk_steps",
     "format_steps",
+    "forward_pair_steps",
     "layer_pair_steps",
 ]
 
@@ -38,6 +40,10 @@ class Role(str, enum.Enum):
     """The microbatch running forward."""
     B = "b"
     """The microbatch running backward."""
+    F2 = "g"
+    """The second microbatch running forward, in a pair of forwards (the fill)."""
+    B2 = "c"
+    """The second microbatch running backward, in a pair of backwards (the drain)."""
 
 
 class Direction(str, enum.Enum):
@@ -88,7 +94,7 @@ class StreamKind(str, enum.Enum):
 
 
 _STEP_RE = re.compile(
-    r"^(?P<role>[fb])\.(?:L(?P<layer>\d+)\.)?(?P<slot>[a-z_]+)\.(?P<dir>[FBWH])@(?P<stream>\w+)$"
+    r"^(?P<role>[fbgc])\.(?:L(?P<layer>\d+)\.)?(?P<slot>[a-z_]+)\.(?P<dir>[FBWH])@(?P<stream>\w+)$"
 )
 
 
@@ -261,6 +267,110 @@ def chunk_steps(
         out.append(_chunk_step(F, Slot.POST_PROCESS, Direction.FORWARD))
     if b is not None:
         out.append(_chunk_step(B, Slot.PRE_PROCESS, Direction.BACKWARD))
+    return out
+
+
+def _adder(out: list[Step]) -> Callable[[Role, LayerShape, Slot, Direction], None]:
+    def add(role: Role, layer: LayerShape, slot: Slot, direction: Direction) -> None:
+        if slot in (Slot.DISPATCH, Slot.COMBINE) and not layer.is_moe:
+            return
+        if slot is Slot.MTP_POST and not layer.has_mtp_post:
+            return
+        if direction is Direction.WGRAD and not layer.delay_wgrad:
+            return
+        out.append(_node(role, layer, slot, direction))
+
+    return add
+
+
+def _same_layers(a: ChunkShape, c: ChunkShape, where: str) -> None:
+    if len(a.layers) != len(c.layers):
+        raise ConfigError(
+            f"{where}: expected two chunks of one model (the same layers), received "
+            f"{len(a.layers)} and {len(c.layers)} layers"
+        )
+
+
+def forward_pair_steps(a: ChunkShape, c: ChunkShape) -> list[Step]:
+    """Two forwards of one model overlapped (the fill of combined 1F1B), in order.
+
+    ``a`` (role ``f``) runs one slot ahead of ``c`` (role ``g``) through each layer::
+
+        f.pre_dispatch | f.dispatch@comm | g.pre_dispatch | f.mlp | g.dispatch@comm |
+        f.combine@comm | g.mlp | g.combine@comm
+
+    so each one's all-to-all runs under the other's compute. Pre-process of both first,
+    post-process of both last (``a`` then ``c``).
+    """
+    _same_layers(a, c, "forward_pair_steps")
+    A, C = Role.F, Role.F2
+    out = [_chunk_step(A, Slot.PRE_PROCESS, Direction.FORWARD)]
+    out.append(_chunk_step(C, Slot.PRE_PROCESS, Direction.FORWARD))
+    add = _adder(out)
+    fwd = Direction.FORWARD
+    for la, lc in zip(a.layers, c.layers, strict=True):
+        add(A, la, Slot.PRE_DISPATCH, fwd)
+        add(A, la, Slot.DISPATCH, fwd)
+        add(C, lc, Slot.PRE_DISPATCH, fwd)
+        add(A, la, Slot.MLP, fwd)
+        add(C, lc, Slot.DISPATCH, fwd)
+        add(A, la, Slot.COMBINE, fwd)
+        add(C, lc, Slot.MLP, fwd)
+        add(C, lc, Slot.COMBINE, fwd)
+        add(A, la, Slot.MTP_POST, fwd)
+        add(C, lc, Slot.MTP_POST, fwd)
+    for role, shape in ((A, a), (C, c)):
+        if shape.has_post_process:
+            out.append(_chunk_step(role, Slot.POST_PROCESS, fwd))
+    return out
+
+
+def backward_pair_steps(b1: ChunkShape, b2: ChunkShape) -> list[Step]:
+    """Two backwards of one model overlapped (the drain of combined 1F1B), in order.
+
+    ``b1`` (role ``b``, the earlier microbatch) runs one slot ahead of ``b2`` (role
+    ``c``) through each layer, from the last::
+
+        b.combine@comm | b.mlp | c.combine@comm | b.mlp.W | b.dispatch@comm | c.mlp |
+        c.mlp.W | b.pre_dispatch | c.dispatch@comm | c.pre_dispatch | b/c pre_dispatch.W
+
+    Every slot's backward and weight gradient of ``b1`` runs before ``b2``'s of the same
+    slot, so each parameter accumulates the two microbatches' contributions in their
+    order, as plain ``backward()`` per microbatch does. Post-process backward of both
+    first, the first layer's delayed pre-dispatch wgrad and pre-process backward of both
+    last.
+    """
+    _same_layers(b1, b2, "backward_pair_steps")
+    P, Q = Role.B, Role.B2
+    bwd, wgrad = Direction.BACKWARD, Direction.WGRAD
+    out: list[Step] = []
+    for role, shape in ((P, b1), (Q, b2)):
+        if shape.has_post_process:
+            out.append(_chunk_step(role, Slot.POST_PROCESS, bwd))
+    add = _adder(out)
+    pairs = list(zip(reversed(b1.layers), reversed(b2.layers), strict=True))
+    for i, (l1, l2) in enumerate(pairs):
+        add(P, l1, Slot.MTP_POST, bwd)
+        add(Q, l2, Slot.MTP_POST, bwd)
+        add(P, l1, Slot.COMBINE, bwd)
+        add(P, l1, Slot.MLP, bwd)
+        add(Q, l2, Slot.COMBINE, bwd)
+        add(P, l1, Slot.MLP, wgrad)
+        add(P, l1, Slot.DISPATCH, bwd)
+        add(Q, l2, Slot.MLP, bwd)
+        add(Q, l2, Slot.MLP, wgrad)
+        add(P, l1, Slot.PRE_DISPATCH, bwd)
+        add(Q, l2, Slot.DISPATCH, bwd)
+        add(Q, l2, Slot.PRE_DISPATCH, bwd)
+        if i != len(pairs) - 1:  # the first layer's: after the loop, as chunk_steps does
+            add(P, l1, Slot.PRE_DISPATCH, wgrad)
+            add(Q, l2, Slot.PRE_DISPATCH, wgrad)
+    if pairs:
+        l1, l2 = pairs[-1]
+        add(P, l1, Slot.PRE_DISPATCH, wgrad)
+        add(Q, l2, Slot.PRE_DISPATCH, wgrad)
+    out.append(_chunk_step(P, Slot.PRE_PROCESS, bwd))
+    out.append(_chunk_step(Q, Slot.PRE_PROCESS, bwd))
     return out
 
 
