@@ -47,6 +47,7 @@ from node_timing import (
     Clock,
     NodeRecorder,
     critical_path_ms,
+    fill_drain_runs,
     overlapped_runs,
     pyplot,
     write_chrome_trace,
@@ -96,13 +97,16 @@ def _time_ms(b: Bench, fn: Callable[[], object]) -> list[float]:
     return out
 
 
-def _step(b: Bench, *, overlap: bool, options: ScheduleOptions | None = None) -> None:
+def _step(
+    b: Bench, *, overlap: bool, options: ScheduleOptions | None = None, fill_drain: bool = False
+) -> None:
     combined_1f1b(
         b.model,
         b.mbs,
         overlap=overlap,
         streams=b.pair if overlap else b.serial,
         options=options if options is not None else ScheduleOptions(),
+        fill_drain=fill_drain,
     )
 
 
@@ -168,6 +172,7 @@ def measure(
     res: JsonDict = {"config": _config_json(cfg, dtype), "microbatches": len(mbs)}
     serial = _time_ms(b, lambda: _step(b, overlap=False))
     overlapped = _time_ms(b, lambda: _step(b, overlap=True))
+    fill_drain = _time_ms(b, lambda: _step(b, overlap=True, fill_drain=True))
     model.set_loopback(LoopbackMode.DEVICE)
     compute = _time_ms(b, lambda: _step(b, overlap=False))
     model.set_loopback(LoopbackMode.HOST)
@@ -177,6 +182,9 @@ def measure(
     runs = overlapped_runs(len(mbs))
     bound = critical_path_ms(runs, serial_rec.shapes, serial_rec.durations())
     bound_cont = critical_path_ms(runs, over_rec.shapes, over_rec.durations())
+    fd_bound = critical_path_ms(
+        fill_drain_runs(len(mbs)), serial_rec.shapes, serial_rec.durations()
+    )
     m = {
         k: _median(v)
         for k, v in {
@@ -204,6 +212,16 @@ def measure(
     res["speedup"] = m["serial"] / m["overlapped"]
     res["overlapped_over_max"] = m["overlapped"] / max(m["compute_only"], m["comm_only"])
     res["sum_node_ms_serial"] = sum(serial_rec.durations().values())
+    fd = _median(fill_drain)
+    cap = max(m["compute_only"], m["comm_only"])
+    res["fill_drain"] = {
+        "overlapped_ms": fd,
+        "samples": fill_drain,
+        "bound_ms": fd_bound,
+        "efficiency": fd_bound / fd,
+        "speedup": m["serial"] / fd,
+        "overlapped_over_max": fd / cap,
+    }
     if main:
         title = (
             f"overlapped step, H={cfg.hidden} F={cfg.ffn} T={cfg.tokens} L={cfg.num_layers} "
@@ -281,17 +299,26 @@ def _memory(b: Bench) -> JsonDict:
     out: JsonDict = {}
     if b.device.type != "cuda":
         return {"note": "CUDA only"}
-    for free in (True, False):
+    cases = [
+        (f"{kind}free_input_{free}", overlap, free, fd)
+        for kind, overlap, fd in (
+            ("", True, False),
+            ("serial_", False, False),
+            ("fill_drain_", True, True),
+        )
+        for free in (True, False)
+    ]
+    for name, overlap, free, fd in cases:
         opts = ScheduleOptions(free_input=free)
-        _step(b, overlap=True, options=opts)  # warm the allocator for this setting
+        _step(b, overlap=overlap, options=opts, fill_drain=fd)  # warm the allocator
         b.model.zero_grad(set_to_none=False)
         _sync(b.device)
         torch.cuda.reset_peak_memory_stats(b.device)
         base = torch.cuda.memory_allocated(b.device)
-        _step(b, overlap=True, options=opts)
+        _step(b, overlap=overlap, options=opts, fill_drain=fd)
         _sync(b.device)
         peak = torch.cuda.max_memory_allocated(b.device)
-        out[f"free_input_{free}"] = {"peak_GB": peak / 1e9, "above_start_GB": (peak - base) / 1e9}
+        out[name] = {"peak_GB": peak / 1e9, "above_start_GB": (peak - base) / 1e9}
     return out
 
 
@@ -394,8 +421,14 @@ def _table(results: list[JsonDict]) -> str:
             f"{r['comm_to_compute']:5.2f} {r['speedup']:5.2f} {r['overlapped_over_max']:6.2f}"
         )
         variants = cast("dict[str, dict[str, object]]", r.get("variants", {}))
+        fill = cast("dict[str, object] | None", r.get("fill_drain"))
+        variants = {**({"fill_drain": fill} if fill is not None else {}), **variants}
         for name, v in variants.items():
-            label = {"high_priority_comm": "hi-prio", "delay_wgrad_compute": "dwgrad"}[name]
+            label = {
+                "high_priority_comm": "hi-prio",
+                "delay_wgrad_compute": "dwgrad",
+                "fill_drain": "filldr",
+            }[name]
             eff_c = v.get("efficiency_contended")
             eff_c_s = f"{eff_c:5.2f}" if isinstance(eff_c, float) else f"{'-':>5}"
             ov, bnd, eff = v["overlapped_ms"], v["bound_ms"], v["efficiency"]

@@ -31,9 +31,12 @@ from moe_overlap import (
     Role,
     ScheduleNode,
     Slot,
+    Step,
     StreamKind,
     TransformerLayerNode,
+    backward_pair_steps,
     chunk_steps,
+    forward_pair_steps,
 )
 
 __all__ = [
@@ -42,8 +45,10 @@ __all__ = [
     "NodeKey",
     "NodeRecorder",
     "critical_path_ms",
+    "fill_drain_runs",
     "overlapped_runs",
     "pyplot",
+    "run_steps",
     "write_chrome_trace",
     "write_gantt_png",
 ]
@@ -196,15 +201,39 @@ class NodeRecorder:
 
 
 class ChunkRun(NamedTuple):
-    """One ``ModelChunkSchedulePlan.run``: the forward and the backward microbatch."""
+    """One ``ModelChunkSchedulePlan.run``: the forward and the backward microbatch; or one
+    ``run_pair``: two forwards (``f``, ``f2``) or two backwards (``b``, ``b2``)."""
 
     f: int | None
     b: int | None
+    f2: int | None = None
+    b2: int | None = None
 
 
 def overlapped_runs(n: int) -> list[ChunkRun]:
     """``F0 | F1+B0 | ... | F(n-1)+B(n-2) | B(n-1)``, as ``combined_1f1b`` runs them."""
     return [ChunkRun(0, None), *(ChunkRun(i, i - 1) for i in range(1, n)), ChunkRun(None, n - 1)]
+
+
+def fill_drain_runs(n: int) -> list[ChunkRun]:
+    """``F0+F1 | F2+B0 | ... | F(n-1)+B(n-3) | B(n-2)+B(n-1)``: ``fill_drain=True``."""
+    if n < 2:
+        return overlapped_runs(n)
+    steady = [ChunkRun(i, i - 2) for i in range(2, n)]
+    return [ChunkRun(0, None, f2=1), *steady, ChunkRun(None, n - 2, b2=n - 1)]
+
+
+def run_steps(run: ChunkRun, shapes: dict[int, ChunkShape]) -> list[Step]:
+    """The steps of one chunk run, as the plans walk them."""
+    if run.f2 is not None:
+        assert run.f is not None
+        return forward_pair_steps(shapes[run.f], shapes[run.f2])
+    if run.b2 is not None:
+        assert run.b is not None
+        return backward_pair_steps(shapes[run.b], shapes[run.b2])
+    f_shape = shapes[run.f] if run.f is not None else None
+    b_shape = shapes[run.b] if run.b is not None else None
+    return chunk_steps(f_shape, b_shape)
 
 
 def critical_path_ms(
@@ -215,14 +244,13 @@ def critical_path_ms(
     """Sum over chunk runs of the makespan of the run's steps with the given durations."""
     total = 0.0
     for run in runs:
-        f_shape = shapes[run.f] if run.f is not None else None
-        b_shape = shapes[run.b] if run.b is not None else None
         free = {StreamKind.COMP: 0.0, StreamKind.COMM: 0.0}
-        ready = {Role.F: 0.0, Role.B: 0.0}
-        for step in chunk_steps(f_shape, b_shape):
+        ready = dict.fromkeys(Role, 0.0)
+        which = {Role.F: run.f, Role.B: run.b, Role.F2: run.f2, Role.B2: run.b2}
+        for step in run_steps(run, shapes):
             if step.stream is StreamKind.HOST:
                 continue
-            mb = run.f if step.role is Role.F else run.b
+            mb = which[step.role]
             assert mb is not None
             d = durations.get(NodeKey(mb, step.layer, step.slot, step.direction), 0.0)
             end = max(free[step.stream], ready[step.role]) + d

@@ -35,7 +35,10 @@ def to_cuda(mbs: list[Microbatch]) -> list[Microbatch]:
 @pytest.mark.parametrize("delay", [False, True])
 @pytest.mark.parametrize("kinds", ["dd", "mm", "dmdm", "dmt"])
 @pytest.mark.parametrize("high_priority", [False, True])
-def test_cuda_parity(dtype: torch.dtype, delay: bool, kinds: str, high_priority: bool) -> None:
+@pytest.mark.parametrize("fill_drain", [False, True])
+def test_cuda_parity(
+    dtype: torch.dtype, delay: bool, kinds: str, high_priority: bool, fill_drain: bool
+) -> None:
     config = ToyConfig(hidden=64, shared_expert=True)
     ref = ToyModel(config, kinds).to(device="cuda", dtype=dtype)
     model = copy.deepcopy(ref)
@@ -44,7 +47,11 @@ def test_cuda_parity(dtype: torch.dtype, delay: bool, kinds: str, high_priority:
     model.set_delay(delay)
     streams = make_streams("cuda", high_priority_comm=high_priority)
     losses = combined_1f1b(
-        model, mbs, options=ScheduleOptions(delay_wgrad_compute=delay), streams=streams
+        model,
+        mbs,
+        options=ScheduleOptions(delay_wgrad_compute=delay),
+        streams=streams,
+        fill_drain=fill_drain,
     )
     torch.cuda.synchronize()
     for got, want in zip(losses, ref_losses, strict=True):

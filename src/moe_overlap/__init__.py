@@ -13,6 +13,7 @@ if _debug_enabled():  # must run before any other submodule is imported
     install_beartype()
 
 from moe_overlap.engine._chunk_plan import ModelChunkSchedulePlan as ModelChunkSchedulePlan
+from moe_overlap.engine._chunk_plan import run_pair as run_pair
 from moe_overlap.engine._driver import Microbatch as Microbatch
 from moe_overlap.engine._driver import combined_1f1b as combined_1f1b
 from moe_overlap.engine._errors import ConfigError as ConfigError
@@ -59,8 +60,10 @@ from moe_overlap.engine._steps import Role as Role
 from moe_overlap.engine._steps import Slot as Slot
 from moe_overlap.engine._steps import Step as Step
 from moe_overlap.engine._steps import StreamKind as StreamKind
+from moe_overlap.engine._steps import backward_pair_steps as backward_pair_steps
 from moe_overlap.engine._steps import chunk_steps as chunk_steps
 from moe_overlap.engine._steps import format_steps as format_steps
+from moe_overlap.engine._steps import forward_pair_steps as forward_pair_steps
 from moe_overlap.engine._steps import layer_pair_steps as layer_pair_steps
 from moe_overlap.engine._streams import CpuEvent as CpuEvent
 from moe_overlap.engine._streams import CpuStream as CpuStream
@@ -124,15 +127,18 @@ __all__ = [
     "WgradError",
     "WgradLayer",
     "WgradScope",
+    "backward_pair_steps",
     "check_wgrad_done",
     "chunk_steps",
     "combined_1f1b",
     "format_steps",
+    "forward_pair_steps",
     "get_comm_stream",
     "get_comp_stream",
     "layer_pair_steps",
     "make_event",
     "make_streams",
+    "run_pair",
     "set_streams",
     "should_free_input",
     "weak_method",

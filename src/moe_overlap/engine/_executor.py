@@ -10,7 +10,7 @@ and the steps around it, after the caller's cleanup ran; a ``BaseException`` tha
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 from torch import Tensor
 
@@ -59,12 +59,12 @@ def execute(
 
     def hook(step: Step) -> None:
         assert run_hook is not None, "hook step without a hook runner"
-        run_hook(step, values[Role.F], values[Role.B])
+        run_hook(step, cast(FValue, values[Role.F]), values[Role.B])
 
     execute_roles(
         steps, {Role.F: f, Role.B: b}, values, run_hook=hook, on_error=on_error, observer=observer
     )
-    return values[Role.F], values[Role.B]
+    return cast(FValue, values[Role.F]), values[Role.B]
 
 
 Value = tuple["Tensor | None", ...]

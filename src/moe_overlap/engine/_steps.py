@@ -325,6 +325,17 @@ def forward_pair_steps(a: ChunkShape, c: ChunkShape) -> list[Step]:
     return out
 
 
+_ALONE_BACKWARD = (
+    (Slot.MTP_POST, Direction.BACKWARD),
+    (Slot.COMBINE, Direction.BACKWARD),
+    (Slot.MLP, Direction.BACKWARD),
+    (Slot.MLP, Direction.WGRAD),
+    (Slot.DISPATCH, Direction.BACKWARD),
+    (Slot.PRE_DISPATCH, Direction.BACKWARD),
+    (Slot.PRE_DISPATCH, Direction.WGRAD),
+)
+
+
 def backward_pair_steps(b1: ChunkShape, b2: ChunkShape) -> list[Step]:
     """Two backwards of one model overlapped (the drain of combined 1F1B), in order.
 
@@ -332,13 +343,16 @@ def backward_pair_steps(b1: ChunkShape, b2: ChunkShape) -> list[Step]:
     ``c``) through each layer, from the last::
 
         b.combine@comm | b.mlp | c.combine@comm | b.mlp.W | b.dispatch@comm | c.mlp |
-        c.mlp.W | b.pre_dispatch | c.dispatch@comm | c.pre_dispatch | b/c pre_dispatch.W
+        c.mlp.W | b.pre_dispatch | c.dispatch@comm | b.pre_dispatch.W | c.pre_dispatch |
+        c.pre_dispatch.W
 
     Every slot's backward and weight gradient of ``b1`` runs before ``b2``'s of the same
     slot, so each parameter accumulates the two microbatches' contributions in their
-    order, as plain ``backward()`` per microbatch does. Post-process backward of both
-    first, the first layer's delayed pre-dispatch wgrad and pre-process backward of both
-    last.
+    order, as plain ``backward()`` per microbatch does; and a slot's delayed weight
+    gradient of ``b1`` is computed before ``b2``'s backward of that slot, so no layer owes
+    two microbatches' weight gradients at once (what a layer keeps one of at a time).
+    An MTP layer runs its two microbatches one after the other. Post-process backward of
+    both first, pre-process backward of both last.
     """
     _same_layers(b1, b2, "backward_pair_steps")
     P, Q = Role.B, Role.B2
@@ -348,10 +362,14 @@ def backward_pair_steps(b1: ChunkShape, b2: ChunkShape) -> list[Step]:
         if shape.has_post_process:
             out.append(_chunk_step(role, Slot.POST_PROCESS, bwd))
     add = _adder(out)
-    pairs = list(zip(reversed(b1.layers), reversed(b2.layers), strict=True))
-    for i, (l1, l2) in enumerate(pairs):
-        add(P, l1, Slot.MTP_POST, bwd)
-        add(Q, l2, Slot.MTP_POST, bwd)
+    for l1, l2 in zip(reversed(b1.layers), reversed(b2.layers), strict=True):
+        if l1.has_mtp_post or l2.has_mtp_post:
+            # An MTP layer's post-process backward feeds weight gradients its pre-dispatch
+            # wgrad computes: its two microbatches run one after the other.
+            for role, layer in ((P, l1), (Q, l2)):
+                for slot, direction in _ALONE_BACKWARD:
+                    add(role, layer, slot, direction)
+            continue
         add(P, l1, Slot.COMBINE, bwd)
         add(P, l1, Slot.MLP, bwd)
         add(Q, l2, Slot.COMBINE, bwd)
@@ -361,13 +379,8 @@ def backward_pair_steps(b1: ChunkShape, b2: ChunkShape) -> list[Step]:
         add(Q, l2, Slot.MLP, wgrad)
         add(P, l1, Slot.PRE_DISPATCH, bwd)
         add(Q, l2, Slot.DISPATCH, bwd)
-        add(Q, l2, Slot.PRE_DISPATCH, bwd)
-        if i != len(pairs) - 1:  # the first layer's: after the loop, as chunk_steps does
-            add(P, l1, Slot.PRE_DISPATCH, wgrad)
-            add(Q, l2, Slot.PRE_DISPATCH, wgrad)
-    if pairs:
-        l1, l2 = pairs[-1]
         add(P, l1, Slot.PRE_DISPATCH, wgrad)
+        add(Q, l2, Slot.PRE_DISPATCH, bwd)
         add(Q, l2, Slot.PRE_DISPATCH, wgrad)
     out.append(_chunk_step(P, Slot.PRE_PROCESS, bwd))
     out.append(_chunk_step(Q, Slot.PRE_PROCESS, bwd))
