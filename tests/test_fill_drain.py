@@ -6,6 +6,7 @@ Step lists as data (no tensors), then bit-identity to plain per-microbatch backw
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -123,8 +124,8 @@ def test_one_microbatch_runs_the_plain_overlapped_schedule() -> None:
         ({"fill_drain": True, "overlap": False}, "expected overlap=True with it"),
     ],
 )
-def test_fill_drain_arguments_are_checked(kwargs: dict[str, object], match: str) -> None:
+def test_fill_drain_arguments_are_checked(kwargs: dict[str, Any], match: str) -> None:
     config = ToyConfig()
     model = ToyModel(config, "m")
     with pytest.raises(ConfigError, match=match):
-        combined_1f1b(model, make_microbatches(2, config), **kwargs)  # type: ignore[arg-type]
+        combined_1f1b(model, make_microbatches(2, config), **kwargs)
