@@ -73,7 +73,7 @@ class Built:
 
     model: nn.Module
     stage: Callable[[range], nn.Module]
-    logits: Callable[[Tensor], Tensor]
+    logits: Callable[[Tensor, Tensor | None], Tensor]
 
 
 def build(case: dict[str, Any], ep_group: dist.ProcessGroup | None, *, delay: bool) -> Built:
@@ -96,7 +96,7 @@ def build(case: dict[str, Any], ep_group: dist.ProcessGroup | None, *, delay: bo
         for m in model.modules():
             if isinstance(m, TopKRouter):
                 m.expert_bias[config.num_experts // 2 :] = -1e4
-    return Built(model, lambda r: GPTMoEStage(model, r), model)
+    return Built(model, lambda r: GPTMoEStage(model, r), lambda x, pos: model(x, pos))
 
 
 def _qwen3_moe(case: dict[str, Any], *, delay: bool) -> Built:
@@ -119,8 +119,8 @@ def _qwen3_moe(case: dict[str, Any], *, delay: bool) -> Built:
     model: nn.Module = t.Qwen3MoeForCausalLM(config)
     adapter = TransformersMoEAdapter(model, delay_wgrad_compute=delay)
 
-    def logits(x: Tensor) -> Tensor:
-        out: Tensor = model(input_ids=x).logits
+    def logits(x: Tensor, pos: Tensor | None) -> Tensor:
+        out: Tensor = model(input_ids=x, position_ids=pos).logits
         return out
 
     return Built(model, lambda r: TransformersMoEStage(adapter, r), logits)
@@ -159,6 +159,13 @@ def batch(case: dict[str, Any], step: int) -> tuple[Tensor, Tensor]:
     return x.to(device(case)), y.to(device(case))
 
 
+def positions(case: dict[str, Any]) -> Tensor:
+    """Position ids that are not the default ``0 .. S-1``: row ``r`` starts at ``3 r``."""
+    n = B * case["microbatches"]
+    rows = torch.arange(n)[:, None] * 3 + torch.arange(S)[None, :]
+    return rows.to(device(case))
+
+
 def run(
     case: dict[str, Any],
     model: nn.Module,
@@ -172,11 +179,12 @@ def run(
     for step in range(steps):
         model.zero_grad(set_to_none=True)
         x, y = batch(case, step)
+        kwargs = {"position_ids": positions(case)} if case.get("positions") else {}
         losses: list[Tensor] = []
         if pp_rank == 0:
-            schedule.step(x, target=y, losses=losses)
+            schedule.step(x, target=y, losses=losses, **kwargs)
         else:
-            schedule.step(target=y, losses=losses)
+            schedule.step(target=y, losses=losses, **kwargs)
         losses_per_step.append([float(v.detach()) for v in losses] if last else [])
     return losses_per_step
 
@@ -187,8 +195,10 @@ def plain_reference(case: dict[str, Any], built: Built, steps: int) -> list[Tens
     for step in range(steps):
         built.model.zero_grad(set_to_none=True)
         x, y = batch(case, step)
-        for xs, ys in zip(x.chunk(n), y.chunk(n), strict=True):
-            (loss_fn(built.logits(xs), ys) / n).backward()
+        pos = positions(case) if case.get("positions") else None
+        pos_chunks = pos.chunk(n) if pos is not None else [None] * n
+        for xs, ys, ps in zip(x.chunk(n), y.chunk(n), pos_chunks, strict=True):
+            (loss_fn(built.logits(xs, ps), ys) / n).backward()
     return [p.grad for p in built.model.parameters()]
 
 

@@ -42,6 +42,9 @@ CASES: dict[str, dict[str, Any]] = {
     "interleaved-pp2-ep2-mb8-delay": dict(
         pp=2, ep=2, schedule="interleaved", microbatches=8, delay=True
     ),
+    "interleaved-pp2-mb4-positions": dict(
+        pp=2, ep=1, schedule="interleaved", microbatches=4, delay=True, positions=True
+    ),
     "interleaved-pp2-mb4-sequential": dict(
         pp=2, ep=1, schedule="interleaved", microbatches=4, delay=True, overlap=False
     ),
