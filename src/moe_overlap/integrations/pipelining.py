@@ -16,9 +16,9 @@ the loss function stay torch's own.
 Private torch names used, all in this module: of ``torch.distributed.pipelining.schedules``
 ``_PipelineScheduleRuntime`` (``register_custom_function``, ``_step_microbatches``,
 ``_prepare_schedule_with_comms``, ``_assert_unsharded``, ``fwd_recv_ops`` /
-``bwd_recv_ops``, ``backward_counter``, ``pipeline_order``, ``_stages``,
-``_n_microbatches``, ``_maybe_compute_loss`` / ``_maybe_get_loss``, ``_internal_losses``,
-``_loss_fn``, ``stage_index_to_group_rank``, ``_num_stages``), ``_Action``,
+``bwd_recv_ops``, ``backward_counter``, ``pipeline_order`` / ``pipeline_order_with_comms``,
+``_stages``, ``_maybe_compute_loss`` / ``_maybe_get_loss``, ``_internal_losses``,
+``stage_index_to_group_rank``, ``_num_stages``), ``_Action``,
 ``_ComputationType``, ``_wait_batch_p2p`` and ``_add_send_recv``; of ``stage``
 (``_PipelineStageBase``): ``_retrieve_recv_activations`` / ``_retrieve_recv_grads``,
 ``fwd_cache`` / ``bwd_cache``, ``output_chunks``, ``set_local_fwd_input`` /
