@@ -166,6 +166,25 @@ def _node(role: Role, layer: LayerShape, slot: Slot, direction: Direction) -> St
     return Step(role, layer.index, slot, direction, _stream_of(slot, layer.is_moe))
 
 
+def _adder(out: list[Step]) -> Callable[[Role, LayerShape | None, Slot, Direction], None]:
+    """``add(role, layer, slot, direction)``: append the step if the layer has it (an absent
+    layer, a dense layer's dispatch/combine, a missing MTP post-process, a wgrad step
+    without delayed wgrad have none)."""
+
+    def add(role: Role, layer: LayerShape | None, slot: Slot, direction: Direction) -> None:
+        if layer is None:
+            return
+        if slot in (Slot.DISPATCH, Slot.COMBINE) and not layer.is_moe:
+            return
+        if slot is Slot.MTP_POST and not layer.has_mtp_post:
+            return
+        if direction is Direction.WGRAD and not layer.delay_wgrad:
+            return
+        out.append(_node(role, layer, slot, direction))
+
+    return add
+
+
 def layer_pair_steps(
     f: LayerShape | None, b: LayerShape | None, *, is_last_layer_in_bwd: bool = False
 ) -> list[Step]:
@@ -179,18 +198,7 @@ def layer_pair_steps(
     """
     F, B = Role.F, Role.B
     out: list[Step] = []
-
-    def add(role: Role, layer: LayerShape | None, slot: Slot, direction: Direction) -> None:
-        if layer is None:
-            return
-        if slot in (Slot.DISPATCH, Slot.COMBINE) and not layer.is_moe:
-            return
-        if slot is Slot.MTP_POST and not layer.has_mtp_post:
-            return
-        if direction is Direction.WGRAD and not layer.delay_wgrad:
-            return
-        out.append(_node(role, layer, slot, direction))
-
+    add = _adder(out)
     early = b is not None and b.early_attn_release
     add(B, b, Slot.MTP_POST, Direction.BACKWARD)
     add(B, b, Slot.COMBINE, Direction.BACKWARD)
@@ -268,19 +276,6 @@ def chunk_steps(
     if b is not None:
         out.append(_chunk_step(B, Slot.PRE_PROCESS, Direction.BACKWARD))
     return out
-
-
-def _adder(out: list[Step]) -> Callable[[Role, LayerShape, Slot, Direction], None]:
-    def add(role: Role, layer: LayerShape, slot: Slot, direction: Direction) -> None:
-        if slot in (Slot.DISPATCH, Slot.COMBINE) and not layer.is_moe:
-            return
-        if slot is Slot.MTP_POST and not layer.has_mtp_post:
-            return
-        if direction is Direction.WGRAD and not layer.delay_wgrad:
-            return
-        out.append(_node(role, layer, slot, direction))
-
-    return add
 
 
 def _same_layers(a: ChunkShape, c: ChunkShape, where: str) -> None:
