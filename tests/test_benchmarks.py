@@ -1,0 +1,45 @@
+"""The GPU benchmarks run: tiny CPU smoke runs (the figures come from the H200)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(script: str, *args: str) -> str:
+    """Run ``benchmarks/<script>`` on the CPU with a tiny model; its stdout."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), "--device", "cpu", "--tiny", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=ROOT,
+        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_bench_overlap_smoke(tmp_path: Path) -> None:
+    stdout = _bench("bench_overlap.py", "--out", str(tmp_path))
+    assert "filldr" in stdout
+    results = json.loads((tmp_path / "results.json").read_text())
+    rows = results["results"] if isinstance(results, dict) else results
+    assert rows and all(r["fill_drain"]["overlapped_ms"] > 0 for r in rows)
+
+
+def test_bench_compose_smoke(tmp_path: Path) -> None:
+    variants = ["serial", "overlapped +recompute(all)", "overlapped +compile"]
+    _bench(
+        "bench_compose.py",
+        *("--warmup", "0", "--iters", "1", "--only", ",".join(variants)),
+        *("--out", str(tmp_path)),
+    )
+    rows = json.loads((tmp_path / "compose.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == variants
+    assert all(r["step_ms"] > 0 for r in rows)
