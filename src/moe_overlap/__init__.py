@@ -41,6 +41,7 @@ from moe_overlap.engine._options import ScheduleOptions as ScheduleOptions
 from moe_overlap.engine._process_nodes import PostProcessNode as PostProcessNode
 from moe_overlap.engine._process_nodes import PreProcessNode as PreProcessNode
 from moe_overlap.engine._protocols import FreeInputConfig as FreeInputConfig
+from moe_overlap.engine._protocols import GraphedWgradLayer as GraphedWgradLayer
 from moe_overlap.engine._protocols import MtpSchedulableLayer as MtpSchedulableLayer
 from moe_overlap.engine._protocols import NodeTimer as NodeTimer
 from moe_overlap.engine._protocols import PendingWgrad as PendingWgrad
@@ -90,6 +91,7 @@ __all__ = [
     "CudaGraphModule",
     "Direction",
     "FreeInputConfig",
+    "GraphedWgradLayer",
     "IntegrationError",
     "LayerArgs",
     "LayerShape",

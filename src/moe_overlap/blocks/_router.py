@@ -137,6 +137,12 @@ class TopKRouter(nn.Module):
             probs_TK = probs_TK * self.scaling
         return probs_TK, experts_TK
 
+    def graph_key(self) -> tuple[float, float]:
+        """The Python values a CUDA graph of :meth:`forward` bakes in (aux loss coefficient
+        and scale); :class:`~moe_overlap.blocks.GraphedBlock` refuses to replay when they
+        change."""
+        return (self.aux_loss_coeff, self.aux_loss_scale)
+
     def _select(self, scores_TX: Tensor) -> Tensor:
         """The top-``k`` experts by selection score (bias added), group-limited if asked."""
         sel_TX = scores_TX + self.expert_bias

@@ -246,6 +246,20 @@ class SchedulableLayer(Protocol):
 
 
 @runtime_checkable
+class GraphedWgradLayer(Protocol):
+    """A layer whose CUDA-graphed scopes replay their own delayed weight gradients.
+
+    ``graphed_backward_dw_callable()`` returns the replay (or ``None``: nothing graphed
+    and delayed); each layer plan plugs it into its
+    :class:`~moe_overlap.BackwardDWWrapper`, which then skips the eager ``backward_dw`` of
+    the :class:`~moe_overlap.WgradScope` s whose scope is in ``config.cuda_graph_modules``.
+    The replay must cover exactly those parts.
+    """
+
+    def graphed_backward_dw_callable(self) -> Callable[[], None] | None: ...
+
+
+@runtime_checkable
 class MtpSchedulableLayer(SchedulableLayer, Protocol):
     """A multi-token-prediction layer: a schedulable layer with a post-process slot."""
 

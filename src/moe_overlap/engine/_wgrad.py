@@ -13,7 +13,7 @@ from ._conformance import Indexed, already_checked, check_wgrad_layer, named
 from ._errors import IntegrationError
 from ._free_input import CudaGraphModule, graph_module_names
 from ._options import Hook
-from ._protocols import SchedulableLayer, WgradLayer
+from ._protocols import GraphedWgradLayer, SchedulableLayer, WgradLayer
 
 __all__ = ["BackwardDWWrapper", "WgradScope", "_BackwardDWWrapper", "check_wgrad_scopes"]
 
@@ -42,6 +42,10 @@ class BackwardDWWrapper:
         )
         self.graphed_modules = graph_module_names(layer.config.cuda_graph_modules)
         self.graphed_backward_dw_callable: Hook | None = None
+        if self.parts and isinstance(layer, GraphedWgradLayer):
+            replay = layer.graphed_backward_dw_callable()
+            if replay is not None:
+                self.set_graphed_backward_dw_callable(replay)
 
     def backward_dw(self) -> None:
         """Run eager wgrad for the parts the graph does not cover, then the graph's."""

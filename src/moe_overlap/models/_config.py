@@ -22,6 +22,11 @@ class GPTMoEConfig:
     ``cuda_graph_modules`` fields, fixed to what this model supports) and a model config
     for :class:`~moe_overlap.PreprocessableModel` (``mtp_num_layers``).
 
+    ``cuda_graph_modules`` runs these parts as CUDA graphs on a GPU (eagerly on a CPU):
+    ``attn`` (norm, attention, residual), ``moe_router`` (the MoE layers' norm, router and
+    shared expert), ``mlp`` (the dense layers' norm, MLP, residual); see
+    :class:`~moe_overlap.blocks.GraphedBlock`. Not with ``recompute``.
+
     Layers ``0 .. first_k_dense-1`` are dense, the rest MoE. ``delay_wgrad_compute``
     builds the layers with delayed weight gradients; they then list their delayed modules
     and the schedule follows them (a ``ScheduleOptions.delay_wgrad_compute`` that says
@@ -114,6 +119,20 @@ class GPTMoEConfig:
                 f"received {self.dtype}"
             )
         check_recompute(self.recompute, "GPTMoEConfig.recompute")
+        graphable = (CudaGraphModule.attn, CudaGraphModule.moe_router, CudaGraphModule.mlp)
+        for scope in self.cuda_graph_modules:
+            if scope not in graphable:
+                raise ConfigError(
+                    "GPTMoEConfig.cuda_graph_modules: expected members of "
+                    f"{[g.name for g in graphable]} (the static-shape parts; routed experts and "
+                    f"the token permutation change shape every microbatch), received {scope!r}"
+                )
+        if self.cuda_graph_modules and self.recompute:
+            raise ConfigError(
+                "GPTMoEConfig.cuda_graph_modules: expected no recompute with CUDA graphs (a "
+                "graph keeps its activations in its own pool, so recomputing inside it saves "
+                f"nothing), received recompute={self.recompute}: choose one of the two"
+            )
         if self.moe_aux_loss_coeff < 0:
             raise ConfigError(
                 "GPTMoEConfig.moe_aux_loss_coeff: expected >= 0, "

@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from moe_overlap.blocks._dispatcher import TokenDispatcher
 from moe_overlap.blocks._experts import GroupedExperts
+from moe_overlap.blocks._graphs import GraphedBlock
 from moe_overlap.blocks._model import MegatronHooks, Rotary
 from moe_overlap.blocks._router import TopKRouter
 from moe_overlap.blocks._transformer import RMSNorm, rotary_tables
@@ -139,6 +140,16 @@ class GPTMoEModel(MegatronHooks, nn.Module):
         for module in self.modules():
             if isinstance(module, TopKRouter):
                 module.aux_loss_scale = scale
+
+    def graphed_blocks(self) -> list[GraphedBlock]:
+        """Every CUDA-graphed part of the layers (``config.cuda_graph_modules``)."""
+        return [block for layer in self.layer_list for block in layer.graphed_blocks()]
+
+    def reset_graphs(self) -> None:
+        """Drop the captured CUDA graphs (after moving or re-sharding the parameters); the
+        next step captures again."""
+        for block in self.graphed_blocks():
+            block.reset()
 
     def embed(self, input_ids: Tensor) -> Tensor:
         """The token embedding."""

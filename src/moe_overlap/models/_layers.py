@@ -16,7 +16,7 @@ dispatch and combine save nothing, and mlp copies its input (the local sort) bef
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -30,6 +30,7 @@ from moe_overlap import (
 )
 from moe_overlap.blocks._dispatcher import TokenDispatcher
 from moe_overlap.blocks._experts import GroupedExperts
+from moe_overlap.blocks._graphs import GraphedBlock
 from moe_overlap.blocks._recompute import recompute, save_matmuls
 from moe_overlap.blocks._router import TopKRouter
 from moe_overlap.blocks._slots import (
@@ -41,6 +42,7 @@ from moe_overlap.blocks._slots import (
 )
 from moe_overlap.blocks._slots import single_input as _single
 from moe_overlap.blocks._transformer import RMSNorm, SelfAttention, SwiGLUMLP
+from moe_overlap.engine._options import Hook
 from moe_overlap.models._config import GPTMoEConfig
 
 __all__ = ["DenseLayer", "GPTLayer", "MoELayer"]
@@ -67,14 +69,28 @@ def _norm(config: GPTMoEConfig, device: torch.device | None) -> RMSNorm:
     )
 
 
+def _graphed(
+    config: GPTMoEConfig,
+    scope: CudaGraphModule,
+    fn: Callable[..., object],
+    module: nn.Module,
+    label: str,
+    frozen: Callable[[], Hashable] | None = None,
+) -> GraphedBlock | None:
+    if scope not in config.cuda_graph_modules:
+        return None
+    return GraphedBlock(fn, module, scope, label=label, frozen=frozen)
+
+
 class _AttentionBlock(nn.Module):
     """``x + attention(norm(x))``: the first half of every layer.
 
     With ``"attention"`` in ``config.recompute``, recomputed in backward selectively: its
     matrix products saved, the rest recomputed (:func:`~moe_overlap.blocks.save_matmuls`).
+    With ``attn`` in ``config.cuda_graph_modules``, run as CUDA graphs.
     """
 
-    def __init__(self, config: GPTMoEConfig, device: torch.device | None) -> None:
+    def __init__(self, config: GPTMoEConfig, device: torch.device | None, label: str) -> None:
         super().__init__()
         c = config
         self.selective = "attention" in c.recompute
@@ -88,8 +104,12 @@ class _AttentionBlock(nn.Module):
             dtype=c.dtype,
             device=device,
         )
+        self.graph = _graphed(c, CudaGraphModule.attn, self._block, self, f"{label} attention")
 
     def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        if self.graph is not None:
+            (out,) = self.graph(x_BSD, cos, sin)
+            return out
         if self.selective:
             return recompute(self._block, x_BSD, cos, sin, policy=save_matmuls)
         return self._block(x_BSD, cos, sin)
@@ -110,7 +130,7 @@ class DenseLayer(DenseSlots, nn.Module):
         c = config
         self.config = config
         self.index = index
-        self.attn_block = _AttentionBlock(c, device)
+        self.attn_block = _AttentionBlock(c, device, f"DenseLayer {index}")
         self.pre_mlp_norm = _norm(c, device)
         self.mlp = SwiGLUMLP(
             c.hidden_size,
@@ -120,6 +140,9 @@ class DenseLayer(DenseSlots, nn.Module):
             dtype=c.dtype,
             device=device,
         )
+        self.mlp_graph = _graphed(
+            c, CudaGraphModule.mlp, self._mlp_block, self, f"DenseLayer {index} mlp"
+        )
 
     def pre_dispatch(self, ctx: SlotContext, x_BSD: Tensor) -> Tensor:
         cos, sin = _rotary(ctx, f"DenseLayer {self.index} pre_dispatch")
@@ -128,6 +151,12 @@ class DenseLayer(DenseSlots, nn.Module):
 
     def mlp_forward(self, ctx: SlotContext, h_BSD: Tensor) -> Tensor:
         del ctx
+        if self.mlp_graph is not None:
+            (out,) = self.mlp_graph(h_BSD)
+            return out
+        return self._mlp_block(h_BSD)
+
+    def _mlp_block(self, h_BSD: Tensor) -> Tensor:
         mlp: Tensor = self.mlp(self.pre_mlp_norm(h_BSD))
         return h_BSD + mlp
 
@@ -150,6 +179,27 @@ class DenseLayer(DenseSlots, nn.Module):
 
     def mlp_wgrad(self) -> Sequence[WgradLayer]:
         return [self.mlp] if self.config.delay_wgrad_compute else []
+
+    def graphed_blocks(self) -> list[GraphedBlock]:
+        """The layer's CUDA-graphed parts."""
+        return [g for g in (self.attn_block.graph, self.mlp_graph) if g is not None]
+
+    # GraphedWgradLayer
+    def graphed_backward_dw_callable(self) -> Hook | None:
+        return _wgrad_replay([self.attn_block.graph], self.config)
+
+
+def _wgrad_replay(blocks: Sequence[GraphedBlock | None], config: GPTMoEConfig) -> Hook | None:
+    """The graphed-wgrad hook: replay each graphed pre-dispatch block's wgrad graph."""
+    graphed = [b for b in blocks if b is not None]
+    if not (graphed and config.delay_wgrad_compute):
+        return None
+
+    def replay() -> None:
+        for block in graphed:
+            block.backward_dw()
+
+    return replay
 
 
 class MoELayer(MoESlots, nn.Module):
@@ -175,7 +225,7 @@ class MoELayer(MoESlots, nn.Module):
         self.config = config
         self.index = index
         self.dispatcher = dispatcher
-        self.attn_block = _AttentionBlock(c, device)
+        self.attn_block = _AttentionBlock(c, device, f"MoELayer {index}")
         self.pre_mlp_norm = _norm(c, device)
         self.router = TopKRouter(
             c.hidden_size,
@@ -208,6 +258,14 @@ class MoELayer(MoESlots, nn.Module):
             dtype=c.dtype,
             device=device,
         )
+        self.router_graph = _graphed(
+            c,
+            CudaGraphModule.moe_router,
+            self._route,
+            self,
+            f"MoELayer {index} router",
+            frozen=self.router.graph_key,
+        )
 
     @property
     def num_local_experts(self) -> int:
@@ -222,12 +280,20 @@ class MoELayer(MoESlots, nn.Module):
         h_BSD: Tensor = self.attn_block(x_BSD, cos, sin)
         state = ctx.layer_state
         state.residual = ctx.detach(h_BSD)
+        routed = self.router_graph(h_BSD) if self.router_graph is not None else self._route(h_BSD)
+        hn_TD, probs_TK, experts_TK, *shared = routed
+        if shared:
+            state.shared_expert_output = ctx.detach(shared[0])
+        return self.dispatcher.slot_permute(ctx, hn_TD, probs_TK, experts_TK)
+
+    def _route(self, h_BSD: Tensor) -> tuple[Tensor, ...]:
+        """Norm, router, shared expert: ``(hn_TD, probs_TK, experts_TK[, shared_TD])``."""
         hn_TD = self.pre_mlp_norm(h_BSD).reshape(-1, h_BSD.shape[-1])
         probs_TK, experts_TK = self.router(hn_TD)
-        if self.shared_expert is not None:
-            shared: Tensor = self.shared_expert(hn_TD)
-            state.shared_expert_output = ctx.detach(shared)
-        return self.dispatcher.slot_permute(ctx, hn_TD, probs_TK, experts_TK)
+        if self.shared_expert is None:
+            return hn_TD, probs_TK, experts_TK
+        shared: Tensor = self.shared_expert(hn_TD)
+        return hn_TD, probs_TK, experts_TK, shared
 
     def dispatch(self, ctx: SlotContext, tokens_ND: Tensor, probs_N: Tensor) -> Tensor:
         """The all-to-all; keeps the received probs for mlp in ``dispatched_probs``."""
@@ -254,6 +320,14 @@ class MoELayer(MoESlots, nn.Module):
 
     def mlp_wgrad(self) -> Sequence[WgradLayer]:
         return [self.experts] if self.config.delay_wgrad_compute else []
+
+    def graphed_blocks(self) -> list[GraphedBlock]:
+        """The layer's CUDA-graphed parts."""
+        return [g for g in (self.attn_block.graph, self.router_graph) if g is not None]
+
+    # GraphedWgradLayer
+    def graphed_backward_dw_callable(self) -> Hook | None:
+        return _wgrad_replay([self.attn_block.graph, self.router_graph], self.config)
 
 
 GPTLayer = DenseLayer | MoELayer

@@ -1,0 +1,382 @@
+"""CUDA graphs for the static-shape parts of a layer, forward and backward, exact.
+
+A :class:`GraphedBlock` runs one function of tensors (attention, a norm and router, a dense
+MLP) as captured CUDA graphs with PyTorch's own API (:class:`torch.cuda.CUDAGraph`,
+:func:`torch.cuda.graph`): one graph for its forward, one for its backward (captured from
+``torch.autograd.grad``, as :func:`torch.cuda.make_graphed_callables` does) and, when the
+function's linears delay their weight gradients, one for those. The kernels are the ones
+eager mode runs, so results are bit-identical to eager.
+
+What :func:`~torch.cuda.make_graphed_callables` leaves to its caller, the block does:
+
+- **Copies per microbatch in flight.** A graph's saved activations live in its private
+  memory pool, so a second forward replay before the first one's backward would overwrite
+  them. The block keeps a set of captured copies; a forward takes a free copy (capturing a
+  new one when all are busy) and the copy stays busy until its backward has replayed and its
+  delayed weight gradients are computed (or its autograd graph is dropped). The combined
+  1F1B schedule keeps two microbatches of a layer alive, so two copies.
+- **No aliasing of static buffers.** Outputs and gradients are returned as fresh tensors,
+  never the graph's static buffers: ``AccumulateGrad`` may keep a gradient as ``.grad``,
+  and the schedule's free-input policy may release an output's storage.
+- **Delayed weight gradients.** The backward capture queues the linears' ``(x, grad_y)``
+  on static buffers; each backward replay queues them again, holding the copy, so
+  :func:`~moe_overlap.blocks.finish_wgrad` and ``backward_dw`` work as in eager mode, and
+  :meth:`GraphedBlock.backward_dw` replays their captured weight-gradient graph instead
+  (the layer plugs it into :meth:`~moe_overlap.BackwardDWWrapper.set_graphed_backward_dw_callable`).
+- **Refusals instead of silent staleness.** A call whose tensor shapes, dtypes, devices or
+  ``requires_grad`` differ from the capture's, parameters that moved (``model.to``, FSDP,
+  ``load_state_dict(assign=True)``), or a Python-side value the capture froze (``frozen``)
+  that changed raise :class:`~moe_overlap.ConfigError`; :meth:`GraphedBlock.reset` drops
+  the graphs so the next call captures again.
+
+Without CUDA, or with autograd off, the function runs eagerly: the same values, no graphs.
+Capture synchronizes the device (once per copy, on the first steps).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Hashable, Sequence
+from copy import deepcopy
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+from torch.utils import _pytree as pytree
+
+from moe_overlap import ConfigError, CudaGraphModule, WgradError
+from moe_overlap.blocks._wgrad import DelayedWgradModule, PendingItem, accumulate_grad
+
+__all__ = ["GraphedBlock"]
+
+_Signature = tuple[tuple[tuple[int, ...], torch.dtype, torch.device, bool], ...]
+
+
+class _Lease:
+    """Held while a copy's buffers are in use (by the autograd node, then by queued wgrads)."""
+
+    __slots__ = ("__weakref__", "copy")
+
+    def __init__(self, copy: _Copy) -> None:
+        self.copy = copy
+
+
+@dataclass(eq=False)
+class _Copy:
+    """One captured set of graphs and the static tensors they read and write."""
+
+    inputs: tuple[Tensor, ...]
+    outputs: tuple[Tensor, ...]
+    spec: pytree.TreeSpec
+    fwd: torch.cuda.CUDAGraph
+    bwd: torch.cuda.CUDAGraph | None
+    grad_outputs: tuple[Tensor | None, ...]
+    grad_inputs: tuple[Tensor | None, ...]
+    deferred: tuple[tuple[DelayedWgradModule, PendingItem], ...]
+    wgrad: torch.cuda.CUDAGraph | None = None
+    wgrad_out: tuple[Tensor, ...] = ()
+    lease: weakref.ref[_Lease] | None = None
+    replays: int = 0
+
+    def free(self) -> bool:
+        return self.lease is None or self.lease() is None
+
+
+@dataclass
+class _Stats:
+    """What a block did: captures, forward replays, weight-gradient graph replays."""
+
+    captures: int = 0
+    forward_replays: int = 0
+    wgrad_replays: int = 0
+    eager_calls: int = 0
+    history: list[str] = field(default_factory=list[str])
+
+
+class _GraphedFn(torch.autograd.Function):
+    """One replayed copy as one autograd node: inputs are the user tensors and parameters."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,  # torch's FunctionCtx declares no fields; we add our own
+        block: GraphedBlock,
+        copy: _Copy,
+        lease: _Lease,
+        *tensors: Tensor,
+    ) -> tuple[Tensor, ...]:
+        for static, value in zip(copy.inputs, tensors, strict=False):
+            if static.data_ptr() != value.data_ptr():
+                static.copy_(value)
+        copy.fwd.replay()
+        outputs = tuple(o.clone() for o in copy.outputs)
+        ctx.mark_non_differentiable(*(o for o in outputs if not _differentiable(o)))
+        ctx.block = block
+        ctx.lease = lease
+        return outputs
+
+    @staticmethod
+    def backward(
+        ctx: Any,  # see forward
+        *grads: Tensor,
+    ) -> tuple[Tensor | None, ...]:
+        block: GraphedBlock = ctx.block
+        lease: _Lease | None = ctx.lease
+        ctx.lease = None
+        if lease is None:
+            raise WgradError(
+                f"{block.label}: a graphed block's backward ran twice for one forward; its "
+                "graph buffers belong to the next microbatch by now: backward once "
+                "(no retain_graph) through a GraphedBlock"
+            )
+        copy = lease.copy
+        if copy.bwd is None:
+            raise WgradError(
+                f"{block.label}: no backward graph was captured (no output needs grad)"
+            )
+        for static, grad in zip(copy.grad_outputs, grads, strict=True):
+            if static is not None and static.data_ptr() != grad.data_ptr():
+                static.copy_(grad)
+        copy.bwd.replay()
+        for module, item in copy.deferred:
+            module.defer_wgrad(item.x, item.grad_y, item.kernel, keep=lease)
+        return (None, None, None, *(g.clone() if g is not None else None for g in copy.grad_inputs))
+
+
+# Function.apply is untyped; give it its signature once, here.
+_graphed_apply = cast(
+    "Callable[..., tuple[Tensor, ...]]",
+    _GraphedFn.apply,  # pyright: ignore[reportUnknownMemberType]
+)
+
+
+# torch.cuda.Stream's constructor is unannotated; give it a type once, here.
+_new_stream: Callable[[], torch.cuda.Stream] = torch.cuda.Stream
+
+
+def _differentiable(t: Tensor) -> bool:
+    return t.is_floating_point() or t.is_complex()
+
+
+class GraphedBlock:
+    """``fn(*tensors)`` of ``module``'s parameters, run as CUDA graphs (see the module doc).
+
+    ``fn`` returns a tensor or a (nested) tuple of tensors; :meth:`__call__` returns them
+    flattened to a tuple. ``scope`` and ``label`` name the block in errors. ``frozen``
+    returns the Python-side values the capture bakes in (a router's loss scale, a flag);
+    a call where it returns something else raises instead of replaying a stale graph.
+    Not an ``nn.Module``: ``module`` keeps its parameters, the block only reads them.
+    """
+
+    def __init__(
+        self,
+        fn: Callable[..., object],
+        module: nn.Module,
+        scope: CudaGraphModule,
+        *,
+        label: str,
+        frozen: Callable[[], Hashable] | None = None,
+        warmup: int = 2,
+    ) -> None:
+        self.fn = fn
+        self.module = module
+        self.scope = scope
+        self.label = label
+        self.frozen = frozen
+        self.warmup = max(1, warmup)
+        self.stats = _Stats()
+        self._copies: list[_Copy] = []
+        self._signature: _Signature | None = None
+        self._key: tuple[object, ...] | None = None
+
+    def __deepcopy__(self, memo: dict[int, object]) -> GraphedBlock:
+        """A copy of the model gets its own block, uncaptured (graphs are not copyable)."""
+        return GraphedBlock(
+            deepcopy(self.fn, memo),
+            deepcopy(self.module, memo),
+            self.scope,
+            label=self.label,
+            frozen=deepcopy(self.frozen, memo),
+            warmup=self.warmup,
+        )
+
+    @property
+    def copies(self) -> int:
+        """How many copies are captured (one per microbatch in flight at once)."""
+        return len(self._copies)
+
+    def reset(self) -> None:
+        """Drop every captured graph; the next call captures again (after moving the model)."""
+        busy = [i for i, c in enumerate(self._copies) if not c.free()]
+        if busy:
+            raise ConfigError(
+                f"{self.label}: reset() expected every graph copy idle, received copies {busy} "
+                "still owed a backward or a weight gradient: finish or discard the step first"
+            )
+        self._copies.clear()
+        self._signature = None
+        self._key = None
+
+    def __call__(self, *args: Tensor) -> tuple[Tensor, ...]:
+        """Run ``fn(*args)``: graphed on CUDA with autograd on, eagerly otherwise."""
+        if not (torch.is_grad_enabled() and args and all(a.is_cuda for a in args)):
+            self.stats.eager_calls += 1
+            return tuple(pytree.tree_leaves(self.fn(*args)))
+        params = self._params()
+        copy = self._acquire(args, params)
+        lease = _Lease(copy)
+        copy.lease = weakref.ref(lease)
+        copy.replays += 1
+        self.stats.forward_replays += 1
+        return _graphed_apply(self, copy, lease, *args, *params)
+
+    def backward_dw(self) -> None:
+        """Weight gradients of the oldest backward, by replaying their captured graph.
+
+        The graphed-wgrad hook of :class:`~moe_overlap.BackwardDWWrapper`. Items queued
+        without a graph (CPU, eager calls) are computed as ``backward_dw`` computes them.
+        """
+        modules = self._delayed()
+        heads = [item for m in modules if (item := m.oldest_pending()) is not None]
+        lease = heads[0].keep if heads else None
+        wgrad = lease.copy.wgrad if isinstance(lease, _Lease) else None
+        if not isinstance(lease, _Lease) or wgrad is None:
+            for module in modules:
+                module.backward_dw()
+            return
+        copy = lease.copy
+        for module, _ in copy.deferred:
+            item = module.oldest_pending()
+            if item is None or item.keep is not lease:
+                raise WgradError(
+                    f"{self.label}: expected {module.label}'s oldest pending weight gradient "
+                    "to come from the same graphed backward as the block's, received "
+                    f"{'none' if item is None else 'another backward'}: run backward_dw once "
+                    "per backward, in order, for every module of the block"
+                )
+            module.pop_pending()
+        wgrad.replay()
+        self.stats.wgrad_replays += 1
+        with torch.no_grad():
+            for (module, _), grad in zip(copy.deferred, copy.wgrad_out, strict=True):
+                accumulate_grad(module.weight, grad.clone())
+
+    # --- capture -------------------------------------------------------------------------
+    def _params(self) -> tuple[nn.Parameter, ...]:
+        return tuple(p for p in self.module.parameters() if p.requires_grad)
+
+    def _state_key(self, params: Sequence[nn.Parameter]) -> tuple[object, ...]:
+        names = tuple(n for n, p in self.module.named_parameters() if p.requires_grad)
+        frozen = self.frozen() if self.frozen is not None else None
+        return (names, tuple(p.data_ptr() for p in params), self.module.training, frozen)
+
+    def _acquire(self, args: Sequence[Tensor], params: Sequence[nn.Parameter]) -> _Copy:
+        signature: _Signature = tuple(
+            (tuple(a.shape), a.dtype, a.device, a.requires_grad) for a in args
+        )
+        key = self._state_key(params)
+        if self._signature is None:
+            self._check_params(params)
+            self._signature, self._key = signature, key
+        elif signature != self._signature:
+            raise ConfigError(
+                f"{self.label}: the CUDA graph of scope '{self.scope.name}' was captured for "
+                f"inputs {_describe(self._signature)}, received {_describe(signature)}; a "
+                "graphed scope needs the same shapes every microbatch: keep the microbatch "
+                f"shape fixed or leave '{self.scope.name}' out of cuda_graph_modules"
+            )
+        elif key != self._key:
+            raise ConfigError(
+                f"{self.label}: the CUDA graph of scope '{self.scope.name}' was captured "
+                f"with other parameters or settings (trainable names, storage, training "
+                f"flag, frozen values {self._key[3] if self._key else None!r}), received "
+                f"{key[3]!r} and parameters that changed since; graphs read parameters by "
+                "address: call reset_graphs() on the model after moving, re-sharding or "
+                "re-freezing it, or changing what the capture froze"
+            )
+        for copy in self._copies:
+            if copy.free():
+                return copy
+        copy = self._capture(args, params)
+        self._copies.append(copy)
+        return copy
+
+    def _check_params(self, params: Sequence[nn.Parameter]) -> None:
+        for name, p in self.module.named_parameters():
+            if type(p.data) is not torch.Tensor or not p.is_cuda:
+                raise ConfigError(
+                    f"{self.label}: a CUDA graph of scope '{self.scope.name}' needs plain "
+                    f"CUDA tensor parameters, received {name} as {type(p.data).__name__} on "
+                    f"{p.device}: leave the scope out of cuda_graph_modules when sharding "
+                    "(FSDP2 moves parameters every step)"
+                )
+        del params
+
+    def _delayed(self) -> list[DelayedWgradModule]:
+        return [m for m in self.module.modules() if isinstance(m, DelayedWgradModule)]
+
+    def _capture(self, args: Sequence[Tensor], params: Sequence[nn.Parameter]) -> _Copy:
+        delayed = self._delayed()
+        queued = [m.pending_wgrad for m in delayed]
+        inputs = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
+        surface = tuple(t for t in (*inputs, *params) if t.requires_grad)
+        torch.cuda.synchronize()
+        side = _new_stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # lazy initialisations stay out of the graphs
+            for _ in range(self.warmup):
+                outs = [o for o in pytree.tree_leaves(self.fn(*inputs)) if o.requires_grad]
+                if outs:
+                    torch.autograd.grad(
+                        outs, surface, [torch.zeros_like(o) for o in outs], allow_unused=True
+                    )
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        for module, count in zip(delayed, queued, strict=True):
+            module.take_pending_since(count)  # the warm-up's
+        pool = torch.cuda.graph_pool_handle()
+        fwd = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(fwd, pool=pool):
+            result = self.fn(*inputs)
+        flat, spec = pytree.tree_flatten(result)
+        outputs = tuple(cast("list[Tensor]", flat))
+        grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None for o in outputs)
+        needed = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if g is not None]
+        bwd: torch.cuda.CUDAGraph | None = None
+        grads: Sequence[Tensor | None] = [None] * len(surface)
+        if needed:
+            bwd = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(bwd, pool=pool):
+                grads = torch.autograd.grad(
+                    [o for o, _ in needed], surface, [g for _, g in needed], allow_unused=True
+                )
+        by_tensor = {id(t): g for t, g in zip(surface, grads, strict=True)}
+        grad_inputs = tuple(by_tensor.get(id(t)) for t in (*inputs, *params))
+        deferred = tuple(
+            (module, item)
+            for module, count in zip(delayed, queued, strict=True)
+            for item in module.take_pending_since(count)
+        )
+        copy = _Copy(
+            inputs=inputs,
+            outputs=outputs,
+            spec=spec,
+            fwd=fwd,
+            bwd=bwd,
+            grad_outputs=grad_outputs,
+            grad_inputs=grad_inputs,
+            deferred=deferred,
+        )
+        if deferred:
+            copy.wgrad = torch.cuda.CUDAGraph()
+            with torch.no_grad(), torch.cuda.graph(copy.wgrad, pool=pool):
+                copy.wgrad_out = tuple(i.kernel.wgrad(i.x, i.grad_y) for _, i in deferred)
+        self.stats.captures += 1
+        return copy
+
+
+def _describe(signature: _Signature) -> str:
+    return ", ".join(
+        f"{list(shape)} {str(dtype).removeprefix('torch.')}{' (grad)' if grad else ''}"
+        for shape, dtype, _, grad in signature
+    )
