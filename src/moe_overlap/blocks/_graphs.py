@@ -35,6 +35,7 @@ Capture synchronizes the device (once per copy, on the first steps).
 
 from __future__ import annotations
 
+import gc
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from copy import deepcopy
@@ -159,19 +160,22 @@ def _differentiable(t: Tensor) -> bool:
 
 
 class GraphedBlock:
-    """``fn(*tensors)`` of ``module``'s parameters, run as CUDA graphs (see the module doc).
+    """``fn(*tensors)`` of the parameters of ``modules``, run as CUDA graphs (see the
+    module doc).
 
     ``fn`` returns a tensor or a (nested) tuple of tensors; :meth:`__call__` returns them
-    flattened to a tuple. ``scope`` and ``label`` name the block in errors. ``frozen``
-    returns the Python-side values the capture bakes in (a router's loss scale, a flag);
-    a call where it returns something else raises instead of replaying a stale graph.
-    Not an ``nn.Module``: ``module`` keeps its parameters, the block only reads them.
+    flattened to a tuple. ``modules`` are exactly the modules ``fn`` runs (their delayed
+    linears are the block's). ``scope`` and ``label`` name the block in errors. ``frozen``
+    returns the Python-side values the capture bakes in (a router's loss scale); pass a
+    bound method of one of ``modules`` so a copied model's block reads the copy. A call
+    where it returns something else raises instead of replaying a stale graph. Not an
+    ``nn.Module``: ``modules`` keep their parameters, the block only reads them.
     """
 
     def __init__(
         self,
         fn: Callable[..., object],
-        module: nn.Module,
+        modules: Sequence[nn.Module],
         scope: CudaGraphModule,
         *,
         label: str,
@@ -179,7 +183,7 @@ class GraphedBlock:
         warmup: int = 2,
     ) -> None:
         self.fn = fn
-        self.module = module
+        self.modules = tuple(modules)
         self.scope = scope
         self.label = label
         self.frozen = frozen
@@ -193,7 +197,7 @@ class GraphedBlock:
         """A copy of the model gets its own block, uncaptured (graphs are not copyable)."""
         return GraphedBlock(
             deepcopy(self.fn, memo),
-            deepcopy(self.module, memo),
+            deepcopy(self.modules, memo),
             self.scope,
             label=self.label,
             frozen=deepcopy(self.frozen, memo),
@@ -207,6 +211,7 @@ class GraphedBlock:
 
     def reset(self) -> None:
         """Drop every captured graph; the next call captures again (after moving the model)."""
+        gc.collect()  # a failed step's autograd graph may sit in a reference cycle
         busy = [i for i, c in enumerate(self._copies) if not c.free()]
         if busy:
             raise ConfigError(
@@ -262,13 +267,24 @@ class GraphedBlock:
                 accumulate_grad(module.weight, grad.clone())
 
     # --- capture -------------------------------------------------------------------------
+    def _named(self) -> list[tuple[str, nn.Parameter]]:
+        seen: set[int] = set()
+        named: list[tuple[str, nn.Parameter]] = []
+        for i, module in enumerate(self.modules):
+            for name, p in module.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    named.append((f"{i}.{name}", p))
+        return named
+
     def _params(self) -> tuple[nn.Parameter, ...]:
-        return tuple(p for p in self.module.parameters() if p.requires_grad)
+        return tuple(p for _, p in self._named() if p.requires_grad)
 
     def _state_key(self, params: Sequence[nn.Parameter]) -> tuple[object, ...]:
-        names = tuple(n for n, p in self.module.named_parameters() if p.requires_grad)
+        names = tuple(n for n, p in self._named() if p.requires_grad)
         frozen = self.frozen() if self.frozen is not None else None
-        return (names, tuple(p.data_ptr() for p in params), self.module.training, frozen)
+        training = tuple(m.training for m in self.modules)
+        return (names, tuple(p.data_ptr() for p in params), training, frozen)
 
     def _acquire(self, args: Sequence[Tensor], params: Sequence[nn.Parameter]) -> _Copy:
         signature: _Signature = tuple(
@@ -302,7 +318,7 @@ class GraphedBlock:
         return copy
 
     def _check_params(self, params: Sequence[nn.Parameter]) -> None:
-        for name, p in self.module.named_parameters():
+        for name, p in self._named():
             if type(p.data) is not torch.Tensor or not p.is_cuda:
                 raise ConfigError(
                     f"{self.label}: a CUDA graph of scope '{self.scope.name}' needs plain "
@@ -313,7 +329,12 @@ class GraphedBlock:
         del params
 
     def _delayed(self) -> list[DelayedWgradModule]:
-        return [m for m in self.module.modules() if isinstance(m, DelayedWgradModule)]
+        found: dict[int, DelayedWgradModule] = {}
+        for module in self.modules:
+            for m in module.modules():
+                if isinstance(m, DelayedWgradModule):
+                    found.setdefault(id(m), m)
+        return list(found.values())
 
     def _capture(self, args: Sequence[Tensor], params: Sequence[nn.Parameter]) -> _Copy:
         delayed = self._delayed()

@@ -73,13 +73,14 @@ def _graphed(
     config: GPTMoEConfig,
     scope: CudaGraphModule,
     fn: Callable[..., object],
-    module: nn.Module,
+    modules: Sequence[nn.Module | None],
     label: str,
     frozen: Callable[[], Hashable] | None = None,
 ) -> GraphedBlock | None:
     if scope not in config.cuda_graph_modules:
         return None
-    return GraphedBlock(fn, module, scope, label=label, frozen=frozen)
+    parts = [m for m in modules if m is not None]
+    return GraphedBlock(fn, parts, scope, label=label, frozen=frozen)
 
 
 class _AttentionBlock(nn.Module):
@@ -104,7 +105,7 @@ class _AttentionBlock(nn.Module):
             dtype=c.dtype,
             device=device,
         )
-        self.graph = _graphed(c, CudaGraphModule.attn, self._block, self, f"{label} attention")
+        self.graph = _graphed(c, CudaGraphModule.attn, self._block, [self], f"{label} attention")
 
     def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         if self.graph is not None:
@@ -141,7 +142,11 @@ class DenseLayer(DenseSlots, nn.Module):
             device=device,
         )
         self.mlp_graph = _graphed(
-            c, CudaGraphModule.mlp, self._mlp_block, self, f"DenseLayer {index} mlp"
+            c,
+            CudaGraphModule.mlp,
+            self._mlp_block,
+            [self.pre_mlp_norm, self.mlp],
+            f"DenseLayer {index} mlp",
         )
 
     def pre_dispatch(self, ctx: SlotContext, x_BSD: Tensor) -> Tensor:
@@ -262,7 +267,7 @@ class MoELayer(MoESlots, nn.Module):
             c,
             CudaGraphModule.moe_router,
             self._route,
-            self,
+            [self.pre_mlp_norm, self.router, self.shared_expert],
             f"MoELayer {index} router",
             frozen=self.router.graph_key,
         )

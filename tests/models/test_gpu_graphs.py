@@ -1,0 +1,150 @@
+"""On CUDA, bf16, real streams: CUDA-graphed scopes are bit-identical to eager, and refuse
+what a captured graph cannot follow.
+
+Skipped without a GPU (run on the lent H200).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from moe_overlap import ConfigError, Microbatch, ScheduleError, combined_1f1b, make_streams
+from moe_overlap.blocks import discard_wgrad, finish_wgrad
+from moe_overlap.models import GPTMoEConfig, GPTMoEModel
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+ALL = ("attn", "moe_router", "mlp")
+
+
+@pytest.fixture(autouse=True)
+def _deterministic() -> Iterator[None]:
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def _model(
+    graphs: tuple[str, ...], *, delay: bool, dispatcher: str = "alltoall", aux: float = 0.0
+) -> GPTMoEModel:
+    scopes: Any = graphs  # names as data, checked by the config
+    kind: Any = dispatcher
+    config = GPTMoEConfig(
+        hidden_size=256,
+        num_layers=3,
+        num_attention_heads=4,
+        num_experts=8,
+        moe_ffn_hidden_size=128,
+        moe_shared_expert_hidden_size=128,
+        moe_aux_loss_coeff=aux,
+        delay_wgrad_compute=delay,
+        dispatcher=kind,
+        dtype=torch.bfloat16,
+        cuda_graph_modules=scopes,
+    )
+    return GPTMoEModel(config, device="cuda")
+
+
+def _microbatches(n: int, seq: int = 64, seed: int = 0) -> list[Microbatch]:
+    g = torch.Generator().manual_seed(seed)
+    xs = [torch.randint(0, 128, (2, seq), generator=g).cuda() for _ in range(n)]
+    return [Microbatch(input_ids=x, labels=x.roll(-1, 1)) for x in xs]
+
+
+def _step(model: GPTMoEModel, mbs: list[Microbatch], how: str) -> list[torch.Tensor]:
+    if how == "plain":
+        losses: list[torch.Tensor] = []
+        for mb in mbs:
+            assert mb.input_ids is not None
+            loss = model(mb.input_ids, labels=mb.labels)
+            loss.backward()
+            finish_wgrad(model)
+            losses.append(loss.detach().float())
+        return losses
+    return combined_1f1b(
+        model,
+        mbs,
+        options=model.schedule_options(),
+        streams=make_streams("cuda"),
+        fill_drain=how == "fill_drain",
+    )
+
+
+def _refused(model: GPTMoEModel, mbs: list[Microbatch], match: str) -> None:
+    """The step fails with the graph's ConfigError (chained by the schedule's ScheduleError)."""
+    with pytest.raises(ScheduleError, match=match) as info:
+        _step(model, mbs, "1f1b")
+    assert isinstance(info.value.__cause__, ConfigError)
+    del info
+    discard_wgrad(model)  # the documented recovery after a failed step
+    model.zero_grad(set_to_none=True)
+
+
+def _assert_same(a: GPTMoEModel, b: GPTMoEModel) -> None:
+    torch.cuda.synchronize()
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        assert torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.parametrize("how", ["plain", "1f1b", "fill_drain"])
+@pytest.mark.parametrize("delay", [False, True])
+@pytest.mark.parametrize(("graphs", "dispatcher"), [(ALL, "alltoall"), (("attn",), "loopback")])
+def test_graphed_scopes_are_bit_identical_to_eager(
+    how: str, delay: bool, graphs: tuple[str, ...], dispatcher: str
+) -> None:
+    eager = _model((), delay=delay, dispatcher=dispatcher)
+    graphed = _model(graphs, delay=delay, dispatcher=dispatcher)
+    for step in range(2):  # the first captures, the second replays the same copies
+        mbs = _microbatches(4, seed=step)
+        want = _step(eager, mbs, how)
+        got = _step(graphed, mbs, how)
+        for g, w in zip(got, want, strict=True):
+            assert torch.equal(g, w)
+        _assert_same(graphed, eager)
+    blocks = graphed.graphed_blocks()
+    assert blocks and all(b.stats.eager_calls == 0 for b in blocks)
+    # Two microbatches of a layer are alive at once in the overlapped schedules, one plainly.
+    assert {b.copies for b in blocks} == ({1} if how == "plain" else {2})
+    replays = sum(b.stats.wgrad_replays for b in blocks)
+    assert (replays > 0) == (delay and how != "plain")
+
+
+def test_a_shape_change_is_refused() -> None:
+    model = _model(ALL, delay=True)
+    _step(model, _microbatches(2), "1f1b")
+    _refused(model, _microbatches(2, seq=32), "same shapes every microbatch")
+
+
+def test_moved_parameters_are_refused_until_reset() -> None:
+    eager = _model((), delay=True)
+    graphed = _model(ALL, delay=True)
+    _step(eager, _microbatches(2), "1f1b")
+    _step(graphed, _microbatches(2), "1f1b")
+    weight = graphed.layer_list[1].attn_block.attention.qkv.weight
+    weight.data = weight.data.clone()  # new storage: the graph would read the old one
+    _refused(graphed, _microbatches(2, seed=1), "reset_graphs")
+    eager.zero_grad(set_to_none=True)
+    graphed.reset_graphs()
+    mbs = _microbatches(2, seed=2)
+    for g, w in zip(_step(graphed, mbs, "1f1b"), _step(eager, mbs, "1f1b"), strict=True):
+        assert torch.equal(g, w)
+    _assert_same(graphed, eager)
+
+
+def test_a_changed_aux_loss_scale_is_refused() -> None:
+    model = _model(ALL, delay=False, aux=0.01)
+    _step(model, _microbatches(2), "1f1b")
+    model.set_aux_loss_scale(0.5)
+    _refused(model, _microbatches(2), "frozen values")
