@@ -13,8 +13,14 @@ For each configuration of the sweep, in one process:
   in a serial step (``bound``, no contention) and in an overlapped step
   (``bound_contended``); ``efficiency = bound / overlapped``.
 
-Then, for the first configuration: peak memory with and without free-input, the timeline
-(PNG + Chrome trace) of one overlapped step, and host time per layer pair.
+- ``fill_drain``: the overlapped step with the fill and the drain overlapped too
+  (``combined_1f1b(fill_drain=True)``);
+- ``graphs``: the overlapped and the fill/drain steps with each layer's attention and router
+  run as CUDA graphs (:class:`~moe_overlap.blocks.GraphedBlock`), with their own bound.
+
+Then, for the first configuration: peak memory of every variant with and without
+free-input, the timeline (PNG + Chrome trace) of one overlapped step, and host time per
+layer pair, eager and graphed; and host time and step time at a host-bound size (H=256).
 """
 
 from __future__ import annotations
@@ -173,6 +179,7 @@ def measure(
     serial = _time_ms(b, lambda: _step(b, overlap=False))
     overlapped = _time_ms(b, lambda: _step(b, overlap=True))
     fill_drain = _time_ms(b, lambda: _step(b, overlap=True, fill_drain=True))
+    graphed = _graphed(b)
     model.set_loopback(LoopbackMode.DEVICE)
     compute = _time_ms(b, lambda: _step(b, overlap=False))
     model.set_loopback(LoopbackMode.HOST)
@@ -222,6 +229,17 @@ def measure(
         "speedup": m["serial"] / fd,
         "overlapped_over_max": fd / cap,
     }
+    res["graphs"] = {
+        name: {
+            "overlapped_ms": _median(samples),
+            "samples": samples,
+            "bound_ms": bound_g,
+            "efficiency": bound_g / _median(samples),
+            "speedup": m["serial"] / _median(samples),
+            "overlapped_over_max": _median(samples) / cap,
+        }
+        for name, (samples, bound_g) in graphed.items()
+    }
     if main:
         title = (
             f"overlapped step, H={cfg.hidden} F={cfg.ffn} T={cfg.tokens} L={cfg.num_layers} "
@@ -230,10 +248,28 @@ def measure(
         spans = over_rec.spans()
         write_gantt_png(spans, out / "timeline.png", title=title)
         write_chrome_trace(spans, out / "timeline_trace.json", title=title)
-        res["memory"] = _memory(b)
         res["host"] = _host_time(b)
+        res["host_graphs"] = _host_time(b, graphs=True)
         res["variants"] = _variants(b, m, bound)
+        res["memory"] = _memory(b)
     return res
+
+
+def _graphed(b: Bench) -> dict[str, tuple[list[float], float]]:
+    """Step times with the attention and router CUDA-graphed (overlapped, and with the
+    fill/drain overlap), each with its critical-path bound from a graphed serial step."""
+    b.model.set_graphs(True)
+    try:
+        fd = _time_ms(b, lambda: _step(b, overlap=True, fill_drain=True))
+        ov = _time_ms(b, lambda: _step(b, overlap=True))
+        rec = _recorded(b, overlap=False)
+    finally:
+        b.model.set_graphs(False)
+    n = len(b.mbs)
+    return {
+        "fill_drain": (fd, critical_path_ms(fill_drain_runs(n), rec.shapes, rec.durations())),
+        "overlapped": (ov, critical_path_ms(overlapped_runs(n), rec.shapes, rec.durations())),
+    }
 
 
 def _variants(b: Bench, base: dict[str, float], bound: float) -> JsonDict:
@@ -295,21 +331,30 @@ def _config_json(cfg: SliceConfig, dtype: torch.dtype) -> JsonDict:
 
 
 def _memory(b: Bench) -> JsonDict:
-    """Peak memory of one overlapped step, free-input on and off."""
+    """Peak memory of one step of each variant, free-input on and off.
+
+    The graphed cases run last, after the eager ones, with the graphs captured afresh:
+    their pools (the graphs' activations and static buffers) count in their peak only.
+    """
     out: JsonDict = {}
     if b.device.type != "cuda":
         return {"note": "CUDA only"}
     cases = [
-        (f"{kind}free_input_{free}", overlap, free, fd)
-        for kind, overlap, fd in (
-            ("", True, False),
-            ("serial_", False, False),
-            ("fill_drain_", True, True),
+        (f"{kind}free_input_{free}", overlap, free, fd, graphs)
+        for kind, overlap, fd, graphs in (
+            ("", True, False, False),
+            ("serial_", False, False, False),
+            ("fill_drain_", True, True, False),
+            ("graphs_", True, False, True),
+            ("fill_drain_graphs_", True, True, True),
         )
         for free in (True, False)
     ]
-    for name, overlap, free, fd in cases:
+    b.model.drop_graphs()
+    torch.cuda.empty_cache()
+    for name, overlap, free, fd, graphs in cases:
         opts = ScheduleOptions(free_input=free)
+        b.model.set_graphs(graphs)
         _step(b, overlap=overlap, options=opts, fill_drain=fd)  # warm the allocator
         b.model.zero_grad(set_to_none=False)
         _sync(b.device)
@@ -319,11 +364,16 @@ def _memory(b: Bench) -> JsonDict:
         _sync(b.device)
         peak = torch.cuda.max_memory_allocated(b.device)
         out[name] = {"peak_GB": peak / 1e9, "above_start_GB": (peak - base) / 1e9}
+        b.model.set_graphs(False)
+        if graphs:
+            b.model.drop_graphs()
+            torch.cuda.empty_cache()
     return out
 
 
-def _host_time(b: Bench) -> JsonDict:
-    """Host seconds of issuing each chunk run of overlapped steps (no sync inside a run)."""
+def _host_time(b: Bench, *, graphs: bool = False) -> JsonDict:
+    """Host seconds of issuing each chunk run of overlapped steps (no sync inside a run),
+    with the attention and router CUDA-graphed when ``graphs``."""
     original = ModelChunkSchedulePlan.__dict__["run"]
     run_fn: Callable[..., torch.Tensor | None] = original.__func__
     records: list[tuple[bool, bool, float]] = []
@@ -340,6 +390,8 @@ def _host_time(b: Bench) -> JsonDict:
         spans.append((ev0, ev1))
         return result
 
+    b.model.set_graphs(graphs)
+    _step(b, overlap=True)  # captures the graphs when asked (outside the timed steps)
     setattr(ModelChunkSchedulePlan, "run", staticmethod(timed))  # noqa: B010 - restored below
     try:
         samples: list[dict[str, float]] = []
@@ -354,6 +406,7 @@ def _host_time(b: Bench) -> JsonDict:
             samples.append(_host_sample(records, gpu, b.model.config.num_layers))
     finally:
         setattr(ModelChunkSchedulePlan, "run", original)  # noqa: B010
+        b.model.set_graphs(False)
     return {k: _median([s[k] for s in samples]) for k in samples[0]}
 
 
@@ -545,6 +598,15 @@ def main(argv: list[str] | None = None) -> None:
     _time_ms(sb, lambda: _step(sb, overlap=True))
     host_small: JsonDict = {"config": _config_json(small, sb.model.embed_scale.dtype)}
     host_small.update(_host_time(sb))
+    host_small["graphs"] = _host_time(sb, graphs=True)
+    for name, fn in (
+        ("overlapped_ms", lambda: _step(sb, overlap=True)),
+        ("fill_drain_ms", lambda: _step(sb, overlap=True, fill_drain=True)),
+    ):
+        host_small[name] = _median(_time_ms(sb, fn))
+        sb.model.set_graphs(True)
+        host_small[f"graphs_{name}"] = _median(_time_ms(sb, fn))
+        sb.model.set_graphs(False)
     print(json.dumps({"host_small": host_small}), flush=True)
     env["wall_s"] = time.perf_counter() - t_start
     _save(args.out, env, results, skipped, host_small)

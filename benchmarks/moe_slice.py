@@ -26,8 +26,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_overlap import Microbatch, PreprocessOutput, TransformerLayerNode, WgradLayer, WgradScope
-from moe_overlap.blocks import GroupedExperts, HostLoopback, LoopbackMode, MegatronHooks, loopback
+from moe_overlap import (
+    CudaGraphModule,
+    Microbatch,
+    PreprocessOutput,
+    TransformerLayerNode,
+    WgradLayer,
+    WgradScope,
+)
+from moe_overlap.blocks import (
+    GraphedBlock,
+    GroupedExperts,
+    HostLoopback,
+    LoopbackMode,
+    MegatronHooks,
+    loopback,
+)
 
 __all__ = [
     "LoopbackMode",
@@ -149,6 +163,14 @@ class MoESliceLayer(nn.Module):
         with torch.no_grad():
             self.experts.fc1.weight.copy_(_randn((e, 2 * f, h), h**-0.5, dtype, device))
             self.experts.fc2.weight.copy_(_randn((e, h, f), f**-0.5, dtype, device))
+        # Opt-in CUDA graphs of the static-shape parts (MoESliceModel.set_graphs).
+        self.use_graphs = False
+        self.attn_graph = GraphedBlock(
+            self._attn_block, [self], CudaGraphModule.attn, label="MoESliceLayer attention"
+        )
+        self.router_graph = GraphedBlock(
+            self._router_block, [self], CudaGraphModule.moe_router, label="MoESliceLayer router"
+        )
 
     @property
     def delay_wgrad(self) -> bool:
@@ -181,8 +203,13 @@ class MoESliceLayer(nn.Module):
         self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
     ) -> Tensor | tuple[Tensor, ...]:
         (x_SH,) = inputs
-        a_SH = x_SH + self.attention(x_SH)
-        rows_PH, probs_P, token_of_slot_P = self._route(a_SH)
+        if self.use_graphs:
+            (a_SH,) = self.attn_graph(x_SH)
+            t_SH, top_SK, idx_SK = self.router_graph(a_SH)
+        else:
+            a_SH = self._attn_block(x_SH)
+            t_SH, top_SK, idx_SK = self._router_block(a_SH)
+        rows_PH, probs_P, token_of_slot_P = self._route(t_SH, top_SK, idx_SK)
         node.layer_state.residual = node.detach(a_SH)
         node.layer_state.dispatched_probs = node.detach(probs_P)
         node.layer_state.stash("token_of_slot", token_of_slot_P)
@@ -224,6 +251,16 @@ class MoESliceLayer(nn.Module):
         return residual_SH + out_SH[:s]
 
     # --- the math -------------------------------------------------------------------------
+    def _attn_block(self, x_SH: Tensor) -> Tensor:
+        return x_SH + self.attention(x_SH)
+
+    def _router_block(self, a_SH: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The normed rows, the top-k gate probabilities and experts."""
+        t_SH = F.rms_norm(a_SH, (a_SH.shape[-1],), self.norm2)
+        probs_SG = torch.softmax(F.linear(t_SH, self.router).float(), dim=-1)
+        top_SK, idx_SK = torch.topk(probs_SG, self.cfg.top_k, dim=-1)
+        return t_SH, top_SK, idx_SK
+
     def attention(self, x_SH: Tensor) -> Tensor:
         """RMS norm, QKV, causal SDPA, out projection (no residual)."""
         s, h = x_SH.shape
@@ -238,7 +275,7 @@ class MoESliceLayer(nn.Module):
         )
         return F.linear(o_BNSD.transpose(1, 2).reshape(s, h), self.proj)
 
-    def _route(self, a_SH: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _route(self, t_SH: Tensor, top_SK: Tensor, idx_SK: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Rows in dispatch order, their gate probabilities, and the token of each slot.
 
         Slot of the ``p``-th row for local expert ``e``: ``[p // (C/J), e, p % (C/J)]`` in a
@@ -246,19 +283,16 @@ class MoESliceLayer(nn.Module):
         an expert's capacity are dropped; empty slots read a zero row (token ``S``).
         """
         cfg = self.cfg
-        s, h = a_SH.shape
+        s, h = t_SH.shape
         e, c, k, j = cfg.local_experts, cfg.capacity, cfg.top_k, cfg.ep_size
         cj = c // j
-        t_SH = F.rms_norm(a_SH, (h,), self.norm2)
-        probs_SG = torch.softmax(F.linear(t_SH, self.router).float(), dim=-1)
-        top_SK, idx_SK = torch.topk(probs_SG, k, dim=-1)
         expert_R = (idx_SK % e).reshape(-1)  # R = S*K routed rows
         pos_R = expert_positions(expert_R, e)
         slot_R = (pos_R // cj) * (e * cj) + expert_R * cj + pos_R % cj
         slot_R = torch.where(pos_R < c, slot_R, torch.full_like(slot_R, e * c))
         n_rows = s * k
-        row_of_slot = torch.full((e * c + 1,), n_rows, dtype=torch.long, device=a_SH.device)
-        row_of_slot.scatter_(0, slot_R, torch.arange(n_rows, device=a_SH.device))
+        row_of_slot = torch.full((e * c + 1,), n_rows, dtype=torch.long, device=t_SH.device)
+        row_of_slot.scatter_(0, slot_R, torch.arange(n_rows, device=t_SH.device))
         row_of_slot_P = row_of_slot[: e * c]
         token_of_slot_P = row_of_slot_P // k
         tokens_SH = torch.cat([t_SH, t_SH.new_zeros(1, h)])
@@ -304,6 +338,19 @@ class MoESliceModel(MegatronHooks, nn.Module):
 
     def set_loopback(self, mode: LoopbackMode) -> None:
         self.loopback.mode = mode
+
+    def set_graphs(self, on: bool) -> None:
+        """Run each layer's attention and router as CUDA graphs (on) or eagerly (off)."""
+        for layer in self.decoder.layers:
+            assert isinstance(layer, MoESliceLayer)
+            layer.use_graphs = on
+
+    def drop_graphs(self) -> None:
+        """Free the captured graphs' memory (the next graphed step captures again)."""
+        for layer in self.decoder.layers:
+            assert isinstance(layer, MoESliceLayer)
+            layer.attn_graph.reset()
+            layer.router_graph.reset()
 
     def set_delay_wgrad(self, delay: bool) -> None:
         """Delay the experts' weight gradients (match ``ScheduleOptions.delay_wgrad_compute``)."""
