@@ -115,8 +115,9 @@ def test_graphed_scopes_are_bit_identical_to_eager(
         _assert_same(graphed, eager)
     blocks = graphed.graphed_blocks()
     assert blocks and all(b.stats.eager_calls == 0 for b in blocks)
-    # Two microbatches of a layer are alive at once in the overlapped schedules, one plainly.
-    assert {b.copies for b in blocks} == ({1} if how == "plain" else {2})
+    # A copy per microbatch of a layer alive at once: one plainly, two in 1F1B, three when
+    # the fill is overlapped (the second forward starts before the first backward).
+    assert max(b.copies for b in blocks) == {"plain": 1, "1f1b": 2, "fill_drain": 3}[how]
     replays = sum(b.stats.wgrad_replays for b in blocks)
     assert (replays > 0) == (delay and how != "plain")
 
