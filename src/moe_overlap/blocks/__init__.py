@@ -10,8 +10,9 @@
 - routing: :class:`TopKRouter` (softmax or sigmoid scores, a selection bias, group-limited
   top-k, renormalization, the load-balancing loss through :func:`attach_aux_loss`);
 - token movement: :class:`TokenDispatcher` permutes copies by expert (:class:`PermuteMeta`,
-  frozen, handed from pre-dispatch to combine), plans the exchange there (:class:`DispatchMeta`,
-  the one host sync), moves them over the expert-parallel group or a one-device
+  frozen, handed from pre-dispatch to combine), plans the exchange there (:class:`DispatchMeta`;
+  the counts' copy to the host queued as :class:`HostCounts`, awaited in the dispatch slot at
+  EP>1 only), moves them over the expert-parallel group or a one-device
   :class:`HostLoopback` (:func:`loopback` as an autograd op), and back;
 - slots: :class:`SlotContext` (what a slot sees of its node) and :class:`PlainContext`, its
   stand-in on the plain path, so one function serves both; :meth:`TokenDispatcher.slot_permute`
@@ -27,6 +28,7 @@ them.
 
 from moe_overlap.blocks._dispatcher import DispatcherKind as DispatcherKind
 from moe_overlap.blocks._dispatcher import DispatchMeta as DispatchMeta
+from moe_overlap.blocks._dispatcher import HostCounts as HostCounts
 from moe_overlap.blocks._dispatcher import PermuteMeta as PermuteMeta
 from moe_overlap.blocks._dispatcher import TokenDispatcher as TokenDispatcher
 from moe_overlap.blocks._experts import GroupedExperts as GroupedExperts
@@ -81,6 +83,7 @@ __all__ = [
     "GroupSizes",
     "GroupedExperts",
     "GroupedKernel",
+    "HostCounts",
     "HostLoopback",
     "LoopbackMode",
     "MatmulKernel",

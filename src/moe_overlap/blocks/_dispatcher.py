@@ -7,15 +7,24 @@ experts.
 Forward order across the slots::
 
     pre_dispatch: permute       (copies grouped by expert, hence by destination rank),
-                  plan          (counts exchanged, the one host sync: split sizes to the host)
-    dispatch:     all-to-all    (tokens and probs; no host sync)
-    mlp:          local sort    (received copies grouped by local expert; no host sync)
-    combine:      all-to-all back, unpermute (sum of the K copies of each token; no host sync)
+                  plan          (counts exchanged; their copy to the host queued, not awaited)
+    dispatch:     all-to-all    (tokens and probs; at EP>1 first the one host wait: the split
+                                 sizes, read from the queued copy)
+    mlp:          local sort    (received copies grouped by local expert; on the device)
+    combine:      all-to-all back, unpermute (sum of the K copies of each token; on the device)
 
-The all-to-all needs its split sizes on the host, so one host sync per layer and microbatch
-is unavoidable for a dropless dispatch; it happens in pre-dispatch (a compute slot), right
-after routing, so the comm slots only enqueue work. Over NCCL the count exchange is queued
-on the group's stream behind the all-to-alls already issued there (the other microbatch's);
+Host syncs. At EP=1 there are none: ``N`` is known on the host, the per-expert sizes reach
+the grouped GEMM as device offsets (:class:`~moe_overlap.blocks.GroupSizes`), and the host
+sizes are read only by a path that needs them (the per-group fallback off Hopper/bf16: it
+waits on the queued copy's event, on CPU it reads host memory). At EP>1 a dropless
+all-to-all over NCCL needs its split sizes on the host, so one host wait per layer and
+microbatch stays: pre-dispatch queues a non-blocking copy of the counts into pinned host
+memory and records an event (:class:`HostCounts`); the dispatch slot waits for that event
+(``cudaEventSynchronize``, not a stream or device sync) before it enqueues the all-to-alls.
+By then the host has queued the other microbatch's work that the schedule puts between the
+two slots, so the GPU stays busy while the host waits. On CPU (gloo) the copy is the
+tensor itself and nothing waits. Over NCCL the count exchange is queued on the group's
+stream behind the all-to-alls already issued there (the other microbatch's);
 ``count_group``, a second group over the same ranks, lets it skip that queue.
 
 Every step produces a fresh buffer and saves no input for backward, which is what the
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal, cast
 
 import torch
@@ -42,7 +52,7 @@ from moe_overlap.blocks._wgrad import GroupSizes
 _PERMUTE = "moe_overlap.permute"
 _DISPATCH = "moe_overlap.dispatch"
 
-__all__ = ["DispatchMeta", "DispatcherKind", "PermuteMeta", "TokenDispatcher"]
+__all__ = ["DispatchMeta", "DispatcherKind", "HostCounts", "PermuteMeta", "TokenDispatcher"]
 
 DispatcherKind = Literal["alltoall", "loopback"]
 """``alltoall``: a real expert-parallel all-to-all over the EP group (skipped at EP=1);
@@ -75,21 +85,150 @@ class PermuteMeta:
     topk: int
 
 
-@dataclass(frozen=True, slots=True, kw_only=True)
-class DispatchMeta:
-    """The dispatch plan (made in pre-dispatch): split sizes and the local sort.
+class HostCounts:
+    """Integer counts on their way to the host: the copy is queued, :meth:`get` awaits it.
 
-    ``send_splits[p]`` copies go to rank ``p`` and ``recv_splits[p]`` come from it;
-    ``local_sizes[l]`` copies are for local expert ``l`` (with their device offsets for the
-    grouped GEMM); ``sort_M`` groups received copies by local expert and ``unsort_M`` undoes
-    it.
+    On CUDA the constructor queues a non-blocking copy of ``counts`` into pinned host memory
+    on the current stream and records an event after it; nothing waits. :meth:`get` waits
+    for that event once (a host wait on an event, not a stream or device sync) and returns
+    the host tensor. Elsewhere the counts are host memory already and nothing waits.
+    :attr:`fetched` says whether :meth:`get` has run.
     """
 
-    send_splits: tuple[int, ...]
-    recv_splits: tuple[int, ...]
-    local_sizes: GroupSizes
+    __slots__ = ("_event", "_host", "fetched")
+
+    def __init__(self, counts: Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        if counts.is_cuda:
+            self._host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+            self._host.copy_(counts, non_blocking=True)
+            self._event = _new_event()
+            self._event.record(torch.cuda.current_stream(counts.device))
+        else:
+            self._host = counts.cpu()
+        self.fetched = False
+
+    def get(self) -> Tensor:
+        """The counts on the host (waits for the copy the first time, on CUDA)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+        self.fetched = True
+        return self._host
+
+
+_new_event: Callable[[], torch.cuda.Event] = torch.cuda.Event
+
+
+@dataclass(frozen=True, slots=True)
+class _LocalSort:
+    sizes: GroupSizes
     sort_M: Tensor
     unsort_M: Tensor
+
+
+class DispatchMeta:
+    """The dispatch plan (made in pre-dispatch); what needs host values is read at first use.
+
+    ``counts`` holds the per-expert counts on their way to the host (a :class:`HostCounts`:
+    ``[X]`` sent at EP=1, ``[2, X]`` sent and received at EP>1). ``send_splits[p]`` copies
+    go to rank ``p`` and ``recv_splits[p]`` come from it: known on the host at EP=1, read
+    from ``counts`` on first use at EP>1 (the dispatch slot: the one host wait).
+    ``local_sizes`` counts copies per local expert (device offsets and ids; the host sizes
+    only if read); ``sort_M`` groups received copies by local expert and ``unsort_M`` undoes
+    it. Those three are built on the device at first use (their length is ``M``, known on
+    the host once the splits are).
+    """
+
+    __slots__ = (
+        "_counts_L",
+        "_local",
+        "_offsets_L",
+        "_recv_counts_X",
+        "_splits",
+        "counts",
+        "local_experts",
+    )
+
+    def __init__(
+        self,
+        counts: HostCounts,
+        counts_L: Tensor,
+        *,
+        recv_counts_X: Tensor | None = None,
+        splits: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
+    ) -> None:
+        """``counts_L``: copies per local expert, on the device; ``recv_counts_X`` (EP>1):
+        copies received per (source rank, local expert); ``splits`` (EP=1): the host splits."""
+        self.counts = counts
+        self.local_experts = counts_L.shape[0]
+        self._counts_L = counts_L
+        self._offsets_L = counts_L.cumsum(0, dtype=torch.int32)
+        self._recv_counts_X = recv_counts_X
+        self._splits = splits
+        self._local: _LocalSort | None = None
+
+    @property
+    def send_splits(self) -> tuple[int, ...]:
+        return self._host_splits()[0]
+
+    @property
+    def recv_splits(self) -> tuple[int, ...]:
+        return self._host_splits()[1]
+
+    @property
+    def local_sizes(self) -> GroupSizes:
+        return self._local_sort().sizes
+
+    @property
+    def sort_M(self) -> Tensor:
+        return self._local_sort().sort_M
+
+    @property
+    def unsort_M(self) -> Tensor:
+        return self._local_sort().unsort_M
+
+    def _host_splits(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        if self._splits is None:
+            both = self.counts.get()
+            send_PL = both[0].view(-1, self.local_experts)
+            recv_PL = both[1].view(-1, self.local_experts)
+            self._splits = (tuple(int_list(send_PL.sum(1))), tuple(int_list(recv_PL.sum(1))))
+        return self._splits
+
+    def _local_sort(self) -> _LocalSort:
+        if self._local is None:
+            self._local = self._build_local_sort()
+        return self._local
+
+    def _build_local_sort(self) -> _LocalSort:
+        L, M = self.local_experts, sum(self.recv_splits)
+        device = self._offsets_L.device
+        experts_L = torch.arange(L, device=device)
+        # Each copy's local expert, once sorted: expanded from the counts on the device (the
+        # output size is known on the host: no sync).
+        ids_M = torch.repeat_interleave(experts_L, self._counts_L, output_size=M)
+        # The host sizes from the queued counts, not through self (no reference cycle).
+        host = partial(_host_local_sizes, self.counts, L, ep=self._recv_counts_X is not None)
+        sizes = GroupSizes.on_device(self._offsets_L, ids_M, total=M, host=host)
+        if self._recv_counts_X is None:
+            ident = torch.arange(M, device=device)
+            return _LocalSort(sizes, ident, ident)
+        # Received copies come grouped by source rank, then by local expert.
+        P = self._recv_counts_X.shape[0] // L
+        local_expert_M = torch.repeat_interleave(
+            experts_L.repeat(P), self._recv_counts_X, output_size=M
+        )
+        sort_M = torch.argsort(local_expert_M, stable=True)
+        return _LocalSort(sizes, sort_M, _inverse(sort_M))
+
+
+def _host_local_sizes(counts: HostCounts, local_experts: int, *, ep: bool) -> list[int]:
+    """Copies per local expert, on the host: ``counts`` is ``[X]`` at EP=1, else ``[2, X]``."""
+    host = counts.get()
+    if not ep:
+        return int_list(host)
+    return int_list(host[1].view(-1, local_experts).sum(0))
 
 
 class _AllToAll(torch.autograd.Function):
@@ -134,7 +273,7 @@ _all_to_all = cast(
 
 
 def int_list(t: Tensor) -> list[int]:
-    """``t.tolist()`` of a 1-D integer tensor, typed (one host sync on a GPU)."""
+    """``t.tolist()`` of a 1-D integer tensor, typed (a host sync for a GPU tensor)."""
     # torch types tolist() as list[Unknown].
     return cast("list[int]", t.tolist())  # pyright: ignore[reportUnknownMemberType]
 
@@ -228,55 +367,21 @@ class TokenDispatcher:
         return tokens_ND, probs_N, meta
 
     def plan(self, meta: PermuteMeta) -> DispatchMeta:
-        """Exchange the per-expert counts and bring the split sizes to the host.
+        """Exchange the per-expert counts and queue their copy to the host; waits for nothing.
 
-        The dispatch's one host sync (it waits for the routing). Run it where a sync costs
-        least: :meth:`slot_permute` runs it in pre-dispatch.
+        At EP=1 the split sizes are ``N`` (known on the host) and the per-expert sizes stay
+        on the device; at EP>1 the split sizes are read from the queued copy when
+        :meth:`dispatch` first needs them (see the module docstring).
         """
         counts_X = meta.tokens_per_expert_X
-        device = counts_X.device
         if self.group is None:
             n = meta.num_tokens * meta.topk
-            ident = torch.arange(n, device=device)
-            experts_X = torch.arange(self.num_experts, device=device)
-            return DispatchMeta(
-                send_splits=(n,),
-                recv_splits=(n,),
-                local_sizes=GroupSizes(
-                    int_list(counts_X.cpu()),
-                    counts_X.cumsum(0, dtype=torch.int32),
-                    torch.repeat_interleave(experts_X, counts_X, output_size=n),
-                ),
-                sort_M=ident,
-                unsort_M=ident,
-            )
-        P, L = self.ep_size, self.local_experts
+            return DispatchMeta(HostCounts(counts_X), counts_X, splits=((n,), (n,)))
         recv_counts_X = torch.empty_like(counts_X)
         _all_to_all_single(recv_counts_X, counts_X, group=self.count_group)
-        both = torch.stack([counts_X, recv_counts_X]).cpu()
-        send_splits = int_list(both[0].view(P, L).sum(1))
-        recv_PL = both[1].view(P, L)
-        recv_splits = int_list(recv_PL.sum(1))
-        local_L = recv_counts_X.view(P, L).sum(0)
-        # Received copies come grouped by source rank, then by local expert: a copy's local
-        # expert, expanded from the counts on the device (output size known: no sync).
-        local_expert_M = torch.repeat_interleave(
-            torch.arange(L, device=device).repeat(P),
-            recv_counts_X,
-            output_size=sum(recv_splits),
-        )
-        sort_M = torch.argsort(local_expert_M, stable=True)
-        sorted_M = torch.repeat_interleave(
-            torch.arange(L, device=device), local_L, output_size=sum(recv_splits)
-        )
+        local_L = recv_counts_X.view(self.ep_size, self.local_experts).sum(0)
         return DispatchMeta(
-            send_splits=tuple(send_splits),
-            recv_splits=tuple(recv_splits),
-            local_sizes=GroupSizes(
-                int_list(recv_PL.sum(0)), local_L.cumsum(0, dtype=torch.int32), sorted_M
-            ),
-            sort_M=sort_M,
-            unsort_M=_inverse(sort_M),
+            HostCounts(torch.stack([counts_X, recv_counts_X])), local_L, recv_counts_X=recv_counts_X
         )
 
     def dispatch(
@@ -284,7 +389,9 @@ class TokenDispatcher:
     ) -> tuple[Tensor, Tensor]:
         """Send copies to their experts' ranks as :meth:`plan` says; received tokens and probs.
 
-        No host sync: only the two all-to-alls (or the one-device copies) are enqueued.
+        At EP>1 it first waits for the split sizes on the host (the one host wait, on the
+        event :meth:`plan` recorded); then only the two all-to-alls are enqueued. At EP=1,
+        the one-device copies, no wait.
         """
         if self.group is None:
             return self._local(tokens_ND), self._local(probs_N)

@@ -65,96 +65,184 @@ class DenseKernel:
 
 def _grouped_mm_usable(x: Tensor, weight: Tensor) -> bool:
     """``torch._grouped_mm``: CUDA, bf16, Hopper or newer, 16-byte aligned feature dims."""
+    return _grouped_mm_dims_usable(x, weight.shape[-2], weight.shape[-1])
+
+
+def _grouped_mm_dims_usable(x: Tensor, out_features: int, in_features: int) -> bool:
+    """:func:`_grouped_mm_usable` for a weight of ``[..., out_features, in_features]``."""
     if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
         return False
     if torch.cuda.get_device_capability(x.device) < (9, 0):
         return False
-    return weight.shape[-1] % 8 == 0 and weight.shape[-2] % 8 == 0
+    return out_features % 8 == 0 and in_features % 8 == 0
 
 
 class GroupSizes(Sequence[int]):
-    """Rows per group, on the host and (optionally) as device offsets for the grouped GEMM.
+    """Rows per group: host sizes, device offsets, or both.
 
     A ``Sequence[int]`` of the sizes. ``offsets`` holds their cumulative sum as ``int32`` on
     the rows' device; given, the grouped GEMM reads it instead of copying the sizes to the
     device (a host-to-device copy from pageable memory, which waits for the GPU). ``ids``
-    holds each row's group (for per-group biases). The dispatcher builds both from the
-    counts it already has on the device.
+    holds each row's group (for per-group biases). ``total`` (the row count) and the group
+    count are always known on the host.
+
+    :meth:`on_device` builds one without host sizes (the dispatcher does: the counts stay on
+    the device); the host tuple is then made only when something reads it (iteration,
+    indexing, :attr:`sizes`: the per-group fallback, the CPU path), from ``host`` when given
+    (a callable returning the sizes, e.g. from a pending pinned copy) or else by copying
+    ``offsets`` to the host (one host sync on a GPU). :attr:`has_host_sizes` says whether
+    that has happened.
     """
 
-    __slots__ = ("_sizes", "ids", "offsets")
+    __slots__ = ("_count", "_host", "_sizes", "ids", "offsets", "total")
 
     def __init__(
         self, sizes: Sequence[int], offsets: Tensor | None = None, ids: Tensor | None = None
     ) -> None:
-        self._sizes = tuple(sizes)
+        self._sizes: tuple[int, ...] | None = tuple(sizes)
+        self._count = len(self._sizes)
+        self._host: Callable[[], Sequence[int]] | None = None
+        self.total = sum(self._sizes)
         self.offsets = offsets
         self.ids = ids
 
+    @classmethod
+    def on_device(
+        cls,
+        offsets: Tensor,
+        ids: Tensor | None = None,
+        *,
+        total: int,
+        host: Callable[[], Sequence[int]] | None = None,
+    ) -> GroupSizes:
+        """Sizes known on the device only: ``offsets`` (``int32``, ``[groups]``, ending at
+        ``total``), optional ``ids`` (``[total]``); the host sizes come later, lazily.
+
+        Raises :class:`~moe_overlap.ConfigError` for offsets that are not a 1-D ``int32``
+        tensor or ``ids`` not of ``total`` rows (shapes only: nothing is read).
+        """
+        if offsets.dim() != 1 or offsets.dtype != torch.int32:
+            raise ConfigError(
+                "GroupSizes.on_device: expected offsets as a 1-D int32 tensor (the cumulative "
+                f"sizes), received a {offsets.dim()}-D {offsets.dtype} tensor; pass "
+                "sizes.cumsum(0, dtype=torch.int32)"
+            )
+        if ids is not None and tuple(ids.shape) != (total,):
+            raise ConfigError(
+                f"GroupSizes.on_device: expected ids of shape [{total}] (one group per row), "
+                f"received {list(ids.shape)}"
+            )
+        out = cls.__new__(cls)
+        out._sizes = None
+        out._count = offsets.shape[0]
+        out._host = host
+        out.total = total
+        out.offsets = offsets
+        out.ids = ids
+        return out
+
+    @property
+    def has_host_sizes(self) -> bool:
+        """Whether the host tuple of sizes exists (made at construction or by a read)."""
+        return self._sizes is not None
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The sizes on the host (made on first read; see the class docstring).
+
+        Raises :class:`~moe_overlap.ConfigError` when they do not match the group count and
+        ``total``.
+        """
+        if self._sizes is None:
+            self._sizes = self._materialize()
+        return self._sizes
+
+    def _materialize(self) -> tuple[int, ...]:
+        if self._host is not None:
+            sizes = tuple(self._host())
+        else:
+            assert self.offsets is not None  # on_device always sets offsets
+            ends = cast("list[int]", self.offsets.cpu().tolist())  # pyright: ignore[reportUnknownMemberType]
+            sizes = tuple(b - a for a, b in zip([0, *ends[:-1]], ends, strict=True))
+        if len(sizes) != self._count or sum(sizes) != self.total:
+            raise ConfigError(
+                f"GroupSizes: expected {self._count} sizes summing to {self.total} rows, "
+                f"received {list(sizes)} from the host; offsets and host sizes disagree"
+            )
+        return sizes
+
     def group_ids(self, device: torch.device) -> Tensor:
-        """Each row's group, ``[sum(sizes)]`` (from ``ids`` when given)."""
+        """Each row's group, ``[total]`` (from ``ids`` when given, else from ``offsets`` on
+        the device, else from the host sizes)."""
         if self.ids is not None:
             return self.ids
-        counts = torch.tensor(self._sizes, dtype=torch.int64, device=device)
-        groups = torch.arange(len(self._sizes), device=device)
-        return torch.repeat_interleave(groups, counts, output_size=sum(self._sizes))
+        if self.offsets is not None and self._sizes is None:
+            rows = torch.arange(self.total, device=device, dtype=torch.int32)
+            return torch.searchsorted(self.offsets, rows, right=True)
+        counts = torch.tensor(self.sizes, dtype=torch.int64, device=device)
+        groups = torch.arange(self._count, device=device)
+        return torch.repeat_interleave(groups, counts, output_size=self.total)
+
+    def device_offsets(self, device: torch.device) -> Tensor:
+        """``offsets``, or the host sizes' cumulative sum copied to ``device`` (``int32``)."""
+        if self.offsets is not None:
+            return self.offsets
+        return torch.tensor(self.sizes, dtype=torch.int32, device=device).cumsum(
+            0, dtype=torch.int32
+        )
 
     def __len__(self) -> int:
-        return len(self._sizes)
+        return self._count
 
     def __iter__(self) -> Iterator[int]:
-        return iter(self._sizes)
+        return iter(self.sizes)
 
     @overload
     def __getitem__(self, index: int) -> int: ...
     @overload
     def __getitem__(self, index: slice) -> Sequence[int]: ...
     def __getitem__(self, index: int | slice) -> int | Sequence[int]:
-        return self._sizes[index]
+        return self.sizes[index]
 
     def __repr__(self) -> str:
+        if self._sizes is None:
+            return f"GroupSizes(<on the device>, groups={self._count}, total={self.total})"
         return f"GroupSizes({list(self._sizes)})"
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        return self._sizes
 
 
 @dataclass(frozen=True, slots=True)
 class GroupedKernel:
-    """One GEMM per group: rows of ``x`` come grouped, ``sizes[g]`` rows for group ``g``.
+    """One GEMM per group: rows of ``x`` come grouped, ``groups[g]`` rows for group ``g``.
 
     ``W`` has shape ``[G, O, I]``. A group may have zero rows (its weight grad is zero). On
-    a Hopper GPU in bf16 forward and input grad use ``torch._grouped_mm`` (its offsets from
-    a :class:`GroupSizes` when it has them); the weight grad is one ``mm`` per group
-    everywhere (it must be one expression for both paths anyway).
+    a Hopper GPU in bf16 each of the three products is one ``torch._grouped_mm`` reading
+    the device offsets of the :class:`GroupSizes` (the weight grad in its 2-D x 2-D form,
+    the groups along the reduced rows), so nothing is read on the host; elsewhere each is
+    one GEMM per group, split by the host sizes. Delayed and immediate weight grads are this
+    one :meth:`wgrad`, hence bit-identical.
 
     ``x`` may also be ``[G, C, I]``: every group padded to the same ``C`` rows (capacity
-    padding); then all three products are one batched GEMM and ``sizes`` is unused.
+    padding); then all three products are one batched GEMM and the sizes are unused.
     ``transposed``: ``W`` is stored ``[G, I, O]`` (``y = x @ W[g]``), as some transformers
     families store their experts.
     """
 
-    sizes: tuple[int, ...]
-    offsets: Tensor | None = None
+    groups: GroupSizes
     transposed: bool = False
 
     @classmethod
     def of(cls, sizes: Sequence[int], *, transposed: bool = False) -> GroupedKernel:
-        if isinstance(sizes, GroupSizes):
-            return cls(sizes.sizes, sizes.offsets, transposed)
-        return cls(tuple(sizes), None, transposed)
+        groups = sizes if isinstance(sizes, GroupSizes) else GroupSizes(sizes)
+        return cls(groups, transposed)
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        """The host sizes (made on first read: see :class:`GroupSizes`)."""
+        return self.groups.sizes
 
     def _w_OI(self, weight: Tensor) -> Tensor:
         """The weight as ``[G, O, I]`` (a view)."""
         return weight.transpose(-2, -1) if self.transposed else weight
-
-    def _offsets(self, device: torch.device) -> Tensor:
-        if self.offsets is not None:
-            return self.offsets
-        return torch.tensor(self.sizes, dtype=torch.int32, device=device).cumsum(
-            0, dtype=torch.int32
-        )
 
     def forward(self, x: Tensor, weight: Tensor) -> Tensor:
         w_OI = self._w_OI(weight)
@@ -162,7 +250,7 @@ class GroupedKernel:
             return torch.bmm(x, w_OI.transpose(-2, -1))
         if _grouped_mm_usable(x, w_OI):
             return torch._grouped_mm(  # pyright: ignore[reportPrivateUsage, reportPrivateImportUsage] - no public grouped GEMM yet
-                x, w_OI.transpose(-2, -1), offs=self._offsets(x.device)
+                x, w_OI.transpose(-2, -1), offs=self.groups.device_offsets(x.device)
             )
         parts = torch.split(x, list(self.sizes), dim=0)
         return torch.cat([F.linear(p, w_OI[g]) for g, p in enumerate(parts)], dim=0)
@@ -175,7 +263,7 @@ class GroupedKernel:
             return torch._grouped_mm(  # pyright: ignore[reportPrivateUsage, reportPrivateImportUsage] - see forward
                 grad_y,
                 w_OI if self.transposed else w_OI.contiguous(),
-                offs=self._offsets(grad_y.device),
+                offs=self.groups.device_offsets(grad_y.device),
             )
         parts = torch.split(grad_y, list(self.sizes), dim=0)
         return torch.cat([p.matmul(w_OI[g]) for g, p in enumerate(parts)], dim=0)
@@ -185,6 +273,14 @@ class GroupedKernel:
             if self.transposed:
                 return torch.bmm(x.transpose(-2, -1), grad_y)
             return torch.bmm(grad_y.transpose(-2, -1), x)
+        if grad_y.dtype == x.dtype and _grouped_mm_dims_usable(x, grad_y.shape[-1], x.shape[-1]):
+            # [O, N] x [N, I], the groups along the reduced N: [G, O, I], zeros for an empty
+            # group; the form torch's own _grouped_mm backward uses for a 3-D weight's grad.
+            x_NI, gy_NO = x.contiguous(), grad_y.contiguous()
+            offs = self.groups.device_offsets(x.device)
+            if self.transposed:
+                return torch._grouped_mm(x_NI.t(), gy_NO, offs=offs)  # pyright: ignore[reportPrivateUsage, reportPrivateImportUsage] - see forward
+            return torch._grouped_mm(gy_NO.t(), x_NI, offs=offs)  # pyright: ignore[reportPrivateUsage, reportPrivateImportUsage] - see forward
         xs = torch.split(x, list(self.sizes), dim=0)
         gys = torch.split(grad_y, list(self.sizes), dim=0)
         if self.transposed:
@@ -370,13 +466,19 @@ class DelayedWgradGroupedLinear(DelayedWgradModule):
                     f"{self.label}: expected padded input [groups={self.groups}, C, "
                     f"{self.in_features}], received {list(x_NI.shape)}"
                 )
-        elif len(sizes) != self.groups or sum(sizes) != x_NI.shape[0]:
+        elif len(sizes) != self.groups or _total(sizes) != x_NI.shape[0]:
+            shown = sizes if isinstance(sizes, GroupSizes) else list(sizes)
             raise ConfigError(
                 f"{self.label}: expected {self.groups} group sizes summing to the "
-                f"{x_NI.shape[0]} rows of the input, received {list(sizes)}; pass the rows "
+                f"{x_NI.shape[0]} rows of the input, received {shown}; pass the rows "
                 "per group in order, zero for an empty group"
             )
         return self._apply_kernel(x_NI, GroupedKernel.of(sizes, transposed=self.transposed))
+
+
+def _total(sizes: Sequence[int]) -> int:
+    """The rows ``sizes`` covers; a :class:`GroupSizes` knows it without its host sizes."""
+    return sizes.total if isinstance(sizes, GroupSizes) else sum(sizes)
 
 
 def _delayed(model: nn.Module) -> Iterator[DelayedWgradModule]:
