@@ -19,6 +19,9 @@
   and its three siblings are the dispatcher's steps as slots call them; :func:`add_residual`
   ends a combine; :class:`DenseSlots` gives a dense layer its pass-through dispatch/combine and :class:`MoESlots`
   a MoE layer its four slots and plain path from four steps;
+- CUDA graphs: :class:`GraphedBlock` runs a static-shape part (attention, router, a dense
+  MLP) as captured forward, backward and weight-gradient graphs, one copy per microbatch in
+  flight, bit-identical to eager;
 - the model's hooks: :class:`MegatronHooks` implements ``_preprocess`` / ``_postprocess``
   with Megatron-Core's names on top of ``embed`` / ``rotary`` / ``output``.
 
@@ -32,6 +35,7 @@ from moe_overlap.blocks._dispatcher import HostCounts as HostCounts
 from moe_overlap.blocks._dispatcher import PermuteMeta as PermuteMeta
 from moe_overlap.blocks._dispatcher import TokenDispatcher as TokenDispatcher
 from moe_overlap.blocks._experts import GroupedExperts as GroupedExperts
+from moe_overlap.blocks._graphs import GraphedBlock as GraphedBlock
 from moe_overlap.blocks._loopback import HostLoopback as HostLoopback
 from moe_overlap.blocks._loopback import LoopbackMode as LoopbackMode
 from moe_overlap.blocks._loopback import loopback as loopback
@@ -67,6 +71,8 @@ from moe_overlap.blocks._wgrad import DenseKernel as DenseKernel
 from moe_overlap.blocks._wgrad import GroupedKernel as GroupedKernel
 from moe_overlap.blocks._wgrad import GroupSizes as GroupSizes
 from moe_overlap.blocks._wgrad import MatmulKernel as MatmulKernel
+from moe_overlap.blocks._wgrad import PendingItem as PendingItem
+from moe_overlap.blocks._wgrad import accumulate_grad as accumulate_grad
 from moe_overlap.blocks._wgrad import check_no_pending_wgrad as check_no_pending_wgrad
 from moe_overlap.blocks._wgrad import discard_wgrad as discard_wgrad
 from moe_overlap.blocks._wgrad import finish_wgrad as finish_wgrad
@@ -80,6 +86,7 @@ __all__ = [
     "DenseSlots",
     "DispatchMeta",
     "DispatcherKind",
+    "GraphedBlock",
     "GroupSizes",
     "GroupedExperts",
     "GroupedKernel",
@@ -89,6 +96,7 @@ __all__ = [
     "MatmulKernel",
     "MegatronHooks",
     "MoESlots",
+    "PendingItem",
     "PermuteMeta",
     "PlainContext",
     "PlainLayer",
@@ -103,6 +111,7 @@ __all__ = [
     "SwiGLUMLP",
     "TokenDispatcher",
     "TopKRouter",
+    "accumulate_grad",
     "add_residual",
     "apply_rotary",
     "attach_aux_loss",

@@ -31,6 +31,7 @@ __all__ = [
     "GroupSizes",
     "GroupedKernel",
     "MatmulKernel",
+    "PendingItem",
     "check_no_pending_wgrad",
     "discard_wgrad",
     "finish_wgrad",
@@ -289,10 +290,17 @@ class GroupedKernel:
 
 
 @dataclass(frozen=True, slots=True)
-class _PendingWgrad:
+class PendingItem:
+    """One backward's owed weight gradient: ``kernel.wgrad(x, grad_y)``.
+
+    ``keep`` is whatever must stay alive until the gradient is computed (a CUDA graph's
+    lease on the static buffers ``x`` and ``grad_y`` live in), else ``None``.
+    """
+
     x: Tensor
     grad_y: Tensor
     kernel: MatmulKernel
+    keep: object = None
 
 
 class DelayedWgradModule(nn.Module):
@@ -309,7 +317,7 @@ class DelayedWgradModule(nn.Module):
         self.weight = weight
         self.delay_wgrad = delay_wgrad
         self.label = type(self).__name__
-        self._pending: deque[_PendingWgrad] = deque()
+        self._pending: deque[PendingItem] = deque()
 
     @property
     def pending_wgrad(self) -> int:
@@ -319,8 +327,27 @@ class DelayedWgradModule(nn.Module):
     def _apply_kernel(self, x: Tensor, kernel: MatmulKernel) -> Tensor:
         return _delayable_matmul(x, self.weight, kernel, self)
 
-    def defer_wgrad(self, x: Tensor, grad_y: Tensor, kernel: MatmulKernel) -> None:
-        self._pending.append(_PendingWgrad(x, grad_y, kernel))
+    def defer_wgrad(
+        self, x: Tensor, grad_y: Tensor, kernel: MatmulKernel, keep: object = None
+    ) -> None:
+        """Queue ``kernel.wgrad(x, grad_y)`` for a later :meth:`backward_dw`."""
+        self._pending.append(PendingItem(x, grad_y, kernel, keep))
+
+    def take_pending_since(self, count: int) -> list[PendingItem]:
+        """Remove and return the items queued after the first ``count`` (a graph capture's)."""
+        taken: list[PendingItem] = []
+        while len(self._pending) > count:
+            taken.append(self._pending.pop())
+        taken.reverse()
+        return taken
+
+    def oldest_pending(self) -> PendingItem | None:
+        """The item :meth:`backward_dw` would compute next, or ``None``."""
+        return self._pending[0] if self._pending else None
+
+    def pop_pending(self) -> PendingItem:
+        """Remove the oldest item without computing it (its owner computes it instead)."""
+        return self._pending.popleft()
 
     def backward_dw(self) -> None:
         """Compute and accumulate the oldest pending weight gradient.
@@ -346,15 +373,18 @@ class DelayedWgradModule(nn.Module):
         item = self._pending.popleft()
         with torch.no_grad():  # no graph behind the gradient, whoever calls this
             grad_w = item.kernel.wgrad(item.x, item.grad_y)
-            _accumulate(self.weight, grad_w)
+            accumulate_grad(self.weight, grad_w)
 
     def discard_wgrad(self) -> None:
         """Drop pending weight gradients (after a failed step)."""
         self._pending.clear()
 
 
-def _accumulate(param: nn.Parameter, grad: Tensor) -> None:
-    """What ``AccumulateGrad`` does for a dense grad: assign first, add in place after."""
+def accumulate_grad(param: nn.Parameter, grad: Tensor) -> None:
+    """What ``AccumulateGrad`` does for a dense grad: assign first, add in place after.
+
+    ``grad`` becomes ``param.grad`` when there is none: pass a tensor nothing else writes.
+    """
     if param.grad is None:
         param.grad = grad
     else:
