@@ -168,6 +168,7 @@ class MoESliceLayer(nn.Module):
         self.attn_graph = GraphedBlock(
             self._attn_block, [self], CudaGraphModule.attn, label="MoESliceLayer attention"
         )
+        self.graph_router = False  # the router graph: see benchmarks/README.md, round 5
         self.router_graph = GraphedBlock(
             self._router_block, [self], CudaGraphModule.moe_router, label="MoESliceLayer router"
         )
@@ -205,7 +206,8 @@ class MoESliceLayer(nn.Module):
         (x_SH,) = inputs
         if self.use_graphs:
             (a_SH,) = self.attn_graph(x_SH)
-            t_SH, top_SK, idx_SK = self.router_graph(a_SH)
+            route = self.router_graph if self.graph_router else self._router_block
+            t_SH, top_SK, idx_SK = route(a_SH)
         else:
             a_SH = self._attn_block(x_SH)
             t_SH, top_SK, idx_SK = self._router_block(a_SH)
@@ -340,10 +342,15 @@ class MoESliceModel(MegatronHooks, nn.Module):
         self.loopback.mode = mode
 
     def set_graphs(self, on: bool) -> None:
-        """Run each layer's attention and router as CUDA graphs (on) or eagerly (off)."""
+        """Run each layer's attention as a CUDA graph (on) or eagerly (off)."""
         for layer in self.decoder.layers:
             assert isinstance(layer, MoESliceLayer)
             layer.use_graphs = on
+
+    def graph_captures(self) -> int:
+        """How many graph copies the layers have captured so far."""
+        layers = [m for m in self.decoder.layers if isinstance(m, MoESliceLayer)]
+        return sum(g.stats.captures for m in layers for g in (m.attn_graph, m.router_graph))
 
     def drop_graphs(self) -> None:
         """Free the captured graphs' memory (the next graphed step captures again)."""

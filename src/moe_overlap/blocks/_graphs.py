@@ -25,9 +25,11 @@ What :func:`~torch.cuda.make_graphed_callables` leaves to its caller, the block 
   (the layer plugs it into :meth:`~moe_overlap.BackwardDWWrapper.set_graphed_backward_dw_callable`).
 - **Refusals instead of silent staleness.** A call whose tensor shapes, dtypes, devices or
   ``requires_grad`` differ from the capture's, parameters that moved (``model.to``, FSDP,
-  ``load_state_dict(assign=True)``), or a Python-side value the capture froze (``frozen``)
-  that changed raise :class:`~moe_overlap.ConfigError`; :meth:`GraphedBlock.reset` drops
-  the graphs so the next call captures again.
+  ``load_state_dict(assign=True)``) or were frozen or unfrozen, or a Python-side value the
+  capture froze (``frozen``) that changed raise :class:`~moe_overlap.ConfigError`;
+  :meth:`GraphedBlock.reset` drops the graphs so the next call captures again. The
+  parameters are walked once; a parameter *replaced* by another object is caught in debug
+  mode (``MOE_OVERLAP_DEBUG=1``), which walks them at every call.
 
 Without CUDA, or with autograd off, the function runs eagerly: the same values, no graphs.
 Capture synchronizes the device (once per copy, on the first steps).
@@ -48,6 +50,7 @@ from torch.utils import _pytree as pytree
 
 from moe_overlap import ConfigError, CudaGraphModule, WgradError
 from moe_overlap.blocks._wgrad import DelayedWgradModule, PendingItem, accumulate_grad
+from moe_overlap.engine._debug import DEBUG
 
 __all__ = ["GraphedBlock"]
 
@@ -192,6 +195,8 @@ class GraphedBlock:
         self._copies: list[_Copy] = []
         self._signature: _Signature | None = None
         self._key: tuple[object, ...] | None = None
+        self._all: tuple[nn.Parameter, ...] | None = None
+        self._delayed_modules: list[DelayedWgradModule] | None = None
 
     def __deepcopy__(self, memo: dict[int, object]) -> GraphedBlock:
         """A copy of the model gets its own block, uncaptured (graphs are not copyable)."""
@@ -221,13 +226,15 @@ class GraphedBlock:
         self._copies.clear()
         self._signature = None
         self._key = None
+        self._all = None
+        self._delayed_modules = None
 
     def __call__(self, *args: Tensor) -> tuple[Tensor, ...]:
         """Run ``fn(*args)``: graphed on CUDA with autograd on, eagerly otherwise."""
         if not (torch.is_grad_enabled() and args and all(a.is_cuda for a in args)):
             self.stats.eager_calls += 1
             return tuple(pytree.tree_leaves(self.fn(*args)))
-        params = self._params()
+        params = tuple(p for p in self._surface() if p.requires_grad)
         copy = self._acquire(args, params)
         lease = _Lease(copy)
         copy.lease = weakref.ref(lease)
@@ -277,14 +284,31 @@ class GraphedBlock:
                     named.append((f"{i}.{name}", p))
         return named
 
-    def _params(self) -> tuple[nn.Parameter, ...]:
-        return tuple(p for _, p in self._named() if p.requires_grad)
+    def _surface(self) -> tuple[nn.Parameter, ...]:
+        """Every parameter of the modules, walked once (in debug mode at every call, which
+        also catches a parameter replaced by another object since the capture)."""
+        if self._all is None or DEBUG:
+            found = tuple(p for _, p in self._named())
+            if self._all is not None and (
+                len(found) != len(self._all)
+                or any(a is not b for a, b in zip(found, self._all, strict=True))
+            ):
+                raise ConfigError(
+                    f"{self.label}: the CUDA graph of scope '{self.scope.name}' was captured "
+                    f"with other parameter objects ({len(self._all)}), received "
+                    f"{len(found)} parameters of which some were replaced; call "
+                    "reset_graphs() on the model after replacing parameters"
+                )
+            self._all = found
+        return self._all
 
     def _state_key(self, params: Sequence[nn.Parameter]) -> tuple[object, ...]:
-        names = tuple(n for n, p in self._named() if p.requires_grad)
+        del params
+        every = self._surface()
         frozen = self.frozen() if self.frozen is not None else None
         training = tuple(m.training for m in self.modules)
-        return (names, tuple(p.data_ptr() for p in params), training, frozen)
+        grads = tuple(p.requires_grad for p in every)
+        return (grads, tuple(p.data_ptr() for p in every), training, frozen)
 
     def _acquire(self, args: Sequence[Tensor], params: Sequence[nn.Parameter]) -> _Copy:
         signature: _Signature = tuple(
@@ -329,12 +353,14 @@ class GraphedBlock:
         del params
 
     def _delayed(self) -> list[DelayedWgradModule]:
-        found: dict[int, DelayedWgradModule] = {}
-        for module in self.modules:
-            for m in module.modules():
-                if isinstance(m, DelayedWgradModule):
-                    found.setdefault(id(m), m)
-        return list(found.values())
+        if self._delayed_modules is None:
+            found: dict[int, DelayedWgradModule] = {}
+            for module in self.modules:
+                for m in module.modules():
+                    if isinstance(m, DelayedWgradModule):
+                        found.setdefault(id(m), m)
+            self._delayed_modules = list(found.values())
+        return self._delayed_modules
 
     def _capture(self, args: Sequence[Tensor], params: Sequence[nn.Parameter]) -> _Copy:
         delayed = self._delayed()
