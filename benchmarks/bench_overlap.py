@@ -82,7 +82,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_ms(b: Bench, fn: Callable[[], object]) -> list[float]:
+def time_ms(b: Bench, fn: Callable[[], object]) -> list[float]:
     """Per-call milliseconds of ``fn`` after warm-up, on the current (compute) stream.
 
     ``fn`` must leave the current stream waiting for all its work (the driver does).
@@ -104,7 +104,7 @@ def _time_ms(b: Bench, fn: Callable[[], object]) -> list[float]:
     return out
 
 
-def _step(
+def step(
     b: Bench, *, overlap: bool, options: ScheduleOptions | None = None, fill_drain: bool = False
 ) -> None:
     combined_1f1b(
@@ -151,7 +151,7 @@ def _recorded(b: Bench, *, overlap: bool, options: ScheduleOptions | None = None
     return rec
 
 
-def _bench(cfg: SliceConfig, args: argparse.Namespace, microbatches: int) -> Bench:
+def make_bench(cfg: SliceConfig, args: argparse.Namespace, microbatches: int) -> Bench:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     pair = make_streams(device)
@@ -166,7 +166,7 @@ def _bench(cfg: SliceConfig, args: argparse.Namespace, microbatches: int) -> Ben
     )
 
 
-def _median(xs: list[float]) -> float:
+def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
@@ -174,17 +174,17 @@ def measure(
     cfg: SliceConfig, args: argparse.Namespace, *, microbatches: int, main: bool, out: Path
 ) -> JsonDict:
     """Every figure for one configuration and microbatch count."""
-    b = _bench(cfg, args, microbatches)
+    b = make_bench(cfg, args, microbatches)
     model, mbs, dtype = b.model, b.mbs, b.model.embed_scale.dtype
     res: JsonDict = {"config": _config_json(cfg, dtype), "microbatches": len(mbs)}
-    serial = _time_ms(b, lambda: _step(b, overlap=False))
-    overlapped = _time_ms(b, lambda: _step(b, overlap=True))
-    fill_drain = _time_ms(b, lambda: _step(b, overlap=True, fill_drain=True))
+    serial = time_ms(b, lambda: step(b, overlap=False))
+    overlapped = time_ms(b, lambda: step(b, overlap=True))
+    fill_drain = time_ms(b, lambda: step(b, overlap=True, fill_drain=True))
     graphed = _graphed(b)
     model.set_loopback(LoopbackMode.DEVICE)
-    compute = _time_ms(b, lambda: _step(b, overlap=False))
+    compute = time_ms(b, lambda: step(b, overlap=False))
     model.set_loopback(LoopbackMode.HOST)
-    comm = _time_ms(b, lambda: _comm_only(b))
+    comm = time_ms(b, lambda: _comm_only(b))
     serial_rec = _recorded(b, overlap=False)
     over_rec = _recorded(b, overlap=True)
     runs = overlapped_runs(len(mbs))
@@ -194,7 +194,7 @@ def measure(
         fill_drain_runs(len(mbs)), serial_rec.shapes, serial_rec.durations()
     )
     m = {
-        k: _median(v)
+        k: median(v)
         for k, v in {
             "serial": serial,
             "overlapped": overlapped,
@@ -220,7 +220,7 @@ def measure(
     res["speedup"] = m["serial"] / m["overlapped"]
     res["overlapped_over_max"] = m["overlapped"] / max(m["compute_only"], m["comm_only"])
     res["sum_node_ms_serial"] = sum(serial_rec.durations().values())
-    fd = _median(fill_drain)
+    fd = median(fill_drain)
     cap = max(m["compute_only"], m["comm_only"])
     res["fill_drain"] = {
         "overlapped_ms": fd,
@@ -232,12 +232,12 @@ def measure(
     }
     res["graphs"] = {
         name: {
-            "overlapped_ms": _median(samples),
+            "overlapped_ms": median(samples),
             "samples": samples,
             "bound_ms": bound_g,
-            "efficiency": bound_g / _median(samples),
-            "speedup": m["serial"] / _median(samples),
-            "overlapped_over_max": _median(samples) / cap,
+            "efficiency": bound_g / median(samples),
+            "speedup": m["serial"] / median(samples),
+            "overlapped_over_max": median(samples) / cap,
         }
         for name, (samples, bound_g) in graphed.items()
     }
@@ -249,8 +249,8 @@ def measure(
         spans = over_rec.spans()
         write_gantt_png(spans, out / "timeline.png", title=title)
         write_chrome_trace(spans, out / "timeline_trace.json", title=title)
-        res["host"] = _host_time(b)
-        res["host_graphs"] = _host_time(b, graphs=True)
+        res["host"] = host_time(b)
+        res["host_graphs"] = host_time(b, graphs=True)
         res["variants"] = _variants(b, m, bound)
         res["memory"] = _memory(b)
     return res
@@ -264,10 +264,10 @@ def _graphed(b: Bench) -> dict[str, tuple[list[float], float]]:
         # Capture every copy first (capturing synchronizes and empties the allocator's
         # cache), then warm the allocator again before anything is timed.
         for _ in range(3):
-            _step(b, overlap=True, fill_drain=True)
+            step(b, overlap=True, fill_drain=True)
         captured = b.model.graph_captures()
-        fd = _time_ms(b, lambda: _step(b, overlap=True, fill_drain=True))
-        ov = _time_ms(b, lambda: _step(b, overlap=True))
+        fd = time_ms(b, lambda: step(b, overlap=True, fill_drain=True))
+        ov = time_ms(b, lambda: step(b, overlap=True))
         rec = _recorded(b, overlap=False)
         if b.model.graph_captures() != captured:
             raise RuntimeError("bench_overlap: graphs were captured during the timed steps")
@@ -289,9 +289,9 @@ def _variants(b: Bench, base: dict[str, float], bound: float) -> JsonDict:
     """
     out: JsonDict = {}
     hp = make_streams(b.device, high_priority_comm=True)
-    hp_ms = _time_ms(b, lambda: combined_1f1b(b.model, b.mbs, overlap=True, streams=hp))
+    hp_ms = time_ms(b, lambda: combined_1f1b(b.model, b.mbs, overlap=True, streams=hp))
     cap = max(base["compute_only"], base["comm_only"])
-    hp_med = _median(hp_ms)
+    hp_med = median(hp_ms)
     out["high_priority_comm"] = {
         "overlapped_ms": hp_med,
         "samples": hp_ms,
@@ -303,7 +303,7 @@ def _variants(b: Bench, base: dict[str, float], bound: float) -> JsonDict:
     delay = ScheduleOptions(delay_wgrad_compute=True)
     b.model.set_delay_wgrad(True)
     try:
-        dw_ms = _time_ms(b, lambda: _step(b, overlap=True, options=delay))
+        dw_ms = time_ms(b, lambda: step(b, overlap=True, options=delay))
         ser_rec = _recorded(b, overlap=False, options=delay)
         over_rec = _recorded(b, overlap=True, options=delay)
     finally:
@@ -311,7 +311,7 @@ def _variants(b: Bench, base: dict[str, float], bound: float) -> JsonDict:
     runs = overlapped_runs(len(b.mbs))
     dw_bound = critical_path_ms(runs, ser_rec.shapes, ser_rec.durations())
     dw_bound_c = critical_path_ms(runs, over_rec.shapes, over_rec.durations())
-    dw_med = _median(dw_ms)
+    dw_med = median(dw_ms)
     out["delay_wgrad_compute"] = {
         "overlapped_ms": dw_med,
         "samples": dw_ms,
@@ -363,12 +363,12 @@ def _memory(b: Bench) -> JsonDict:
     for name, overlap, free, fd, graphs in cases:
         opts = ScheduleOptions(free_input=free)
         b.model.set_graphs(graphs)
-        _step(b, overlap=overlap, options=opts, fill_drain=fd)  # warm the allocator
+        step(b, overlap=overlap, options=opts, fill_drain=fd)  # warm the allocator
         b.model.zero_grad(set_to_none=False)
         _sync(b.device)
         torch.cuda.reset_peak_memory_stats(b.device)
         base = torch.cuda.memory_allocated(b.device)
-        _step(b, overlap=overlap, options=opts, fill_drain=fd)
+        step(b, overlap=overlap, options=opts, fill_drain=fd)
         _sync(b.device)
         peak = torch.cuda.max_memory_allocated(b.device)
         out[name] = {"peak_GB": peak / 1e9, "above_start_GB": (peak - base) / 1e9}
@@ -379,9 +379,9 @@ def _memory(b: Bench) -> JsonDict:
     return out
 
 
-def _host_time(b: Bench, *, graphs: bool = False) -> JsonDict:
+def host_time(b: Bench, *, graphs: bool = False, router: bool = False) -> JsonDict:
     """Host seconds of issuing each chunk run of overlapped steps (no sync inside a run),
-    with the attention CUDA-graphed when ``graphs``."""
+    with the attention (and with ``router`` the router) CUDA-graphed when ``graphs``."""
     original = ModelChunkSchedulePlan.__dict__["run"]
     run_fn: Callable[..., torch.Tensor | None] = original.__func__
     records: list[tuple[bool, bool, float]] = []
@@ -398,9 +398,9 @@ def _host_time(b: Bench, *, graphs: bool = False) -> JsonDict:
         spans.append((ev0, ev1))
         return result
 
-    b.model.set_graphs(graphs)
+    b.model.set_graphs(graphs, router=router)
     for _ in range(3):  # captures the graphs when asked, then warms the allocator
-        _step(b, overlap=True)
+        step(b, overlap=True)
     setattr(ModelChunkSchedulePlan, "run", staticmethod(timed))  # noqa: B010 - restored below
     try:
         samples: list[dict[str, float]] = []
@@ -409,14 +409,14 @@ def _host_time(b: Bench, *, graphs: bool = False) -> JsonDict:
             spans.clear()
             b.model.zero_grad(set_to_none=False)
             _sync(b.device)
-            _step(b, overlap=True)
+            step(b, overlap=True)
             _sync(b.device)
             gpu = [Clock.ms(s, e) for s, e in spans]
             samples.append(_host_sample(records, gpu, b.model.config.num_layers))
     finally:
         setattr(ModelChunkSchedulePlan, "run", original)  # noqa: B010
         b.model.set_graphs(False)
-    return {k: _median([s[k] for s in samples]) for k in samples[0]}
+    return {k: median([s[k] for s in samples]) for k in samples[0]}
 
 
 def _host_sample(
@@ -426,8 +426,8 @@ def _host_sample(
     first = records[0][2]
     return {
         "first_run_host_ms_per_layer": first * 1e3 / layers,
-        "paired_host_ms_per_layer_pair": _median([h for h, _ in paired]) * 1e3 / layers,
-        "paired_gpu_ms_per_layer_pair": _median([g for _, g in paired]) / layers,
+        "paired_host_ms_per_layer_pair": median([h for h, _ in paired]) * 1e3 / layers,
+        "paired_gpu_ms_per_layer_pair": median([g for _, g in paired]) / layers,
     }
 
 
@@ -603,21 +603,21 @@ def main(argv: list[str] | None = None) -> None:
     # Host cost where the GPU never holds the host back: sizes so small that issuing is
     # slower than running.
     small = SliceConfig(hidden=256, ffn=128, tokens=256, head_dim=64)
-    sb = _bench(small, args, args.microbatches)
-    _time_ms(sb, lambda: _step(sb, overlap=True))
+    sb = make_bench(small, args, args.microbatches)
+    time_ms(sb, lambda: step(sb, overlap=True))
     host_small: JsonDict = {"config": _config_json(small, sb.model.embed_scale.dtype)}
-    host_small.update(_host_time(sb))
-    host_small["graphs"] = _host_time(sb, graphs=True)
+    host_small.update(host_time(sb))
+    host_small["graphs"] = host_time(sb, graphs=True)
     steps: dict[str, Callable[[], None]] = {
-        "overlapped_ms": lambda: _step(sb, overlap=True),
-        "fill_drain_ms": lambda: _step(sb, overlap=True, fill_drain=True),
+        "overlapped_ms": lambda: step(sb, overlap=True),
+        "fill_drain_ms": lambda: step(sb, overlap=True, fill_drain=True),
     }
     for name, fn in steps.items():
-        host_small[name] = _median(_time_ms(sb, fn))
+        host_small[name] = median(time_ms(sb, fn))
         sb.model.set_graphs(True)
         for _ in range(3):
             fn()
-        host_small[f"graphs_{name}"] = _median(_time_ms(sb, fn))
+        host_small[f"graphs_{name}"] = median(time_ms(sb, fn))
         sb.model.set_graphs(False)
     print(json.dumps({"host_small": host_small}), flush=True)
     env["wall_s"] = time.perf_counter() - t_start

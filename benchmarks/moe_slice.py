@@ -168,7 +168,7 @@ class MoESliceLayer(nn.Module):
         self.attn_graph = GraphedBlock(
             self._attn_block, [self], CudaGraphModule.attn, label="MoESliceLayer attention"
         )
-        self.graph_router = False  # the router graph: see benchmarks/README.md, round 5
+        self.graph_router = False
         self.router_graph = GraphedBlock(
             self._router_block, [self], CudaGraphModule.moe_router, label="MoESliceLayer router"
         )
@@ -341,11 +341,13 @@ class MoESliceModel(MegatronHooks, nn.Module):
     def set_loopback(self, mode: LoopbackMode) -> None:
         self.loopback.mode = mode
 
-    def set_graphs(self, on: bool) -> None:
-        """Run each layer's attention as a CUDA graph (on) or eagerly (off)."""
+    def set_graphs(self, on: bool, *, router: bool = False) -> None:
+        """Run each layer's attention (and, with ``router``, its norm and router) as CUDA
+        graphs (on) or eagerly (off)."""
         for layer in self.decoder.layers:
             assert isinstance(layer, MoESliceLayer)
             layer.use_graphs = on
+            layer.graph_router = router
 
     def graph_captures(self) -> int:
         """How many graph copies the layers have captured so far."""

@@ -370,17 +370,28 @@ class GraphedBlock:
         torch.cuda.synchronize()
         side = _new_stream()
         side.wait_stream(torch.cuda.current_stream())
+        used: set[int] = {id(t) for t in inputs}
         with torch.cuda.stream(side):  # lazy initialisations stay out of the graphs
             for _ in range(self.warmup):
                 outs = [o for o in pytree.tree_leaves(self.fn(*inputs)) if o.requires_grad]
                 if outs:
-                    torch.autograd.grad(
-                        outs, surface, [torch.zeros_like(o) for o in outs], allow_unused=True
+                    # allow_unused: None for an untouched input (torch's stub says Tensor).
+                    found = cast(
+                        "Sequence[Tensor | None]",
+                        torch.autograd.grad(
+                            outs, surface, [torch.zeros_like(o) for o in outs], allow_unused=True
+                        ),
                     )
+                    used.update(id(t) for t, g in zip(surface, found, strict=True) if g is not None)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         for module, count in zip(delayed, queued, strict=True):
-            module.take_pending_since(count)  # the warm-up's
+            if module.take_pending_since(count):  # the warm-up's; its weight is used, delayed
+                used.add(id(module.weight))
+        # Parameters the function does not touch stay out of the backward capture: their
+        # gradient is none either way, and autograd would sync with their accumulators'
+        # streams, which the capture forbids.
+        surface = tuple(t for t in surface if id(t) in used)
         pool = torch.cuda.graph_pool_handle()
         fwd = torch.cuda.CUDAGraph()
         with torch.cuda.graph(fwd, pool=pool):
