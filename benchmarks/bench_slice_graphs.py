@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -36,6 +37,9 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke run)")
     args = p.parse_args()
+    # Bit-identity needs deterministic kernels (the slice's combine is an index_add).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
     cfg = SliceConfig(hidden=256, ffn=128, tokens=256, head_dim=64)
     if args.tiny:
         cfg = SliceConfig(
