@@ -46,7 +46,6 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
-from torch.autograd.graph import Node
 from torch.utils import _pytree as pytree
 
 from moe_overlap import ConfigError, CudaGraphModule, WgradError
@@ -159,23 +158,6 @@ _graphed_apply = cast(
 _new_stream: Callable[[], torch.cuda.Stream] = torch.cuda.Stream
 
 
-def _leaves(outputs: Sequence[object]) -> set[int]:
-    """``id`` of every leaf tensor the autograd graph behind ``outputs`` accumulates into."""
-    stack: list[Node | None] = [o.grad_fn for o in outputs if isinstance(o, Tensor)]
-    seen: set[int] = set()
-    found: set[int] = set()
-    while stack:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        leaf: object = getattr(node, "variable", None)  # AccumulateGrad's leaf
-        if isinstance(leaf, Tensor):
-            found.add(id(leaf))
-        stack.extend(child for child, _ in node.next_functions)
-    return found
-
-
 def _differentiable(t: Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
@@ -215,7 +197,6 @@ class GraphedBlock:
         self._key: tuple[object, ...] | None = None
         self._all: tuple[nn.Parameter, ...] | None = None
         self._delayed_modules: list[DelayedWgradModule] | None = None
-        self._side: torch.cuda.Stream | None = None
 
     def __deepcopy__(self, memo: dict[int, object]) -> GraphedBlock:
         """A copy of the model gets its own block, uncaptured (graphs are not copyable)."""
@@ -385,33 +366,35 @@ class GraphedBlock:
         delayed = self._delayed()
         queued = [m.pending_wgrad for m in delayed]
         inputs = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
+        surface = tuple(t for t in (*inputs, *params) if t.requires_grad)
         torch.cuda.synchronize()
-        # One stream for the warm-up and the captures: the parameters' gradient
-        # accumulators are made on it, so the captured backward never waits on another.
-        side = self._side if self._side is not None else _new_stream()
-        self._side = side
+        side = _new_stream()
         side.wait_stream(torch.cuda.current_stream())
+        used: set[int] = {id(t) for t in inputs}
         with torch.cuda.stream(side):  # lazy initialisations stay out of the graphs
-            outs = pytree.tree_leaves(self.fn(*inputs))
-            # Parameters the function does not touch stay out of autograd.grad: their
-            # gradient is none either way, and their accumulators may sit on another stream.
-            used = _leaves(outs) | {id(t) for t in inputs}
-            surface = tuple(t for t in (*inputs, *params) if t.requires_grad and id(t) in used)
-            for i in range(self.warmup):
-                if i:
-                    outs = pytree.tree_leaves(self.fn(*inputs))
-                diff = [o for o in outs if o.requires_grad]
-                if diff and surface:
-                    torch.autograd.grad(
-                        diff, surface, [torch.zeros_like(o) for o in diff], allow_unused=True
+            for _ in range(self.warmup):
+                outs = [o for o in pytree.tree_leaves(self.fn(*inputs)) if o.requires_grad]
+                if outs:
+                    # allow_unused: None for an untouched input (torch's stub says Tensor).
+                    found = cast(
+                        "Sequence[Tensor | None]",
+                        torch.autograd.grad(
+                            outs, surface, [torch.zeros_like(o) for o in outs], allow_unused=True
+                        ),
                     )
+                    used.update(id(t) for t, g in zip(surface, found, strict=True) if g is not None)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         for module, count in zip(delayed, queued, strict=True):
-            module.take_pending_since(count)  # the warm-up's
+            if module.take_pending_since(count):  # the warm-up's; its weight is used, delayed
+                used.add(id(module.weight))
+        # Parameters the function does not touch stay out of the backward capture: their
+        # gradient is none either way, and autograd would sync with their accumulators'
+        # streams, which the capture forbids.
+        surface = tuple(t for t in surface if id(t) in used)
         pool = torch.cuda.graph_pool_handle()
         fwd = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(fwd, pool=pool, stream=side):
+        with torch.cuda.graph(fwd, pool=pool):
             result = self.fn(*inputs)
         flat, spec = pytree.tree_flatten(result)
         outputs = tuple(cast("list[Tensor]", flat))
@@ -421,7 +404,7 @@ class GraphedBlock:
         grads: Sequence[Tensor | None] = [None] * len(surface)
         if needed:
             bwd = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(bwd, pool=pool, stream=side):
+            with torch.cuda.graph(bwd, pool=pool):
                 grads = torch.autograd.grad(
                     [o for o, _ in needed], surface, [g for _, g in needed], allow_unused=True
                 )
@@ -444,7 +427,7 @@ class GraphedBlock:
         )
         if deferred:
             copy.wgrad = torch.cuda.CUDAGraph()
-            with torch.no_grad(), torch.cuda.graph(copy.wgrad, pool=pool, stream=side):
+            with torch.no_grad(), torch.cuda.graph(copy.wgrad, pool=pool):
                 copy.wgrad_out = tuple(i.kernel.wgrad(i.x, i.grad_y) for _, i in deferred)
         self.stats.captures += 1
         return copy
