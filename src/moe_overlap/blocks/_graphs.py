@@ -41,7 +41,7 @@ import gc
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from copy import deepcopy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
@@ -95,7 +95,6 @@ class _Stats:
     forward_replays: int = 0
     wgrad_replays: int = 0
     eager_calls: int = 0
-    history: list[str] = field(default_factory=list[str])
 
 
 class _GraphedFn(torch.autograd.Function):
