@@ -14,7 +14,8 @@ Launch::
     torchrun --nproc-per-node 8 benchmarks/ep_nccl.py --out ep_results      # 8 GPUs, NCCL
     python benchmarks/ep_nccl.py --nproc 2 --device cpu --tiny                # 2 CPU ranks, gloo
 
-NVLink multicast stays off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``),
+NVLink multicast stays off (``NCCL_NVLS_ENABLE=0``, ``TORCH_SYMM_MEM_DISABLE_MULTICAST=1``,
+``NVSHMEM_DISABLE_NVLS=1``),
 as the device documentation asks.
 """
 
@@ -41,7 +42,11 @@ from moe_overlap.models import GPTMoEConfig, GPTMoEModel
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from node_timing import Clock, NodeRecorder, critical_path_ms, overlapped_runs
 
-_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+_SAFE_ENV = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
 
 # torch.distributed leaves these unannotated; give them types once, here.
 _all_reduce = cast("Callable[..., object]", dist.all_reduce)  # pyright: ignore[reportUnknownMemberType]
