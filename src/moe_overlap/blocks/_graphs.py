@@ -72,7 +72,6 @@ class _Copy:
 
     inputs: tuple[Tensor, ...]
     outputs: tuple[Tensor, ...]
-    spec: pytree.TreeSpec
     fwd: torch.cuda.CUDAGraph
     bwd: torch.cuda.CUDAGraph | None
     grad_outputs: tuple[Tensor | None, ...]
@@ -81,7 +80,6 @@ class _Copy:
     wgrad: torch.cuda.CUDAGraph | None = None
     wgrad_out: tuple[Tensor, ...] = ()
     lease: weakref.ref[_Lease] | None = None
-    replays: int = 0
 
     def free(self) -> bool:
         return self.lease is None or self.lease() is None
@@ -233,11 +231,11 @@ class GraphedBlock:
         if not (torch.is_grad_enabled() and args and all(a.is_cuda for a in args)):
             self.stats.eager_calls += 1
             return tuple(pytree.tree_leaves(self.fn(*args)))
-        params = tuple(p for p in self._surface() if p.requires_grad)
-        copy = self._acquire(args, params)
+        every = self._surface()
+        params = tuple(p for p in every if p.requires_grad)
+        copy = self._acquire(args, every, params)
         lease = _Lease(copy)
         copy.lease = weakref.ref(lease)
-        copy.replays += 1
         self.stats.forward_replays += 1
         return _graphed_apply(self, copy, lease, *args, *params)
 
@@ -248,8 +246,8 @@ class GraphedBlock:
         without a graph (CPU, eager calls) are computed as ``backward_dw`` computes them.
         """
         modules = self._delayed()
-        heads = [item for m in modules if (item := m.oldest_pending()) is not None]
-        lease = heads[0].keep if heads else None
+        head = next((item for m in modules if (item := m.oldest_pending()) is not None), None)
+        lease = head.keep if head is not None else None
         wgrad = lease.copy.wgrad if isinstance(lease, _Lease) else None
         if not isinstance(lease, _Lease) or wgrad is None:
             for module in modules:
@@ -301,21 +299,24 @@ class GraphedBlock:
             self._all = found
         return self._all
 
-    def _state_key(self, params: Sequence[nn.Parameter]) -> tuple[object, ...]:
-        del params
-        every = self._surface()
+    def _state_key(self, every: Sequence[nn.Parameter]) -> tuple[object, ...]:
         frozen = self.frozen() if self.frozen is not None else None
         training = tuple(m.training for m in self.modules)
         grads = tuple(p.requires_grad for p in every)
         return (grads, tuple(p.data_ptr() for p in every), training, frozen)
 
-    def _acquire(self, args: Sequence[Tensor], params: Sequence[nn.Parameter]) -> _Copy:
+    def _acquire(
+        self,
+        args: Sequence[Tensor],
+        every: Sequence[nn.Parameter],
+        params: Sequence[nn.Parameter],
+    ) -> _Copy:
         signature: _Signature = tuple(
             (tuple(a.shape), a.dtype, a.device, a.requires_grad) for a in args
         )
-        key = self._state_key(params)
+        key = self._state_key(every)
         if self._signature is None:
-            self._check_params(params)
+            self._check_params()
             self._signature, self._key = signature, key
         elif signature != self._signature:
             raise ConfigError(
@@ -340,7 +341,7 @@ class GraphedBlock:
         self._copies.append(copy)
         return copy
 
-    def _check_params(self, params: Sequence[nn.Parameter]) -> None:
+    def _check_params(self) -> None:
         for name, p in self._named():
             if type(p.data) is not torch.Tensor or not p.is_cuda:
                 raise ConfigError(
@@ -349,7 +350,6 @@ class GraphedBlock:
                     f"{p.device}: leave the scope out of cuda_graph_modules when sharding "
                     "(FSDP2 moves parameters every step)"
                 )
-        del params
 
     def _delayed(self) -> list[DelayedWgradModule]:
         if self._delayed_modules is None:
@@ -395,8 +395,7 @@ class GraphedBlock:
         fwd = torch.cuda.CUDAGraph()
         with torch.cuda.graph(fwd, pool=pool):
             result = self.fn(*inputs)
-        flat, spec = pytree.tree_flatten(result)
-        outputs = tuple(cast("list[Tensor]", flat))
+        outputs = tuple(cast("list[Tensor]", pytree.tree_leaves(result)))
         grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None for o in outputs)
         needed = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if g is not None]
         bwd: torch.cuda.CUDAGraph | None = None
@@ -417,7 +416,6 @@ class GraphedBlock:
         copy = _Copy(
             inputs=inputs,
             outputs=outputs,
-            spec=spec,
             fwd=fwd,
             bwd=bwd,
             grad_outputs=grad_outputs,
