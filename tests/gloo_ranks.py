@@ -54,6 +54,26 @@ def run_ranks(module: str, *, world: int = 2, timeout: float = 180) -> list[dict
     return results
 
 
+def torchrun(script: Path, procs: int, *argv: str, timeout: float = 240) -> str:
+    """``torchrun --nproc-per-node procs script argv`` on CPU (gloo); its stdout.
+
+    Fails with its stderr when it exits non-zero.
+    """
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "torch.distributed.run"),
+            *("--nproc-per-node", str(procs), str(script), *argv),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src")},
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
 def exit_worker(main: Callable[[], None]) -> NoReturn:
     """Run a worker's ``main`` and leave without interpreter teardown.
 

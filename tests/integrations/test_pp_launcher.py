@@ -4,12 +4,12 @@ against torch's own execution of the schedule, timed, one trace per rank."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.gloo_ranks import torchrun
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "pp_nccl.py"
 
@@ -32,29 +32,13 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "pp_nccl.py"
 def test_launcher_is_exact_and_writes_a_trace_per_rank(
     procs: int, argv: list[str], tmp_path: Path
 ) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(procs),
-            str(SCRIPT),
-            *("--device", "cpu", "--tiny", "--microbatches", "4", "--iters", "1"),
-            *("--out", str(tmp_path), *argv),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=240,
-        check=False,
-        env={
-            "OMP_NUM_THREADS": "1",
-            "PATH": "/usr/bin:/bin",
-            "PYTHONPATH": str(SCRIPT.parents[1] / "src"),
-        },
+    stdout = torchrun(
+        SCRIPT,
+        procs,
+        *("--device", "cpu", "--tiny", "--microbatches", "4", "--iters", "1"),
+        *("--out", str(tmp_path), *argv),
     )
-    assert done.returncode == 0, done.stderr
-    assert "matches torch's schedule on every rank: True" in done.stdout, done.stdout
+    assert "matches torch's schedule on every rank: True" in stdout, stdout
     summary = json.loads((tmp_path / "pp_results.json").read_text())
     assert summary["bit_identical"] and len(summary["ranks"]) == procs
     assert all(r["overlap_f_b_actions"] > 0 and r["comp_busy_ms"] > 0 for r in summary["ranks"])
