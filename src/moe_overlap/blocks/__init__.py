@@ -23,7 +23,10 @@
   MLP) as captured forward, backward and weight-gradient graphs, one copy per microbatch in
   flight, bit-identical to eager;
 - the model's hooks: :class:`MegatronHooks` implements ``_preprocess`` / ``_postprocess``
-  with Megatron-Core's names on top of ``embed`` / ``rotary`` / ``output``.
+  with Megatron-Core's names on top of ``embed`` / ``rotary`` / ``output``;
+- pipeline stages: :class:`StageRange` (a stage's place in the model) and
+  :class:`StageLayers`, a layer list named by the layers' global indices, so a stage's
+  ``state_dict`` keys are the full model's.
 
 The reference model (:mod:`moe_overlap.models`) and the transformers adapter are built on
 them.
@@ -57,6 +60,7 @@ from moe_overlap.blocks._slots import SlotContext as SlotContext
 from moe_overlap.blocks._slots import add_residual as add_residual
 from moe_overlap.blocks._slots import pair_input as pair_input
 from moe_overlap.blocks._slots import single_input as single_input
+from moe_overlap.blocks._stage_layers import StageLayers as StageLayers
 from moe_overlap.blocks._transformer import RMSNorm as RMSNorm
 from moe_overlap.blocks._transformer import RotaryTables as RotaryTables
 from moe_overlap.blocks._transformer import SelfAttention as SelfAttention
@@ -107,6 +111,7 @@ __all__ = [
     "ScoreFunction",
     "SelfAttention",
     "SlotContext",
+    "StageLayers",
     "StageRange",
     "SwiGLUMLP",
     "TokenDispatcher",

@@ -26,6 +26,7 @@ from moe_overlap.blocks._experts import GroupedExperts
 from moe_overlap.blocks._graphs import GraphedBlock
 from moe_overlap.blocks._model import MegatronHooks, Rotary
 from moe_overlap.blocks._router import TopKRouter
+from moe_overlap.blocks._stage_layers import StageLayers
 from moe_overlap.blocks._transformer import RMSNorm, rotary_tables
 from moe_overlap.blocks._wgrad import DelayedWgradModule, check_no_pending_wgrad
 from moe_overlap.models._config import GPTMoEConfig
@@ -35,11 +36,15 @@ __all__ = ["Decoder", "GPTMoEModel"]
 
 
 class Decoder(nn.Module):
-    """The layer stack as the schedule sees it (``layers``, ``input_tensor``, final norm)."""
+    """The layer stack as the schedule sees it (``layers``, ``input_tensor``, final norm).
 
-    def __init__(self, layers: list[GPTLayer]) -> None:
+    ``layers`` is a :class:`~moe_overlap.blocks.StageLayers` named from ``start``, the
+    global index of the first layer (a pipeline stage's ``layers.start``).
+    """
+
+    def __init__(self, layers: list[GPTLayer], *, start: int = 0) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(layers)
+        self.layers = StageLayers(layers, start=start)
         self.input_tensor: Tensor | None = None
         self.final_layernorm: Callable[[Tensor], Tensor] | None = None
 

@@ -33,7 +33,7 @@ class GPTMoEStage(StageRange, MegatronHooks, nn.Module):
         self.config = model.config
         self.embedding = model.embedding if self.pre_process else None
         self.layer_list = model.layer_list[layers.start : layers.stop]
-        self.decoder = Decoder(list(self.layer_list))
+        self.decoder = Decoder(list(self.layer_list), start=layers.start)
         self.final_norm = model.final_norm if self.post_process else None
         self.output_layer = model.output_layer if self.post_process else None
         self._rotary = model.rotary
