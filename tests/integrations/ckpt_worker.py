@@ -7,13 +7,13 @@ keys are the model's global names, so they never collide).
 
 Phase 1: the reference model trained 4 steps uninterrupted (its losses, grads and
 parameters of steps 3-4 kept in ``ref{rank}.pt``); a second copy trained 2 steps and saved
-(``pp2/``; what was saved also in ``pp2_{rank}.pt``); the transformers stages (Qwen3-MoE)
-trained 1 step and saved (``hf/``, ``hf_{rank}.pt``).
+(``pp2/``; what was saved also in ``pp2_{rank}.pt``).
 
 Phase 2 (fresh processes, models initialised differently): load ``pp2/`` and train steps
 3-4 (compared with ``ref{rank}.pt``); load ``pp1/`` (saved by the test from the whole model
-in one process) and compare with ``pp1.pt``; load ``hf/`` and compare with ``hf_{rank}.pt``.
-Prints one JSON line per rank and phase.
+in one process) and compare with ``pp1.pt``; the transformers stages (Qwen3-MoE) load
+``hf1/`` (the whole model's, saved by the test; compared with ``hf1.pt``), train one step
+and save (``hf2/``, ``hf2_{rank}.pt``). Prints one JSON line per rank and phase.
 """
 
 from __future__ import annotations
@@ -151,18 +151,7 @@ def phase1(folder: str, rank: int) -> dict[str, Any]:
     state = run.state()
     torch.save(plain(state), f"{folder}/pp2_{rank}.pt")
     dcp.save(state, checkpoint_id=f"{folder}/pp2")
-
-    hf = Run(HF_CASE, rank, scramble_seed=None)
-    hf.step(0)
-    hf_state = hf.state()
-    torch.save(plain(hf_state), f"{folder}/hf_{rank}.pt")
-    dcp.save(hf_state, checkpoint_id=f"{folder}/hf")
-    return {
-        "rank": rank,
-        "same_first_steps": first == losses[:2],
-        "keys": sorted(state["model"]),
-        "hf_keys": sorted(hf_state["model"]),
-    }
+    return {"rank": rank, "same_first_steps": first == losses[:2], "keys": sorted(state["model"])}
 
 
 def phase2(folder: str, rank: int) -> dict[str, Any]:
@@ -188,11 +177,17 @@ def phase2(folder: str, rank: int) -> dict[str, Any]:
     pp1_diff += same(got["optim"], {k: full["optim"][k] for k in got["optim"]})
 
     hf = Run(HF_CASE, rank, scramble_seed=13)
-    hf_saved = torch.load(f"{folder}/hf_{rank}.pt")
-    hf_differs_before = same(hf.state()["model"], hf_saved["model"])
-    hf.load(f"{folder}/hf")
+    hf_full = torch.load(f"{folder}/hf1.pt")
+    hf_before = hf.state()
+    hf_differs_before = same(hf_before["model"], {k: hf_full["model"][k] for k in hf_before["model"]})
+    hf.load(f"{folder}/hf1")
     hf_got = hf.state()
-    hf_diff = same(hf_got["model"], hf_saved["model"]) + same(hf_got["optim"], hf_saved["optim"])
+    hf_diff = same(hf_got["model"], {k: hf_full["model"][k] for k in hf_got["model"]})
+    hf_diff += same(hf_got["optim"], {k: hf_full["optim"][k] for k in hf_got["optim"]})
+    hf.step(1)
+    hf_state = hf.state()
+    torch.save(plain(hf_state), f"{folder}/hf2_{rank}.pt")
+    dcp.save(hf_state, checkpoint_id=f"{folder}/hf2")
     return {
         "rank": rank,
         "differed_before_load": bool(differs_before) and bool(hf_differs_before),
@@ -203,6 +198,7 @@ def phase2(folder: str, rank: int) -> dict[str, Any]:
         "pp1_keys": pp1_keys,
         "pp1_diff": pp1_diff,
         "hf_diff": hf_diff,
+        "hf_keys": sorted(hf_state["model"]),
     }
 
 

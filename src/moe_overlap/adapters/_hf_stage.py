@@ -246,4 +246,4 @@ def _named_parameters(
 
 
 def _named_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
-    return cast("Iterator[tuple[str, nn.Module]]", model.named_modules())
+    return cast("Iterator[tuple[str, nn.Module]]", model.named_modules(remove_duplicate=False))

@@ -28,7 +28,8 @@ class StageLayers(nn.ModuleList):
     ``nn.ModuleList`` it subclasses: ``len``, iteration and ``layers[i]`` (``i`` from 0, negative
     from the end) give the stage's own layers in order; a slice keeps the global names;
     ``layers[i] = m`` replaces a layer under the same name; ``append`` / ``extend`` continue
-    after the last index; deleting keeps the other layers' names. :meth:`global_index` maps
+    after the highest index (from ``start`` when empty); deleting keeps the other layers'
+    names. :meth:`global_index` maps
     a position to its index in the model.
 
     Refused with :class:`~moe_overlap.ConfigError`: a negative ``start``, ``insert`` (the
@@ -43,7 +44,7 @@ class StageLayers(nn.ModuleList):
                 f"StageLayers: expected start as an int >= 0 (the global index of the first "
                 f"layer), received {start!r}"
             )
-        self._next_index = start
+        self._start = start
         if layers is not None:
             self.extend(layers)
 
@@ -52,7 +53,6 @@ class StageLayers(nn.ModuleList):
         out = cls()
         for key, module in items:
             out.add_module(key, module)
-            out._next_index = max(out._next_index, int(key) + 1)
         return out
 
     def global_index(self, position: int) -> int:
@@ -95,7 +95,7 @@ class StageLayers(nn.ModuleList):
         if isinstance(other, StageLayers):
             theirs = list(other._modules.items())
         else:
-            nxt = self._next_index
+            nxt = self._next()
             theirs = [(str(nxt + i), m) for i, m in enumerate(other)]
         shared = sorted({k for k, _ in mine} & {k for k, _ in theirs}, key=int)
         if shared:
@@ -113,9 +113,11 @@ class StageLayers(nn.ModuleList):
             "received an insert"
         )
 
+    def _next(self) -> int:
+        return max((int(k) + 1 for k in self._modules), default=self._start)
+
     def append(self, module: nn.Module) -> Self:
-        self.add_module(str(self._next_index), module)
-        self._next_index += 1
+        self.add_module(str(self._next()), module)
         return self
 
     def extend(self, modules: Iterable[nn.Module]) -> Self:
