@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -33,6 +32,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from moe_overlap.integrations.pipelining import prepare_schedule
 from tests.gloo_ranks import exit_worker
@@ -43,7 +44,12 @@ REF_CASE: dict[str, Any] = dict(
     pp=2, ep=1, schedule="interleaved", microbatches=4, delay=True, stages=[0, 1, 3, 4, 6]
 )
 HF_CASE: dict[str, Any] = dict(
-    pp=2, ep=1, schedule="interleaved", microbatches=2, delay=False, stages=[0, 1, 2, 3, 4],
+    pp=2,
+    ep=1,
+    schedule="interleaved",
+    microbatches=2,
+    delay=False,
+    stages=[0, 1, 2, 3, 4],
     model="qwen3_moe",
 )
 LR = 1e-2
@@ -89,7 +95,9 @@ class Run:
 
     def grads(self) -> dict[str, Tensor]:
         return {
-            n: p.grad.clone() for s in self.stages for n, p in s.named_parameters()
+            n: p.grad.clone()
+            for s in self.stages
+            for n, p in s.named_parameters()
             if p.grad is not None
         }
 
@@ -107,7 +115,7 @@ class Run:
 
     def load(self, path: str) -> None:
         state = self.state()
-        dcp.load(state, checkpoint_id=path)
+        dcp_load(state, checkpoint_id=path)
         for s, opt in zip(self.stages, self.optims, strict=True):
             mine = get_model_state_dict(s).keys()
             set_model_state_dict(s, {k: state["model"][k] for k in mine})
@@ -150,7 +158,7 @@ def phase1(folder: str, rank: int) -> dict[str, Any]:
     first = [run.step(step) for step in range(2)]
     state = run.state()
     torch.save(plain(state), f"{folder}/pp2_{rank}.pt")
-    dcp.save(state, checkpoint_id=f"{folder}/pp2")
+    dcp_save(state, checkpoint_id=f"{folder}/pp2")
     return {"rank": rank, "same_first_steps": first == losses[:2], "keys": sorted(state["model"])}
 
 
@@ -179,7 +187,9 @@ def phase2(folder: str, rank: int) -> dict[str, Any]:
     hf = Run(HF_CASE, rank, scramble_seed=13)
     hf_full = torch.load(f"{folder}/hf1.pt")
     hf_before = hf.state()
-    hf_differs_before = same(hf_before["model"], {k: hf_full["model"][k] for k in hf_before["model"]})
+    hf_differs_before = same(
+        hf_before["model"], {k: hf_full["model"][k] for k in hf_before["model"]}
+    )
     hf.load(f"{folder}/hf1")
     hf_got = hf.state()
     hf_diff = same(hf_got["model"], {k: hf_full["model"][k] for k in hf_got["model"]})
@@ -187,7 +197,7 @@ def phase2(folder: str, rank: int) -> dict[str, Any]:
     hf.step(1)
     hf_state = hf.state()
     torch.save(plain(hf_state), f"{folder}/hf2_{rank}.pt")
-    dcp.save(hf_state, checkpoint_id=f"{folder}/hf2")
+    dcp_save(hf_state, checkpoint_id=f"{folder}/hf2")
     return {
         "rank": rank,
         "differed_before_load": bool(differs_before) and bool(hf_differs_before),

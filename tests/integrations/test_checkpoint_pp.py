@@ -16,14 +16,14 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from torch import Tensor
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from tests.gloo_ranks import run_ranks
 from tests.integrations.ckpt_worker import FLAT, HF_CASE, LR, REF_CASE, plain, same, scramble
@@ -62,7 +62,7 @@ def _whole_model_pp1(folder: Path) -> set[str]:
         opt.step()
     state = _state(model, opt)
     torch.save(plain(state), folder / "pp1.pt")
-    dcp.save(state, checkpoint_id=str(folder / "pp1"), no_dist=True)
+    dcp_save(state, checkpoint_id=str(folder / "pp1"), no_dist=True)
     return set(state["model"])
 
 
@@ -73,7 +73,7 @@ def _load_whole_model(folder: Path) -> tuple[list[str], list[str]]:
     scramble(model, 5)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
     state = _state(model, opt)
-    dcp.load(state, checkpoint_id=str(folder / "pp2"), no_dist=True)
+    dcp_load(state, checkpoint_id=str(folder / "pp2"), no_dist=True)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optim"], options=FLAT)
     saved: dict[str, dict[str, Any]] = {"model": {}, "optim": {}}
@@ -100,7 +100,7 @@ def _whole_hf_pp1(folder: Path) -> None:
     opt.step()
     state = _state(model, opt)
     torch.save(plain(state), folder / "hf1.pt")
-    dcp.save(state, checkpoint_id=str(folder / "hf1"), no_dist=True)
+    dcp_save(state, checkpoint_id=str(folder / "hf1"), no_dist=True)
 
 
 def _load_whole_hf(folder: Path) -> list[str]:
@@ -108,7 +108,7 @@ def _load_whole_hf(folder: Path) -> list[str]:
     model, opt = _hf_model()
     scramble(model, 6)
     state = _state(model, opt)
-    dcp.load(state, checkpoint_id=str(folder / "hf2"), no_dist=True)
+    dcp_load(state, checkpoint_id=str(folder / "hf2"), no_dist=True)
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, opt, state["optim"], options=FLAT)
     saved: dict[str, dict[str, Any]] = {"model": {}, "optim": {}}

@@ -52,9 +52,11 @@ def test_stage_layers_are_a_list_by_position_and_global_by_name() -> None:
     assert list(layers.state_dict())[:2] == ["4.weight", "4.bias"]
     assert getattr(layers, "5") is mods[1]  # what DCP's name resolution walks
     tail = layers[1:]
-    assert isinstance(tail, StageLayers) and tail.global_indices() == [5, 6]
+    assert tail.global_indices() == [5, 6]
     with pytest.raises(IndexError):
-        layers[3]
+        layers.global_index(3)
+    with pytest.raises(IndexError):
+        _ = layers[-4]
     replacement = nn.Linear(2, 2)
     layers[1] = replacement
     assert layers[1] is replacement and layers.global_indices() == [4, 5, 6]
@@ -67,7 +69,7 @@ def test_stage_layers_are_a_list_by_position_and_global_by_name() -> None:
     assert both.global_indices() == [0, 5, 6]
     assert "(5): Linear" in repr(layers)
     with pytest.raises(ConfigError, match=r"StageLayers \+: expected lists of distinct layers"):
-        layers + layers
+        _ = layers + layers
     with pytest.raises(ConfigError, match="StageLayers.insert: a layer inserted"):
         layers.insert(0, nn.Linear(2, 2))
     with pytest.raises(ConfigError, match="StageLayers: expected start as an int >= 0"):
@@ -94,9 +96,11 @@ def test_stages_use_the_whole_model_s_names() -> None:
         opt = torch.optim.AdamW(s.parameters())
         flat = StateDictOptions(flatten_optimizer_state_dict=True)
         assert list(get_model_state_dict(s)) == list(s.state_dict())
-        names = {k.split(".", 1)[1].rpartition(".")[0] for k in get_optimizer_state_dict(
-            s, opt, options=flat
-        ) if k.startswith("state.")}
+        names = {
+            k.split(".", 1)[1].rpartition(".")[0]
+            for k in get_optimizer_state_dict(s, opt, options=flat)
+            if k.startswith("state.")
+        }
         assert names == {n for n, _ in s.named_parameters()}
 
 
@@ -152,7 +156,7 @@ def test_transformers_stages_and_save_pretrained_keep_the_model_s_names(tmp_path
     pytest.importorskip("transformers")
     from moe_overlap.adapters.transformers import TransformersMoEAdapter, TransformersMoEStage
 
-    model = _qwen3_moe()
+    model: Any = _qwen3_moe()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     adapter = TransformersMoEAdapter(
         model, delay_wgrad_compute=True, recompute=("attention", "norm")
@@ -179,7 +183,7 @@ def test_transformers_stage_refuses_a_model_name_that_shadows_a_stage_member() -
     pytest.importorskip("transformers")
     from moe_overlap.adapters.transformers import TransformersMoEAdapter, TransformersMoEStage
 
-    model = _qwen3_moe()
+    model: Any = _qwen3_moe()
     adapter = TransformersMoEAdapter(model)
     model.add_module("decoder", model.lm_head)  # the LM head also under a stage member's name
     with pytest.raises(ConfigError, match=r"the model's 'decoder' would be named like the stage"):

@@ -9,7 +9,7 @@ matches tensors by name). The schedule still reads the list by position.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import overload
+from typing import cast, overload
 
 from torch import nn
 from typing_extensions import Self
@@ -39,7 +39,8 @@ class StageLayers(nn.ModuleList):
 
     def __init__(self, layers: Iterable[nn.Module] | None = None, *, start: int = 0) -> None:
         super().__init__()
-        if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        value = cast(object, start)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ConfigError(
                 f"StageLayers: expected start as an int >= 0 (the global index of the first "
                 f"layer), received {start!r}"
