@@ -30,11 +30,13 @@ class TransformersMoEStage(StageRange, MegatronHooks, nn.Module):
     running the adapter's layers as :meth:`~moe_overlap.adapters.transformers.HFLayer.run_plain`
     does, so it and the schedule compute bit-identical results.
 
-    Its ``state_dict`` and ``named_parameters`` use the model's own names (``model.layers.{i}...``
-    with the global ``i``, ``model.embed_tokens.weight``, ``lm_head.weight``, ...), so each
-    rank's stages checkpoint with ``torch.distributed.checkpoint`` into one set of keys any
-    layout loads: the model's modules are registered at their paths, under
-    :class:`ModelScope` s standing for the modules the stage holds only parts of.
+    Its ``state_dict`` and ``named_parameters`` use the model's own names
+    (``model.layers.{i}...`` with the global ``i``, ``model.embed_tokens.weight``,
+    ``lm_head.weight``, ...), so each rank's stages checkpoint with
+    ``torch.distributed.checkpoint`` into one set of keys any layout loads: the model's
+    modules are registered at their paths, under
+    :class:`~moe_overlap.adapters.transformers.ModelScope` s standing for the modules the
+    stage holds only parts of.
 
     Refused with :class:`~moe_overlap.ConfigError`: a range outside the model, a parameter
     both the embedding and the LM head reach (tied embeddings) split over two stages, a

@@ -51,6 +51,7 @@ from moe_overlap.adapters._hf_layers import HFLayer as HFLayer
 from moe_overlap.adapters._hf_layers import HFMoELayer as HFMoELayer
 from moe_overlap.adapters._hf_model import AdapterConfig as AdapterConfig
 from moe_overlap.adapters._hf_model import TransformersMoEAdapter as TransformersMoEAdapter
+from moe_overlap.adapters._hf_stage import ModelScope as ModelScope
 from moe_overlap.adapters._hf_stage import TransformersMoEStage as TransformersMoEStage
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "HFDenseLayer",
     "HFLayer",
     "HFMoELayer",
+    "ModelScope",
     "TransformersMoEAdapter",
     "TransformersMoEStage",
     "expert_parameter_names",

@@ -29,7 +29,7 @@ class StageLayers(nn.ModuleList):
     from the end) give the stage's own layers in order; a slice keeps the global names;
     ``layers[i] = m`` replaces a layer under the same name; ``append`` / ``extend`` continue
     after the highest index (from ``start`` when empty); deleting keeps the other layers'
-    names. :meth:`global_index` maps
+    names. :meth:`~moe_overlap.blocks.StageLayers.global_index` maps
     a position to its index in the model.
 
     Refused with :class:`~moe_overlap.ConfigError`: a negative ``start``, ``insert`` (the

@@ -25,6 +25,11 @@ class GPTMoEStage(StageRange, MegatronHooks, nn.Module):
     loss; :func:`~moe_overlap.models.masked_cross_entropy` is the model's own). Build the
     same full model on every pipeline rank (seeded, so identical) and take each rank's stages
     from it.
+
+    Its ``state_dict`` and ``named_parameters`` use the full model's names (layer ``i`` is
+    ``decoder.layers.{i}`` in whichever stage holds it, a
+    :class:`~moe_overlap.blocks.StageLayers`), so each rank's stages checkpoint with
+    ``torch.distributed.checkpoint`` into keys any pipeline layout, or the whole model, loads.
     """
 
     def __init__(self, model: GPTMoEModel, layers: range) -> None:
