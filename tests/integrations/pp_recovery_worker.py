@@ -10,7 +10,8 @@ case's fault on the case's ranks, step 2 after the documented recovery (zero the
 fails), ``input``, ``weight`` (the ``k``-th action of that kind fails), ``before`` (a plain
 backward left delayed weight gradients pending: the library's check refuses the step
 before it communicates), ``after`` (torch's output merge fails, after the communication),
-``interrupt`` (a ``KeyboardInterrupt`` inside a forward)), ``at`` and ``ranks``. Prints one
+``interrupt`` (a ``KeyboardInterrupt`` inside a forward)), ``at`` (one for every rank, or by
+rank: which ranks reach their own failure depends on the schedule) and ``ranks``. Prints one
 JSON line per case and rank: how each step ended, and for a poisoned schedule whether a
 new schedule on the same groups is refused.
 """
@@ -77,7 +78,7 @@ def outcome(run: Any) -> dict[str, Any]:
     start = time.monotonic()
     try:
         run()
-    except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt is a case
+    except BaseException as e:  # KeyboardInterrupt is a case
         cause = e.__cause__
         return {
             "raised": type(e).__name__,
@@ -93,7 +94,8 @@ class Fault:
 
     def __init__(self, model: GPTMoEModel, schedule: Any, fault: dict[str, Any]) -> None:
         self.kind: str = fault["kind"]
-        self.at: int = fault.get("at", 1)
+        at: int | dict[str, int] = fault.get("at", 1)
+        self.at = at if isinstance(at, int) else at[str(dist.get_rank())]
         self.calls = 0
         self.armed = False
         self.schedule = schedule
@@ -171,8 +173,12 @@ def run_case(
 ) -> dict[str, Any]:
     pp_rank, ep_rank = divmod(rank, ep)
     # New groups for every case: a poisoned case's groups may hold messages in flight.
-    ep_groups = [dist.new_group([p * ep + e for e in range(ep)], timeout=timeout) for p in range(pp)]
-    pp_groups = [dist.new_group([p * ep + e for p in range(pp)], timeout=timeout) for e in range(ep)]
+    ep_groups = [
+        dist.new_group([p * ep + e for e in range(ep)], timeout=timeout) for p in range(pp)
+    ]
+    pp_groups = [
+        dist.new_group([p * ep + e for p in range(pp)], timeout=timeout) for e in range(ep)
+    ]
     ep_group = ep_groups[pp_rank] if ep > 1 else None
     pp_group = pp_groups[ep_rank]
     torch.use_deterministic_algorithms(True)
