@@ -140,7 +140,7 @@ class Fault:
             self._patch(layer)
 
     def _patch(self, layer: nn.Module) -> None:
-        original = layer.pre_dispatch
+        original: Any = getattr(layer, "pre_dispatch")  # noqa: B009 - nn.Module types it a Tensor
         backward = self.kind in ("backward", "input")
 
         def failing(ctx: Any, *args: Any) -> Any:
@@ -168,17 +168,20 @@ class Fault:
                 del layer.pre_dispatch
 
 
+def group(ranks: list[int], timeout: timedelta) -> dist.ProcessGroup:
+    """A new gloo group (every rank creates every group, in the same order)."""
+    made = dist.new_group(ranks, timeout=timeout, backend="gloo")
+    assert isinstance(made, dist.ProcessGroup)  # typed as a union with a sentinel int
+    return made
+
+
 def run_case(
     case: dict[str, Any], rank: int, pp: int, ep: int, timeout: timedelta
 ) -> dict[str, Any]:
     pp_rank, ep_rank = divmod(rank, ep)
     # New groups for every case: a poisoned case's groups may hold messages in flight.
-    ep_groups = [
-        dist.new_group([p * ep + e for e in range(ep)], timeout=timeout) for p in range(pp)
-    ]
-    pp_groups = [
-        dist.new_group([p * ep + e for p in range(pp)], timeout=timeout) for e in range(ep)
-    ]
+    ep_groups = [group([p * ep + e for e in range(ep)], timeout) for p in range(pp)]
+    pp_groups = [group([p * ep + e for p in range(pp)], timeout) for e in range(ep)]
     ep_group = ep_groups[pp_rank] if ep > 1 else None
     pp_group = pp_groups[ep_rank]
     torch.use_deterministic_algorithms(True)
@@ -194,13 +197,17 @@ def run_case(
     model = built.model
     assert isinstance(model, GPTMoEModel)
     schedule, stages = make_schedule(case, built, pp_rank, pp_group)
-    timeout_kw = case.get("consensus_timeout")
-    prepare_schedule(
-        schedule,
-        pair=case["schedule"] == "interleaved",
-        consensus_timeout=timedelta(seconds=timeout_kw) if timeout_kw else None,
-    )
+    extra: dict[str, Any] = {}
     row: dict[str, Any] = {"case": case["name"], "rank": rank}
+    if case.get("consensus_timeout"):
+        extra["consensus_timeout"] = timedelta(seconds=case["consensus_timeout"])
+    if case.get("own_consensus_group"):  # a group of the user's, and one lacking ranks
+        alone = [group([r], timeout) for r in range(pp * ep)][rank]
+        row["consensus_group_alone"] = outcome(
+            lambda: prepare_schedule(schedule, consensus_group=alone)
+        )
+        extra["consensus_group"] = group(list(range(pp * ep)), 4 * timeout)
+    prepare_schedule(schedule, pair=case["schedule"] == "interleaved", **extra)
     row["step0"] = outcome(lambda: step(case, model, schedule, pp_rank, 0))
     row["step0_exact"] = same(grads(stages), ref0)
 

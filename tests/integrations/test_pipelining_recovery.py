@@ -1,6 +1,6 @@
 """After a failed prepared pipelining step: exact on every rank, or refused on every rank.
 
-Real gloo ranks (``pp_recovery_worker``), the pipeline and EP groups with a 5 s timeout so a
+Real gloo ranks (``pp_recovery_worker``), the pipeline and EP groups with a 3 s timeout so a
 rank blocked on a failed peer fails quickly. Each case: step 0 exact, step 1 with a fault
 on some or all ranks, step 2 after the documented recovery. A failure while the step
 communicates must raise on every rank in step 1 (a ScheduleError; the failing rank its own
@@ -49,6 +49,7 @@ PP2: list[dict[str, Any]] = [
         schedule="interleaved",
         delay=True,
         fault=dict(kind="backward", at=2, ranks=[1]),
+        own_consensus_group=True,
     ),
     dict(
         name="input-all",
@@ -74,7 +75,7 @@ PP2: list[dict[str, Any]] = [
         name="interrupt-one",
         schedule="interleaved",
         delay=False,
-        consensus_timeout=8,
+        consensus_timeout=4,
         fault=dict(kind="interrupt", at=2, ranks=[0]),
     ),
 ]
@@ -101,7 +102,7 @@ def _launch(pp: int, ep: int, cases: list[dict[str, Any]]) -> dict[str, list[dic
     config = dict(
         pp=pp,
         ep=ep,
-        timeout=5,
+        timeout=3,
         stages=UNEVEN,
         cases=[{"microbatches": 4, **c} for c in cases],
     )
@@ -175,6 +176,13 @@ def test_pp2_failures_poison_or_recover_on_every_rank() -> None:
             _check_consistent(case, rows)
         else:
             _check_poisoned(case, rows)
+    for row in by_case["backward-one"]:  # consensus_group of the user's
+        alone = row["consensus_group_alone"]
+        assert alone["raised"] == "ConfigError", alone
+        assert (
+            "expected a consensus_group holding every rank of the stages' groups"
+            in (alone["message"])
+        )
     interrupted = {r["rank"]: r for r in by_case["interrupt-one"]}
     assert "did not all report this step's outcome" in interrupted[1]["step1"]["message"]
 

@@ -230,8 +230,9 @@ def prepare_schedule(
       the failed ranks), and the schedule refuses every later step, on every rank, before
       any communication; its process groups are refused by a later ``prepare_schedule``.
       Recover by restoring a checkpoint on new process groups, stages and schedule.
-    - failed before the step communicated on every rank (torch's and the library's input
-      checks), or after its communication completed: the errors are raised as they are
+    - failed before the step communicated on every rank (the checks ``step`` runs before
+      the microbatches, the library's check for pending delayed weight gradients), or
+      after its communication completed: the errors are raised as they are
       (ranks that did not fail raise a ``ScheduleError``); zero the gradients and drop
       pending delayed weight gradients (:func:`~moe_overlap.blocks.discard_wgrad`), and the
       next step is exact. With one process (world size 1) this holds for every failure.
@@ -345,6 +346,7 @@ class PipelineOverlap:
         for stage in self._stages.values():
             _check_stage(stage)
         _check_untainted(self._stages.values(), consensus_group)
+        _check_consensus(self._stages.values(), consensus_group, consensus_timeout)
         self._options = {i: _stage_options(st, options) for i, st in self._stages.items()}
         if pair:
             self._pair()
@@ -920,13 +922,12 @@ def _check_untainted(
             )
 
 
-def _make_consensus(
+def _check_consensus(
     stages: Iterable[_PipelineStageBase],
     group: dist.ProcessGroup | None,
     timeout: timedelta | None,
-) -> StepConsensus | None:
-    """The step consensus: ``group``'s, else a new gloo group over the world (none for one
-    process)."""
+) -> None:
+    """``prepare_schedule``'s consensus arguments (before anything is changed)."""
     given = cast(object, timeout)
     if given is not None and (not isinstance(given, timedelta) or given <= timedelta(0)):
         raise ConfigError(
@@ -954,9 +955,19 @@ def _make_consensus(
                 "prepare_schedule: expected a consensus_group holding every rank of the "
                 f"stages' groups {sorted(needed)}, received one of ranks {sorted(ranks)}"
             )
-        return StepConsensus(group, timeout=None)
+
+
+def _make_consensus(
+    stages: Iterable[_PipelineStageBase],
+    group: dist.ProcessGroup | None,
+    timeout: timedelta | None,
+) -> StepConsensus | None:
+    """The step consensus (arguments checked): ``group``'s, else a new gloo group over the
+    world; none for one process."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
+    if group is not None:
+        return StepConsensus(group, timeout=None)
     if timeout is None:
         timeout = 2 * _longest_timeout(stages) + timedelta(seconds=30)
     return StepConsensus.create(timeout)
