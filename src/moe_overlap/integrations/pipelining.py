@@ -976,7 +976,8 @@ def _make_consensus(
 def _longest_timeout(stages: Iterable[_PipelineStageBase]) -> timedelta:
     """The longest timeout of the default group and the stages' groups (torch's default
     where a group does not say)."""
-    found = [_group_timeout(g) for g in _groups(stages)]
+    groups = [_world(), *_groups(stages)]
+    found = [_group_timeout(g) for g in groups if g is not None]
     known = [t for t in found if t is not None]
     return max(known) if known else dist.default_pg_timeout
 
