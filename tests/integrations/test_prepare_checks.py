@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -104,6 +105,13 @@ def test_an_overlap_action_the_plans_cannot_run_is_refused() -> None:
         ({"pair": 1}, "pair must be a bool, received int"),
         ({"options": {"free_input": False}}, "options must be a ScheduleOptions or None"),
         ({"observer": object()}, "observer must be a StepObserver"),
+        ({"consensus_timeout": 5}, "consensus_timeout must be a positive datetime.timedelta"),
+        ({"consensus_timeout": timedelta(0)}, r"received datetime.timedelta\(0\)"),
+        ({"consensus_group": "world"}, "consensus_group must be a torch.distributed Process"),
+        (
+            {"consensus_group": object(), "consensus_timeout": timedelta(seconds=1)},
+            "received it with a consensus_group of yours, whose own timeout applies",
+        ),
     ],
 )
 def test_arguments_are_checked(kwargs: dict[str, Any], match: str) -> None:

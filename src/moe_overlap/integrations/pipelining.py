@@ -24,7 +24,10 @@ Private torch names used, all in this module: of ``torch.distributed.pipelining.
 ``fwd_cache`` / ``bwd_cache``, ``output_chunks``, ``set_local_fwd_input`` /
 ``set_local_bwd_input`` / ``get_local_bwd_output``, ``dw_builder``, and the output checks
 (``_validate_fwd_outputs`` in 2.11, ``_runtime_validate`` / ``_validate_stage_tensors`` /
-``_stage_meta`` in 2.13); of ``_utils``: ``flatten_args``. Tested with torch 2.11 and 2.13;
+``_stage_meta`` in 2.13); of ``_utils``: ``flatten_args``; of ``torch.distributed``: a
+process group's ``_get_backend(device).options._timeout`` (the default of
+``consensus_timeout``). The schedule's ``step`` and ``_step_microbatches`` are wrapped on
+the instance (:class:`PipelineOverlap`). Tested with torch 2.11 and 2.13;
 on another release every function raises :class:`~moe_overlap.ConfigError` before touching
 them (:func:`check_torch`).
 """
@@ -33,12 +36,14 @@ from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from moe_overlap import (
@@ -53,6 +58,7 @@ from moe_overlap import (
 )
 from moe_overlap.engine._conformance import check_model
 from moe_overlap.engine._wgrad_check import check_wgrad_done, owed_wgrad
+from moe_overlap.integrations._consensus import Phase, StepConsensus, Verdict
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining.schedules import (
@@ -161,6 +167,16 @@ Key = tuple[int, int]
 _PREPARED: weakref.WeakSet[object] = weakref.WeakSet()
 """The schedules :func:`prepare_schedule` has prepared (each only once)."""
 
+_TAINTED: weakref.WeakSet[object] = weakref.WeakSet()
+"""Process groups of a schedule whose step failed mid-communication: messages of that step
+may still be in flight on them, so no new schedule may use them."""
+
+_RECOVER = (
+    "To go on: restore the last checkpoint, create new process groups for the pipeline and "
+    "for expert parallelism (dist.new_group, or destroy_process_group and "
+    "init_process_group), build new stages and a new schedule, and prepare_schedule it"
+)
+
 
 def prepare_schedule(
     schedule: object,
@@ -169,6 +185,8 @@ def prepare_schedule(
     overlap: bool = True,
     options: ScheduleOptions | None = None,
     observer: StepObserver | None = None,
+    consensus_group: dist.ProcessGroup | None = None,
+    consensus_timeout: timedelta | None = None,
 ) -> PipelineOverlap:
     """Make ``schedule`` run its compute actions through ``moe_overlap`` chunk plans.
 
@@ -203,13 +221,42 @@ def prepare_schedule(
     ``OVERLAP_F_B`` whose parts are not one ``FORWARD`` and one ``FULL_BACKWARD``.
 
     A failure inside a plan raises :class:`~moe_overlap.ScheduleError` naming the pipeline
-    rank, the action (stage, microbatch) and the plan step. Recovery is as after a failed
-    :func:`~moe_overlap.combined_1f1b` step on every rank: zero the gradients (and drop
-    pending delayed weight gradients) before the next ``step``; the plans and torch's
-    per-step loss list are released here.
+    rank, the action (stage, microbatch) and the plan step. After every step, failed or
+    not, the ranks agree on its outcome (one all-reduce of a per-rank flag over
+    ``consensus_group``), so a step that failed on any rank raises on every rank:
+
+    - failed on some rank while the step communicated: every rank raises a
+      :class:`~moe_overlap.ScheduleError` (the failing rank its own, the others one naming
+      the failed ranks), and the schedule refuses every later step, on every rank, before
+      any communication; its process groups are refused by a later ``prepare_schedule``.
+      Recover by restoring a checkpoint on new process groups, stages and schedule.
+    - failed before the step communicated on every rank (the checks ``step`` runs before
+      the microbatches, the library's check for pending delayed weight gradients), or
+      after its communication completed: the errors are raised as they are
+      (ranks that did not fail raise a ``ScheduleError``); zero the gradients and drop
+      pending delayed weight gradients (:func:`~moe_overlap.blocks.discard_wgrad`), and the
+      next step is exact. With one process (world size 1) this holds for every failure.
+
+    ``consensus_group``: by default a new gloo group over every rank of the default group,
+    made here (a collective: every rank prepares its schedule, in the same order as its
+    other group creations), whose timeout is ``consensus_timeout`` (default: twice the
+    longest timeout of the default group and the stages' groups, plus 30 seconds: a rank
+    blocked in a receive from a failed peer reports after its group's timeout). Or a group
+    of yours holding every rank of the stages' groups, on which every rank runs the same
+    collectives between steps (gloo: a CPU flag; else a CUDA flag, a device sync per step).
+    A ``KeyboardInterrupt`` (any ``BaseException`` not an ``Exception``) propagates at once,
+    without the consensus; the peers' consensus then times out and raises.
     """
     check_torch()
-    return PipelineOverlap(schedule, pair=pair, overlap=overlap, options=options, observer=observer)
+    return PipelineOverlap(
+        schedule,
+        pair=pair,
+        overlap=overlap,
+        options=options,
+        observer=observer,
+        consensus_group=consensus_group,
+        consensus_timeout=consensus_timeout,
+    )
 
 
 @dataclass(slots=True)
@@ -254,6 +301,8 @@ class PipelineOverlap:
         overlap: bool,
         options: ScheduleOptions | None,
         observer: StepObserver | None,
+        consensus_group: dist.ProcessGroup | None = None,
+        consensus_timeout: timedelta | None = None,
     ) -> None:
         from torch.distributed.pipelining import schedules as S
 
@@ -296,6 +345,8 @@ class PipelineOverlap:
         }
         for stage in self._stages.values():
             _check_stage(stage)
+        _check_untainted(self._stages.values(), consensus_group)
+        _check_consensus(self._stages.values(), consensus_group, consensus_timeout)
         self._options = {i: _stage_options(st, options) for i, st in self._stages.items()}
         if pair:
             self._pair()
@@ -305,6 +356,12 @@ class PipelineOverlap:
         self._return_outputs = True
         self._loss_kwargs: dict[str, Any] | None = None
         self._first_action = True
+        self._poisoned: str | None = None  # why every later step is refused
+        self._stepping = False  # inside the outermost wrapped step
+        self._phase = Phase.BEFORE  # how far the current step got
+        self._consensus_group = consensus_group
+        # Last: a collective over every rank, after every local check passed.
+        self._consensus = _make_consensus(self._stages.values(), consensus_group, consensus_timeout)
         for kind, fn in (
             (S.FORWARD, self._on_forward),
             (S.FULL_BACKWARD, self._on_full_backward),
@@ -333,27 +390,132 @@ class PipelineOverlap:
         sched._prepare_schedule_with_comms(lowered)
 
     def _wrap_step(self) -> None:
-        """Wrap the runtime's per-step entry: read ``return_outputs`` / ``loss_kwargs`` (the
-        custom functions' context lacks them) and clean up after a failed step."""
+        """Wrap the schedule's ``step`` (the consensus after it) and the runtime's per-step
+        entry (read ``return_outputs`` / ``loss_kwargs``, which the custom functions'
+        context lacks; clean up after a failed step; called alone, the consensus too)."""
         original = self.schedule._step_microbatches
         signature = inspect.signature(original)
+        original_step = self.schedule.step
 
-        def step_microbatches(*args: object, **kwargs: object) -> object:
+        def run(args: tuple[object, ...], kwargs: dict[str, object]) -> object:
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
             self._return_outputs = bool(bound.arguments.get("return_outputs", True))
             loss_kwargs = bound.arguments.get("loss_kwargs")
             self._loss_kwargs = cast("dict[str, Any] | None", loss_kwargs)
             self._begin_step()
+            self._phase = Phase.DURING
             try:
                 result = original(*args, **kwargs)
             except BaseException:
                 self._abort_step()
                 raise
+            self._phase = Phase.AFTER  # every receive waited, every send completed
             self._end_step()
             return result
 
+        def step_microbatches(*args: object, **kwargs: object) -> object:
+            if self._stepping:
+                return run(args, kwargs)
+            return self._agreed(lambda: run(args, kwargs))
+
+        def step(*args: object, **kwargs: object) -> object:
+            return self._agreed(lambda: original_step(*args, **kwargs))
+
         self.schedule._step_microbatches = step_microbatches
+        self.schedule.step = step
+
+    # -- the consensus after every step -------------------------------------------------
+
+    def _agreed(self, run: Callable[[], object]) -> object:
+        """``run()`` (one step), then the consensus: return only when it succeeded on every
+        rank; otherwise raise on every rank, and poison the schedule when messages of the
+        step may be in flight."""
+        self._refuse_if_poisoned()
+        self._stepping, self._phase = True, Phase.BEFORE
+        failure: Exception | None = None
+        result: object = None
+        try:
+            result = run()
+        except Exception as e:
+            failure = e
+        except BaseException as e:  # KeyboardInterrupt, SystemExit: leave at once
+            if self._consensus is not None:
+                self._poison(f"global rank {_global_rank()} was interrupted: {type(e).__name__}")
+            raise
+        finally:
+            self._stepping = False
+        verdict = self._agree(Phase.OK if failure is None else self._phase, failure)
+        if not verdict.failed:
+            return result
+        if verdict.consistent:
+            if failure is not None:
+                raise failure
+            raise ScheduleError(
+                f"{self._me()}: this rank's step completed, but the step failed on "
+                f"{verdict.describe()}; nothing of it is in flight. Zero the gradients and "
+                "drop pending delayed weight gradients (discard_wgrad) on every rank; the "
+                "next step is exact",
+                position=f"{self._me()}, after the step",
+            )
+        self._poison(f"it failed on {verdict.describe()}")
+        consequence = (
+            f"The step failed on {verdict.describe()}; messages of the failed step may "
+            "still be in flight between the ranks, so every rank refuses this schedule's "
+            f"later steps. {_RECOVER}"
+        )
+        if isinstance(failure, ScheduleError):
+            raise ScheduleError(f"{failure}\n{consequence}", position=failure.position) from failure
+        if failure is not None:
+            raise ScheduleError(
+                f"{self._me()}: the step failed here: {type(failure).__name__}: {failure}\n"
+                f"{consequence}",
+                position=self._me(),
+            ) from failure
+        raise ScheduleError(
+            f"{self._me()}: this rank's step completed, but not the pipeline's. {consequence}",
+            position=f"{self._me()}, after the step",
+        )
+
+    def _agree(self, phase: Phase, failure: Exception | None) -> Verdict:
+        if self._consensus is None:
+            return Verdict({_global_rank(): phase}, single_process=True)
+        try:
+            return self._consensus.agree(phase)
+        except Exception as e:  # torch's timeout or a lost peer
+            within = self._consensus.timeout
+            reason = (
+                "the ranks did not all report this step's outcome"
+                + (f" within {within}" if within is not None else "")
+                + f" ({type(e).__name__}: {e})"
+            )
+            self._poison(reason)
+            mine = "" if failure is None else f"; on this rank it failed: {failure}"
+            raise ScheduleError(
+                f"{self._me()}: {reason}{mine}. Messages of the step may still be in flight, "
+                f"so every rank refuses this schedule's later steps. {_RECOVER}",
+                position=self._me(),
+            ) from e
+
+    def _poison(self, reason: str) -> None:
+        self._poisoned = reason
+        for group in _groups(self._stages.values()):
+            _TAINTED.add(group)
+        if self._consensus_group is not None:
+            _TAINTED.add(self._consensus_group)
+
+    def _refuse_if_poisoned(self) -> None:
+        if self._poisoned is None:
+            return
+        raise ScheduleError(
+            f"{self._me()}: this {type(self.schedule).__name__} refuses to step: an earlier "
+            f"step did not complete on every rank ({self._poisoned}), and its messages may "
+            f"still be in flight. {_RECOVER}",
+            position=f"{self._me()}, refused",
+        )
+
+    def _me(self) -> str:
+        return f"pipeline rank {self.rank} (global rank {_global_rank()})"
 
     def _begin_step(self) -> None:
         for index, stage in self._stages.items():
@@ -714,6 +876,122 @@ class PipelineOverlap:
         except Exception as e:
             position = f"pipeline rank {self.rank}, {_describe(action)} ({what})"
             raise ScheduleError(f"{position}: {type(e).__name__}: {e}", position=position) from e
+
+
+def _global_rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _world() -> object:
+    """The default process group (``None`` before ``init_process_group``: only stand-ins
+    for stages are built then, never stepped)."""
+    world: object = dist.group.WORLD if dist.is_initialized() else None
+    return world
+
+
+def _groups(stages: Iterable[_PipelineStageBase]) -> list[object]:
+    """The process groups the stages communicate on (``None``: the default group)."""
+    default = _world()
+    found: list[object] = []
+    for stage in stages:
+        own: object = getattr(stage, "group", None)
+        group = own if own is not None else default
+        if group is not None and not any(group is g for g in found):
+            found.append(group)
+    return found
+
+
+def _check_untainted(
+    stages: Iterable[_PipelineStageBase], consensus_group: dist.ProcessGroup | None
+) -> None:
+    """No group of a schedule whose step failed mid-communication is used again."""
+    named = [
+        (f"pipeline stage {stage.stage_index}'s group", group)
+        for stage in stages
+        for group in _groups([stage])
+    ]
+    if consensus_group is not None:
+        named.append(("consensus_group", consensus_group))
+    for where, group in named:
+        if group in _TAINTED:
+            raise ConfigError(
+                f"prepare_schedule: {where} was used by a schedule whose step failed while "
+                "it communicated; messages of that step may still be in flight on it and "
+                "would be read by this schedule. Expected new process groups, received that "
+                f"one. {_RECOVER}"
+            )
+
+
+def _check_consensus(
+    stages: Iterable[_PipelineStageBase],
+    group: dist.ProcessGroup | None,
+    timeout: timedelta | None,
+) -> None:
+    """``prepare_schedule``'s consensus arguments (before anything is changed)."""
+    given = cast(object, timeout)
+    if given is not None and (not isinstance(given, timedelta) or given <= timedelta(0)):
+        raise ConfigError(
+            "prepare_schedule: consensus_timeout must be a positive datetime.timedelta or "
+            f"None, received {given!r}"
+        )
+    if group is not None:
+        if timeout is not None:
+            raise ConfigError(
+                "prepare_schedule: consensus_timeout sets the timeout of the group "
+                "prepare_schedule makes; received it with a consensus_group of yours, whose "
+                "own timeout applies: create it with the timeout you want"
+            )
+        if not isinstance(cast(object, group), dist.ProcessGroup):
+            raise ConfigError(
+                "prepare_schedule: consensus_group must be a torch.distributed ProcessGroup "
+                f"or None, received {type(group).__name__}"
+            )
+        ranks = set(dist.get_process_group_ranks(group))
+        needed = set[int]()
+        for g in _groups(stages):
+            needed |= set(dist.get_process_group_ranks(cast("dist.ProcessGroup", g)))
+        if dist.get_rank() not in ranks or not needed <= ranks:
+            raise ConfigError(
+                "prepare_schedule: expected a consensus_group holding every rank of the "
+                f"stages' groups {sorted(needed)}, received one of ranks {sorted(ranks)}"
+            )
+
+
+def _make_consensus(
+    stages: Iterable[_PipelineStageBase],
+    group: dist.ProcessGroup | None,
+    timeout: timedelta | None,
+) -> StepConsensus | None:
+    """The step consensus (arguments checked): ``group``'s, else a new gloo group over the
+    world; none for one process."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    if group is not None:
+        return StepConsensus(group, timeout=None)
+    if timeout is None:
+        timeout = 2 * _longest_timeout(stages) + timedelta(seconds=30)
+    return StepConsensus.create(timeout)
+
+
+def _longest_timeout(stages: Iterable[_PipelineStageBase]) -> timedelta:
+    """The longest timeout of the default group and the stages' groups (torch's default
+    where a group does not say)."""
+    groups = [_world(), *_groups(stages)]
+    found = [_group_timeout(g) for g in groups if g is not None]
+    known = [t for t in found if t is not None]
+    return max(known) if known else dist.default_pg_timeout
+
+
+def _group_timeout(group: object) -> timedelta | None:
+    for device in ("cpu", "cuda"):
+        try:
+            backend: Any = cast(Any, group)._get_backend(torch.device(device))
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+        value: object = getattr(getattr(backend, "options", None), "_timeout", None)
+        if isinstance(value, timedelta):
+            return value
+    return None
 
 
 def _describe(action: _Action) -> str:
