@@ -1,0 +1,387 @@
+"""One gloo rank of the checkpoint tests: ``python -m tests.integrations.ckpt_worker``.
+
+``CKPT_PHASE`` picks what this launch does, ``CKPT_DIR`` is the shared checkpoint folder;
+every launch is a fresh set of processes. Prints one JSON line per check: ``{"rank", "check",
+"ok", ...}``.
+
+- ``save`` (2 ranks): the reference model at EP=2 trains 2 steps (combined_1f1b, AdamW) and
+  saves model and optimizer with DCP; an uninterrupted copy trains 4 steps and writes what
+  steps 3-4 give (losses, gradients, parameters). The same at EP=1 (replicated), and the
+  tiny Mixtral adapter at EP=2. The saved global tensors go to ``*_full.pt``.
+- ``fsdp_save`` / ``fsdp_resume`` (4 ranks): the same under FSDP2 x EP (DP=2 x EP=2).
+- ``load`` (2 ranks): resume EP=2 and train on; EP=2 -> EP=1, EP=1 -> EP=2, FSDP2
+  DP=2 -> DP=1 (x EP=2), the adapter EP=2 -> EP=1; the refusals.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
+
+from moe_overlap import ConfigError, IntegrationError, Microbatch, combined_1f1b
+from moe_overlap.integrations.checkpoint import attach_optimizer
+from moe_overlap.models import GPTMoEConfig, GPTMoEModel
+from tests.gloo_ranks import exit_worker
+
+CONFIG = GPTMoEConfig(
+    hidden_size=16,
+    num_layers=2,
+    first_k_dense=1,
+    num_attention_heads=2,
+    ffn_hidden_size=32,
+    num_experts=4,
+    moe_ffn_hidden_size=8,
+    vocab_size=64,
+    seed=3,
+)
+FSDP_CONFIG = GPTMoEConfig(
+    hidden_size=16,
+    num_layers=2,
+    first_k_dense=1,
+    num_attention_heads=2,
+    ffn_hidden_size=32,
+    num_experts=6,  # 3 per EP rank: FSDP's DP=2 chunks are uneven (2 + 1)
+    moe_ffn_hidden_size=8,
+    vocab_size=64,
+    seed=4,
+)
+FULL = StateDictOptions(full_state_dict=True)
+
+
+def report(check: str, ok: bool, **extra: object) -> None:
+    row = {"rank": dist.get_rank(), "check": check, "ok": bool(ok), **extra}
+    print(json.dumps(row), flush=True)
+
+
+def data(step: int, rank: int) -> list[Microbatch]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    out = []
+    for _ in range(2):
+        x = torch.randint(0, 64, (2, 8), generator=g)
+        out.append(Microbatch(input_ids=x, labels=x.roll(-1, 1)))
+    return out
+
+
+def local(t: Tensor) -> Tensor:
+    to_local: Any = getattr(t, "to_local", None)
+    return cast(Tensor, to_local()) if callable(to_local) else t
+
+
+def average_dense(model: nn.Module) -> None:
+    """Data parallelism of the replicated (non-expert, non-FSDP) parameters, as DDP would:
+    the mean of their gradients over every rank, so the replicas stay identical (DCP keeps
+    one copy of a tensor every rank holds under the same name)."""
+    world = dist.get_world_size()
+    for name, p in model.named_parameters():
+        if p.grad is None or "experts." in name or hasattr(p, "to_local"):
+            continue
+        dist.all_reduce(p.grad)
+        p.grad.div_(world)
+
+
+def optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def train(
+    model: nn.Module, opt: torch.optim.Optimizer, steps: range, data_rank: int
+) -> dict[str, Tensor]:
+    """``steps`` of combined_1f1b + AdamW; the losses, gradients and parameters seen."""
+    seen: dict[str, Tensor] = {}
+    for step in steps:
+        losses = combined_1f1b(model, data(step, data_rank))
+        seen[f"loss{step}"] = torch.stack([x.detach() for x in losses])
+        average_dense(model)
+        for name, p in model.named_parameters():
+            assert p.grad is not None, name
+            seen[f"grad{step}.{name}"] = local(p.grad).detach().clone()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for name, p in model.named_parameters():
+        seen[f"param.{name}"] = local(p).detach().clone()
+    return seen
+
+
+def save(model: nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:
+    """DCP save of model and optimizer, and their global tensors (rank 0) beside it."""
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(path))
+    full_m = get_model_state_dict(model, options=FULL)
+    full_o = get_optimizer_state_dict(model, opt, options=FULL)
+    if dist.get_rank() == 0:
+        torch.save({"model": full_m, "optim": full_o["state"]}, f"{path}_full.pt")
+
+
+def load(model: nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def flat(state: dict[str, Any], prefix: str = "") -> Iterator[tuple[str, Tensor]]:
+    for k, v in state.items():
+        if isinstance(v, dict):
+            yield from flat(cast("dict[str, Any]", v), f"{prefix}{k}.")
+        elif isinstance(v, Tensor):
+            yield f"{prefix}{k}", v
+
+
+def equal_to_saved(model: nn.Module, opt: torch.optim.Optimizer, path: Path) -> list[str]:
+    """Names whose loaded global tensor differs from the saved one (bit for bit)."""
+    saved = torch.load(f"{path}_full.pt", weights_only=False)
+    now = {
+        "model": get_model_state_dict(model, options=FULL),
+        "optim": get_optimizer_state_dict(model, opt, options=FULL)["state"],
+    }
+    want, got = dict(flat(saved)), dict(flat(now))
+    bad = sorted(set(want) ^ set(got))
+    bad += [k for k in want if k in got and not torch.equal(local(want[k]), local(got[k]))]
+    return bad
+
+
+def same(a: dict[str, Tensor], b: dict[str, Tensor]) -> list[str]:
+    bad = sorted(set(a) ^ set(b))
+    return bad + [k for k in a if k in b and not torch.equal(a[k], b[k])]
+
+
+def ep_group() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    assert group is not None
+    return group
+
+
+# ---------------------------------------------------------------------------------- phases
+
+
+def phase_save(root: Path) -> None:
+    rank = dist.get_rank()
+    group = ep_group()
+    # EP=2: uninterrupted 4 steps, and 2 steps then save.
+    ref = GPTMoEModel(CONFIG, ep_group=group)
+    expect = train(ref, optimizer(ref), range(4), rank)
+    torch.save({k: v for k, v in expect.items() if not k.startswith(("loss0", "loss1", "grad0", "grad1"))}, root / f"expect{rank}.pt")
+    model = GPTMoEModel(CONFIG, ep_group=group)
+    opt = optimizer(model)
+    train(model, opt, range(2), rank)
+    sd = model.state_dict()
+    experts = [k for k, v in sd.items() if type(v).__name__ == "DTensor"]
+    report(
+        "experts_are_dtensors",
+        experts == ["decoder.layers.1.experts.fc1.weight", "decoder.layers.1.experts.fc2.weight"]
+        and all(tuple(sd[k].shape)[0] == CONFIG.num_experts for k in experts),
+        experts=experts,
+    )
+    osd = opt.state_dict()["state"]
+    report(
+        "optimizer_states_are_dtensors",
+        sum(type(v).__name__ == "DTensor" for s in osd.values() for v in s.values()) == 4,
+    )
+    # Plain state_dict round trip on the same rank: the DTensors come back as local rows.
+    twin = GPTMoEModel(CONFIG, ep_group=group)
+    twin.load_state_dict(model.state_dict())
+    report("plain_round_trip", same(dict(model.named_parameters()), dict(twin.named_parameters())) == [])
+    save(model, opt, root / "ep2")
+    # EP=1, replicated on both ranks (same data): DCP keeps one copy of each tensor.
+    one = GPTMoEModel(CONFIG)
+    opt1 = optimizer(one)
+    train(one, opt1, range(2), 0)
+    report("ep1_state_dict_plain", all(type(v) is Tensor for v in one.state_dict().values()))
+    save(one, opt1, root / "ep1")
+    # The transformers adapter at EP=2.
+    hf_save(root, group)
+
+
+def hf_model() -> nn.Module:
+    from tests.adapters._hf import mixtral
+
+    return mixtral(seed=5)
+
+
+def hf_save(root: Path, group: dist.ProcessGroup) -> None:
+    from moe_overlap.adapters.transformers import TransformersMoEAdapter, gather_experts
+    from tests.adapters._hf import microbatches
+
+    model = hf_model()
+    adapter = TransformersMoEAdapter(model, ep_group=group)
+    opt = optimizer(model)
+    combined_1f1b(adapter, microbatches(2, seed=10 + dist.get_rank()))
+    average_dense(model)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(root / "hf"))
+    full = gather_experts(model, group)
+    if dist.get_rank() == 0:
+        torch.save(full, root / "hf_gathered.pt")
+
+
+def phase_load(root: Path) -> None:
+    rank = dist.get_rank()
+    group = ep_group()
+    # Resume EP=2 in fresh processes, train on: bit-identical to the uninterrupted run.
+    model = GPTMoEModel(CONFIG, ep_group=group)
+    opt = optimizer(model)
+    load(model, opt, root / "ep2")
+    report("ep2_loaded_equals_saved", equal_to_saved(model, opt, root / "ep2") == [])
+    got = train(model, opt, range(2, 4), rank)
+    bad = same(got, torch.load(root / f"expect{rank}.pt"))
+    report("ep2_resume_bit_identical", bad == [], differs=bad[:5])
+    # EP=2 -> EP=1 (every rank the whole model).
+    one = GPTMoEModel(CONFIG)
+    opt1 = optimizer(one)
+    load(one, opt1, root / "ep2")
+    bad = equal_to_saved(one, opt1, root / "ep2")
+    report("ep2_to_ep1", bad == [], differs=bad[:5])
+    report("ep1_plain_tensors", all(type(v) is Tensor for v in one.state_dict().values()))
+    # EP=1 -> EP=2.
+    two = GPTMoEModel(CONFIG, ep_group=group)
+    opt2 = optimizer(two)
+    load(two, opt2, root / "ep1")
+    bad = equal_to_saved(two, opt2, root / "ep1")
+    report("ep1_to_ep2", bad == [], differs=bad[:5])
+    # FSDP2 DP=2 x EP=2 -> DP=1 x EP=2.
+    fsdp = fsdp_model(dp=1, ep=2)
+    optf = optimizer(fsdp)
+    load(fsdp, optf, root / "fsdp")
+    bad = equal_to_saved(fsdp, optf, root / "fsdp")
+    report("fsdp_dp2_to_dp1", bad == [], differs=bad[:5])
+    hf_load(root)
+    refusals(root, group)
+
+
+def hf_load(root: Path) -> None:
+    from moe_overlap.adapters.transformers import TransformersMoEAdapter
+
+    model = hf_model()
+    TransformersMoEAdapter(model)  # EP=1
+    opt = optimizer(model)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    dcp.load(state, checkpoint_id=str(root / "hf"))
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    gathered = torch.load(root / "hf_gathered.pt")
+    now = model.state_dict()
+    bad = same({k: v for k, v in now.items()}, gathered)
+    report("hf_ep2_to_ep1_equals_gather_experts", bad == [], differs=bad[:5])
+
+
+def refusals(root: Path, group: dist.ProcessGroup) -> None:
+    del root
+    from moe_overlap.integrations.fsdp import fully_shard_slots
+
+    model = GPTMoEModel(CONFIG, ep_group=group)
+    key = "decoder.layers.1.experts.fc1.weight"
+    local_rows = model.state_dict()[key].to_local().clone()
+    sd = {k: v for k, v in model.state_dict().items()}
+    sd[key] = local_rows
+    message = expect_error(IntegrationError, lambda: model.load_state_dict(sd))
+    report("local_rows_refused", "which EP rank's cannot be said" in message, message=message)
+    # A full tensor is sliced exactly.
+    full = torch.arange(float(CONFIG.num_experts)).view(-1, 1, 1).expand(-1, 16, 16).clone()
+    sd[key] = full
+    model.load_state_dict(sd)
+    rows = model.decoder.layers[1].experts.fc1.weight  # type: ignore[union-attr]
+    report("full_tensor_sliced", torch.equal(rows, full[2 * dist.get_rank() : 2 * dist.get_rank() + 2]))
+    message = expect_error(ConfigError, lambda: fully_shard_slots(GPTMoEModel(CONFIG, ep_group=group)))
+    report("fsdp_without_expert_mesh_refused", "expected an expert_mesh" in message, message=message)
+    # An optimizer whose state is not the parameter's shape (one value per expert row).
+    opt = torch.optim.Adagrad(model.parameters())  # state from construction, no step yet
+    attach_optimizer(opt)
+    report(
+        "adagrad_state_attached",
+        type(opt.state_dict()["state"][len(list(model.parameters())) - 1]["sum"]).__name__ == "DTensor"
+        or any(type(v).__name__ == "DTensor" for s in opt.state_dict()["state"].values() for v in s.values()),
+    )
+    opt.state[rows]["per_row"] = torch.zeros(rows.shape[0])
+    message = expect_error(IntegrationError, lambda: opt.state_dict())
+    report("odd_optimizer_state_refused", "cannot be checkpointed exactly" in message, message=message)
+
+
+def expect_error(kind: type[Exception], fn: Callable[[], object]) -> str:
+    try:
+        fn()
+    except kind as exc:
+        return str(exc)
+    return "no error"
+
+
+# ------------------------------------------------------------------------------------ FSDP
+
+
+def fsdp_model(*, dp: int, ep: int) -> GPTMoEModel:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moe_overlap.integrations.fsdp import fully_shard_slots
+
+    rank = dist.get_rank()
+    d = rank // ep
+    groups = [dist.new_group([dd * ep + e for e in range(ep)]) for dd in range(dp)]
+    model = GPTMoEModel(FSDP_CONFIG, ep_group=groups[d])
+    mesh = init_device_mesh("cpu", (dp * ep,))
+    expert_mesh = init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))["dp"]
+    fully_shard_slots(model, mesh=mesh, expert_mesh=expert_mesh)
+    return model
+
+
+def phase_fsdp_save(root: Path) -> None:
+    rank = dist.get_rank()
+    ref = fsdp_model(dp=2, ep=2)
+    expect = train(ref, optimizer(ref), range(4), rank)
+    torch.save({k: v for k, v in expect.items() if not k.startswith(("loss0", "loss1", "grad0", "grad1"))}, root / f"fsdp_expect{rank}.pt")
+    model = fsdp_model(dp=2, ep=2)
+    opt = optimizer(model)
+    train(model, opt, range(2), rank)
+    sd = model.state_dict()
+    key = "decoder.layers.1.experts.fc1.weight"
+    v = sd[key]
+    report(
+        "fsdp_experts_2d",
+        tuple(v.shape)[0] == FSDP_CONFIG.num_experts and v.device_mesh.ndim == 2,  # type: ignore[attr-defined]
+        shape=list(v.shape),
+    )
+    save(model, opt, root / "fsdp")
+
+
+def phase_fsdp_resume(root: Path) -> None:
+    rank = dist.get_rank()
+    model = fsdp_model(dp=2, ep=2)
+    opt = optimizer(model)
+    load(model, opt, root / "fsdp")
+    report("fsdp_loaded_equals_saved", equal_to_saved(model, opt, root / "fsdp") == [])
+    got = train(model, opt, range(2, 4), rank)
+    bad = same(got, torch.load(root / f"fsdp_expect{rank}.pt"))
+    report("fsdp_resume_bit_identical", bad == [], differs=bad[:5])
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    dist.init_process_group("gloo")
+    root = Path(os.environ["CKPT_DIR"])
+    phases = {
+        "save": phase_save,
+        "load": phase_load,
+        "fsdp_save": phase_fsdp_save,
+        "fsdp_resume": phase_fsdp_resume,
+    }
+    phases[os.environ["CKPT_PHASE"]](root)
+
+
+if __name__ == "__main__":
+    exit_worker(main)
