@@ -34,7 +34,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from moe_overlap import ConfigError, IntegrationError, Microbatch, combined_1f1b
-from moe_overlap.integrations.checkpoint import attach_optimizer
+from moe_overlap.integrations.checkpoint import (
+    attach_optimizer,
+    register_expert_shards,
+    register_fsdp_experts,
+)
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel
 from tests.gloo_ranks import exit_worker
 
@@ -155,6 +159,13 @@ def equal_to_saved(model: nn.Module, opt: torch.optim.Optimizer, path: Path) -> 
     return bad
 
 
+def from_step(seen: dict[str, Tensor], first: int) -> dict[str, Tensor]:
+    """What a run resumed before step ``first`` sees: later losses and gradients, the
+    final parameters."""
+    earlier = tuple(f"{kind}{s}" for s in range(first) for kind in ("loss", "grad"))
+    return {k: v for k, v in seen.items() if k.split(".")[0] not in earlier}
+
+
 def same(a: dict[str, Tensor], b: dict[str, Tensor]) -> list[str]:
     bad = sorted(set(a) ^ set(b))
     return bad + [k for k in a if k in b and not torch.equal(a[k], b[k])]
@@ -175,7 +186,7 @@ def phase_save(root: Path) -> None:
     # EP=2: uninterrupted 4 steps, and 2 steps then save.
     ref = GPTMoEModel(CONFIG, ep_group=group)
     expect = train(ref, optimizer(ref), range(4), rank)
-    torch.save({k: v for k, v in expect.items() if not k.startswith(("loss0", "loss1", "grad0", "grad1"))}, root / f"expect{rank}.pt")
+    torch.save(from_step(expect, 2), root / f"expect{rank}.pt")
     model = GPTMoEModel(CONFIG, ep_group=group)
     opt = optimizer(model)
     train(model, opt, range(2), rank)
@@ -213,17 +224,36 @@ def hf_model() -> nn.Module:
     return mixtral(seed=5)
 
 
-def hf_save(root: Path, group: dist.ProcessGroup) -> None:
-    from moe_overlap.adapters.transformers import TransformersMoEAdapter, gather_experts
+def hf_train(
+    adapter: Any, model: nn.Module, opt: torch.optim.Optimizer, steps: range
+) -> dict[str, Tensor]:
     from tests.adapters._hf import microbatches
 
+    seen: dict[str, Tensor] = {}
+    for step in steps:
+        losses = combined_1f1b(adapter, microbatches(2, seed=100 * step + dist.get_rank()))
+        seen[f"loss{step}"] = torch.stack([x.detach() for x in losses])
+        average_dense(model)
+        for name, p in model.named_parameters():
+            if p.grad is not None:
+                seen[f"grad{step}.{name}"] = p.grad.detach().clone()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    for name, p in model.named_parameters():
+        seen[f"param.{name}"] = p.detach().clone()
+    return seen
+
+
+def hf_save(root: Path, group: dist.ProcessGroup) -> None:
+    from moe_overlap.adapters.transformers import TransformersMoEAdapter, gather_experts
+
+    ref = hf_model()
+    expect = hf_train(TransformersMoEAdapter(ref, ep_group=group), ref, optimizer(ref), range(2))
+    torch.save(from_step(expect, 1), root / f"hf_expect{dist.get_rank()}.pt")
     model = hf_model()
     adapter = TransformersMoEAdapter(model, ep_group=group)
     opt = optimizer(model)
-    combined_1f1b(adapter, microbatches(2, seed=10 + dist.get_rank()))
-    average_dense(model)
-    opt.step()
-    opt.zero_grad(set_to_none=True)
+    hf_train(adapter, model, opt, range(1))
     msd, osd = get_state_dict(model, opt)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(root / "hf"))
     full = gather_experts(model, group)
@@ -261,13 +291,23 @@ def phase_load(root: Path) -> None:
     load(fsdp, optf, root / "fsdp")
     bad = equal_to_saved(fsdp, optf, root / "fsdp")
     report("fsdp_dp2_to_dp1", bad == [], differs=bad[:5])
-    hf_load(root)
+    hf_load(root, group)
     refusals(root, group)
+    misuse(group)
 
 
-def hf_load(root: Path) -> None:
+def hf_load(root: Path, group: dist.ProcessGroup) -> None:
     from moe_overlap.adapters.transformers import TransformersMoEAdapter
 
+    # EP=2, fresh: load and train on, bit-identical to the uninterrupted run.
+    model = hf_model()
+    adapter = TransformersMoEAdapter(model, ep_group=group)
+    opt = optimizer(model)
+    load(model, opt, root / "hf")
+    got = hf_train(adapter, model, opt, range(1, 2))
+    bad = same(got, torch.load(root / f"hf_expect{dist.get_rank()}.pt"))
+    report("hf_resume_bit_identical", bad == [], differs=bad[:5])
+    # EP=2 -> EP=1: the full model equals gather_experts of the saved one.
     model = hf_model()
     TransformersMoEAdapter(model)  # EP=1
     opt = optimizer(model)
@@ -313,6 +353,36 @@ def refusals(root: Path, group: dist.ProcessGroup) -> None:
     report("odd_optimizer_state_refused", "cannot be checkpointed exactly" in message, message=message)
 
 
+def misuse(group: dist.ProcessGroup) -> None:
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    message = expect_error(
+        ConfigError,
+        lambda: register_expert_shards(nn.Linear(3, 3), ["weight"], num_experts=4, group=group),
+    )
+    report("register_wrong_shape_refused", "expected 2 experts on dim 0" in message, message=message)
+    message = expect_error(
+        ConfigError,
+        lambda: register_fsdp_experts([nn.Linear(3, 3)], init_device_mesh("cpu", (2,))),
+    )
+    report("fsdp_unregistered_refused", "register_expert_shards" in message, message=message)
+    # A deep copy of an expert-sharded module: its optimizer still finds the experts.
+    experts = nn.Linear(3, 2, bias=False)
+    register_expert_shards(experts, ["weight"], num_experts=4, group=group)
+    twin = copy.deepcopy(experts)
+    opt = torch.optim.AdamW(twin.parameters())
+    twin.weight.grad = torch.ones_like(twin.weight)
+    opt.step()
+    state = opt.state_dict()["state"][0]["exp_avg"]
+    report(
+        "deepcopy_keeps_optimizer_exposure",
+        type(state).__name__ == "DTensor" and tuple(state.shape) == (4, 3),
+        sd=type(twin.state_dict()["weight"]).__name__,
+    )
+
+
 def expect_error(kind: type[Exception], fn: Callable[[], object]) -> str:
     try:
         fn()
@@ -343,7 +413,7 @@ def phase_fsdp_save(root: Path) -> None:
     rank = dist.get_rank()
     ref = fsdp_model(dp=2, ep=2)
     expect = train(ref, optimizer(ref), range(4), rank)
-    torch.save({k: v for k, v in expect.items() if not k.startswith(("loss0", "loss1", "grad0", "grad1"))}, root / f"fsdp_expect{rank}.pt")
+    torch.save(from_step(expect, 2), root / f"fsdp_expect{rank}.pt")
     model = fsdp_model(dp=2, ep=2)
     opt = optimizer(model)
     train(model, opt, range(2), rank)
