@@ -32,8 +32,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT / "src") not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(ROOT / "src"))
 
-import torch.distributed.checkpoint as dcp  # noqa: E402 - after the path set-up
-from torch.distributed.checkpoint.state_dict import (  # noqa: E402
+from torch.distributed.checkpoint import state_dict_loader, state_dict_saver  # noqa: E402
+from torch.distributed.checkpoint.state_dict import (  # noqa: E402 - after the path set-up
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -52,6 +52,18 @@ FULL = StateDictOptions(full_state_dict=True)
 _all_reduce = cast(
     "Callable[..., object]",
     dist.all_reduce,  # pyright: ignore[reportUnknownMemberType]
+)
+dcp_load = cast(
+    "Callable[..., None]",
+    state_dict_loader.load,  # pyright: ignore[reportUnknownMemberType]
+)
+dcp_save = cast(
+    "Callable[..., object]",
+    state_dict_saver.save,  # pyright: ignore[reportUnknownMemberType]
+)
+_all_gather_object = cast(
+    "Callable[..., None]",
+    dist.all_gather_object,  # pyright: ignore[reportUnknownMemberType]
 )
 _new_group = cast(
     "Callable[..., dist.ProcessGroup]",
@@ -84,7 +96,9 @@ def train(
     """Steps of combined_1f1b + AdamW: the mean over all ranks' losses (dense gradients
     averaged over every rank, expert gradients over the ranks holding the same experts)."""
     world = dist.get_world_size()
-    experts = {id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()}
+    experts = {
+        id(p) for m in model.modules() if isinstance(m, GroupedExperts) for p in m.parameters()
+    }
     seen: dict[str, Tensor] = {}
     for step in steps:
         losses = combined_1f1b(model, data(step, dist.get_rank()))
@@ -119,7 +133,7 @@ def say(text: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--ep", type=int, default=2, help="expert-parallel size")
     parser.add_argument("--dir", type=Path, required=True, help="checkpoint folder")
     parser.add_argument("--steps", type=int, default=2, help="steps before and after saving")
@@ -134,7 +148,7 @@ def main() -> None:
     if not args.resume:
         train(model, opt, range(k), expert_dp)
         model_sd, optim_sd = get_state_dict(model, opt)
-        dcp.save({"model": model_sd, "optim": optim_sd, "ep": ep}, checkpoint_id=str(ckpt))
+        dcp_save({"model": model_sd, "optim": optim_sd, "ep": ep}, checkpoint_id=str(ckpt))
         full = global_tensors(model, opt)
         after = train(model, opt, range(k, 2 * k), expert_dp)
         torch.save(after, f"{reference}.rank{dist.get_rank()}")
@@ -147,7 +161,7 @@ def main() -> None:
     else:
         model_sd, optim_sd = get_state_dict(model, opt)
         state: dict[str, object] = {"model": model_sd, "optim": optim_sd, "ep": 0}
-        dcp.load(state, checkpoint_id=str(ckpt))
+        dcp_load(state, checkpoint_id=str(ckpt))
         set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
         want = cast("dict[str, Tensor]", torch.load(saved, weights_only=True))
         got = global_tensors(model, opt)
@@ -161,7 +175,7 @@ def main() -> None:
             )
             same = ref.keys() == after.keys() and all(torch.equal(ref[n], after[n]) for n in ref)
             flags = [False] * dist.get_world_size()
-            dist.all_gather_object(flags, same)
+            _all_gather_object(flags, same)
             say(f"trained {k} more steps: matches the uninterrupted run: {all(flags)}")
     dist.destroy_process_group()
 

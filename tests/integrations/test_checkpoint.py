@@ -17,7 +17,12 @@ from moe_overlap.integrations.checkpoint import expert_shards, register_expert_s
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel
 from tests.gloo_ranks import run_ranks, torchrun
 
-SAVE = ["experts_are_dtensors", "optimizer_states_are_dtensors", "plain_round_trip", "ep1_state_dict_plain"]
+SAVE = [
+    "experts_are_dtensors",
+    "optimizer_states_are_dtensors",
+    "plain_round_trip",
+    "ep1_state_dict_plain",
+]
 FSDP_SAVE = ["fsdp_experts_2d"]
 FSDP_RESUME = ["fsdp_loaded_equals_saved", "fsdp_resume_bit_identical"]
 LOAD = [
@@ -77,7 +82,9 @@ def test_ep1_state_dict_is_plain_and_loads_into_the_plain_model() -> None:
         for p in other.parameters():
             p.add_(1.0)
     other.load_state_dict(state)
-    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters(), strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters(), strict=True)
+    )
 
 
 def test_adapter_at_ep1_keeps_the_transformers_state_dict() -> None:

@@ -152,7 +152,9 @@ def register_expert_shards(
     local = num_experts // size
     listed = tuple(names)
     if not listed:
-        raise ConfigError(f"register_expert_shards({where}): expected expert tensor names, received none")
+        raise ConfigError(
+            f"register_expert_shards({where}): expected expert tensor names, received none"
+        )
     for name in listed:
         p = _parameter(module, name, "register_expert_shards")
         if _is_dtensor(p):
@@ -167,12 +169,19 @@ def register_expert_shards(
                 f"({num_experts} over EP size {size}), received shape {list(p.shape)}"
             )
     fresh = expert_shards(module) is None
-    object.__setattr__(
-        module, _ATTR, ExpertShards(listed, num_experts, group, size, rank)
-    )
+    object.__setattr__(module, _ATTR, ExpertShards(listed, num_experts, group, size, rank))
     if fresh:
-        module.register_state_dict_post_hook(_state_dict_post_hook)
-        module.register_load_state_dict_pre_hook(_load_pre_hook)
+        # torch leaves both unannotated.
+        post = cast(
+            "Callable[..., object]",
+            module.register_state_dict_post_hook,  # pyright: ignore[reportUnknownMemberType]
+        )
+        pre = cast(
+            "Callable[..., object]",
+            module.register_load_state_dict_pre_hook,  # pyright: ignore[reportUnknownMemberType]
+        )
+        post(_state_dict_post_hook)
+        pre(_load_pre_hook)
     _MODULES.add(module)
     _install_step_hook()
     return expert_shards(module)
@@ -207,14 +216,14 @@ def register_fsdp_experts(modules: Iterable[nn.Module], expert_mesh: DeviceMesh)
         if grid is None:
             grid = _fsdp_grid(shards, expert_mesh, where)
             grids[key] = grid
-        object.__setattr__(module, _ATTR, replace(shards, fsdp=grid, _meshes=shards._meshes))
+        object.__setattr__(module, _ATTR, replace(shards, fsdp=grid))
 
 
 def _fsdp_grid(shards: ExpertShards, expert_mesh: DeviceMesh, where: str) -> _FsdpGrid:
     from torch.distributed.device_mesh import DeviceMesh
 
     edp = expert_mesh.get_group()
-    members = cast("list[int]", expert_mesh.mesh.flatten().tolist())
+    members = [int(r) for r in expert_mesh.mesh.flatten()]
     ep_ranks = _group_ranks(shards.group)
     views: list[object] = [None] * len(members)
     _all_gather_object(views, ep_ranks, group=edp)
@@ -562,7 +571,7 @@ def _optimizer_state_dict_post_hook(
     optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]
 ) -> dict[str, Any] | None:
     ordered = list(chain.from_iterable(g["params"] for g in optimizer.param_groups))
-    params = {i: cast(Tensor, p) for i, p in enumerate(ordered)}
+    params: dict[object, Tensor] = {i: cast(Tensor, p) for i, p in enumerate(ordered)}
     state = cast("Mapping[object, object]", state_dict.get("state", {}))
     converted = _convert_state(state, params, _to_global)
     if converted is None:
@@ -580,7 +589,7 @@ def _optimizer_load_pre_hook(
     groups = cast("list[Mapping[str, list[object]]]", saved)
     current = chain.from_iterable(g["params"] for g in optimizer.param_groups)
     keys = chain.from_iterable(g["params"] for g in groups)
-    params = {k: cast(Tensor, p) for k, p in zip(keys, current, strict=False)}
+    params: dict[object, Tensor] = {k: cast(Tensor, p) for k, p in zip(keys, current, strict=False)}
     converted = _convert_state(cast("Mapping[object, object]", state), params, _to_local)
     if converted is None:
         return None

@@ -130,7 +130,7 @@ def fully_shard_slots(
             # Sum, then divide: a pre-multiplied sum (NCCL's PreMulSum) does not exist on gloo.
             sharded.set_force_sum_reduction_for_comms(True)
         out.append(module)
-    if experts:
+    if experts and expert_mesh is not None:
         register_fsdp_experts(experts, expert_mesh)
     return out
 
