@@ -320,10 +320,23 @@ def hf_load(root: Path, group: dist.ProcessGroup) -> None:
 
 
 def refusals(root: Path, group: dist.ProcessGroup) -> None:
-    del root
     from moe_overlap.integrations.fsdp import fully_shard_slots
 
     model = GPTMoEModel(CONFIG, ep_group=group)
+    # Rank 0's state_dict() through torch.save, loaded on every rank: rank 1 would get
+    # rank 0's experts; refused there, exact on rank 0.
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), root / "rank0_state_dict.pt")
+    dist.barrier()
+    rank0 = torch.load(root / "rank0_state_dict.pt", weights_only=False)
+    message = expect_error(
+        IntegrationError, lambda: GPTMoEModel(CONFIG, ep_group=group).load_state_dict(rank0)
+    )
+    report(
+        "other_rank_state_dict_refused",
+        message == "no error" if dist.get_rank() == 0 else "made on the rank at (0,)" in message,
+        message=message,
+    )
     key = "decoder.layers.1.experts.fc1.weight"
     local_rows = model.state_dict()[key].to_local().clone()
     sd = {k: v for k, v in model.state_dict().items()}

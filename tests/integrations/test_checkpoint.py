@@ -34,6 +34,7 @@ LOAD = [
     "fsdp_dp2_to_dp1",
     "hf_resume_bit_identical",
     "hf_ep2_to_ep1_equals_gather_experts",
+    "other_rank_state_dict_refused",
     "local_rows_refused",
     "full_tensor_sliced",
     "fsdp_without_expert_mesh_refused",

@@ -442,11 +442,9 @@ def _to_local(shards: ExpertShards, value: Tensor, param: Tensor, what: str) -> 
         )
     if grid is None:
         rows = (shards.offset, shards.offset + shards.local_experts)
-        canonical: tuple[object, tuple[object, ...]] = (
-            shards.mesh(param.device.type),
-            (Shard(0),),
-        )
-        known = [canonical[0]]
+        ep_mesh = shards.mesh(param.device.type)
+        canonical: tuple[DeviceMesh, tuple[object, ...]] = (ep_mesh, (Shard(0),))
+        known = [ep_mesh]
     else:
         start, stop = _fsdp_rows(shards, grid)
         rows = (shards.offset + start, shards.offset + stop)
@@ -454,6 +452,17 @@ def _to_local(shards: ExpertShards, value: Tensor, param: Tensor, what: str) -> 
         known = [grid.grid, grid.mesh]
     if isinstance(value, DTensor):
         mesh, placements = value.device_mesh, tuple(value.placements)
+        ours = next((k for k in known if mesh == k), None)
+        if ours is not None and mesh.get_coordinate() != ours.get_coordinate():
+            # Meshes compare by their ranks; the coordinate is the one of the rank that made
+            # the DTensor (it survives torch.save), so another rank's rows show here.
+            raise IntegrationError(
+                f"{what}: expected a DTensor of this rank's rows (mesh coordinate "
+                f"{ours.get_coordinate()}), received one made on the rank at "
+                f"{mesh.get_coordinate()} (a state_dict() saved with torch.save on another "
+                "rank?); its local rows are that rank's experts. Save and load through "
+                "torch.distributed.checkpoint (dcp.save / dcp.load), which keeps every rank's rows"
+            )
         if mesh == canonical[0] and placements == canonical[1]:
             local = value.to_local()
         elif any(mesh == k for k in known):
