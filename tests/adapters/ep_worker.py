@@ -86,7 +86,8 @@ def main() -> None:
         full = {k: v.clone() for k, v in model.state_dict().items()}
         shard_experts(model, group)
         adapter = TransformersMoEAdapter(model, ep_group=group, self_check=False)
-        local = model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"].shape[0]
+        # The parameter holds the local experts (its state dict entry is the global DTensor).
+        local = model.get_parameter("model.layers.0.mlp.experts.gate_up_proj").shape[0]
         back = gather_experts(model, group)
         exact = list(back) == list(full) and all(torch.equal(back[k], full[k]) for k in full)
         print(

@@ -4,7 +4,7 @@ Stages name their tensors as the full model does, so the ranks' checkpoints neve
 and any layout loads them: PP=2 save, load in fresh processes, training continues
 bit-identically; PP=2 -> PP=1 and PP=1 -> PP=2 restore parameters and AdamW states bit for
 bit; the transformers stages save and load once. Two launches of two ranks
-(``ckpt_worker.py``) do every check; the single-process PP=1 side runs here.
+(``ckpt_pp_worker.py``) do every check; the single-process PP=1 side runs here.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from tests.gloo_ranks import run_ranks
-from tests.integrations.ckpt_worker import FLAT, HF_CASE, LR, REF_CASE, plain, same, scramble
+from tests.integrations.ckpt_pp_worker import FLAT, HF_CASE, LR, REF_CASE, plain, same, scramble
 from tests.integrations.pp_worker import batch, build, loss_fn
 
 pytest.importorskip("transformers")
@@ -35,7 +35,7 @@ pytest.importorskip("transformers")
 def _launch(phase: int, folder: Path) -> list[dict[str, Any]]:
     os.environ["CKPT_CASE"] = json.dumps({"phase": phase, "dir": str(folder)})
     try:
-        rows = run_ranks("tests.integrations.ckpt_worker", world=2, timeout=300)
+        rows = run_ranks("tests.integrations.ckpt_pp_worker", world=2, timeout=300)
     finally:
         del os.environ["CKPT_CASE"]
     return sorted((dict(r) for r in rows), key=lambda r: int(r["rank"]))

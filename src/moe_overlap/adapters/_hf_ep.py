@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from moe_overlap import ConfigError
 from moe_overlap.adapters._hf_calls import base_model, decoder_layers
 from moe_overlap.adapters._hf_structure import block_of
+from moe_overlap.integrations.checkpoint import register_expert_shards
 
 __all__ = ["Experts", "expert_parameter_names", "experts_of", "gather_experts", "shard_experts"]
 
@@ -104,7 +105,10 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None) -> None:
 
     ``model`` must hold all experts (as built or loaded by transformers); its own
     ``forward`` no longer runs afterwards (it indexes global experts), the adapter's
-    schedule does. The experts module's ``num_experts`` becomes the local count. Raises
+    schedule does. The experts module's ``num_experts`` becomes the local count, and the
+    sliced tensors appear in state dicts as DTensors over ``group`` with the global expert
+    count (:func:`~moe_overlap.integrations.checkpoint.register_expert_shards`), so
+    ``torch.distributed.checkpoint`` saves and reshards them exactly. Raises
     :class:`~moe_overlap.ConfigError` when the group size does not divide the number of
     experts or the experts are already sharded.
     """
@@ -123,7 +127,8 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None) -> None:
             )
         local = num_experts // size
         module = experts.module
-        for w in experts.weights():
+        names = experts.weights()
+        for w in names:
             full = getattr(module, w)
             assert isinstance(full, nn.Parameter)
             piece = full.detach()[rank * local : (rank + 1) * local].clone()
@@ -131,6 +136,8 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None) -> None:
         object.__setattr__(module, _GLOBAL, num_experts)
         if isinstance(getattr(module, "num_experts", None), int):
             setattr(module, "num_experts", local)  # noqa: B010 - an attribute of the HF module
+        # Checkpoints: these tensors appear in state dicts as DTensors over the EP group.
+        register_expert_shards(module, names, num_experts=num_experts, group=group)
 
 
 def gather_experts(model: nn.Module, group: dist.ProcessGroup | None) -> dict[str, Tensor]:

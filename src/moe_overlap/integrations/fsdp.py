@@ -22,6 +22,7 @@ from torch import nn
 
 from moe_overlap import ConfigError
 from moe_overlap.blocks._experts import GroupedExperts
+from moe_overlap.integrations.checkpoint import expert_shards, register_fsdp_experts
 
 __all__ = ["fully_shard_slots", "slot_modules"]
 
@@ -93,6 +94,13 @@ def fully_shard_slots(
             root default (keep them) is not taken.
         fsdp_kwargs: passed on (``mp_policy``, ``offload_policy``, ...).
 
+    Checkpoints: the experts' state-dict DTensors become 2-D over ``(ep, expert_dp)`` with
+    the global expert count (:func:`~moe_overlap.integrations.checkpoint.register_fsdp_experts`,
+    a collective over ``expert_mesh`` and the EP groups), so ``torch.distributed.checkpoint``
+    saves every rank's rows and reshards them. Refused with
+    :class:`~moe_overlap.ConfigError`: EP-sharded experts without ``expert_mesh``, and an
+    expert module over an ``expert_mesh`` smaller than ``mesh`` without registered shards.
+
     Delayed weight gradients are refused at plan construction for a model with FSDP
     modules: FSDP reduce-scatters in its post-backward hook, before the schedule's delayed
     weight-gradient step would have filled the gradients.
@@ -106,6 +114,7 @@ def fully_shard_slots(
         )
     targets = list(slot_modules(model))
     dense_size = _mesh_size(mesh)
+    experts = _check_experts(targets, expert_mesh, is_expert, dense_size)
     out: list[nn.Module] = []
     for _, module in targets:
         expert = expert_mesh is not None and is_expert(module)
@@ -121,7 +130,40 @@ def fully_shard_slots(
             # Sum, then divide: a pre-multiplied sum (NCCL's PreMulSum) does not exist on gloo.
             sharded.set_force_sum_reduction_for_comms(True)
         out.append(module)
+    if experts and expert_mesh is not None:
+        register_fsdp_experts(experts, expert_mesh)
     return out
+
+
+def _check_experts(
+    targets: Sequence[tuple[str, nn.Module]],
+    expert_mesh: Any,
+    is_expert: Callable[[nn.Module], bool],
+    dense_size: int,
+) -> list[nn.Module]:
+    """The expert modules with EP-sharded checkpoints; refuses what would mix EP ranks."""
+    registered: list[nn.Module] = []
+    for name, module in targets:
+        shards = expert_shards(module)
+        if shards is not None and expert_mesh is None:
+            raise ConfigError(
+                f"fully_shard_slots: {name} ({type(module).__name__}) holds {shards.local_experts} "
+                f"of {shards.num_experts} experts (EP size {shards.size}); expected an "
+                "expert_mesh of the ranks holding the same experts, received None (sharding "
+                "them over mesh would gather other EP ranks' experts)"
+            )
+        if expert_mesh is None or not is_expert(module):
+            continue
+        if shards is not None:
+            registered.append(module)
+        elif _mesh_size(expert_mesh) != dense_size:
+            raise ConfigError(
+                f"fully_shard_slots: {name} ({type(module).__name__}) is an expert module sharded "
+                "over an expert_mesh smaller than mesh (expert parallelism), but has no "
+                "register_expert_shards: its checkpoints would mix the EP ranks' experts; "
+                "register it (moe_overlap.integrations.checkpoint) before fully_shard_slots"
+            )
+    return registered
 
 
 def _mesh_size(mesh: Any) -> int:

@@ -43,6 +43,7 @@ from moe_overlap.blocks._slots import (
 from moe_overlap.blocks._slots import single_input as _single
 from moe_overlap.blocks._transformer import RMSNorm, SelfAttention, SwiGLUMLP
 from moe_overlap.engine._options import Hook
+from moe_overlap.integrations.checkpoint import register_expert_shards
 from moe_overlap.models._config import GPTMoEConfig
 
 __all__ = ["DenseLayer", "GPTLayer", "MoELayer"]
@@ -262,6 +263,13 @@ class MoELayer(MoESlots, nn.Module):
             recompute_activation="activation" in c.recompute,
             dtype=c.dtype,
             device=device,
+        )
+        # Checkpoints: the experts appear in state dicts as DTensors over the EP group.
+        register_expert_shards(
+            self.experts,
+            ("fc1.weight", "fc2.weight"),
+            num_experts=c.num_experts,
+            group=dispatcher.group,
         )
         self.router_graph = _graphed(
             c,
