@@ -51,6 +51,7 @@ from moe_overlap import (
     ScheduleOptions,
     StepObserver,
 )
+from moe_overlap.engine._bypass_check import check_bypassed
 from moe_overlap.engine._conformance import check_model
 from moe_overlap.engine._wgrad_check import check_wgrad_done, owed_wgrad
 
@@ -758,6 +759,7 @@ def _check_stage(stage: _PipelineStageBase) -> None:
             f"{where}: expected a stage without dw_builder (the plans compute the weight "
             "gradients), received one"
         )
+    check_bypassed(module, f"pipeline stage {stage.stage_index}")
     model = check_model(module)
     for flag, expected, meaning in (
         ("pre_process", stage.is_first, "the first stage embeds"),
