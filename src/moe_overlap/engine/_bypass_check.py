@@ -18,7 +18,7 @@ transformers adapter) lists them with a ``bypassed_modules()`` method returning
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from typing import NamedTuple, NoReturn, cast
 
 from torch import nn
@@ -143,11 +143,11 @@ def check_module(
     _refuse(named(where), finding, reason, bypass)
 
 
-def _layers(model: object) -> Sequence[object]:
+def _layers(model: object) -> Iterable[object]:
     decoder: object = getattr(model, "decoder", None)
     layers: object = getattr(decoder, "layers", None)
     if isinstance(layers, (list, tuple, nn.ModuleList)):
-        return cast("Sequence[object]", layers)
+        return cast("Iterable[object]", layers)
     return ()
 
 
