@@ -6,12 +6,13 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed import HashStore  # type: ignore[attr-defined]  # pyright: ignore[reportPrivateImportUsage]
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
@@ -32,6 +33,11 @@ NEVER_LAYER = r"the schedule never calls a decoder layer's forward"
 HOOK_ROUTE = r"register them on the modules the slots call"
 CHECKPOINT_ROUTE = r"GPTMoEConfig\.recompute.*recompute_module.*docs/recompute\.md"
 COMPILE_ROUTE = r"compile the modules the slots call instead.*docs/compile\.md"
+
+
+def compiled(module: nn.Module) -> nn.Module:
+    """``torch.compile(module)``: an ``OptimizedModule`` (torch types it as a callable)."""
+    return cast(nn.Module, torch.compile(module))
 
 
 def _model() -> ToyModel:
@@ -145,7 +151,7 @@ def test_checkpoint_wrappers_are_refused_before_the_layer_protocol_check() -> No
 
 
 def test_composable_checkpoint_and_recompute_module_on_a_layer_are_refused() -> None:
-    from torch.distributed._composable import checkpoint
+    from torch.distributed._composable.checkpoint_activation import checkpoint
 
     model = _model()
     checkpoint(_layer(model))
@@ -173,9 +179,9 @@ def test_compiled_models_and_layers_are_refused() -> None:
         match=r"^OptimizedModule: expected no torch\.compile of it, received an OptimizedModule "
         r"around ToyModel; the schedule never calls the model's forward.*" + COMPILE_ROUTE,
     ):
-        _step(torch.compile(model))
+        _step(compiled(model))
     original = _layer(model)
-    model.decoder.layers[1] = torch.compile(original)
+    model.decoder.layers[1] = compiled(original)
     with pytest.raises(ConfigError, match=r"layers\[1\] \(OptimizedModule\).*around ToyLayer"):
         _step(model)
     model.decoder.layers[1] = original
@@ -194,7 +200,7 @@ def test_compiled_models_and_layers_are_refused() -> None:
 
 @contextmanager
 def _one_rank_group() -> Iterator[None]:
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:
@@ -259,7 +265,9 @@ def test_hooks_on_modules_the_slots_call_run_as_in_plain_training() -> None:
     assert losses == plain_step(ref, mbs)
     assert_same(grads(model), grads(ref))
     assert len(seen["model"]) == len(seen["ref"]) == 2 * len(mbs)
-    for a, b in zip(sorted(seen["model"], key=Tensor.sum), sorted(seen["ref"], key=Tensor.sum)):
+    for a, b in zip(
+        sorted(seen["model"], key=Tensor.sum), sorted(seen["ref"], key=Tensor.sum), strict=True
+    ):
         assert torch.equal(a, b)
 
 
@@ -286,7 +294,7 @@ def test_reference_model_wrappers_are_refused() -> None:
     mbs = [make_microbatches(1, CONFIG)[0]]
     model = GPTMoEModel(config)
     with pytest.raises(ConfigError, match=r"^OptimizedModule: .*around GPTMoEModel"):
-        combined_1f1b(torch.compile(model), mbs)  # pyright: ignore[reportArgumentType]
+        combined_1f1b(compiled(model), mbs)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
     handle = model.decoder.layers[1].register_forward_pre_hook(_noop)
     with pytest.raises(ConfigError, match=r"GPTMoEModel\.decoder\.layers\[1\] \(MoELayer\)"):
         combined_1f1b(model, mbs)

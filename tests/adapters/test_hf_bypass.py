@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -33,8 +33,8 @@ def _batches(n: int = 2) -> list[Microbatch]:
 
 
 @pytest.fixture(scope="module")
-def adapted() -> tuple[nn.Module, TransformersMoEAdapter]:
-    model = qwen2_moe()  # layers 0 and 2 MoE (shared expert), layer 1 dense
+def adapted() -> tuple[Any, TransformersMoEAdapter]:
+    model: Any = qwen2_moe()  # layers 0 and 2 MoE (shared expert), layer 1 dense
     return model, TransformersMoEAdapter(model, self_check=False)
 
 
@@ -42,7 +42,7 @@ def _step(adapter: TransformersMoEAdapter) -> list[Tensor]:
     return combined_1f1b(adapter, _batches(), options=adapter.schedule_options())
 
 
-REFUSED: list[tuple[str, Callable[[nn.Module], nn.Module], str, str]] = [
+REFUSED: list[tuple[str, Callable[[Any], nn.Module], str, str]] = [
     ("causal_lm", lambda m: m, "forward", rf"^{QWEN}: expected no forward or backward hooks"),
     ("base", lambda m: m.model, "pre", rf"^{QWEN}\.model: .*never as a whole"),
     (
@@ -84,10 +84,12 @@ def _hook(module: nn.Module, kind: str) -> Any:
     return module.register_forward_hook(_noop)
 
 
-@pytest.mark.parametrize(("target", "kind", "match"), [r[1:] for r in REFUSED], ids=[r[0] for r in REFUSED])
+@pytest.mark.parametrize(
+    ("target", "kind", "match"), [r[1:] for r in REFUSED], ids=[r[0] for r in REFUSED]
+)
 def test_hooks_on_modules_the_adapter_skips_are_refused_at_plan_build(
-    adapted: tuple[nn.Module, TransformersMoEAdapter],
-    target: Callable[[nn.Module], nn.Module],
+    adapted: tuple[Any, TransformersMoEAdapter],
+    target: Callable[[Any], nn.Module],
     kind: str,
     match: str,
 ) -> None:
@@ -101,7 +103,7 @@ def test_hooks_on_modules_the_adapter_skips_are_refused_at_plan_build(
 
 
 def test_hooks_on_modules_the_slots_call_run_once_per_microbatch(
-    adapted: tuple[nn.Module, TransformersMoEAdapter],
+    adapted: tuple[Any, TransformersMoEAdapter],
 ) -> None:
     model, adapter = adapted
     calls: dict[str, int] = {}
@@ -136,7 +138,7 @@ def test_hooks_on_modules_the_slots_call_run_once_per_microbatch(
 
 
 def test_a_block_pre_hook_sees_the_input_the_model_gives_it(
-    adapted: tuple[nn.Module, TransformersMoEAdapter],
+    adapted: tuple[Any, TransformersMoEAdapter],
 ) -> None:
     model, adapter = adapted
     seen: list[Tensor] = []
@@ -159,13 +161,13 @@ def test_a_block_pre_hook_sees_the_input_the_model_gives_it(
 
 
 def test_construction_refuses_wrapped_compiled_or_hooked_modules() -> None:
-    model = qwen2_moe()
+    model: Any = qwen2_moe()
     handle = model.model.layers[0].register_forward_hook(_noop)
     with pytest.raises(ConfigError, match=rf"^{QWEN}\.model\.layers\.0: expected no forward"):
         TransformersMoEAdapter(model, self_check=False)
     handle.remove()
     with pytest.raises(ConfigError, match=r"^OptimizedModule: .*around Qwen2MoeForCausalLM"):
-        TransformersMoEAdapter(torch.compile(model), self_check=False)
+        TransformersMoEAdapter(cast(nn.Module, torch.compile(model)), self_check=False)
     layer_cls = type(model.model.layers[0])
     wrapped = copy.deepcopy(model)
     apply_activation_checkpointing(wrapped, check_fn=lambda m: isinstance(m, layer_cls))
@@ -178,7 +180,7 @@ def test_construction_refuses_wrapped_compiled_or_hooked_modules() -> None:
 
 
 def test_layers_wrapped_or_replaced_after_construction_are_refused_at_plan_build() -> None:
-    model = qwen2_moe()
+    model: Any = qwen2_moe()
     adapter = TransformersMoEAdapter(model, self_check=False)
     layer_cls = type(model.model.layers[0])
     layers = list(model.model.layers)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from torch import nn
@@ -121,7 +121,7 @@ def test_compiled_checkpointed_or_hooked_stage_modules_are_refused() -> None:
         match=r"^pipeline stage 2: OptimizedModule: expected no torch\.compile of it, received "
         r"an OptimizedModule around GPTMoEStage; the schedule never calls the model's forward",
     ):
-        prepare_schedule(_schedule(first, torch.compile(second)))
+        prepare_schedule(_schedule(first, cast(nn.Module, torch.compile(second))))
     with pytest.raises(ConfigError, match=r"^pipeline stage 2: CheckpointWrapper: .*GPTMoEStage"):
         prepare_schedule(_schedule(first, checkpoint_wrapper(second)))
     handle = second.decoder.layers[0].register_forward_hook(lambda *args: None)

@@ -86,7 +86,7 @@ def bypassed(model: nn.Module, base: nn.Module, layers: Sequence[nn.Module]) -> 
             per_layer.append((BypassedModule(name(layer), layer, Bypass.WRAPPER, _DENSE),))
             continue
         block = found[1]
-        experts = cast("Iterator[nn.Module]", block.get_submodule("experts").modules())
+        experts = block.get_submodule("experts").modules()
         per_layer.append(
             (
                 BypassedModule(name(layer), layer, Bypass.FORWARD, _MOE_LAYER),

@@ -48,6 +48,7 @@ _HOOK_DICTS = (
     ("_backward_hooks", "backward hook"),
 )
 
+
 class Kind(enum.Enum):
     """What a finding is, by what it would have done."""
 
