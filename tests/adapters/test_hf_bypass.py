@@ -17,7 +17,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from moe_overlap import ConfigError, Microbatch, combined_1f1b
 from moe_overlap.adapters.transformers import TransformersMoEAdapter
 
-from ._hf import qwen2_moe
+from ._hf import mixtral, qwen2_moe
 
 QWEN = r"Qwen2MoeForCausalLM"
 
@@ -202,3 +202,31 @@ def test_layers_wrapped_or_replaced_after_construction_are_refused_at_plan_build
     for i, layer in enumerate(layers):
         model.model.layers[i] = layer
     _step(adapter)
+
+
+def test_another_family_lists_its_own_modules() -> None:
+    """Mixtral (no shared expert, no dense layer): the same modules, found by structure."""
+    model: Any = mixtral()
+    block = model.model.layers[1].mlp
+    refused = [
+        (model.model.layers[1], r"^MixtralForCausalLM\.model\.layers\.1: .*never its forward"),
+        (block.experts, r"^MixtralForCausalLM\.model\.layers\.1\.mlp\.experts: "),
+        (block, r"layers\.1\.mlp: expected no forward or backward hooks on it but forward"),
+    ]
+    for module, match in refused:
+        handle = module.register_forward_hook(_noop)
+        try:
+            with pytest.raises(ConfigError, match=match):
+                TransformersMoEAdapter(model, self_check=False)
+        finally:
+            handle.remove()
+    calls: list[int] = []
+    handle = block.register_forward_pre_hook(lambda *args: calls.append(1))
+    adapter = TransformersMoEAdapter(model, self_check=False)
+    calls.clear()  # construction probes the block
+    _step(adapter)
+    handle.remove()
+    assert len(calls) == 2  # once per microbatch, as the model's forward
+    model.model.rotary_emb.compile()
+    with pytest.raises(ConfigError, match=r"rotary_emb: expected no torch\.compile of it"):
+        _step(adapter)
