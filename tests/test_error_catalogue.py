@@ -546,6 +546,38 @@ def layer_state_unknown_attribute_in_a_slot(ctx: Ctx) -> None:
     combined_1f1b(ctx.model, ctx.mbs)
 
 
+def forward_hook_on_a_layer(ctx: Ctx) -> None:
+    handle = layer0(ctx).register_forward_hook(lambda module, args, out: None)
+    try:
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        handle.remove()
+
+
+def checkpoint_wrapper_around_a_layer(ctx: Ctx) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    layer = layer0(ctx)
+    ctx.model.decoder.layers[0] = checkpoint_wrapper(layer)
+    try:
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        ctx.model.decoder.layers[0] = layer
+
+
+def compiled_model(ctx: Ctx) -> None:
+    combined_1f1b(torch.compile(ctx.model), ctx.mbs)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+
+
+def layer_compiled_in_place(ctx: Ctx) -> None:
+    layer = layer0(ctx)
+    layer.compile()
+    try:
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        del layer._compiled_call_impl
+
+
 @dataclass(frozen=True)
 class Case:
     fn: Callable[[Ctx], None]
@@ -845,6 +877,31 @@ CASES = [
         layer_state_unknown_attribute,
         LayerStateAttributeError,
         r"LayerState: cannot set 'route'.*stash\('route', value\).*take\('route', kind\)",
+    ),
+    Case(
+        forward_hook_on_a_layer,
+        ConfigError,
+        r"ToyModel\.decoder\.layers\[0\] \(ToyLayer\): expected no forward or backward hooks on "
+        r"it, received 1 forward hook \(forward_hook_on_a_layer\.<locals>\.<lambda>\); the "
+        r"schedule never calls a decoder layer's forward.*register them on the modules the slots",
+    ),
+    Case(
+        checkpoint_wrapper_around_a_layer,
+        ConfigError,
+        r"layers\[0\] \(CheckpointWrapper\): expected no activation checkpointing of it, "
+        r"received a CheckpointWrapper around ToyLayer.*GPTMoEConfig\.recompute",
+    ),
+    Case(
+        compiled_model,
+        ConfigError,
+        r"OptimizedModule: expected no torch\.compile of it, received an OptimizedModule around "
+        r"ToyModel; the schedule never calls the model's forward.*docs/compile\.md",
+    ),
+    Case(
+        layer_compiled_in_place,
+        ConfigError,
+        r"layers\[0\] \(ToyLayer\): expected no torch\.compile of it, received "
+        r"ToyLayer\.compile\(\) \(compiled in place\)",
     ),
     Case(
         layer_state_unknown_attribute_in_a_slot,

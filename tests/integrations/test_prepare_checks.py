@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from torch import nn
@@ -117,3 +117,25 @@ def test_an_overlap_action_the_plans_cannot_run_is_refused() -> None:
 def test_arguments_are_checked(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         prepare_schedule(_schedule(*_stages()), **kwargs)
+
+
+def test_compiled_checkpointed_or_hooked_stage_modules_are_refused() -> None:
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    first, second = _stages()
+    with pytest.raises(
+        ConfigError,
+        match=r"^pipeline stage 2: OptimizedModule: expected no torch\.compile of it, received "
+        r"an OptimizedModule around GPTMoEStage; the schedule never calls the model's forward",
+    ):
+        prepare_schedule(_schedule(first, cast(nn.Module, torch.compile(second))))
+    with pytest.raises(ConfigError, match=r"^pipeline stage 2: CheckpointWrapper: .*GPTMoEStage"):
+        prepare_schedule(_schedule(first, checkpoint_wrapper(second)))
+    handle = second.decoder.layers[0].register_forward_hook(lambda *args: None)
+    with pytest.raises(
+        ConfigError, match=r"^pipeline stage 2: GPTMoEStage\.decoder\.layers\[0\] \(\w+Layer\)"
+    ):
+        prepare_schedule(_schedule(first, second))
+    handle.remove()
+    assert prepare_schedule(_schedule(first, second)).paired == 0

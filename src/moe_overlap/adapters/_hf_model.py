@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from moe_overlap import ConfigError, CudaGraphModule, IntegrationError, WgradError
 from moe_overlap.adapters._hf_aux import RouterAuxLoss
+from moe_overlap.adapters._hf_bypass import bypassed, check_layers_unchanged, repeated_outside
 from moe_overlap.adapters._hf_calls import (
     LayerCall,
     base_model,
@@ -47,6 +48,7 @@ from moe_overlap.adapters._hf_structure import (
 )
 from moe_overlap.blocks import MegatronHooks, TokenDispatcher, recompute_module
 from moe_overlap.blocks._recompute import check_recompute
+from moe_overlap.engine._bypass_check import BypassedModule, check_module
 from moe_overlap.engine._state import ChunkState
 
 __all__ = ["AdapterConfig", "AdapterDecoder", "SelfCheck", "TransformersMoEAdapter"]
@@ -250,6 +252,12 @@ class TransformersMoEAdapter(MegatronHooks):
         hidden_size = self._int("hidden_size")
         self.hidden_size = hidden_size
         layers = list(layer_list)
+        # Wrappers, compile and hooks the slots would skip, before anything runs the layers.
+        self._bypassed = bypassed(model, self.base, layers)
+        for item in self._bypassed.all():
+            check_module(item.module, item.name, item.reason, item.bypass)
+        self._layer_list = layer_list
+        self._built_layers = tuple(layers)
         moe_layers = [i for i, layer in enumerate(layers) if block_of(layer) is not None]
         if not moe_layers:
             raise ConfigError(
@@ -279,9 +287,15 @@ class TransformersMoEAdapter(MegatronHooks):
             )
         _refuse_mixers(hf_config, len(layers))
         self.self_check_report = SelfCheck(enabled=self_check)
+        self._accepts_router_flag = (
+            "output_router_logits" in inspect.signature(type(model).forward).parameters
+        )
         try:
             plans = self._plan(
                 layers, top_k=top_k, delay=delay_wgrad_compute, self_check=self_check
+            )
+            repeated = repeated_outside(
+                model, self.base, accepts_router_flag=self._accepts_router_flag
             )
         except ConfigError:
             raise
@@ -291,6 +305,9 @@ class TransformersMoEAdapter(MegatronHooks):
                 f"forward with the layers stood in for, then each layer on a probe): "
                 f"{type(exc).__name__}: {exc}"
             ) from exc
+        for item in repeated:
+            check_module(item.module, item.name, item.reason, item.bypass)
+        self._bypassed = self._bypassed.with_outside(repeated)
         self.dispatcher = TokenDispatcher(num_experts.pop(), top_k, group=ep_group)
         # None follows the model: its forward adds a load-balancing loss when the config
         # asks for router logits and the forward computes one at all.
@@ -356,9 +373,6 @@ class TransformersMoEAdapter(MegatronHooks):
             )
         self.decoder = AdapterDecoder(tuple(adapted))
         self._recompute(parts)
-        self._accepts_router_flag = (
-            "output_router_logits" in inspect.signature(type(model).forward).parameters
-        )
         self._label_delayed_modules()
 
     # --- construction --------------------------------------------------------------------
@@ -579,6 +593,18 @@ class TransformersMoEAdapter(MegatronHooks):
         return calls[index]
 
     # --- public helpers -------------------------------------------------------------------
+    def bypassed_modules(self) -> Iterator[BypassedModule]:
+        """The transformers modules whose ``forward`` the slots skip or split (checked at
+        every plan build: wrappers, ``compile`` and hooks on them are refused)."""
+        return self.bypassed_in(range(len(self._built_layers)))
+
+    def bypassed_in(self, layers: range) -> Iterator[BypassedModule]:
+        """:meth:`bypassed_modules` of the causal LM, its decoder stack and ``layers``."""
+        yield from check_layers_unchanged(self.model, self._layer_list, self._built_layers, layers)
+        yield from self._bypassed.outside
+        for i in layers:
+            yield from self._bypassed.layers[i]
+
     @property
     def pre_process(self) -> bool:
         return True

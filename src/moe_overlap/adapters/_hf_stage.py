@@ -13,6 +13,7 @@ from moe_overlap.adapters._hf_calls import base_model, causal_lm_output, decoder
 from moe_overlap.adapters._hf_layers import HFLayer
 from moe_overlap.adapters._hf_model import AdapterConfig, AdapterDecoder, TransformersMoEAdapter
 from moe_overlap.blocks import MegatronHooks, StageLayers, StageRange
+from moe_overlap.engine._bypass_check import BypassedModule
 
 __all__ = ["ModelScope", "TransformersMoEStage"]
 
@@ -83,6 +84,10 @@ class TransformersMoEStage(StageRange, MegatronHooks, nn.Module):
             free_input=free_input,
             ep_overlap_early_attn_memory_release=ep_overlap_early_attn_memory_release,
         )
+
+    def bypassed_modules(self) -> Iterator[BypassedModule]:
+        """The transformers modules of this stage whose ``forward`` the slots skip or split."""
+        return self.adapter.bypassed_in(self.layers_range)
 
     def embed_at(self, input_ids: Tensor, position_ids: Tensor | None) -> Tensor:
         if not self.pre_process:

@@ -8,6 +8,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from ._bypass_check import check_bypassed
 from ._conformance import check_model
 from ._errors import ConfigError, IntegrationError, PlanReleasedError, StreamError
 from ._executor import BValue, FValue, execute, execute_roles
@@ -95,6 +96,7 @@ class ModelChunkSchedulePlan:
         vp_stage: int | None = None,
         float32_output: bool = True,
     ) -> None:
+        check_bypassed(model)  # every plan: a hook added since the last one is found too
         model = check_model(model)
         anchor = next((t for t in (input_ids, decoder_input, labels) if t is not None), None)
         device = anchor.device if anchor is not None else torch.device("cpu")

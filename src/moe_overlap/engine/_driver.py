@@ -10,6 +10,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from ._bypass_check import check_bypassed
 from ._chunk_plan import ModelChunkSchedulePlan, check_grad_mode, run_pair
 from ._conformance import check_model, checks_memoized
 from ._errors import ConfigError, IntegrationError
@@ -119,6 +120,7 @@ def combined_1f1b(
     gradients a delayed-wgrad model still holds) before that next step, as after an
     overflowed mixed-precision step.
     """
+    check_bypassed(model)  # before the Protocol checks: a wrapper's message wins
     with checks_memoized():  # the model and its layers are checked once, not per plan
         model = check_model(model)
         _check_arguments(microbatches, overlap, options, streams, loss_scale, on_plan, observer)

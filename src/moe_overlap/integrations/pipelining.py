@@ -56,6 +56,7 @@ from moe_overlap import (
     ScheduleOptions,
     StepObserver,
 )
+from moe_overlap.engine._bypass_check import check_bypassed
 from moe_overlap.engine._conformance import check_model
 from moe_overlap.engine._wgrad_check import check_wgrad_done, owed_wgrad
 from moe_overlap.integrations._consensus import Phase, StepConsensus, Verdict
@@ -1036,6 +1037,7 @@ def _check_stage(stage: _PipelineStageBase) -> None:
             f"{where}: expected a stage without dw_builder (the plans compute the weight "
             "gradients), received one"
         )
+    check_bypassed(module, f"pipeline stage {stage.stage_index}")
     model = check_model(module)
     for flag, expected, meaning in (
         ("pre_process", stage.is_first, "the first stage embeds"),
