@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, cast
 
 import torch
@@ -13,8 +13,10 @@ from torch import Tensor
 from ._chunk_plan import ModelChunkSchedulePlan, check_grad_mode, run_pair
 from ._conformance import check_model, checks_memoized
 from ._errors import ConfigError, IntegrationError
+from ._inputs import check_inputs
 from ._options import ScheduleOptions
 from ._protocols import PreprocessableModel, StepObserver
+from ._state import ChunkState
 from ._streams import StreamPair
 from ._wgrad_check import check_wgrad_done, declared_wgrad
 
@@ -123,6 +125,7 @@ def combined_1f1b(
         model = check_model(model)
         _check_arguments(microbatches, overlap, options, streams, loss_scale, on_plan, observer)
         _check_fill_drain(fill_drain, overlap)
+        _check_inputs(model, microbatches)
         check_grad_mode("combined_1f1b")
         declared = declared_wgrad(model)
         check_wgrad_done(
@@ -278,6 +281,17 @@ def _check_arguments(
         raise ConfigError(
             f"{where}: observer must be a StepObserver (with timer(step, microbatch)) or "
             f"None, received {type(observer).__name__}"
+        )
+
+
+def _check_inputs(model: PreprocessableModel, microbatches: Sequence[Microbatch]) -> None:
+    """Every microbatch's inputs, before the first plan: an input the model does not read
+    (or its own ``validate_inputs`` refuses) fails here, not after earlier microbatches
+    accumulated gradients."""
+    for i, mb in enumerate(microbatches):
+        state = ChunkState(**{f.name: getattr(mb, f.name) for f in fields(mb)})
+        check_inputs(
+            model, state, where=f"combined_1f1b: microbatches[{i}]", what="Microbatch field"
         )
 
 
