@@ -67,7 +67,7 @@ def _as_names(model: object, declared: object) -> frozenset[str]:
             f"received {type(declared).__name__} {declared!r}"
         )
     items = list(cast("Collection[object]", declared))
-    unknown = sorted(repr(n) for n in items if not (isinstance(n, str) and n in _KNOWN))
+    unknown = [n for n in items if not (isinstance(n, str) and n in _KNOWN)]
     if unknown:
         raise IntegrationError(
             f"{where}: expected names among {sorted(_KNOWN)}, received also {unknown}"
