@@ -44,7 +44,7 @@ UNREAD: dict[str, object] = {
 
 
 def test_the_default_is_positions_and_labels() -> None:
-    assert DEFAULT_INPUTS == {"position_ids", "labels"}
+    assert {"position_ids", "labels"} == DEFAULT_INPUTS
     assert read_inputs(ToyModel(CONFIG, "m")) == DEFAULT_INPUTS
     assert set(OPTIONAL_INPUTS) >= DEFAULT_INPUTS
     assert read_inputs(GPTMoEModel(GPTMoEConfig(num_layers=1))) == {
@@ -84,11 +84,12 @@ def test_empty_extra_block_kwargs_and_none_are_not_inputs() -> None:
 def test_a_direct_plan_refuses_what_the_model_does_not_read() -> None:
     model = ToyModel(CONFIG, "m")
     mb = make_microbatches(1, CONFIG)[0]
-    for kwargs in (
+    cases: list[dict[str, Any]] = [
         {"padding_mask": MASK},
         {"output_processor": print},
         {"output_processor_context": object()},
-    ):
+    ]
+    for kwargs in cases:
         name = next(iter(kwargs))
         with pytest.raises(ConfigError, match=rf"microbatch 4\): input {name} is set"):
             ModelChunkSchedulePlan(
@@ -150,7 +151,7 @@ def test_a_declaration_replaces_the_default() -> None:
 )
 def test_a_bad_declaration_is_an_integration_error(declared: object, match: str) -> None:
     model = ToyModel(CONFIG, "m")
-    model.microbatch_inputs = declared  # type: ignore[attr-defined]
+    setattr(model, "microbatch_inputs", declared)  # noqa: B010 - the misuse under test
     with pytest.raises(IntegrationError, match=r"ToyModel\.microbatch_inputs: " + match):
         read_inputs(model)
 
@@ -186,7 +187,9 @@ class _Stage:
 class _NoMaskStage(GPTMoEStage):
     """A stage whose plain forward takes no masks (torch's own run refuses them)."""
 
-    def forward(self, x: Tensor, position_ids: Tensor | None = None) -> Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]  # pyright: ignore[reportIncompatibleMethodOverride]
+        self, x: Tensor, position_ids: Tensor | None = None
+    ) -> Tensor:
         return self.plain_forward(x, position_ids)
 
 
@@ -214,7 +217,7 @@ def test_prepared_stage_keywords() -> None:
         stages: list[Any] = [_Stage(i, m) for i, m in zip((0, 2), pair, strict=True)]
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=4, loss_fn=lambda a, b: a)
         overlap = prepare_schedule(schedule, pair=True)
-        build = overlap._plan  # pyright: ignore[reportPrivateUsage] - the plan/keyword step
+        build = overlap._plan  # the plan/keyword step
         first, later = stages
         hidden = torch.randn(2, 8, config.hidden_size)
         if name == "plain":

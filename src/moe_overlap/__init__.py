@@ -87,6 +87,8 @@ from moe_overlap.engine._wgrad_check import check_wgrad_done as check_wgrad_done
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_INPUTS",
+    "OPTIONAL_INPUTS",
     "BackwardDWWrapper",
     "ChunkHooks",
     "ChunkShape",
@@ -95,7 +97,6 @@ __all__ = [
     "CpuEvent",
     "CpuStream",
     "CudaGraphModule",
-    "DEFAULT_INPUTS",
     "DeclaresInputs",
     "Direction",
     "FreeInputConfig",
@@ -112,7 +113,6 @@ __all__ = [
     "NodeStateError",
     "NodeTimer",
     "NoopScheduleNode",
-    "OPTIONAL_INPUTS",
     "PendingWgrad",
     "PlanReleasedError",
     "PostProcessNode",

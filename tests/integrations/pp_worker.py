@@ -97,7 +97,9 @@ def build(case: dict[str, Any], ep_group: dist.ProcessGroup | None, *, delay: bo
         for m in model.modules():
             if isinstance(m, TopKRouter):
                 m.expert_bias[config.num_experts // 2 :] = -1e4
-    return Built(model, lambda r: GPTMoEStage(model, r), lambda x, pos, **masks: model(x, pos, **masks))
+    return Built(
+        model, lambda r: GPTMoEStage(model, r), lambda x, pos, **masks: model(x, pos, **masks)
+    )
 
 
 def _qwen3_moe(case: dict[str, Any], *, delay: bool) -> Built:
@@ -194,7 +196,9 @@ def run(
     for step in range(steps):
         model.zero_grad(set_to_none=True)
         x, y = batch(case, step)
-        kwargs: dict[str, Tensor] = {"position_ids": positions(case)} if case.get("positions") else {}
+        kwargs: dict[str, Tensor] = (
+            {"position_ids": positions(case)} if case.get("positions") else {}
+        )
         kwargs.update(masks(case))
         losses: list[Tensor] = []
         if pp_rank == 0:

@@ -49,7 +49,13 @@ def microbatches(
             loss_mask=mask,
         )
         if padded:
-            mb = dataclasses.replace(mb, **padding(batch, seq, left=3 + i % 3, mask=mask))
+            masks = padding(batch, seq, left=3 + i % 3, mask=mask)
+            mb = dataclasses.replace(
+                mb,
+                padding_mask=masks["padding_mask"],
+                attention_mask=masks["attention_mask"],
+                loss_mask=masks["loss_mask"],
+            )
         out.append(mb)
     return out
 

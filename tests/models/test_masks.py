@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from typing import Literal
 
 import pytest
 import torch
@@ -79,7 +80,9 @@ def test_padded_tokens_contribute_nothing(attention: str, moe: bool) -> None:
     other_losses, other_grads = _step(GPTMoEModel(config), other)
     assert grads.keys() == other_grads.keys()
     if moe:
-        assert all(torch.allclose(a, b, rtol=1e-6) for a, b in zip(losses, other_losses, strict=True))
+        assert all(
+            torch.allclose(a, b, rtol=1e-6) for a, b in zip(losses, other_losses, strict=True)
+        )
         assert all(torch.allclose(grads[n], other_grads[n], rtol=1e-4, atol=1e-7) for n in grads)
     else:
         assert all(torch.equal(a, b) for a, b in zip(losses, other_losses, strict=True))
@@ -90,7 +93,7 @@ def test_padded_tokens_contribute_nothing(attention: str, moe: bool) -> None:
 
 
 @pytest.mark.parametrize("impl", ["math", "sdpa"])
-def test_a_query_without_keys_attends_nothing(impl: str) -> None:
+def test_a_query_without_keys_attends_nothing(impl: Literal["math", "sdpa"]) -> None:
     """Left padding: query 0 of row 0 has no key left; its output is zero, no NaN either
     way, and both impls agree on the rows that do attend."""
     torch.manual_seed(0)
@@ -100,7 +103,7 @@ def test_a_query_without_keys_attends_nothing(impl: str) -> None:
     assert keys is not None
     assert keys.dead[0, 0, :, 0].tolist() == [True, True, False, False, False, False]
     assert not keys.dead[1].any()
-    attn = SelfAttention(16, 2, impl=impl, delay_wgrad=False)  # type: ignore[arg-type]
+    attn = SelfAttention(16, 2, impl=impl, delay_wgrad=False)
     with torch.no_grad():
         for p in attn.parameters():
             p.normal_(std=0.2)
@@ -123,10 +126,10 @@ def test_aux_loss_counts_only_real_tokens() -> None:
     torch.nn.init.normal_(router.weight)
     scores = torch.softmax(torch.randn(10, 4), dim=-1)
     pad = torch.tensor([True, True, False, False, False, False, False, False, True, False])
-    masked = router._aux_loss(scores, pad)  # pyright: ignore[reportPrivateUsage]
-    real = router._aux_loss(scores[~pad])  # pyright: ignore[reportPrivateUsage]
+    masked = router._aux_loss(scores, pad)
+    real = router._aux_loss(scores[~pad])
     assert torch.allclose(masked, real, rtol=1e-6)
-    nothing = router._aux_loss(scores, torch.ones(10, dtype=torch.bool))  # pyright: ignore[reportPrivateUsage]
+    nothing = router._aux_loss(scores, torch.ones(10, dtype=torch.bool))
     assert nothing.item() == 0.0
 
 
@@ -135,7 +138,7 @@ def _mb(**fields: object) -> Microbatch:
     return dataclasses.replace(mb, **fields)  # type: ignore[arg-type]
 
 
-BAD = {
+BAD: dict[str, tuple[dict[str, object], str]] = {
     "attention_mask_float": (
         {"attention_mask": torch.zeros(2, 1, 16, 16)},
         r"attention_mask: expected a bool tensor of shape \[B or 1, 1, S or 1, S\] = "

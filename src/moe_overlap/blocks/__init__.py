@@ -42,14 +42,14 @@ from moe_overlap.blocks._dispatcher import TokenDispatcher as TokenDispatcher
 from moe_overlap.blocks._experts import GroupedExperts as GroupedExperts
 from moe_overlap.blocks._graphs import GraphedBlock as GraphedBlock
 from moe_overlap.blocks._loopback import HostLoopback as HostLoopback
+from moe_overlap.blocks._loopback import LoopbackMode as LoopbackMode
+from moe_overlap.blocks._loopback import loopback as loopback
 from moe_overlap.blocks._masks import BlockedKeys as BlockedKeys
 from moe_overlap.blocks._masks import blocked_keys as blocked_keys
 from moe_overlap.blocks._masks import check_attention_mask as check_attention_mask
 from moe_overlap.blocks._masks import check_masks as check_masks
 from moe_overlap.blocks._masks import check_padding_mask as check_padding_mask
 from moe_overlap.blocks._masks import token_padding as token_padding
-from moe_overlap.blocks._loopback import LoopbackMode as LoopbackMode
-from moe_overlap.blocks._loopback import loopback as loopback
 from moe_overlap.blocks._model import MegatronHooks as MegatronHooks
 from moe_overlap.blocks._model import PlainLayer as PlainLayer
 from moe_overlap.blocks._model import Rotary as Rotary
@@ -130,8 +130,8 @@ __all__ = [
     "blocked_keys",
     "check_attention_mask",
     "check_masks",
-    "check_padding_mask",
     "check_no_pending_wgrad",
+    "check_padding_mask",
     "discard_wgrad",
     "finish_wgrad",
     "loopback",

@@ -47,9 +47,7 @@ def check_padding_mask(mask: Tensor | None, batch: int, seq: int, where: str) ->
     return mask
 
 
-def check_attention_mask(
-    mask: Tensor | None, batch: int, seq: int, where: str
-) -> Tensor | None:
+def check_attention_mask(mask: Tensor | None, batch: int, seq: int, where: str) -> Tensor | None:
     """``mask`` if it is ``None`` or a bool ``[B or 1, 1, S or 1, S]`` tensor, else a
     :class:`~moe_overlap.ConfigError` naming ``where`` and the field."""
     if mask is None:

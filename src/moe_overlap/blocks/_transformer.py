@@ -138,7 +138,9 @@ class SelfAttention(nn.Module):
         k = apply_rotary(k, cos, sin)
         masks = () if blocked is None else (blocked,)
         core = self._core
-        ctx_BHSE = recompute(core, q, k, v, *masks) if self.recompute_core else core(q, k, v, *masks)
+        ctx_BHSE = (
+            recompute(core, q, k, v, *masks) if self.recompute_core else core(q, k, v, *masks)
+        )
         if dead is not None:
             ctx_BHSE = ctx_BHSE.masked_fill(dead, 0.0)
         out_BSD = ctx_BHSE.transpose(1, 2).reshape(B, S, D)

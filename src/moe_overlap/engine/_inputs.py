@@ -54,9 +54,11 @@ def read_inputs(model: object) -> frozenset[str]:
     declared: object = getattr(model, "microbatch_inputs", _MISSING)
     if declared is _MISSING:
         return DEFAULT_INPUTS
-    if isinstance(declared, frozenset) and declared <= _KNOWN:  # the fast path
-        return cast("frozenset[str]", declared)
-    return _as_names(model, declared)
+    if isinstance(declared, frozenset):  # the fast path
+        names = cast("frozenset[str]", declared)
+        if names <= _KNOWN:
+            return names
+    return _as_names(model, cast(object, declared))
 
 
 def _as_names(model: object, declared: object) -> frozenset[str]:

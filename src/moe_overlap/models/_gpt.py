@@ -21,9 +21,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_overlap import ChunkState, ConfigError
 from moe_overlap.blocks._dispatcher import TokenDispatcher
 from moe_overlap.blocks._experts import GroupedExperts
-from moe_overlap import ChunkState, ConfigError
 from moe_overlap.blocks._graphs import GraphedBlock
 from moe_overlap.blocks._masks import check_masks
 from moe_overlap.blocks._model import MegatronHooks, Rotary
