@@ -83,7 +83,8 @@ class TopKRouter(nn.Module):
     gradient is ``aux_loss_coeff * aux_loss_scale``, where ``aux_loss_scale`` (1 by
     default) should equal the scale applied to the language-model loss
     (``combined_1f1b(..., loss_scale=...)``), as Megatron-Core's
-    ``MoEAuxLossAutoScaler.set_loss_scale`` does.
+    ``MoEAuxLossAutoScaler.set_loss_scale`` does. ``forward(x, padding_T)`` leaves padded
+    tokens out of that loss (Megatron-Core's ``padding_mask``); they are still routed.
     """
 
     expert_bias: Tensor

@@ -58,7 +58,7 @@ def read_inputs(model: object) -> frozenset[str]:
         names = cast("frozenset[str]", declared)
         if names <= _KNOWN:
             return names
-    return _as_names(model, cast(object, declared))
+    return _as_names(model, declared)  # pyright: ignore[reportUnknownArgumentType]
 
 
 def _as_names(model: object, declared: object) -> frozenset[str]:
