@@ -66,6 +66,16 @@ class GPTMoEModel(MegatronHooks, nn.Module):
     :class:`~moe_overlap.blocks.TokenDispatcher`);
     non-expert parameters are replicated and initialised identically on every rank, and
     global expert ``x`` gets the same initial weights whatever the EP size.
+
+    Inputs (``microbatch_inputs``; anything else a :class:`~moe_overlap.Microbatch` sets is
+    refused when the plan is built): ``position_ids``, ``labels``, ``loss_mask``, and the
+    masks by Megatron-Core's conventions, checked by :meth:`validate_inputs`: an
+    ``attention_mask`` bool ``[B or 1, 1, S or 1, S]`` (``True``: not attended) on top of
+    the causal mask, a ``padding_mask`` bool ``[B, S]`` (``True``: padding) whose tokens no
+    query attends and the router's aux loss leaves out (they are still routed; the loss
+    leaves them out through ``loss_mask``, which is then required). A query with no key
+    left gets a zero attention output. See the building blocks' page, "Attention and
+    padding masks".
     """
 
     def __init__(
