@@ -527,6 +527,29 @@ def microbatch_field_not_a_tensor(ctx: Ctx) -> None:
     Microbatch(input_ids=bad([[1, 2, 3]]))
 
 
+def microbatch_field_the_model_does_not_read(ctx: Ctx) -> None:
+    mask = torch.zeros(2, 1, 8, 8, dtype=torch.bool)
+    mbs = [dataclasses.replace(mb, attention_mask=mask) for mb in ctx.mbs]
+    combined_1f1b(ctx.model, mbs)
+
+
+def plan_input_the_model_does_not_read(ctx: Ctx) -> None:
+    mb = ctx.mbs[0]
+    ModelChunkSchedulePlan(
+        ctx.model, mb.input_ids, mb.position_ids, None, labels=mb.labels, loss_mask=torch.ones(2, 8)
+    )
+
+
+def microbatch_inputs_unknown_name(ctx: Ctx) -> None:
+    patch(ctx.model, "microbatch_inputs", frozenset({"labels", "position_id"}))
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+def microbatch_inputs_a_string(ctx: Ctx) -> None:
+    patch(ctx.model, "microbatch_inputs", "labels")
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
 def microbatches_a_generator(ctx: Ctx) -> None:
     combined_1f1b(ctx.model, bad(mb for mb in ctx.mbs))
 
@@ -869,6 +892,32 @@ CASES = [
         r"Microbatch\.input_ids: expected a Tensor or None, received list",
     ),
     Case(
+        microbatch_field_the_model_does_not_read,
+        ConfigError,
+        r"combined_1f1b: microbatches\[0\]: Microbatch field attention_mask is set, but "
+        r"ToyModel does not read it \(ToyModel reads \['labels', 'position_ids'\], by "
+        r"default: it declares no microbatch_inputs\); it would be silently ignored.*"
+        r"list it in ToyModel\.microbatch_inputs",
+    ),
+    Case(
+        plan_input_the_model_does_not_read,
+        ConfigError,
+        r"ModelChunkSchedulePlan \(microbatch None\): input loss_mask is set, but ToyModel "
+        r"does not read it",
+    ),
+    Case(
+        microbatch_inputs_unknown_name,
+        IntegrationError,
+        r"ToyModel\.microbatch_inputs: expected names among \[.*\], received also "
+        r"\['position_id'\]",
+    ),
+    Case(
+        microbatch_inputs_a_string,
+        IntegrationError,
+        r"ToyModel\.microbatch_inputs: expected a collection of input names .*received str "
+        r"'labels'",
+    ),
+    Case(
         microbatches_a_generator,
         ConfigError,
         r"microbatches must be a sequence \(list or tuple\) of Microbatch, received generator",
@@ -934,7 +983,7 @@ def test_misuse(case: Case) -> None:
 
 def undo_patches(model: ToyModel) -> None:
     """The user's fix: patches removed, delayed wgrad off again and what was pending dropped."""
-    for name in ("_preprocess", "_postprocess"):
+    for name in ("_preprocess", "_postprocess", "microbatch_inputs"):
         model.__dict__.pop(name, None)
     for layer in model.decoder.layers:
         for name in (*SLOT_NAMES, "pre_dispatch_wgrad", "mlp_wgrad"):

@@ -173,6 +173,8 @@ class UserDecoder(nn.Module):
 class UserModel(nn.Module):
     """A model with Megatron's hook names; unused ``_postprocess`` keywords in ``**kwargs``."""
 
+    microbatch_inputs = frozenset({"labels"})  # what it reads besides input_ids
+
     def __init__(self, config: UserConfig, layer: type[UserLayer] = UserLayer) -> None:
         super().__init__()
         self.pre_process = True

@@ -12,6 +12,7 @@ from moe_overlap import (
     ChunkState,
     CpuEvent,
     CpuStream,
+    DeclaresInputs,
     FreeInputConfig,
     LayerArgs,
     LayerState,
@@ -28,13 +29,16 @@ from moe_overlap import (
     StreamPair,
     StreamProvider,
     TransformerLayerNode,
+    ValidatesInputs,
     WgradLayer,
+    check_inputs,
     combined_1f1b,
     get_comm_stream,
     get_comp_stream,
     make_streams,
     should_free_input,
 )
+from moe_overlap.models import GPTMoEConfig, GPTMoEModel, GPTMoEStage
 from moe_overlap.timeline import Timeline
 
 from ._user_model import (
@@ -51,6 +55,16 @@ config = UserConfig()
 # Models: the full spelling and the **kwargs spelling.
 model: PreprocessableModel = UserModel(config)
 short_model: PreprocessableModel = ShortUserModel(config)
+
+# The optional input declaration (a class attribute) and the reference model's check.
+declares: DeclaresInputs = UserModel(config)
+reference = GPTMoEModel(GPTMoEConfig())
+reference_model: PreprocessableModel = reference
+reference_declares: DeclaresInputs = reference
+reference_validates: ValidatesInputs = reference
+stage_validates: ValidatesInputs = GPTMoEStage(reference, range(0, 1))
+check_inputs(reference, ChunkState(), where="typing")
+check_inputs(reference, {"attention_mask": None}, what="stage keyword")
 
 # Layers, wgrad modules, configs.
 layer: SchedulableLayer = UserLayer(config)

@@ -28,6 +28,10 @@ from moe_overlap.engine._errors import TypeHintError as TypeHintError
 from moe_overlap.engine._errors import WgradError as WgradError
 from moe_overlap.engine._free_input import CudaGraphModule as CudaGraphModule
 from moe_overlap.engine._free_input import should_free_input as should_free_input
+from moe_overlap.engine._inputs import DEFAULT_INPUTS as DEFAULT_INPUTS
+from moe_overlap.engine._inputs import OPTIONAL_INPUTS as OPTIONAL_INPUTS
+from moe_overlap.engine._inputs import check_inputs as check_inputs
+from moe_overlap.engine._inputs import read_inputs as read_inputs
 from moe_overlap.engine._layer_node import LayerArgs as LayerArgs
 from moe_overlap.engine._layer_node import TransformerLayerNode as TransformerLayerNode
 from moe_overlap.engine._layer_plan import (
@@ -40,6 +44,7 @@ from moe_overlap.engine._options import ChunkHooks as ChunkHooks
 from moe_overlap.engine._options import ScheduleOptions as ScheduleOptions
 from moe_overlap.engine._process_nodes import PostProcessNode as PostProcessNode
 from moe_overlap.engine._process_nodes import PreProcessNode as PreProcessNode
+from moe_overlap.engine._protocols import DeclaresInputs as DeclaresInputs
 from moe_overlap.engine._protocols import FreeInputConfig as FreeInputConfig
 from moe_overlap.engine._protocols import GraphedWgradLayer as GraphedWgradLayer
 from moe_overlap.engine._protocols import MtpSchedulableLayer as MtpSchedulableLayer
@@ -50,6 +55,7 @@ from moe_overlap.engine._protocols import SchedulableLayer as SchedulableLayer
 from moe_overlap.engine._protocols import SlotFn as SlotFn
 from moe_overlap.engine._protocols import StepObserver as StepObserver
 from moe_overlap.engine._protocols import StreamProvider as StreamProvider
+from moe_overlap.engine._protocols import ValidatesInputs as ValidatesInputs
 from moe_overlap.engine._protocols import WgradLayer as WgradLayer
 from moe_overlap.engine._state import ChunkState as ChunkState
 from moe_overlap.engine._state import LayerState as LayerState
@@ -81,6 +87,8 @@ from moe_overlap.engine._wgrad_check import check_wgrad_done as check_wgrad_done
 __version__ = "0.1.0"
 
 __all__ = [
+    "DEFAULT_INPUTS",
+    "OPTIONAL_INPUTS",
     "BackwardDWWrapper",
     "ChunkHooks",
     "ChunkShape",
@@ -89,6 +97,7 @@ __all__ = [
     "CpuEvent",
     "CpuStream",
     "CudaGraphModule",
+    "DeclaresInputs",
     "Direction",
     "FreeInputConfig",
     "GraphedWgradLayer",
@@ -126,10 +135,12 @@ __all__ = [
     "TransformerLayerNode",
     "TransformerLayerSchedulePlan",
     "TypeHintError",
+    "ValidatesInputs",
     "WgradError",
     "WgradLayer",
     "WgradScope",
     "backward_pair_steps",
+    "check_inputs",
     "check_wgrad_done",
     "chunk_steps",
     "combined_1f1b",
@@ -140,6 +151,7 @@ __all__ = [
     "layer_pair_steps",
     "make_event",
     "make_streams",
+    "read_inputs",
     "run_pair",
     "set_streams",
     "should_free_input",

@@ -2,7 +2,8 @@
 
 Configured by ``PP_CASE`` (JSON: ``pp``, ``ep``, ``schedule`` ``"dualpipev"`` or
 ``"interleaved"``, ``microbatches``, ``delay``, ``stages`` (layer boundaries),
-``starve`` (route no token to the last EP rank's experts), ``fail_at`` (a microbatch whose
+``starve`` (route no token to the last EP rank's experts), ``masks`` (attention and
+padding masks as stage keywords), ``fail_at`` (a microbatch whose
 forward fails in an overlapped action, on rank 0)). Prints one JSON line per rank: the
 losses of each run and whether every gradient of this rank's stages is bit-identical.
 """
@@ -73,7 +74,7 @@ class Built:
 
     model: nn.Module
     stage: Callable[[range], nn.Module]
-    logits: Callable[[Tensor, Tensor | None], Tensor]
+    logits: Callable[..., Tensor]
 
 
 def build(case: dict[str, Any], ep_group: dist.ProcessGroup | None, *, delay: bool) -> Built:
@@ -96,7 +97,9 @@ def build(case: dict[str, Any], ep_group: dist.ProcessGroup | None, *, delay: bo
         for m in model.modules():
             if isinstance(m, TopKRouter):
                 m.expert_bias[config.num_experts // 2 :] = -1e4
-    return Built(model, lambda r: GPTMoEStage(model, r), lambda x, pos: model(x, pos))
+    return Built(
+        model, lambda r: GPTMoEStage(model, r), lambda x, pos, **masks: model(x, pos, **masks)
+    )
 
 
 def _qwen3_moe(case: dict[str, Any], *, delay: bool) -> Built:
@@ -166,6 +169,20 @@ def positions(case: dict[str, Any]) -> Tensor:
     return rows.to(device(case))
 
 
+def masks(case: dict[str, Any]) -> dict[str, Tensor]:
+    """Padded rows (``masks``): even rows left-padded by 3, odd rows right-padded by 2, and
+    an attention mask hiding key 1 from the second half of each row's queries."""
+    if not case.get("masks"):
+        return {}
+    n = B * case["microbatches"]
+    padding = torch.zeros(n, S, dtype=torch.bool)
+    padding[0::2, :3] = True
+    padding[1::2, S - 2 :] = True
+    attention = torch.zeros(n, 1, S, S, dtype=torch.bool)
+    attention[:, 0, S // 2 :, 1] = True
+    return {"attention_mask": attention.to(device(case)), "padding_mask": padding.to(device(case))}
+
+
 def run(
     case: dict[str, Any],
     model: nn.Module,
@@ -179,7 +196,10 @@ def run(
     for step in range(steps):
         model.zero_grad(set_to_none=True)
         x, y = batch(case, step)
-        kwargs = {"position_ids": positions(case)} if case.get("positions") else {}
+        kwargs: dict[str, Tensor] = (
+            {"position_ids": positions(case)} if case.get("positions") else {}
+        )
+        kwargs.update(masks(case))
         losses: list[Tensor] = []
         if pp_rank == 0:
             schedule.step(x, target=y, losses=losses, **kwargs)
@@ -197,8 +217,9 @@ def plain_reference(case: dict[str, Any], built: Built, steps: int) -> list[Tens
         x, y = batch(case, step)
         pos = positions(case) if case.get("positions") else None
         pos_chunks = pos.chunk(n) if pos is not None else [None] * n
-        for xs, ys, ps in zip(x.chunk(n), y.chunk(n), pos_chunks, strict=True):
-            (loss_fn(built.logits(xs, ps), ys) / n).backward()
+        mask_chunks = [{k: v.chunk(n)[i] for k, v in masks(case).items()} for i in range(n)]
+        for xs, ys, ps, ms in zip(x.chunk(n), y.chunk(n), pos_chunks, mask_chunks, strict=True):
+            (loss_fn(built.logits(xs, ps, **ms), ys) / n).backward()
     return [p.grad for p in built.model.parameters()]
 
 

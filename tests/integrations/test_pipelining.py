@@ -45,6 +45,9 @@ CASES: dict[str, dict[str, Any]] = {
     "interleaved-pp2-mb4-positions": dict(
         pp=2, ep=1, schedule="interleaved", microbatches=4, delay=True, positions=True
     ),
+    "interleaved-pp2-ep2-mb4-delay-masks": dict(
+        pp=2, ep=2, schedule="interleaved", microbatches=4, delay=True, masks=True
+    ),
     "interleaved-pp2-mb4-sequential": dict(
         pp=2, ep=1, schedule="interleaved", microbatches=4, delay=True, overlap=False
     ),

@@ -28,24 +28,46 @@ SMALL = GPTMoEConfig(
 
 
 def microbatches(
-    n: int, *, vocab: int, batch: int = 2, seq: int = 16, seed: int = 0
+    n: int, *, vocab: int, batch: int = 2, seq: int = 16, seed: int = 0, padded: bool = False
 ) -> list[Microbatch]:
-    """Random next-token microbatches with a loss mask that drops the first position."""
+    """Random next-token microbatches with a loss mask that drops the first position.
+
+    ``padded``: row 0 left-padded (a microbatch-dependent length), the last row
+    right-padded by 3, as ``padding_mask`` (kept out of ``loss_mask``), and an attention
+    mask hiding key 2 from the second half of row 0's queries.
+    """
     gen = torch.Generator().manual_seed(seed)
     out: list[Microbatch] = []
-    for _ in range(n):
+    for i in range(n):
         ids = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
         mask = torch.ones(batch, seq)
         mask[:, 0] = 0.0
-        out.append(
-            Microbatch(
-                input_ids=ids[:, :-1],
-                position_ids=torch.arange(seq).expand(batch, seq),
-                labels=ids[:, 1:],
-                loss_mask=mask,
-            )
+        mb = Microbatch(
+            input_ids=ids[:, :-1],
+            position_ids=torch.arange(seq).expand(batch, seq),
+            labels=ids[:, 1:],
+            loss_mask=mask,
         )
+        if padded:
+            masks = padding(batch, seq, left=3 + i % 3, mask=mask)
+            mb = dataclasses.replace(
+                mb,
+                padding_mask=masks["padding_mask"],
+                attention_mask=masks["attention_mask"],
+                loss_mask=masks["loss_mask"],
+            )
+        out.append(mb)
     return out
+
+
+def padding(batch: int, seq: int, *, left: int, mask: Tensor) -> dict[str, Tensor]:
+    """``padding_mask``, ``attention_mask`` and the loss mask without the padding."""
+    pad = torch.zeros(batch, seq, dtype=torch.bool)
+    pad[0, :left] = True
+    pad[-1, seq - 3 :] = True
+    attention = torch.zeros(batch, 1, seq, seq, dtype=torch.bool)
+    attention[0, 0, seq // 2 :, 2] = True
+    return {"padding_mask": pad, "attention_mask": attention, "loss_mask": mask * ~pad}
 
 
 @dataclass(frozen=True)
@@ -80,6 +102,8 @@ def check_parity(
     count_group: dist.ProcessGroup | None = None,
     data_seed: int = 0,
     loss_scale: float = 1.0,
+    padded: bool = False,
+    fill_drain: bool = False,
 ) -> Parity:
     """Run ``combined_1f1b`` and plain per-microbatch backward from the same weights."""
     scheduled = GPTMoEModel(config, ep_group=ep_group, count_group=count_group)
@@ -87,20 +111,28 @@ def check_parity(
     plain.load_state_dict(scheduled.state_dict())
     starve(scheduled, starved)
     starve(plain, starved)
-    data = microbatches(n_micro, vocab=config.vocab_size, seed=data_seed)
+    data = microbatches(n_micro, vocab=config.vocab_size, seed=data_seed, padded=padded)
     losses = combined_1f1b(
         scheduled,
         data,
         overlap=overlap,
         options=scheduled.schedule_options(free_input=free_input),
         loss_scale=loss_scale,
+        fill_drain=fill_drain,
     )
     check_no_pending_wgrad(scheduled)
     ref = []
     with _RoutedCounts(plain) as routed:
         for mb in data:
             assert mb.input_ids is not None
-            loss = plain(mb.input_ids, mb.position_ids, mb.labels, mb.loss_mask)
+            loss = plain(
+                mb.input_ids,
+                mb.position_ids,
+                mb.labels,
+                mb.loss_mask,
+                attention_mask=mb.attention_mask,
+                padding_mask=mb.padding_mask,
+            )
             (loss * loss_scale).backward()
             ref.append(loss.detach())
     mismatched, missing = [], []

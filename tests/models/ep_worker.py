@@ -28,6 +28,7 @@ class Case:
     starved: tuple[int, ...] = ()
     overlap: bool = True
     count_group: bool = False
+    padded: bool = False
 
 
 CASES: dict[str, Case] = {
@@ -37,6 +38,10 @@ CASES: dict[str, Case] = {
     "starved_delay": Case({"delay_wgrad_compute": True}, starved=(0, 1)),
     "no_overlap": Case(overlap=False),
     "count_group": Case({"delay_wgrad_compute": True}, count_group=True),
+    "padded_aux_delay": Case(
+        {"moe_aux_loss_coeff": 0.01, "delay_wgrad_compute": True, "attention": "sdpa"},
+        padded=True,
+    ),
 }
 
 
@@ -56,6 +61,7 @@ def main() -> None:
                 ep_group=dist.group.WORLD,
                 count_group=counts if case.count_group else None,
                 data_seed=100 + rank,
+                padded=case.padded,
             )
             print(json.dumps({"case": name, "rank": rank, **dataclasses.asdict(result)}))
         try:

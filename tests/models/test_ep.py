@@ -12,7 +12,15 @@ def ep2_results() -> list[dict[str, object]]:
     return run_ranks("tests.models.ep_worker")
 
 
-CASES = ["moe", "shared_delay", "all_moe_aux", "starved_delay", "no_overlap", "count_group"]
+CASES = [
+    "moe",
+    "shared_delay",
+    "all_moe_aux",
+    "starved_delay",
+    "no_overlap",
+    "count_group",
+    "padded_aux_delay",
+]
 
 
 @pytest.mark.slow

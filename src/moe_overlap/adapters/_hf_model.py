@@ -593,6 +593,13 @@ class TransformersMoEAdapter(MegatronHooks):
         return calls[index]
 
     # --- public helpers -------------------------------------------------------------------
+    microbatch_inputs = frozenset({"position_ids", "attention_mask", "labels"})
+    """What the adapter reads (:class:`~moe_overlap.DeclaresInputs`): the arguments of the
+    model's own ``forward`` it reproduces. ``attention_mask`` is transformers' (``[B, S]``,
+    ``1`` at tokens to attend, or what the model's ``forward`` takes), not Megatron-Core's;
+    ``loss_mask`` and ``padding_mask`` are refused: set ignored labels to ``-100``, and
+    mask padding with ``attention_mask``."""
+
     def bypassed_modules(self) -> Iterator[BypassedModule]:
         """The transformers modules whose ``forward`` the slots skip or split (checked at
         every plan build: wrappers, ``compile`` and hooks on them are refused)."""

@@ -118,6 +118,11 @@ class TransformersMoEStage(StageRange, MegatronHooks, nn.Module):
             )
         return self.adapter.output(hidden_states, labels, loss_mask)
 
+    microbatch_inputs = frozenset({"position_ids", "labels"})
+    """What a stage reads (:class:`~moe_overlap.DeclaresInputs`): a stage takes no
+    ``attention_mask`` (its ``forward`` has none; use the whole adapter for padded
+    batches)."""
+
     def forward(self, x: Tensor, position_ids: Tensor | None = None) -> Tensor:
         """The plain path: token ids or hidden states in, hidden states or logits out."""
         return self.plain_forward(x, position_ids)

@@ -14,6 +14,11 @@
   the counts' copy to the host queued as :class:`HostCounts`, awaited in the dispatch slot at
   EP>1 only), moves them over the expert-parallel group or a one-device
   :class:`HostLoopback` (:func:`loopback` as an autograd op), and back;
+- masks: :func:`check_attention_mask` / :func:`check_padding_mask` (Megatron-Core's
+  conventions: a bool ``[B or 1, 1, S or 1, S]`` attention mask, ``True`` = not attended; a
+  bool ``[B, S]`` padding mask, ``True`` = padding), :func:`blocked_keys` (both with
+  causality: what :class:`SelfAttention` masks out, :class:`BlockedKeys`),
+  :func:`token_padding` (the padding per token, for :class:`TopKRouter`);
 - slots: :class:`SlotContext` (what a slot sees of its node) and :class:`PlainContext`, its
   stand-in on the plain path, so one function serves both; :meth:`TokenDispatcher.slot_permute`
   and its three siblings are the dispatcher's steps as slots call them; :func:`add_residual`
@@ -42,6 +47,12 @@ from moe_overlap.blocks._graphs import GraphedBlock as GraphedBlock
 from moe_overlap.blocks._loopback import HostLoopback as HostLoopback
 from moe_overlap.blocks._loopback import LoopbackMode as LoopbackMode
 from moe_overlap.blocks._loopback import loopback as loopback
+from moe_overlap.blocks._masks import BlockedKeys as BlockedKeys
+from moe_overlap.blocks._masks import blocked_keys as blocked_keys
+from moe_overlap.blocks._masks import check_attention_mask as check_attention_mask
+from moe_overlap.blocks._masks import check_masks as check_masks
+from moe_overlap.blocks._masks import check_padding_mask as check_padding_mask
+from moe_overlap.blocks._masks import token_padding as token_padding
 from moe_overlap.blocks._model import MegatronHooks as MegatronHooks
 from moe_overlap.blocks._model import PlainLayer as PlainLayer
 from moe_overlap.blocks._model import Rotary as Rotary
@@ -83,6 +94,7 @@ from moe_overlap.blocks._wgrad import finish_wgrad as finish_wgrad
 from moe_overlap.blocks._wgrad import pending_wgrad as pending_wgrad
 
 __all__ = [
+    "BlockedKeys",
     "DelayedWgradGroupedLinear",
     "DelayedWgradLinear",
     "DelayedWgradModule",
@@ -120,7 +132,11 @@ __all__ = [
     "add_residual",
     "apply_rotary",
     "attach_aux_loss",
+    "blocked_keys",
+    "check_attention_mask",
+    "check_masks",
     "check_no_pending_wgrad",
+    "check_padding_mask",
     "discard_wgrad",
     "finish_wgrad",
     "loopback",
@@ -132,4 +148,5 @@ __all__ = [
     "save_matmuls",
     "single_input",
     "swiglu",
+    "token_padding",
 ]

@@ -15,7 +15,14 @@ from typing import NamedTuple, Protocol, cast
 
 from torch import Tensor
 
-from moe_overlap import ChunkState, ConfigError, IntegrationError, PreprocessOutput, ScheduleOptions
+from moe_overlap import (
+    ChunkState,
+    ConfigError,
+    IntegrationError,
+    PreprocessOutput,
+    ScheduleOptions,
+    check_inputs,
+)
 
 __all__ = ["MegatronHooks", "Rotary"]
 
@@ -89,31 +96,41 @@ class MegatronHooks:
         *,
         labels: Tensor | None = None,
         loss_mask: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        padding_mask: Tensor | None = None,
     ) -> Tensor:
         """The chunk without a schedule: ``_preprocess``, each layer's ``run_plain``, then
         ``_postprocess`` (the loss with ``labels``, else usually the logits).
 
         ``x`` is the token ids when the model has ``pre_process`` (a first pipeline
         stage or a whole model), else the hidden states from the previous stage; without
-        ``post_process`` the last layer's hidden states are returned.
+        ``post_process`` the last layer's hidden states are returned. The inputs are
+        checked as a plan checks them (:func:`~moe_overlap.check_inputs`): one the model
+        does not read is a :class:`~moe_overlap.ConfigError` here too.
         """
         pre_process = bool(getattr(self, "pre_process", True))
         post_process = bool(getattr(self, "post_process", True))
-        if pre_process:
-            pre = self._preprocess(x, position_ids)
-        else:
-            pre = self._preprocess(None, position_ids, decoder_input=x)
         input_ids = x if pre_process else None
         cs = ChunkState(
             input_ids=input_ids,
             position_ids=position_ids,
+            attention_mask=attention_mask,
+            decoder_input=None if pre_process else x,
             labels=labels,
             loss_mask=loss_mask,
-            decoder_input=pre.decoder_input,
-            rotary_pos_emb=pre.rotary_pos_emb,
-            rotary_pos_cos=pre.rotary_pos_cos,
-            rotary_pos_sin=pre.rotary_pos_sin,
+            padding_mask=padding_mask,
         )
+        check_inputs(self, cs, where=f"{type(self).__name__}.plain_forward", what="argument")
+        if pre_process:
+            pre = self._preprocess(x, position_ids, padding_mask=padding_mask)
+        else:
+            pre = self._preprocess(None, position_ids, decoder_input=x, padding_mask=padding_mask)
+        cs.decoder_input = pre.decoder_input
+        cs.rotary_pos_emb = pre.rotary_pos_emb
+        cs.rotary_pos_cos = pre.rotary_pos_cos
+        cs.rotary_pos_sin = pre.rotary_pos_sin
+        cs.sequence_len_offset = pre.sequence_len_offset
+        cs.padding_mask = pre.padding_mask
         decoder: object = getattr(self, "decoder", None)
         layers = cast("Iterable[PlainLayer]", getattr(decoder, "layers", ()))
         h = pre.decoder_input
@@ -130,6 +147,8 @@ class MegatronHooks:
             pre.rotary_pos_cos,
             pre.rotary_pos_sin,
             loss_mask=loss_mask,
+            decoder_input=pre.decoder_input,
+            attention_mask=attention_mask,
         )
 
     def embed(self, input_ids: Tensor) -> Tensor:

@@ -83,7 +83,8 @@ class TopKRouter(nn.Module):
     gradient is ``aux_loss_coeff * aux_loss_scale``, where ``aux_loss_scale`` (1 by
     default) should equal the scale applied to the language-model loss
     (``combined_1f1b(..., loss_scale=...)``), as Megatron-Core's
-    ``MoEAuxLossAutoScaler.set_loss_scale`` does.
+    ``MoEAuxLossAutoScaler.set_loss_scale`` does. ``forward(x, padding_T)`` leaves padded
+    tokens out of that loss (Megatron-Core's ``padding_mask``); they are still routed.
     """
 
     expert_bias: Tensor
@@ -119,8 +120,13 @@ class TopKRouter(nn.Module):
             "expert_bias", torch.zeros(num_experts, dtype=torch.float32, device=device)
         )
 
-    def forward(self, x_TD: Tensor) -> tuple[Tensor, Tensor]:
-        """Return ``(probs_TK float32, experts_TK int64)``."""
+    def forward(self, x_TD: Tensor, padding_T: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """Return ``(probs_TK float32, experts_TK int64)``.
+
+        ``padding_T`` (bool ``[T]``, ``True`` at padding tokens, Megatron-Core's
+        ``padding_mask`` flattened): padded tokens are routed like the others, but left out
+        of the auxiliary loss (its expert loads, mean scores and token count).
+        """
         logits_TX = F.linear(x_TD, self.weight).float()
         if self.score == "softmax":
             scores_TX = torch.softmax(logits_TX, dim=-1)
@@ -128,7 +134,8 @@ class TopKRouter(nn.Module):
             scores_TX = torch.sigmoid(logits_TX)
         if self.aux_loss_coeff > 0:
             coeff = self.aux_loss_coeff * self.aux_loss_scale
-            scores_TX = attach_aux_loss(scores_TX, self._aux_loss(scores_TX), coeff)
+            aux = self._aux_loss(scores_TX, padding_T)
+            scores_TX = attach_aux_loss(scores_TX, aux, coeff)
         experts_TK = self._select(scores_TX.detach())
         probs_TK = scores_TX.gather(1, experts_TK)
         if self.normalize:
@@ -157,15 +164,24 @@ class TopKRouter(nn.Module):
         _, experts_TK = torch.topk(sel_TX, self.topk, dim=-1)
         return experts_TK
 
-    def _aux_loss(self, scores_TX: Tensor) -> Tensor:
+    def _aux_loss(self, scores_TX: Tensor, padding_T: Tensor | None = None) -> Tensor:
         experts_TK = self._select(scores_TX.detach())
         if self.score == "sigmoid":
             scores_TX = scores_TX / (scores_TX.sum(dim=-1, keepdim=True) + 1e-20)
         # One-hot sum, not bincount: bincount has no deterministic CUDA kernel.
         experts_X = torch.arange(self.num_experts, device=experts_TK.device)
-        counts_X = (experts_TK.reshape(-1, 1) == experts_X).sum(0)
-        frac_X = counts_X.to(torch.float32) / max(experts_TK.numel(), 1)
-        return self.num_experts * (frac_X * scores_TX.mean(0)).sum()
+        hits_TKX = experts_TK.unsqueeze(-1) == experts_X
+        if padding_T is None:
+            counts_X = hits_TKX.sum((0, 1))
+            frac_X = counts_X.to(torch.float32) / max(experts_TK.numel(), 1)
+            return self.num_experts * (frac_X * scores_TX.mean(0)).sum()
+        # Only the real tokens count (Megatron-Core's masked aux loss); no host sync.
+        real_T = ~padding_T
+        counts_X = (hits_TKX & real_T[:, None, None]).sum((0, 1))
+        n_real = real_T.sum().to(torch.float32).clamp(min=1.0)
+        frac_X = counts_X.to(torch.float32) / (n_real * self.topk)
+        mean_X = (scores_TX * real_T.unsqueeze(-1)).sum(0) / n_real
+        return self.num_experts * (frac_X * mean_X).sum()
 
 
 def _check_routing(

@@ -89,6 +89,12 @@ def apply_rotary(x_BHSE: Tensor, cos_B1SE: Tensor, sin_B1SE: Tensor) -> Tensor:
 class SelfAttention(nn.Module):
     """Causal multi-head self-attention with rotary embedding; fused QKV and output projection.
 
+    ``forward(x, cos, sin, blocked=None, dead=None)``: without ``blocked``, causal
+    attention; with it (a bool ``[B or 1, 1, S, S]``, ``True`` where a query must not attend
+    a key, causality included, from :func:`~moe_overlap.blocks.blocked_keys`), only the
+    keys it leaves; the queries marked in ``dead`` (``[B or 1, 1, S, 1]``: no key left) get
+    a zero output. Both impls (``math``, ``sdpa``) honour it.
+
     A :class:`~moe_overlap.WgradLayer`: ``backward_dw`` runs both projections' delayed
     weight gradients. ``recompute_core``: softmax(QK^T)V recomputed in backward.
     """
@@ -115,7 +121,14 @@ class SelfAttention(nn.Module):
             hidden, hidden, delay_wgrad=delay_wgrad, dtype=dtype, device=device
         )
 
-    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(
+        self,
+        x_BSD: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        blocked: Tensor | None = None,
+        dead: Tensor | None = None,
+    ) -> Tensor:
         B, S, D = x_BSD.shape
         H = self.heads
         E = D // H
@@ -123,20 +136,28 @@ class SelfAttention(nn.Module):
         q, k, v = qkv.unbind(0)
         q = apply_rotary(q, cos, sin)
         k = apply_rotary(k, cos, sin)
+        masks = () if blocked is None else (blocked,)
         core = self._core
-        ctx_BHSE = recompute(core, q, k, v) if self.recompute_core else core(q, k, v)
+        ctx_BHSE = (
+            recompute(core, q, k, v, *masks) if self.recompute_core else core(q, k, v, *masks)
+        )
+        if dead is not None:
+            ctx_BHSE = ctx_BHSE.masked_fill(dead, 0.0)
         out_BSD = ctx_BHSE.transpose(1, 2).reshape(B, S, D)
         out: Tensor = self.proj(out_BSD)
         return out
 
-    def _core(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        """Causal softmax(QK^T / sqrt(E)) V, per head."""
+    def _core(self, q: Tensor, k: Tensor, v: Tensor, blocked: Tensor | None = None) -> Tensor:
+        """softmax(QK^T / sqrt(E)) V per head, causal, or without the ``blocked`` keys."""
         if self.impl == "sdpa":
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            if blocked is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=~blocked)
         S, E = q.shape[-2], q.shape[-1]
         scores = q.matmul(k.transpose(-2, -1)) * (1.0 / math.sqrt(E))
-        causal = torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
+        if blocked is None:
+            blocked = ~torch.ones(S, S, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(blocked, float("-inf"))
         weights = torch.softmax(scores.float(), dim=-1).to(v.dtype)
         return weights.matmul(v)
 

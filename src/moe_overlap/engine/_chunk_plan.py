@@ -13,6 +13,7 @@ from ._conformance import check_model
 from ._errors import ConfigError, IntegrationError, PlanReleasedError, StreamError
 from ._executor import BValue, FValue, execute, execute_roles
 from ._fsdp_check import check_fsdp
+from ._inputs import check_inputs
 from ._layer_plan import POSITIONS, TransformerLayerSchedulePlan
 from ._node import ScheduleNode
 from ._options import ChunkHooks, PostBackwardHook, PostForwardHook, PreHook, ScheduleOptions
@@ -61,6 +62,9 @@ class ModelChunkSchedulePlan:
     Every node of the chunk shares one event, so one microbatch's nodes run in order
     whichever stream they are on; two microbatches' nodes interleave freely. The
     positional parameters mirror Megatron-Core's ``build_schedule_plan``.
+
+    An input the model does not read (:func:`~moe_overlap.check_inputs`: not in its
+    ``microbatch_inputs``) is a :class:`~moe_overlap.ConfigError` here, before any node.
 
     Args:
         model: the model chunk; checked once here, member by member.
@@ -127,6 +131,8 @@ class ModelChunkSchedulePlan:
             output_processor_context=output_processor_context,
             model=model,
         )
+        where = f"ModelChunkSchedulePlan (microbatch {microbatch})"
+        check_inputs(model, self.state, where=where)
         self.pre_process: PreProcessNode | None = PreProcessNode(
             model, self.state, self.event, streams.comp_provider
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, cast
 
 import torch
@@ -14,8 +14,10 @@ from ._bypass_check import check_bypassed
 from ._chunk_plan import ModelChunkSchedulePlan, check_grad_mode, run_pair
 from ._conformance import check_model, checks_memoized
 from ._errors import ConfigError, IntegrationError
+from ._inputs import check_inputs
 from ._options import ScheduleOptions
 from ._protocols import PreprocessableModel, StepObserver
+from ._state import ChunkState
 from ._streams import StreamPair
 from ._wgrad_check import check_wgrad_done, declared_wgrad
 
@@ -26,7 +28,37 @@ _DEFAULT_OPTIONS = ScheduleOptions()
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Microbatch:
-    """One microbatch's inputs, by the names of Megatron-Core's ``build_schedule_plan``."""
+    """One microbatch's inputs, by the names of Megatron-Core's ``build_schedule_plan``.
+
+    ``B`` batch, ``S`` sequence. A field is *set* when it is not ``None``. Each model reads
+    the fields it declares in ``microbatch_inputs`` (:class:`~moe_overlap.DeclaresInputs`;
+    :data:`~moe_overlap.DEFAULT_INPUTS` without a declaration): a set field it does not
+    read is a :class:`~moe_overlap.ConfigError` naming the field and the model when the
+    plan is built (:func:`~moe_overlap.check_inputs`), never silently ignored. What a field
+    means is the model's; Megatron-Core's conventions, which the reference model
+    (:mod:`moe_overlap.models`) follows and checks (dtype and shape, ``ConfigError``
+    naming the field), are:
+
+    Attributes:
+        input_ids: token ids ``[B, S]`` (int64); the first pipeline stage's input.
+        position_ids: positions ``[B, S]`` (int64); ``None``: ``0 .. S-1`` per row.
+        attention_mask: bool ``[B or 1, 1, S or 1, S]``, ``True`` where a query (dim 2)
+            must not attend a key (dim 3); applied on top of the causal mask. The
+            transformers adapter takes transformers' own instead (``[B, S]``, ``1`` at
+            tokens to attend).
+        labels: target ids ``[B, S]`` (int64); with them ``_postprocess`` returns the loss.
+        loss_mask: ``[B, S]`` weights of each position in the language-model loss (float
+            or bool; ``0`` drops a position); ``None``: every position counts.
+        decoder_input: the first layer's input ``[B, S, D]``, instead of embedding
+            ``input_ids``.
+        padding_mask: bool ``[B, S]``, ``True`` at padding tokens. The reference model
+            keeps them out of attention (as keys) and of the router's aux loss; they are
+            routed like any token. The loss is still ``loss_mask``'s: with ``labels``, a
+            ``padding_mask`` needs a ``loss_mask`` (``0`` at padding).
+        packed_seq_params: Megatron-Core's ``PackedSeqParams`` (no shipped model reads it).
+        extra_block_kwargs: keywords for the decoder block (an empty mapping is unset).
+        runtime_gather_output: Megatron-Core's output gather flag.
+    """
 
     input_ids: Tensor | None = None
     position_ids: Tensor | None = None
@@ -125,6 +157,7 @@ def combined_1f1b(
         model = check_model(model)
         _check_arguments(microbatches, overlap, options, streams, loss_scale, on_plan, observer)
         _check_fill_drain(fill_drain, overlap)
+        _check_inputs(model, microbatches)
         check_grad_mode("combined_1f1b")
         declared = declared_wgrad(model)
         check_wgrad_done(
@@ -280,6 +313,17 @@ def _check_arguments(
         raise ConfigError(
             f"{where}: observer must be a StepObserver (with timer(step, microbatch)) or "
             f"None, received {type(observer).__name__}"
+        )
+
+
+def _check_inputs(model: PreprocessableModel, microbatches: Sequence[Microbatch]) -> None:
+    """Every microbatch's inputs, before the first plan: an input the model does not read
+    (or its own ``validate_inputs`` refuses) fails here, not after earlier microbatches
+    accumulated gradients."""
+    for i, mb in enumerate(microbatches):
+        state = ChunkState(**{f.name: getattr(mb, f.name) for f in fields(mb)})
+        check_inputs(
+            model, state, where=f"combined_1f1b: microbatches[{i}]", what="Microbatch field"
         )
 
 

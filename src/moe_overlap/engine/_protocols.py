@@ -22,7 +22,7 @@ pre-dispatch output goes straight to ``slot_mlp``, whose output is the layer's o
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from torch import Tensor
@@ -30,11 +30,13 @@ from torch.nn import Parameter
 
 if TYPE_CHECKING:  # annotations only: this module is imported before anything else
     from ._layer_node import TransformerLayerNode
+    from ._state import ChunkState
     from ._steps import Step
     from ._streams import AnyStream
     from ._wgrad import WgradScope
 
 __all__ = [
+    "DeclaresInputs",
     "DecoderLike",
     "FreeInputConfig",
     "LayerListLike",
@@ -47,6 +49,7 @@ __all__ = [
     "SlotFn",
     "StepObserver",
     "StreamProvider",
+    "ValidatesInputs",
     "WgradLayer",
 ]
 
@@ -160,6 +163,38 @@ class PreprocessableModel(Protocol):
         output_processor: Callable[..., object] | None = None,
         output_processor_context: object | None = None,
     ) -> Tensor: ...
+
+
+@runtime_checkable
+class DeclaresInputs(Protocol):
+    """A model that says which optional microbatch inputs it reads (an optional member).
+
+    ``microbatch_inputs`` names the fields of :class:`~moe_overlap.Microbatch` (and the
+    plan's ``output_processor`` / ``output_processor_context``) that the model honours, e.g.
+    ``frozenset({"position_ids", "labels", "loss_mask"})``. Every plan refuses, when it is
+    built, an input that is set (not ``None``; a non-empty mapping for
+    ``extra_block_kwargs``) but not listed: :class:`~moe_overlap.ConfigError` naming the
+    field and the model. ``input_ids`` and ``decoder_input`` (the chunk's input) are always
+    read. A model without the member is taken to read
+    :data:`~moe_overlap.DEFAULT_INPUTS` (``position_ids``, ``labels``): what every
+    ``PreprocessableModel``'s hooks take positionally. See :func:`~moe_overlap.check_inputs`.
+    """
+
+    @property
+    def microbatch_inputs(self) -> Collection[str]: ...
+
+
+@runtime_checkable
+class ValidatesInputs(Protocol):
+    """A model that checks a microbatch's inputs when a plan is built (an optional member).
+
+    ``validate_inputs(state)`` gets the plan's :class:`~moe_overlap.ChunkState`, holding the
+    microbatch's inputs (nothing computed yet), after the :class:`DeclaresInputs` check:
+    raise :class:`~moe_overlap.ConfigError` naming the field for a wrong shape, dtype or
+    combination. It must not change the state and should not wait for the device.
+    """
+
+    def validate_inputs(self, state: ChunkState, /) -> None: ...
 
 
 @runtime_checkable

@@ -55,6 +55,7 @@ from moe_overlap import (
     ScheduleError,
     ScheduleOptions,
     StepObserver,
+    check_inputs,
 )
 from moe_overlap.engine._bypass_check import check_bypassed
 from moe_overlap.engine._conformance import check_model
@@ -708,6 +709,7 @@ class PipelineOverlap:
             )
         x = args[0]
         model = check_model(stage.submod)
+        _check_stage_keywords(stage.submod, kwargs, where)
 
         def tensor_kwarg(name: str) -> Tensor | None:
             value = kwargs.get(name)
@@ -993,6 +995,38 @@ def _group_timeout(group: object) -> timedelta | None:
         if isinstance(value, timedelta):
             return value
     return None
+
+
+def _check_stage_keywords(module: nn.Module, kwargs: Mapping[str, object], where: str) -> None:
+    """Every stage keyword is one the plan consumes, never one it drops: the stage module's
+    ``forward`` must take it (torch's own run passes it there, ``None`` included) and, when
+    set, the model must read it (:func:`~moe_overlap.check_inputs`)."""
+    if not kwargs:
+        return
+    params = _forward_parameters(module)
+    if params is not None:
+        refused = sorted(k for k in kwargs if k not in params)
+        if refused:
+            raise ConfigError(
+                f"{where}: stage keyword {refused[0]} is not a parameter of "
+                f"{type(module).__name__}.forward{_signature(module)}, so torch's own run of "
+                "the stage refuses it; the prepared schedule refuses it too rather than drop "
+                "it. Leave it out, or give the stage module's forward that parameter"
+            )
+    check_inputs(module, kwargs, where=where, what="stage keyword")
+
+
+def _forward_parameters(module: nn.Module) -> frozenset[str] | None:
+    """The keyword names ``module.forward`` takes; ``None`` when it takes ``**kwargs``."""
+    params = inspect.signature(module.forward).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        return None
+    keyword = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(p.name for p in params if p.kind in keyword)
+
+
+def _signature(module: nn.Module) -> str:
+    return str(inspect.signature(module.forward))
 
 
 def _describe(action: _Action) -> str:

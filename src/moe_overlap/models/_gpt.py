@@ -21,9 +21,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_overlap import ChunkState, ConfigError
 from moe_overlap.blocks._dispatcher import TokenDispatcher
 from moe_overlap.blocks._experts import GroupedExperts
 from moe_overlap.blocks._graphs import GraphedBlock
+from moe_overlap.blocks._masks import check_masks
 from moe_overlap.blocks._model import MegatronHooks, Rotary
 from moe_overlap.blocks._router import TopKRouter
 from moe_overlap.blocks._stage_layers import StageLayers
@@ -32,7 +34,17 @@ from moe_overlap.blocks._wgrad import DelayedWgradModule, check_no_pending_wgrad
 from moe_overlap.models._config import GPTMoEConfig
 from moe_overlap.models._layers import DenseLayer, GPTLayer, MoELayer
 
-__all__ = ["Decoder", "GPTMoEModel"]
+__all__ = [
+    "REFERENCE_INPUTS",
+    "Decoder",
+    "GPTMoEModel",
+    "check_reference_inputs",
+    "masked_cross_entropy",
+]
+
+
+REFERENCE_INPUTS = ("position_ids", "attention_mask", "labels", "loss_mask", "padding_mask")
+"""What the reference model (and its pipeline stages) read of a microbatch."""
 
 
 class Decoder(nn.Module):
@@ -59,6 +71,16 @@ class GPTMoEModel(MegatronHooks, nn.Module):
     :class:`~moe_overlap.blocks.TokenDispatcher`);
     non-expert parameters are replicated and initialised identically on every rank, and
     global expert ``x`` gets the same initial weights whatever the EP size.
+
+    Inputs (``microbatch_inputs``; anything else a :class:`~moe_overlap.Microbatch` sets is
+    refused when the plan is built): ``position_ids``, ``labels``, ``loss_mask``, and the
+    masks by Megatron-Core's conventions, checked by :meth:`validate_inputs`: an
+    ``attention_mask`` bool ``[B or 1, 1, S or 1, S]`` (``True``: not attended) on top of
+    the causal mask, a ``padding_mask`` bool ``[B, S]`` (``True``: padding) whose tokens no
+    query attends and the router's aux loss leaves out (they are still routed; the loss
+    leaves them out through ``loss_mask``, which is then required). A query with no key
+    left gets a zero attention output. See the building blocks' page, "Attention and
+    padding masks".
     """
 
     def __init__(
@@ -187,15 +209,70 @@ class GPTMoEModel(MegatronHooks, nn.Module):
             return logits_BSV
         return masked_cross_entropy(logits_BSV, labels, loss_mask)
 
+    microbatch_inputs = frozenset(REFERENCE_INPUTS)
+    """The microbatch inputs the model reads (:class:`~moe_overlap.DeclaresInputs`)."""
+
+    def validate_inputs(self, state: ChunkState, /) -> None:
+        """The masks' and labels' shapes and dtypes (:func:`check_reference_inputs`)."""
+        check_reference_inputs(self, state)
+
     def forward(
         self,
         input_ids: Tensor,
         position_ids: Tensor | None = None,
         labels: Tensor | None = None,
         loss_mask: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        padding_mask: Tensor | None = None,
     ) -> Tensor:
         """The plain path: the loss (or logits without ``labels``) of one microbatch."""
-        return self.plain_forward(input_ids, position_ids, labels=labels, loss_mask=loss_mask)
+        return self.plain_forward(
+            input_ids,
+            position_ids,
+            labels=labels,
+            loss_mask=loss_mask,
+            attention_mask=attention_mask,
+            padding_mask=padding_mask,
+        )
+
+
+def check_reference_inputs(model: object, state: ChunkState) -> None:
+    """Refuse, naming the field, what the reference model cannot take exactly.
+
+    The masks' dtypes and shapes (:func:`~moe_overlap.blocks.check_masks`), ``labels`` and
+    ``loss_mask`` shaped ``[B, S]`` like the tokens, and a ``padding_mask`` with ``labels``
+    but no ``loss_mask`` on a model with the loss (the loss would count the padded
+    positions: pass ``loss_mask``, ``0`` at padding). ``B`` and ``S`` come from the token
+    ids or the decoder input; a plan without either (a later pipeline stage given its input
+    at run time) is checked by the layers instead. Reads no tensor values.
+    """
+    where = type(model).__name__
+    x = state.input_ids if state.input_ids is not None else state.decoder_input
+    if x is None or x.dim() < 2:
+        return
+    B, S = x.shape[0], x.shape[1]
+    check_masks(state, B, S, where)
+    for name in ("labels", "loss_mask"):
+        t: Tensor | None = getattr(state, name)
+        if t is not None and tuple(t.shape) != (B, S):
+            raise ConfigError(
+                f"{where}: {name}: expected shape [B, S] = [{B}, {S}] (the tokens'), received "
+                f"a {str(t.dtype).removeprefix('torch.')} tensor of shape {list(t.shape)}"
+            )
+    post_process = bool(getattr(model, "post_process", True))
+    if (
+        post_process
+        and state.padding_mask is not None
+        and state.labels is not None
+        and state.loss_mask is None
+    ):
+        raise ConfigError(
+            f"{where}: padding_mask is set with labels but no loss_mask; padding_mask keeps "
+            "padded tokens out of attention and of the router's aux loss, the language-model "
+            "loss is loss_mask's (Megatron-Core's convention), so the loss would count the "
+            "padded positions: pass loss_mask too (0 at padding, e.g. "
+            "(~padding_mask).float())"
+        )
 
 
 def masked_cross_entropy(logits_BSV: Tensor, labels_BS: Tensor, loss_mask: Tensor | None) -> Tensor:

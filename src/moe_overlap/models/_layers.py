@@ -31,6 +31,12 @@ from moe_overlap import (
 from moe_overlap.blocks._dispatcher import TokenDispatcher
 from moe_overlap.blocks._experts import GroupedExperts
 from moe_overlap.blocks._graphs import GraphedBlock
+from moe_overlap.blocks._masks import (
+    blocked_keys,
+    check_attention_mask,
+    check_padding_mask,
+    token_padding,
+)
 from moe_overlap.blocks._recompute import recompute, save_matmuls
 from moe_overlap.blocks._router import TopKRouter
 from moe_overlap.blocks._slots import (
@@ -57,6 +63,20 @@ def _rotary(ctx: SlotContext, where: str) -> tuple[Tensor, Tensor]:
             f"received {type(cs.rotary_pos_cos).__name__}/{type(cs.rotary_pos_sin).__name__}"
         )
     return cs.rotary_pos_cos, cs.rotary_pos_sin
+
+
+def _masks(ctx: SlotContext, x_BSD: Tensor, where: str) -> tuple[Tensor, ...]:
+    """What the attention masks out for this microbatch: ``()`` (causal only), or the
+    ``(blocked, dead)`` of :func:`~moe_overlap.blocks.blocked_keys`."""
+    cs = ctx.chunk_state
+    if cs.attention_mask is None and cs.padding_mask is None:
+        return ()
+    B, S = x_BSD.shape[:2]
+    attention = check_attention_mask(cs.attention_mask, B, S, where)
+    padding = check_padding_mask(cs.padding_mask, B, S, where)
+    keys = blocked_keys(attention, padding, S, x_BSD.device)
+    assert keys is not None
+    return keys.blocked, keys.dead
 
 
 def _norm(config: GPTMoEConfig, device: torch.device | None) -> RMSNorm:
@@ -108,16 +128,18 @@ class _AttentionBlock(nn.Module):
         )
         self.graph = _graphed(c, CudaGraphModule.attn, self._block, [self], f"{label} attention")
 
-    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, *masks: Tensor) -> Tensor:
+        """``masks``: none (causal), or ``blocked`` and ``dead`` of
+        :func:`~moe_overlap.blocks.blocked_keys`."""
         if self.graph is not None:
-            (out,) = self.graph(x_BSD, cos, sin)
+            (out,) = self.graph(x_BSD, cos, sin, *masks)
             return out
         if self.selective:
-            return recompute(self._block, x_BSD, cos, sin, policy=save_matmuls)
-        return self._block(x_BSD, cos, sin)
+            return recompute(self._block, x_BSD, cos, sin, *masks, policy=save_matmuls)
+        return self._block(x_BSD, cos, sin, *masks)
 
-    def _block(self, x_BSD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        attn: Tensor = self.attention(self.input_norm(x_BSD), cos, sin)
+    def _block(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, *masks: Tensor) -> Tensor:
+        attn: Tensor = self.attention(self.input_norm(x_BSD), cos, sin, *masks)
         return x_BSD + attn
 
 
@@ -151,8 +173,9 @@ class DenseLayer(DenseSlots, nn.Module):
         )
 
     def pre_dispatch(self, ctx: SlotContext, x_BSD: Tensor) -> Tensor:
-        cos, sin = _rotary(ctx, f"DenseLayer {self.index} pre_dispatch")
-        out: Tensor = self.attn_block(x_BSD, cos, sin)
+        where = f"DenseLayer {self.index} pre_dispatch"
+        cos, sin = _rotary(ctx, where)
+        out: Tensor = self.attn_block(x_BSD, cos, sin, *_masks(ctx, x_BSD, where))
         return out
 
     def mlp_forward(self, ctx: SlotContext, h_BSD: Tensor) -> Tensor:
@@ -289,20 +312,25 @@ class MoELayer(MoESlots, nn.Module):
 
     def pre_dispatch(self, ctx: SlotContext, x_BSD: Tensor) -> tuple[Tensor, Tensor]:
         """Attention, router, shared expert, permute; returns ``(tokens_ND, probs_N)``."""
-        cos, sin = _rotary(ctx, self.where("pre_dispatch"))
-        h_BSD: Tensor = self.attn_block(x_BSD, cos, sin)
+        where = self.where("pre_dispatch")
+        cos, sin = _rotary(ctx, where)
+        h_BSD: Tensor = self.attn_block(x_BSD, cos, sin, *_masks(ctx, x_BSD, where))
         state = ctx.layer_state
         state.residual = ctx.detach(h_BSD)
-        routed = self.router_graph(h_BSD) if self.router_graph is not None else self._route(h_BSD)
+        padding = token_padding(ctx.chunk_state)
+        pad = () if padding is None else (padding,)
+        graph = self.router_graph
+        routed = graph(h_BSD, *pad) if graph is not None else self._route(h_BSD, *pad)
         hn_TD, probs_TK, experts_TK, *shared = routed
         if shared:
             state.shared_expert_output = ctx.detach(shared[0])
         return self.dispatcher.slot_permute(ctx, hn_TD, probs_TK, experts_TK)
 
-    def _route(self, h_BSD: Tensor) -> tuple[Tensor, ...]:
-        """Norm, router, shared expert: ``(hn_TD, probs_TK, experts_TK[, shared_TD])``."""
+    def _route(self, h_BSD: Tensor, *padding_T: Tensor) -> tuple[Tensor, ...]:
+        """Norm, router, shared expert: ``(hn_TD, probs_TK, experts_TK[, shared_TD])``;
+        ``padding_T`` (``[T]``, ``True`` at padding): padded tokens stay out of the aux loss."""
         hn_TD = self.pre_mlp_norm(h_BSD).reshape(-1, h_BSD.shape[-1])
-        probs_TK, experts_TK = self.router(hn_TD)
+        probs_TK, experts_TK = self.router(hn_TD, *padding_T)
         if self.shared_expert is None:
             return hn_TD, probs_TK, experts_TK
         shared: Tensor = self.shared_expert(hn_TD)

@@ -6,10 +6,16 @@ from typing import cast
 
 from torch import Tensor, nn
 
-from moe_overlap import IntegrationError
+from moe_overlap import ChunkState, IntegrationError
 from moe_overlap.blocks._model import MegatronHooks, Rotary, StageRange
 from moe_overlap.blocks._wgrad import check_no_pending_wgrad
-from moe_overlap.models._gpt import Decoder, GPTMoEModel, masked_cross_entropy
+from moe_overlap.models._gpt import (
+    REFERENCE_INPUTS,
+    Decoder,
+    GPTMoEModel,
+    check_reference_inputs,
+    masked_cross_entropy,
+)
 
 __all__ = ["GPTMoEStage"]
 
@@ -71,6 +77,23 @@ class GPTMoEStage(StageRange, MegatronHooks, nn.Module):
             return logits_BSV
         return masked_cross_entropy(logits_BSV, labels, loss_mask)
 
-    def forward(self, x: Tensor, position_ids: Tensor | None = None) -> Tensor:
+    microbatch_inputs = frozenset(REFERENCE_INPUTS)
+    """What the stage reads (:class:`~moe_overlap.DeclaresInputs`): as the whole model; a
+    pipeline passes ``position_ids``, ``attention_mask`` and ``padding_mask`` as stage
+    keywords."""
+
+    def validate_inputs(self, state: ChunkState, /) -> None:
+        """As :meth:`GPTMoEModel.validate_inputs <moe_overlap.models.GPTMoEModel.validate_inputs>`."""
+        check_reference_inputs(self, state)
+
+    def forward(
+        self,
+        x: Tensor,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        padding_mask: Tensor | None = None,
+    ) -> Tensor:
         """The plain path: token ids or hidden states in, hidden states or logits out."""
-        return self.plain_forward(x, position_ids)
+        return self.plain_forward(
+            x, position_ids, attention_mask=attention_mask, padding_mask=padding_mask
+        )
