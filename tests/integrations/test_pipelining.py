@@ -25,6 +25,13 @@ V_ON_GLOO = pytest.mark.skipif(
     torch.__version__.startswith("2.11"),
     reason="torch 2.11 DualPipeV warm-up sends to the same rank, which gloo refuses",
 )
+# torch 2.11's own BACKWARD_WEIGHT (stage_backward_weight) reads ``_input_metadata`` of the
+# autograd node, which a custom autograd.Function's node (the delayed-wgrad matmul) refuses:
+# torch's unprepared run fails there, so there is nothing to compare with (fixed in 2.13).
+ZB_ON_211 = pytest.mark.skipif(
+    torch.__version__.startswith("2.11"),
+    reason="torch 2.11's own BACKWARD_WEIGHT fails on custom autograd.Function nodes",
+)
 
 UNEVEN = [0, 1, 3, 4, 6]  # layer boundaries of 4 stages: dense only, 2 MoE, 1 MoE, 2 MoE
 
@@ -79,7 +86,11 @@ def _run(case: dict[str, Any]) -> list[dict[str, Any]]:
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(n, marks=V_ON_GLOO) if CASES[n]["schedule"] in ("dualpipev", "zbv") else n
+        pytest.param(n, marks=V_ON_GLOO)
+        if CASES[n]["schedule"] in ("dualpipev", "zbv")
+        else pytest.param(n, marks=ZB_ON_211)
+        if CASES[n]["schedule"] == "interleaved-zero-bubble"
+        else n
         for n in sorted(CASES)
     ],
 )

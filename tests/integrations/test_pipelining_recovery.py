@@ -15,6 +15,8 @@ import json
 import os
 from typing import Any
 
+import torch
+
 from tests.gloo_ranks import run_ranks
 
 UNEVEN = [0, 1, 3, 4, 6]  # layer boundaries of 4 stages: dense only, 2 MoE, 1 MoE, 2 MoE
@@ -79,6 +81,10 @@ PP2: list[dict[str, Any]] = [
         fault=dict(kind="interrupt", at=2, ranks=[0]),
     ),
 ]
+# torch 2.11's own BACKWARD_WEIGHT fails on a custom autograd.Function's node (see
+# test_pipelining.ZB_ON_211): its zero-bubble schedules run only from 2.13.
+if torch.__version__.startswith("2.11"):
+    PP2 = [c for c in PP2 if c["schedule"] != "interleaved-zero-bubble"]
 
 PP2_EP2: list[dict[str, Any]] = [
     dict(
