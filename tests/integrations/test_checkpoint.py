@@ -66,6 +66,9 @@ def test_checkpoints_are_exact_in_every_layout(checkpoint_layouts: Layouts) -> N
     _checks(checkpoint_layouts.save, range(2), SAVE)
     _checks(checkpoint_layouts.load, range(4), FSDP_RESUME)
     _checks(checkpoint_layouts.load, range(2), LOAD)
+    ep_only = set(SAVE + LOAD)
+    rows = checkpoint_layouts.save + checkpoint_layouts.load
+    assert not [r for r in rows if r["rank"] >= 2 and r["check"] in ep_only], "ranks 2-3 run PP"
 
 
 def test_ep1_state_dict_is_plain_and_loads_into_the_plain_model() -> None:

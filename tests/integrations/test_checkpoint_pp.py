@@ -49,6 +49,7 @@ def _resumed(rows: list[dict[str, Any]], whole_keys: set[str]) -> None:
     assert set().union(*(r["pp1_keys"] for r in rows)) == whole_keys
 
 
+@pytest.mark.slow
 def test_pipeline_stages_checkpoint_and_reshard_exactly(checkpoint_layouts: Layouts) -> None:
     folder, whole_keys = checkpoint_layouts.folder, checkpoint_layouts.whole_keys
     first = checkpoint_layouts.rows("save", "pp")
@@ -75,6 +76,7 @@ def test_pipeline_stages_checkpoint_and_reshard_exactly(checkpoint_layouts: Layo
     assert load_whole(hf, hf_opt, str(folder), "hf2") == [], "transformers PP=2 -> PP=1"
 
 
+@pytest.mark.slow
 def test_pipeline_x_expert_parallel_checkpoint_and_reshard_exactly(
     checkpoint_layouts: Layouts,
 ) -> None:
