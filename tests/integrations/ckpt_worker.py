@@ -1,23 +1,25 @@
-"""One gloo rank of the checkpoint tests: ``python -m tests.integrations.ckpt_worker``.
+"""The EP and FSDP2 x EP parts of the checkpoint launches (``ckpt_launch_worker.py``).
 
-``CKPT_PHASE`` picks what this launch does, ``CKPT_DIR`` is the shared checkpoint folder;
-every launch is a fresh set of processes. Prints one JSON line per check: ``{"rank", "check",
-"ok", ...}``.
+Each part prints one JSON line per check: ``{"rank", "check", "ok", ...}`` (``rank``: the
+global rank). ``group`` is the EP group of the part's ranks (two ranks of a larger world:
+every collective and DCP call is over it).
 
-- ``save`` (2 ranks): the reference model at EP=2 trains 2 steps (combined_1f1b, AdamW) and
-  saves model and optimizer with DCP; an uninterrupted copy trains 4 steps and writes what
-  steps 3-4 give (losses, gradients, parameters). The same at EP=1 (replicated), and the
-  tiny Mixtral adapter at EP=2. The saved global tensors go to ``*_full.pt``.
-- ``fsdp_save`` / ``fsdp_resume`` (4 ranks): the same under FSDP2 x EP (DP=2 x EP=2).
-- ``load`` (2 ranks): resume EP=2 and train on; EP=2 -> EP=1, EP=1 -> EP=2, FSDP2
-  DP=2 -> DP=1 (x EP=2), the adapter EP=2 -> EP=1; the refusals.
+- ``phase_save`` (2 ranks): the reference model at EP=2 trains 2 steps (combined_1f1b,
+  AdamW) and saves model and optimizer with DCP; an uninterrupted copy trains 4 steps and
+  writes what steps 3-4 give (losses, gradients, parameters). The same at EP=1
+  (replicated), and the tiny Mixtral adapter at EP=2. The saved global tensors go to
+  ``*_full.pt``.
+- ``phase_fsdp_save`` / ``phase_fsdp_resume`` (4 ranks): the same under FSDP2 x EP
+  (DP=2 x EP=2).
+- ``phase_load`` (2 ranks, fresh processes): resume EP=2 and train on; EP=2 -> EP=1,
+  EP=1 -> EP=2, FSDP2 DP=2 -> DP=1 (x EP=2), the adapter EP=2 -> EP=1; the refusals.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
@@ -33,6 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+from torch.distributed.device_mesh import DeviceMesh
 
 from moe_overlap import ConfigError, IntegrationError, Microbatch, combined_1f1b
 from moe_overlap.integrations.checkpoint import (
@@ -41,7 +44,6 @@ from moe_overlap.integrations.checkpoint import (
     register_fsdp_experts,
 )
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel, MoELayer
-from tests.gloo_ranks import exit_worker
 
 CONFIG = GPTMoEConfig(
     hidden_size=16,
@@ -87,15 +89,15 @@ def local(t: Tensor) -> Tensor:
     return cast(Tensor, to_local()) if callable(to_local) else t
 
 
-def average_dense(model: nn.Module) -> None:
+def average_dense(model: nn.Module, group: dist.ProcessGroup) -> None:
     """Data parallelism of the replicated (non-expert, non-FSDP) parameters, as DDP would:
-    the mean of their gradients over every rank, so the replicas stay identical (DCP keeps
-    one copy of a tensor every rank holds under the same name)."""
-    world = dist.get_world_size()
+    the mean of their gradients over ``group``'s ranks, so the replicas stay identical (DCP
+    keeps one copy of a tensor every rank holds under the same name)."""
+    world = dist.get_world_size(group)
     for name, p in model.named_parameters():
         if p.grad is None or "experts." in name or hasattr(p, "to_local"):
             continue
-        dist.all_reduce(p.grad)
+        dist.all_reduce(p.grad, group=group)
         p.grad.div_(world)
 
 
@@ -104,14 +106,19 @@ def optimizer(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def train(
-    model: GPTMoEModel, opt: torch.optim.Optimizer, steps: range, data_rank: int
+    model: GPTMoEModel,
+    opt: torch.optim.Optimizer,
+    steps: range,
+    data_rank: int,
+    group: dist.ProcessGroup,
 ) -> dict[str, Tensor]:
-    """``steps`` of combined_1f1b + AdamW; the losses, gradients and parameters seen."""
+    """``steps`` of combined_1f1b + AdamW (the dense gradients averaged over ``group``);
+    the losses, gradients and parameters seen."""
     seen: dict[str, Tensor] = {}
     for step in steps:
         losses = combined_1f1b(model, data(step, data_rank))
         seen[f"loss{step}"] = torch.stack([x.detach() for x in losses])
-        average_dense(model)
+        average_dense(model, group)
         for name, p in model.named_parameters():
             assert p.grad is not None, name
             seen[f"grad{step}.{name}"] = local(p.grad).detach().clone()
@@ -122,19 +129,24 @@ def train(
     return seen
 
 
-def save(model: nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:
-    """DCP save of model and optimizer, and their global tensors (rank 0) beside it."""
+def save(
+    model: nn.Module, opt: torch.optim.Optimizer, path: Path, group: dist.ProcessGroup
+) -> None:
+    """DCP save of model and optimizer over ``group``, and their global tensors (its rank
+    0) beside it."""
     msd, osd = get_state_dict(model, opt)
-    dcp_save({"model": msd, "optim": osd}, checkpoint_id=str(path))
+    dcp_save({"model": msd, "optim": osd}, checkpoint_id=str(path), process_group=group)
     full_m = get_model_state_dict(model, options=FULL)
     full_o = get_optimizer_state_dict(model, opt, options=FULL)
-    if dist.get_rank() == 0:
+    if dist.get_rank(group) == 0:
         torch.save({"model": full_m, "optim": full_o["state"]}, f"{path}_full.pt")
 
 
-def load(model: nn.Module, opt: torch.optim.Optimizer, path: Path) -> None:
+def load(
+    model: nn.Module, opt: torch.optim.Optimizer, path: Path, group: dist.ProcessGroup
+) -> None:
     msd, osd = get_state_dict(model, opt)
-    dcp_load({"model": msd, "optim": osd}, checkpoint_id=str(path))
+    dcp_load({"model": msd, "optim": osd}, checkpoint_id=str(path), process_group=group)
     set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
 
 
@@ -171,25 +183,18 @@ def same(a: dict[str, Tensor], b: dict[str, Tensor]) -> list[str]:
     return bad + [k for k in a if k in b and not torch.equal(a[k], b[k])]
 
 
-def ep_group() -> dist.ProcessGroup:
-    group = dist.group.WORLD
-    assert group is not None
-    return group
-
-
 # ---------------------------------------------------------------------------------- phases
 
 
-def phase_save(root: Path) -> None:
-    rank = dist.get_rank()
-    group = ep_group()
+def phase_save(root: Path, group: dist.ProcessGroup) -> None:
+    rank = dist.get_rank(group)
     # EP=2: uninterrupted 4 steps, and 2 steps then save.
     ref = GPTMoEModel(CONFIG, ep_group=group)
-    expect = train(ref, optimizer(ref), range(4), rank)
+    expect = train(ref, optimizer(ref), range(4), rank, group)
     torch.save(from_step(expect, 2), root / f"expect{rank}.pt")
     model = GPTMoEModel(CONFIG, ep_group=group)
     opt = optimizer(model)
-    train(model, opt, range(2), rank)
+    train(model, opt, range(2), rank, group)
     sd = model.state_dict()
     experts = [k for k, v in sd.items() if type(v).__name__ == "DTensor"]
     report(
@@ -210,13 +215,13 @@ def phase_save(root: Path) -> None:
         "plain_round_trip",
         same(dict(model.named_parameters()), dict(twin.named_parameters())) == [],
     )
-    save(model, opt, root / "ep2")
+    save(model, opt, root / "ep2", group)
     # EP=1, replicated on both ranks (same data): DCP keeps one copy of each tensor.
     one = GPTMoEModel(CONFIG)
     opt1 = optimizer(one)
-    train(one, opt1, range(2), 0)
+    train(one, opt1, range(2), 0, group)
     report("ep1_state_dict_plain", all(type(v) is Tensor for v in one.state_dict().values()))
-    save(one, opt1, root / "ep1")
+    save(one, opt1, root / "ep1", group)
     # The transformers adapter at EP=2.
     hf_save(root, group)
 
@@ -228,15 +233,20 @@ def hf_model() -> nn.Module:
 
 
 def hf_train(
-    adapter: Any, model: nn.Module, opt: torch.optim.Optimizer, steps: range
+    adapter: Any,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    steps: range,
+    group: dist.ProcessGroup,
 ) -> dict[str, Tensor]:
     from tests.adapters._hf import microbatches
 
     seen: dict[str, Tensor] = {}
     for step in steps:
-        losses = combined_1f1b(adapter, microbatches(2, seed=100 * step + dist.get_rank()))
+        seed = 100 * step + dist.get_rank(group)
+        losses = combined_1f1b(adapter, microbatches(2, seed=seed))
         seen[f"loss{step}"] = torch.stack([x.detach() for x in losses])
-        average_dense(model)
+        average_dense(model, group)
         for name, p in model.named_parameters():
             if p.grad is not None:
                 seen[f"grad{step}.{name}"] = p.grad.detach().clone()
@@ -251,47 +261,48 @@ def hf_save(root: Path, group: dist.ProcessGroup) -> None:
     from moe_overlap.adapters.transformers import TransformersMoEAdapter, gather_experts
 
     ref = hf_model()
-    expect = hf_train(TransformersMoEAdapter(ref, ep_group=group), ref, optimizer(ref), range(2))
-    torch.save(from_step(expect, 1), root / f"hf_expect{dist.get_rank()}.pt")
+    adapter = TransformersMoEAdapter(ref, ep_group=group)
+    expect = hf_train(adapter, ref, optimizer(ref), range(2), group)
+    torch.save(from_step(expect, 1), root / f"hf_expect{dist.get_rank(group)}.pt")
     model = hf_model()
     adapter = TransformersMoEAdapter(model, ep_group=group)
     opt = optimizer(model)
-    hf_train(adapter, model, opt, range(1))
+    hf_train(adapter, model, opt, range(1), group)
     msd, osd = get_state_dict(model, opt)
-    dcp_save({"model": msd, "optim": osd}, checkpoint_id=str(root / "hf"))
+    dcp_save({"model": msd, "optim": osd}, checkpoint_id=str(root / "hf"), process_group=group)
     full = gather_experts(model, group)
-    if dist.get_rank() == 0:
+    if dist.get_rank(group) == 0:
         torch.save(full, root / "hf_gathered.pt")
 
 
-def phase_load(root: Path) -> None:
-    rank = dist.get_rank()
-    group = ep_group()
+def phase_load(root: Path, group: dist.ProcessGroup, dp1: FsdpLayout) -> None:
+    """``dp1``: FSDP2 DP=1 x EP=2 on ``group``'s ranks."""
+    rank = dist.get_rank(group)
     # Resume EP=2 in fresh processes, train on: bit-identical to the uninterrupted run.
     model = GPTMoEModel(CONFIG, ep_group=group)
     opt = optimizer(model)
-    load(model, opt, root / "ep2")
+    load(model, opt, root / "ep2", group)
     report("ep2_loaded_equals_saved", equal_to_saved(model, opt, root / "ep2") == [])
-    got = train(model, opt, range(2, 4), rank)
+    got = train(model, opt, range(2, 4), rank, group)
     bad = same(got, torch.load(root / f"expect{rank}.pt"))
     report("ep2_resume_bit_identical", bad == [], differs=bad[:5])
     # EP=2 -> EP=1 (every rank the whole model).
     one = GPTMoEModel(CONFIG)
     opt1 = optimizer(one)
-    load(one, opt1, root / "ep2")
+    load(one, opt1, root / "ep2", group)
     bad = equal_to_saved(one, opt1, root / "ep2")
     report("ep2_to_ep1", bad == [], differs=bad[:5])
     report("ep1_plain_tensors", all(type(v) is Tensor for v in one.state_dict().values()))
     # EP=1 -> EP=2.
     two = GPTMoEModel(CONFIG, ep_group=group)
     opt2 = optimizer(two)
-    load(two, opt2, root / "ep1")
+    load(two, opt2, root / "ep1", group)
     bad = equal_to_saved(two, opt2, root / "ep1")
     report("ep1_to_ep2", bad == [], differs=bad[:5])
     # FSDP2 DP=2 x EP=2 -> DP=1 x EP=2.
-    fsdp = fsdp_model(dp=1, ep=2)
+    fsdp = fsdp_model(dp1)
     optf = optimizer(fsdp)
-    load(fsdp, optf, root / "fsdp")
+    load(fsdp, optf, root / "fsdp", group)
     bad = equal_to_saved(fsdp, optf, root / "fsdp")
     report("fsdp_dp2_to_dp1", bad == [], differs=bad[:5])
     hf_load(root, group)
@@ -306,15 +317,15 @@ def hf_load(root: Path, group: dist.ProcessGroup) -> None:
     model = hf_model()
     adapter = TransformersMoEAdapter(model, ep_group=group)
     opt = optimizer(model)
-    load(model, opt, root / "hf")
-    got = hf_train(adapter, model, opt, range(1, 2))
-    bad = same(got, torch.load(root / f"hf_expect{dist.get_rank()}.pt"))
+    load(model, opt, root / "hf", group)
+    got = hf_train(adapter, model, opt, range(1, 2), group)
+    bad = same(got, torch.load(root / f"hf_expect{dist.get_rank(group)}.pt"))
     report("hf_resume_bit_identical", bad == [], differs=bad[:5])
     # EP=2 -> EP=1: the full model equals gather_experts of the saved one.
     model = hf_model()
     TransformersMoEAdapter(model)  # EP=1
     opt = optimizer(model)
-    load(model, opt, root / "hf")
+    load(model, opt, root / "hf", group)
     bad = same(model.state_dict(), torch.load(root / "hf_gathered.pt"))
     report("hf_ep2_to_ep1_equals_gather_experts", bad == [], differs=bad[:5])
 
@@ -323,18 +334,19 @@ def refusals(root: Path, group: dist.ProcessGroup) -> None:
     from moe_overlap.integrations.fsdp import fully_shard_slots
 
     model = GPTMoEModel(CONFIG, ep_group=group)
+    rank = dist.get_rank(group)
     # Rank 0's state_dict() through torch.save, loaded on every rank: rank 1 would get
     # rank 0's experts; refused there, exact on rank 0.
-    if dist.get_rank() == 0:
+    if rank == 0:
         torch.save(model.state_dict(), root / "rank0_state_dict.pt")
-    dist.barrier()
+    dist.barrier(group=group)
     rank0 = torch.load(root / "rank0_state_dict.pt", weights_only=False)
     message = expect_error(
         IntegrationError, lambda: GPTMoEModel(CONFIG, ep_group=group).load_state_dict(rank0)
     )
     report(
         "other_rank_state_dict_refused",
-        message == "no error" if dist.get_rank() == 0 else "made on the rank at (0,)" in message,
+        message == "no error" if rank == 0 else "made on the rank at (0,)" in message,
         message=message,
     )
     key = "decoder.layers.1.experts.fc1.weight"
@@ -350,9 +362,7 @@ def refusals(root: Path, group: dist.ProcessGroup) -> None:
     layer = model.layer_list[1]
     assert isinstance(layer, MoELayer)
     rows = layer.experts.fc1.weight
-    report(
-        "full_tensor_sliced", torch.equal(rows, full[2 * dist.get_rank() : 2 * dist.get_rank() + 2])
-    )
+    report("full_tensor_sliced", torch.equal(rows, full[2 * rank : 2 * rank + 2]))
     message = expect_error(
         ConfigError, lambda: fully_shard_slots(GPTMoEModel(CONFIG, ep_group=group))
     )
@@ -378,8 +388,6 @@ def refusals(root: Path, group: dist.ProcessGroup) -> None:
 def misuse(group: dist.ProcessGroup) -> None:
     import copy
 
-    from torch.distributed.device_mesh import init_device_mesh
-
     message = expect_error(
         ConfigError,
         lambda: register_expert_shards(nn.Linear(3, 3), ["weight"], num_experts=4, group=group),
@@ -389,7 +397,7 @@ def misuse(group: dist.ProcessGroup) -> None:
     )
     message = expect_error(
         ConfigError,
-        lambda: register_fsdp_experts([nn.Linear(3, 3)], init_device_mesh("cpu", (2,))),
+        lambda: register_fsdp_experts([nn.Linear(3, 3)], DeviceMesh.from_group(group, "cpu")),
     )
     report("fsdp_unregistered_refused", "register_expert_shards" in message, message=message)
     # A deep copy of an expert-sharded module: its optimizer still finds the experts.
@@ -418,32 +426,54 @@ def expect_error(kind: type[Exception], fn: Callable[[], object]) -> str:
 # ------------------------------------------------------------------------------------ FSDP
 
 
-def fsdp_model(*, dp: int, ep: int) -> GPTMoEModel:
+@dataclass(frozen=True)
+class FsdpLayout:
+    """FSDP2 DP x EP: this rank's EP group, the dense data-parallel mesh and the mesh of
+    the ranks holding the same experts."""
+
+    ep: dist.ProcessGroup
+    mesh: DeviceMesh
+    expert_mesh: DeviceMesh
+
+
+def world_layout(*, dp: int, ep: int) -> FsdpLayout:
+    """DP x EP over every rank (a collective: every rank makes every group)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from moe_overlap.integrations.fsdp import fully_shard_slots
-
-    rank = dist.get_rank()
-    d = rank // ep
+    d = dist.get_rank() // ep
     groups = [
         cast(dist.ProcessGroup, dist.new_group([dd * ep + e for e in range(ep)]))
         for dd in range(dp)
     ]
-    model = GPTMoEModel(FSDP_CONFIG, ep_group=groups[d])
     mesh = init_device_mesh("cpu", (dp * ep,))
     expert_mesh = init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))["dp"]
-    fully_shard_slots(model, mesh=mesh, expert_mesh=expert_mesh)
+    return FsdpLayout(groups[d], mesh, expert_mesh)
+
+
+def ep_only_layout(group: dist.ProcessGroup, alone: dist.ProcessGroup) -> FsdpLayout:
+    """DP=1 x EP over ``group``'s ranks (``alone``: a group of this rank only); makes no
+    group."""
+    return FsdpLayout(
+        group, DeviceMesh.from_group(group, "cpu"), DeviceMesh.from_group(alone, "cpu")
+    )
+
+
+def fsdp_model(layout: FsdpLayout) -> GPTMoEModel:
+    from moe_overlap.integrations.fsdp import fully_shard_slots
+
+    model = GPTMoEModel(FSDP_CONFIG, ep_group=layout.ep)
+    fully_shard_slots(model, mesh=layout.mesh, expert_mesh=layout.expert_mesh)
     return model
 
 
 def phase_fsdp_save(root: Path) -> None:
-    rank = dist.get_rank()
-    ref = fsdp_model(dp=2, ep=2)
-    expect = train(ref, optimizer(ref), range(4), rank)
+    rank, world = dist.get_rank(), ep_world()
+    ref = fsdp_model(world_layout(dp=2, ep=2))
+    expect = train(ref, optimizer(ref), range(4), rank, world)
     torch.save(from_step(expect, 2), root / f"fsdp_expect{rank}.pt")
-    model = fsdp_model(dp=2, ep=2)
+    model = fsdp_model(world_layout(dp=2, ep=2))
     opt = optimizer(model)
-    train(model, opt, range(2), rank)
+    train(model, opt, range(2), rank, world)
     sd = model.state_dict()
     key = "decoder.layers.1.experts.fc1.weight"
     v = sd[key]
@@ -452,33 +482,21 @@ def phase_fsdp_save(root: Path) -> None:
         v.shape[0] == FSDP_CONFIG.num_experts and getattr(v, "device_mesh").ndim == 2,  # noqa: B009
         shape=list(v.shape),
     )
-    save(model, opt, root / "fsdp")
+    save(model, opt, root / "fsdp", world)
 
 
 def phase_fsdp_resume(root: Path) -> None:
-    rank = dist.get_rank()
-    model = fsdp_model(dp=2, ep=2)
+    rank, world = dist.get_rank(), ep_world()
+    model = fsdp_model(world_layout(dp=2, ep=2))
     opt = optimizer(model)
-    load(model, opt, root / "fsdp")
+    load(model, opt, root / "fsdp", world)
     report("fsdp_loaded_equals_saved", equal_to_saved(model, opt, root / "fsdp") == [])
-    got = train(model, opt, range(2, 4), rank)
+    got = train(model, opt, range(2, 4), rank, world)
     bad = same(got, torch.load(root / f"fsdp_expect{rank}.pt"))
     report("fsdp_resume_bit_identical", bad == [], differs=bad[:5])
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    torch.use_deterministic_algorithms(True)
-    dist.init_process_group("gloo")
-    root = Path(os.environ["CKPT_DIR"])
-    phases = {
-        "save": phase_save,
-        "load": phase_load,
-        "fsdp_save": phase_fsdp_save,
-        "fsdp_resume": phase_fsdp_resume,
-    }
-    phases[os.environ["CKPT_PHASE"]](root)
-
-
-if __name__ == "__main__":
-    exit_worker(main)
+def ep_world() -> dist.ProcessGroup:
+    group = dist.group.WORLD
+    assert group is not None
+    return group

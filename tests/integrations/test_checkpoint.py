@@ -1,7 +1,8 @@
 """Exact DCP checkpoints under EP and FSDP2 x EP, with resharding, on real gloo ranks.
 
-Each launch is a fresh set of processes (tests/integrations/ckpt_worker.py): saves, then
-loads into other processes, in the same and in other layouts.
+The layouts save in one launch and load in a fresh one (the ``checkpoint_layouts``
+fixture of ``conftest.py``; this file's parts: ``ckpt_worker.py``), in the same and in
+other layouts.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from torch import Tensor
 
 from moe_overlap.integrations.checkpoint import expert_shards, register_expert_shards
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel
-from tests.gloo_ranks import run_ranks, torchrun
+from tests.gloo_ranks import torchrun
+from tests.integrations.conftest import Layouts
 
 SAVE = [
     "experts_are_dtensors",
@@ -46,29 +48,27 @@ LOAD = [
 ]
 
 
-def _launch(
-    monkeypatch: pytest.MonkeyPatch, root: Path, phase: str, world: int, checks: list[str]
-) -> None:
-    monkeypatch.setenv("CKPT_DIR", str(root))
-    monkeypatch.setenv("CKPT_PHASE", phase)
-    rows = run_ranks("tests.integrations.ckpt_worker", world=world, timeout=400)
-    for rank in range(world):
-        mine = [r for r in rows if r["rank"] == rank]
-        assert [r["check"] for r in mine] == checks, (phase, rank, mine)
+def _checks(rows: list[dict[str, object]], ranks: range, checks: list[str]) -> None:
+    """Every rank of ``ranks`` reported exactly ``checks``, in order, all passed."""
+    for rank in ranks:
+        mine = [r for r in rows if r["rank"] == rank and r["check"] in checks]
+        assert [r["check"] for r in mine] == checks, (rank, mine)
         failed = [r for r in mine if not r["ok"]]
-        assert failed == [], (phase, rank, failed)
+        assert failed == [], (rank, failed)
 
 
 @pytest.mark.slow
-def test_checkpoints_are_exact_in_every_layout(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Save (EP=2, EP=1, the adapter at EP=2; FSDP2 DP=2 x EP=2), then in fresh processes:
-    resume bit-identically, and load EP=2 -> EP=1, EP=1 -> EP=2, DP=2 -> DP=1 exactly."""
-    _launch(monkeypatch, tmp_path, "save", 2, SAVE)
-    _launch(monkeypatch, tmp_path, "fsdp_save", 4, FSDP_SAVE)
-    _launch(monkeypatch, tmp_path, "fsdp_resume", 4, FSDP_RESUME)
-    _launch(monkeypatch, tmp_path, "load", 2, LOAD)
+def test_checkpoints_are_exact_in_every_layout(checkpoint_layouts: Layouts) -> None:
+    """Save (EP=2, EP=1, the adapter at EP=2 on ranks 0-1; FSDP2 DP=2 x EP=2 on four), then
+    in fresh processes: resume bit-identically, and load EP=2 -> EP=1, EP=1 -> EP=2,
+    DP=2 -> DP=1 exactly."""
+    _checks(checkpoint_layouts.save, range(4), FSDP_SAVE)
+    _checks(checkpoint_layouts.save, range(2), SAVE)
+    _checks(checkpoint_layouts.load, range(4), FSDP_RESUME)
+    _checks(checkpoint_layouts.load, range(2), LOAD)
+    ep_only = set(SAVE + LOAD)
+    rows = checkpoint_layouts.save + checkpoint_layouts.load
+    assert not [r for r in rows if r["rank"] >= 2 and r["check"] in ep_only], "ranks 2-3 run PP"
 
 
 def test_ep1_state_dict_is_plain_and_loads_into_the_plain_model() -> None:
