@@ -14,12 +14,12 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	# torch: take the CPU wheel on disk (2.13.0) unless a torch is already present;
 	# never let a resolver pick a multi-GB CUDA build.
-	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[$(EXTRAS)]'
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --progress-bar on torch==2.13.0
+	$(BIN)/pip install --progress-bar on -e '.[$(EXTRAS)]'
 	touch $(STAMP)
 
 $(DOCS_STAMP): $(STAMP)
-	$(BIN)/pip install -q -e '.[$(EXTRAS),docs]'
+	$(BIN)/pip install --progress-bar on -e '.[$(EXTRAS),docs]'
 	touch $(DOCS_STAMP)
 
 demo: $(STAMP)
