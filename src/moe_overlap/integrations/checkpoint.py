@@ -502,15 +502,7 @@ def _state_dict_post_hook(
     module: nn.Module, state_dict: dict[str, object], prefix: str, local_metadata: object
 ) -> None:
     del local_metadata
-    shards = expert_shards(module)
-    if shards is None:
-        return
-    for name in shards.names:
-        key = prefix + name
-        value = state_dict.get(key)
-        if isinstance(value, Tensor):
-            param = _parameter(module, name, "state_dict")
-            state_dict[key] = _to_global(shards, value, param, key)
+    _convert_entries(module, state_dict, prefix, "state_dict", _to_global)
 
 
 def _load_pre_hook(
@@ -524,6 +516,17 @@ def _load_pre_hook(
     error_msgs: list[str],
 ) -> None:
     del local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+    _convert_entries(module, state_dict, prefix, "load_state_dict", _to_local)
+
+
+def _convert_entries(
+    module: nn.Module,
+    state_dict: dict[str, object],
+    prefix: str,
+    where: str,
+    convert: Callable[[ExpertShards, Tensor, Tensor, str], Tensor],
+) -> None:
+    """``convert`` each of ``module``'s expert tensors in ``state_dict`` (under ``prefix``)."""
     shards = expert_shards(module)
     if shards is None:
         return
@@ -531,8 +534,7 @@ def _load_pre_hook(
         key = prefix + name
         value = state_dict.get(key)
         if isinstance(value, Tensor):
-            param = _parameter(module, name, "load_state_dict")
-            state_dict[key] = _to_local(shards, value, param, key)
+            state_dict[key] = convert(shards, value, _parameter(module, name, where), key)
 
 
 # -------------------------------------------------------------------------- optimizer hooks
