@@ -26,7 +26,8 @@ def _bench(script: str, *args: str) -> str:
 
 
 def test_bench_overlap_smoke(tmp_path: Path) -> None:
-    stdout = _bench("bench_overlap.py", "--out", str(tmp_path))
+    # One timed iteration and no warm-up: the smoke run checks the script, not the figures.
+    stdout = _bench("bench_overlap.py", "--warmup", "0", "--iters", "1", "--out", str(tmp_path))
     assert "filldr" in stdout
     results = json.loads((tmp_path / "results.json").read_text())
     rows = results["results"] if isinstance(results, dict) else results
