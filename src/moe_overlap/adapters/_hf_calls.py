@@ -43,6 +43,7 @@ __all__ = [
     "decoder_input",
     "decoder_layers",
     "layer_calls",
+    "router_flag",
     "swap_child",
 ]
 
@@ -339,12 +340,10 @@ def causal_lm_output(
     norm, LM head, logit scaling and loss function run on them. The router logits are not
     requested (the adapter adds the load-balancing loss itself).
     """
-    with _stand_ins(base) as stands:
+    config: object = getattr(model, "config", None)
+    with _stand_ins(base) as stands, router_flag(config, False, accepts_router_flag) as kwargs:
         for stand in stands:
             stand.feed = hidden_states
-        kwargs: dict[str, object] = {}
-        if accepts_router_flag:
-            kwargs["output_router_logits"] = False
         out: object = model(
             inputs_embeds=hidden_states.detach(),
             attention_mask=attention_mask,
@@ -366,6 +365,28 @@ def causal_lm_output(
             f"{type(model).__name__}.forward: expected logits, received {type(logits).__name__}"
         )
     return logits
+
+
+@contextlib.contextmanager
+def router_flag(
+    config: object, value: bool, accepts: bool
+) -> Generator[dict[str, object], None, None]:
+    """``output_router_logits`` set to ``value`` for one run of a model's ``forward``: the
+    config's field (restored after; what a forward that does not take the keyword reads)
+    and, where the forward takes it (``accepts``), the keyword arguments yielded."""
+    if config is None:
+        yield {"output_router_logits": value} if accepts else {}
+        return
+    missing = object()
+    before: object = getattr(config, "output_router_logits", missing)
+    setattr(config, "output_router_logits", value)  # noqa: B010 - a transformers config
+    try:
+        yield {"output_router_logits": value} if accepts else {}
+    finally:
+        if before is missing:
+            delattr(config, "output_router_logits")
+        else:
+            setattr(config, "output_router_logits", before)  # noqa: B010
 
 
 @contextlib.contextmanager

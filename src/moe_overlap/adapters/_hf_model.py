@@ -29,6 +29,7 @@ from moe_overlap.adapters._hf_calls import (
     decoder_input,
     decoder_layers,
     layer_calls,
+    router_flag,
     swap_child,
 )
 from moe_overlap.adapters._hf_ep import expert_parameter_names, experts_of, shard_experts
@@ -163,22 +164,6 @@ def failing_module(exc: BaseException, root: nn.Module) -> str:
             found = f"{cls}.{path} ({type(obj).__name__})" if path else cls
         tb = tb.tb_next
     return found
-
-
-@contextlib.contextmanager
-def _router_flag(config: object, value: bool, accepts: bool) -> Iterator[dict[str, object]]:
-    """``output_router_logits`` set to ``value`` for one run of the model's ``forward`` (the
-    config's field, restored after; and the keyword where the forward takes it)."""
-    missing = object()
-    before: object = getattr(config, "output_router_logits", missing)
-    setattr(config, "output_router_logits", value)  # noqa: B010 - a transformers config
-    try:
-        yield {"output_router_logits": value} if accepts else {}
-    finally:
-        if before is missing:
-            delattr(config, "output_router_logits")
-        else:
-            setattr(config, "output_router_logits", before)  # noqa: B010
 
 
 class TransformersMoEAdapter(MegatronHooks):
@@ -715,7 +700,7 @@ class TransformersMoEAdapter(MegatronHooks):
                             swap_child(found[1], "experts", ExpertsStandIn(experts))
                         )
                 for flag in (True, False):
-                    with _router_flag(cfg, flag, self._accepts_router_flag) as kwargs:
+                    with router_flag(cfg, flag, self._accepts_router_flag) as kwargs:
                         runs[flag] = model(
                             input_ids=ids, attention_mask=mask, labels=labels, **kwargs
                         )
