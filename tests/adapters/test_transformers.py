@@ -325,7 +325,8 @@ def test_router_noise_in_eval_mode_is_exact_and_refused_after_train() -> None:
         assert float((p.grad - q).abs().max()) <= 1e-5 * float(q.abs().max()), name
     model.train()
     with pytest.raises(
-        ConfigError, match=r"layers\.0\.mlp \(MixtralSparseMoeBlock\).*training mode.*router_jitter_noise"
+        ConfigError,
+        match=r"layers\.0\.mlp \(MixtralSparseMoeBlock\).*training mode.*router_jitter_noise",
     ):
         combined_1f1b(adapter, mbs)
     model.eval()

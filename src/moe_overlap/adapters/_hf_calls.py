@@ -237,20 +237,19 @@ def _check_hand_on(
         hidden = hiddens[i]
         if i > 0 and hidden is not hiddens[i - 1]:
             raise ConfigError(
-                f"{cls}.forward: expected each decoder layer's output handed to the next "
-                "layer as it is (the hidden states alone: what the adapter's slots hand on), "
-                f"received a forward that takes layer {i - 1}'s output apart"
-                f"{_returns(stands, i - 1)} or changes it: layer {i} got {_describe(hidden)} "
-                f"for the {_describe(hiddens[i - 1])} layer {i - 1} returned; state passed "
-                "from one layer to the next is not supported"
+                f"{cls}.forward: expected each decoder layer's output handed on as it is "
+                "(the hidden states alone: what the adapter's slots hand on), received a "
+                f"forward that takes layer {i - 1}'s output apart{_returns(stands, i - 1)} or "
+                "changes it: state passed from one layer to the next is not supported (layer "
+                f"{i} got {_describe(hidden)} for layer {i - 1}'s {_describe(hiddens[i - 1])})"
             ) from exc
         if not isinstance(hidden, Tensor) or hidden.shape != inputs_embeds.shape:
             raise ConfigError(
-                f"{cls}.forward: expected it to pass decoder layer {i} hidden states shaped "
-                f"like its embeddings, [batch, sequence, hidden_size] = "
-                f"{list(inputs_embeds.shape)} (what the adapter's slots hand from layer to "
-                f"layer), received {_describe(hidden)} (several residual streams per token, "
-                "e.g. hyper-connections, are not supported)"
+                f"{cls}.forward: expected decoder layer {i}'s hidden states shaped like the "
+                f"embeddings, [batch, sequence, hidden_size] = {list(inputs_embeds.shape)}, "
+                f"received {_describe(hidden)}: several residual streams per token "
+                "(hyper-connections) are not supported (the adapter's slots hand one [B, S, D] "
+                "tensor from layer to layer)"
             ) from exc
 
 

@@ -418,7 +418,7 @@ class TransformersMoEAdapter(MegatronHooks):
         mode for it (their flags restored after)."""
         model, base = self.model, self.base
         inside = {id(m) for layer in layers for m in layer.modules()}
-        outside = [m for m in cast("Iterator[nn.Module]", model.modules()) if id(m) not in inside]
+        outside = [m for m in model.modules() if id(m) not in inside]
         p0 = next(model.parameters())
         ids = self._probe_ids(p0.device)
         name = type(model).__name__

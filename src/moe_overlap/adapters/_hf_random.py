@@ -79,7 +79,7 @@ def record_draws(
     child's). Modules under ``skip`` are not watched (their draws count for their caller)."""
     found = Draws()
     stack: list[_Frame] = []
-    skipped = {id(m) for s in skip for m in cast("Iterator[nn.Module]", s.modules())}
+    skipped = {id(m) for s in skip for m in s.modules()}
     handles: list[RemovableHandle] = []
     for name, module in cast("Iterator[tuple[str, nn.Module]]", root.named_modules()):
         if id(module) in skipped:
@@ -123,18 +123,31 @@ def _tensors(value: object) -> list[Tensor]:
     return []
 
 
+def _restore(device: torch.device, states: tuple[Tensor, ...]) -> None:
+    torch.random.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)
+
+
 def draws_matter(draws: Draws, name: str, device: torch.device) -> bool:
     """Whether module ``name``'s output depends on its draws: its first call run again from
-    two different generator states gives different outputs (the global generators are
-    restored after). A module whose draws cannot change its output (PhiMoE's sampling
-    over a single candidate when its jitter is 0) computes deterministically."""
+    two different generator states gives different outputs (the generators are restored
+    after). A module whose draws cannot change its output (PhiMoE's sampling over a single
+    candidate when its jitter is 0) computes deterministically."""
     module, args, kwargs = draws.calls[name]
     outs: list[list[Tensor]] = []
-    devices = [device] if device.type == "cuda" else []
-    with torch.no_grad(), torch.random.fork_rng(devices=devices):
-        for seed in (1, 2):
-            torch.manual_seed(seed)
-            outs.append([t.detach().clone() for t in _tensors(module(*args, **kwargs))])
+    saved = _state(device)
+    try:
+        with torch.no_grad():
+            for shift in (0, 1):
+                _restore(device, saved)
+                for _ in range(shift):  # another state: the same sequence, one draw on
+                    torch.rand(1)
+                    if device.type == "cuda":
+                        torch.rand(1, device=device)
+                outs.append([t.detach().clone() for t in _tensors(module(*args, **kwargs))])
+    finally:
+        _restore(device, saved)
     a, b = outs
     return len(a) != len(b) or any(
         x.shape != y.shape or not torch.equal(x, y) for x, y in zip(a, b, strict=False)

@@ -566,7 +566,7 @@ def measure_block(block: nn.Module, trace: LayerTrace, split: MoESplit, where: s
         with swap_child(block, "experts", stand_in), block_norm_identity(block, split):
             return first_tensor(split.block_call.call(block, u_in, trace.call))
 
-    params = list(cast("Iterator[nn.Parameter]", block.parameters()))
+    params = list(block.parameters())
     with _requiring_grad(params), torch.enable_grad():
         z = torch.zeros_like(x, requires_grad=True)
         rest = run(z, u.detach().requires_grad_())
