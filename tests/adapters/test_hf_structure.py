@@ -229,6 +229,9 @@ def test_per_layer_moe_topk() -> None:
         layer.dispatcher.topk for layer in adapter.decoder.layers if isinstance(layer, HFMoELayer)
     ]
     assert top_ks == [1, 2, 3, 2]
+    # transformers' load-balancing loss takes one top-k: asked for with these, refused.
+    with pytest.raises(ConfigError, match=r"takes one top-k.*received per-layer top-k \[1, 2, 3\]"):
+        TransformersMoEAdapter(model, router_aux_loss=True)
 
 
 def test_a_forward_without_a_load_balancing_loss_is_followed() -> None:
@@ -284,7 +287,10 @@ def test_a_router_sampling_in_eval_mode_too_is_refused() -> None:
                 return super().forward(hidden_states + noise)
 
         router.__class__ = SamplingRouter
-    with pytest.raises(ConfigError, match=r"mlp\.gate: its forward draws random numbers in eval"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.layers\.0\.mlp\.gate \(SamplingRouter\): its forward draws random numbers in eval",
+    ):
         TransformersMoEAdapter(model)
 
 
@@ -343,3 +349,21 @@ def test_refusals_state_the_reason(family: str, says: str) -> None:
     ``too many values to unpack`` / ``mat1 and mat2 shapes`` the stand-ins caused."""
     with pytest.raises(ConfigError, match=says):
         TransformersMoEAdapter(_family(family))
+
+
+def test_transformers_output_capture_before_and_after_adapting() -> None:
+    """A model that ran its own forward with ``output_hidden_states`` (transformers then
+    puts its output-capturing hooks on every layer) is accepted: those hooks record only
+    inside the model's own forward. And after the adapter was built, the model's own
+    forward still finds its router logits (its load-balancing loss used to raise
+    ``IndexError``: the hooks were installed while the adapter stood in for the layers)."""
+    model = mixtral(aux=True)
+    ids = microbatches(1)[0].input_ids
+    assert ids is not None
+    model(input_ids=ids, output_hidden_states=True)
+    adapter = TransformersMoEAdapter(copy.deepcopy(model))
+    combined_1f1b(adapter, microbatches(2))
+    fresh = mixtral(aux=True)
+    TransformersMoEAdapter(fresh)
+    out = fresh(input_ids=ids, labels=ids)
+    assert out.aux_loss is not None and len(out.router_logits) == 2

@@ -150,6 +150,10 @@ def _router_logits(base: nn.Module) -> tuple[type[nn.Module], int] | None:
     return None
 
 
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if name else prefix
+
+
 def failing_module(exc: BaseException, root: nn.Module) -> str:
     """Where ``exc`` was raised: the innermost module of ``root`` (by its path) whose code
     is on the traceback, for messages."""
@@ -185,7 +189,8 @@ class TransformersMoEAdapter(MegatronHooks):
             ``state_dict`` keys) and of the routed experts to the schedule's ``backward_dw``.
         router_aux_loss: add transformers' load-balancing loss times
             ``config.router_aux_loss_coef``; ``None`` follows ``config.output_router_logits``
-            as the model's own ``forward`` does.
+            as the model's own ``forward`` does (which loss it adds, if any, is found by
+            running it on a probe: none is followed, another one is refused).
         self_check: compare the adapter's split of each distinct layer structure with the
             layer's own ``forward`` on a float32 probe (outputs and gradients) and refuse a
             mismatch with :class:`~moe_overlap.ConfigError`. On by default; ``False`` takes
@@ -443,9 +448,11 @@ class TransformersMoEAdapter(MegatronHooks):
         drawn = run(())
         if not drawn:
             return []
-        found = [RandomModule(f"{name}.{n}" if n else name, model.get_submodule(n)) for n in drawn]
+        found = [RandomModule(_join(name, n), model.get_submodule(n)) for n in drawn]
         check_quiet(found, self._random_hint)
-        self._refuse_eval_draws([f"{name}.{n}" if n else name for n in run(drawn)])
+        self._refuse_eval_draws(
+            [RandomModule(_join(name, n), model.get_submodule(n)) for n in run(drawn)]
+        )
         return found
 
     def _random_of(self, draws: Draws, device: torch.device) -> list[str]:
@@ -457,13 +464,20 @@ class TransformersMoEAdapter(MegatronHooks):
             return list(draws.names)
         return [n for n in draws.names if draws_matter(draws, n, device)]
 
+    def _path(self, module: nn.Module) -> str:
+        """``module``'s qualified name in the model."""
+        named = cast("Iterator[tuple[str, nn.Module]]", self.model.named_modules())
+        return next(n for n, m in named if m is module)
+
     def _random_hint(self) -> str:
         return config_hint(self.hf_config)
 
-    def _refuse_eval_draws(self, names: Sequence[str]) -> None:
-        if names:
+    def _refuse_eval_draws(self, found: Sequence[RandomModule]) -> None:
+        if found:
+            item = found[0]
             raise ConfigError(
-                f"{names[0]}: its forward draws random numbers in eval mode too (sampled "
+                f"{item.name} ({type(item.module).__name__}): its forward draws random "
+                "numbers in eval mode too (sampled "
                 "routing, noise not tied to training mode), which the schedule cannot "
                 "reproduce; expected a forward that draws none, at least in eval mode, "
                 f"received draws{self._random_hint()}"
@@ -527,7 +541,7 @@ class TransformersMoEAdapter(MegatronHooks):
                 plans.append(plan)
             prefix = f"{model_name}.{names[id(layer)]}"
             self._random += [
-                RandomModule(f"{prefix}.{n}", layer.get_submodule(n)) for n in sorted(plan.quiet)
+                RandomModule(_join(prefix, n), layer.get_submodule(n)) for n in sorted(plan.quiet)
             ]
         for plan, where in seen.values():
             self.self_check_report.structures.append(
@@ -546,8 +560,10 @@ class TransformersMoEAdapter(MegatronHooks):
             try:
                 with torch.enable_grad():
                     out, trace = trace_layer(traced, x.clone().requires_grad_(), call)
-                if trace.experts_calls:
-                    ec = trace.experts_calls[0]
+                found = block_of(layer)
+                experts = experts_of(layer) if found is not None else None
+                if trace.experts_calls and experts and experts.num_local == experts.num_global:
+                    ec = trace.experts_calls[0]  # (sharded experts take only local indices)
                     with torch.no_grad():
                         ec.module(*ec.args, **ec.kwargs)
             except ConfigError:
@@ -581,13 +597,15 @@ class TransformersMoEAdapter(MegatronHooks):
         if quiet:
             # Accepted only in eval mode (checked again at every plan build), and then only
             # if it draws nothing there: traced again so.
-            prefix = f"{type(self.model).__name__} layer {index}"
+            prefix = f"{type(self.model).__name__}.{self._path(layer)}"
             check_quiet(
-                [RandomModule(f"{prefix} {n}", layer.get_submodule(n)) for n in sorted(quiet)],
+                [RandomModule(_join(prefix, n), layer.get_submodule(n)) for n in sorted(quiet)],
                 self._random_hint,
             )
             traced, out, trace, again = self._trace(layer, x, call, where, quiet)
-            self._refuse_eval_draws([f"{prefix} {n}" for n in again])
+            self._refuse_eval_draws(
+                [RandomModule(_join(prefix, n), layer.get_submodule(n)) for n in again]
+            )
         # A linear may delay its weight gradient if the forward calls it once and its weight
         # gets a gradient at all (an indexer's projection, say, gets none).
         torch.autograd.backward(out.sum())
