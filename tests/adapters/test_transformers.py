@@ -307,10 +307,30 @@ def test_adapting_again_follows_the_new_delay_setting() -> None:
         assert float((p.grad - q.grad).abs().max()) <= 1e-5 * float(q.grad.abs().max()), name
 
 
-def test_router_noise_is_refused_in_eval_mode_too() -> None:
-    """A model adapted in eval mode (as from_pretrained returns it) trains after .train()."""
-    with pytest.raises(ConfigError, match="router_jitter_noise"):
-        TransformersMoEAdapter(mixtral(router_jitter_noise=0.1).eval())
+def test_router_noise_in_eval_mode_is_exact_and_refused_after_train() -> None:
+    """Router jitter draws random numbers only in training mode: a model adapted in eval
+    mode (as from_pretrained returns it) trains exactly there, and is refused at the next
+    plan build once put back in training mode."""
+    model = mixtral(router_jitter_noise=0.1).eval()
+    mbs = microbatches(2)
+    ref = copy.deepcopy(model)
+    ref_losses = reference_step(ref, mbs)
+    adapter = TransformersMoEAdapter(model)
+    losses = combined_1f1b(adapter, mbs)
+    assert max(abs(float(a - b)) for a, b in zip(losses, ref_losses, strict=True)) <= 1e-6
+    theirs = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        q = theirs[name].grad
+        assert p.grad is not None and q is not None, name
+        assert float((p.grad - q).abs().max()) <= 1e-5 * float(q.abs().max()), name
+    model.train()
+    with pytest.raises(
+        ConfigError,
+        match=r"layers\.0\.mlp \(MixtralSparseMoeBlock\).*training mode.*router_jitter_noise",
+    ):
+        combined_1f1b(adapter, mbs)
+    model.eval()
+    combined_1f1b(adapter, mbs)  # back in eval mode: accepted again
 
 
 def test_layers_differing_in_a_plain_setting_are_checked_apart() -> None:

@@ -23,11 +23,13 @@ slots can make the same call.
 from __future__ import annotations
 
 import contextlib
+import importlib
 from collections.abc import Callable, Generator, Mapping, Sequence, Sized
 from contextlib import suppress
 from dataclasses import dataclass
 from typing import Any, cast
 
+import torch
 from torch import Tensor, nn
 
 from moe_overlap import ConfigError
@@ -41,6 +43,7 @@ __all__ = [
     "decoder_input",
     "decoder_layers",
     "layer_calls",
+    "router_flag",
     "swap_child",
 ]
 
@@ -63,11 +66,19 @@ class _Stop(Exception):
 class _Stand(nn.Module):
     """A decoder layer's stand-in: records its call, returns a given or its own input."""
 
-    def __init__(self, layer: nn.Module, index: int, calls: list[LayerCall | None]) -> None:
+    def __init__(
+        self,
+        layer: nn.Module,
+        index: int,
+        calls: list[LayerCall | None],
+        hiddens: list[object] | None = None,
+    ) -> None:
         super().__init__()
         object.__setattr__(self, "_layer", layer)  # not a submodule: no double registration
         self.index = index
         self.calls = calls
+        self.hiddens: list[object] = hiddens if hiddens is not None else [None] * len(calls)
+        """The hidden states each layer received (for checks and diagnoses)."""
         self.feed: Tensor | None = None
         self.stop = False
 
@@ -81,6 +92,7 @@ class _Stand(nn.Module):
     def forward(self, *args: object, **kwargs: object) -> object:
         hidden = args[0] if args else kwargs.pop("hidden_states", None)
         self.calls[self.index] = LayerCall(tuple(args[1:]), dict(kwargs))
+        self.hiddens[self.index] = hidden
         if self.stop:
             raise _Stop(hidden)
         return self.feed if self.feed is not None else hidden
@@ -113,12 +125,33 @@ def decoder_layers(base: nn.Module) -> nn.ModuleList:
     return fits[0]
 
 
+def _install_output_capture(base: nn.Module) -> None:
+    """transformers' output-capturing hooks (router logits, hidden states, attentions) on
+    the real modules, before any stand-in is put in: transformers installs them once, on
+    the first forward that asks for an output, on the modules present then; installed
+    while the layers are stood in for, the model's own forward would later find no router
+    logits (an ``IndexError`` in its load-balancing loss) nor the layers' hidden states."""
+    if not getattr(type(base), "_can_record_outputs", None) or getattr(
+        base, "_output_capturing_hooks_installed", False
+    ):
+        return  # not a model that captures outputs, or installed already
+    try:
+        capture = importlib.import_module("transformers.utils.output_capturing")
+    except ImportError:  # another transformers: nothing to install
+        return
+    install: object = getattr(capture, "maybe_install_capturing_hooks", None)
+    if callable(install):
+        install(base)
+
+
 @contextlib.contextmanager
 def _stand_ins(base: nn.Module) -> Generator[list[_Stand], None, None]:
+    _install_output_capture(base)
     layers = decoder_layers(base)
     originals = list(layers)
     calls: list[LayerCall | None] = [None] * len(originals)
-    stands = [_Stand(layer, i, calls) for i, layer in enumerate(originals)]
+    hiddens: list[object] = [None] * len(originals)
+    stands = [_Stand(layer, i, calls, hiddens) for i, layer in enumerate(originals)]
     for i, stand in enumerate(stands):
         layers[i] = stand
     try:
@@ -158,20 +191,26 @@ def layer_calls(
     """
     with _stand_ins(base) as stands:
         stands[-1].stop = True
-        with suppress(_Stop):
-            base(
-                inputs_embeds=inputs_embeds,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-            )
-        calls = stands[0].calls
+        try:
+            with suppress(_Stop):
+                base(
+                    inputs_embeds=inputs_embeds,
+                    attention_mask=attention_mask,
+                    position_ids=position_ids,
+                )
+        except Exception as exc:
+            _check_hand_on(base, stands, inputs_embeds, exc)
+            _diagnose(base, stands, exc)
+            raise
+    _check_hand_on(base, stands, inputs_embeds, None)
+    calls = stands[0].calls
     out: list[LayerCall] = []
+    cls = type(base).__name__
     for i, recorded in enumerate(calls):
         call = _without_cache(recorded) if recorded is not None else None
         if call is None:
             raise ConfigError(
-                f"{type(base).__name__}.forward: expected it to call decoder layer {i}, "
-                "received no call"
+                f"{cls}.forward: expected it to call decoder layer {i}, received no call"
             )
         for name, value in [*enumerate(call.args), *call.kwargs.items()]:
             if isinstance(value, Tensor) and value.grad_fn is not None:
@@ -182,6 +221,89 @@ def layer_calls(
                 )
         out.append(call)
     return tuple(out)
+
+
+def _check_hand_on(
+    base: nn.Module, stands: Sequence[_Stand], inputs_embeds: Tensor, exc: Exception | None
+) -> None:
+    """Each layer the forward called got the embeddings' shape, and (after the first) what
+    the layer before returned: each stand-in returns the hidden states it got, so anything
+    else means the forward changes or takes apart a layer's output between layers."""
+    cls = type(base).__name__
+    hiddens = stands[0].hiddens
+    for i, call in enumerate(stands[0].calls):
+        if call is None:
+            break
+        hidden = hiddens[i]
+        if i > 0 and hidden is not hiddens[i - 1]:
+            raise ConfigError(
+                f"{cls}.forward: expected each decoder layer's output handed on as it is "
+                "(the hidden states alone: what the adapter's slots hand on), received a "
+                f"forward that takes layer {i - 1}'s output apart{_returns(stands, i - 1)} or "
+                "changes it: state passed from one layer to the next is not supported (layer "
+                f"{i} got {_describe(hidden)} for layer {i - 1}'s {_describe(hiddens[i - 1])})"
+            ) from exc
+        if not isinstance(hidden, Tensor) or hidden.shape != inputs_embeds.shape:
+            raise ConfigError(
+                f"{cls}.forward: expected decoder layer {i}'s hidden states shaped like the "
+                f"embeddings, [batch, sequence, hidden_size] = {list(inputs_embeds.shape)}, "
+                f"received {_describe(hidden)}: several residual streams per token "
+                "(hyper-connections) are not supported (the adapter's slots hand one [B, S, D] "
+                "tensor from layer to layer)"
+            ) from exc
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, Tensor):
+        return f"a tensor {list(value.shape)}"
+    return type(value).__name__
+
+
+def _real_output(stands: Sequence[_Stand], i: int) -> object:
+    """Decoder layer ``i`` itself run (no grad) on what its stand-in got; ``None`` when it
+    fails or its call was not recorded."""
+    call, hidden = stands[0].calls[i], stands[0].hiddens[i]
+    if call is None:
+        return None
+    real = cast(nn.Module, object.__getattribute__(stands[i], "_layer"))
+    try:
+        with torch.no_grad():
+            out: object = real(hidden, *call.args, **dict(call.kwargs))
+    except Exception:
+        return None
+    return out
+
+
+def _returns(stands: Sequence[_Stand], i: int) -> str:
+    """`` (the layer itself returns ...)`` when it returns several values, else ``""``."""
+    out = _real_output(stands, i)
+    if isinstance(out, (tuple, list)):
+        items = list(cast("Sequence[object]", out))
+        if len(items) > 1:
+            described = ", ".join(_describe(v) for v in items)
+            return f" (it returns {len(items)} values: {described})"
+    return ""
+
+
+def _diagnose(base: nn.Module, stands: Sequence[_Stand], exc: Exception) -> None:
+    """Why ``base.forward`` failed around the stand-ins, if it is known: it takes more
+    from a layer than its hidden states (state handed to the next layer). Raises
+    :class:`~moe_overlap.ConfigError` from ``exc`` then; returns otherwise."""
+    done = [i for i, c in enumerate(stands[0].calls) if c is not None]
+    if not done:
+        return
+    i = done[-1]
+    returns = _returns(stands, i)
+    if returns:
+        real = object.__getattribute__(stands[i], "_layer")
+        raise ConfigError(
+            f"{type(base).__name__}.forward: expected each decoder layer's output handed to "
+            "the next layer as it is (the hidden states alone: what the adapter's slots hand "
+            f"on), received a forward that takes decoder layer {i}'s output apart "
+            f"({type(real).__name__}{returns}; with a stand-in returning the hidden states "
+            f"alone it raised {type(exc).__name__}: {exc}); state passed from one layer to "
+            "the next is not supported"
+        ) from exc
 
 
 def _is_cache(value: object) -> bool:
@@ -217,12 +339,10 @@ def causal_lm_output(
     norm, LM head, logit scaling and loss function run on them. The router logits are not
     requested (the adapter adds the load-balancing loss itself).
     """
-    with _stand_ins(base) as stands:
+    config: object = getattr(model, "config", None)
+    with _stand_ins(base) as stands, router_flag(config, False, accepts_router_flag) as kwargs:
         for stand in stands:
             stand.feed = hidden_states
-        kwargs: dict[str, object] = {}
-        if accepts_router_flag:
-            kwargs["output_router_logits"] = False
         out: object = model(
             inputs_embeds=hidden_states.detach(),
             attention_mask=attention_mask,
@@ -244,6 +364,28 @@ def causal_lm_output(
             f"{type(model).__name__}.forward: expected logits, received {type(logits).__name__}"
         )
     return logits
+
+
+@contextlib.contextmanager
+def router_flag(
+    config: object, value: bool, accepts: bool
+) -> Generator[dict[str, object], None, None]:
+    """``output_router_logits`` set to ``value`` for one run of a model's ``forward``: the
+    config's field (restored after; what a forward that does not take the keyword reads)
+    and, where the forward takes it (``accepts``), the keyword arguments yielded."""
+    if config is None:
+        yield {"output_router_logits": value} if accepts else {}
+        return
+    missing = object()
+    before: object = getattr(config, "output_router_logits", missing)
+    setattr(config, "output_router_logits", value)  # noqa: B010 - a transformers config
+    try:
+        yield {"output_router_logits": value} if accepts else {}
+    finally:
+        if before is missing:
+            delattr(config, "output_router_logits")
+        else:
+            setattr(config, "output_router_logits", before)  # noqa: B010
 
 
 @contextlib.contextmanager

@@ -5,9 +5,9 @@ Legend: ``B`` batch, ``S`` sequence, ``D`` hidden.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
-import sys
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -29,6 +29,8 @@ from moe_overlap.adapters._hf_calls import (
     decoder_input,
     decoder_layers,
     layer_calls,
+    router_flag,
+    swap_child,
 )
 from moe_overlap.adapters._hf_ep import expert_parameter_names, experts_of, shard_experts
 from moe_overlap.adapters._hf_layers import HFDenseLayer, HFLayer, HFMoELayer
@@ -39,7 +41,18 @@ from moe_overlap.adapters._hf_probe import (
     float32_copy,
     structure_key,
 )
+from moe_overlap.adapters._hf_random import (
+    Draws,
+    RandomModule,
+    check_quiet,
+    config_hint,
+    draws_matter,
+    record_draws,
+    training_mode,
+)
 from moe_overlap.adapters._hf_structure import (
+    ExpertsStandIn,
+    LayerTrace,
     MoESplit,
     block_of,
     candidate_splits,
@@ -64,6 +77,9 @@ class LayerPlan:
 
     split: MoESplit | None
     delayable: frozenset[str]
+    quiet: frozenset[str] = frozenset()
+    """Modules (by name in the layer) that draw random numbers in training mode: kept in
+    eval mode by the probe, refused in training mode (:mod:`._hf_random`)."""
 
     def describe(self) -> str:
         return "dense" if self.split is None else self.split.describe()
@@ -107,19 +123,6 @@ class AdapterDecoder:
         self.final_layernorm: Callable[[Tensor], Tensor] | None = None
 
 
-def _refuse_randomness(config: object) -> None:
-    """Dropout or router noise cannot be matched between schedule and model (refused in any
-    mode: a model adapted in eval mode trains after ``model.train()``)."""
-    for name in dir(config):
-        if name.endswith(("dropout", "jitter_noise", "dropout_rate")):
-            value: object = getattr(config, name, None)
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-                raise ConfigError(
-                    f"{type(config).__name__}.{name}: expected 0 (random dropout or router noise "
-                    f"differs between the schedule and the model), received {value}"
-                )
-
-
 def _refuse_mixers(config: object, num_layers: int) -> None:
     """Layers whose token mixer is not softmax attention (linear attention, Mamba, convs)."""
     for key in ("layer_types", "layers_block_type", "mixer_types"):
@@ -147,44 +150,24 @@ def _router_logits(base: nn.Module) -> tuple[type[nn.Module], int] | None:
     return None
 
 
-def _computes_aux(model: nn.Module) -> bool:
-    """The model's ``forward`` computes a load-balancing loss (of any kind) at all."""
-    try:
-        source = inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
-        return True  # unknown: ask for the standard one, refused if it is not
-    return "aux_loss" in source or "load_balancing" in source
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if name else prefix
 
 
-def _standard_aux(model: nn.Module) -> bool:
-    """The model's ``forward`` adds transformers' standard load-balancing loss."""
-    try:
-        source = inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
-        return False
-    module = sys.modules.get(type(model).__module__)
-    fn: object = getattr(module, "load_balancing_loss_func", None)
-    if "load_balancing_loss_func(" not in source or not callable(fn):
-        return False
-    mixtral = sys.modules.get("transformers.models.mixtral.modeling_mixtral")
-    if mixtral is None:
-        import importlib
-
-        mixtral = importlib.import_module("transformers.models.mixtral.modeling_mixtral")
-    reference: object = getattr(mixtral, "load_balancing_loss_func", None)
-
-    def body(f: object) -> str:
-        try:
-            src = inspect.getsource(cast("Callable[..., object]", f))
-        except (OSError, TypeError):
-            return ""
-        return "".join(
-            line.strip()
-            for line in src.splitlines()
-            if line.strip() and not line.strip().startswith("#")
-        )
-
-    return body(fn) == body(reference) and body(fn) != ""
+def failing_module(exc: BaseException, root: nn.Module) -> str:
+    """Where ``exc`` was raised: the innermost module of ``root`` (by its path) whose code
+    is on the traceback, for messages."""
+    names = {id(m): n for n, m in cast("Iterator[tuple[str, nn.Module]]", root.named_modules())}
+    cls = type(root).__name__
+    found = cls
+    tb = exc.__traceback__
+    while tb is not None:
+        obj: object = tb.tb_frame.f_locals.get("self")
+        if isinstance(obj, nn.Module) and id(obj) in names:
+            path = names[id(obj)]
+            found = f"{cls}.{path} ({type(obj).__name__})" if path else cls
+        tb = tb.tb_next
+    return found
 
 
 class TransformersMoEAdapter(MegatronHooks):
@@ -206,7 +189,8 @@ class TransformersMoEAdapter(MegatronHooks):
             ``state_dict`` keys) and of the routed experts to the schedule's ``backward_dw``.
         router_aux_loss: add transformers' load-balancing loss times
             ``config.router_aux_loss_coef``; ``None`` follows ``config.output_router_logits``
-            as the model's own ``forward`` does.
+            as the model's own ``forward`` does (which loss it adds, if any, is found by
+            running it on a probe: none is followed, another one is refused).
         self_check: compare the adapter's split of each distinct layer structure with the
             layer's own ``forward`` on a float32 probe (outputs and gradients) and refuse a
             mismatch with :class:`~moe_overlap.ConfigError`. On by default; ``False`` takes
@@ -247,7 +231,6 @@ class TransformersMoEAdapter(MegatronHooks):
         if hf_config is None:
             raise ConfigError(f"{name}.config: expected a transformers config, received None")
         self.hf_config = hf_config
-        _refuse_randomness(hf_config)
         self.config = AdapterConfig(delay_wgrad_compute=delay_wgrad_compute)
         hidden_size = self._int("hidden_size")
         self.hidden_size = hidden_size
@@ -271,7 +254,6 @@ class TransformersMoEAdapter(MegatronHooks):
             raise ConfigError(
                 f"{name}: expected every MoE layer to have the same number of experts, received {sorted(num_experts)}"
             )
-        top_k = self._top_k()
         sharded = [
             i
             for i in moe_layers
@@ -290,10 +272,16 @@ class TransformersMoEAdapter(MegatronHooks):
         self._accepts_router_flag = (
             "output_router_logits" in inspect.signature(type(model).forward).parameters
         )
+        # Modules drawing random numbers in training mode: refused while in it (here and
+        # at every plan build), accepted in eval mode.
+        self._random: list[RandomModule] = []
         try:
-            plans = self._plan(
-                layers, top_k=top_k, delay=delay_wgrad_compute, self_check=self_check
-            )
+            # The layers' arguments first: what the model's forward hands its layers is
+            # checked there (hidden states of the embeddings' shape, nothing else).
+            p0 = next(model.parameters())
+            probe = self._probe_calls(p0.dtype, p0.device)
+            self._random += self._outside_draws(layers)
+            plans = self._plan(layers, probe, delay=delay_wgrad_compute, self_check=self_check)
             repeated = repeated_outside(
                 model, self.base, accepts_router_flag=self._accepts_router_flag
             )
@@ -301,35 +289,40 @@ class TransformersMoEAdapter(MegatronHooks):
             raise
         except Exception as exc:  # the model's own code, run as the adapter runs it
             raise ConfigError(
-                f"{name}: its layers could not be run the way the adapter runs them (the model's "
-                f"forward with the layers stood in for, then each layer on a probe): "
-                f"{type(exc).__name__}: {exc}"
+                f"{name}: {failing_module(exc, model)} raised {type(exc).__name__}: {exc}, "
+                "when the adapter ran the model's own forward around stand-ins for its decoder "
+                "layers (on a probe of two sequences of six tokens); expected it to run as in "
+                "the model's own forward"
             ) from exc
         for item in repeated:
             check_module(item.module, item.name, item.reason, item.bypass)
         self._bypassed = self._bypassed.with_outside(repeated)
-        self.dispatcher = TokenDispatcher(num_experts.pop(), top_k, group=ep_group)
-        # None follows the model: its forward adds a load-balancing loss when the config
-        # asks for router logits and the forward computes one at all.
+        count = num_experts.pop()
+        self._dispatchers: dict[int, TokenDispatcher] = {}
+        for plan in plans:
+            k = plan.split.experts.top_k if plan.split is not None else None
+            if k is not None and k not in self._dispatchers:
+                self._dispatchers[k] = TokenDispatcher(count, k, group=ep_group)
+        first = plans[moe_layers[0]].split
+        assert first is not None
+        self.dispatcher = self._dispatchers[first.experts.top_k]
+        """The first MoE layer's dispatcher (layers with another top-k have their own)."""
+        # None follows the model: a load-balancing loss when the config asks for router
+        # logits and the model's forward then adds one (found by running it, not read).
         want_aux = (
-            bool(getattr(hf_config, "output_router_logits", False)) and _computes_aux(model)
+            bool(getattr(hf_config, "output_router_logits", False))
             if router_aux_loss is None
             else router_aux_loss
         )
-        self.aux: RouterAuxLoss | None = None
         router_logits = _router_logits(self.base)
+        self.aux: RouterAuxLoss | None = None
         if want_aux:
-            if not _standard_aux(model) or router_logits is None:
-                raise ConfigError(
-                    f"{name}: router_aux_loss: the adapter adds transformers' standard "
-                    "load_balancing_loss_func; this model's forward computes no such loss or "
-                    "another one (pass router_aux_loss=False to train without it)"
-                )
-            coef: object = getattr(hf_config, "router_aux_loss_coef", 0.0)
-            self.aux = RouterAuxLoss(
-                num_experts=self.dispatcher.num_experts,
-                top_k=top_k,
-                coef=float(coef) if isinstance(coef, (int, float)) else 0.0,
+            top_ks = sorted(self._dispatchers)
+            self.aux = self._model_aux(
+                count,
+                self._aux_top_k(top_ks),
+                explicit=router_aux_loss is True,
+                recorded=router_logits is not None,
             )
         # Every refusal above; only now is the model changed (a refused model stays whole).
         if self.dispatcher.ep_size > 1 and not sharded:
@@ -363,7 +356,7 @@ class TransformersMoEAdapter(MegatronHooks):
                     self.config,
                     self.layer_call,
                     split=plan.split,
-                    dispatcher=self.dispatcher,
+                    dispatcher=self._dispatchers[plan.split.experts.top_k],
                     delay_wgrad=delay_wgrad_compute,
                     hidden_size=hidden_size,
                     aux=self.aux,
@@ -384,14 +377,111 @@ class TransformersMoEAdapter(MegatronHooks):
             )
         return value
 
-    def _top_k(self) -> int:
+    def _config_top_k(self, index: int) -> int | None:
+        """The router's top-k the config gives layer ``index``: one int for every layer, or
+        a list with one per layer (HunYuan's ``moe_topk``); ``None`` when it gives none."""
+        cfg = self.hf_config
         for key in ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token"):
-            value: object = getattr(self.hf_config, key, None)
+            value: object = getattr(cfg, key, None)
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value
-        raise ConfigError(
-            f"{type(self.hf_config).__name__}: expected num_experts_per_tok (the router's top-k), received none"
+            if isinstance(value, (list, tuple)):
+                items = list(cast("Sequence[object]", value))
+                item = items[index] if index < len(items) else None
+                if not isinstance(item, int) or isinstance(item, bool) or item <= 0:
+                    raise ConfigError(
+                        f"{type(cfg).__name__}.{key}: expected a positive int, or one per "
+                        f"layer, received {value!r} (layer {index}: {item!r})"
+                    )
+                return item
+        return None
+
+    def _aux_top_k(self, top_ks: Sequence[int]) -> int:
+        """The top-k of transformers' load-balancing loss: the config's, or the layers' one."""
+        value: object = getattr(self.hf_config, "num_experts_per_tok", None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+        if len(top_ks) != 1:
+            raise ConfigError(
+                f"{type(self.model).__name__}: router_aux_loss: transformers' "
+                "load_balancing_loss_func takes one top-k for every layer; expected one, "
+                f"received per-layer top-k {list(top_ks)} (pass router_aux_loss=False to "
+                "train without it)"
+            )
+        return top_ks[0]
+
+    def _probe_ids(self, device: torch.device) -> Tensor:
+        vocab: object = getattr(self.hf_config, "vocab_size", None)
+        high = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else 2
+        g = torch.Generator().manual_seed(0)
+        return torch.randint(0, max(2, min(high, 100)), (2, _PROBE_TOKENS), generator=g).to(device)
+
+    def _outside_draws(self, layers: list[nn.Module]) -> list[RandomModule]:
+        """The modules outside the decoder layers whose forward draws random numbers that
+        change its output in training mode (embedding dropout, ...): found on a probe of
+        the model's own forward with the layers stood in for, those modules put in training
+        mode for it (their flags restored after)."""
+        model, base = self.model, self.base
+        inside = {id(m) for layer in layers for m in layer.modules()}
+        outside = [m for m in model.modules() if id(m) not in inside]
+        p0 = next(model.parameters())
+        ids = self._probe_ids(p0.device)
+        name = type(model).__name__
+
+        def run(quiet: Sequence[str]) -> list[str]:
+            with torch.no_grad(), training_mode(outside):
+                for n in quiet:
+                    model.get_submodule(n).training = False
+                with record_draws(model, p0.device, skip=layers) as draws:
+                    hidden = decoder_input(base, input_ids=ids, position_ids=None)
+                    causal_lm_output(
+                        model,
+                        base,
+                        hidden,
+                        labels=ids,
+                        attention_mask=None,
+                        position_ids=None,
+                        accepts_router_flag=self._accepts_router_flag,
+                    )
+                return self._random_of(draws, p0.device)
+
+        drawn = run(())
+        if not drawn:
+            return []
+        found = [RandomModule(_join(name, n), model.get_submodule(n)) for n in drawn]
+        check_quiet(found, self._random_hint)
+        self._refuse_eval_draws(
+            [RandomModule(_join(name, n), model.get_submodule(n)) for n in run(drawn)]
         )
+        return found
+
+    def _random_of(self, draws: Draws, device: torch.device) -> list[str]:
+        """The modules that drew whose output depends on the draws (all that drew, when
+        the config sets a non-zero dropout or jitter probability)."""
+        if not draws.names:
+            return []
+        if config_hint(self.hf_config):
+            return list(draws.names)
+        return [n for n in draws.names if draws_matter(draws, n, device)]
+
+    def _path(self, module: nn.Module) -> str:
+        """``module``'s qualified name in the model."""
+        named = cast("Iterator[tuple[str, nn.Module]]", self.model.named_modules())
+        return next(n for n, m in named if m is module)
+
+    def _random_hint(self) -> str:
+        return config_hint(self.hf_config)
+
+    def _refuse_eval_draws(self, found: Sequence[RandomModule]) -> None:
+        if found:
+            item = found[0]
+            raise ConfigError(
+                f"{item.name} ({type(item.module).__name__}): its forward draws random "
+                "numbers in eval mode too (sampled "
+                "routing, noise not tied to training mode), which the schedule cannot "
+                "reproduce; expected a forward that draws none, at least in eval mode, "
+                f"received draws{self._random_hint()}"
+            )
 
     def _probe_calls(
         self, dtype: torch.dtype, device: torch.device
@@ -408,11 +498,16 @@ class TransformersMoEAdapter(MegatronHooks):
         return x, calls
 
     def _plan(
-        self, layers: list[nn.Module], *, top_k: int, delay: bool, self_check: bool
+        self,
+        layers: list[nn.Module],
+        probe: tuple[Tensor, tuple[LayerCall, ...]],
+        *,
+        delay: bool,
+        self_check: bool,
     ) -> list[LayerPlan]:
         start = time.perf_counter()
         p0 = next(self.model.parameters())
-        x, calls = self._probe_calls(p0.dtype, p0.device)
+        x, calls = probe
         multiplier: object = getattr(self.hf_config, "residual_multiplier", None)
         mult = (
             float(multiplier)
@@ -421,31 +516,67 @@ class TransformersMoEAdapter(MegatronHooks):
         )
         plans: list[LayerPlan] = []
         seen: dict[tuple[object, ...], tuple[LayerPlan, list[int]]] = {}
+        model_name = type(self.model).__name__
+        names = {
+            id(m): n for n, m in cast("Iterator[tuple[str, nn.Module]]", self.model.named_modules())
+        }
         for i, layer in enumerate(layers):
             key = structure_key(layer, calls[i])
             if key in seen:
                 plan, where = seen[key]
                 where.append(i)
                 plans.append(plan)
-                continue
-            plan = self._plan_one(
-                layer,
-                i,
-                x.to(p0.device),
-                float32_call(calls[i]),
-                top_k=top_k,
-                mult=mult,
-                delay=delay,
-                self_check=self_check,
-            )
-            seen[key] = (plan, [i])
-            plans.append(plan)
+            else:
+                plan = self._plan_one(
+                    layer,
+                    i,
+                    x.to(p0.device),
+                    float32_call(calls[i]),
+                    top_k=self._config_top_k(i),
+                    mult=mult,
+                    delay=delay,
+                    self_check=self_check,
+                )
+                seen[key] = (plan, [i])
+                plans.append(plan)
+            prefix = f"{model_name}.{names[id(layer)]}"
+            self._random += [
+                RandomModule(_join(prefix, n), layer.get_submodule(n)) for n in sorted(plan.quiet)
+            ]
         for plan, where in seen.values():
             self.self_check_report.structures.append(
                 (type(layers[where[0]]).__name__, where, plan.describe())
             )
         self.self_check_report.seconds = time.perf_counter() - start
         return plans
+
+    def _trace(
+        self, layer: nn.Module, x: Tensor, call: LayerCall, where: str, quiet: frozenset[str]
+    ) -> tuple[nn.Module, Tensor, LayerTrace, list[str]]:
+        """A float32 copy of ``layer`` run on the probe, its trace, and the modules whose
+        forward drew random numbers (the routed experts' too: run once on what they got)."""
+        traced = float32_copy(layer, immediate=True, quiet=quiet)
+        with record_draws(traced, x.device) as draws:
+            try:
+                with torch.enable_grad():
+                    out, trace = trace_layer(traced, x.clone().requires_grad_(), call)
+                found = block_of(layer)
+                experts = experts_of(layer) if found is not None else None
+                if trace.experts_calls and experts and experts.num_local == experts.num_global:
+                    ec = trace.experts_calls[0]  # (sharded experts take only local indices)
+                    with torch.no_grad():
+                        ec.module(*ec.args, **ec.kwargs)
+            except ConfigError:
+                raise
+            except Exception as exc:
+                raise ConfigError(
+                    f"{where}: {failing_module(exc, traced)} raised {type(exc).__name__}: "
+                    f"{exc}, when the adapter ran the layer's own forward on a probe (hidden "
+                    f"states {list(x.shape)} = [batch, sequence, hidden_size] and the "
+                    "arguments the model's forward passes it); expected it to run as in the "
+                    "model's own forward"
+                ) from exc
+        return traced, out, trace, self._random_of(draws, x.device)
 
     def _plan_one(
         self,
@@ -454,16 +585,27 @@ class TransformersMoEAdapter(MegatronHooks):
         x: Tensor,
         call: LayerCall,
         *,
-        top_k: int,
+        top_k: int | None,
         mult: float | None,
         delay: bool,
         self_check: bool,
     ) -> LayerPlan:
         where = f"{type(layer).__name__} (layer {index})"
         calls: Callable[[ChunkState, int], LayerCall] = lambda cs, i: call  # noqa: E731
-        traced = float32_copy(layer, immediate=True)
-        with torch.enable_grad():
-            out, trace = trace_layer(traced, x.clone().requires_grad_(), call)
+        traced, out, trace, drawn = self._trace(layer, x, call, where, frozenset())
+        quiet = frozenset(drawn)
+        if quiet:
+            # Accepted only in eval mode (checked again at every plan build), and then only
+            # if it draws nothing there: traced again so.
+            prefix = f"{type(self.model).__name__}.{self._path(layer)}"
+            check_quiet(
+                [RandomModule(_join(prefix, n), layer.get_submodule(n)) for n in sorted(quiet)],
+                self._random_hint,
+            )
+            traced, out, trace, again = self._trace(layer, x, call, where, quiet)
+            self._refuse_eval_draws(
+                [RandomModule(_join(prefix, n), layer.get_submodule(n)) for n in again]
+            )
         # A linear may delay its weight gradient if the forward calls it once and its weight
         # gets a gradient at all (an indexer's projection, say, gets none).
         torch.autograd.backward(out.sum())
@@ -474,7 +616,8 @@ class TransformersMoEAdapter(MegatronHooks):
         )
         if block_of(layer) is None:
             if self_check and delay:
-                ref, cand = float32_copy(layer, immediate=True), float32_copy(layer)
+                ref = float32_copy(layer, immediate=True, quiet=quiet)
+                cand = float32_copy(layer, quiet=quiet)
                 dense = HFDenseLayer(
                     cand, index, self.config, calls, delay_wgrad=True, delayable=delayable
                 )
@@ -486,7 +629,7 @@ class TransformersMoEAdapter(MegatronHooks):
                         f"{where}: with delayed weight gradients the layer no longer computes "
                         f"its own forward: {mismatch}"
                     )
-            return LayerPlan(None, delayable)
+            return LayerPlan(None, delayable, quiet)
         splits = candidate_splits(traced, trace, top_k=top_k, multiplier=mult)
         measured = measure_block(traced.get_submodule(splits[0].block), trace, splits[0], where)
         splits = [
@@ -496,18 +639,20 @@ class TransformersMoEAdapter(MegatronHooks):
             for s in splits
         ]
         if not self_check:
-            return LayerPlan(splits[0], delayable)
+            return LayerPlan(splits[0], delayable, quiet)
         best: tuple[Mismatch, MoESplit] | None = None
+        failure: Exception | None = None
         experts = experts_of(layer).num_global
         for split in splits:
-            ref, cand = float32_copy(layer, immediate=True), float32_copy(layer)
+            ref = float32_copy(layer, immediate=True, quiet=quiet)
+            cand = float32_copy(layer, quiet=quiet)
             adapted = HFMoELayer(
                 cand,
                 index,
                 self.config,
                 calls,
                 split=split,
-                dispatcher=TokenDispatcher(experts, top_k),
+                dispatcher=TokenDispatcher(experts, split.experts.top_k),
                 delay_wgrad=delay,
                 hidden_size=self.hidden_size,
                 aux=None,
@@ -519,9 +664,14 @@ class TransformersMoEAdapter(MegatronHooks):
                     ref, adapted.run_plain, cand, partial(_finish, adapted), x, call, seed=index
                 )
             except Exception as exc:
-                mismatch = Mismatch(f"the split's run ({type(exc).__name__}: {exc})", float("inf"))
+                failure = failure or exc
+                mismatch = Mismatch(
+                    f"the split's run ({failing_module(exc, cand)} raised "
+                    f"{type(exc).__name__}: {exc})",
+                    float("inf"),
+                )
             if mismatch is None:
-                return LayerPlan(split, delayable)
+                return LayerPlan(split, delayable, quiet)
             if best is None or mismatch.difference < best[0].difference:
                 best = (mismatch, split)
         assert best is not None
@@ -529,7 +679,110 @@ class TransformersMoEAdapter(MegatronHooks):
             f"{where}: the adapter's split of this layer does not reproduce its forward on the "
             f"float32 probe: {best[0]} (closest split tried: {best[1].describe()}; "
             f"{len(splits)} tried)"
+        ) from failure
+
+    def _model_aux(
+        self, num_experts: int, top_k: int, *, explicit: bool, recorded: bool
+    ) -> RouterAuxLoss | None:
+        """The load-balancing loss the model's own ``forward`` adds, if it is transformers'
+        standard one; ``None`` when it adds none (refused if ``explicit``ly asked for).
+
+        Found by running the forward (its routed experts stood in for: the loss depends on
+        the router logits only) on a padded probe with ``output_router_logits`` on and off:
+        the loss it adds is compared with ``load_balancing_loss_func`` on the router logits
+        it returns, times ``router_aux_loss_coef``. Never read off its source.
+        """
+        model, cfg = self.model, self.hf_config
+        name = type(model).__name__
+        standard = "the adapter adds transformers' standard load_balancing_loss_func"
+        advice = "pass router_aux_loss=False to train without it"
+        coef_value: object = getattr(cfg, "router_aux_loss_coef", 0.0)
+        coef = (
+            float(coef_value)
+            if isinstance(coef_value, (int, float)) and not isinstance(coef_value, bool)
+            else 0.0
         )
+        p0 = next(model.parameters())
+        ids = self._probe_ids(p0.device)
+        mask = torch.ones_like(ids)
+        mask[0, :2] = 0
+        labels = ids.masked_fill(mask == 0, -100)
+        runs: dict[bool, object] = {}
+        try:
+            with torch.no_grad(), contextlib.ExitStack() as stack:
+                for layer in self._built_layers:
+                    found = block_of(layer)
+                    if found is not None:
+                        experts = found[1].get_submodule("experts")
+                        stack.enter_context(
+                            swap_child(found[1], "experts", ExpertsStandIn(experts))
+                        )
+                for flag in (True, False):
+                    with router_flag(cfg, flag, self._accepts_router_flag) as kwargs:
+                        runs[flag] = model(
+                            input_ids=ids, attention_mask=mask, labels=labels, **kwargs
+                        )
+        except Exception as exc:
+            raise ConfigError(
+                f"{name}: router_aux_loss: {standard}, read off the model's own forward with "
+                f"output_router_logits=True; that forward (on a probe, its routed experts "
+                f"stood in for) raised in {failing_module(exc, model)} "
+                f"{type(exc).__name__}: {exc} ({advice})"
+            ) from exc
+        on, off = runs[True], runs[False]
+        loss_on: object = getattr(on, "loss", None)
+        loss_off: object = getattr(off, "loss", None)
+        aux_on: object = getattr(on, "aux_loss", None)
+        logits: object = getattr(on, "router_logits", None)
+        if not isinstance(loss_on, Tensor) or not isinstance(loss_off, Tensor):
+            raise ConfigError(
+                f"{name}.forward: expected a loss for the given labels, received "
+                f"{type(loss_on).__name__}"
+            )
+        added = float(loss_on.double() - loss_off.double())
+        if not isinstance(aux_on, Tensor) and added == 0.0:
+            if explicit:
+                raise ConfigError(
+                    f"{name}: router_aux_loss: {standard}; this model's forward computes no "
+                    "such loss (with output_router_logits=True it adds nothing to the loss "
+                    "and returns no aux_loss); expected router_aux_loss=None (follow the "
+                    f"model) or False, received True"
+                )
+            return None
+        items = list(cast("Sequence[object]", logits)) if isinstance(logits, (tuple, list)) else []
+        if not recorded or not items or not all(isinstance(t, Tensor) for t in items):
+            raise ConfigError(
+                f"{name}: router_aux_loss: {standard}; this model's forward adds "
+                f"{added:.6g} to the loss but the router logits it is computed from are not "
+                f"where transformers records them ({advice})"
+            )
+        ours = RouterAuxLoss(num_experts=num_experts, top_k=top_k, coef=coef)
+        ours.begin(p0.device)
+        dtype = torch.float32
+        with torch.no_grad():
+            for i, t in enumerate(cast("list[Tensor]", items)):
+                logits_TE = t.reshape(-1, t.shape[-1])
+                dtype = logits_TE.dtype
+                weights = torch.zeros(logits_TE.shape[0], top_k, device=logits_TE.device)
+                ours.attach(i, weights, logits_TE, mask)
+            value = ours.finish()
+        std = float(value) if value is not None else 0.0
+        rtol = max(1e-4, 16 * torch.finfo(dtype).eps)
+        floor = 16 * torch.finfo(torch.float32).eps * abs(float(loss_off))
+        problems: list[str] = []
+        if isinstance(aux_on, Tensor) and abs(float(aux_on) - std) > rtol * abs(std):
+            problems.append(f"its aux_loss is {float(aux_on):.6g}, the standard one {std:.6g}")
+        if abs(added - coef * std) > rtol * abs(coef * std) + floor:
+            problems.append(
+                f"it adds {added:.6g} to the loss, the standard one times "
+                f"router_aux_loss_coef={coef:g} is {coef * std:.6g}"
+            )
+        if problems:
+            raise ConfigError(
+                f"{name}: router_aux_loss: {standard}; this model's forward computes another "
+                f"one ({'; '.join(problems)}, on a padded probe) ({advice})"
+            )
+        return RouterAuxLoss(num_experts=num_experts, top_k=top_k, coef=coef)
 
     def _recompute(self, parts: frozenset[str]) -> None:
         """Recompute the named parts of every layer (the MoE splits name the children; a
@@ -606,7 +859,11 @@ class TransformersMoEAdapter(MegatronHooks):
         return self.bypassed_in(range(len(self._built_layers)))
 
     def bypassed_in(self, layers: range) -> Iterator[BypassedModule]:
-        """:meth:`bypassed_modules` of the causal LM, its decoder stack and ``layers``."""
+        """:meth:`bypassed_modules` of the causal LM, its decoder stack and ``layers``.
+
+        Also refuses, at every plan build, a module that draws random numbers in training
+        mode while it is in training mode (:mod:`._hf_random`)."""
+        check_quiet(self._random, self._random_hint)
         yield from check_layers_unchanged(self.model, self._layer_list, self._built_layers, layers)
         yield from self._bypassed.outside
         for i in layers:

@@ -25,6 +25,7 @@ from moe_overlap.blocks import DelayedWgradModule
 from moe_overlap.engine._state import ChunkState
 
 __all__ = [
+    "GRADIENT_FLOOR",
     "PROBE_TOLERANCE",
     "Mismatch",
     "compare_layer",
@@ -37,6 +38,15 @@ PROBE_TOLERANCE = 1e-5
 """Largest difference accepted, relative to the largest magnitude of the compared tensor:
 float32 rounding from summing the routed experts' outputs in another order is ~1e-7."""
 
+GRADIENT_FLOOR = 1e-2
+"""A gradient is compared relative to ``max(its largest magnitude, GRADIENT_FLOOR * G)``,
+``G`` the largest magnitude among all the layer's gradients (input and parameters): a
+difference under ``PROBE_TOLERANCE * GRADIENT_FLOOR * G = 1e-7 * G``, float32's rounding
+unit of the layer's largest gradient, is rounding. A gradient that is exactly zero
+mathematically (a key bias without rotary: softmax ignores a shift shared by every key)
+comes out as float32 noise of ~1e-10 * G, which a purely relative comparison would call a
+difference of order 1."""
+
 
 @dataclass(frozen=True, slots=True)
 class Mismatch:
@@ -46,7 +56,10 @@ class Mismatch:
     difference: float
 
     def __str__(self) -> str:
-        return f"{self.what} differs by {self.difference:.3g} (relative; float32 rounding is < {PROBE_TOLERANCE:g})"
+        return (
+            f"{self.what} differs by {self.difference:.3g} (relative; float32 rounding is "
+            f"< {PROBE_TOLERANCE:g})"
+        )
 
 
 _INDEX_NAMES = frozenset({"layer_idx", "layer_index", "index", "layer_id"})
@@ -99,9 +112,14 @@ def float32_call(call: LayerCall) -> LayerCall:
     )
 
 
-def _rel(a: Tensor, b: Tensor) -> float:
+def _magnitude(t: Tensor) -> float:
+    return float(t.detach().abs().max()) if t.numel() else 0.0
+
+
+def _rel(a: Tensor, b: Tensor, floor: float = 0.0) -> float:
+    """``max |a - b|`` relative to ``max(max |b|, floor)`` (absolute when both are 0)."""
     a, b = a.detach(), b.detach()
-    scale = float(b.abs().max()) if b.numel() else 0.0
+    scale = max(_magnitude(b), floor)
     diff = float((a.double() - b.double()).abs().max()) if b.numel() else 0.0
     return diff / scale if scale > 0 else diff
 
@@ -149,27 +167,37 @@ def compare_layer(
     cand_grads = dict(_grads(candidate))
     for name, ref_grad in _grads(reference):
         pairs.append((f"gradient of {name}", cand_grads.get(name), ref_grad))
+    # The layer's gradient scale: a mathematically-zero gradient's float32 noise sits far
+    # below it (see GRADIENT_FLOOR).
+    floor = GRADIENT_FLOOR * max((_magnitude(w) for _, _, w in pairs if w is not None), default=0.0)
     for what, got, want in pairs:
         if (got is None) != (want is None):
             absent = "no gradient" if got is None else "a gradient the layer does not give"
             return Mismatch(f"{what} (the split gives {absent})", float("inf"))
         if got is not None and want is not None:
-            d = _rel(got, want)
+            d = _rel(got, want, floor) if got.shape == want.shape else float("inf")
             if d > worst.difference:
                 worst = Mismatch(what, d)
     return worst if worst.difference > PROBE_TOLERANCE else None
 
 
-def float32_copy(layer: nn.Module, *, immediate: bool = False) -> nn.Module:
+def float32_copy(
+    layer: nn.Module, *, immediate: bool = False, quiet: frozenset[str] = frozenset()
+) -> nn.Module:
     """A float32 deep copy in training mode (the probe never touches the model's own layer;
     it checks what training runs, whatever mode the model is in now).
 
     ``immediate``: linears an earlier adapter made delayable compute their weight gradient
     in backward, as the ``nn.Linear`` they replaced (the layer's own forward, for reference).
+    ``quiet``: modules (by name in the layer) that draw random numbers in training mode
+    stay in eval mode (only they, not their children): the adapter trains them so, and
+    refuses them in training mode (:mod:`._hf_random`).
     """
     dup = copy.deepcopy(layer)
     dup.float()
     dup.train()
+    for name in quiet:
+        dup.get_submodule(name).training = False
     for m in dup.modules():  # activation checkpointing changes memory, not the math
         if getattr(m, "gradient_checkpointing", False) is True:
             setattr(m, "gradient_checkpointing", False)  # noqa: B010 - transformers' flag

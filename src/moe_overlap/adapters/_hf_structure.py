@@ -16,7 +16,8 @@ argument, every token repeated per expert and scaled by its router score (Llama 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Sequence
+from collections import deque
+from collections.abc import Generator, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
@@ -114,8 +115,9 @@ class MoESplit:
     """... then this child of the block normalizes it (stood in for by the identity in
     pre-dispatch, applied in combine)."""
     block_adds: bool = True
-    """The block's output with its experts returning zeros is not zero (shared experts):
-    ``rest`` is handed to combine whether or not it carries a gradient."""
+    """The block's output is computed from more than its experts' output (its input, its
+    parameters: shared experts): ``rest`` is handed to combine, whatever its value and
+    whether or not it carries a gradient. Read off the autograd graph, never the values."""
 
     def describe(self) -> str:
         parts = [
@@ -281,6 +283,11 @@ def trace_layer(layer: nn.Module, hidden: Tensor, call: LayerCall) -> tuple[Tens
     return first_tensor(out), trace
 
 
+def _out(call: ChildCall) -> object:
+    """The first output (the hidden output) of a child call."""
+    return _outputs(call)[0]
+
+
 def _arg(call: ChildCall) -> object:
     """The first argument (the hidden input) of a child call."""
     if call.args:
@@ -292,7 +299,16 @@ def _spec(where: str, c: ChildCall, trace: LayerTrace) -> CallSpec:
     return CallSpec.record(where, c.args, c.kwargs, hidden=_arg(c), call=trace.call)
 
 
-def _experts_call(trace: LayerTrace, where: str, top_k: int) -> ExpertsCall:
+def _outputs(call: ChildCall) -> tuple[object, ...]:
+    raw: object = call.output
+    return cast("tuple[object, ...]", raw) if isinstance(raw, tuple) else (raw,)
+
+
+def _experts_call(trace: LayerTrace, where: str, top_k: int | None) -> ExpertsCall:
+    """How the block calls its experts, from the traced call's arguments (their kinds and
+    shapes) and, for prescaled rows, the autograd graph (which router output they are
+    scaled by); never from the values. ``top_k``: the config's, for prescaled rows (a
+    routed call says its own: the index's last dimension)."""
     if len(trace.experts_calls) != 1:
         raise ConfigError(
             f"{where}: expected the MoE block to call its experts once, received "
@@ -304,25 +320,44 @@ def _experts_call(trace: LayerTrace, where: str, top_k: int) -> ExpertsCall:
     slots += [(("kw", k), v) for k, v in c.kwargs.items() if isinstance(v, Tensor)]
     ints = [s for s, t in slots if not t.is_floating_point()]
     floats = [s for s, t in slots if t.is_floating_point()]
+    tensors = dict(slots)
     if len(slots) == 3 and len(ints) == 1 and len(floats) == 2:
-        return ExpertsCall("routed", hidden=floats[0], index=ints[0], weights=floats[1])
+        index = tensors[ints[0]]
+        if index.dim() != 2:
+            raise ConfigError(
+                f"{where}: expected the experts' index argument as [tokens, top-k], received "
+                f"shape {tuple(index.shape)}"
+            )
+        return ExpertsCall(
+            "routed", hidden=floats[0], index=ints[0], weights=floats[1], top_k=index.shape[1]
+        )
     if len(slots) == 1 and len(floats) == 1:
-        rows = slots[0][1].shape[0]
+        rows_in = tensors[floats[0]]
+        rows = rows_in.shape[0]
         tokens = trace.hidden.shape[0] * trace.hidden.shape[1]
+        found: list[tuple[str, int, Tensor]] = []
         for bc in trace.block_children:
-            raw: object = bc.output
-            outs = cast("tuple[object, ...]", raw) if isinstance(raw, tuple) else (raw,)
-            for i, o in enumerate(outs):
+            for i, o in enumerate(_outputs(bc)):
                 if (
                     isinstance(o, Tensor)
                     and o.dim() == 2
                     and o.shape[0] == tokens
                     and rows == tokens * o.shape[1]
-                    and bool(((o != 0).sum(-1) == top_k).all())
                 ):
-                    return ExpertsCall(
-                        "prescaled", hidden=floats[0], router=bc.name, router_output=i, top_k=top_k
-                    )
+                    found.append((bc.name, i, o))
+        # The router output the rows are scaled by: the [T, E] one they are computed from
+        # most directly (Llama 4's router returns its scores and the logits they came from).
+        pick = nearest_source(rows_in, [o for _, _, o in found])
+        if pick is not None:
+            if top_k is None:
+                raise ConfigError(
+                    f"{where}: expected the router's top-k in the config "
+                    "(num_experts_per_tok), received none"
+                )
+            name, i, _ = found[pick]
+            return ExpertsCall(
+                "prescaled", hidden=floats[0], router=name, router_output=i, top_k=top_k
+            )
     raise ConfigError(
         f"{where}: expected experts(hidden [T, D], index [T, K], weights [T, K]) or "
         "experts(hidden scaled by router scores [E*T, D]), received arguments "
@@ -331,9 +366,10 @@ def _experts_call(trace: LayerTrace, where: str, top_k: int) -> ExpertsCall:
 
 
 def candidate_splits(
-    layer: nn.Module, trace: LayerTrace, *, top_k: int, multiplier: float | None
+    layer: nn.Module, trace: LayerTrace, *, top_k: int | None, multiplier: float | None
 ) -> list[MoESplit]:
-    """Every split of a MoE layer the traced call order allows, the likeliest first.
+    """Every split of a MoE layer the traced call order allows, the likeliest first (the
+    one the traced tensors' identities point to: which child's output another takes).
 
     Raises :class:`~moe_overlap.ConfigError` when the order fits none (children the split
     cannot place, a block called more than once, ...).
@@ -410,8 +446,16 @@ def candidate_splits(
         shapes = [replace(base, attn_out_norm=mid[0].name, pre_mlp_norm=mid[1].name)]
     elif len(mid) == 1:
         shapes = [replace(base, pre_mlp_norm=mid[0].name), replace(base, attn_out_norm=mid[0].name)]
+        # The norm normalizes the attention output (then a sum feeds the block) rather than
+        # the block's input: the block does not take the norm's output, the norm takes
+        # the attention's.
+        if u is not _out(mid[0]) and _arg(mid[0]) is _out(attn):
+            shapes.reverse()
     else:
         shapes = [replace(base, parallel=True), base] if pre else [base]
+        # Sequential: the block takes a new sum (x + attention), not the input norm's output.
+        if pre and u is not _out(pre[0]):
+            shapes.reverse()
     if multiplier is not None:
         shapes += [replace(s, multiplier=None) for s in shapes]
     return shapes
@@ -438,14 +482,75 @@ def zeros_like_output(x: Tensor) -> Tensor:
     return torch.zeros_like(x)
 
 
+@contextlib.contextmanager
+def _requiring_grad(params: Sequence[nn.Parameter]) -> Generator[None, None, None]:
+    """Every one of ``params`` (leaves of a probe copy) requires grad inside; restored after."""
+    before = [p.requires_grad for p in params]
+    try:
+        for p in params:
+            p.requires_grad_(True)
+        yield
+    finally:
+        for p, flag in zip(params, before, strict=True):
+            p.requires_grad_(flag)
+
+
+def _graph_nodes(t: Tensor) -> Iterator[object]:
+    """The autograd nodes ``t`` is computed from, nearest first (breadth first)."""
+    root: object = t.grad_fn
+    if root is None:
+        return
+    seen = {id(root)}
+    queue: deque[object] = deque([root])
+    while queue:
+        node = queue.popleft()
+        yield node
+        nexts: object = getattr(node, "next_functions", ())
+        for item in cast("tuple[tuple[object, int], ...]", nexts):
+            child = item[0]
+            if child is not None and id(child) not in seen:
+                seen.add(id(child))
+                queue.append(child)
+
+
+def graph_leaves(t: Tensor) -> list[Tensor]:
+    """The leaf tensors requiring grad that ``t`` is computed from (its autograd graph:
+    which tensors its value depends on, whatever their values)."""
+    if t.grad_fn is None:
+        return [t] if t.requires_grad else []
+    leaves: list[Tensor] = []
+    for node in _graph_nodes(t):
+        variable: object = getattr(node, "variable", None)  # an AccumulateGrad node
+        if isinstance(variable, Tensor):
+            leaves.append(variable)
+    return leaves
+
+
+def nearest_source(t: Tensor, candidates: Sequence[Tensor]) -> int | None:
+    """The index of the candidate ``t`` is computed from most directly (fewest autograd
+    steps), or ``None`` when it is computed from none of them."""
+    for node in _graph_nodes(t):
+        variable: object = getattr(node, "variable", None)
+        for i, c in enumerate(candidates):
+            if (c.grad_fn is not None and node is c.grad_fn) or variable is c:
+                return i
+    return None
+
+
 def measure_block(block: nn.Module, trace: LayerTrace, split: MoESplit, where: str) -> MoESplit:
     """The split with how the block's output depends on its experts' output: ``c`` in
-    ``c * experts + rest`` (``experts_scale``; ``None`` for 1) and whether ``rest`` is
-    ever non-zero (``block_adds``).
+    ``c * experts + rest`` (``experts_scale``; ``None`` for 1) and whether there is a
+    ``rest`` at all (``block_adds``).
 
-    Measured by running the block on its traced input with the experts returning zeros and
-    then a random tensor. Raises :class:`~moe_overlap.ConfigError` when the dependence is
-    not a constant multiple (a norm or gate after the experts).
+    Decided by structure, never by the weights' values: the block runs on its traced input
+    with the experts' output a zero leaf ``z`` and every parameter of the block requiring
+    grad; its output's autograd graph says what it is computed from. Anything besides
+    ``z`` (the block's input, a parameter: shared experts, their gates) makes a ``rest``
+    that combine adds, whatever its value (a zero-initialised shared expert still trains).
+    The gradient with respect to ``z`` must depend on nothing (no norm or gate after the
+    experts, no parameter scaling them); ``c`` is then measured with a random output of
+    the probe's own. Raises :class:`~moe_overlap.ConfigError` when the dependence is not a
+    constant multiple.
     """
     call = next(c for c in trace.children if c.name == split.block)
     u = _arg(call)
@@ -454,18 +559,44 @@ def measure_block(block: nn.Module, trace: LayerTrace, split: MoESplit, where: s
     kind, key = split.experts.hidden
     x = ec.args[int(key)] if kind == "arg" else ec.kwargs[str(key)]
     assert isinstance(x, Tensor)
-    g = torch.Generator().manual_seed(7)
-    r = torch.randn(x.shape, generator=g, dtype=x.dtype).to(x.device)
-    outs: list[Tensor] = []
-    with torch.no_grad():
-        for value in (torch.zeros_like(r), r):
-            stand_in = ExpertsStandIn(block.get_submodule("experts"), value=value)
-            with swap_child(block, "experts", stand_in), block_norm_identity(block, split):
-                outs.append(first_tensor(split.block_call.call(block, u.detach(), trace.call)))
-    adds = bool(outs[0].abs().max() > 0)
+    experts = block.get_submodule("experts")
+
+    def run(value: Tensor, u_in: Tensor) -> Tensor:
+        stand_in = ExpertsStandIn(experts, value=value)
+        with swap_child(block, "experts", stand_in), block_norm_identity(block, split):
+            return first_tensor(split.block_call.call(block, u_in, trace.call))
+
+    params = list(block.parameters())
+    with _requiring_grad(params), torch.enable_grad():
+        z = torch.zeros_like(x, requires_grad=True)
+        rest = run(z, u.detach().requires_grad_())
+        sources = graph_leaves(rest)
+        if not any(s is z for s in sources):
+            raise ConfigError(
+                f"{where}: expected the MoE block's output to be computed from its routed "
+                "experts' output, received an output that is not (its autograd graph does "
+                "not reach the experts' output)"
+            )
+        adds = any(s is not z for s in sources) or bool(rest.detach().abs().max() > 0)
+        try:
+            (dz,) = torch.autograd.grad(rest, z, torch.ones_like(rest), create_graph=True)
+            depends = dz.requires_grad
+        except RuntimeError:  # an op without double backward: the measure below decides
+            depends = False
+    if depends:
+        raise ConfigError(
+            f"{where}: the MoE block transforms its routed experts' output other than by a "
+            "constant factor (a norm, a gate or a parameter applied after the experts: the "
+            "output's gradient with respect to the experts' output depends on the input or "
+            "on parameters), which the slots cannot split"
+        )
     if split.experts.kind == "prescaled":
         # A sum over every expert's rows, not one row per token: the self-check covers it.
         return replace(split, block_adds=adds)
+    g = torch.Generator().manual_seed(7)
+    r = torch.randn(x.shape, generator=g, dtype=x.dtype).to(x.device)
+    with torch.no_grad():
+        outs = [run(torch.zeros_like(r), u.detach()), run(r, u.detach())]
     diff = (outs[1] - outs[0]).reshape(-1).double()
     ref = r.reshape(-1).double()
     c = float((diff * ref).sum() / (ref * ref).sum())

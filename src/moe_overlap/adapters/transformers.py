@@ -33,11 +33,18 @@ Numerics: losses and gradients match the model's ``forward`` to float32 rounding
 routed experts' outputs are summed in another order), and
 :func:`~moe_overlap.combined_1f1b` with and without overlap are bit-identical.
 
+What the split hands on is decided by structure (the autograd graph of the block's output,
+which child's output another takes), never by weight values: zero-initialised shared
+experts or routers train. Modules whose forward draws random numbers that change their
+output (dropout, router jitter, sampling) are accepted in eval mode and refused in
+training mode (at construction and at every plan build). The load-balancing loss is found
+by running the model's forward, not by reading its source.
+
 Not supported (refused at construction): layers that are not softmax attention (linear
-attention, Mamba, convolutions), layers that hand state to the next layer, dropout or
-router noise in training, blocks whose routed output is not a constant multiple of the
-experts' plus the rest (a gate after the experts). Also not: KV caches / generation (use
-the model itself), packed sequences.
+attention, Mamba, convolutions), layers that hand state to the next layer or several
+residual streams per token, random modules in training mode, blocks whose routed output
+is not a constant multiple of the experts' plus the rest (a gate after the experts). Also
+not: KV caches / generation (use the model itself), packed sequences.
 """
 
 from __future__ import annotations

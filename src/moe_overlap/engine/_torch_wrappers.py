@@ -114,6 +114,26 @@ def _hook_name(hook: object) -> str:
     return name if isinstance(name, str) else type(hook).__name__
 
 
+_INERT_HOOKS = frozenset(
+    {
+        (
+            "transformers.utils.output_capturing",
+            "install_output_capuring_hook.<locals>.output_capturing_hook",
+        )
+    }
+)
+"""``(module, qualname)`` of hooks that act only inside their model's own ``forward``:
+transformers' output capture records a module's output only while the model's forward
+collects outputs (``output_router_logits``, ``output_hidden_states``; the forward's first
+run with one installs them on every layer), and does nothing otherwise. The schedule runs
+that forward only around stand-ins for the decoder layers, so skipping a layer's call
+skips nothing such a hook would do."""
+
+
+def _inert(hook: object) -> bool:
+    return (getattr(hook, "__module__", None), getattr(hook, "__qualname__", None)) in _INERT_HOOKS
+
+
 def _hooks(attrs: dict[str, object], *, pre_hooks: bool) -> str | None:
     parts: list[str] = []
     for attr, noun in _HOOK_DICTS:
@@ -122,7 +142,9 @@ def _hooks(attrs: dict[str, object], *, pre_hooks: bool) -> str | None:
         hooks: object = attrs.get(attr)
         if not isinstance(hooks, dict) or not hooks:
             continue
-        values = list(cast("dict[int, object]", hooks).values())
+        values = [h for h in cast("dict[int, object]", hooks).values() if not _inert(h)]
+        if not values:
+            continue
         names = ", ".join(_hook_name(h) for h in values)
         plural = "s" if len(values) > 1 else ""
         parts.append(f"{len(values)} {noun}{plural} ({names})")
