@@ -56,8 +56,13 @@ __all__ = [
     "FLOAT_DTYPE",
     "GROUP",
     "MODULE",
+    "NON_NEGATIVE",
+    "OPT_DEVICE",
+    "POSITIVE",
+    "TENSOR",
     "Bool",
     "Device",
+    "Func",
     "Instance",
     "Int",
     "Items",
@@ -266,7 +271,9 @@ class Instance(Spec[T]):
         return cast(T, value)
 
 
-class _Callable(Spec[Callable[..., object]]):
+class Func(Spec[Callable[..., object]]):
+    """Anything ``callable`` (a function, a bound method, a module)."""
+
     __slots__ = ()
 
     def check(self, value: object) -> Callable[..., object]:
@@ -378,6 +385,16 @@ class Device(Spec[torch.device]):
         return dev
 
 
+TENSOR: Spec[torch.Tensor] = Instance(torch.Tensor, "a Tensor")
+"""A ``torch.Tensor``."""
+
+POSITIVE = Int(1)
+"""An int >= 1 (a size, a count)."""
+
+NON_NEGATIVE = Int(0)
+"""An int >= 0 (an index, an offset)."""
+
+
 def _process_group() -> type[object]:
     import torch.distributed as dist
 
@@ -397,11 +414,14 @@ ANY: Spec[object] = _Any("anything")
 BOOL = Bool()
 """A Python ``bool``."""
 
-CALLABLE: Spec[Callable[..., object]] = _Callable("a callable")
+CALLABLE = Func("a callable")
 """Anything ``callable``."""
 
 DEVICE = Device()
 """See :class:`Device`."""
+
+OPT_DEVICE: Spec[torch.device | None] = Opt(DEVICE)
+"""A device (:class:`Device`) or ``None``."""
 
 GROUP: Spec[object] = Instance(
     _process_group,

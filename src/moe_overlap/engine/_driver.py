@@ -9,7 +9,19 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from ._args import ANY, BOOL, CALLABLE, Instance, Methods, Opt, Real, Spec, check_arg, check_fields
+from ._args import (
+    ANY,
+    BOOL,
+    CALLABLE,
+    TENSOR,
+    Instance,
+    Methods,
+    Opt,
+    Real,
+    Spec,
+    check_arg,
+    check_fields,
+)
 from ._bypass_check import check_bypassed
 from ._chunk_plan import ModelChunkSchedulePlan, check_grad_mode, run_pair
 from ._conformance import check_model, checks_memoized
@@ -75,7 +87,7 @@ class Microbatch:
         check_fields(self, _MICROBATCH)
 
 
-_TENSOR = Opt(Instance(Tensor, "a Tensor"))
+_TENSOR = Opt(TENSOR)
 _MICROBATCH: dict[str, Spec[object]] = {
     "input_ids": _TENSOR,
     "position_ids": _TENSOR,
