@@ -34,10 +34,17 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from moe_overlap import ConfigError, IntegrationError
-from moe_overlap.engine._args import BOOL, MODULE, check_arg, refuse
+from moe_overlap.engine._args import BOOL, MODULE, Spec, check_arg, refuse
 from moe_overlap.engine._recompute_hold import hold_for_recompute
 
-__all__ = ["RecomputePart", "check_recompute", "recompute", "recompute_module", "save_matmuls"]
+__all__ = [
+    "RecomputePart",
+    "RecomputeParts",
+    "check_recompute",
+    "recompute",
+    "recompute_module",
+    "save_matmuls",
+]
 
 _T = TypeVar("_T")
 
@@ -127,6 +134,24 @@ def _recomputed_forward(self: nn.Module, *args: object, **kwargs: object) -> obj
     policy = cast("Callable[..., CheckpointPolicy] | None", self.__dict__["_moe_overlap_recompute"])
     forward = cast("Callable[..., object]", type(self).forward.__get__(self))
     return recompute(forward, *args, policy=policy, **kwargs)
+
+
+class RecomputeParts(Spec[tuple[RecomputePart, ...]]):
+    """A collection of :data:`RecomputePart` names, as a tuple in the given order; refused
+    with :func:`check_recompute`'s messages naming ``where``."""
+
+    __slots__ = ("where",)
+
+    def __init__(self, where: str) -> None:
+        super().__init__(f"a collection of recompute parts {_PARTS}")
+        self.where = where
+
+    def check(self, value: object) -> tuple[RecomputePart, ...]:
+        if isinstance(value, str) or not _collection(value):
+            check_recompute(value, self.where)  # raises, naming where
+        items = tuple(cast("Iterable[RecomputePart]", value))
+        check_recompute(items, self.where)
+        return items
 
 
 def _collection(value: object) -> bool:

@@ -15,6 +15,7 @@ from torch import nn
 from typing_extensions import Self
 
 from moe_overlap import ConfigError
+from moe_overlap.engine._args import MODULE, check_arg, refuse
 
 __all__ = ["StageLayers"]
 
@@ -84,6 +85,7 @@ class StageLayers(nn.ModuleList):
         return module
 
     def __setitem__(self, idx: int, module: nn.Module) -> None:
+        check_arg("StageLayers", "a layer", module, MODULE)
         self.add_module(self._key(idx), module)
 
     def __delitem__(self, idx: int | slice) -> None:
@@ -118,10 +120,13 @@ class StageLayers(nn.ModuleList):
         return max((int(k) + 1 for k in self._modules), default=self._start)
 
     def append(self, module: nn.Module) -> Self:
+        check_arg("StageLayers", "a layer", module, MODULE)
         self.add_module(str(self._next()), module)
         return self
 
     def extend(self, modules: Iterable[nn.Module]) -> Self:
+        if not isinstance(cast(object, modules), Iterable):
+            raise refuse("StageLayers: layers", "an iterable of nn.Modules", modules)
         for module in modules:
             self.append(module)
         return self

@@ -56,6 +56,7 @@ __all__ = [
     "FLOAT_DTYPE",
     "GROUP",
     "MODULE",
+    "NONE",
     "NON_NEGATIVE",
     "OPT_DEVICE",
     "POSITIVE",
@@ -248,14 +249,15 @@ class OneOf(Spec[T]):
 
 
 class Instance(Spec[T]):
-    """An instance of ``kind`` (a class, or a callable returning it, for a class imported
-    only when a value is checked); ``error`` defaults to ``ConfigError``."""
+    """An instance of ``kind``: a class, a tuple of classes, or a callable returning the
+    class (for one imported only when a value is checked); ``error`` defaults to
+    ``ConfigError``."""
 
     __slots__ = ("_kind",)
 
     def __init__(
         self,
-        kind: type[T] | Callable[[], type[T]],
+        kind: type[T] | tuple[type[T], ...] | Callable[[], type[T]],
         expects: str,
         *,
         error: type[MoeOverlapError] = ConfigError,
@@ -265,7 +267,10 @@ class Instance(Spec[T]):
         self._kind = kind
 
     def check(self, value: object) -> T:
-        kind = self._kind if isinstance(self._kind, type) else self._kind()
+        given = self._kind
+        kind: type | tuple[type, ...] = (
+            cast("type | tuple[type, ...]", given) if isinstance(given, (type, tuple)) else given()
+        )
         if not isinstance(value, kind):
             raise Mismatch
         return cast(T, value)
@@ -413,6 +418,9 @@ ANY: Spec[object] = _Any("anything")
 
 BOOL = Bool()
 """A Python ``bool``."""
+
+NONE: Spec[None] = Instance(type(None), "None (the only value supported)")
+"""``None`` only (a field fixed to what a model supports)."""
 
 CALLABLE = Func("a callable")
 """Anything ``callable``."""
