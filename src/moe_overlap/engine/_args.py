@@ -42,6 +42,7 @@ from enum import Enum
 from typing import TYPE_CHECKING, Generic, TypeVar, cast
 
 import torch
+from torch import nn
 
 from ._errors import ConfigError, IntegrationError, MoeOverlapError
 
@@ -452,13 +453,7 @@ FLOAT_DTYPE: Spec[torch.dtype] = _FloatDtype("a floating-point torch.dtype (para
 """A floating-point ``torch.dtype``."""
 
 
-def _module() -> type[object]:
-    from torch import nn
-
-    return cast("type[object]", nn.Module)
-
-
-MODULE: Spec[object] = Instance(_module, "an nn.Module", error=IntegrationError)
+MODULE: Spec[nn.Module] = Instance(nn.Module, "an nn.Module", error=IntegrationError)
 """An ``nn.Module`` (an :class:`~moe_overlap.IntegrationError` otherwise)."""
 
 
