@@ -501,7 +501,7 @@ def check_arg(where: str, name: str, value: object, spec: Spec[T]) -> T:
 _FIELDS: dict[type, tuple[str, ...]] = {}
 
 
-def check_fields(obj: DataclassInstance, specs: Mapping[str, Spec[object]]) -> None:
+def check_fields(obj: object, specs: Mapping[str, Spec[object]]) -> None:
     """Check every field of the dataclass ``obj`` against ``specs`` (one per field), in
     declaration order, replacing a value by its normalised form (frozen dataclasses too).
 
@@ -511,7 +511,7 @@ def check_fields(obj: DataclassInstance, specs: Mapping[str, Spec[object]]) -> N
     kind = type(obj)
     names = _FIELDS.get(kind)
     if names is None:
-        names = tuple(f.name for f in dataclasses.fields(obj))
+        names = tuple(f.name for f in dataclasses.fields(cast("DataclassInstance", obj)))
         assert set(names) == set(specs), f"{kind.__name__}: fields and specs differ"
         _FIELDS[kind] = names
     cls = kind.__name__
