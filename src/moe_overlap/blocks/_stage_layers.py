@@ -8,7 +8,7 @@ matches tensors by name). The schedule still reads the list by position.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import cast, overload
 
 from torch import nn
@@ -125,7 +125,8 @@ class StageLayers(nn.ModuleList):
         return self
 
     def extend(self, modules: Iterable[nn.Module]) -> Self:
-        if not isinstance(cast(object, modules), Iterable):
+        given = cast(object, modules)
+        if not isinstance(given, Iterable) or isinstance(given, (str, bytes, Mapping)):
             raise refuse("StageLayers: layers", "an iterable of nn.Modules", modules)
         for module in modules:
             self.append(module)

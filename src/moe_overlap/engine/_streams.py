@@ -211,6 +211,11 @@ def _stream_device(device: object, where: str) -> torch.device:
             f"{where}: expected a 'cpu' or 'cuda' device, received {dev}, but CUDA is not "
             "available in this process"
         )
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise StreamError(
+            f"{where}: expected a CUDA device this process sees (0 .. "
+            f"{torch.cuda.device_count() - 1}), received {dev}"
+        )
     return dev
 
 
