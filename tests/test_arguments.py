@@ -763,6 +763,17 @@ def _entries() -> Iterator[Entry]:
         ),
     )
     yield Entry(
+        "LayerArgs.from_mapping",
+        lambda **mapping: mo.LayerArgs.from_mapping(mapping),
+        lambda: dict(config=tiny_config(), is_moe=True, num_local_experts=None),
+        (
+            Arg("config", JUNK),
+            Arg("is_moe", not_bool()),
+            Arg("delay_wgrad_compute", not_bool()),
+            Arg("num_local_experts", not_int(1, optional=True)),
+        ),
+    )
+    yield Entry(
         "make_streams",
         make_streams,
         lambda: dict(device="cpu", high_priority_comm=False),

@@ -84,7 +84,8 @@ def check_attention_mask(mask: Tensor | None, batch: int, seq: int, where: str) 
 
 def check_masks(state: ChunkState, batch: int, seq: int, where: str) -> None:
     """Both masks of ``state`` (see :func:`check_attention_mask`, :func:`check_padding_mask`)."""
-    check_arg("check_masks", "state", state, _STATE)
+    if not isinstance(cast(object, state), ChunkState):  # per layer and microbatch: inline
+        check_arg("check_masks", "state", state, _STATE)
     check_attention_mask(state.attention_mask, batch, seq, where)
     check_padding_mask(state.padding_mask, batch, seq, where)
 
@@ -125,6 +126,7 @@ def blocked_keys(
 
 def token_padding(state: ChunkState) -> Tensor | None:
     """The padding mask flattened to tokens, ``[T]`` (``True`` at padding), or ``None``."""
-    check_arg("token_padding", "state", state, _STATE)
+    if not isinstance(cast(object, state), ChunkState):  # per layer and microbatch: inline
+        check_arg("token_padding", "state", state, _STATE)
     mask = state.padding_mask
     return None if mask is None else mask.reshape(-1)

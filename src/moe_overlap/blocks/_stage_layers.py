@@ -15,7 +15,7 @@ from torch import nn
 from typing_extensions import Self
 
 from moe_overlap import ConfigError
-from moe_overlap.engine._args import MODULE, check_arg, refuse
+from moe_overlap.engine._args import MODULE, NON_NEGATIVE, Mismatch, check_arg, refuse, shown
 
 __all__ = ["StageLayers"]
 
@@ -40,12 +40,13 @@ class StageLayers(nn.ModuleList):
 
     def __init__(self, layers: Iterable[nn.Module] | None = None, *, start: int = 0) -> None:
         super().__init__()
-        value = cast(object, start)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        try:
+            start = NON_NEGATIVE.check(start)  # an int (NumPy's too), never a bool
+        except Mismatch:
             raise ConfigError(
                 f"StageLayers: expected start as an int >= 0 (the global index of the first "
-                f"layer), received {start!r}"
-            )
+                f"layer), received {shown(start)}"
+            ) from None
         self._start = start
         if layers is not None:
             self.extend(layers)
