@@ -601,6 +601,82 @@ def layer_compiled_in_place(ctx: Ctx) -> None:
         del layer._compiled_call_impl
 
 
+# --- issue 24, argument validation: the newer surface's arguments (engine/_args) -------------
+
+
+def _tiny_config(**changes: Any) -> Any:
+    from moe_overlap.models import GPTMoEConfig
+
+    base: dict[str, Any] = dict(
+        vocab_size=16, hidden_size=8, num_layers=2, num_attention_heads=2, num_experts=4
+    )
+    return GPTMoEConfig(**(base | changes))
+
+
+def dispatcher_kind_unknown(ctx: Ctx) -> None:
+    from moe_overlap.blocks import TokenDispatcher
+
+    TokenDispatcher(4, 2, kind=bad("all2all"))
+
+
+def config_zero_experts(ctx: Ctx) -> None:
+    _tiny_config(num_experts=0)
+
+
+def config_experts_a_bool(ctx: Ctx) -> None:
+    _tiny_config(num_experts=True)
+
+
+def router_topk_above_experts(ctx: Ctx) -> None:
+    from moe_overlap.blocks import TopKRouter
+
+    TopKRouter(8, 4, 5, aux_loss_coeff=0.0)
+
+
+def config_aux_loss_coeff_nan(ctx: Ctx) -> None:
+    _tiny_config(moe_aux_loss_coeff=float("nan"))
+
+
+def config_aux_loss_coeff_negative(ctx: Ctx) -> None:
+    _tiny_config(moe_aux_loss_coeff=-0.01)
+
+
+def config_delay_wgrad_a_string(ctx: Ctx) -> None:
+    _tiny_config(delay_wgrad_compute=bad("yes"))
+
+
+def graphed_block_scope_a_string(ctx: Ctx) -> None:
+    from moe_overlap.blocks import GraphedBlock
+
+    GraphedBlock(lambda x: x, [ctx.model.output], bad("attn"), label="output")
+
+
+def fully_shard_slots_without_a_process_group(ctx: Ctx) -> None:
+    from moe_overlap.integrations.fsdp import fully_shard_slots
+
+    fully_shard_slots(ctx.model)
+
+
+def fully_shard_slots_applied_twice(ctx: Ctx) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from moe_overlap.integrations.fsdp import fully_shard_slots
+    from moe_overlap.models import GPTMoEModel
+
+    dist.init_process_group("gloo", store=bad(dist).HashStore(), rank=0, world_size=1)
+    try:
+        model = GPTMoEModel(_tiny_config())
+        fully_shard_slots(model, mesh=init_device_mesh("cpu", (1,)))
+        fully_shard_slots(model, mesh=init_device_mesh("cpu", (1,)))
+    finally:
+        dist.destroy_process_group()
+
+
+def make_streams_flag_not_a_bool(ctx: Ctx) -> None:
+    make_streams("cpu", high_priority_comm=bad("yes"))
+
+
 @dataclass(frozen=True)
 class Case:
     fn: Callable[[Ctx], None]
@@ -957,6 +1033,69 @@ CASES = [
         ScheduleError,
         r"slot dispatch, forward.*LayerState: cannot set 'route'",
         LayerStateAttributeError,
+    ),
+    # issue 24, argument validation
+    Case(
+        dispatcher_kind_unknown,
+        ConfigError,
+        r"TokenDispatcher: kind must be one of \['alltoall', 'loopback'\], received str 'all2all'",
+    ),
+    Case(
+        config_zero_experts,
+        ConfigError,
+        r"GPTMoEConfig\.num_experts: expected an int >= 1, received int 0",
+    ),
+    Case(
+        config_experts_a_bool,
+        ConfigError,
+        r"GPTMoEConfig\.num_experts: expected an int >= 1, received bool True",
+    ),
+    Case(
+        router_topk_above_experts,
+        ConfigError,
+        r"TopKRouter: topk must be an int in \[1, num_experts=4\], received int 5",
+    ),
+    Case(
+        config_aux_loss_coeff_nan,
+        ConfigError,
+        r"GPTMoEConfig\.moe_aux_loss_coeff: expected a finite real number >= 0, received float "
+        r"nan; 0 turns the load-balancing loss off",
+    ),
+    Case(
+        config_aux_loss_coeff_negative,
+        ConfigError,
+        r"GPTMoEConfig\.moe_aux_loss_coeff: expected a finite real number >= 0, received float "
+        r"-0\.01",
+    ),
+    Case(
+        config_delay_wgrad_a_string,
+        ConfigError,
+        r"GPTMoEConfig\.delay_wgrad_compute: expected a bool, received str 'yes'",
+    ),
+    Case(
+        graphed_block_scope_a_string,
+        ConfigError,
+        r"GraphedBlock: scope must be a CudaGraphModule .*, received str 'attn'; pass the "
+        r"member, e\.g\. CudaGraphModule\.attn",
+    ),
+    Case(
+        fully_shard_slots_without_a_process_group,
+        ConfigError,
+        r"fully_shard_slots: expected a process group to shard over .*the default process "
+        r"group is not initialized; call torch\.distributed\.init_process_group first, or "
+        r"pass a DeviceMesh",
+    ),
+    Case(
+        fully_shard_slots_applied_twice,
+        ConfigError,
+        r"fully_shard_slots: expected GPTMoEModel's slot modules not yet sharded, received "
+        r"\['decoder\.layers\.0\.attn_block \(FSDP_AttentionBlock\)'.*already FSDPModules "
+        r"\(fully_shard_slots or fully_shard applied before\); apply fully_shard_slots once",
+    ),
+    Case(
+        make_streams_flag_not_a_bool,
+        ConfigError,
+        r"make_streams: high_priority_comm must be a bool, received str 'yes'",
     ),
 ]
 

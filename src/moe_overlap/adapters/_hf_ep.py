@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from moe_overlap import ConfigError
 from moe_overlap.adapters._hf_calls import base_model, decoder_layers
 from moe_overlap.adapters._hf_structure import block_of
+from moe_overlap.engine._args import GROUP, MODULE, Opt, check_arg
 from moe_overlap.integrations.checkpoint import register_expert_shards
 
 __all__ = ["Experts", "expert_parameter_names", "experts_of", "gather_experts", "shard_experts"]
@@ -32,7 +33,8 @@ _get_world_size: Callable[..., int] = dist.get_world_size
 _get_rank: Callable[..., int] = dist.get_rank
 
 
-def _group_size_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+def _group_size_rank(group: dist.ProcessGroup | None, where: str) -> tuple[int, int]:
+    check_arg(where, "group", group, Opt(GROUP))
     if group is None:
         return 1, 0
     return _get_world_size(group), _get_rank(group)
@@ -97,6 +99,7 @@ def _expert_modules(model: nn.Module) -> Iterator[tuple[str, Experts]]:
 
 def expert_parameter_names(model: nn.Module) -> list[str]:
     """The ``state_dict`` keys of the routed experts' weights (sharded under EP)."""
+    check_arg("expert_parameter_names", "model", model, MODULE)
     return [f"{name}.{w}" for name, e in _expert_modules(model) for w in e.weights()]
 
 
@@ -112,7 +115,8 @@ def shard_experts(model: nn.Module, group: dist.ProcessGroup | None) -> None:
     :class:`~moe_overlap.ConfigError` when the group size does not divide the number of
     experts or the experts are already sharded.
     """
-    size, rank = _group_size_rank(group)
+    check_arg("shard_experts", "model", model, MODULE)
+    size, rank = _group_size_rank(group, "shard_experts")
     for name, experts in _expert_modules(model):
         num_experts = experts.num_global
         if num_experts % size:
@@ -148,7 +152,8 @@ def gather_experts(model: nn.Module, group: dist.ProcessGroup | None) -> dict[st
     of the unsharded model, so ``save_pretrained(dir, state_dict=...)`` or
     ``load_state_dict`` on a full model take it as is.
     """
-    size, _ = _group_size_rank(group)
+    check_arg("gather_experts", "model", model, MODULE)
+    size, _ = _group_size_rank(group, "gather_experts")
     state = {k: v.detach() for k, v in model.state_dict().items()}
     for name, experts in _expert_modules(model):
         if experts.num_local * size != experts.num_global:

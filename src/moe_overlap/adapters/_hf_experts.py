@@ -23,13 +23,14 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from moe_overlap import ConfigError
+from moe_overlap import ConfigError, IntegrationError
 from moe_overlap.blocks import (
     DelayedWgradGroupedLinear,
     DelayedWgradLinear,
     DelayedWgradModule,
     GroupSizes,
 )
+from moe_overlap.engine._args import Instance, check_arg
 
 __all__ = [
     "DelayedLinear",
@@ -43,6 +44,9 @@ __all__ = [
 _META = torch.device("meta")
 
 
+_LINEAR = Instance(nn.Linear, "an nn.Linear (whose parameters it shares)", error=IntegrationError)
+
+
 class DelayedLinear(DelayedWgradLinear):
     """An ``nn.Linear`` replacement sharing its ``weight`` (and ``bias``) parameters.
 
@@ -53,6 +57,7 @@ class DelayedLinear(DelayedWgradLinear):
     bias: nn.Parameter | None
 
     def __init__(self, linear: nn.Linear, *, delay_wgrad: bool) -> None:
+        check_arg("DelayedLinear", "linear", linear, _LINEAR)
         super().__init__(
             linear.in_features, linear.out_features, delay_wgrad=delay_wgrad, device=_META
         )

@@ -61,6 +61,18 @@ from moe_overlap.adapters._hf_structure import (
 )
 from moe_overlap.blocks import MegatronHooks, TokenDispatcher, recompute_module
 from moe_overlap.blocks._recompute import check_recompute
+from moe_overlap.engine._args import (
+    BOOL,
+    GROUP,
+    MODULE,
+    NONE,
+    Items,
+    OneOf,
+    Opt,
+    Spec,
+    check_arg,
+    check_fields,
+)
 from moe_overlap.engine._bypass_check import BypassedModule, check_module
 from moe_overlap.engine._state import ChunkState
 
@@ -100,6 +112,22 @@ class AdapterConfig:
     fp4: str | None = None
     cuda_graph_modules: tuple[CudaGraphModule, ...] = ()
     mtp_num_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        check_fields(self, _ADAPTER_CONFIG)
+
+
+_ADAPTER_CONFIG: dict[str, Spec[object]] = {
+    "delay_wgrad_compute": BOOL,
+    "moe_token_dispatcher_type": OneOf(("alltoall",)),
+    "moe_flex_dispatcher_backend": NONE,
+    "fp8": NONE,
+    "fp4": NONE,
+    "cuda_graph_modules": Items(
+        OneOf[CudaGraphModule](()), expects="() (the adapter graphs nothing)"
+    ),
+    "mtp_num_layers": NONE,
+}
 
 
 @dataclass(slots=True)
@@ -215,6 +243,12 @@ class TransformersMoEAdapter(MegatronHooks):
         self_check: bool = True,
         recompute: Iterable[str] = (),
     ) -> None:
+        w = "TransformersMoEAdapter"
+        check_arg(w, "model", model, MODULE)
+        check_arg(w, "ep_group", ep_group, Opt(GROUP))
+        check_arg(w, "delay_wgrad_compute", delay_wgrad_compute, BOOL)
+        check_arg(w, "router_aux_loss", router_aux_loss, Opt(BOOL))
+        check_arg(w, "self_check", self_check, BOOL)
         name = type(model).__name__
         parts = check_recompute(recompute, f"{name} adapter: recompute")
         unsupported = sorted(parts - {"attention", "norm"})

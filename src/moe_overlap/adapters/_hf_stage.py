@@ -13,9 +13,13 @@ from moe_overlap.adapters._hf_calls import base_model, causal_lm_output, decoder
 from moe_overlap.adapters._hf_layers import HFLayer
 from moe_overlap.adapters._hf_model import AdapterConfig, AdapterDecoder, TransformersMoEAdapter
 from moe_overlap.blocks import MegatronHooks, StageLayers, StageRange
+from moe_overlap.engine._args import Instance, check_arg
 from moe_overlap.engine._bypass_check import BypassedModule
 
 __all__ = ["ModelScope", "TransformersMoEStage"]
+
+
+_ADAPTER = Instance(TransformersMoEAdapter, "a TransformersMoEAdapter", error=IntegrationError)
 
 
 class TransformersMoEStage(StageRange, MegatronHooks, nn.Module):
@@ -47,6 +51,7 @@ class TransformersMoEStage(StageRange, MegatronHooks, nn.Module):
 
     def __init__(self, adapter: TransformersMoEAdapter, layers: range) -> None:
         super().__init__()
+        check_arg("TransformersMoEStage", "adapter", adapter, _ADAPTER)
         all_layers = adapter.decoder.layers
         name = type(adapter.model).__name__
         self.set_range(layers, len(all_layers), f"TransformersMoEStage({name})")

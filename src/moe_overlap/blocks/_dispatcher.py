@@ -47,6 +47,7 @@ from moe_overlap import ConfigError, IntegrationError
 from moe_overlap.blocks._loopback import HostLoopback, loopback
 from moe_overlap.blocks._slots import SlotContext
 from moe_overlap.blocks._wgrad import GroupSizes
+from moe_overlap.engine._args import GROUP, POSITIVE, Int, OneOf, Opt, check_arg
 
 # Layer-state keys of the metadata handed between slots.
 _PERMUTE = "moe_overlap.permute"
@@ -59,6 +60,9 @@ DispatcherKind = Literal["alltoall", "loopback"]
 ``loopback``: one device, the dispatched tokens make a real round trip through pinned host
 memory (a :class:`~moe_overlap.blocks.HostLoopback`) so the bytes moved equal an
 all-to-all's (benchmarks without a peer)."""
+
+_KIND: OneOf[DispatcherKind] = OneOf(("alltoall", "loopback"))
+_GROUP = Opt(GROUP)
 
 # torch.distributed leaves these unannotated; give them types once, here.
 _all_to_all_single = cast(
@@ -307,6 +311,12 @@ class TokenDispatcher:
         group: dist.ProcessGroup | None = None,
         count_group: dist.ProcessGroup | None = None,
     ) -> None:
+        w = "TokenDispatcher"
+        num_experts = check_arg(w, "num_experts", num_experts, POSITIVE)
+        topk = check_arg(w, "topk", topk, Int(1, num_experts, max_name="num_experts"))
+        kind = check_arg(w, "kind", kind, _KIND)
+        check_arg(w, "group", group, _GROUP)
+        check_arg(w, "count_group", count_group, _GROUP)
         ep = _get_world_size(group) if group is not None else 1
         rank = _get_rank(group) if group is not None else 0
         if count_group is not None and (

@@ -14,6 +14,14 @@ from torch import Tensor, nn
 from moe_overlap.blocks._recompute import recompute
 from moe_overlap.blocks._transformer import swiglu
 from moe_overlap.blocks._wgrad import DelayedWgradGroupedLinear
+from moe_overlap.engine._args import (
+    BOOL,
+    FLOAT_DTYPE,
+    NON_NEGATIVE,
+    OPT_DEVICE,
+    POSITIVE,
+    check_arg,
+)
 
 __all__ = ["GroupedExperts"]
 
@@ -40,6 +48,15 @@ class GroupedExperts(nn.Module):
         device: torch.device | None = None,
     ) -> None:
         super().__init__()
+        w = "GroupedExperts"
+        local_experts = check_arg(w, "local_experts", local_experts, POSITIVE)
+        hidden = check_arg(w, "hidden", hidden, POSITIVE)
+        ffn = check_arg(w, "ffn", ffn, POSITIVE)
+        expert_offset = check_arg(w, "expert_offset", expert_offset, NON_NEGATIVE)
+        delay_wgrad = check_arg(w, "delay_wgrad", delay_wgrad, BOOL)
+        recompute_activation = check_arg(w, "recompute_activation", recompute_activation, BOOL)
+        dtype = check_arg(w, "dtype", dtype, FLOAT_DTYPE)
+        device = check_arg(w, "device", device, OPT_DEVICE)
         self.recompute_activation = recompute_activation
         self.local_experts = local_experts
         self.expert_offset = expert_offset

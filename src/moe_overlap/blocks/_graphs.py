@@ -48,8 +48,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from moe_overlap import ConfigError, CudaGraphModule, WgradError
+from moe_overlap import ConfigError, CudaGraphModule, IntegrationError, WgradError
 from moe_overlap.blocks._wgrad import DelayedWgradModule, PendingItem, accumulate_grad
+from moe_overlap.engine._args import CALLABLE, POSITIVE, Func, Instance, Items, Opt, check_arg
 from moe_overlap.engine._debug import DEBUG
 
 __all__ = ["GraphedBlock"]
@@ -159,6 +160,16 @@ def _differentiable(t: Tensor) -> bool:
     return t.is_floating_point() or t.is_complex()
 
 
+_FN = Func("a callable of tensors", error=IntegrationError)
+_MODULES = Items(Instance(nn.Module, "an nn.Module", error=IntegrationError))
+_SCOPE = Instance(
+    CudaGraphModule,
+    "a CudaGraphModule (it names the scope in errors and wgrad coverage)",
+    hint="pass the member, e.g. CudaGraphModule.attn, not its name",
+)
+_LABEL = Instance(str, "a str")
+
+
 class GraphedBlock:
     """``fn(*tensors)`` of the parameters of ``modules``, run as CUDA graphs (see the
     module doc).
@@ -182,12 +193,13 @@ class GraphedBlock:
         frozen: Callable[[], Hashable] | None = None,
         warmup: int = 2,
     ) -> None:
-        self.fn = fn
-        self.modules = tuple(modules)
-        self.scope = scope
-        self.label = label
-        self.frozen = frozen
-        self.warmup = max(1, warmup)
+        w = "GraphedBlock"
+        self.fn = check_arg(w, "fn", fn, _FN)
+        self.modules = check_arg(w, "modules", modules, _MODULES)
+        self.scope = check_arg(w, "scope", scope, _SCOPE)
+        self.label = check_arg(w, "label", label, _LABEL)
+        self.frozen = check_arg(w, "frozen", frozen, Opt(CALLABLE))
+        self.warmup = check_arg(w, "warmup", warmup, POSITIVE)
         self.stats = _Stats()
         self._copies: list[_Copy] = []
         self._signature: _Signature | None = None

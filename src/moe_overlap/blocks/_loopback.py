@@ -16,6 +16,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from moe_overlap.engine._args import NON_NEGATIVE, POSITIVE, TENSOR, Instance, OneOf, Opt, check_arg
+
 __all__ = ["HostLoopback", "LoopbackMode", "loopback"]
 
 
@@ -26,6 +28,9 @@ class LoopbackMode(str, enum.Enum):
     """Round trip of the remote rows through pinned host memory (the emulated all-to-all)."""
     DEVICE = "device"
     """One device-side copy of the whole buffer (compute-only runs)."""
+
+
+_MODE: OneOf[LoopbackMode] = OneOf(tuple(LoopbackMode), hint="pass LoopbackMode.HOST or .DEVICE")
 
 
 class HostLoopback:
@@ -48,9 +53,10 @@ class HostLoopback:
         chunks: int = 1,
         mode: LoopbackMode = LoopbackMode.HOST,
     ) -> None:
-        self.remote_rows = remote_rows
-        self.chunks = max(1, chunks)
-        self.mode = mode
+        w = "HostLoopback"
+        self.remote_rows = check_arg(w, "remote_rows", remote_rows, Opt(NON_NEGATIVE))
+        self.chunks = check_arg(w, "chunks", chunks, POSITIVE)
+        self.mode = check_arg(w, "mode", mode, _MODE)
         self.calls = 0
         self.bytes_moved = 0
         self._side: dict[torch.device, torch.cuda.Stream] = {}
@@ -124,6 +130,12 @@ _loopback_apply = cast(
 )
 
 
+_MOVER = Instance(HostLoopback, "a HostLoopback")
+
+
 def loopback(x: Tensor, mover: HostLoopback) -> Tensor:
     """``mover(x)`` as an autograd op: its backward sends the gradient the same way."""
+    if not (isinstance(cast(object, x), Tensor) and isinstance(cast(object, mover), HostLoopback)):
+        check_arg("loopback", "x", x, TENSOR)  # per dispatch: the fast path is the test above
+        check_arg("loopback", "mover", mover, _MOVER)
     return _loopback_apply(x, mover)

@@ -15,10 +15,13 @@ left with no key to attend (a left-padded position, say) gets a zero attention o
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import Tensor
 
-from moe_overlap import ChunkState, ConfigError
+from moe_overlap import ChunkState, ConfigError, IntegrationError
+from moe_overlap.engine._args import Instance, check_arg, refuse
 
 __all__ = [
     "BlockedKeys",
@@ -30,6 +33,9 @@ __all__ = [
 ]
 
 
+_STATE = Instance(ChunkState, "a ChunkState (the chunk's inputs)", error=IntegrationError)
+
+
 def _describe(t: Tensor) -> str:
     return f"a {str(t.dtype).removeprefix('torch.')} tensor of shape {list(t.shape)}"
 
@@ -39,6 +45,8 @@ def check_padding_mask(mask: Tensor | None, batch: int, seq: int, where: str) ->
     :class:`~moe_overlap.ConfigError` naming ``where`` and the field."""
     if mask is None:
         return None
+    if not isinstance(cast(object, mask), Tensor):
+        raise refuse(f"{where}: padding_mask", "a bool tensor [B, S] or None", mask)
     if mask.dtype != torch.bool or tuple(mask.shape) != (batch, seq):
         raise ConfigError(
             f"{where}: padding_mask: expected a bool tensor of shape [B, S] = "
@@ -52,6 +60,10 @@ def check_attention_mask(mask: Tensor | None, batch: int, seq: int, where: str) 
     :class:`~moe_overlap.ConfigError` naming ``where`` and the field."""
     if mask is None:
         return None
+    if not isinstance(cast(object, mask), Tensor):
+        raise refuse(
+            f"{where}: attention_mask", "a bool tensor [B or 1, 1, S or 1, S] or None", mask
+        )
     shape = tuple(mask.shape)
     if not (
         mask.dtype == torch.bool
@@ -72,6 +84,8 @@ def check_attention_mask(mask: Tensor | None, batch: int, seq: int, where: str) 
 
 def check_masks(state: ChunkState, batch: int, seq: int, where: str) -> None:
     """Both masks of ``state`` (see :func:`check_attention_mask`, :func:`check_padding_mask`)."""
+    if not isinstance(cast(object, state), ChunkState):  # per layer and microbatch: inline
+        check_arg("check_masks", "state", state, _STATE)
     check_attention_mask(state.attention_mask, batch, seq, where)
     check_padding_mask(state.padding_mask, batch, seq, where)
 
@@ -112,5 +126,7 @@ def blocked_keys(
 
 def token_padding(state: ChunkState) -> Tensor | None:
     """The padding mask flattened to tokens, ``[T]`` (``True`` at padding), or ``None``."""
+    if not isinstance(cast(object, state), ChunkState):  # per layer and microbatch: inline
+        check_arg("token_padding", "state", state, _STATE)
     mask = state.padding_mask
     return None if mask is None else mask.reshape(-1)

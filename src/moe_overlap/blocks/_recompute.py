@@ -24,7 +24,7 @@ inputs out of freeing slots, or turn free-input off).
 from __future__ import annotations
 
 import types
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from functools import partial
 from typing import Any, Literal, TypeVar, cast, get_args
 
@@ -33,10 +33,18 @@ import torch.utils.checkpoint as _checkpoint
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
-from moe_overlap import ConfigError
+from moe_overlap import ConfigError, IntegrationError
+from moe_overlap.engine._args import BOOL, MODULE, Spec, check_arg, refuse
 from moe_overlap.engine._recompute_hold import hold_for_recompute
 
-__all__ = ["RecomputePart", "check_recompute", "recompute", "recompute_module", "save_matmuls"]
+__all__ = [
+    "RecomputePart",
+    "RecomputeParts",
+    "check_recompute",
+    "recompute",
+    "recompute_module",
+    "save_matmuls",
+]
 
 _T = TypeVar("_T")
 
@@ -85,6 +93,10 @@ def recompute(
 
     Non-reentrant ``torch.utils.checkpoint``; under ``torch.no_grad()`` a plain call.
     """
+    if not callable(fn):
+        raise refuse("recompute: fn", "a callable", fn, error=IntegrationError)
+    if policy is not None and not callable(policy):
+        raise refuse("recompute: policy", "a checkpoint policy (a callable) or None", policy)
     if not torch.is_grad_enabled():
         return fn(*args, **kwargs)
     hold_for_recompute((*args, *kwargs.values()))  # a freeing slot then refuses to free them
@@ -109,8 +121,11 @@ def recompute_module(module: nn.Module, *, selective: bool = False) -> None:
     kept, :func:`save_matmuls`), wherever it is called from.
 
     Sets ``module.forward`` to a method of ``module`` (a copy of ``module`` recomputes
-    too, and calls its own forward); parameters and ``state_dict`` are unchanged.
+    too, and calls its own forward); parameters and ``state_dict`` are unchanged. Applying
+    it again only changes ``selective``.
     """
+    check_arg("recompute_module", "module", module, MODULE)
+    check_arg("recompute_module", "selective", selective, BOOL)
     module.__dict__["_moe_overlap_recompute"] = save_matmuls if selective else None
     module.forward = types.MethodType(_recomputed_forward, module)
 
@@ -121,14 +136,38 @@ def _recomputed_forward(self: nn.Module, *args: object, **kwargs: object) -> obj
     return recompute(forward, *args, policy=policy, **kwargs)
 
 
-def check_recompute(parts: Iterable[object], where: str) -> frozenset[RecomputePart]:
+class RecomputeParts(Spec[tuple[RecomputePart, ...]]):
+    """A collection of :data:`RecomputePart` names, as a tuple in the given order; refused
+    with :func:`check_recompute`'s messages naming ``where``."""
+
+    __slots__ = ("where",)
+
+    def __init__(self, where: str) -> None:
+        super().__init__(f"a collection of recompute parts {_PARTS}")
+        self.where = where
+
+    def check(self, value: object) -> tuple[RecomputePart, ...]:
+        if isinstance(value, str) or not _collection(value):
+            check_recompute(value, self.where)  # raises, naming where
+        items = tuple(cast("Iterable[RecomputePart]", value))
+        check_recompute(items, self.where)
+        return items
+
+
+def _collection(value: object) -> bool:
+    return isinstance(value, Iterable) and not isinstance(value, (bytes, Mapping, torch.Tensor))
+
+
+def check_recompute(parts: object, where: str) -> frozenset[RecomputePart]:
     """``parts`` as a set of :data:`RecomputePart`; an unknown name is a ConfigError."""
     if isinstance(parts, str):
         raise ConfigError(
             f"{where}: expected a collection of recompute parts {_PARTS}, received the "
             f"string {parts!r}; pass ({parts!r},)"
         )
-    chosen = tuple(parts)
+    if not _collection(parts):
+        raise refuse(where, f"a collection of recompute parts {_PARTS}", parts, field=True)
+    chosen = tuple(cast("Iterable[object]", parts))
     unknown = [p for p in chosen if p not in _PARTS]
     if unknown:
         raise ConfigError(f"{where}: expected recompute parts among {_PARTS}, received {unknown}")

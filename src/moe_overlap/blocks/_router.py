@@ -14,6 +14,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_overlap import ConfigError
+from moe_overlap.engine._args import (
+    BOOL,
+    FLOAT_DTYPE,
+    OPT_DEVICE,
+    POSITIVE,
+    TENSOR,
+    Int,
+    OneOf,
+    Real,
+    check_arg,
+    refuse,
+)
 
 __all__ = ["ScoreFunction", "TopKRouter", "attach_aux_loss"]
 
@@ -56,7 +68,17 @@ _inject_aux_loss = cast(
 
 
 def attach_aux_loss(probs: Tensor, aux_loss: Tensor, coeff: float) -> Tensor:
-    """Return ``probs`` unchanged, with ``coeff * aux_loss`` added to the backward pass."""
+    """Return ``probs`` unchanged, with ``coeff * aux_loss`` added to the backward pass.
+
+    ``aux_loss`` is a one-element tensor, ``coeff`` a finite real number (the arguments are
+    checked; :class:`TopKRouter` calls the unchecked op).
+    """
+    w = "attach_aux_loss"
+    check_arg(w, "probs", probs, TENSOR)
+    check_arg(w, "aux_loss", aux_loss, TENSOR)
+    if aux_loss.numel() != 1:
+        raise refuse(f"{w}: aux_loss", "a one-element tensor (the loss)", aux_loss)
+    coeff = check_arg(w, "coeff", coeff, Real())
     return _inject_aux_loss(probs, aux_loss, coeff)
 
 
@@ -105,7 +127,19 @@ class TopKRouter(nn.Module):
         device: torch.device | None = None,
     ) -> None:
         super().__init__()
-        _check_routing(num_experts, topk, score, num_groups, topk_groups)
+        w = "TopKRouter"
+        hidden = check_arg(w, "hidden", hidden, POSITIVE)
+        num_experts = check_arg(w, "num_experts", num_experts, POSITIVE)
+        topk = check_arg(w, "topk", topk, Int(1, num_experts, max_name="num_experts"))
+        aux_loss_coeff = check_arg(w, "aux_loss_coeff", aux_loss_coeff, _COEFF)
+        score = check_arg(w, "score", score, _SCORE)
+        num_groups = check_arg(w, "num_groups", num_groups, POSITIVE)
+        topk_groups = check_arg(w, "topk_groups", topk_groups, POSITIVE)
+        normalize = check_arg(w, "normalize", normalize, BOOL)
+        scaling = check_arg(w, "scaling", scaling, Real(above=0))
+        dtype = check_arg(w, "dtype", dtype, FLOAT_DTYPE)
+        device = check_arg(w, "device", device, OPT_DEVICE)
+        _check_routing(num_experts, topk, num_groups, topk_groups)
         self.topk = topk
         self.num_experts = num_experts
         self.score: ScoreFunction = score
@@ -135,7 +169,7 @@ class TopKRouter(nn.Module):
         if self.aux_loss_coeff > 0:
             coeff = self.aux_loss_coeff * self.aux_loss_scale
             aux = self._aux_loss(scores_TX, padding_T)
-            scores_TX = attach_aux_loss(scores_TX, aux, coeff)
+            scores_TX = _inject_aux_loss(scores_TX, aux, coeff)
         experts_TK = self._select(scores_TX.detach())
         probs_TK = scores_TX.gather(1, experts_TK)
         if self.normalize:
@@ -184,16 +218,13 @@ class TopKRouter(nn.Module):
         return self.num_experts * (frac_X * mean_X).sum()
 
 
-def _check_routing(
-    num_experts: int, topk: int, score: str, num_groups: int, topk_groups: int
-) -> None:
-    if score not in ("softmax", "sigmoid"):
-        raise ConfigError(f"TopKRouter: score must be 'softmax' or 'sigmoid', received {score!r}")
-    if not 1 <= topk <= num_experts:
-        raise ConfigError(
-            f"TopKRouter: expected 1 <= topk <= num_experts={num_experts}, received topk={topk}"
-        )
-    if num_groups < 1 or num_experts % num_groups:
+_SCORE: OneOf[ScoreFunction] = OneOf(("softmax", "sigmoid"), expects="'softmax' or 'sigmoid'")
+_COEFF = Real(min=0, hint="0 turns the load-balancing loss off")
+
+
+def _check_routing(num_experts: int, topk: int, num_groups: int, topk_groups: int) -> None:
+    """What the specs of the single arguments cannot say: the group-limited selection."""
+    if num_experts % num_groups:
         raise ConfigError(
             f"TopKRouter: num_groups must divide num_experts={num_experts}, received {num_groups}"
         )

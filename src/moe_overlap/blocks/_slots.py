@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Protocol, cast, runtime_checkable
 
 from torch import Tensor
 
 from moe_overlap import ChunkState, IntegrationError, LayerState
+from moe_overlap.engine._args import Instance, check_arg, refuse
 
 __all__ = [
     "DenseSlots",
@@ -35,12 +36,15 @@ class SlotContext(Protocol):
     def mark_non_differentiable(self, *tensors: Tensor) -> None: ...
 
 
+_STATE = Instance(ChunkState, "a ChunkState", error=IntegrationError)
+
+
 class PlainContext:
     """The slot context of the plain (unscheduled) path: ``detach`` keeps the graph whole."""
 
     def __init__(self, chunk_state: ChunkState) -> None:
         self.layer_state = LayerState()
-        self.chunk_state = chunk_state
+        self.chunk_state = check_arg("PlainContext", "chunk_state", chunk_state, _STATE)
 
     def detach(self, t: Tensor) -> Tensor:
         return t
@@ -51,6 +55,10 @@ class PlainContext:
 
 def single_input(inputs: tuple[Tensor, ...], where: str) -> Tensor:
     """The one tensor a slot takes, or an :class:`~moe_overlap.IntegrationError` naming it."""
+    if not isinstance(cast(object, inputs), tuple):
+        raise refuse(
+            f"{where}: inputs", "the slot's tuple of input tensors", inputs, error=IntegrationError
+        )
     if len(inputs) != 1:
         raise IntegrationError(f"{where}: expected 1 input tensor, received {len(inputs)}")
     return inputs[0]
@@ -58,6 +66,10 @@ def single_input(inputs: tuple[Tensor, ...], where: str) -> Tensor:
 
 def pair_input(inputs: tuple[Tensor, ...], where: str) -> tuple[Tensor, Tensor]:
     """The ``(tokens, probs)`` a dispatch slot takes, or an :class:`~moe_overlap.IntegrationError`."""
+    if not isinstance(cast(object, inputs), tuple):
+        raise refuse(
+            f"{where}: inputs", "the slot's tuple of input tensors", inputs, error=IntegrationError
+        )
     if len(inputs) != 2:
         raise IntegrationError(
             f"{where}: expected 2 inputs (tokens, probs), received {len(inputs)}"

@@ -8,13 +8,14 @@ matches tensors by name). The schedule still reads the list by position.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import cast, overload
 
 from torch import nn
 from typing_extensions import Self
 
 from moe_overlap import ConfigError
+from moe_overlap.engine._args import MODULE, NON_NEGATIVE, Mismatch, check_arg, refuse, shown
 
 __all__ = ["StageLayers"]
 
@@ -39,12 +40,13 @@ class StageLayers(nn.ModuleList):
 
     def __init__(self, layers: Iterable[nn.Module] | None = None, *, start: int = 0) -> None:
         super().__init__()
-        value = cast(object, start)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        try:
+            start = NON_NEGATIVE.check(start)  # an int (NumPy's too), never a bool
+        except Mismatch:
             raise ConfigError(
                 f"StageLayers: expected start as an int >= 0 (the global index of the first "
-                f"layer), received {start!r}"
-            )
+                f"layer), received {shown(start)}"
+            ) from None
         self._start = start
         if layers is not None:
             self.extend(layers)
@@ -84,6 +86,7 @@ class StageLayers(nn.ModuleList):
         return module
 
     def __setitem__(self, idx: int, module: nn.Module) -> None:
+        check_arg("StageLayers", "a layer", module, MODULE)
         self.add_module(self._key(idx), module)
 
     def __delitem__(self, idx: int | slice) -> None:
@@ -118,10 +121,14 @@ class StageLayers(nn.ModuleList):
         return max((int(k) + 1 for k in self._modules), default=self._start)
 
     def append(self, module: nn.Module) -> Self:
+        check_arg("StageLayers", "a layer", module, MODULE)
         self.add_module(str(self._next()), module)
         return self
 
     def extend(self, modules: Iterable[nn.Module]) -> Self:
+        given = cast(object, modules)
+        if not isinstance(given, Iterable) or isinstance(given, (str, bytes, Mapping)):
+            raise refuse("StageLayers: layers", "an iterable of nn.Modules", modules)
         for module in modules:
             self.append(module)
         return self

@@ -7,7 +7,7 @@ Legend: ``B`` batch, ``S`` sequence, ``D`` hidden, ``H`` heads, ``E`` head dim (
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +15,19 @@ from torch import Tensor, nn
 
 from moe_overlap.blocks._recompute import recompute
 from moe_overlap.blocks._wgrad import DelayedWgradLinear
+from moe_overlap.engine._args import (
+    BOOL,
+    FLOAT_DTYPE,
+    OPT_DEVICE,
+    POSITIVE,
+    TENSOR,
+    OneOf,
+    Real,
+    check_arg,
+    refuse,
+)
+
+_IMPL: OneOf[Literal["math", "sdpa"]] = OneOf(("math", "sdpa"))
 
 __all__ = [
     "RMSNorm",
@@ -43,8 +56,12 @@ class RMSNorm(nn.Module):
         device: torch.device | None = None,
     ) -> None:
         super().__init__()
-        self.eps = eps
-        self.recompute = recompute
+        w = "RMSNorm"
+        dim = check_arg(w, "dim", dim, POSITIVE)
+        self.eps = check_arg(w, "eps", eps, Real(above=0))
+        self.recompute = check_arg(w, "recompute", recompute, BOOL)
+        dtype = check_arg(w, "dtype", dtype, FLOAT_DTYPE)
+        device = check_arg(w, "device", device, OPT_DEVICE)
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
 
     def forward(self, x: Tensor) -> Tensor:
@@ -58,6 +75,8 @@ class RMSNorm(nn.Module):
 
 def swiglu(gate_up: Tensor) -> Tensor:
     """``silu(gate) * up`` of ``[gate, up]`` concatenated on the last dim."""
+    if not isinstance(cast(object, gate_up), Tensor):
+        raise refuse("swiglu: gate_up", "a Tensor", gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
 
@@ -70,6 +89,13 @@ def rotary_tables(
     position_ids_BS: Tensor, head_dim: int, base: float, dtype: torch.dtype
 ) -> RotaryTables:
     """Rotary angles for each position, and their cosine and sine (broadcast over heads)."""
+    w = "rotary_tables"
+    check_arg(w, "position_ids_BS", position_ids_BS, TENSOR)
+    head_dim = check_arg(w, "head_dim", head_dim, POSITIVE)
+    if head_dim % 2:
+        raise refuse(f"{w}: head_dim", "an even int >= 2 (rotary rotates pairs)", head_dim)
+    base = check_arg(w, "base", base, Real(above=0))
+    dtype = check_arg(w, "dtype", dtype, FLOAT_DTYPE)
     exponent = torch.arange(0, head_dim, 2, device=position_ids_BS.device, dtype=torch.float32)
     inv_freq = 1.0 / (base ** (exponent / head_dim))
     half_BSe = position_ids_BS.to(torch.float32)[..., None] * inv_freq
@@ -81,6 +107,9 @@ def rotary_tables(
 
 def apply_rotary(x_BHSE: Tensor, cos_B1SE: Tensor, sin_B1SE: Tensor) -> Tensor:
     """Rotate pairs ``(x_i, x_{i+E/2})`` by the position's angle."""
+    for name, t in (("x_BHSE", x_BHSE), ("cos_B1SE", cos_B1SE), ("sin_B1SE", sin_B1SE)):
+        if not isinstance(cast(object, t), Tensor):
+            raise refuse(f"apply_rotary: {name}", "a Tensor", t)
     a, b = x_BHSE.chunk(2, dim=-1)
     rotated = torch.cat([-b, a], dim=-1)
     return x_BHSE * cos_B1SE + rotated * sin_B1SE
@@ -111,6 +140,21 @@ class SelfAttention(nn.Module):
         device: torch.device | None = None,
     ) -> None:
         super().__init__()
+        w = "SelfAttention"
+        hidden = check_arg(w, "hidden", hidden, POSITIVE)
+        heads = check_arg(w, "heads", heads, POSITIVE)
+        head_dim, rem = divmod(hidden, heads)
+        if rem or head_dim % 2:
+            raise refuse(
+                f"{w}: hidden",
+                f"a multiple of heads={heads} with an even head dim (rotary rotates pairs)",
+                hidden,
+            )
+        impl = check_arg(w, "impl", impl, _IMPL)
+        delay_wgrad = check_arg(w, "delay_wgrad", delay_wgrad, BOOL)
+        recompute_core = check_arg(w, "recompute_core", recompute_core, BOOL)
+        dtype = check_arg(w, "dtype", dtype, FLOAT_DTYPE)
+        device = check_arg(w, "device", device, OPT_DEVICE)
         self.heads = heads
         self.impl = impl
         self.recompute_core = recompute_core
@@ -185,6 +229,13 @@ class SwiGLUMLP(nn.Module):
         device: torch.device | None = None,
     ) -> None:
         super().__init__()
+        w = "SwiGLUMLP"
+        hidden = check_arg(w, "hidden", hidden, POSITIVE)
+        ffn = check_arg(w, "ffn", ffn, POSITIVE)
+        delay_wgrad = check_arg(w, "delay_wgrad", delay_wgrad, BOOL)
+        recompute_activation = check_arg(w, "recompute_activation", recompute_activation, BOOL)
+        dtype = check_arg(w, "dtype", dtype, FLOAT_DTYPE)
+        device = check_arg(w, "device", device, OPT_DEVICE)
         self.recompute_activation = recompute_activation
         self.fc1 = DelayedWgradLinear(
             hidden, 2 * ffn, delay_wgrad=delay_wgrad, dtype=dtype, device=device

@@ -21,7 +21,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_overlap import ConfigError, WgradError
+from moe_overlap import ConfigError, IntegrationError, WgradError
+from moe_overlap.engine._args import (
+    BOOL,
+    FLOAT_DTYPE,
+    NON_NEGATIVE,
+    OPT_DEVICE,
+    POSITIVE,
+    Instance,
+    Items,
+    check_arg,
+    refuse,
+)
 
 __all__ = [
     "DelayedWgradGroupedLinear",
@@ -37,6 +48,13 @@ __all__ = [
     "finish_wgrad",
     "pending_wgrad",
 ]
+
+
+_PARAMETER = Instance(nn.Parameter, "an nn.Parameter (the weight)")
+_SIZES = Items(
+    NON_NEGATIVE,
+    hint="one row count per group, in order (sizes on the device: GroupSizes.on_device)",
+)
 
 
 @runtime_checkable
@@ -100,7 +118,7 @@ class GroupSizes(Sequence[int]):
     def __init__(
         self, sizes: Sequence[int], offsets: Tensor | None = None, ids: Tensor | None = None
     ) -> None:
-        self._sizes: tuple[int, ...] | None = tuple(sizes)
+        self._sizes: tuple[int, ...] | None = check_arg("GroupSizes", "sizes", sizes, _SIZES)
         self._count = len(self._sizes)
         self._host: Callable[[], Sequence[int]] | None = None
         self.total = sum(self._sizes)
@@ -314,8 +332,9 @@ class DelayedWgradModule(nn.Module):
 
     def __init__(self, weight: nn.Parameter, *, delay_wgrad: bool) -> None:
         super().__init__()
-        self.weight = weight
-        self.delay_wgrad = delay_wgrad
+        w = type(self).__name__
+        self.weight = check_arg(w, "weight", weight, _PARAMETER)
+        self.delay_wgrad = check_arg(w, "delay_wgrad", delay_wgrad, BOOL)
         self.label = type(self).__name__
         self._pending: deque[PendingItem] = deque()
 
@@ -384,7 +403,15 @@ def accumulate_grad(param: nn.Parameter, grad: Tensor) -> None:
     """What ``AccumulateGrad`` does for a dense grad: assign first, add in place after.
 
     ``grad`` becomes ``param.grad`` when there is none: pass a tensor nothing else writes.
+    A ``grad`` of another shape than ``param`` (which ``add_`` would broadcast) is a
+    :class:`~moe_overlap.ConfigError`.
     """
+    if not isinstance(cast(object, param), Tensor):
+        raise refuse("accumulate_grad: param", "an nn.Parameter", param)
+    if not isinstance(cast(object, grad), Tensor) or grad.shape != param.shape:
+        raise refuse(
+            "accumulate_grad: grad", f"a Tensor of the parameter's shape {list(param.shape)}", grad
+        )
     if param.grad is None:
         param.grad = grad
     else:
@@ -449,6 +476,11 @@ class DelayedWgradLinear(DelayedWgradModule):
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
     ) -> None:
+        w = "DelayedWgradLinear"
+        in_features = check_arg(w, "in_features", in_features, POSITIVE)
+        out_features = check_arg(w, "out_features", out_features, POSITIVE)
+        dtype = check_arg(w, "dtype", dtype, FLOAT_DTYPE)
+        device = check_arg(w, "device", device, OPT_DEVICE)
         weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device))
         super().__init__(weight, delay_wgrad=delay_wgrad)
         self.in_features = in_features
@@ -476,6 +508,13 @@ class DelayedWgradGroupedLinear(DelayedWgradModule):
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
     ) -> None:
+        w = "DelayedWgradGroupedLinear"
+        groups = check_arg(w, "groups", groups, POSITIVE)
+        in_features = check_arg(w, "in_features", in_features, POSITIVE)
+        out_features = check_arg(w, "out_features", out_features, POSITIVE)
+        transposed = check_arg(w, "transposed", transposed, BOOL)
+        dtype = check_arg(w, "dtype", dtype, FLOAT_DTYPE)
+        device = check_arg(w, "device", device, OPT_DEVICE)
         shape = (
             (groups, in_features, out_features)
             if transposed
@@ -512,6 +551,8 @@ def _total(sizes: Sequence[int]) -> int:
 
 
 def _delayed(model: nn.Module) -> Iterator[DelayedWgradModule]:
+    if not isinstance(cast(object, model), nn.Module):
+        raise refuse("the model", "an nn.Module", model, error=IntegrationError)
     for module in model.modules():
         if isinstance(module, DelayedWgradModule):
             yield module

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, cast
@@ -10,6 +9,19 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from ._args import (
+    ANY,
+    BOOL,
+    CALLABLE,
+    TENSOR,
+    Instance,
+    Methods,
+    Opt,
+    Real,
+    Spec,
+    check_arg,
+    check_fields,
+)
 from ._bypass_check import check_bypassed
 from ._chunk_plan import ModelChunkSchedulePlan, check_grad_mode, run_pair
 from ._conformance import check_model, checks_memoized
@@ -72,35 +84,22 @@ class Microbatch:
     runtime_gather_output: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in _TENSOR_FIELDS:
-            value: object = getattr(self, name)
-            if value is not None and not isinstance(value, Tensor):
-                raise ConfigError(
-                    f"Microbatch.{name}: expected a Tensor or None, received {type(value).__name__}"
-                )
-        kwargs = cast(object, self.extra_block_kwargs)  # checked: typing cannot promise it
-        if kwargs is not None and not isinstance(kwargs, Mapping):
-            raise ConfigError(
-                "Microbatch.extra_block_kwargs: expected a mapping or None, received "
-                f"{type(kwargs).__name__}"
-            )
-        gather = cast(object, self.runtime_gather_output)
-        if gather is not None and not isinstance(gather, bool):
-            raise ConfigError(
-                "Microbatch.runtime_gather_output: expected a bool or None, received "
-                f"{type(gather).__name__} {gather!r}"
-            )
+        check_fields(self, _MICROBATCH)
 
 
-_TENSOR_FIELDS = (
-    "input_ids",
-    "position_ids",
-    "attention_mask",
-    "labels",
-    "loss_mask",
-    "decoder_input",
-    "padding_mask",
-)
+_TENSOR = Opt(TENSOR)
+_MICROBATCH: dict[str, Spec[object]] = {
+    "input_ids": _TENSOR,
+    "position_ids": _TENSOR,
+    "attention_mask": _TENSOR,
+    "labels": _TENSOR,
+    "loss_mask": _TENSOR,
+    "decoder_input": _TENSOR,
+    "padding_mask": _TENSOR,
+    "packed_seq_params": ANY,
+    "extra_block_kwargs": Opt(Instance(Mapping, "a mapping")),
+    "runtime_gather_output": Opt(BOOL),
+}
 
 PlanCallback = Callable[[ModelChunkSchedulePlan], None]
 
@@ -261,6 +260,10 @@ def _run(
     return losses
 
 
+_OBSERVER = Opt(Methods(("timer",), "a StepObserver (with timer(step, microbatch))"))
+_STREAMS = Opt(Instance(StreamPair, "a StreamPair (make_streams(device))"))
+
+
 def _check_arguments(
     microbatches: object,
     overlap: object,
@@ -281,39 +284,18 @@ def _check_arguments(
     if len(items) == 0:
         raise ConfigError(f"{where}: expected at least one microbatch, received none")
     for i, mb in enumerate(items):
-        if not isinstance(mb, Microbatch):
-            raise ConfigError(
-                f"{where}: microbatches[{i}] must be a Microbatch, received {type(mb).__name__}"
-            )
-    if not isinstance(overlap, bool):
-        raise ConfigError(
-            f"{where}: overlap must be a bool, received {type(overlap).__name__} {overlap!r}"
-        )
-    if not isinstance(options, ScheduleOptions):
-        raise ConfigError(
-            f"{where}: options must be a ScheduleOptions, received {type(options).__name__}"
-        )
-    if streams is not None and not isinstance(streams, StreamPair):
-        raise ConfigError(
-            f"{where}: streams must be a StreamPair (make_streams(device)) or None, "
-            f"received {type(streams).__name__}"
-        )
-    if (
-        isinstance(loss_scale, bool)
-        or not isinstance(loss_scale, (int, float))
-        or not math.isfinite(loss_scale)
-    ):
-        shown = f"{type(loss_scale).__name__} {loss_scale!r}"
-        raise ConfigError(f"{where}: loss_scale must be a finite real number, received {shown}")
-    if on_plan is not None and not callable(on_plan):
-        raise ConfigError(
-            f"{where}: on_plan must be a callable or None, received {type(on_plan).__name__}"
-        )
-    if observer is not None and not callable(getattr(observer, "timer", None)):
-        raise ConfigError(
-            f"{where}: observer must be a StepObserver (with timer(step, microbatch)) or "
-            f"None, received {type(observer).__name__}"
-        )
+        check_arg(where, f"microbatches[{i}]", mb, _MICROBATCH_ITEM)
+    check_arg(where, "overlap", overlap, BOOL)
+    check_arg(where, "options", options, _SCHEDULE_OPTIONS)
+    check_arg(where, "streams", streams, _STREAMS)
+    check_arg(where, "loss_scale", loss_scale, _LOSS_SCALE)
+    check_arg(where, "on_plan", on_plan, Opt(CALLABLE))
+    check_arg(where, "observer", observer, _OBSERVER)
+
+
+_MICROBATCH_ITEM = Instance(Microbatch, "a Microbatch")
+_SCHEDULE_OPTIONS = Instance(ScheduleOptions, "a ScheduleOptions")
+_LOSS_SCALE = Real()
 
 
 def _check_inputs(model: PreprocessableModel, microbatches: Sequence[Microbatch]) -> None:
@@ -328,10 +310,7 @@ def _check_inputs(model: PreprocessableModel, microbatches: Sequence[Microbatch]
 
 
 def _check_fill_drain(fill_drain: object, overlap: object) -> None:
-    if not isinstance(fill_drain, bool):
-        raise ConfigError(
-            f"combined_1f1b: fill_drain must be a bool, received {type(fill_drain).__name__}"
-        )
+    check_arg("combined_1f1b", "fill_drain", fill_drain, BOOL)
     if fill_drain and not overlap:
         raise ConfigError(
             "combined_1f1b: fill_drain overlaps the first two forwards and the last two "

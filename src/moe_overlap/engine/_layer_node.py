@@ -9,6 +9,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
+from ._args import BOOL, POSITIVE, Opt, check_arg
 from ._debug import DEBUG
 from ._errors import ConfigError, IntegrationError, WgradError
 from ._free_input import should_free_input
@@ -23,6 +24,9 @@ __all__ = [
     "LayerArgs",
     "TransformerLayerNode",
 ]
+
+
+_LOCAL_EXPERTS = Opt(POSITIVE)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -54,21 +58,22 @@ class LayerArgs:
                 "moe_flex_dispatcher_backend, fp8, fp4 and cuda_graph_modules; received "
                 f"{type(config).__name__}"
             )
-        flags: dict[str, bool] = {}
-        for key in ("is_moe", "delay_wgrad_compute", "is_mtp", "is_first_layer", "is_last_layer"):
-            value = mapping.get(key, False)
-            if not isinstance(value, bool):
-                raise ConfigError(
-                    f"LayerArgs: extra_args[{key!r}] must be a bool, received "
-                    f"{type(value).__name__} {value!r}"
-                )
-            flags[key] = value
-        nle = mapping.get("num_local_experts")
-        if nle is not None and (not isinstance(nle, int) or isinstance(nle, bool) or nle < 1):
-            raise ConfigError(
-                "LayerArgs: extra_args['num_local_experts'] must be a positive int or None, "
-                f"received {nle!r}"
+        flags = {
+            key: check_arg("LayerArgs", f"extra_args[{key!r}]", mapping.get(key, False), BOOL)
+            for key in (
+                "is_moe",
+                "delay_wgrad_compute",
+                "is_mtp",
+                "is_first_layer",
+                "is_last_layer",
             )
+        }
+        nle = check_arg(
+            "LayerArgs",
+            "extra_args['num_local_experts']",
+            mapping.get("num_local_experts"),
+            _LOCAL_EXPERTS,
+        )
         return cls(config=config, num_local_experts=nle, **flags)
 
     @classmethod

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from ._errors import ConfigError
+from ._args import BOOL, CALLABLE, Opt, Spec, check_fields
 
 __all__ = [
     "ChunkHooks",
@@ -42,13 +42,14 @@ class ScheduleOptions:
     free_input: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("delay_wgrad_compute", "ep_overlap_early_attn_memory_release", "free_input"):
-            value: object = getattr(self, name)
-            if isinstance(value, bool) or (value is None and name == "delay_wgrad_compute"):
-                continue
-            expected = "a bool or None" if name == "delay_wgrad_compute" else "a bool"
-            shown = f"{type(value).__name__} {value!r}"
-            raise ConfigError(f"ScheduleOptions.{name}: expected {expected}, received {shown}")
+        check_fields(self, _OPTIONS)
+
+
+_OPTIONS: dict[str, Spec[object]] = {
+    "delay_wgrad_compute": Opt(BOOL),
+    "ep_overlap_early_attn_memory_release": BOOL,
+    "free_input": BOOL,
+}
 
 
 Hook = Callable[[], None]
@@ -72,3 +73,11 @@ class ChunkHooks:
     pre_backward: PreHook | None = None
     post_forward: PostForwardHook | None = None
     post_backward: PostBackwardHook | None = None
+
+    def __post_init__(self) -> None:
+        check_fields(self, _HOOKS)
+
+
+_HOOKS: dict[str, Spec[object]] = dict.fromkeys(
+    ("pre_forward", "pre_backward", "post_forward", "post_backward"), Opt(CALLABLE)
+)

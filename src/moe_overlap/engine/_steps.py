@@ -13,8 +13,9 @@ import enum
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
+from ._args import refuse
 from ._errors import ConfigError
 
 __all__ = [
@@ -116,6 +117,8 @@ class Step(NamedTuple):
     @classmethod
     def parse(cls, text: str) -> "Step":
         """Read a step back from its string form, e.g. ``f.L0.dispatch.F@comm``."""
+        if not isinstance(cast(object, text), str):
+            raise refuse("Step.parse: text", "a step's string form 'role.[Lk.]slot.D@stream'", text)
         match = _STEP_RE.match(text)
         if match is None:
             raise ConfigError(f"Step.parse: expected 'role.[Lk.]slot.D@stream', received {text!r}")

@@ -17,10 +17,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Union
+from typing import Union, cast
 
 import torch
 
+from ._args import BOOL, Instance, Opt, Spec, check_arg, check_fields, refuse
 from ._errors import StreamError
 
 __all__ = [
@@ -53,7 +54,7 @@ class CpuStream:
     __slots__ = ("name",)
 
     def __init__(self, name: str = "cpu") -> None:
-        self.name = name
+        self.name = check_arg("CpuStream", "name", name, _NAME)
 
     @property
     def device(self) -> torch.device:
@@ -87,7 +88,8 @@ class CpuEvent:
     __slots__ = ("_time",)
 
     def __init__(self, enable_timing: bool = False) -> None:
-        del enable_timing  # always timed: the cost is one perf_counter call
+        if enable_timing.__class__ is not bool:  # inline: made for every no-op node
+            check_arg("CpuEvent", "enable_timing", enable_timing, BOOL)  # always timed anyway
         self._time: float | None = None
 
     def record(self, stream: CpuStream | None = None) -> None:
@@ -125,6 +127,14 @@ class StreamPair:
     comp: AnyStream
     comm: AnyStream
 
+    def __post_init__(self) -> None:
+        check_fields(self, _PAIR)
+        if isinstance(self.comp, CpuStream) != isinstance(self.comm, CpuStream):
+            raise StreamError(
+                "StreamPair: expected compute and communication streams of one device type, "
+                f"received comp={self.comp!r}, comm={self.comm!r}"
+            )
+
     def comp_provider(self) -> AnyStream:
         """Return the compute stream (a :class:`~moe_overlap.StreamProvider`)."""
         return self.comp
@@ -136,6 +146,12 @@ class StreamPair:
     @property
     def device(self) -> torch.device:
         return stream_device(self.comp)
+
+
+_STREAM = Instance((torch.cuda.Stream, CpuStream), "a torch.cuda.Stream or CpuStream")
+_OPT_STREAM = Opt(_STREAM)
+_PAIR: dict[str, Spec[object]] = {"comp": _STREAM, "comm": _STREAM}
+_NAME = Instance(str, "a str")
 
 
 def default_device() -> torch.device:
@@ -158,11 +174,10 @@ def make_streams(
     On CUDA the compute stream is the current stream and the communication stream is a
     new stream, of the highest priority when ``high_priority_comm`` is set.
     """
-    dev = torch.device(device) if device is not None else default_device()
+    check_arg("make_streams", "high_priority_comm", high_priority_comm, BOOL)
+    dev = _stream_device(device, "make_streams")
     if dev.type == "cpu":
         return StreamPair(comp=CpuStream("comp"), comm=CpuStream("comm"))
-    if dev.type != "cuda":
-        raise StreamError(f"make_streams: expected a 'cpu' or 'cuda' device, received {dev}")
     comp = torch.cuda.current_stream(dev)
     # priority_range() gives (lowest, highest); lower numbers are higher priorities.
     priority = comp.priority_range()[1] if high_priority_comm else 0
@@ -171,12 +186,37 @@ def make_streams(
 
 def make_event(device: torch.device | str | None = None) -> AnyEvent:
     """A new event: a ``torch.cuda.Event`` on CUDA, a :class:`~moe_overlap.CpuEvent` on CPU."""
-    dev = torch.device(device) if device is not None else default_device()
+    dev = _stream_device(device, "make_event")
     if dev.type == "cpu":
         return CpuEvent()
-    if dev.type != "cuda":
-        raise StreamError(f"make_event: expected a 'cpu' or 'cuda' device, received {dev}")
     return _new_cuda_event()
+
+
+_DEVICE_LIKE = Opt(Instance((str, torch.device), "a torch.device or device string"))
+
+
+def _stream_device(device: object, where: str) -> torch.device:
+    """``device`` (default: :func:`default_device`) as a ``cpu`` or usable ``cuda`` device."""
+    check_arg(where, "device", device, _DEVICE_LIKE)
+    if device is None:
+        return default_device()
+    try:
+        dev = torch.device(cast("str | torch.device", device))
+    except (RuntimeError, ValueError) as bad:
+        raise refuse(f"{where}: device", "a device string torch knows", device) from bad
+    if dev.type not in ("cpu", "cuda"):
+        raise StreamError(f"{where}: expected a 'cpu' or 'cuda' device, received {dev}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise StreamError(
+            f"{where}: expected a 'cpu' or 'cuda' device, received {dev}, but CUDA is not "
+            "available in this process"
+        )
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise StreamError(
+            f"{where}: expected a CUDA device this process sees (0 .. "
+            f"{torch.cuda.device_count() - 1}), received {dev}"
+        )
+    return dev
 
 
 # torch leaves these constructors unannotated; give them types once, here.
@@ -293,6 +333,8 @@ def set_streams(
     The first call wins, as in Megatron-Core, unless streams are passed explicitly, which
     replace the current ones. Unset streams default to :func:`~moe_overlap.make_streams` for ``device``.
     """
+    check_arg("set_streams", "comp_stream", comp_stream, _OPT_STREAM)
+    check_arg("set_streams", "comm_stream", comm_stream, _OPT_STREAM)
     if _GLOBAL and comp_stream is None and comm_stream is None:
         return _GLOBAL[0]
     made = make_streams(device, high_priority_comm=high_priority_comm)

@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moe_overlap import ConfigError, IntegrationError
+from moe_overlap.engine._args import GROUP, MODULE, POSITIVE, Instance, Items, Opt, check_arg
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -111,6 +112,18 @@ class ExpertShards:
         return self
 
 
+_NAMES = Items(Instance(str, "a parameter name"))
+_OPTIMIZER = Instance(torch.optim.Optimizer, "a torch.optim.Optimizer", error=IntegrationError)
+
+
+def _device_mesh() -> type[DeviceMesh]:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return DeviceMesh
+
+
+_MESH = Instance(_device_mesh, "a 1-D DeviceMesh (init_device_mesh)")
+
 _MODULES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _ATTACHED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 _STEP_HOOK: list[object] = []
@@ -118,6 +131,7 @@ _STEP_HOOK: list[object] = []
 
 def expert_shards(module: nn.Module) -> ExpertShards | None:
     """The registered description of ``module``'s expert tensors, if any."""
+    check_arg("expert_shards", "module", module, MODULE)
     found: object = getattr(module, _ATTR, None)
     return found if isinstance(found, ExpertShards) else None
 
@@ -140,6 +154,11 @@ def register_expert_shards(
     ``None`` or a group of one: nothing to do (returns ``None``); state dicts stay plain.
     Call it before ``fully_shard``; registering again replaces the description.
     """
+    w = "register_expert_shards"
+    check_arg(w, "module", module, MODULE)
+    listed = check_arg(w, "names", names, _NAMES)
+    num_experts = check_arg(w, "num_experts", num_experts, POSITIVE)
+    check_arg(w, "group", group, Opt(GROUP))
     if group is None or _get_world_size(group) == 1:
         return None
     size, rank = _get_world_size(group), _get_rank(group)
@@ -150,7 +169,6 @@ def register_expert_shards(
             f"{num_experts}, received {size}"
         )
     local = num_experts // size
-    listed = tuple(names)
     if not listed:
         raise ConfigError(
             f"register_expert_shards({where}): expected expert tensor names, received none"
@@ -197,6 +215,8 @@ def register_fsdp_experts(modules: Iterable[nn.Module], expert_mesh: DeviceMesh)
     Raises :class:`~moe_overlap.ConfigError` when the ranks of ``expert_mesh`` do not all
     hold this rank's experts, or a module has no :func:`register_expert_shards`.
     """
+    modules = check_arg("register_fsdp_experts", "modules", modules, Items(MODULE))
+    check_arg("register_fsdp_experts", "expert_mesh", expert_mesh, _MESH)
     grids: dict[str, _FsdpGrid] = {}
     for module in modules:
         shards = expert_shards(module)
@@ -263,6 +283,7 @@ def attach_optimizer(optimizer: torch.optim.Optimizer) -> None:
     :class:`~moe_overlap.IntegrationError`: which EP rank's rows they hold cannot be said.
     Idempotent. Also turns expert states already loaded as DTensors back into local ones.
     """
+    check_arg("attach_optimizer", "optimizer", optimizer, _OPTIMIZER)
     if optimizer in _ATTACHED:
         return
     _ATTACHED.add(optimizer)

@@ -22,9 +22,19 @@ from torch import nn
 
 from moe_overlap import ConfigError
 from moe_overlap.blocks._experts import GroupedExperts
+from moe_overlap.engine._args import BOOL, CALLABLE, MODULE, Instance, Opt, check_arg
 from moe_overlap.integrations.checkpoint import expert_shards, register_fsdp_experts
 
 __all__ = ["fully_shard_slots", "slot_modules"]
+
+
+def _device_mesh() -> type[object]:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    return cast("type[object]", DeviceMesh)
+
+
+_MESH = Opt(Instance(_device_mesh, "a DeviceMesh (init_device_mesh)"))
 
 
 def _is_grouped_experts(module: nn.Module) -> bool:
@@ -38,6 +48,7 @@ def slot_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     (the embedding, the final norm, the output layer). The layers themselves and the model
     are not among them: the schedule never calls their ``forward``.
     """
+    check_arg("slot_modules", "model", model, MODULE)
     decoder: object = getattr(model, "decoder", None)
     layers: object = getattr(decoder, "layers", None)
     if not isinstance(layers, (list, tuple, nn.ModuleList)):
@@ -105,14 +116,36 @@ def fully_shard_slots(
     modules: FSDP reduce-scatters in its post-backward hook, before the schedule's delayed
     weight-gradient step would have filled the gradients.
     """
+    import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
+    w = "fully_shard_slots"
+    check_arg(w, "model", model, MODULE)
+    check_arg(w, "mesh", mesh, _MESH)
+    check_arg(w, "expert_mesh", expert_mesh, _MESH)
+    check_arg(w, "is_expert", is_expert, CALLABLE)
+    check_arg(w, "reshard_after_forward", reshard_after_forward, BOOL)
     if isinstance(model, FSDPModule):
         raise ConfigError(
             f"fully_shard_slots: {type(model).__name__} is already an FSDPModule; its hooks "
             "never run under the schedule: pass the model before any fully_shard"
         )
+    if mesh is None and not (dist.is_available() and dist.is_initialized()):
+        raise ConfigError(
+            "fully_shard_slots: expected a process group to shard over (mesh=None shards "
+            "over the default group), received none: the default process group is not "
+            "initialized; call torch.distributed.init_process_group first, or pass a "
+            "DeviceMesh (init_device_mesh)"
+        )
     targets = list(slot_modules(model))
+    sharded = [f"{name} ({type(m).__name__})" for name, m in targets if isinstance(m, FSDPModule)]
+    if sharded:
+        raise ConfigError(
+            f"fully_shard_slots: expected {type(model).__name__}'s slot modules not yet "
+            f"sharded, received {sharded[:3]}{' ...' if len(sharded) > 3 else ''} already "
+            "FSDPModules (fully_shard_slots or fully_shard applied before); apply "
+            "fully_shard_slots once, to a model without FSDP modules"
+        )
     dense_size = _mesh_size(mesh)
     experts = _check_experts(targets, expert_mesh, is_expert, dense_size)
     out: list[nn.Module] = []

@@ -57,6 +57,7 @@ from moe_overlap import (
     StepObserver,
     check_inputs,
 )
+from moe_overlap.engine._args import BOOL, CALLABLE, POSITIVE, Instance, Methods, Opt, check_arg
 from moe_overlap.engine._bypass_check import check_bypassed
 from moe_overlap.engine._conformance import check_model
 from moe_overlap.engine._wgrad_check import check_wgrad_done, owed_wgrad
@@ -83,6 +84,7 @@ TESTED_TORCH = ("2.11", "2.13")
 
 def check_torch(version: str | None = None) -> None:
     """Raise :class:`~moe_overlap.ConfigError` unless torch is one of :data:`TESTED_TORCH`."""
+    check_arg("check_torch", "version", version, Opt(Instance(str, "a version string")))
     found = version if version is not None else torch.__version__
     release = ".".join(found.split("+")[0].split(".")[:2])
     if release not in TESTED_TORCH:
@@ -95,6 +97,7 @@ def check_torch(version: str | None = None) -> None:
 
 
 Order = Mapping[int, Sequence["_Action | None"]]
+_ORDER = Instance[Mapping[object, object]](Mapping, "a mapping of each rank to its actions")
 
 
 def pair_overlap_f_b(
@@ -112,6 +115,10 @@ def pair_overlap_f_b(
     actions keep their order; ranks are paired in rank order.
     """
     check_torch()
+    w = "pair_overlap_f_b"
+    check_arg(w, "order", order, _ORDER)
+    check_arg(w, "num_stages", num_stages, POSITIVE)
+    check_arg(w, "stage_to_rank", stage_to_rank, CALLABLE)
     from torch.distributed.pipelining.schedules import (
         FORWARD,
         FULL_BACKWARD,
@@ -287,6 +294,10 @@ class _BackwardCall:
     grad: Tensor | None
 
 
+_OPTIONS = Opt(Instance(ScheduleOptions, "a ScheduleOptions"))
+_OBSERVER = Opt(Methods(("timer",), "a StepObserver (with timer(step, microbatch))"))
+
+
 class PipelineOverlap:
     """A schedule prepared by :func:`prepare_schedule` (keeps the plans between actions).
 
@@ -322,23 +333,11 @@ class PipelineOverlap:
                 f"prepare_schedule: this {type(schedule).__name__} is already prepared; "
                 "prepare a schedule once"
             )
-        flags = (("pair", cast(object, pair)), ("overlap", cast(object, overlap)))
-        for name, flag in flags:
-            if not isinstance(flag, bool):
-                raise ConfigError(
-                    f"prepare_schedule: {name} must be a bool, received {type(flag).__name__}"
-                )
-        given = cast(object, options)
-        if given is not None and not isinstance(given, ScheduleOptions):
-            raise ConfigError(
-                "prepare_schedule: options must be a ScheduleOptions or None, received "
-                f"{type(options).__name__}"
-            )
-        if observer is not None and not callable(getattr(observer, "timer", None)):
-            raise ConfigError(
-                "prepare_schedule: observer must be a StepObserver (with timer(step, "
-                f"microbatch)) or None, received {type(observer).__name__}"
-            )
+        w = "prepare_schedule"
+        check_arg(w, "pair", pair, BOOL)
+        check_arg(w, "overlap", overlap, BOOL)
+        check_arg(w, "options", options, _OPTIONS)
+        check_arg(w, "observer", observer, _OBSERVER)
         self.schedule: Any = schedule  # torch's schedules are untyped
         self.overlap = overlap
         self.observer = observer

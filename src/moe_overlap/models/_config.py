@@ -9,7 +9,21 @@ import torch
 
 from moe_overlap import ConfigError, CudaGraphModule
 from moe_overlap.blocks._dispatcher import DispatcherKind
-from moe_overlap.blocks._recompute import RecomputePart, check_recompute
+from moe_overlap.blocks._recompute import RecomputePart, RecomputeParts
+from moe_overlap.engine._args import (
+    BOOL,
+    NON_NEGATIVE,
+    NONE,
+    POSITIVE,
+    Int,
+    Items,
+    OneOf,
+    Opt,
+    Real,
+    Spec,
+    check_fields,
+    refuse,
+)
 
 __all__ = ["GPTMoEConfig"]
 
@@ -31,7 +45,10 @@ class GPTMoEConfig:
     builds the layers with delayed weight gradients; they then list their delayed modules
     and the schedule follows them (a ``ScheduleOptions.delay_wgrad_compute`` that says
     otherwise is an error).
-    ``moe_aux_loss_coeff`` 0 turns the load-balancing loss off. ``attention`` ``math``
+    ``moe_aux_loss_coeff`` 0 turns the load-balancing loss off.
+    Every field is checked at construction (``ConfigError`` naming the field, what it
+    expects and what it received): ints are ints (not bools; NumPy integers are taken as
+    ints), flags are bools, reals finite, choices among the listed ones. ``attention`` ``math``
     is explicit, deterministic on every device; ``sdpa`` is PyTorch's fused kernel.
     ``recompute`` names the parts recomputed in backward instead of stored
     (:data:`~moe_overlap.blocks.RecomputePart`: ``norm``, ``attention_core``,
@@ -67,76 +84,36 @@ class GPTMoEConfig:
     mtp_num_layers: None = None
 
     def __post_init__(self) -> None:
-        positive = {
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_attention_heads": self.num_attention_heads,
-            "ffn_hidden_size": self.ffn_hidden_size,
-            "num_experts": self.num_experts,
-            "moe_ffn_hidden_size": self.moe_ffn_hidden_size,
-            "moe_router_topk": self.moe_router_topk,
-        }
-        for name, value in positive.items():
-            if value < 1:
-                raise ConfigError(f"GPTMoEConfig.{name}: expected a positive int, received {value}")
-        if self.num_layers < 0:
-            raise ConfigError(f"GPTMoEConfig.num_layers: expected >= 0, received {self.num_layers}")
-        if not 0 <= self.first_k_dense <= self.num_layers:
-            raise ConfigError(
-                f"GPTMoEConfig.first_k_dense: expected 0..num_layers={self.num_layers}, "
-                f"received {self.first_k_dense}"
+        check_fields(self, _FIELDS)
+        where = "GPTMoEConfig"
+        if self.first_k_dense > self.num_layers:
+            raise refuse(
+                f"{where}.first_k_dense",
+                f"an int in [0, num_layers={self.num_layers}]",
+                self.first_k_dense,
+                field=True,
             )
         head_dim, rem = divmod(self.hidden_size, self.num_attention_heads)
         if rem or head_dim % 2:
-            raise ConfigError(
-                "GPTMoEConfig.hidden_size: expected a multiple of num_attention_heads "
-                f"({self.num_attention_heads}) with an even head dim (rotary), received "
-                f"{self.hidden_size}"
+            raise refuse(
+                f"{where}.hidden_size",
+                f"a multiple of num_attention_heads ({self.num_attention_heads}) with an even "
+                "head dim (rotary)",
+                self.hidden_size,
+                field=True,
             )
         if self.moe_router_topk > self.num_experts:
-            raise ConfigError(
-                f"GPTMoEConfig.moe_router_topk: expected <= num_experts={self.num_experts}, "
-                f"received {self.moe_router_topk}"
+            raise refuse(
+                f"{where}.moe_router_topk",
+                f"an int in [1, num_experts={self.num_experts}]",
+                self.moe_router_topk,
+                field=True,
             )
-        shared = self.moe_shared_expert_hidden_size
-        if shared is not None and shared < 1:
-            raise ConfigError(
-                "GPTMoEConfig.moe_shared_expert_hidden_size: expected a positive int or None, "
-                f"received {shared}"
-            )
-        if self.dispatcher not in ("alltoall", "loopback"):
-            raise ConfigError(
-                "GPTMoEConfig.dispatcher: expected 'alltoall' or 'loopback', "
-                f"received {self.dispatcher!r}"
-            )
-        if self.attention not in ("math", "sdpa"):
-            raise ConfigError(
-                f"GPTMoEConfig.attention: expected 'math' or 'sdpa', received {self.attention!r}"
-            )
-        if self.dtype not in (torch.float32, torch.bfloat16, torch.float64):
-            raise ConfigError(
-                "GPTMoEConfig.dtype: expected torch.float32, torch.bfloat16 or torch.float64, "
-                f"received {self.dtype}"
-            )
-        check_recompute(self.recompute, "GPTMoEConfig.recompute")
-        graphable = (CudaGraphModule.attn, CudaGraphModule.moe_router, CudaGraphModule.mlp)
-        for scope in self.cuda_graph_modules:
-            if scope not in graphable:
-                raise ConfigError(
-                    "GPTMoEConfig.cuda_graph_modules: expected members of "
-                    f"{[g.name for g in graphable]} (the static-shape parts; routed experts and "
-                    f"the token permutation change shape every microbatch), received {scope!r}"
-                )
         if self.cuda_graph_modules and self.recompute:
             raise ConfigError(
                 "GPTMoEConfig.cuda_graph_modules: expected no recompute with CUDA graphs (a "
                 "graph keeps its activations in its own pool, so recomputing inside it saves "
                 f"nothing), received recompute={self.recompute}: choose one of the two"
-            )
-        if self.moe_aux_loss_coeff < 0:
-            raise ConfigError(
-                "GPTMoEConfig.moe_aux_loss_coeff: expected >= 0, "
-                f"received {self.moe_aux_loss_coeff}"
             )
 
     @property
@@ -146,3 +123,44 @@ class GPTMoEConfig:
     def is_moe_layer(self, index: int) -> bool:
         """Whether layer ``index`` is an MoE layer (the first ``first_k_dense`` are dense)."""
         return index >= self.first_k_dense
+
+
+_GRAPHABLE = (CudaGraphModule.attn, CudaGraphModule.moe_router, CudaGraphModule.mlp)
+_FIELDS: dict[str, Spec[object]] = {
+    "vocab_size": POSITIVE,
+    "hidden_size": POSITIVE,
+    "num_layers": NON_NEGATIVE,
+    "first_k_dense": NON_NEGATIVE,
+    "num_attention_heads": POSITIVE,
+    "ffn_hidden_size": POSITIVE,
+    "num_experts": POSITIVE,
+    "moe_ffn_hidden_size": POSITIVE,
+    "moe_router_topk": POSITIVE,
+    "moe_shared_expert_hidden_size": Opt(POSITIVE),
+    "moe_aux_loss_coeff": Real(min=0, hint="0 turns the load-balancing loss off"),
+    "dispatcher": OneOf(("alltoall", "loopback")),
+    "attention": OneOf(("math", "sdpa")),
+    "rotary_base": Real(above=0),
+    "norm_eps": Real(above=0),
+    "init_std": Real(min=0),
+    "seed": Int(-(2**63), 2**64 - 1),
+    "dtype": OneOf(
+        (torch.float32, torch.bfloat16, torch.float64),
+        expects="torch.float32, torch.bfloat16 or torch.float64",
+    ),
+    "delay_wgrad_compute": BOOL,
+    "recompute": RecomputeParts("GPTMoEConfig.recompute"),
+    "moe_token_dispatcher_type": OneOf(("alltoall",)),
+    "moe_flex_dispatcher_backend": NONE,
+    "fp8": NONE,
+    "fp4": NONE,
+    "cuda_graph_modules": Items(
+        OneOf(_GRAPHABLE),
+        expects=(
+            f"members of {[g.name for g in _GRAPHABLE]} (the static-shape parts; routed "
+            "experts and the token permutation change shape every microbatch)"
+        ),
+        hint="pass CudaGraphModule members, e.g. (CudaGraphModule.attn,)",
+    ),
+    "mtp_num_layers": NONE,
+}

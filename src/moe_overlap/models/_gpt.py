@@ -31,6 +31,16 @@ from moe_overlap.blocks._router import TopKRouter
 from moe_overlap.blocks._stage_layers import StageLayers
 from moe_overlap.blocks._transformer import RMSNorm, rotary_tables
 from moe_overlap.blocks._wgrad import DelayedWgradModule, check_no_pending_wgrad
+from moe_overlap.engine._args import (
+    GROUP,
+    OPT_DEVICE,
+    TENSOR,
+    Instance,
+    Items,
+    Opt,
+    Real,
+    check_arg,
+)
 from moe_overlap.models._config import GPTMoEConfig
 from moe_overlap.models._layers import DenseLayer, GPTLayer, MoELayer
 
@@ -47,6 +57,13 @@ REFERENCE_INPUTS = ("position_ids", "attention_mask", "labels", "loss_mask", "pa
 """What the reference model (and its pipeline stages) read of a microbatch."""
 
 
+_CONFIG = Instance(GPTMoEConfig, "a GPTMoEConfig")
+_GROUP = Opt(GROUP)
+_LAYERS: Items[GPTLayer] = Items(
+    Instance[GPTLayer]((DenseLayer, MoELayer), "a DenseLayer or MoELayer")
+)
+
+
 class Decoder(nn.Module):
     """The layer stack as the schedule sees it (``layers``, ``input_tensor``, final norm).
 
@@ -56,6 +73,7 @@ class Decoder(nn.Module):
 
     def __init__(self, layers: list[GPTLayer], *, start: int = 0) -> None:
         super().__init__()
+        layers = list(check_arg("Decoder", "layers", layers, _LAYERS))
         self.layers = StageLayers(layers, start=start)
         self.input_tensor: Tensor | None = None
         self.final_layernorm: Callable[[Tensor], Tensor] | None = None
@@ -92,7 +110,11 @@ class GPTMoEModel(MegatronHooks, nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        dev = torch.device(device) if device is not None else None
+        w = "GPTMoEModel"
+        check_arg(w, "config", config, _CONFIG)
+        check_arg(w, "ep_group", ep_group, _GROUP)
+        check_arg(w, "count_group", count_group, _GROUP)
+        dev = check_arg(w, "device", device, OPT_DEVICE)
         c = config
         self.config = config
         self.dispatcher = TokenDispatcher(
@@ -164,6 +186,7 @@ class GPTMoEModel(MegatronHooks, nn.Module):
         Pass the ``loss_scale`` given to :func:`~moe_overlap.combined_1f1b` (or applied to
         the plain loss), so the auxiliary loss keeps its weight relative to it.
         """
+        scale = check_arg("GPTMoEModel.set_aux_loss_scale", "scale", scale, Real())
         for module in self.modules():
             if isinstance(module, TopKRouter):
                 module.aux_loss_scale = scale
@@ -277,6 +300,10 @@ def check_reference_inputs(model: object, state: ChunkState) -> None:
 
 def masked_cross_entropy(logits_BSV: Tensor, labels_BS: Tensor, loss_mask: Tensor | None) -> Tensor:
     """Mean token cross-entropy over ``loss_mask`` (all tokens when ``None``), in float32."""
+    w = "masked_cross_entropy"
+    check_arg(w, "logits_BSV", logits_BSV, TENSOR)
+    check_arg(w, "labels_BS", labels_BS, TENSOR)
+    check_arg(w, "loss_mask", loss_mask, Opt(TENSOR))
     losses_T = F.cross_entropy(
         logits_BSV.float().reshape(-1, logits_BSV.shape[-1]),
         labels_BS.reshape(-1),

@@ -48,6 +48,7 @@ from moe_overlap.blocks._slots import (
 )
 from moe_overlap.blocks._slots import single_input as _single
 from moe_overlap.blocks._transformer import RMSNorm, SelfAttention, SwiGLUMLP
+from moe_overlap.engine._args import NON_NEGATIVE, OPT_DEVICE, Instance, check_arg, refuse
 from moe_overlap.engine._options import Hook
 from moe_overlap.integrations.checkpoint import register_expert_shards
 from moe_overlap.models._config import GPTMoEConfig
@@ -77,6 +78,19 @@ def _masks(ctx: SlotContext, x_BSD: Tensor, where: str) -> tuple[Tensor, ...]:
     keys = blocked_keys(attention, padding, S, x_BSD.device)
     assert keys is not None
     return keys.blocked, keys.dead
+
+
+_CONFIG = Instance(GPTMoEConfig, "a GPTMoEConfig")
+_DISPATCHER = Instance(TokenDispatcher, "a TokenDispatcher")
+
+
+def _check_layer(
+    where: str, config: GPTMoEConfig, index: int, device: object
+) -> torch.device | None:
+    """A layer's common arguments; the device as a ``torch.device``."""
+    check_arg(where, "config", config, _CONFIG)
+    check_arg(where, "index", index, NON_NEGATIVE)
+    return check_arg(where, "device", device, OPT_DEVICE)
 
 
 def _norm(config: GPTMoEConfig, device: torch.device | None) -> RMSNorm:
@@ -151,6 +165,7 @@ class DenseLayer(DenseSlots, nn.Module):
 
     def __init__(self, config: GPTMoEConfig, index: int, device: torch.device | None) -> None:
         super().__init__()
+        device = _check_layer("DenseLayer", config, index, device)
         c = config
         self.config = config
         self.index = index
@@ -250,6 +265,19 @@ class MoELayer(MoESlots, nn.Module):
         device: torch.device | None,
     ) -> None:
         super().__init__()
+        device = _check_layer("MoELayer", config, index, device)
+        check_arg("MoELayer", "dispatcher", dispatcher, _DISPATCHER)
+        if (dispatcher.num_experts, dispatcher.topk) != (
+            config.num_experts,
+            config.moe_router_topk,
+        ):
+            raise refuse(
+                "MoELayer: dispatcher",
+                f"a TokenDispatcher of the config's num_experts={config.num_experts} and "
+                f"topk={config.moe_router_topk}",
+                dispatcher,
+                detail=f"num_experts={dispatcher.num_experts}, topk={dispatcher.topk}",
+            )
         c = config
         self.config = config
         self.index = index

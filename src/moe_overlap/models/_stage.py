@@ -9,6 +9,7 @@ from torch import Tensor, nn
 from moe_overlap import ChunkState, IntegrationError
 from moe_overlap.blocks._model import MegatronHooks, Rotary, StageRange
 from moe_overlap.blocks._wgrad import check_no_pending_wgrad
+from moe_overlap.engine._args import Instance, check_arg
 from moe_overlap.models._gpt import (
     REFERENCE_INPUTS,
     Decoder,
@@ -18,6 +19,9 @@ from moe_overlap.models._gpt import (
 )
 
 __all__ = ["GPTMoEStage"]
+
+
+_MODEL = Instance(GPTMoEModel, "a GPTMoEModel (the full model)", error=IntegrationError)
 
 
 class GPTMoEStage(StageRange, MegatronHooks, nn.Module):
@@ -40,6 +44,7 @@ class GPTMoEStage(StageRange, MegatronHooks, nn.Module):
 
     def __init__(self, model: GPTMoEModel, layers: range) -> None:
         super().__init__()
+        check_arg("GPTMoEStage", "model", model, _MODEL)
         self.set_range(layers, model.config.num_layers, "GPTMoEStage")
         self.config = model.config
         self.embedding = model.embedding if self.pre_process else None
