@@ -601,6 +601,98 @@ def layer_compiled_in_place(ctx: Ctx) -> None:
         del layer._compiled_call_impl
 
 
+# --- issue 24, part wgrad: gradients owed that nothing counts, PendingWgrad, owing names ------
+
+
+class _QueuedMatmul(torch.autograd.Function):
+    """``x @ w.T``; the weight gradient waits in ``owner.queue`` for ``backward_dw``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, owner: UncountedDelayedLinear) -> Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.owner = owner
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, None, None]:
+        (g,) = grads
+        x, w = ctx.saved_tensors
+        ctx.owner.queue.append((x, g))
+        return g @ w, None, None
+
+
+class UncountedDelayedLinear(torch.nn.Module):
+    """Delays its weight gradient to ``backward_dw`` and counts nothing (no pending_wgrad)."""
+
+    def __init__(self, weight: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+        self.queue: list[tuple[Tensor, Tensor]] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = _QueuedMatmul.apply(x, self.weight, self)  # type: ignore[no-untyped-call]
+        return out
+
+    def backward_dw(self) -> None:
+        for x, g in self.queue:
+            dw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+            self.weight.grad = dw if self.weight.grad is None else self.weight.grad + dw
+        self.queue.clear()
+
+
+class MethodCountLinear(DelayedLinear):
+    """A DelayedLinear whose count is a method, not the property PendingWgrad defines."""
+
+    def pending_wgrad(self) -> int:  # type: ignore[override]  # pyright: ignore[reportIncompatibleVariableOverride]
+        return len(self.pending)
+
+
+def unlisted_uncounted_delayed_module(ctx: Ctx) -> None:
+    ctx.model.set_delay(True)
+    layer = layer0(ctx)
+    attn = layer.attn
+    layer.attn = bad(UncountedDelayedLinear(attn.weight))  # delays, counts nothing ...
+    patch(layer, "pre_dispatch_wgrad", lambda: [])  # ... and its layer does not list it
+    try:
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        layer.attn = attn
+
+
+def unlisted_uncounted_delayed_module_outside_the_layers(ctx: Ctx) -> None:
+    ctx.model.set_delay(True)
+    output = ctx.model.output
+    ctx.model.output = bad(UncountedDelayedLinear(output.weight))  # the LM head delays
+    try:
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        ctx.model.output = output
+
+
+def pending_wgrad_is_a_method(ctx: Ctx) -> None:
+    attn = layer0(ctx).attn
+    attn.__class__ = MethodCountLinear
+    try:
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        attn.__class__ = DelayedLinear
+
+
+def owing_module_is_named_by_its_path(ctx: Ctx) -> None:
+    from moe_overlap.blocks import DelayedWgradLinear
+
+    layer = layer0(ctx)
+    attn = layer.attn
+    lin = DelayedWgradLinear(16, 16, delay_wgrad=True)  # label: its class name, by default
+    lin.weight = attn.weight
+    layer.attn = bad(lin)
+    try:
+        ctx.model(ctx.mbs[0]).backward()  # the plain backward leaves its wgrad pending
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        layer.attn = attn
+
+
 @dataclass(frozen=True)
 class Case:
     fn: Callable[[Ctx], None]
@@ -957,6 +1049,34 @@ CASES = [
         ScheduleError,
         r"slot dispatch, forward.*LayerState: cannot set 'route'",
         LayerStateAttributeError,
+    ),
+    Case(
+        unlisted_uncounted_delayed_module,
+        WgradError,
+        r"^ToyModel\.decoder\.layers\[0\] delays weight gradients \(its pre_dispatch_wgrad\(\) / "
+        r"mlp_wgrad\(\) list 1 modules\), but decoder\.layers\.0\.attn \(UncountedDelayedLinear\) "
+        r"has a backward_dw\(\).*trainable parameters \['weight'\] that no listed module holds.*"
+        r"no pending_wgrad.*its \.grad stays missing.*list it \(pre_dispatch_wgrad\(\): "
+        r"WgradScope\(CudaGraphModule\.attn, module\)",
+    ),
+    Case(
+        unlisted_uncounted_delayed_module_outside_the_layers,
+        WgradError,
+        r"^ToyModel: its layers delay weight gradients, but outside the layers output "
+        r"\(UncountedDelayedLinear\) has a backward_dw\(\).*list it in a layer's",
+    ),
+    Case(
+        pending_wgrad_is_a_method,
+        IntegrationError,
+        r"^decoder\.layers\.0\.attn \(MethodCountLinear\)\.pending_wgrad: expected an int >= 0 "
+        r"\(PendingWgrad: a read-only property.*received a method \(pending_wgrad is a "
+        r"method\).*@property def pending_wgrad\(self\) -> int",
+    ),
+    Case(
+        owing_module_is_named_by_its_path,
+        WgradError,
+        r"before the step \(left from an earlier one\), received modules still owing some: "
+        r"\{'decoder\.layers\.0\.attn \(DelayedWgradLinear\)': 1\}",
     ),
 ]
 

@@ -398,7 +398,9 @@ class ToyModel(nn.Module):
             h = layer(h, rot)
         return self._postprocess(h, mb.input_ids, mb.position_ids, mb.labels, rot, None, None)
 
+    @property
     def pending_wgrad(self) -> int:
+        """Weight gradients the model's delayed linears still owe (a PendingWgrad)."""
         return sum(len(m.pending) for m in self.modules() if isinstance(m, DelayedLinear))
 
 

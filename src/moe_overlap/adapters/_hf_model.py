@@ -629,9 +629,11 @@ class TransformersMoEAdapter(MegatronHooks):
         named = dict(self.model.named_parameters())
         return [named[n] for n in expert_parameter_names(self.model)]
 
+    @property
     def pending_wgrad(self) -> int:
-        """How many delayed weight gradients wait for ``backward_dw`` (0 after a schedule)."""
-        return sum(sum(layer.pending_wgrad().values()) for layer in self.decoder.layers)
+        """How many delayed weight gradients wait for ``backward_dw`` (0 after a schedule;
+        a :class:`~moe_overlap.PendingWgrad`)."""
+        return sum(layer.pending_wgrad for layer in self.decoder.layers)
 
     def discard_wgrad(self) -> None:
         """Drop every pending delayed weight gradient.
@@ -653,7 +655,11 @@ class TransformersMoEAdapter(MegatronHooks):
 
     def on_microbatch(self, decoder_input: Tensor) -> None:
         """Refuse pending weight gradients; open the aux-loss microbatch."""
-        pending = {k: n for layer in self.decoder.layers for k, n in layer.pending_wgrad().items()}
+        pending = {
+            k: n
+            for layer in self.decoder.layers
+            for k, n in layer.pending_wgrad_by_module().items()
+        }
         if pending:
             raise WgradError(
                 f"{type(self.model).__name__} adapter: expected no pending weight gradients "
