@@ -643,7 +643,7 @@ class UncountedDelayedLinear(torch.nn.Module):
 class MethodCountLinear(DelayedLinear):
     """A DelayedLinear whose count is a method, not the property PendingWgrad defines."""
 
-    def pending_wgrad(self) -> int:  # type: ignore[override]  # pyright: ignore[reportIncompatibleVariableOverride]
+    def pending_wgrad(self) -> int:  # type: ignore[override]  # pyright: ignore[reportIncompatibleMethodOverride]
         return len(self.pending)
 
 
@@ -662,7 +662,7 @@ def unlisted_uncounted_delayed_module(ctx: Ctx) -> None:
 def unlisted_uncounted_delayed_module_outside_the_layers(ctx: Ctx) -> None:
     ctx.model.set_delay(True)
     output = ctx.model.output
-    ctx.model.output = bad(UncountedDelayedLinear(output.weight))  # the LM head delays
+    ctx.model.output = bad(UncountedDelayedLinear(bad(output.weight)))  # the LM head delays
     try:
         combined_1f1b(ctx.model, ctx.mbs)
     finally:
@@ -1230,6 +1230,14 @@ DEBUG_CASES = {
         r"node 'moe_combine': its outputs depend on a tensor \(float32\[2, 8, 16\]\) that is not "
         r"a parameter, not one of its inputs and not handed on with node\.detach",
     ),
+    "debug_final_norm_applied_by_the_plain_forward_only": (
+        "final_norm_applied_by_the_plain_forward_only",
+        r"^ToyModel: debug mode's first-step check ran microbatch 0 through the schedule and "
+        r"through the model's own forward \(ToyModel\.forward\(microbatch\)\) and they "
+        r"disagree: first parameter decoder\.final_layernorm\.weight: no gradient through "
+        r"the schedule, one through the plain forward \(max abs [0-9.e-]+\)\. Something is "
+        r"applied in another place.*decoder\.final_layernorm on a non-empty decoder",
+    ),
 }
 """Debug-mode cases (``MOE_OVERLAP_DEBUG=1``, so in a fresh interpreter): id -> (misuse, message)."""
 
@@ -1272,6 +1280,16 @@ def residual_without_node_detach(ctx: Ctx) -> None:
     combined_1f1b(ctx.model, ctx.mbs)
 
 
+def final_norm_applied_by_the_plain_forward_only(ctx: Ctx) -> None:
+    # ToyModel.forward applies decoder.final_layernorm (as Megatron-Core's decoder does);
+    # the schedule applies it only for an empty decoder: silent without debug mode.
+    ctx.model.decoder.final_layernorm = torch.nn.RMSNorm(CONFIG.hidden)
+    try:
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        ctx.model.decoder.final_layernorm = None
+
+
 @pytest.mark.slow
 def test_debug_mode_catalogue() -> None:
     """In debug mode, free-input hazards are errors at the freeing slot's forward."""
@@ -1291,6 +1309,9 @@ def test_debug_mode_catalogue() -> None:
             except mo.ScheduleError as e:
                 assert isinstance(e.__cause__, mo.IntegrationError), (case_id, repr(e.__cause__))
                 assert re.search(pattern, str(e), re.DOTALL), (case_id, str(e))
+            except mo.IntegrationError as e:  # raised before the step (the first-step check)
+                assert re.search(pattern, str(e), re.DOTALL), (case_id, str(e))
+                assert all(p.grad is None for p in model.parameters()), case_id
             else:
                 raise AssertionError(case_id + ": no error")
             cat.undo_patches(model)

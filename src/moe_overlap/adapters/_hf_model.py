@@ -624,6 +624,28 @@ class TransformersMoEAdapter(MegatronHooks):
         """The model's parameters (what the optimizer takes)."""
         return self.model.parameters()
 
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The model's parameters with their names in the model."""
+        return self.model.named_parameters()
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+    ) -> Tensor:
+        """The plain path: the adapter's layers without a schedule (each one's
+        ``run_plain``, as the self-check compared it with the layer's own forward) between
+        the model's own embedding and head; the loss with ``labels``, else the logits.
+
+        Bit-identical to :func:`~moe_overlap.combined_1f1b` (the same operations); debug
+        mode's first-step check compares the two.
+        """
+        return self.plain_forward(
+            input_ids, position_ids, labels=labels, attention_mask=attention_mask
+        )
+
     def expert_parameters(self) -> list[nn.Parameter]:
         """The routed experts' weights: sharded under EP, so not averaged like the rest."""
         named = dict(self.model.named_parameters())

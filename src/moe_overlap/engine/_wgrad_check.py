@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import NoReturn, cast
@@ -280,7 +281,7 @@ def _uncovered(
     for path, module in wgrad:
         count = pending_count(module)
         if count == _BAD:
-            _bad_count(module, lambda m, at=path: f"{at} ({type(m).__name__})")
+            _bad_count(module, functools.partial(_at_path, path))
         if count is not None or any(q.startswith(path + ".") for q in paths):
             continue  # counted (checked after the step), or judged by its own parts
         loose = [(pn, p) for pn, p in module.named_parameters() if id(p) not in covered]
@@ -289,6 +290,10 @@ def _uncovered(
             return path, module, trainable
         frozen.extend(p for _, p in loose)
     return None
+
+
+def _at_path(path: str, module: object) -> str:
+    return f"{path} ({type(module).__name__})"
 
 
 class _LayerPath:
