@@ -10,7 +10,12 @@ import torch
 from torch import Tensor, nn
 
 from moe_overlap import Microbatch
-from moe_overlap.engine._plain_check import _first_difference, plain_call
+from moe_overlap.engine._plain_check import (
+    _first_difference,
+    _parameters,
+    _skip_reason,
+    plain_call,
+)
 from moe_overlap.models import GPTMoEModel
 from tests.models._helpers import SMALL
 from tests.toy_model import ToyConfig, ToyModel
@@ -102,3 +107,24 @@ def test_the_tolerance() -> None:
     assert found is not None and "first parameter b: no gradient through the schedule" in found
     found = _first_difference(loss, torch.tensor(2.5), g, g, names)
     assert found == "the loss: 2 through the schedule, 2.5 through forward"
+
+
+def test_what_the_check_cannot_compare_is_named() -> None:
+    model = ToyModel(ToyConfig(), "d")
+
+    def reason() -> str | None:
+        params = _parameters(model)
+        assert params is not None
+        return _skip_reason(model, params)
+
+    assert reason() is None
+    handle = model.embedding.weight.register_hook(lambda g: g)  # type: ignore[no-untyped-call]
+    assert reason() == "parameters with gradient hooks (they would run for the check's passes)"
+    handle.remove()
+    assert reason() is None
+    model.output.weight.main_grad = torch.zeros(1)  # type: ignore[attr-defined]  # pyright: ignore[reportAttributeAccessIssue]
+    found = reason()
+    assert found is not None and found.startswith("parameters with a main_grad")
+    del model.output.weight.main_grad  # type: ignore[attr-defined]  # pyright: ignore[reportAttributeAccessIssue]
+    model.post_process = False
+    assert reason() == "not a whole model (a pipeline stage)"

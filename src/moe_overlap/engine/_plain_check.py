@@ -29,6 +29,7 @@ from torch import Tensor, nn
 from ._conformance import check_wgrad_layers
 from ._errors import IntegrationError
 from ._protocols import SchedulableLayer
+from ._torch_wrappers import has_grad_hooks
 from ._wgrad import BackwardDWWrapper
 from ._wgrad_check import check_wgrad_done, declared_wgrad, owed_wgrad, pending_count
 
@@ -179,8 +180,11 @@ def _skip_reason(model: object, params: _Params) -> str | None:
     for _, root in _modules_of(model):
         if any(isinstance(m, FSDPModule) for m in root.modules()):
             return "FSDP2-sharded (its gradients are reduce-scattered across ranks)"
-    if any(getattr(p, "post_wgrad_grad_acc_hook", None) is not None for p in params.params):
-        return "parameters with a post_wgrad_grad_acc_hook (it may move .grad elsewhere)"
+    for p in params.params:
+        if getattr(p, "post_wgrad_grad_acc_hook", None) is not None or has_grad_hooks(p):
+            return "parameters with gradient hooks (they would run for the check's passes)"
+        if hasattr(p, "main_grad"):
+            return "parameters with a main_grad (Megatron-style accumulation outside .grad)"
     return None
 
 
@@ -232,8 +236,8 @@ def check_first_step(
     the first difference beyond :data:`GRAD_RTOL` / :data:`GRAD_ATOL` /
     :data:`LOSS_RTOL`; skips, marking the model as checked, a model without a usable plain
     forward (:func:`plain_call`), one that is not a whole model, FSDP2-sharded, whose
-    parameters carry a ``post_wgrad_grad_acc_hook``, or whose forward raises or returns
-    other than a scalar tensor requiring grad. Leaves ``.grad``, the RNG states and the
+    parameters carry gradient hooks or a ``main_grad``, or whose forward raises or returns
+    other than a scalar tensor requiring grad (:func:`first_step_outcome` says which). Leaves ``.grad``, the RNG states and the
     buffers as it found them, and no delayed weight gradient pending.
     """
     if first_step_outcome(model) is not None:
