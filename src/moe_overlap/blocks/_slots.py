@@ -106,7 +106,7 @@ class DenseSlots:
     is_moe = False
     num_local_experts: int | None = None
 
-    def run_plain(self, x: Tensor, chunk_state: ChunkState) -> Tensor:
+    def run_plain(self, x: Tensor, chunk_state: ChunkState, /) -> Tensor:
         """The layer without a schedule: ``slot_mlp(ctx, slot_pre_dispatch(ctx, (x,)))``.
 
         Raises :class:`~moe_overlap.IntegrationError` naming the layer when it lacks one of
