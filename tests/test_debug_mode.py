@@ -90,3 +90,159 @@ def test_debug_mode_step_is_still_exact() -> None:
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+# --- issue 24, part wgrad: the first-step comparison with the plain forward ------------------
+
+
+@pytest.mark.slow
+def test_first_step_check_raises_no_false_alarm_and_leaves_no_trace() -> None:
+    """The toy model, the reference model and a transformers model through the adapter, with
+    delayed wgrad on and off: compared on their first step, no alarm, the step exact (also
+    over gradients accumulated before it); buffers and the RNG state as without the check."""
+    out = run(
+        """
+        import copy, dataclasses, torch
+        import moe_overlap as mo
+        from moe_overlap.engine._plain_check import first_step_outcome
+        from tests.toy_model import ToyConfig, ToyModel, grads, make_microbatches, plain_step
+        from tests.test_parity import assert_same
+
+        # The toy model (forward takes the Microbatch), delayed wgrad, MTP and shared expert.
+        for kinds, delay, fill in [("dm", False, False), ("dmt", True, True)]:
+            config = ToyConfig(shared_expert=True)
+            ref = ToyModel(config, kinds)
+            model = copy.deepcopy(ref)
+            model.set_delay(delay)
+            before, mbs = make_microbatches(2, config, seed=7), make_microbatches(3, config)
+            plain_step(ref, before)  # gradients accumulated before the first step ...
+            plain_step(model, before) if not delay else None
+            if delay:  # ... which a delayed plain backward leaves pending: compute them
+                for mb in before:
+                    model(mb).backward()
+                    for layer in model.decoder.layers:
+                        for part in layer.pre_dispatch_wgrad():
+                            part.module.backward_dw()
+                        for part in layer.mlp_wgrad():
+                            part.backward_dw()
+            plain_step(ref, mbs)
+            rng = torch.get_rng_state()
+            mo.combined_1f1b(model, mbs, fill_drain=fill)
+            assert torch.equal(torch.get_rng_state(), rng), "the check moved the RNG"
+            assert first_step_outcome(model) == "compared", first_step_outcome(model)
+            assert_same(grads(model), grads(ref))
+
+        # A model whose preprocess draws random numbers and counts microbatches in a buffer.
+        class Noisy(ToyModel):
+            def __init__(self):
+                super().__init__(ToyConfig(), "dm")
+                self.register_buffer("seen", torch.zeros(()))
+
+            def _preprocess(self, input_ids, position_ids, **kwargs):
+                out = super()._preprocess(input_ids, position_ids, **kwargs)
+                self.seen += 1
+                noisy = out.decoder_input + 0.1 * torch.randn_like(out.decoder_input)
+                return out._replace(decoder_input=noisy)
+
+        torch.manual_seed(11)
+        ref = Noisy()
+        model = copy.deepcopy(ref)
+        mbs = make_microbatches(3, ToyConfig())
+        torch.manual_seed(5)
+        plain_step(ref, mbs)
+        torch.manual_seed(5)
+        mo.combined_1f1b(model, mbs)
+        assert first_step_outcome(model) == "compared"
+        assert_same(grads(model), grads(ref))
+        assert float(model.seen) == float(ref.seen) == 3, (float(model.seen), float(ref.seen))
+
+        # The reference model, delayed wgrad on and off, padded microbatches.
+        from moe_overlap.models import GPTMoEModel
+        from tests.models._helpers import SMALL, microbatches
+        for delay in (False, True):
+            config = dataclasses.replace(SMALL, delay_wgrad_compute=delay, moe_aux_loss_coeff=0.01)
+            model = GPTMoEModel(config)
+            ref = GPTMoEModel(dataclasses.replace(config, delay_wgrad_compute=False))
+            ref.load_state_dict(model.state_dict())
+            data = microbatches(3, vocab=SMALL.vocab_size, padded=True)
+            for mb in data:
+                ref(mb.input_ids, mb.position_ids, mb.labels, mb.loss_mask,
+                    attention_mask=mb.attention_mask, padding_mask=mb.padding_mask).backward()
+            mo.combined_1f1b(model, data, options=model.schedule_options())
+            assert first_step_outcome(model) == "compared", first_step_outcome(model)
+            for (n, p), q in zip(model.named_parameters(), ref.parameters()):
+                assert torch.equal(p.grad, q.grad), n
+
+        # A transformers model through the adapter (its forward: the adapter's plain path).
+        from moe_overlap.adapters.transformers import TransformersMoEAdapter
+        from tests.adapters._hf import qwen2_moe, microbatches as hf_microbatches
+        for delay in (False, True):
+            hf = qwen2_moe(aux=True)
+            hf_ref = copy.deepcopy(hf)
+            adapter = TransformersMoEAdapter(hf, delay_wgrad_compute=delay)
+            reference = TransformersMoEAdapter(hf_ref, delay_wgrad_compute=delay)
+            data = hf_microbatches(3, padded=True)
+            for mb in data:  # its plain path, delayed weight gradients computed after each
+                reference.forward(mb.input_ids, attention_mask=mb.attention_mask,
+                                  labels=mb.labels).backward()
+                for layer in reference.decoder.layers:
+                    for part in layer.pre_dispatch_wgrad():
+                        part.module.backward_dw()
+                    for part in layer.mlp_wgrad():
+                        part.backward_dw()
+            mo.combined_1f1b(adapter, data, options=adapter.schedule_options())
+            assert first_step_outcome(adapter) == "compared", first_step_outcome(adapter)
+            for (n, p), q in zip(hf.named_parameters(), hf_ref.parameters()):
+                assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), n
+        print("ok")
+        """,
+        debug=True,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip() == "ok"
+
+
+@pytest.mark.slow
+def test_first_step_check_skips_what_it_cannot_compare() -> None:
+    """No plain forward that takes the microbatch, or not a whole model: skipped, the step
+    runs as without debug mode."""
+    out = run(
+        """
+        import copy, torch
+        import moe_overlap as mo
+        from moe_overlap.engine._plain_check import first_step_outcome
+        from tests.toy_model import ToyConfig, ToyModel, grads, make_microbatches, plain_step
+        from tests.test_parity import assert_same
+
+        class LogitsOnly(ToyModel):  # a forward that takes no labels
+            def forward(self, input_ids):
+                return self._postprocess(self.embedding(input_ids), None, None, None,
+                                         None, None, None)
+
+        model = LogitsOnly(ToyConfig(), "dm")
+        ref = copy.deepcopy(model)
+        mbs = make_microbatches(2, ToyConfig())
+        mo.combined_1f1b(model, mbs)
+        outcome = first_step_outcome(model)
+        assert outcome.startswith("skipped: no forward that takes"), outcome
+        for mb in mbs:  # the reference: the toy's own plain path
+            ToyModel.forward(ref, mb).backward()
+        assert_same(grads(model), grads(ref))
+
+        class Logits(ToyModel):  # takes the fields, returns the logits
+            def forward(self, input_ids, position_ids, labels):
+                return super()._postprocess(self.embedding(input_ids), None, None, None,
+                                            None, None, None)
+
+        model = Logits(ToyConfig(), "dm")
+        mo.combined_1f1b(model, mbs)
+        outcome = first_step_outcome(model)
+        assert outcome.startswith("skipped: Logits.forward(input_ids=..., position_ids=..., "
+                                  "labels=...) returned other than a scalar loss"), outcome
+        assert all(p.grad is not None for p in model.parameters())
+        print("ok")
+        """,
+        debug=True,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip() == "ok"

@@ -675,6 +675,96 @@ def fully_shard_slots_applied_twice(ctx: Ctx) -> None:
 
 def make_streams_flag_not_a_bool(ctx: Ctx) -> None:
     make_streams("cpu", high_priority_comm=bad("yes"))
+# --- issue 24, part wgrad: gradients owed that nothing counts, PendingWgrad, owing names ------
+
+
+class _QueuedMatmul(torch.autograd.Function):
+    """``x @ w.T``; the weight gradient waits in ``owner.queue`` for ``backward_dw``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, w: Tensor, owner: UncountedDelayedLinear) -> Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.owner = owner
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, None, None]:
+        (g,) = grads
+        x, w = ctx.saved_tensors
+        ctx.owner.queue.append((x, g))
+        return g @ w, None, None
+
+
+class UncountedDelayedLinear(torch.nn.Module):
+    """Delays its weight gradient to ``backward_dw`` and counts nothing (no pending_wgrad)."""
+
+    def __init__(self, weight: torch.nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+        self.queue: list[tuple[Tensor, Tensor]] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        out: Tensor = _QueuedMatmul.apply(x, self.weight, self)  # type: ignore[no-untyped-call]
+        return out
+
+    def backward_dw(self) -> None:
+        for x, g in self.queue:
+            dw = g.reshape(-1, g.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+            self.weight.grad = dw if self.weight.grad is None else self.weight.grad + dw
+        self.queue.clear()
+
+
+class MethodCountLinear(DelayedLinear):
+    """A DelayedLinear whose count is a method, not the property PendingWgrad defines."""
+
+    def pending_wgrad(self) -> int:  # type: ignore[override]  # pyright: ignore[reportIncompatibleMethodOverride]
+        return len(self.pending)
+
+
+def unlisted_uncounted_delayed_module(ctx: Ctx) -> None:
+    ctx.model.set_delay(True)
+    layer = layer0(ctx)
+    attn = layer.attn
+    layer.attn = bad(UncountedDelayedLinear(attn.weight))  # delays, counts nothing ...
+    patch(layer, "pre_dispatch_wgrad", lambda: [])  # ... and its layer does not list it
+    try:
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        layer.attn = attn
+
+
+def unlisted_uncounted_delayed_module_outside_the_layers(ctx: Ctx) -> None:
+    ctx.model.set_delay(True)
+    output = ctx.model.output
+    ctx.model.output = bad(UncountedDelayedLinear(bad(output.weight)))  # the LM head delays
+    try:
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        ctx.model.output = output
+
+
+def pending_wgrad_is_a_method(ctx: Ctx) -> None:
+    attn = layer0(ctx).attn
+    attn.__class__ = MethodCountLinear
+    try:
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        attn.__class__ = DelayedLinear
+
+
+def owing_module_is_named_by_its_path(ctx: Ctx) -> None:
+    from moe_overlap.blocks import DelayedWgradLinear
+
+    layer = layer0(ctx)
+    attn = layer.attn
+    lin = DelayedWgradLinear(16, 16, delay_wgrad=True)  # label: its class name, by default
+    lin.weight = attn.weight
+    layer.attn = bad(lin)
+    try:
+        ctx.model(ctx.mbs[0]).backward()  # the plain backward leaves its wgrad pending
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        layer.attn = attn
 
 
 @dataclass(frozen=True)
@@ -1096,6 +1186,33 @@ CASES = [
         make_streams_flag_not_a_bool,
         ConfigError,
         r"make_streams: high_priority_comm must be a bool, received str 'yes'",
+    Case(
+        unlisted_uncounted_delayed_module,
+        WgradError,
+        r"^ToyModel\.decoder\.layers\[0\] delays weight gradients \(its pre_dispatch_wgrad\(\) / "
+        r"mlp_wgrad\(\) list 1 modules\), but decoder\.layers\.0\.attn \(UncountedDelayedLinear\) "
+        r"has a backward_dw\(\).*trainable parameters \['weight'\] that no listed module holds.*"
+        r"no pending_wgrad.*its \.grad stays missing.*list it \(pre_dispatch_wgrad\(\): "
+        r"WgradScope\(CudaGraphModule\.attn, module\)",
+    ),
+    Case(
+        unlisted_uncounted_delayed_module_outside_the_layers,
+        WgradError,
+        r"^ToyModel: its layers delay weight gradients, but outside the layers output "
+        r"\(UncountedDelayedLinear\) has a backward_dw\(\).*list it in a layer's",
+    ),
+    Case(
+        pending_wgrad_is_a_method,
+        IntegrationError,
+        r"^decoder\.layers\.0\.attn \(MethodCountLinear\)\.pending_wgrad: expected an int >= 0 "
+        r"\(PendingWgrad: a read-only property.*received a method \(pending_wgrad is a "
+        r"method\).*@property def pending_wgrad\(self\) -> int",
+    ),
+    Case(
+        owing_module_is_named_by_its_path,
+        WgradError,
+        r"before the step \(left from an earlier one\), received modules still owing some: "
+        r"\{'decoder\.layers\.0\.attn \(DelayedWgradLinear\)': 1\}",
     ),
 ]
 
@@ -1249,6 +1366,14 @@ DEBUG_CASES = {
         r"node 'moe_combine': its outputs depend on a tensor \(float32\[2, 8, 16\]\) that is not "
         r"a parameter, not one of its inputs and not handed on with node\.detach",
     ),
+    "debug_final_norm_applied_by_the_plain_forward_only": (
+        "final_norm_applied_by_the_plain_forward_only",
+        r"^ToyModel: debug mode's first-step check ran microbatch 0 through the schedule and "
+        r"through the model's own forward \(ToyModel\.forward\(microbatch\)\) and they "
+        r"disagree: first parameter decoder\.final_layernorm\.weight: no gradient through "
+        r"the schedule, one through the plain forward \(max abs [0-9.e-]+\)\. Something is "
+        r"applied in another place.*decoder\.final_layernorm on a non-empty decoder",
+    ),
 }
 """Debug-mode cases (``MOE_OVERLAP_DEBUG=1``, so in a fresh interpreter): id -> (misuse, message)."""
 
@@ -1291,6 +1416,16 @@ def residual_without_node_detach(ctx: Ctx) -> None:
     combined_1f1b(ctx.model, ctx.mbs)
 
 
+def final_norm_applied_by_the_plain_forward_only(ctx: Ctx) -> None:
+    # ToyModel.forward applies decoder.final_layernorm (as Megatron-Core's decoder does);
+    # the schedule applies it only for an empty decoder: silent without debug mode.
+    ctx.model.decoder.final_layernorm = torch.nn.RMSNorm(CONFIG.hidden)
+    try:
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        ctx.model.decoder.final_layernorm = None
+
+
 @pytest.mark.slow
 def test_debug_mode_catalogue() -> None:
     """In debug mode, free-input hazards are errors at the freeing slot's forward."""
@@ -1310,6 +1445,9 @@ def test_debug_mode_catalogue() -> None:
             except mo.ScheduleError as e:
                 assert isinstance(e.__cause__, mo.IntegrationError), (case_id, repr(e.__cause__))
                 assert re.search(pattern, str(e), re.DOTALL), (case_id, str(e))
+            except mo.IntegrationError as e:  # raised before the step (the first-step check)
+                assert re.search(pattern, str(e), re.DOTALL), (case_id, str(e))
+                assert all(p.grad is None for p in model.parameters()), case_id
             else:
                 raise AssertionError(case_id + ": no error")
             cat.undo_patches(model)

@@ -396,9 +396,14 @@ class ToyModel(nn.Module):
         for layer in self.decoder.layers:
             assert isinstance(layer, ToyLayer)
             h = layer(h, rot)
+        norm = self.decoder.final_layernorm  # where Megatron-Core's decoder applies it
+        if norm is not None:
+            h = norm(h)
         return self._postprocess(h, mb.input_ids, mb.position_ids, mb.labels, rot, None, None)
 
+    @property
     def pending_wgrad(self) -> int:
+        """Weight gradients the model's delayed linears still owe (a PendingWgrad)."""
         return sum(len(m.pending) for m in self.modules() if isinstance(m, DelayedLinear))
 
 

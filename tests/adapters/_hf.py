@@ -197,7 +197,7 @@ def compare(
         grad_rel_diff=rel[worst],
         worst_grad=worst,
         bit_identical=bit,
-        pending_after=plain.pending_wgrad() + over.pending_wgrad(),
+        pending_after=plain.pending_wgrad + over.pending_wgrad,
         loss_atol=loss_atol,
         grad_rtol=grad_rtol,
     )

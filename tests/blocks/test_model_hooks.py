@@ -8,8 +8,15 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from moe_overlap import ConfigError, IntegrationError, Microbatch, combined_1f1b
-from moe_overlap.blocks import MegatronHooks, Rotary
+from moe_overlap import (
+    ConfigError,
+    IntegrationError,
+    Microbatch,
+    WgradLayer,
+    WgradScope,
+    combined_1f1b,
+)
+from moe_overlap.blocks import DenseSlots, MegatronHooks, Rotary, SlotContext
 from tests.test_parity import assert_same
 from tests.toy_model import ToyConfig, ToyDecoder, ToyLayer, grads, make_microbatches, rms_norm
 
@@ -104,3 +111,81 @@ def test_undefined_embed_and_output_name_the_method() -> None:
         IntegrationError, match=r"Bare\.output: expected the model to define output"
     ):
         Bare()._postprocess(torch.zeros(1), None, None, None, None, None, None)
+
+
+# --- issue 24, part wgrad: DenseSlots' plain path ---------------------------------------------
+
+
+class _DenseToy(DenseSlots, nn.Module):
+    """A dense layer on DenseSlots: its two slots, nothing else."""
+
+    config = CONFIG
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(CONFIG.hidden, CONFIG.hidden, bias=False)
+
+    def slot_pre_dispatch(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
+        (x,) = inputs
+        return x + torch.tanh(self.proj(rms_norm(x)))
+
+    def slot_mlp(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> tuple[Tensor, ...]:
+        (h,) = inputs
+        return (h * 2.0,)  # a 1-tuple: the layer's output
+
+    def pre_dispatch_wgrad(self) -> list[WgradScope]:
+        return []
+
+    def mlp_wgrad(self) -> list[WgradLayer]:
+        return []
+
+
+class _PlainHooked(HookedModel):
+    def __init__(self, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.decoder.layers = nn.ModuleList(layers)
+
+    def forward(self, mb: Microbatch) -> Tensor:
+        assert mb.input_ids is not None
+        return self.plain_forward(mb.input_ids, mb.position_ids, labels=mb.labels)
+
+
+def test_dense_slots_run_plain_is_the_schedules_two_slots() -> None:
+    """plain_forward over DenseSlots layers equals the schedule bit for bit."""
+    model = _PlainHooked([_DenseToy(), _DenseToy()])
+    ref = copy.deepcopy(model)
+    mbs = make_microbatches(3, CONFIG, seed=3)
+    for mb in mbs:
+        ref(mb).backward()
+    combined_1f1b(model, mbs)
+    assert_same(grads(model), grads(ref))
+
+
+def test_a_layer_without_run_plain_is_named() -> None:
+    """A layer without a plain path, or DenseSlots without its slots: the library's error."""
+    mb = make_microbatches(1, CONFIG)[0]
+    toy = _PlainHooked([ToyLayer(CONFIG, moe=False)])  # slots, but no run_plain
+    with pytest.raises(
+        IntegrationError,
+        match=r"_PlainHooked\.plain_forward: decoder\.layers\[0\] \(ToyLayer\): expected a "
+        r"run_plain\(x, chunk_state\) method .* mix in blocks\.MoESlots or blocks\.DenseSlots",
+    ):
+        toy(mb)
+
+    class NoMlp(DenseSlots, nn.Module):
+        def slot_pre_dispatch(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
+            return inputs[0]
+
+    with pytest.raises(
+        IntegrationError,
+        match=r"NoMlp\.run_plain: DenseSlots runs the layer's slot_pre_dispatch then its "
+        r"slot_mlp .*without \['slot_mlp'\]",
+    ):
+        _PlainHooked([NoMlp()])(mb)
+
+    class TwoOutputs(_DenseToy):
+        def slot_mlp(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> tuple[Tensor, ...]:
+            return inputs[0], inputs[0]
+
+    with pytest.raises(IntegrationError, match=r"TwoOutputs\.run_plain: .*received a tuple of 2"):
+        _PlainHooked([TwoOutputs()])(mb)

@@ -238,6 +238,10 @@ def main() -> None:
     steps = 2
 
     torch.use_deterministic_algorithms(True)
+    if case.get("eval"):
+        evaluate(case, ep_group, pp_rank, pp_group)
+        dist.barrier()
+        return
     base_built = build(case, ep_group, delay=False)
     base_schedule, base_stages = make_schedule(case, base_built, pp_rank, pp_group)
     base = run(case, base_built.model, base_schedule, pp_rank, steps)
@@ -330,6 +334,93 @@ def fail_once(case: dict[str, Any], model: GPTMoEModel, schedule: Any, pp_rank: 
         del layer.pre_dispatch
     model.zero_grad(set_to_none=True)
     return message
+
+
+def make_eval_schedule(
+    case: dict[str, Any], built: Built, pp_rank: int, pp_group: dist.ProcessGroup, *, loss: bool
+) -> Any:
+    """The case's schedule with the loss function, or without one (forward only)."""
+    bounds, n = case["stages"], 2 * case["pp"]
+    stages = [
+        PipelineStage(
+            built.stage(range(bounds[i], bounds[i + 1])), i, n, device(case), group=pp_group
+        )
+        for i in stage_indices(case, pp_rank)
+    ]
+    cls = SCHEDULES[case["schedule"]]
+    return cls(stages, n_microbatches=case["microbatches"], loss_fn=loss_fn if loss else None)
+
+
+def evaluate(
+    case: dict[str, Any], ep_group: dist.ProcessGroup | None, pp_rank: int, pp_group: Any
+) -> None:
+    """``schedule.eval()`` and a schedule without ``loss_fn``, prepared: the plain model's
+    outputs and losses (torch's own where torch runs it), no gradient, no pending wgrad;
+    then a training step of the same schedule exact against torch's own."""
+    n = case["microbatches"]
+    x, y = batch(case, 0)
+    args = (x,) if pp_rank == 0 else ()
+    last = 2 * case["pp"] - 1 in stage_indices(case, pp_rank)
+    plain = build(case, ep_group, delay=False)
+    with torch.no_grad():
+        logits = [plain.logits(xs, None) for xs in x.chunk(n)]
+        want_losses = [loss_fn(lg, ys) for lg, ys in zip(logits, y.chunk(n), strict=True)]
+    want_out = torch.cat(logits)
+    row: dict[str, Any] = {"rank": dist.get_rank()}
+
+    built = build(case, ep_group, delay=case["delay"])
+    schedule = make_eval_schedule(case, built, pp_rank, pp_group, loss=True)
+    prepare_schedule(schedule, pair=case["schedule"] != "dualpipev")
+    losses: list[Tensor] = []
+    out = schedule.eval(*args, target=y, losses=losses)
+    row["eval_losses"] = (not last) or all(
+        torch.equal(a, b) for a, b in zip(losses, want_losses, strict=True)
+    )
+    row["eval_output"] = (not last) or torch.equal(out, want_out)
+    row["eval_no_grads"] = all(p.grad is None for p in built.model.parameters())
+    if not torch.__version__.startswith("2.13"):  # the eval -> train switch: 2.13's
+        row["step_after_eval"] = True  # (not checked on another torch)
+        _forward_only(case, ep_group, pp_rank, pp_group, args, last, want_out, row)
+        print(json.dumps(row), flush=True)
+        return
+    # The same schedule trains next: exact against torch's own step of a fresh model.
+    schedule.step(*args, target=y, losses=[])
+    base = build(case, ep_group, delay=False)
+    base_schedule = make_eval_schedule(case, base, pp_rank, pp_group, loss=True)
+    base_schedule.step(*args, target=y, losses=[])
+    mine = [p for p in built.model.parameters() if p.grad is not None]
+    theirs = [p for p in base.model.parameters() if p.grad is not None]
+    row["step_after_eval"] = len(mine) == len(theirs) > 0 and all(
+        torch.equal(a.grad, b.grad)
+        for a, b in zip(mine, theirs, strict=True)
+        if a.grad is not None and b.grad is not None
+    )
+
+    _forward_only(case, ep_group, pp_rank, pp_group, args, last, want_out, row)
+    print(json.dumps(row), flush=True)
+
+
+def _forward_only(
+    case: dict[str, Any],
+    ep_group: dist.ProcessGroup | None,
+    pp_rank: int,
+    pp_group: Any,
+    args: tuple[Tensor, ...],
+    last: bool,
+    want_out: Tensor,
+    row: dict[str, Any],
+) -> None:
+    """A prepared schedule built without ``loss_fn``: two steps (autograd on, then off)."""
+    forward_only = build(case, ep_group, delay=case["delay"])
+    schedule = make_eval_schedule(case, forward_only, pp_rank, pp_group, loss=False)
+    prepare_schedule(schedule, pair=case["schedule"] != "dualpipev")
+    outs = [schedule.step(*args)]
+    with torch.no_grad():
+        outs.append(schedule.step(*args))
+    row["no_loss_fn_output"] = (not last) or all(
+        isinstance(o, Tensor) and torch.equal(o.detach(), want_out) for o in outs
+    )
+    row["no_loss_fn_no_grads"] = all(p.grad is None for p in forward_only.model.parameters())
 
 
 if __name__ == "__main__":

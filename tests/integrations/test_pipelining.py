@@ -133,3 +133,38 @@ def test_failure_names_the_pipeline_position_and_the_next_step_is_exact() -> Non
     assert "OVERLAP_F_B" in failure and "slot pre_dispatch" in failure
     assert "injected failure" in failure
     assert row["got"] == row["base"] and row["identical"] and row["close_to_plain"]
+
+
+# --- issue 24, part wgrad: forward-only runs of a prepared schedule -----------------------------
+
+EVAL_CASES: dict[str, dict[str, Any]] = {
+    # I/W actions (zero bubble); torch's own eval runs it too.
+    "eval-interleaved-zero-bubble-pp2-delay": dict(
+        pp=2, ep=1, schedule="interleaved-zero-bubble", microbatches=4, delay=True
+    ),
+    "eval-interleaved-pp2": dict(pp=2, ep=1, schedule="interleaved", microbatches=4, delay=False),
+    # V-shaped, I/W actions: torch's own eval fails in the V hand-off of a backward (its
+    # get_local_bwd_output asserts the stage has a backward); the prepared one runs.
+    "eval-dualpipev-pp2-delay": dict(pp=2, ep=1, schedule="dualpipev", microbatches=4, delay=True),
+}
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(n, marks=V_ON_GLOO)
+        if "dualpipev" in n
+        else pytest.param(n, marks=ZB_ON_211)  # its step after eval compares with torch's
+        if "zero-bubble" in n
+        else n
+        for n in sorted(EVAL_CASES)
+    ],
+)
+def test_eval_and_a_schedule_without_loss_fn_run_forward_only(name: str) -> None:
+    """schedule.eval() and a schedule built with loss_fn=None, prepared: the plain model's
+    outputs and losses, no gradient touched; the same schedule then trains exactly."""
+    rows = _run({**EVAL_CASES[name], "eval": True})
+    assert len(rows) == EVAL_CASES[name]["pp"]
+    for row in rows:
+        failed = [k for k, v in row.items() if k != "rank" and v is not True]
+        assert not failed, f"rank {row['rank']}: {failed}"

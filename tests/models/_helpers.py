@@ -12,6 +12,7 @@ from torch.utils.hooks import RemovableHandle
 
 from moe_overlap import Microbatch, combined_1f1b
 from moe_overlap.blocks import check_no_pending_wgrad
+from moe_overlap.engine._plain_check import first_step_outcome
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel, MoELayer
 
 SMALL = GPTMoEConfig(
@@ -78,6 +79,8 @@ class Parity:
     mismatched: tuple[str, ...]
     missing: tuple[str, ...]
     tokens_per_expert: tuple[int, ...]
+    first_step_check: str | None = None
+    """What debug mode's first-step check did (``None`` without debug mode)."""
 
     @property
     def ok(self) -> bool:
@@ -150,6 +153,7 @@ def check_parity(
         mismatched=tuple(mismatched),
         missing=tuple(missing),
         tokens_per_expert=routed.counts,
+        first_step_check=first_step_outcome(scheduled),
     )
 
 

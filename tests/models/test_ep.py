@@ -59,3 +59,23 @@ def test_count_group_must_match_the_ep_group(ep2_results: list[dict[str, object]
     assert len(rows) == 2
     for r in rows:
         assert "count_group" in str(r["message"]) and "size 1" in str(r["message"])
+
+
+@pytest.mark.slow
+def test_ep2_debug_first_step_check_compares_on_every_rank(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Debug mode at EP=2: every rank runs the first-step check (the same all-to-alls, in
+    the same order), finds no difference, and the step stays bit-identical."""
+    monkeypatch.setenv("MOE_OVERLAP_DEBUG", "1")
+    monkeypatch.setenv("EP_CASES", "shared_delay,padded_aux_delay")
+    rows = run_ranks("tests.models.ep_worker", timeout=600)
+    assert sorted((str(r["case"]), int(str(r["rank"]))) for r in rows) == [
+        ("padded_aux_delay", 0),
+        ("padded_aux_delay", 1),
+        ("shared_delay", 0),
+        ("shared_delay", 1),
+    ]
+    for r in rows:
+        assert r["first_step_check"] == "compared", r
+        assert r["losses_equal"] and r["mismatched"] == [] and r["missing"] == [], r

@@ -37,6 +37,7 @@ __all__ = [
     "ExpertLayout",
     "ExpertWeights",
     "WgradGroup",
+    "common_label",
     "delay_linears",
     "delay_linears_in",
 ]
@@ -125,6 +126,11 @@ class WgradGroup:
         self.modules = tuple(modules)
 
     @property
+    def label(self) -> str:
+        """The modules' common place in the model (their labels' common prefix)."""
+        return common_label(self.modules)
+
+    @property
     def pending_wgrad(self) -> int:
         """Weight gradients the group still owes (a :class:`~moe_overlap.PendingWgrad`)."""
         return sum(m.pending_wgrad for m in self.modules)
@@ -137,6 +143,21 @@ class WgradGroup:
     def parameters(self) -> Iterator[nn.Parameter]:
         for module in self.modules:
             yield from module.parameters()
+
+
+def common_label(modules: Sequence[DelayedWgradModule]) -> str:
+    """The longest dotted prefix of the modules' labels (the one label for one module)."""
+    labels = [m.label.split(".") for m in modules]
+    if not labels:
+        return ""
+    if len(labels) == 1:
+        return ".".join(labels[0])
+    common: list[str] = []
+    for parts in zip(*labels, strict=False):
+        if any(p != parts[0] for p in parts):
+            break
+        common.append(parts[0])
+    return ".".join(common)
 
 
 def _grouped(
@@ -256,6 +277,11 @@ class ExpertWeights:
             norm = cast("Callable[[Tensor], Tensor]", getattr(experts, "post_expert_norm"))  # noqa: B009
             out = norm(out)
         return out
+
+    @property
+    def label(self) -> str:
+        """The experts module's place in the model (for error messages)."""
+        return common_label(self.modules())
 
     @property
     def pending_wgrad(self) -> int:

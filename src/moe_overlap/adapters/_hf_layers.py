@@ -106,9 +106,20 @@ class _LayerBase:
         """Every delayable module of the layer (what ``pending_wgrad`` counts)."""
         raise NotImplementedError
 
-    def pending_wgrad(self) -> dict[str, int]:
-        """``{label: count}`` of the delayed modules with weight gradients pending."""
-        return {m.label: m.pending_wgrad for m in self.delayed_modules() if m.pending_wgrad}
+    @property
+    def pending_wgrad(self) -> int:
+        """Weight gradients the layer's delayed modules still owe (a
+        :class:`~moe_overlap.PendingWgrad`)."""
+        return sum(m.pending_wgrad for m in self.delayed_modules())
+
+    def pending_wgrad_by_module(self) -> dict[str, int]:
+        """``{"path (Class)": count}`` of the delayed modules with weight gradients pending
+        (the path is the module's place in the transformers model)."""
+        return {
+            f"{m.label} ({type(m).__name__})": m.pending_wgrad
+            for m in self.delayed_modules()
+            if m.pending_wgrad
+        }
 
     def discard_wgrad(self) -> None:
         """Drop the pending weight gradients of every delayed module (after a failed step)."""

@@ -915,14 +915,38 @@ class TransformersMoEAdapter(MegatronHooks):
         """The model's parameters (what the optimizer takes)."""
         return self.model.parameters()
 
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The model's parameters with their names in the model."""
+        return self.model.named_parameters()
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        labels: Tensor | None = None,
+    ) -> Tensor:
+        """The plain path: the adapter's layers without a schedule (each one's
+        ``run_plain``, as the self-check compared it with the layer's own forward) between
+        the model's own embedding and head; the loss with ``labels``, else the logits.
+
+        Bit-identical to :func:`~moe_overlap.combined_1f1b` (the same operations); debug
+        mode's first-step check compares the two.
+        """
+        return self.plain_forward(
+            input_ids, position_ids, labels=labels, attention_mask=attention_mask
+        )
+
     def expert_parameters(self) -> list[nn.Parameter]:
         """The routed experts' weights: sharded under EP, so not averaged like the rest."""
         named = dict(self.model.named_parameters())
         return [named[n] for n in expert_parameter_names(self.model)]
 
+    @property
     def pending_wgrad(self) -> int:
-        """How many delayed weight gradients wait for ``backward_dw`` (0 after a schedule)."""
-        return sum(sum(layer.pending_wgrad().values()) for layer in self.decoder.layers)
+        """How many delayed weight gradients wait for ``backward_dw`` (0 after a schedule;
+        a :class:`~moe_overlap.PendingWgrad`)."""
+        return sum(layer.pending_wgrad for layer in self.decoder.layers)
 
     def discard_wgrad(self) -> None:
         """Drop every pending delayed weight gradient.
@@ -944,7 +968,11 @@ class TransformersMoEAdapter(MegatronHooks):
 
     def on_microbatch(self, decoder_input: Tensor) -> None:
         """Refuse pending weight gradients; open the aux-loss microbatch."""
-        pending = {k: n for layer in self.decoder.layers for k, n in layer.pending_wgrad().items()}
+        pending = {
+            k: n
+            for layer in self.decoder.layers
+            for k, n in layer.pending_wgrad_by_module().items()
+        }
         if pending:
             raise WgradError(
                 f"{type(self.model).__name__} adapter: expected no pending weight gradients "

@@ -107,7 +107,9 @@ class TransformersMoEStage(StageRange, MegatronHooks, nn.Module):
 
     def on_microbatch(self, decoder_input: Tensor) -> None:
         del decoder_input
-        pending = {k: n for layer in self.layer_list for k, n in layer.pending_wgrad().items()}
+        pending = {
+            k: n for layer in self.layer_list for k, n in layer.pending_wgrad_by_module().items()
+        }
         if pending:
             raise WgradError(
                 f"TransformersMoEStage({self.extra_repr()}): expected no pending weight "
@@ -132,9 +134,11 @@ class TransformersMoEStage(StageRange, MegatronHooks, nn.Module):
         """The plain path: token ids or hidden states in, hidden states or logits out."""
         return self.plain_forward(x, position_ids)
 
+    @property
     def pending_wgrad(self) -> int:
-        """How many delayed weight gradients of this stage wait for ``backward_dw``."""
-        return sum(sum(layer.pending_wgrad().values()) for layer in self.layer_list)
+        """How many delayed weight gradients of this stage wait for ``backward_dw`` (a
+        :class:`~moe_overlap.PendingWgrad`)."""
+        return sum(layer.pending_wgrad for layer in self.layer_list)
 
     def discard_wgrad(self) -> None:
         """Drop this stage's pending delayed weight gradients (after a failed step)."""

@@ -132,10 +132,18 @@ class MegatronHooks:
         cs.sequence_len_offset = pre.sequence_len_offset
         cs.padding_mask = pre.padding_mask
         decoder: object = getattr(self, "decoder", None)
-        layers = cast("Iterable[PlainLayer]", getattr(decoder, "layers", ()))
+        layers = cast("Iterable[object]", getattr(decoder, "layers", ()))
         h = pre.decoder_input
-        for layer in layers:
-            h = layer.run_plain(h, cs)
+        for i, layer in enumerate(layers):
+            run = getattr(layer, "run_plain", None)
+            if not callable(run):
+                raise IntegrationError(
+                    f"{type(self).__name__}.plain_forward: decoder.layers[{i}] "
+                    f"({type(layer).__name__}): expected a run_plain(x, chunk_state) method "
+                    "(the layer's slots without a schedule), received a layer without it; mix "
+                    "in blocks.MoESlots or blocks.DenseSlots, or define it"
+                )
+            h = cast("PlainLayer", layer).run_plain(h, cs)
         if not post_process:
             return h
         return self._postprocess(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol, cast, runtime_checkable
 
 from torch import Tensor
@@ -37,6 +38,8 @@ class SlotContext(Protocol):
 
 
 _STATE = Instance(ChunkState, "a ChunkState", error=IntegrationError)
+_Slot = Callable[["SlotContext", tuple[Tensor, ...]], object]
+"""A slot as the plain path calls it (a :class:`PlainContext` for the node)."""
 
 
 class PlainContext:
@@ -103,12 +106,50 @@ def add_residual(ctx: SlotContext, moe_TD: Tensor, where: str, *, shared: bool) 
 class DenseSlots:
     """Mixin for a dense (non-MoE) layer: dispatch and combine pass their inputs through.
 
-    The layer defines ``slot_pre_dispatch`` and ``slot_mlp``; the schedule still runs the
-    four slots, two of them empty.
+    The layer defines ``slot_pre_dispatch`` and ``slot_mlp``; the schedule runs them in
+    that order, the pre-dispatch output going to ``slot_mlp``, whose output is the layer's.
+    :meth:`run_plain` runs the same two slots without a schedule (a :class:`PlainContext`),
+    so the plain path (:meth:`~moe_overlap.blocks.MegatronHooks.plain_forward`) and the
+    schedule compute the same operations.
     """
 
     is_moe = False
     num_local_experts: int | None = None
+
+    def run_plain(self, x: Tensor, chunk_state: ChunkState, /) -> Tensor:
+        """The layer without a schedule: ``slot_mlp(ctx, slot_pre_dispatch(ctx, (x,)))``.
+
+        Raises :class:`~moe_overlap.IntegrationError` naming the layer when it lacks one of
+        the two slots or ``slot_mlp`` returns other than one tensor.
+        """
+        name = type(self).__name__
+        names = ("slot_pre_dispatch", "slot_mlp")
+        slots: list[object] = [getattr(self, s, None) for s in names]
+        missing = [s for s, fn in zip(names, slots, strict=True) if not callable(fn)]
+        if missing:
+            raise IntegrationError(
+                f"{name}.run_plain: DenseSlots runs the layer's slot_pre_dispatch then its "
+                f"slot_mlp without a schedule; expected both defined, received a layer "
+                f"without {missing}"
+            )
+        pre, mlp = cast("list[_Slot]", slots)
+        ctx = PlainContext(chunk_state)
+        out = pre(ctx, (x,))
+        inputs = cast("tuple[Tensor, ...]", out) if isinstance(out, tuple) else (out,)
+        y = mlp(ctx, cast("tuple[Tensor, ...]", inputs))
+        if isinstance(y, tuple) and len(cast("tuple[object, ...]", y)) == 1:
+            y = cast("tuple[object, ...]", y)[0]
+        if not isinstance(y, Tensor):
+            got = (
+                f"a tuple of {len(cast('tuple[object, ...]', y))}"
+                if isinstance(y, tuple)
+                else type(y).__name__
+            )
+            raise IntegrationError(
+                f"{name}.run_plain: expected slot_mlp to return the layer's output (one "
+                f"tensor), received {got}"
+            )
+        return y
 
     def slot_dispatch(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> tuple[Tensor, ...]:
         del node

@@ -559,8 +559,22 @@ def _delayed(model: nn.Module) -> Iterator[DelayedWgradModule]:
 
 
 def pending_wgrad(model: nn.Module) -> dict[str, int]:
-    """``{label: count}`` of every delayable linear in ``model`` with pending wgrad."""
-    return {m.label: m.pending_wgrad for m in _delayed(model) if m.pending_wgrad}
+    """``{"path (Class)": count}`` of every delayable linear in ``model`` with pending wgrad.
+
+    The path is the module's ``label`` when the model set one (the reference model sets
+    each to its qualified name), else its path in ``model``.
+    """
+    owing = [m for m in _delayed(model) if m.pending_wgrad]
+    if not owing:
+        return {}
+    named = cast("Iterator[tuple[str, nn.Module]]", model.named_modules())
+    paths = {id(m): name for name, m in named}
+    out: dict[str, int] = {}
+    for m in owing:
+        cls = type(m).__name__
+        where = m.label if m.label and m.label != cls else (paths.get(id(m)) or "(model)")
+        out[f"{where} ({cls})"] = m.pending_wgrad
+    return out
 
 
 def check_no_pending_wgrad(model: nn.Module) -> None:

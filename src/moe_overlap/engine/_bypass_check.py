@@ -15,7 +15,8 @@ transformers adapter) lists them with a ``bypassed_modules()`` method returning
 :class:`BypassedModule` s; they are checked the same way.
 """
 
-from __future__ import annotations
+# No ``from __future__ import annotations`` here: the NamedTuple's field types must be real
+# objects at run time for debug mode's checks (beartype resolves them).
 
 import enum
 from collections.abc import Callable, Iterable

@@ -40,6 +40,7 @@ from ._streams import (
     synchronize,
     wait_event,
 )
+from ._wgrad_check import check_wgrad_listed
 
 __all__ = ["ModelChunkSchedulePlan", "check_grad_mode", "default_streams", "run_pair"]
 
@@ -155,7 +156,10 @@ class ModelChunkSchedulePlan:
         ]
         for lp in self.layers:
             lp.microbatch = microbatch
-        check_fsdp(model, layers, delayed=any(lp.shape.delay_wgrad for lp in self.layers))
+        delayed = any(lp.shape.delay_wgrad for lp in self.layers)
+        if delayed:
+            check_wgrad_listed(model, list(layers), [lp.wgrad_parts for lp in self.layers])
+        check_fsdp(model, layers, delayed=delayed)
         self.post_process: PostProcessNode | None = (
             PostProcessNode(
                 model,

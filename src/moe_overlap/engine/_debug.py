@@ -1,4 +1,9 @@
-"""Debug mode: ``MOE_OVERLAP_DEBUG=1`` before import checks every call with beartype."""
+"""Debug mode: ``MOE_OVERLAP_DEBUG=1`` before import checks every call with beartype.
+
+It also turns on the costly checks that read :data:`DEBUG`: the autograd-graph walks of the
+layer nodes (``_node.py``, ``_layer_node.py``) and the first-step comparison of the
+schedule with the model's plain forward (``_plain_check.py``, run by ``combined_1f1b``).
+"""
 
 from __future__ import annotations
 

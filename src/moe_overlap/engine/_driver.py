@@ -25,9 +25,11 @@ from ._args import (
 from ._bypass_check import check_bypassed
 from ._chunk_plan import ModelChunkSchedulePlan, check_grad_mode, run_pair
 from ._conformance import check_model, checks_memoized
+from ._debug import DEBUG
 from ._errors import ConfigError, IntegrationError
 from ._inputs import check_inputs
 from ._options import ScheduleOptions
+from ._plain_check import check_first_step
 from ._protocols import PreprocessableModel, StepObserver
 from ._state import ChunkState
 from ._streams import StreamPair
@@ -162,6 +164,14 @@ def combined_1f1b(
         check_wgrad_done(
             model, when="before the step (left from an earlier one)", declared=declared
         )
+        if DEBUG:  # the model's first step: its schedule and its plain forward agree
+            first = [microbatches[0]]
+            check_first_step(
+                model,
+                microbatches[0],
+                lambda: _run(model, first, overlap, options, streams, loss_scale, None, None),
+                loss_scale,
+            )
         losses = _run(
             model,
             microbatches,

@@ -76,6 +76,10 @@ class TransformerLayerSchedulePlan:
         )
         self.index = index
         self.layer: SchedulableLayer | None = layer
+        self.wgrad_parts: tuple[WgradLayer, ...] = (
+            (*(part.module for part in pre_dw.parts), *mlp_dw) if delay else ()
+        )
+        """The modules the layer lists for delayed wgrad (pre-dispatch's, then mlp's)."""
         self.event = event
         self.chunk_state = chunk_state
         self.layer_state = LayerState()

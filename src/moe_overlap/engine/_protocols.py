@@ -73,10 +73,15 @@ class PendingWgrad(Protocol):
 
     Optional beside :class:`WgradLayer`: :func:`~moe_overlap.combined_1f1b` (and
     :func:`~moe_overlap.check_wgrad_done`) read ``pending_wgrad`` of every module of the
-    model that has it, and raise :class:`~moe_overlap.WgradError` when one is owed at the
-    start or the end of a step — e.g. a module that delays but is not listed by its
-    layer's ``pre_dispatch_wgrad()`` / ``mlp_wgrad()``, whose gradient would otherwise be
-    silently missing.
+    model (and every part its layers list) that has it, and raise
+    :class:`~moe_overlap.WgradError` when one is owed at the start or the end of a step —
+    e.g. a module that delays but is not listed by its layer's ``pre_dispatch_wgrad()`` /
+    ``mlp_wgrad()``, whose gradient would otherwise be silently missing.
+
+    One definition: a read-only ``int`` property (``>= 0``), on modules, layers and models
+    alike (an aggregate's count is the sum of its parts'). A member of that name that is
+    not an ``int`` (a method, ``None``, a bool) is an
+    :class:`~moe_overlap.IntegrationError` naming the module, not a count of zero.
     """
 
     @property

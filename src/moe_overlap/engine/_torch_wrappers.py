@@ -19,7 +19,10 @@ Private torch names read, all here (tested with torch 2.11 and 2.13):
   and ``always_call`` variants are entries of these two), ``_backward_pre_hooks`` and
   ``_backward_hooks`` (full and non-full backward hooks), read from the instance dict;
 - ``torch.distributed._composable.contract.REGISTRY_KEY``: the composable APIs applied to a
-  module (``checkpoint``, ``replicate``, ``fully_shard``).
+  module (``checkpoint``, ``replicate``, ``fully_shard``);
+- ``Tensor._backward_hooks`` and ``Tensor._post_accumulate_grad_hooks`` (``register_hook``
+  and ``register_post_accumulate_grad_hook`` on a parameter), for debug mode's first-step
+  check (:func:`has_grad_hooks`).
 
 Public names used: ``torch.nn.parallel.DistributedDataParallel`` and ``DataParallel``
 (their ``module``). A class is looked up only when its module is already imported: an
@@ -33,9 +36,9 @@ import sys
 from dataclasses import dataclass
 from typing import cast
 
-from torch import nn
+from torch import Tensor, nn
 
-__all__ = ["Finding", "Kind", "find_wrapping", "inner_module"]
+__all__ = ["Finding", "Kind", "find_wrapping", "has_grad_hooks", "inner_module"]
 
 _CHECKPOINT_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
 _DYNAMO_MODULE = "torch._dynamo.eval_frame"
@@ -186,3 +189,12 @@ def find_wrapping(obj: object, *, pre_hooks: bool = True) -> Finding | None:
     if hooks is not None:
         return Finding(Kind.HOOKS, hooks)
     return None
+
+
+def has_grad_hooks(t: Tensor) -> bool:
+    """Whether hooks run on ``t``'s gradient (``register_hook``,
+    ``register_post_accumulate_grad_hook``)."""
+    return any(bool(getattr(t, name, None)) for name in _GRAD_HOOKS)
+
+
+_GRAD_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import cast
+import contextlib
+import functools
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import NoReturn, cast
 
 from torch import nn
 
-from ._errors import WgradError
+from ._errors import IntegrationError, WgradError
 
-__all__ = ["check_wgrad_done", "declared_wgrad", "owed_wgrad"]
+__all__ = [
+    "check_wgrad_done",
+    "check_wgrad_listed",
+    "declared_wgrad",
+    "owed_wgrad",
+    "pending_count",
+    "wgrad_namer",
+]
 
 
 def declared_wgrad(model: object) -> list[tuple[str, object]]:
@@ -49,48 +59,105 @@ def _candidates(model: object, declared: Sequence[tuple[str, object]]) -> Iterat
                 yield module
 
 
-def _count(module: object) -> int:
+_BAD = -1  # pending_count's answer for a pending_wgrad that is not an int >= 0
+
+
+def pending_count(module: object) -> int | None:
+    """``module.pending_wgrad`` (a :class:`~moe_overlap.PendingWgrad`), ``None`` without one.
+
+    Returns ``-1`` for a ``pending_wgrad`` that is not an ``int >= 0`` (a method, a
+    ``None``, a bool): the caller raises, naming the module.
+    """
     attrs: dict[str, object] = getattr(module, "__dict__", {})
     # On the class or in the instance dict: never through nn.Module.__getattr__ (slow).
     if not (hasattr(type(module), "pending_wgrad") or "pending_wgrad" in attrs):
-        return 0
+        return None
     count: object = getattr(module, "pending_wgrad", None)
-    return count if type(count) is int else 0
+    return count if type(count) is int and count >= 0 else _BAD  # bool is not an int here
 
 
-def owed_wgrad(
-    model: object, declared: Sequence[tuple[str, object]] | None = None
-) -> dict[str, int]:
-    """``{"name (class)": count}`` of the modules of ``model`` whose ``pending_wgrad`` is > 0.
+def wgrad_namer(
+    model: object, declared: Sequence[tuple[str, object]] = ()
+) -> Callable[[object], str]:
+    """``name(module)``: ``"path (Class)"`` for error messages (built on an error only).
 
-    Asks every module of ``model`` and every part its layers list
-    (:func:`declared_wgrad`, or ``declared`` when given) that has an int
-    ``pending_wgrad`` (a :class:`~moe_overlap.PendingWgrad`). Names are the module's
-    ``label`` when it has one, else its path in ``model``; found only on a hit.
+    The path is the module's ``label`` when the model set one (a string other than its
+    class name, the default of :class:`~moe_overlap.blocks.DelayedWgradModule`), else its
+    path in ``model`` (``decoder.layers.0.attn``), else the name of the layer's list that
+    holds it (``decoder.layers[0].mlp_wgrad()[0]``).
     """
-    parts = declared_wgrad(model) if declared is None else declared
-    owing = [(m, n) for m in _candidates(model, parts) if (n := _count(m)) > 0]
-    if not owing:
-        return {}
     named = (
         cast("list[tuple[str, nn.Module]]", list(model.named_modules()))  # pyright: ignore[reportUnknownArgumentType] - torch's generator type
         if isinstance(model, nn.Module)
         else []
     )
     paths = {id(m): name for name, m in named}
-    listed = {id(part): name for name, part in parts}
-    owed: dict[str, int] = {}
-    for module, count in owing:
-        attrs: dict[str, object] = getattr(module, "__dict__", {})
-        label = attrs.get("label")
-        if isinstance(label, str):
+    listed = {id(part): name for name, part in declared}
+
+    def name(module: object) -> str:
+        cls = type(module).__name__
+        label: object = getattr(module, "label", None)
+        if isinstance(label, str) and label and label != cls:
             where = label
         elif id(module) in paths:
             where = paths[id(module)] or "(model)"
         else:
             where = listed.get(id(module), "a module inside a listed wgrad part")
-        owed[f"{where} ({type(module).__name__})"] = count
-    return owed
+        return f"{where} ({cls})"
+
+    return name
+
+
+def owed_wgrad(
+    model: object, declared: Sequence[tuple[str, object]] | None = None
+) -> dict[str, int]:
+    """``{"path (Class)": count}`` of the modules of ``model`` whose ``pending_wgrad`` is > 0.
+
+    Asks every module of ``model`` and every part its layers list
+    (:func:`declared_wgrad`, or ``declared`` when given) that has a ``pending_wgrad`` (a
+    :class:`~moe_overlap.PendingWgrad`: a read-only ``int`` property). Names are as
+    :func:`wgrad_namer` gives them, found only on a hit; a module whose count is the sum
+    of modules named below it (the model's own total) is left out when they are listed.
+
+    Raises :class:`~moe_overlap.IntegrationError` naming a module whose ``pending_wgrad``
+    is not an ``int >= 0`` (e.g. a method: its count would otherwise be ignored).
+    """
+    parts = declared_wgrad(model) if declared is None else declared
+    owing: list[tuple[object, int]] = []
+    for module in _candidates(model, parts):
+        count = pending_count(module)
+        if count is None or count == 0:
+            continue
+        if count == _BAD:
+            _bad_count(module, wgrad_namer(model, parts))
+        owing.append((module, count))
+    if not owing:
+        return {}
+    name = wgrad_namer(model, parts)
+    named = [(name(module), count) for module, count in owing]
+    paths = [n.rsplit(" (", 1)[0] for n, _ in named]
+
+    def aggregate(path: str) -> bool:  # a total of owing modules listed below it
+        prefix = "" if path == "(model)" else path + "."
+        return any(other != path and other.startswith(prefix) for other in paths)
+
+    return {n: count for (n, count), path in zip(named, paths, strict=True) if not aggregate(path)}
+
+
+def _bad_count(module: object, name: Callable[[object], str]) -> NoReturn:
+    count: object = getattr(module, "pending_wgrad", None)
+    if callable(count):
+        got = f"a {type(count).__name__} (pending_wgrad is a method)"
+    elif isinstance(count, (bool, int, float, str)) or count is None:
+        got = f"{type(count).__name__} {count!r}"
+    else:
+        got = type(count).__name__
+    raise IntegrationError(
+        f"{name(module)}.pending_wgrad: expected an int >= 0 (PendingWgrad: a read-only "
+        f"property counting the weight gradients it still owes), received {got}; the "
+        "schedule reads it before and after every step, so make it a property returning "
+        "an int (@property def pending_wgrad(self) -> int), or rename the member"
+    )
 
 
 def check_wgrad_done(
@@ -110,4 +177,169 @@ def check_wgrad_done(
         "gradient must be listed by its layer's pre_dispatch_wgrad() / mlp_wgrad() so the "
         "schedule runs its backward_dw(); after a failed step, zero the grads and drop what "
         "is pending (discard_wgrad) first"
+    )
+
+
+# --- at plan build: every module that may delay is listed or counted -------------------------
+
+
+def _has_backward_dw(module: nn.Module) -> bool:
+    """A :class:`~moe_overlap.WgradLayer` by its method (looked up without ``__getattr__``)."""
+    return callable(getattr(type(module), "backward_dw", None)) or callable(
+        module.__dict__.get("backward_dw")
+    )
+
+
+class _Covered:
+    """A model whose delayed-wgrad coverage was checked: for which layers and lists, and
+    the uncovered parameters that were frozen then (a later unfreeze checks again)."""
+
+    __slots__ = ("frozen", "key")
+
+    def __init__(self, key: tuple[object, ...], frozen: tuple[nn.Parameter, ...]) -> None:
+        self.key = key
+        self.frozen = frozen
+
+
+_COVERED: weakref.WeakKeyDictionary[object, _Covered] = weakref.WeakKeyDictionary()
+
+
+def check_wgrad_listed(
+    model: object, layers: Sequence[object], parts: Sequence[Sequence[object]]
+) -> None:
+    """Every module that may delay its weight gradient is listed by its layer, or counts.
+
+    ``parts[i]`` are the modules layer ``i`` lists (``pre_dispatch_wgrad()``'s, then
+    ``mlp_wgrad()``'s). In a layer that delays (lists something), and, when any layer
+    delays, among the model's modules outside its layers, every ``nn.Module`` with a
+    ``backward_dw`` (a :class:`~moe_overlap.WgradLayer`) that holds trainable parameters
+    and none of whose submodules has one must either hold only parameters of the listed
+    modules (their ``parameters()``) or be a :class:`~moe_overlap.PendingWgrad` (its count
+    is checked after the step). Otherwise its weight gradient could be delayed with
+    nothing to compute it and nothing to notice: :class:`~moe_overlap.WgradError` naming
+    its path, at plan build.
+
+    Costs one walk of the modules per model and set of listed modules (then a tuple
+    compare per plan); a module added to a layer after the first plan is seen once the
+    lists or the layers change.
+    """
+    if not any(parts):
+        return
+    key = (tuple(map(id, layers)), tuple(tuple(map(id, p)) for p in parts))
+    try:
+        entry = _COVERED.get(model)
+    except TypeError:  # not weakref-able or not hashable: checked every time
+        entry = None
+    if entry is not None and entry.key == key and not any(p.requires_grad for p in entry.frozen):
+        return
+    frozen = _scan(model, layers, parts)
+    with contextlib.suppress(TypeError):
+        _COVERED[model] = _Covered(key, frozen)
+
+
+def _scan(
+    model: object, layers: Sequence[object], parts: Sequence[Sequence[object]]
+) -> tuple[nn.Parameter, ...]:
+    covered: set[int] = set()
+    for listed in parts:
+        for part in listed:
+            params: object = getattr(part, "parameters", None)
+            if callable(params):
+                covered.update(map(id, cast("Iterator[nn.Parameter]", params())))
+    frozen: list[nn.Parameter] = []
+    inside: set[int] = set()
+    for i, (layer, listed) in enumerate(zip(layers, parts, strict=True)):
+        if not isinstance(layer, nn.Module):
+            continue
+        named = _named_modules(layer)
+        inside.update(id(m) for _, m in named)
+        if listed:
+            bad = _uncovered(named[1:], covered, frozen)
+            if bad is not None:
+                _unlisted_error(model, bad, _LayerPath(model, layer, i), listed)
+    if isinstance(model, nn.Module):
+        outside = [(n, m) for n, m in _named_modules(model) if id(m) not in inside and n]
+        bad = _uncovered(outside, covered, frozen)
+        if bad is not None:
+            _unlisted_error(model, bad, None, ())
+    return tuple(frozen)
+
+
+def _named_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    return cast("list[tuple[str, nn.Module]]", list(module.named_modules()))  # pyright: ignore[reportUnknownArgumentType] - torch's generator type
+
+
+def _uncovered(
+    named: Sequence[tuple[str, nn.Module]], covered: set[int], frozen: list[nn.Parameter]
+) -> tuple[str, nn.Module, list[str]] | None:
+    """The first module of ``named`` that may delay with nothing computing or counting it:
+    ``(path, module, its parameters outside every listed module)``."""
+    wgrad = [(n, m) for n, m in named if _has_backward_dw(m)]
+    if not wgrad:
+        return None
+    paths = [n for n, _ in wgrad]
+    for path, module in wgrad:
+        count = pending_count(module)
+        if count == _BAD:
+            _bad_count(module, functools.partial(_at_path, path))
+        if count is not None or any(q.startswith(path + ".") for q in paths):
+            continue  # counted (checked after the step), or judged by its own parts
+        loose = [(pn, p) for pn, p in module.named_parameters() if id(p) not in covered]
+        trainable = [pn for pn, p in loose if p.requires_grad]
+        if trainable:
+            return path, module, trainable
+        frozen.extend(p for _, p in loose)
+    return None
+
+
+def _at_path(path: str, module: object) -> str:
+    return f"{path} ({type(module).__name__})"
+
+
+class _LayerPath:
+    """Layer ``index``'s path in the model (found on an error only)."""
+
+    def __init__(self, model: object, layer: nn.Module, index: int) -> None:
+        self.model = model
+        self.layer = layer
+        self.index = index
+
+    def __call__(self) -> str:
+        if isinstance(self.model, nn.Module):
+            for name, module in _named_modules(self.model):
+                if module is self.layer:
+                    return name
+        return f"decoder.layers[{self.index}]"
+
+
+def _unlisted_error(
+    model: object,
+    bad: tuple[str, nn.Module, list[str]],
+    layer: _LayerPath | None,
+    listed: Sequence[object],
+) -> NoReturn:
+    path, module, params = bad
+    owner = type(model).__name__
+    if layer is not None:
+        where = f"{layer()}.{path}"
+        context = (
+            f"{owner}.decoder.layers[{layer.index}] delays weight gradients (its "
+            f"pre_dispatch_wgrad() / mlp_wgrad() list {len(listed)} modules), but"
+        )
+        fix = (
+            "list it (pre_dispatch_wgrad(): WgradScope(CudaGraphModule.attn, module); "
+            "mlp_wgrad(): the module) or a module holding it"
+        )
+    else:
+        where = path
+        context = f"{owner}: its layers delay weight gradients, but outside the layers"
+        fix = "list it in a layer's pre_dispatch_wgrad() / mlp_wgrad()"
+    shown = params if len(params) <= 4 else [*params[:4], f"... {len(params) - 4} more"]
+    raise WgradError(
+        f"{context} {where} ({type(module).__name__}) has a backward_dw() (a WgradLayer: its "
+        f"weight gradient may wait for it) and trainable parameters {shown} that no listed "
+        "module holds, and it counts nothing owed (no pending_wgrad): if it delays, the "
+        "schedule never runs its backward_dw() and its .grad stays missing, unnoticed. "
+        f"Expected it listed or counted; {fix}, or, if it computes its weight gradient in "
+        "backward, give it a read-only int property pending_wgrad (0 then)"
     )

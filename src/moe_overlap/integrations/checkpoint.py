@@ -28,17 +28,15 @@ import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from itertools import chain
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh  # at run time: debug mode resolves hints
 
 from moe_overlap import ConfigError, IntegrationError
 from moe_overlap.engine._args import GROUP, MODULE, POSITIVE, Instance, Items, Opt, check_arg
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = [
     "ExpertShards",
@@ -96,8 +94,6 @@ class ExpertShards:
         """The 1-D EP mesh (from ``group``, no collective) for ``device_type``."""
         found = self._meshes.get(device_type)
         if found is None:
-            from torch.distributed.device_mesh import DeviceMesh
-
             found = DeviceMesh.from_group(self.group, device_type, mesh_dim_names=("ep",))
             self._meshes[device_type] = found
         return found

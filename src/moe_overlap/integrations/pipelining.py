@@ -593,6 +593,10 @@ class PipelineOverlap:
         del ctx
         with self._at(action, "input backward"):
             call = self._backward_begin(action, full=False)
+            if call.forwarded is None:
+                # The stage has no backward (schedule.eval(), a schedule without loss_fn):
+                # nothing to compute or hold for the weight backward, as in torch's own run.
+                return
             params = list(call.stage.submod.parameters())
             aside = [p.grad for p in params]
             for p in params:
