@@ -675,6 +675,8 @@ def fully_shard_slots_applied_twice(ctx: Ctx) -> None:
 
 def make_streams_flag_not_a_bool(ctx: Ctx) -> None:
     make_streams("cpu", high_priority_comm=bad("yes"))
+
+
 # --- issue 24, part wgrad: gradients owed that nothing counts, PendingWgrad, owing names ------
 
 
@@ -1186,6 +1188,8 @@ CASES = [
         make_streams_flag_not_a_bool,
         ConfigError,
         r"make_streams: high_priority_comm must be a bool, received str 'yes'",
+    ),
+    # issue 24, weight gradients
     Case(
         unlisted_uncounted_delayed_module,
         WgradError,
