@@ -13,7 +13,7 @@ from ._debug import DEBUG
 from ._errors import ConfigError, IntegrationError, WgradError
 from ._free_input import should_free_input
 from ._node import ScheduleNode, default_backward, weak_method
-from ._node_checks import check_kept_in_graph, check_own_leaves
+from ._node_checks import check_copies_unused, check_handoffs, check_own_leaves
 from ._options import Hook
 from ._protocols import FreeInputConfig, SlotFn, StreamProvider, WgradLayer
 from ._state import ChunkState, LayerState
@@ -156,12 +156,19 @@ class TransformerLayerNode(ScheduleNode):
             self.layer_state.detached_leaves.append(d)
         return d
 
+    def kept_for_later(self) -> tuple[Tensor | None, ...]:
+        """This slot's ``node.detach`` copies and the tensors the layer's slots kept as they
+        are, being one of their inputs or outputs (usually none)."""
+        as_is = self.layer_state.kept_as_is
+        return (*self.detached, *as_is) if as_is else self.detached
+
     def handed_on(self) -> tuple[Tensor | None, ...]:
-        """Debug mode: what this slot keeps for later slots, its detached tensors and every
-        tensor in the layer state (kept there by this or an earlier slot)."""
+        """What this slot keeps for later slots, its detached tensors and every tensor in
+        the layer state (kept there by this or an earlier slot)."""
         state = self.layer_state
         kept = (
             *self.detached,
+            *state.kept_as_is,
             state.residual,
             state.probs,
             state.dispatched_probs,
@@ -187,22 +194,47 @@ class TransformerLayerNode(ScheduleNode):
             inputs.append(a)
         out = self.submodule(self, tuple(inputs))
         state = self.layer_state
+        copies = self.detached
         if DEBUG:
             outs = (out,) if isinstance(out, Tensor) else out
             roots = [t.grad_fn for t in (*outs, *self.before_detached)]
-            check_own_leaves(self.name, roots, (*inputs, *state.detached_leaves))
-        if state.ungraded:  # floating tensors kept without grad by this slot
-            kept = tuple(state.ungraded)
-            state.ungraded.clear()
-            check_kept_in_graph(self.name, inputs, kept, self.non_differentiable)
+            leaves = [d for d in state.detached_leaves if not any(d is c for c in copies)]
+            check_own_leaves(self.name, roots, (*inputs, *leaves), copies)
+        fresh = state.fresh
+        if copies or fresh:  # what the slot hands on: identity checks, no allocation
+            try:
+                check_handoffs(
+                    self.name,
+                    inputs,
+                    _items(out),
+                    copies,
+                    fresh,
+                    self.non_differentiable,
+                    state.kept_as_is,
+                )
+            finally:
+                fresh.clear()
         return out
 
     def backward_impl(
         self, outputs: tuple[Tensor, ...], output_grad: tuple[Tensor | None, ...]
     ) -> None:
-        """Backpropagate from the outputs and from every tensor this node detached."""
-        detached_grad = tuple(d.grad for d in self.detached)
-        default_backward(outputs + self.before_detached, output_grad + detached_grad)
+        """Backpropagate from the outputs and from every tensor this node detached.
+
+        The copies' gradients (from later slots) go back through the tensors they were
+        detached from; the copies' ``.grad`` is cleared first, so a gradient the slot's own
+        backward gives a copy (the slot used it itself) is found and refused after.
+        """
+        copies = self.detached
+        if not copies:
+            default_backward(outputs, output_grad)
+            return
+        detached_grad: list[Tensor | None] = []
+        for d in copies:
+            detached_grad.append(d.grad)
+            d.grad = None
+        default_backward(outputs + self.before_detached, output_grad + tuple(detached_grad))
+        check_copies_unused(self.name, copies)
 
     def forward(self, *inputs: Tensor | None) -> tuple[Tensor, ...]:
         """Run forward; on the layer's last forward slot, fire the post-forward hook."""
@@ -278,6 +310,13 @@ class TransformerLayerNode(ScheduleNode):
         super().release_state()
         self.detached = ()
         self.before_detached = ()
+
+
+def _items(out: object) -> tuple[object, ...]:
+    """A slot's result as a tuple (what the node then checks to be tensors)."""
+    if isinstance(out, tuple):
+        return cast("tuple[object, ...]", out)
+    return (out,)
 
 
 _set_grad_enabled = cast(

@@ -19,7 +19,13 @@ from torch import Tensor
 
 from ._debug import DEBUG
 from ._errors import IntegrationError, NodeStateError
-from ._node_checks import check_in_graph, check_no_alias, check_not_saved
+from ._node_checks import (
+    check_in_graph,
+    check_no_alias,
+    check_release,
+    storage_use_count,
+    tensor_use_count,
+)
 from ._protocols import NodeTimer, StreamProvider
 from ._recompute_hold import held_for_recompute
 from ._streams import AnyEvent, CpuEvent, CpuStream, record_tensor_on, use_stream
@@ -219,10 +225,20 @@ class ScheduleNode:
             return outputs
         # Release the inputs' storage, unless something still in use lives in it (checked
         # for every input before any is released; no allocation on this per-node path).
-        kept = self.handed_on() if DEBUG else self.detached
-        for tensor in inputs:
-            ptr = 0 if tensor is None else tensor.untyped_storage().data_ptr()
-            if not ptr:  # no tensor, or an empty storage: no memory to lose
+        # Anything else that holds an input (a view or copy over its storage, autograd's
+        # saves, a checkpoint) shows in the reference counts of its storage and tensors:
+        # the schedule's own are the input (one tensor), this node's detached copy (one
+        # tensor, plus its grad accumulator when it requires grad) and the storage object
+        # read here. More sends the node to check_release, which names what holds it.
+        kept = self.kept_for_later()
+        suspect = DEBUG
+        storage: torch.UntypedStorage | None = None
+        for tensor, leaf in zip(inputs, detached, strict=True):
+            if tensor is None or leaf is None:
+                continue
+            storage = tensor.untyped_storage()
+            ptr = storage.data_ptr()
+            if not ptr:  # an empty storage: no memory to lose
                 continue
             for out in outputs:
                 if out.untyped_storage().data_ptr() == ptr:
@@ -239,9 +255,18 @@ class ScheduleNode:
                     "receives (recompute inside the slot that produces them, or on a copy), "
                     "or ScheduleOptions(free_input=False)"
                 )
-        if DEBUG:
+            if not suspect:
+                n = tensor_use_count(leaf)
+                suspect = (
+                    storage_use_count(storage._cdata) > 3  # pyright: ignore[reportPrivateUsage]
+                    or tensor_use_count(tensor) > 1
+                    or n > 2
+                    or (n == 2 and not leaf.requires_grad)
+                )
+        storage = None  # one reference less: check_release counts them
+        if suspect:
             roots = [t.grad_fn for t in (*outputs, *self.graph_tails())]
-            check_not_saved(self.name, _storages(inputs), inputs, roots)
+            check_release(self.name, inputs, detached, outputs, self.handed_on(), roots)
         cuda = not isinstance(stream, CpuStream)
         for tensor in inputs:
             if tensor is not None:
@@ -261,8 +286,14 @@ class ScheduleNode:
         """
         self.non_differentiable = (*self.non_differentiable, *tensors)
 
+    def kept_for_later(self) -> tuple[Tensor | None, ...]:
+        """The tensors a freeing node checks by storage on every forward: those it handed
+        on itself (layer slots add what they kept as it is, see ``LayerState.kept_as_is``)."""
+        return self.detached
+
     def handed_on(self) -> tuple[Tensor | None, ...]:
-        """Debug mode: every tensor this node or its layer keeps for later nodes."""
+        """Every tensor this node or its layer keeps for later nodes (checked when the
+        reference counts of an input about to be freed say something else holds it)."""
         return self.detached
 
     def graph_tails(self) -> tuple[Tensor, ...]:

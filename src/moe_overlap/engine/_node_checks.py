@@ -1,14 +1,17 @@
 """Checks a node runs on what its forward returned: still in the graph, not freed early.
 
-Cheap ones run on every forward (a few attribute reads per tensor). The saved-tensor
-check walks the autograd graph around a freeing node and runs in debug mode only
-(``docs/debug.md``); it must run at forward, since a backward that reads released memory
-crashes the process instead of raising.
+Cheap ones run on every forward (a few attribute reads and identity or reference-count
+comparisons per tensor). Before a freeing node releases its inputs, the reference counts
+of their storage and tensors are compared with the schedule's own references; only when
+something else holds one does :func:`check_release` walk the autograd graph around the node
+to name it (in debug mode it always does, ``docs/debug.md``). It must run at forward,
+since a backward that reads released memory crashes the process instead of raising.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -19,15 +22,36 @@ from ._errors import IntegrationError
 __all__ = [
     "FREED_MEMORY_HINT",
     "METADATA_ONLY_SAVES",
+    "check_copies_unused",
+    "check_handoffs",
     "check_in_graph",
-    "check_kept_in_graph",
     "check_no_alias",
     "check_not_saved",
     "check_own_leaves",
+    "check_release",
     "freed_memory_hint",
     "graph_saves",
+    "storage_use_count",
+    "tensor_use_count",
     "walk_graph",
 ]
+
+storage_use_count = cast(
+    "Callable[[int], int]",
+    torch._C._storage_Use_Count,  # pyright: ignore[reportPrivateUsage]
+)
+"""How many references the ``StorageImpl`` at a ``storage._cdata`` has (tensors over it,
+Python storage objects)."""
+
+
+def _no_count(t: Tensor) -> int:
+    del t
+    return 0
+
+
+tensor_use_count = cast("Callable[[Tensor], int]", getattr(Tensor, "_use_count", _no_count))
+"""How many references a tensor's ``TensorImpl`` has (its Python object, views' bases,
+autograd's saved tensors and grad accumulator); ``0`` where torch has no such method."""
 
 FREED_MEMORY_HINT = (
     "hint: a tensor released by the free-input policy was read again (a slot returned or "
@@ -77,26 +101,114 @@ def check_in_graph(
         )
 
 
-def check_kept_in_graph(
+def _kept_label(key: str, stashed: bool) -> str:
+    return f"layer_state.stash({key!r})" if stashed else f"layer_state.{key}"
+
+
+def check_handoffs(
     name: str,
-    inputs: Sequence[Tensor | None],
-    kept: Sequence[tuple[str, Tensor]],
+    inputs: Sequence[Tensor],
+    outputs: Sequence[object],
+    copies: Sequence[Tensor],
+    fresh: Sequence[tuple[str, Tensor, bool]],
     allowed: Sequence[Tensor],
+    kept_as_is: list[Tensor],
 ) -> None:
-    """Raise if the slot kept a float tensor without grad for a later slot while its inputs
-    need grad: the gradient that slot sends back through it would be silently lost."""
-    if not any(t is not None and t.requires_grad for t in inputs):
+    """Always on, after a layer slot's forward: what it returns and keeps is handed on right.
+
+    ``copies`` are the ``node.detach`` copies the slot made, ``fresh`` what it kept in the
+    layer state (field or stash key, tensor, stashed). Raises if an output is a copy (or a
+    view of one), if a kept tensor that requires grad is one of the slot's inputs or, not a
+    leaf, one of its outputs (or a view of either), or if a kept float tensor does not
+    require grad while the inputs do (unless in ``allowed``, marked non-differentiable).
+    Kept tensors that are an input or an output as they are, without grad, are appended to
+    ``kept_as_is`` for a freeing slot to check. Identity comparisons only: no allocation.
+    """
+    if copies:
+        for i, out in enumerate(outputs):
+            if not isinstance(out, Tensor):
+                continue  # the node refuses it right after
+            base = out._base  # pyright: ignore[reportPrivateUsage]
+            for d in copies:
+                if out is d or base is d:
+                    raise IntegrationError(
+                        f"node {name!r}: output {i} ({_describe(out)}) is a node.detach copy "
+                        "this slot made (or a view of one); a copy hands a tensor t to a "
+                        "later slot of the layer through layer_state, and the node sends the "
+                        "gradient given to the copy back through t when its backward runs, "
+                        "which is before that gradient exists for an output: the gradient of "
+                        "what consumes the output would stop at the copy and never reach t "
+                        "(nor the parameters behind it). Expected the slot to return t itself "
+                        "(or what it computes from t) and to keep node.detach(t) only in "
+                        "layer_state, for a later slot"
+                    )
+    if not fresh:
         return
-    for where, t in kept:
-        if any(t is a for a in allowed):
+    grad_in: bool | None = None
+    for key, t, stashed in fresh:
+        if t.requires_grad:
+            base = t._base  # pyright: ignore[reportPrivateUsage]
+            for j, x in enumerate(inputs):
+                if t is x or base is x:
+                    label = _kept_label(key, stashed)
+                    fix = (
+                        f"layer_state.stash({key!r}, node.detach(inputs[{j}]))"
+                        if stashed
+                        else f"{label} = node.detach(inputs[{j}])"
+                    )
+                    raise IntegrationError(
+                        f"node {name!r}: {label} ({_describe(t)}) is the slot's input {j} (or "
+                        "a view of it) kept as it is; a later slot that reads it would send "
+                        "its gradient into this node's input outside this node's backward "
+                        "(not summed as plain backward() sums it), and a slot that frees its "
+                        "inputs releases its memory. Expected tensors handed to a later slot "
+                        f"to go through node.detach: {fix}"
+                    )
+            if not t.is_leaf:
+                for i, out in enumerate(outputs):
+                    if not isinstance(out, Tensor):
+                        continue
+                    if t is out or base is out or out._base is t:  # pyright: ignore[reportPrivateUsage]
+                        raise IntegrationError(
+                            f"node {name!r}: {_kept_label(key, stashed)} ({_describe(t)}) is "
+                            f"also the slot's output {i} (or a view of it), kept without "
+                            "node.detach: a later slot's backward would run through this "
+                            "slot's autograd graph, and this node's backward would run through "
+                            "it again (gradients counted twice, or torch's 'backward through "
+                            "the graph a second time'). Expected node.detach(t) for what a "
+                            "later slot reads"
+                        )
             continue
-        raise IntegrationError(
-            f"node {name!r}: layer_state.{where} ({_describe(t)}) does not require grad "
-            "although the node's inputs do, so the gradient a later slot sends back through "
-            "it would silently be lost; expected a tensor still in the autograd graph, handed "
-            "on with node.detach(t) (not t.detach() or torch.no_grad()). If it carries no "
-            "gradient on purpose, call node.mark_non_differentiable(t) on it in the slot"
-        )
+        if (t.is_floating_point() or t.is_complex()) and not any(t is a for a in allowed):
+            if grad_in is None:
+                grad_in = any(x.requires_grad for x in inputs)
+            if grad_in:
+                raise IntegrationError(
+                    f"node {name!r}: {_kept_label(key, stashed)} ({_describe(t)}) does not "
+                    "require grad although the node's inputs do, so the gradient a later slot "
+                    "sends back through it would silently be lost; expected a tensor still in "
+                    "the autograd graph, handed on with node.detach(t) (not t.detach() or "
+                    "torch.no_grad()). If it carries no gradient on purpose, call "
+                    "node.mark_non_differentiable(t) on it in the slot"
+                )
+        if any(t is x for x in inputs) or any(t is o for o in outputs):
+            kept_as_is.append(t)
+
+
+def check_copies_unused(name: str, copies: Sequence[Tensor]) -> None:
+    """Always on, after a layer slot's backward: no ``node.detach`` copy it made received a
+    gradient from that very backward (their grads were cleared before it ran)."""
+    for i, d in enumerate(copies):
+        if d.grad is not None:
+            raise IntegrationError(
+                f"node {name!r}: the node.detach copy {i} this slot made ({_describe(d)}) "
+                "received a gradient from the slot's own backward: the slot used the copy "
+                "itself (returned it, or computed an output or another copy from it), so "
+                "that gradient stopped at the copy and never reached the tensor it was "
+                "detached from. Expected node.detach(t) only for what a later slot reads "
+                "from layer_state, and the slot's own outputs computed from t; "
+                "MOE_OVERLAP_DEBUG=1 names the slot at its forward"
+            )
 
 
 def check_no_alias(
@@ -133,25 +245,38 @@ METADATA_ONLY_SAVES = frozenset(
 )
 
 
-def graph_saves(roots: Sequence[object], pointers: set[int]) -> list[str]:
-    """Where the autograd graph below ``roots`` saved a tensor living in ``pointers``.
+@dataclass
+class _Saves:
+    """What a walk of an autograd graph found saved in some storages."""
 
-    Walks ``grad_fn`` nodes through ``next_functions`` and reads their saved tensors
-    (``_saved_*`` of built-in nodes, ``saved_tensors`` of custom Functions); returns
-    ``"NodeName.field"`` for each hit, except :data:`METADATA_ONLY_SAVES`. A saved tensor
-    behind an unpack hook (activation checkpointing, offloading) is not read: unpacking it
-    would recompute (or consume) it. A region's own inputs are guarded instead where it is
-    made with :func:`moe_overlap.blocks.recompute` (a freeing node refuses to release
-    them); one made with ``torch.utils.checkpoint`` directly is not. Debug mode only: it
-    touches every node of the graph.
-    """
-    found: list[str] = []
+    hazards: list[str] = field(default_factory=list[str])
+    """``"NodeName.field"`` of each saved tensor backward would read there."""
+    metadata_only: list[Tensor] = field(default_factory=list[Tensor])
+    """Saved tensors there whose backward reads only their sizes, once per save."""
+    hooked: bool = False
+    """Whether some saved tensor of the graph unpacks through a saved-tensor hook
+    (activation checkpointing, offloading)."""
+
+
+_SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
+
+
+def _saved_attrs(kind: type) -> tuple[str, ...]:
+    """The saved-tensor attributes of an autograd node type, listed once per type."""
+    attrs = _SAVED_ATTRS.get(kind)
+    if attrs is None:
+        attrs = tuple(a for a in dir(kind) if a.startswith("_saved_") or a == "saved_tensors")
+        _SAVED_ATTRS[kind] = attrs
+    return attrs
+
+
+def _scan_saves(roots: Sequence[object], pointers: set[int]) -> _Saves:
+    found = _Saves()
     for fn in walk_graph(roots):
         kind = type(fn).__name__
-        for attr in dir(fn):
-            if not (attr.startswith("_saved_") or attr == "saved_tensors"):
-                continue
-            if (kind, attr) in METADATA_ONLY_SAVES or _behind_hooks(fn, attr):
+        for attr in _saved_attrs(type(fn)):
+            if _behind_hooks(fn, attr):
+                found.hooked = True
                 continue
             try:
                 value: object = getattr(fn, attr)
@@ -162,8 +287,25 @@ def graph_saves(roots: Sequence[object], pointers: set[int]) -> list[str]:
             )
             for t in values:
                 if isinstance(t, Tensor) and t.untyped_storage().data_ptr() in pointers:
-                    found.append(f"{kind}.{attr.removeprefix('_saved_')}")
+                    if (kind, attr) in METADATA_ONLY_SAVES:
+                        found.metadata_only.append(t)
+                    else:
+                        found.hazards.append(f"{kind}.{attr.removeprefix('_saved_')}")
     return found
+
+
+def graph_saves(roots: Sequence[object], pointers: set[int]) -> list[str]:
+    """Where the autograd graph below ``roots`` saved a tensor living in ``pointers``.
+
+    Walks ``grad_fn`` nodes through ``next_functions`` and reads their saved tensors
+    (``_saved_*`` of built-in nodes, ``saved_tensors`` of custom Functions); returns
+    ``"NodeName.field"`` for each hit, except :data:`METADATA_ONLY_SAVES`. A saved tensor
+    behind an unpack hook (activation checkpointing, offloading) is not read: unpacking it
+    would recompute (or consume) it. Touches every node of the graph: only
+    :func:`check_release` calls it, when the cheap reference counts say something else
+    holds an input about to be freed (and in debug mode).
+    """
+    return _scan_saves(roots, pointers).hazards
 
 
 def _behind_hooks(fn: object, attr: str) -> bool:
@@ -177,13 +319,25 @@ def _behind_hooks(fn: object, attr: str) -> bool:
     return any(getattr(r, "unpack_hook", None) is not None for r in items)
 
 
+def _saved_error(name: str, hits: Sequence[str]) -> IntegrationError:
+    return IntegrationError(
+        f"node {name!r}: the free-input policy releases this node's inputs after forward, "
+        f"but autograd saved one of them (or a view) for backward: {sorted(set(hits))}; "
+        "backward would read freed memory. Expected the tensors a freeing slot receives "
+        "to be needed by no backward: have the previous slot hand over a fresh tensor "
+        "(e.g. .clone(), or the all-to-all's receive buffer) and compute this slot on a "
+        "copy (e.g. the experts on a permuted copy), or pass "
+        "ScheduleOptions(free_input=False)"
+    )
+
+
 def check_not_saved(
     name: str,
     storages: Sequence[torch.UntypedStorage],
     inputs: Sequence[Tensor | None],
     graph_roots: Sequence[object],
 ) -> None:
-    """Debug mode: raise if autograd saved (a view of) an input the node is about to free.
+    """Raise if autograd saved (a view of) an input the node is about to free.
 
     Looks at the graph that produced the inputs (the previous node's) and at this node's
     own (``graph_roots``: its outputs' and handed-on tensors' ``grad_fn``). Backward would
@@ -196,30 +350,123 @@ def check_not_saved(
     producer = [t.grad_fn for t in inputs if t is not None]
     hits = graph_saves([*producer, *graph_roots], pointers)
     if hits:
-        raise IntegrationError(
-            f"node {name!r}: the free-input policy releases this node's inputs after forward, "
-            f"but autograd saved one of them (or a view) for backward: {sorted(set(hits))}; "
-            "backward would read freed memory. Expected the tensors a freeing slot receives "
-            "to be needed by no backward: have the previous slot hand over a fresh tensor "
-            "(e.g. .clone(), or the all-to-all's receive buffer) and compute this slot on a "
-            "copy (e.g. the experts on a permuted copy), or pass "
-            "ScheduleOptions(free_input=False) (checked in debug mode)"
-        )
+        raise _saved_error(name, hits)
 
 
-def check_own_leaves(name: str, roots: Sequence[object], allowed: Sequence[Tensor]) -> None:
+def check_release(
+    name: str,
+    inputs: Sequence[Tensor | None],
+    copies: Sequence[Tensor | None],
+    outputs: Sequence[Tensor],
+    kept: Sequence[Tensor | None],
+    own_roots: Sequence[object],
+) -> None:
+    """Before a node frees ``inputs``: raise if anything but the schedule still holds one.
+
+    ``copies`` are the node's detached copies of the inputs (what its slot received),
+    ``kept`` every tensor kept for later slots (``node.detach`` copies and the layer
+    state), ``own_roots`` the ``grad_fn`` of the node's outputs and handed-on tensors.
+    Called when the cheap reference counts of an input's storage or tensors exceed the
+    schedule's own (and always in debug mode). In order: an output or a kept tensor over
+    an input's storage, a saved tensor backward would read (in this node's graph or the
+    previous one's) raise naming it; then every reference still unexplained (after the
+    schedule's own, views' bases, grad accumulators and saves that only keep sizes) raises
+    as held by something else, e.g. ``torch.utils.checkpoint``.
+    """
+    storages = [t.untyped_storage() for t in inputs if t is not None]
+    check_no_alias(name, storages, outputs, kept)
+    pointers = {s.data_ptr() for s in storages} - {0}
+    del storages  # each held storage object is one more reference to count below
+    if not pointers:
+        return
+    producer = [t.grad_fn for t in inputs if t is not None]
+    saves = _scan_saves([*producer, *own_roots], pointers)
+    if saves.hazards:
+        raise _saved_error(name, saves.hazards)
+    # The references the schedule accounts for: its tensors, their bases, and the saves
+    # that keep only sizes (and their bases). A held grad accumulator makes a leaf's count
+    # certain (one reference, whether or not autograd had made it).
+    known: dict[int, Tensor] = {}
+    for t in (*inputs, *copies, *saves.metadata_only):
+        if t is None:
+            continue
+        known[id(t)] = t
+        base = t._base  # pyright: ignore[reportPrivateUsage]
+        if base is not None:
+            known[id(base)] = base
+    accumulators = [
+        torch.autograd.graph.get_gradient_edge(t).node
+        for t in (*inputs, *copies)
+        if t is not None and t.requires_grad and t.is_leaf
+    ]
+    owners = {id(t) for t in (*inputs, *copies) if t is not None and t.requires_grad and t.is_leaf}
+    for i, (t, x) in enumerate(zip(inputs, copies, strict=True)):
+        if t is None or x is None:
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        if not ptr:
+            continue
+        over = _excess(t, known, owners, saves.metadata_only)
+        over += _excess(x, known, owners, saves.metadata_only)
+        storage = t.untyped_storage()
+        on_it = sum(1 for k in known.values() if k.untyped_storage().data_ptr() == ptr)
+        over += storage_use_count(storage._cdata) - 1 - on_it  # pyright: ignore[reportPrivateUsage]
+        if over > 0:
+            raise IntegrationError(
+                f"node {name!r}: the free-input policy releases input {i} "
+                f"({_describe(t)}) right after this slot, but something besides the schedule "
+                f"still holds it ({over} more reference(s) than the schedule's own; no output, "
+                "layer_state tensor or autograd save of the graph around the slot is one)"
+                + (
+                    ": a recomputed region (torch.utils.checkpoint) in this slot or the one "
+                    "before keeps its inputs to rerun on in backward"
+                    if saves.hooked
+                    else ", e.g. torch.utils.checkpoint over it (its recompute reruns on the "
+                    "input in backward), or a tensor kept on a module or in a closure"
+                )
+                + "; backward would read freed memory. Expected nothing but the slot to hold "
+                "a freeing slot's input: recompute inside the slot that produces the tensor, "
+                "or on a copy (checkpoint(fn, x.clone()) or moe_overlap.blocks.recompute), "
+                "or pass ScheduleOptions(free_input=False)"
+            )
+    del accumulators
+
+
+def _excess(t: Tensor, known: dict[int, Tensor], owners: set[int], metadata: Sequence[Tensor]) -> int:
+    """References to ``t``'s tensor beyond its Python object, its accumulator (held), the
+    views of it the schedule knows and the size-only saves of it."""
+    expected = 1 + (id(t) in owners) + sum(1 for v in metadata if v is t)
+    expected += sum(1 for k in known.values() if k._base is t)  # pyright: ignore[reportPrivateUsage]
+    return tensor_use_count(t) - expected
+
+
+def check_own_leaves(
+    name: str, roots: Sequence[object], allowed: Sequence[Tensor], own: Sequence[Tensor] = ()
+) -> None:
     """Debug mode: raise if a slot's graph reaches a leaf that is neither a parameter, nor
-    the slot's own input, nor a tensor some slot of the layer handed on with ``node.detach``.
+    the slot's own input, nor a tensor an earlier slot of the layer handed on with
+    ``node.detach``; or one of the slot's own ``node.detach`` copies (``own``).
 
     Such a leaf is another node's input, reached through a tensor passed between slots
     without ``node.detach``: its gradient would then be accumulated by two backward passes
-    in another order than plain ``backward()`` (or the shared graph run twice).
+    in another order than plain ``backward()`` (or the shared graph run twice). A copy
+    the slot made itself and used again never passes its gradient on.
     """
     ok = {id(t) for t in allowed}
+    mine = {id(t) for t in own}
     for fn in walk_graph(roots):
         leaf: object = getattr(fn, "variable", None)
         if not (isinstance(leaf, Tensor) and type(fn).__name__ == "AccumulateGrad"):
             continue
+        if id(leaf) in mine:
+            raise IntegrationError(
+                f"node {name!r}: its outputs (or another node.detach copy) depend on a "
+                f"node.detach copy it made itself ({_describe(leaf)}): the gradient through "
+                "that use would stop at the copy and never reach the tensor it was detached "
+                "from; expected node.detach(t) only for what a later slot reads from "
+                "layer_state, and the slot's own outputs computed from t (checked in debug "
+                "mode)"
+            )
         if isinstance(leaf, torch.nn.Parameter) or id(leaf) in ok:
             continue
         raise IntegrationError(
