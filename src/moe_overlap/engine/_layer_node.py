@@ -162,21 +162,24 @@ class TransformerLayerNode(ScheduleNode):
         as_is = self.layer_state.kept_as_is
         return (*self.detached, *as_is) if as_is else self.detached
 
-    def handed_on(self) -> tuple[Tensor | None, ...]:
-        """What this slot keeps for later slots, its detached tensors and every tensor in
-        the layer state (kept there by this or an earlier slot)."""
+    def handed_on(self) -> list[tuple[str, Tensor | None]]:
+        """What this slot keeps for later slots, named: its ``node.detach`` copies and every
+        tensor in the layer state (kept there by this or an earlier slot)."""
         state = self.layer_state
-        kept = (
-            *self.detached,
-            *state.kept_as_is,
-            state.residual,
-            state.probs,
-            state.dispatched_probs,
-            state.shared_expert_output,
-            state.tokens_per_expert,
-        )
-        if state.extras:
-            kept += tuple(v for v in state.extras.values() if isinstance(v, Tensor))
+        kept = super().handed_on()
+        kept += [("a tensor kept as it is", t) for t in state.kept_as_is]
+        kept += [
+            ("layer_state.residual", state.residual),
+            ("layer_state.probs", state.probs),
+            ("layer_state.dispatched_probs", state.dispatched_probs),
+            ("layer_state.shared_expert_output", state.shared_expert_output),
+            ("layer_state.tokens_per_expert", state.tokens_per_expert),
+        ]
+        kept += [
+            (f"layer_state.stash({k!r})", v)
+            for k, v in state.extras.items()
+            if isinstance(v, Tensor)
+        ]
         return kept
 
     def graph_tails(self) -> tuple[Tensor, ...]:

@@ -245,7 +245,10 @@ class ScheduleNode:
                     check_no_alias(self.name, _storages(inputs), outputs, ())
             for t in kept:
                 if t is not None and t.untyped_storage().data_ptr() == ptr:
-                    check_no_alias(self.name, _storages(inputs), (), kept)
+                    named = self.handed_on()
+                    tensors = [k for _, k in named]
+                    labels = [label for label, _ in named]
+                    check_no_alias(self.name, _storages(inputs), (), tensors, labels)
             if held_for_recompute(ptr):
                 raise IntegrationError(
                     f"node {self.name!r}: the free-input policy releases this node's inputs "
@@ -291,10 +294,11 @@ class ScheduleNode:
         on itself (layer slots add what they kept as it is, see ``LayerState.kept_as_is``)."""
         return self.detached
 
-    def handed_on(self) -> tuple[Tensor | None, ...]:
-        """Every tensor this node or its layer keeps for later nodes (checked when the
-        reference counts of an input about to be freed say something else holds it)."""
-        return self.detached
+    def handed_on(self) -> list[tuple[str, Tensor | None]]:
+        """Every tensor this node or its layer keeps for later nodes, with its name
+        (checked when the reference counts of an input about to be freed say something
+        else holds it)."""
+        return [(f"node.detach copy {i}", d) for i, d in enumerate(self.detached)]
 
     def graph_tails(self) -> tuple[Tensor, ...]:
         """Tensors besides the outputs whose graph this node's backward runs (none here)."""

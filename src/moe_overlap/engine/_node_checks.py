@@ -128,7 +128,7 @@ def check_handoffs(
         for i, out in enumerate(outputs):
             if not isinstance(out, Tensor):
                 continue  # the node refuses it right after
-            base = out._base  # pyright: ignore[reportPrivateUsage]
+            base = out._base
             for d in copies:
                 if out is d or base is d:
                     raise IntegrationError(
@@ -147,7 +147,7 @@ def check_handoffs(
     grad_in: bool | None = None
     for key, t, stashed in fresh:
         if t.requires_grad:
-            base = t._base  # pyright: ignore[reportPrivateUsage]
+            base = t._base
             for j, x in enumerate(inputs):
                 if t is x or base is x:
                     label = _kept_label(key, stashed)
@@ -168,7 +168,7 @@ def check_handoffs(
                 for i, out in enumerate(outputs):
                     if not isinstance(out, Tensor):
                         continue
-                    if t is out or base is out or out._base is t:  # pyright: ignore[reportPrivateUsage]
+                    if t is out or base is out or out._base is t:
                         raise IntegrationError(
                             f"node {name!r}: {_kept_label(key, stashed)} ({_describe(t)}) is "
                             f"also the slot's output {i} (or a view of it), kept without "
@@ -216,8 +216,11 @@ def check_no_alias(
     storages: Sequence[torch.UntypedStorage],
     outputs: Sequence[Tensor],
     handed_on: Sequence[Tensor | None],
+    labels: Sequence[str] = (),
 ) -> None:
-    """Raise if an output or a handed-on tensor lives in an input storage about to be freed."""
+    """Raise if an output or a handed-on tensor lives in an input storage about to be freed.
+
+    ``labels`` name the handed-on tensors in the message (``layer_state.residual``, ...)."""
     freed = {s.data_ptr(): i for i, s in enumerate(storages)}
     freed.pop(0, None)  # empty storages have no memory to lose
     if not freed:
@@ -228,9 +231,10 @@ def check_no_alias(
                 continue
             j = freed.get(t.untyped_storage().data_ptr())
             if j is not None:
+                what = f" (it is {labels[i]})" if tensors is handed_on and i < len(labels) else ""
                 raise IntegrationError(
                     f"node {name!r}: {kind} {i} ({_describe(t)}) shares storage with input "
-                    f"{j}, which the free-input policy releases right after this slot "
+                    f"{j}{what}, which the free-input policy releases right after this slot "
                     f"(should_free_input is true for {name!r}); expected a fresh buffer: "
                     "return or keep a copy (e.g. .clone(), or the all-to-all's receive "
                     "buffer), or pass ScheduleOptions(free_input=False)"
@@ -358,14 +362,14 @@ def check_release(
     inputs: Sequence[Tensor | None],
     copies: Sequence[Tensor | None],
     outputs: Sequence[Tensor],
-    kept: Sequence[Tensor | None],
+    kept: Sequence[tuple[str, Tensor | None]],
     own_roots: Sequence[object],
 ) -> None:
     """Before a node frees ``inputs``: raise if anything but the schedule still holds one.
 
     ``copies`` are the node's detached copies of the inputs (what its slot received),
-    ``kept`` every tensor kept for later slots (``node.detach`` copies and the layer
-    state), ``own_roots`` the ``grad_fn`` of the node's outputs and handed-on tensors.
+    ``kept`` every tensor kept for later slots, named (``node.detach`` copies and the
+    layer state), ``own_roots`` the ``grad_fn`` of the node's outputs and handed-on tensors.
     Called when the cheap reference counts of an input's storage or tensors exceed the
     schedule's own (and always in debug mode). In order: an output or a kept tensor over
     an input's storage, a saved tensor backward would read (in this node's graph or the
@@ -374,7 +378,7 @@ def check_release(
     as held by something else, e.g. ``torch.utils.checkpoint``.
     """
     storages = [t.untyped_storage() for t in inputs if t is not None]
-    check_no_alias(name, storages, outputs, kept)
+    check_no_alias(name, storages, outputs, [t for _, t in kept], [label for label, _ in kept])
     pointers = {s.data_ptr() for s in storages} - {0}
     del storages  # each held storage object is one more reference to count below
     if not pointers:
@@ -391,7 +395,7 @@ def check_release(
         if t is None:
             continue
         known[id(t)] = t
-        base = t._base  # pyright: ignore[reportPrivateUsage]
+        base = t._base
         if base is not None:
             known[id(base)] = base
     accumulators = [
@@ -432,11 +436,13 @@ def check_release(
     del accumulators
 
 
-def _excess(t: Tensor, known: dict[int, Tensor], owners: set[int], metadata: Sequence[Tensor]) -> int:
+def _excess(
+    t: Tensor, known: dict[int, Tensor], owners: set[int], metadata: Sequence[Tensor]
+) -> int:
     """References to ``t``'s tensor beyond its Python object, its accumulator (held), the
     views of it the schedule knows and the size-only saves of it."""
     expected = 1 + (id(t) in owners) + sum(1 for v in metadata if v is t)
-    expected += sum(1 for k in known.values() if k._base is t)  # pyright: ignore[reportPrivateUsage]
+    expected += sum(1 for k in known.values() if k._base is t)
     return tensor_use_count(t) - expected
 
 
