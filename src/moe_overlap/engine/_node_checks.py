@@ -410,30 +410,47 @@ def check_release(
         ptr = t.untyped_storage().data_ptr()
         if not ptr:
             continue
-        over = _excess(t, known, owners, saves.metadata_only)
-        over += _excess(x, known, owners, saves.metadata_only)
+        over = max(0, _excess(t, known, owners, saves.metadata_only))
+        over += max(0, _excess(x, known, owners, saves.metadata_only))
         storage = t.untyped_storage()
         on_it = sum(1 for k in known.values() if k.untyped_storage().data_ptr() == ptr)
-        over += storage_use_count(storage._cdata) - 1 - on_it  # pyright: ignore[reportPrivateUsage]
+        over += max(0, storage_use_count(storage._cdata) - 1 - on_it)  # pyright: ignore[reportPrivateUsage]
         if over > 0:
-            raise IntegrationError(
-                f"node {name!r}: the free-input policy releases input {i} "
-                f"({_describe(t)}) right after this slot, but something besides the schedule "
-                f"still holds it ({over} more reference(s) than the schedule's own; no output, "
-                "layer_state tensor or autograd save of the graph around the slot is one)"
-                + (
-                    ": a recomputed region (torch.utils.checkpoint) in this slot or the one "
-                    "before keeps its inputs to rerun on in backward"
-                    if saves.hooked
-                    else ", e.g. torch.utils.checkpoint over it (its recompute reruns on the "
-                    "input in backward), or a tensor kept on a module or in a closure"
-                )
-                + "; backward would read freed memory. Expected nothing but the slot to hold "
-                "a freeing slot's input: recompute inside the slot that produces the tensor, "
-                "or on a copy (checkpoint(fn, x.clone()) or moe_overlap.blocks.recompute), "
-                "or pass ScheduleOptions(free_input=False)"
-            )
+            raise _held_error(name, i, t, over, hooked=saves.hooked)
     del accumulators
+
+
+def _held_error(name: str, i: int, t: Tensor, over: int, *, hooked: bool) -> IntegrationError:
+    if t.grad_fn is None and t.requires_grad:
+        why = (
+            ": the previous slot returned it without computing it (its own input, a "
+            "node.detach copy or a parameter, as it is), so its memory is another tensor's "
+            "too, which the release would take from under it; the free-input policy expects "
+            "a freeing slot's inputs to be fresh buffers. Expected the previous slot to "
+            "return a copy (.clone(), or the all-to-all's receive buffer)"
+        )
+    elif hooked:
+        why = (
+            ": a recomputed region (torch.utils.checkpoint) in this slot or the one before "
+            "keeps its inputs to rerun on in backward, which would read freed memory. "
+            "Expected recomputed regions to take tensors no freeing slot receives: recompute "
+            "inside the slot that produces the tensor, or on a copy (checkpoint(fn, "
+            "x.clone()))"
+        )
+    else:
+        why = (
+            ", e.g. torch.utils.checkpoint over it (its recompute reruns on the input in "
+            "backward) or a tensor kept on a module or in a closure, which would read freed "
+            "memory. Expected nothing but the slot to hold a freeing slot's input: "
+            "recompute inside the slot that produces the tensor, or on a copy"
+        )
+    return IntegrationError(
+        f"node {name!r}: the free-input policy releases input {i} ({_describe(t)}) right "
+        f"after this slot, but something besides the schedule still holds it ({over} more "
+        "reference(s) than the schedule's own; no output, layer_state tensor or autograd "
+        f"save of the graph around the slot is one){why}; or pass "
+        "ScheduleOptions(free_input=False)"
+    )
 
 
 def _excess(
