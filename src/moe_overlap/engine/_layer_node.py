@@ -115,6 +115,7 @@ class TransformerLayerNode(ScheduleNode):
             name=name,
         )
         self.layer_state = layer_state
+        self.kept_as_is = layer_state.kept_as_is  # the layer's list, shared by its slots
         self.chunk_state = chunk_state
         self.submodule = submodule
         self.delay_wgrad_compute = args.delay_wgrad_compute
@@ -155,12 +156,6 @@ class TransformerLayerNode(ScheduleNode):
         if DEBUG:
             self.layer_state.detached_leaves.append(d)
         return d
-
-    def kept_for_later(self) -> tuple[Tensor | None, ...]:
-        """This slot's ``node.detach`` copies and the tensors the layer's slots kept as they
-        are, being one of their inputs or outputs (usually none)."""
-        as_is = self.layer_state.kept_as_is
-        return (*self.detached, *as_is) if as_is else self.detached
 
     def handed_on(self) -> list[tuple[str, Tensor | None]]:
         """What this slot keeps for later slots, named: its ``node.detach`` copies and every

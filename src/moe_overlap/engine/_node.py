@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import ParamSpec, TypeVar, cast
 
 import torch
@@ -167,6 +167,9 @@ class ScheduleNode:
     timer: NodeTimer | None
     detached: tuple[Tensor, ...] = ()
     """Tensors the node handed to later nodes itself (layer slots, through ``detach``)."""
+    kept_as_is: Sequence[Tensor] = ()
+    """Tensors kept for later nodes as they are, being some node's input or output (layer
+    slots: their layer's ``LayerState.kept_as_is``); a freeing node checks them by storage."""
 
     def __init__(
         self,
@@ -230,11 +233,14 @@ class ScheduleNode:
         # the schedule's own are the input (one tensor), this node's detached copy (one
         # tensor, plus its grad accumulator when it requires grad) and the storage object
         # read here. More sends the node to check_release, which names what holds it.
-        kept = self.kept_for_later()
+        kept = self.detached
+        also = self.kept_as_is
         suspect = DEBUG
         storage: torch.UntypedStorage | None = None
-        for tensor, leaf in zip(inputs, detached, strict=True):
-            if tensor is None or leaf is None:
+        i = -1
+        for tensor in inputs:
+            i += 1  # no zip or enumerate object on this path: they cost more than the checks
+            if tensor is None:
                 continue
             storage = tensor.untyped_storage()
             ptr = storage.data_ptr()
@@ -243,8 +249,8 @@ class ScheduleNode:
             for out in outputs:
                 if out.untyped_storage().data_ptr() == ptr:
                     check_no_alias(self.name, _storages(inputs), outputs, ())
-            for t in kept:
-                if t is not None and t.untyped_storage().data_ptr() == ptr:
+            for t in (*kept, *also) if also else kept:
+                if t.untyped_storage().data_ptr() == ptr:
                     named = self.handed_on()
                     tensors = [k for _, k in named]
                     labels = [label for label, _ in named]
@@ -258,12 +264,13 @@ class ScheduleNode:
                     "receives (recompute inside the slot that produces them, or on a copy), "
                     "or ScheduleOptions(free_input=False)"
                 )
-            if not suspect:
+            leaf = detached[i]
+            if not suspect and leaf is not None:
                 n = tensor_use_count(leaf)
                 suspect = (
-                    storage_use_count(storage._cdata) > 3  # pyright: ignore[reportPrivateUsage]
+                    n > 2
                     or tensor_use_count(tensor) > 1
-                    or n > 2
+                    or storage_use_count(storage._cdata) > 3  # pyright: ignore[reportPrivateUsage]
                     or (n == 2 and not leaf.requires_grad)
                 )
         storage = None  # one reference less: check_release counts them
@@ -288,11 +295,6 @@ class ScheduleNode:
         marking.
         """
         self.non_differentiable = (*self.non_differentiable, *tensors)
-
-    def kept_for_later(self) -> tuple[Tensor | None, ...]:
-        """The tensors a freeing node checks by storage on every forward: those it handed
-        on itself (layer slots add what they kept as it is, see ``LayerState.kept_as_is``)."""
-        return self.detached
 
     def handed_on(self) -> list[tuple[str, Tensor | None]]:
         """Every tensor this node or its layer keeps for later nodes, with its name
