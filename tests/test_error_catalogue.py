@@ -680,6 +680,26 @@ def slot_output_kept_as_is(ctx: Ctx) -> None:
     combined_1f1b(ctx.model, ctx.mbs, options=ScheduleOptions(free_input=False))
 
 
+def freed_input_passed_through_by_the_slot_before(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+    config = layer.config
+    # flex/deepep: dispatch keeps its inputs, mlp (4 local experts) frees its own
+    layer.config = dataclasses.replace(
+        config, moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep"
+    )
+
+    def dispatch(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> Tensor:
+        rows, probs = inputs
+        node.layer_state.dispatched_probs = node.detach(probs.clone())
+        return rows  # not a fresh buffer: mlp would free pre_dispatch's output with it
+
+    patch(layer, "slot_dispatch", dispatch)
+    try:
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        layer.config = config
+
+
 def b_grad_of_the_wrong_shape(ctx: Ctx) -> None:
     p0 = plan(ctx)
     ModelChunkSchedulePlan.run(p0, None)
@@ -1118,6 +1138,15 @@ CASES = [
         IntegrationError,
     ),
     Case(
+        freed_input_passed_through_by_the_slot_before,
+        ScheduleError,
+        r"slot mlp, forward.*node 'mlp': the free-input policy releases input 0 "
+        r"\(float32\[32, 16\]\) right after this slot, but something besides the schedule still "
+        r"holds it.*the previous slot returned it without computing it.*fresh buffers.*"
+        r"ScheduleOptions\(free_input=False\)",
+        IntegrationError,
+    ),
+    Case(
         b_grad_of_the_wrong_shape,
         ConfigError,
         r"ModelChunkSchedulePlan\.run: b_grad: expected the gradient of the backward plan's "
@@ -1303,6 +1332,12 @@ DEBUG_CASES = {
         "residual_without_node_detach",
         r"node 'moe_combine': its outputs depend on a tensor \(float32\[2, 8, 16\]\) that is not "
         r"a parameter, not one of its inputs and not handed on with node\.detach",
+    ),
+    "debug_detach_copy_used_again_in_its_slot": (
+        "detach_copy_used_again_in_its_slot",
+        r"layer 1, slot pre_dispatch, forward.*node 'pre_dispatch_computation': its outputs "
+        r"\(or another node\.detach copy\) depend on a node\.detach copy it made itself "
+        r"\(float32\[2, 8, 16\]\)",
     ),
 }
 """Debug-mode cases (``MOE_OVERLAP_DEBUG=1``, so in a fresh interpreter): id -> (misuse, message)."""

@@ -202,13 +202,7 @@ class TransformerLayerNode(ScheduleNode):
         if copies or fresh:  # what the slot hands on: identity checks, no allocation
             try:
                 check_handoffs(
-                    self.name,
-                    inputs,
-                    _items(out),
-                    copies,
-                    fresh,
-                    self.non_differentiable,
-                    state.kept_as_is,
+                    self.name, inputs, _items(out), copies, state, self.non_differentiable
                 )
             finally:
                 fresh.clear()

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from ._errors import IntegrationError
+from ._state import LayerState
 
 __all__ = [
     "FREED_MEMORY_HINT",
@@ -110,19 +111,19 @@ def check_handoffs(
     inputs: Sequence[Tensor],
     outputs: Sequence[object],
     copies: Sequence[Tensor],
-    fresh: Sequence[tuple[str, Tensor, bool]],
+    state: LayerState,
     allowed: Sequence[Tensor],
-    kept_as_is: list[Tensor],
 ) -> None:
     """Always on, after a layer slot's forward: what it returns and keeps is handed on right.
 
-    ``copies`` are the ``node.detach`` copies the slot made, ``fresh`` what it kept in the
-    layer state (field or stash key, tensor, stashed). Raises if an output is a copy (or a
-    view of one), if a kept tensor that requires grad is one of the slot's inputs or, not a
-    leaf, one of its outputs (or a view of either), or if a kept float tensor does not
-    require grad while the inputs do (unless in ``allowed``, marked non-differentiable).
-    Kept tensors that are an input or an output as they are, without grad, are appended to
-    ``kept_as_is`` for a freeing slot to check. Identity comparisons only: no allocation.
+    ``copies`` are the ``node.detach`` copies the slot made; ``state.fresh`` lists what it
+    kept in the layer state (field or stash key, tensor, stashed), of which what is still
+    there is checked. Raises if an output is a copy (or a view of one), if a kept tensor
+    that requires grad is one of the slot's inputs or, not a leaf, one of its outputs (or a
+    view of either), or if a kept float tensor does not require grad while the inputs do
+    (unless in ``allowed``, marked non-differentiable). Kept tensors that are an input or an
+    output as they are, without grad, are appended to ``state.kept_as_is`` for a freeing
+    slot to check. Identity comparisons only: no allocation.
     """
     if copies:
         for i, out in enumerate(outputs):
@@ -142,10 +143,14 @@ def check_handoffs(
                         "(or what it computes from t) and to keep node.detach(t) only in "
                         "layer_state, for a later slot"
                     )
+    fresh = state.fresh
     if not fresh:
         return
     grad_in: bool | None = None
     for key, t, stashed in fresh:
+        current: object = state.extras.get(key) if stashed else getattr(state, key, None)
+        if current is not t:
+            continue  # replaced (or dropped) before the slot ended: not handed on
         if t.requires_grad:
             base = t._base
             for j, x in enumerate(inputs):
@@ -192,7 +197,7 @@ def check_handoffs(
                     "node.mark_non_differentiable(t) on it in the slot"
                 )
         if any(t is x for x in inputs) or any(t is o for o in outputs):
-            kept_as_is.append(t)
+            state.kept_as_is.append(t)
 
 
 def check_copies_unused(name: str, copies: Sequence[Tensor]) -> None:
