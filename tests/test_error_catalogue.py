@@ -1141,9 +1141,8 @@ CASES = [
         freed_input_passed_through_by_the_slot_before,
         ScheduleError,
         r"slot mlp, forward.*node 'mlp': the free-input policy releases input 0 "
-        r"\(float32\[32, 16\]\) right after this slot, but something besides the schedule still "
-        r"holds it.*the previous slot returned it without computing it.*fresh buffers.*"
-        r"ScheduleOptions\(free_input=False\)",
+        r"\(float32\[32, 16\]\) right after this slot, but the previous slot returned it "
+        r"without computing it.*fresh buffers.*ScheduleOptions\(free_input=False\)",
         IntegrationError,
     ),
     Case(
@@ -1445,6 +1444,26 @@ def checkpoint_reentrant_over_a_freed_input(ctx: Ctx) -> None:
     checkpoint_over_a_freed_input(ctx, reentrant=True)
 
 
+def checkpoint_over_a_freed_combine_input(ctx: Ctx) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    layer = moe_layer(ctx)
+
+    def combine(
+        node: TransformerLayerNode, inputs: tuple[Tensor, ...]
+    ) -> Tensor | tuple[Tensor, ...]:
+        (y,) = inputs  # combine frees it
+
+        def scaled(v: Tensor) -> Tensor:
+            return torch.tanh(v) * 1.0  # rerun on y in backward
+
+        out: Tensor = checkpoint(scaled, y, use_reentrant=False)
+        return ToyLayer.slot_combine(layer, node, (out,))
+
+    patch(layer, "slot_combine", combine)
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
 def layer_state_read_after_its_input_was_freed(ctx: Ctx) -> None:
     layer = moe_layer(ctx)
 
@@ -1479,9 +1498,15 @@ CRASH_CASES = {
     "crash_checkpoint_over_a_freed_input": (
         "checkpoint_over_a_freed_input",
         r"layer 1, slot mlp, forward.*node 'mlp': the free-input policy releases input 0 "
-        r"\(float32\[32, 16\]\) right after this slot, but something besides the schedule still "
-        r"holds it \(1 more reference\(s\).*a recomputed region \(torch\.utils\.checkpoint\).*"
-        r"ScheduleOptions\(free_input=False\)",
+        r"\(float32\[32, 16\]\) right after this slot, but a recomputed region "
+        r"\(torch\.utils\.checkpoint\) keeps it to rerun on in backward.*checkpoint\(fn, "
+        r"x\.clone\(\)\).*ScheduleOptions\(free_input=False\)",
+    ),
+    "crash_checkpoint_over_a_freed_combine_input": (
+        "checkpoint_over_a_freed_combine_input",
+        r"layer 1, slot combine, forward.*node 'moe_combine': the free-input policy releases "
+        r"input 0 \(float32\[32, 16\]\) right after this slot, but a recomputed region "
+        r"\(torch\.utils\.checkpoint\) keeps it to rerun on in backward",
     ),
     "crash_checkpoint_reentrant_over_a_freed_input": (
         "checkpoint_reentrant_over_a_freed_input",

@@ -116,6 +116,12 @@ class TransformerLayerNode(ScheduleNode):
         )
         self.layer_state = layer_state
         self.kept_as_is = layer_state.kept_as_is  # the layer's list, shared by its slots
+        # Where collectives may run, the all-to-all's pending work may hold what dispatch
+        # and combine send and what mlp receives: those reference counts say nothing then.
+        if name in _SENDS_INPUTS:
+            self.count_copy_refs = not _collectives_possible()
+        elif name in _RECEIVES_INPUTS:
+            self.count_input_refs = not _collectives_possible()
         self.chunk_state = chunk_state
         self.submodule = submodule
         self.delay_wgrad_compute = args.delay_wgrad_compute
@@ -302,6 +308,18 @@ class TransformerLayerNode(ScheduleNode):
         super().release_state()
         self.detached = ()
         self.before_detached = ()
+
+
+_SENDS_INPUTS = frozenset({"moe_dispatch", "moe_combine"})
+"""Layer slots whose inputs go to the all-to-all (Megatron-Core's node names)."""
+_RECEIVES_INPUTS = frozenset({"mlp"})
+"""Layer slots whose inputs are the dispatch all-to-all's receive buffer."""
+
+
+def _collectives_possible() -> bool:
+    """Whether this process has a ``torch.distributed`` process group (an EP all-to-all may
+    run): single-process runs count every reference."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 def _items(out: object) -> tuple[object, ...]:

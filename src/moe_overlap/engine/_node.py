@@ -170,6 +170,13 @@ class ScheduleNode:
     kept_as_is: Sequence[Tensor] = ()
     """Tensors kept for later nodes as they are, being some node's input or output (layer
     slots: their layer's ``LayerState.kept_as_is``); a freeing node checks them by storage."""
+    count_input_refs: bool = True
+    """Whether a freeing node's inputs hold no references but the schedule's when it is about
+    to release them (off where they are a collective's receive buffer, which its pending
+    work may still hold: ``mlp``, after the dispatch all-to-all)."""
+    count_copy_refs: bool = True
+    """The same for the node's detached copies of its inputs, what its slot received (off
+    where the slot hands them to a collective: ``moe_dispatch``, ``moe_combine``)."""
 
     def __init__(
         self,
@@ -199,8 +206,11 @@ class ScheduleNode:
 
         Raises :class:`~moe_overlap.IntegrationError` when a floating-point output does not
         require grad although an input does (cut from the graph; see
-        :meth:`mark_non_differentiable`), or, when this node frees its inputs, when an
-        output or a tensor handed to a later node shares storage with one of them.
+        :meth:`mark_non_differentiable`), or, when this node frees its inputs, before it
+        releases any: when an output or a tensor handed to a later node shares storage with
+        one of them, or when anything else still holds one (an autograd save, a recompute,
+        a layer-state tensor over it; found through reference counts, named by
+        ``check_release``).
         """
         if self.phase is not NodePhase.NEW:
             raise NodeStateError(
@@ -235,6 +245,8 @@ class ScheduleNode:
         # read here. More sends the node to check_release, which names what holds it.
         kept = self.detached
         also = self.kept_as_is
+        count_inputs = self.count_input_refs
+        count_copies = self.count_copy_refs
         suspect = DEBUG
         storage: torch.UntypedStorage | None = None
         i = -1
@@ -264,19 +276,30 @@ class ScheduleNode:
                     "receives (recompute inside the slot that produces them, or on a copy), "
                     "or ScheduleOptions(free_input=False)"
                 )
-            leaf = detached[i]
-            if not suspect and leaf is not None:
-                n = tensor_use_count(leaf)
-                suspect = (
-                    n > 2
-                    or tensor_use_count(tensor) > 1
-                    or storage_use_count(storage._cdata) > 3  # pyright: ignore[reportPrivateUsage]
-                    or (n == 2 and not leaf.requires_grad)
-                )
+            if suspect:
+                continue
+            cdata: int = storage._cdata  # pyright: ignore[reportPrivateUsage]
+            if storage_use_count(cdata) > 3 or (count_inputs and tensor_use_count(tensor) > 1):
+                suspect = True
+            elif count_copies:
+                leaf = detached[i]
+                if leaf is not None:
+                    n = tensor_use_count(leaf)
+                    suspect = n > 2 or (n == 2 and not leaf.requires_grad)
         storage = None  # one reference less: check_release counts them
         if suspect:
             roots = [t.grad_fn for t in (*outputs, *self.graph_tails())]
-            check_release(self.name, inputs, detached, outputs, self.handed_on(), roots)
+            check_release(
+                self.name,
+                inputs,
+                detached,
+                outputs,
+                self.handed_on(),
+                roots,
+                count_inputs=count_inputs,
+                count_copies=count_copies,
+                walk=DEBUG,
+            )
         cuda = not isinstance(stream, CpuStream)
         for tensor in inputs:
             if tensor is not None:

@@ -262,9 +262,9 @@ class _Saves:
     """``"NodeName.field"`` of each saved tensor backward would read there."""
     metadata_only: list[Tensor] = field(default_factory=list[Tensor])
     """Saved tensors there whose backward reads only their sizes, once per save."""
-    hooked: bool = False
-    """Whether some saved tensor of the graph unpacks through a saved-tensor hook
-    (activation checkpointing, offloading)."""
+    recomputed: list[Tensor] = field(default_factory=list[Tensor])
+    """Inputs of recomputed regions (``torch.utils.checkpoint``) living there: the region
+    reruns on them when backward unpacks one of its saved tensors."""
 
 
 _SAVED_ATTRS: dict[type, tuple[str, ...]] = {}
@@ -281,11 +281,15 @@ def _saved_attrs(kind: type) -> tuple[str, ...]:
 
 def _scan_saves(roots: Sequence[object], pointers: set[int]) -> _Saves:
     found = _Saves()
+    frames: dict[int, object] = {}
     for fn in walk_graph(roots):
         kind = type(fn).__name__
         for attr in _saved_attrs(type(fn)):
-            if _behind_hooks(fn, attr):
-                found.hooked = True
+            hooks = _unpack_hooks(fn, attr)
+            if hooks:
+                for hook in hooks:
+                    for frame in _recompute_frames(hook):
+                        frames.setdefault(id(frame), frame)
                 continue
             try:
                 value: object = getattr(fn, attr)
@@ -300,7 +304,51 @@ def _scan_saves(roots: Sequence[object], pointers: set[int]) -> _Saves:
                         found.metadata_only.append(t)
                     else:
                         found.hazards.append(f"{kind}.{attr.removeprefix('_saved_')}")
+    for frame in frames.values():
+        get_inputs = getattr(frame, "get_inputs", None)
+        inputs: object = get_inputs() if callable(get_inputs) else ()
+        for t in cast("list[object]", inputs) if isinstance(inputs, list) else ():
+            if isinstance(t, Tensor) and t.untyped_storage().data_ptr() in pointers:
+                found.recomputed.append(t)
     return found
+
+
+def _unpack_hooks(fn: object, attr: str) -> list[Callable[..., object]]:
+    """The unpack hooks the saved tensor(s) ``attr`` of ``fn`` go through (none: plain)."""
+    raw_name = "_raw_saved_tensors" if attr == "saved_tensors" else f"_raw{attr}"
+    try:
+        raw: object = getattr(fn, raw_name, None)
+    except RuntimeError:  # released
+        return []
+    items = cast("tuple[object, ...]", raw) if isinstance(raw, (tuple, list)) else (raw,)
+    hooks: list[Callable[..., object]] = []
+    for r in items:
+        hook: object = getattr(r, "unpack_hook", None)
+        if callable(hook):
+            hooks.append(hook)
+    return hooks
+
+
+def _recompute_frames(hook: Callable[..., object]) -> list[object]:
+    """The recompute state (``torch.utils.checkpoint``'s frame: an object with
+    ``get_inputs``) an unpack hook closes over, looking one closure deep."""
+    frames: list[object] = []
+    pending: list[object] = [hook]
+    for _ in range(2):
+        nested: list[object] = []
+        for f in pending:
+            cells = cast("tuple[object, ...] | None", getattr(f, "__closure__", None)) or ()
+            for cell in cells:
+                try:
+                    value: object = getattr(cell, "cell_contents")  # noqa: B009 - untyped cell
+                except ValueError:  # an empty cell
+                    continue
+                if hasattr(value, "get_inputs") and hasattr(value, "recompute_fn"):
+                    frames.append(value)
+                elif callable(value):
+                    nested.append(value)
+        pending = nested
+    return frames
 
 
 def graph_saves(roots: Sequence[object], pointers: set[int]) -> list[str]:
@@ -315,17 +363,6 @@ def graph_saves(roots: Sequence[object], pointers: set[int]) -> list[str]:
     holds an input about to be freed (and in debug mode).
     """
     return _scan_saves(roots, pointers).hazards
-
-
-def _behind_hooks(fn: object, attr: str) -> bool:
-    """Whether the saved tensor(s) ``attr`` of ``fn`` unpack through a saved-tensor hook."""
-    raw_name = "_raw_saved_tensors" if attr == "saved_tensors" else f"_raw{attr}"
-    try:
-        raw: object = getattr(fn, raw_name, None)
-    except RuntimeError:  # released
-        return False
-    items = cast("tuple[object, ...]", raw) if isinstance(raw, (tuple, list)) else (raw,)
-    return any(getattr(r, "unpack_hook", None) is not None for r in items)
 
 
 def _saved_error(name: str, hits: Sequence[str]) -> IntegrationError:
@@ -369,18 +406,27 @@ def check_release(
     outputs: Sequence[Tensor],
     kept: Sequence[tuple[str, Tensor | None]],
     own_roots: Sequence[object],
+    *,
+    count_inputs: bool = True,
+    count_copies: bool = True,
+    walk: bool = False,
 ) -> None:
-    """Before a node frees ``inputs``: raise if anything but the schedule still holds one.
+    """Before a node frees ``inputs``: raise if something still holds one and would read it.
 
     ``copies`` are the node's detached copies of the inputs (what its slot received),
     ``kept`` every tensor kept for later slots, named (``node.detach`` copies and the
-    layer state), ``own_roots`` the ``grad_fn`` of the node's outputs and handed-on tensors.
-    Called when the cheap reference counts of an input's storage or tensors exceed the
-    schedule's own (and always in debug mode). In order: an output or a kept tensor over
-    an input's storage, a saved tensor backward would read (in this node's graph or the
-    previous one's) raise naming it; then every reference still unexplained (after the
-    schedule's own, views' bases, grad accumulators and saves that only keep sizes) raises
-    as held by something else, e.g. ``torch.utils.checkpoint``.
+    layer state), ``own_roots`` the ``grad_fn`` of the node's outputs and handed-on
+    tensors. Called when the cheap reference counts of an input's storage or tensors
+    exceed the schedule's own (``walk`` set: always, in debug mode); ``count_inputs`` /
+    ``count_copies`` off, the counts of the inputs / of the copies are not telling (a
+    collective still holds them). Raises, naming it,
+    for an output or a kept tensor over an input's storage; unless the references are
+    explained by views' bases, shared storages and grad accumulators, the autograd graph
+    of this node and of the previous one is walked and raises for a saved tensor backward
+    would read there, for a recomputed region (``torch.utils.checkpoint``) rerunning on an
+    input, and for an input the previous slot returned uncomputed (its own input, a copy,
+    a parameter) whose memory another tensor holds. Other references (a collective's
+    pending work holding the tensor, a reference the schedule cannot name) are accepted.
     """
     storages = [t.untyped_storage() for t in inputs if t is not None]
     check_no_alias(name, storages, outputs, [t for _, t in kept], [label for label, _ in kept])
@@ -388,84 +434,109 @@ def check_release(
     del storages  # each held storage object is one more reference to count below
     if not pointers:
         return
+    known: dict[int, Tensor] = {}
+    _know(known, (*inputs, *copies))
+    # A held grad accumulator makes a leaf's count certain (one reference, made or not).
+    leaves = [t for t in (*inputs, *copies) if t is not None and t.requires_grad and t.is_leaf]
+    accumulators = [torch.autograd.graph.get_gradient_edge(t).node for t in leaves]
+    owners = {id(t) for t in leaves}
+    counted = (count_inputs, count_copies)
+    if not walk and not _unexplained(inputs, copies, known, owners, counted):
+        return  # views, storages shared between inputs, accumulators: nothing else
     producer = [t.grad_fn for t in inputs if t is not None]
     saves = _scan_saves([*producer, *own_roots], pointers)
     if saves.hazards:
         raise _saved_error(name, saves.hazards)
-    # The references the schedule accounts for: its tensors, their bases, and the saves
-    # that keep only sizes (and their bases). A held grad accumulator makes a leaf's count
-    # certain (one reference, whether or not autograd had made it).
-    known: dict[int, Tensor] = {}
-    for t in (*inputs, *copies, *saves.metadata_only):
+    if saves.recomputed:
+        i = next(
+            j
+            for j, t in enumerate(inputs)
+            if t is not None
+            and any(
+                r.untyped_storage().data_ptr() == t.untyped_storage().data_ptr()
+                for r in saves.recomputed
+            )
+        )
+        raise _recomputed_error(name, i, inputs[i])
+    _know(known, saves.metadata_only)
+    for i, t in enumerate(inputs):
+        if t is not None and t.grad_fn is None and t.requires_grad:
+            over = _storage_excess(t, known)
+            if over > 0:
+                raise _passed_through_error(name, i, t, over)
+    del accumulators
+
+
+def _know(known: dict[int, Tensor], tensors: Sequence[Tensor | None]) -> None:
+    """Add ``tensors`` and their views' bases to the references the schedule accounts for."""
+    for t in tensors:
         if t is None:
             continue
         known[id(t)] = t
         base = t._base
         if base is not None:
             known[id(base)] = base
-    accumulators = [
-        torch.autograd.graph.get_gradient_edge(t).node
-        for t in (*inputs, *copies)
-        if t is not None and t.requires_grad and t.is_leaf
-    ]
-    owners = {id(t) for t in (*inputs, *copies) if t is not None and t.requires_grad and t.is_leaf}
-    for i, (t, x) in enumerate(zip(inputs, copies, strict=True)):
-        if t is None or x is None:
-            continue
-        ptr = t.untyped_storage().data_ptr()
-        if not ptr:
-            continue
-        over = max(0, _excess(t, known, owners, saves.metadata_only))
-        over += max(0, _excess(x, known, owners, saves.metadata_only))
-        storage = t.untyped_storage()
-        on_it = sum(1 for k in known.values() if k.untyped_storage().data_ptr() == ptr)
-        over += max(0, storage_use_count(storage._cdata) - 1 - on_it)  # pyright: ignore[reportPrivateUsage]
-        if over > 0:
-            raise _held_error(name, i, t, over, hooked=saves.hooked)
-    del accumulators
 
 
-def _held_error(name: str, i: int, t: Tensor, over: int, *, hooked: bool) -> IntegrationError:
-    if t.grad_fn is None and t.requires_grad:
-        why = (
-            ": the previous slot returned it without computing it (its own input, a "
-            "node.detach copy or a parameter, as it is), so its memory is another tensor's "
-            "too, which the release would take from under it; the free-input policy expects "
-            "a freeing slot's inputs to be fresh buffers. Expected the previous slot to "
-            "return a copy (.clone(), or the all-to-all's receive buffer)"
-        )
-    elif hooked:
-        why = (
-            ": a recomputed region (torch.utils.checkpoint) in this slot or the one before "
-            "keeps its inputs to rerun on in backward, which would read freed memory. "
-            "Expected recomputed regions to take tensors no freeing slot receives: recompute "
-            "inside the slot that produces the tensor, or on a copy (checkpoint(fn, "
-            "x.clone()))"
-        )
-    else:
-        why = (
-            ", e.g. torch.utils.checkpoint over it (its recompute reruns on the input in "
-            "backward) or a tensor kept on a module or in a closure, which would read freed "
-            "memory. Expected nothing but the slot to hold a freeing slot's input: "
-            "recompute inside the slot that produces the tensor, or on a copy"
-        )
+def _storage_excess(t: Tensor, known: dict[int, Tensor]) -> int:
+    """References to ``t``'s storage beyond the tensors in ``known`` and one storage object."""
+    ptr = t.untyped_storage().data_ptr()
+    on_it = sum(1 for k in known.values() if k.untyped_storage().data_ptr() == ptr)
+    storage = t.untyped_storage()
+    return storage_use_count(storage._cdata) - 1 - on_it  # pyright: ignore[reportPrivateUsage]
+
+
+def _tensor_excess(t: Tensor, known: dict[int, Tensor], owners: set[int]) -> int:
+    """References to ``t``'s tensor beyond its Python object, its accumulator (held) and
+    the views of it the schedule knows."""
+    expected = 1 + (id(t) in owners)
+    expected += sum(1 for k in known.values() if k._base is t)
+    return tensor_use_count(t) - expected
+
+
+def _unexplained(
+    inputs: Sequence[Tensor | None],
+    copies: Sequence[Tensor | None],
+    known: dict[int, Tensor],
+    owners: set[int],
+    counted: tuple[bool, bool],
+) -> bool:
+    """Whether some input's storage, or (where ``counted``) the input or its copy, has
+    references the schedule does not account for."""
+    for t, x in zip(inputs, copies, strict=True):
+        if t is None or x is None or not t.untyped_storage().data_ptr():
+            continue
+        if _storage_excess(t, known) > 0:
+            return True
+        if counted[0] and _tensor_excess(t, known, owners) > 0:
+            return True
+        if counted[1] and _tensor_excess(x, known, owners) > 0:
+            return True
+    return False
+
+
+def _recomputed_error(name: str, i: int, t: Tensor | None) -> IntegrationError:
+    what = f" ({_describe(t)})" if t is not None else ""
     return IntegrationError(
-        f"node {name!r}: the free-input policy releases input {i} ({_describe(t)}) right "
-        f"after this slot, but something besides the schedule still holds it ({over} more "
-        "reference(s) than the schedule's own; no output, layer_state tensor or autograd "
-        f"save of the graph around the slot is one){why}; or pass "
+        f"node {name!r}: the free-input policy releases input {i}{what} right after this "
+        "slot, but a recomputed region (torch.utils.checkpoint) keeps it to rerun on in "
+        "backward, which would read freed memory. Expected recomputed regions to take "
+        "tensors no freeing slot receives: recompute inside the slot that produces the "
+        "tensor, or on a copy (checkpoint(fn, x.clone())); or pass "
         "ScheduleOptions(free_input=False)"
     )
 
 
-def _excess(
-    t: Tensor, known: dict[int, Tensor], owners: set[int], metadata: Sequence[Tensor]
-) -> int:
-    """References to ``t``'s tensor beyond its Python object, its accumulator (held), the
-    views of it the schedule knows and the size-only saves of it."""
-    expected = 1 + (id(t) in owners) + sum(1 for v in metadata if v is t)
-    expected += sum(1 for k in known.values() if k._base is t)
-    return tensor_use_count(t) - expected
+def _passed_through_error(name: str, i: int, t: Tensor, over: int) -> IntegrationError:
+    return IntegrationError(
+        f"node {name!r}: the free-input policy releases input {i} ({_describe(t)}) right "
+        "after this slot, but the previous slot returned it without computing it (its own "
+        "input, a node.detach copy or a parameter, as it is), so its memory is held by "
+        f"{over} more tensor(s) the release would take it from; the free-input policy "
+        "expects a freeing slot's inputs to be fresh buffers. Expected the previous slot to "
+        "return a copy (.clone(), or the all-to-all's receive buffer), or pass "
+        "ScheduleOptions(free_input=False)"
+    )
 
 
 def check_own_leaves(
