@@ -45,6 +45,7 @@ from .test_debug_mode import run as run_python
 from .test_parity import assert_same
 from .toy_model import (
     DelayedLinear,
+    Route,
     ToyConfig,
     ToyLayer,
     ToyModel,
@@ -769,6 +770,139 @@ def owing_module_is_named_by_its_path(ctx: Ctx) -> None:
         layer.attn = attn
 
 
+# --- issue 24, the slot rules always on: node.detach hand-offs, what still holds a freed
+# input, the upstream gradient's shape ------------------------------------------------------
+
+
+def detach_copy_returned_as_output(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+
+    def pre_dispatch(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        rows, probs = ToyLayer.slot_pre_dispatch(layer, node, inputs)
+        return node.detach(rows), probs  # the copy, not rows: its gradient would stop there
+
+    patch(layer, "slot_pre_dispatch", pre_dispatch)
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+def detach_copy_view_returned_as_output(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+
+    def pre_dispatch(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        rows, probs = ToyLayer.slot_pre_dispatch(layer, node, inputs)
+        return rows, node.detach(probs).view(-1)
+
+    patch(layer, "slot_pre_dispatch", pre_dispatch)
+    combined_1f1b(ctx.model, ctx.mbs, options=ScheduleOptions(free_input=False))
+
+
+def detach_copy_used_again_in_its_slot(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+
+    def pre_dispatch(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        (x,) = inputs
+        h = node.detach(layer._attention(x, node.chunk_state.rotary_pos_emb))
+        rows, probs, route, _ = layer._route(h)  # routed from the copy, not from the tensor
+        node.layer_state.residual = h
+        node.layer_state.stash("route", route)
+        return rows, probs
+
+    patch(layer, "slot_pre_dispatch", pre_dispatch)
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+def slot_input_kept_as_is(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+
+    def dispatch(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> Tensor:
+        rows, probs = inputs
+        node.layer_state.dispatched_probs = probs  # not node.detach(...)
+        return rows.clone()
+
+    patch(layer, "slot_dispatch", dispatch)
+    combined_1f1b(ctx.model, ctx.mbs, options=ScheduleOptions(free_input=False))
+
+
+def slot_input_view_stashed_as_is(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+
+    def dispatch(
+        node: TransformerLayerNode, inputs: tuple[Tensor, ...]
+    ) -> Tensor | tuple[Tensor, ...]:
+        node.layer_state.stash("rows", inputs[0][:4])  # a view of the input
+        return ToyLayer.slot_dispatch(layer, node, inputs)
+
+    patch(layer, "slot_dispatch", dispatch)
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+def slot_output_kept_as_is(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+
+    def pre_dispatch(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        rows, probs = ToyLayer.slot_pre_dispatch(layer, node, inputs)
+        node.layer_state.probs = probs  # also returned: still in this slot's graph
+        return rows, probs
+
+    patch(layer, "slot_pre_dispatch", pre_dispatch)
+    combined_1f1b(ctx.model, ctx.mbs, options=ScheduleOptions(free_input=False))
+
+
+def freed_input_passed_through_by_the_slot_before(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+    config = layer.config
+    # flex/deepep: dispatch keeps its inputs, mlp (4 local experts) frees its own
+    layer.config = dataclasses.replace(
+        config, moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep"
+    )
+
+    def dispatch(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> Tensor:
+        rows, probs = inputs
+        node.layer_state.dispatched_probs = node.detach(probs.clone())
+        return rows  # not a fresh buffer: mlp would free pre_dispatch's output with it
+
+    patch(layer, "slot_dispatch", dispatch)
+    try:
+        combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        layer.config = config
+
+
+def b_grad_of_the_wrong_shape(ctx: Ctx) -> None:
+    p0 = plan(ctx)
+    ModelChunkSchedulePlan.run(p0, None)
+    ModelChunkSchedulePlan.run(None, p0, b_grad=torch.ones(3))  # the loss is a scalar
+
+
+def b_grad_of_the_wrong_dtype(ctx: Ctx) -> None:
+    p0 = plan(ctx)
+    loss = ModelChunkSchedulePlan.run(p0, None)
+    assert loss is not None
+    ModelChunkSchedulePlan.run(None, p0, b_grad=torch.ones_like(loss, dtype=torch.float64))
+
+
+def b_grad_not_a_tensor(ctx: Ctx) -> None:
+    p0 = plan(ctx)
+    ModelChunkSchedulePlan.run(p0, None)
+    ModelChunkSchedulePlan.run(None, p0, b_grad=bad(1.0))
+
+
+def b_grad_without_a_backward_plan(ctx: Ctx) -> None:
+    ModelChunkSchedulePlan.run(plan(ctx), None, b_grad=torch.ones(()))
+
+
+def b_grads_of_the_wrong_shape(ctx: Ctx) -> None:
+    p0, p1 = plan(ctx, 0), plan(ctx, 1)
+    mo.run_pair(p0, p1)
+    mo.run_pair(p0, p1, b_grads=(torch.ones(()), torch.ones(2)))
+
+
+def b_grads_not_a_pair(ctx: Ctx) -> None:
+    p0, p1 = plan(ctx, 0), plan(ctx, 1)
+    mo.run_pair(p0, p1)
+    mo.run_pair(p0, p1, b_grads=bad([torch.ones(()), torch.ones(())]))
+
+
 @dataclass(frozen=True)
 class Case:
     fn: Callable[[Ctx], None]
@@ -959,9 +1093,10 @@ CASES = [
     Case(
         freed_input_read_in_backward,
         ScheduleError,
-        r"layer 1, slot pre_dispatch, backward.*data is not allocated.*hint: a tensor released by "
-        r"the free-input policy was read again.*MOE_OVERLAP_DEBUG=1",
-        RuntimeError,
+        r"layer 1, slot dispatch, forward.*node 'moe_dispatch': the free-input policy releases "
+        r"this node's inputs after forward, but autograd saved one of them \(or a view\) for "
+        r"backward: \['SoftmaxBackward0\.result'\]",
+        IntegrationError,
     ),
     Case(
         decoder_is_a_module_list,
@@ -1218,6 +1353,92 @@ CASES = [
         r"before the step \(left from an earlier one\), received modules still owing some: "
         r"\{'decoder\.layers\.0\.attn \(DelayedWgradLinear\)': 1\}",
     ),
+    Case(
+        detach_copy_returned_as_output,
+        ScheduleError,
+        r"layer 1, slot pre_dispatch, forward.*node 'pre_dispatch_computation': output 0 "
+        r"\(float32\[32, 16\]\) is a node\.detach copy this slot made \(or a view of one\).*"
+        r"Expected the slot to return t itself",
+        IntegrationError,
+    ),
+    Case(
+        detach_copy_view_returned_as_output,
+        ScheduleError,
+        r"node 'pre_dispatch_computation': output 1 \(float32\[32\]\) is a node\.detach copy",
+        IntegrationError,
+    ),
+    Case(
+        detach_copy_used_again_in_its_slot,
+        ScheduleError,
+        r"layer 1, slot pre_dispatch, backward.*node 'pre_dispatch_computation': the "
+        r"node\.detach copy 0 this slot made \(float32\[2, 8, 16\]\) received a gradient from "
+        r"the slot's own backward.*MOE_OVERLAP_DEBUG=1",
+        IntegrationError,
+    ),
+    Case(
+        slot_input_kept_as_is,
+        ScheduleError,
+        r"slot dispatch, forward.*node 'moe_dispatch': layer_state\.dispatched_probs "
+        r"\(float32\[32\]\) is the slot's input 1 \(or a view of it\) kept as it is.*"
+        r"layer_state\.dispatched_probs = node\.detach\(inputs\[1\]\)",
+        IntegrationError,
+    ),
+    Case(
+        slot_input_view_stashed_as_is,
+        ScheduleError,
+        r"node 'moe_dispatch': layer_state\.stash\('rows'\) \(float32\[4, 16\]\) is the slot's "
+        r"input 0 \(or a view of it\).*layer_state\.stash\('rows', node\.detach\(inputs\[0\]\)\)",
+        IntegrationError,
+    ),
+    Case(
+        slot_output_kept_as_is,
+        ScheduleError,
+        r"node 'pre_dispatch_computation': layer_state\.probs \(float32\[32\]\) is also the "
+        r"slot's output 1 \(or a view of it\), kept without node\.detach",
+        IntegrationError,
+    ),
+    Case(
+        freed_input_passed_through_by_the_slot_before,
+        ScheduleError,
+        r"slot mlp, forward.*node 'mlp': the free-input policy releases input 0 "
+        r"\(float32\[32, 16\]\) right after this slot, but the previous slot returned it "
+        r"without computing it.*fresh buffers.*ScheduleOptions\(free_input=False\)",
+        IntegrationError,
+    ),
+    Case(
+        b_grad_of_the_wrong_shape,
+        ConfigError,
+        r"ModelChunkSchedulePlan\.run: b_grad: expected the gradient of the backward plan's "
+        r"output \(microbatch 0\) as a tensor of its shape \[\], dtype float32 on cpu, "
+        r"received one of shape \[3\], dtype float32 on cpu; .*torch\.ones_like\(loss\)",
+    ),
+    Case(
+        b_grad_of_the_wrong_dtype,
+        ConfigError,
+        r"b_grad: .* shape \[\], dtype float32 on cpu, received one of shape \[\], dtype float64",
+    ),
+    Case(
+        b_grad_not_a_tensor,
+        ConfigError,
+        r"b_grad: expected the gradient of the backward plan's output \(microbatch 0\) as a "
+        r"Tensor, received float",
+    ),
+    Case(
+        b_grad_without_a_backward_plan,
+        ConfigError,
+        r"ModelChunkSchedulePlan\.run: b_grad is given but there is no backward plan",
+    ),
+    Case(
+        b_grads_of_the_wrong_shape,
+        ConfigError,
+        r"run_pair: b_grads\[1\]: expected the gradient of the backward plan's output "
+        r"\(microbatch 1\) as a tensor of its shape \[\].*received one of shape \[2\]",
+    ),
+    Case(
+        b_grads_not_a_pair,
+        ConfigError,
+        r"run_pair: expected b_grads as a tuple of two tensors .* received list",
+    ),
 ]
 
 
@@ -1265,7 +1486,8 @@ def test_catalogue_is_documented() -> None:
     if not doc.exists():
         pytest.fail("docs/errors.md is missing")
     text = doc.read_text()
-    ids = [c.id for c in CASES] + list(DEBUG_CASES) + ["keyboard_interrupt_in_run"]
+    ids = [c.id for c in CASES] + list(DEBUG_CASES) + list(CRASH_CASES)
+    ids += ["keyboard_interrupt_in_run"]
     missing = [i for i in ids if f"`{i}`" not in text]
     assert missing == [], f"cases not in docs/errors.md: {missing}"
 
@@ -1378,6 +1600,12 @@ DEBUG_CASES = {
         r"the schedule, one through the plain forward \(max abs [0-9.e-]+\)\. Something is "
         r"applied in another place.*decoder\.final_layernorm on a non-empty decoder",
     ),
+    "debug_detach_copy_used_again_in_its_slot": (
+        "detach_copy_used_again_in_its_slot",
+        r"layer 1, slot pre_dispatch, forward.*node 'pre_dispatch_computation': its outputs "
+        r"\(or another node\.detach copy\) depend on a node\.detach copy it made itself "
+        r"\(float32\[2, 8, 16\]\)",
+    ),
 }
 """Debug-mode cases (``MOE_OVERLAP_DEBUG=1``, so in a fresh interpreter): id -> (misuse, message)."""
 
@@ -1466,3 +1694,157 @@ def test_debug_mode_catalogue() -> None:
     out = run_python(code, debug=True)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.strip() == "ok"
+
+
+# --- issue 24: what once crashed the process (run in a fresh interpreter, so a regression
+# shows as a signal, not as a dead test run) --------------------------------------------------
+
+
+def checkpoint_over_a_freed_input(ctx: Ctx, *, reentrant: bool = False) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    layer = moe_layer(ctx)
+
+    def mlp(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> Tensor:
+        (rows,) = inputs  # mlp frees it (4 local experts)
+        probs = node.layer_state.dispatched_probs
+        assert probs is not None
+        route = node.layer_state.take("route", Route)
+
+        def experts(r: Tensor) -> Tensor:
+            return layer._experts(r * 1.0, probs, route)  # rerun on rows in backward
+
+        out: Tensor = checkpoint(experts, rows, use_reentrant=reentrant)
+        return out
+
+    patch(layer, "slot_mlp", mlp)
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+def checkpoint_reentrant_over_a_freed_input(ctx: Ctx) -> None:
+    checkpoint_over_a_freed_input(ctx, reentrant=True)
+
+
+def checkpoint_over_a_freed_combine_input(ctx: Ctx) -> None:
+    from torch.utils.checkpoint import checkpoint
+
+    layer = moe_layer(ctx)
+
+    def combine(
+        node: TransformerLayerNode, inputs: tuple[Tensor, ...]
+    ) -> Tensor | tuple[Tensor, ...]:
+        (y,) = inputs  # combine frees it
+
+        def scaled(v: Tensor) -> Tensor:
+            return torch.tanh(v) * 1.0  # rerun on y in backward
+
+        out: Tensor = checkpoint(scaled, y, use_reentrant=False)
+        return ToyLayer.slot_combine(layer, node, (out,))
+
+    patch(layer, "slot_combine", combine)
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+def layer_state_read_after_its_input_was_freed(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+
+    def pre_dispatch(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        rows, probs = ToyLayer.slot_pre_dispatch(layer, node, inputs)
+        node.layer_state.stash("rows", node.detach(rows))  # dispatch frees rows
+        return rows, probs
+
+    def combine(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> Tensor:
+        kept = node.layer_state.take("rows", Tensor)
+        out = ToyLayer.slot_combine(layer, node, inputs)
+        assert isinstance(out, Tensor)
+        return out + (kept * 0.0).sum()
+
+    patch(layer, "slot_pre_dispatch", pre_dispatch)
+    patch(layer, "slot_combine", combine)
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+def freed_input_saved_by_an_elementwise_op(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+
+    def pre_dispatch(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        rows, probs = ToyLayer.slot_pre_dispatch(layer, node, inputs)
+        return torch.tanh(rows), probs  # tanh saves its result; dispatch frees it
+
+    patch(layer, "slot_pre_dispatch", pre_dispatch)
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+CRASH_CASES = {
+    "crash_checkpoint_over_a_freed_input": (
+        "checkpoint_over_a_freed_input",
+        r"layer 1, slot mlp, forward.*node 'mlp': the free-input policy releases input 0 "
+        r"\(float32\[32, 16\]\) right after this slot, but a recomputed region "
+        r"\(torch\.utils\.checkpoint\) keeps it to rerun on in backward.*checkpoint\(fn, "
+        r"x\.clone\(\)\).*ScheduleOptions\(free_input=False\)",
+    ),
+    "crash_checkpoint_over_a_freed_combine_input": (
+        "checkpoint_over_a_freed_combine_input",
+        r"layer 1, slot combine, forward.*node 'moe_combine': the free-input policy releases "
+        r"input 0 \(float32\[32, 16\]\) right after this slot, but a recomputed region "
+        r"\(torch\.utils\.checkpoint\) keeps it to rerun on in backward",
+    ),
+    "crash_checkpoint_reentrant_over_a_freed_input": (
+        "checkpoint_reentrant_over_a_freed_input",
+        r"node 'mlp': the free-input policy releases this node's inputs after forward, but "
+        r"autograd saved one of them \(or a view\) for backward: "
+        r"\['CheckpointFunctionBackward\.saved_tensors'\]",
+    ),
+    "crash_layer_state_aliases_a_freed_input": (
+        "layer_state_read_after_its_input_was_freed",
+        r"layer 1, slot dispatch, forward.*node 'moe_dispatch': tensor kept for a later slot "
+        r"\d+ \(float32\[32, 16\]\) shares storage with input 0 \(it is "
+        r"layer_state\.stash\('rows'\)\)",
+    ),
+    "crash_freed_input_saved_by_the_previous_slot": (
+        "freed_input_saved_by_an_elementwise_op",
+        r"node 'moe_dispatch': .* autograd saved one of them .*\['TanhBackward0\.result'\]",
+    ),
+    "crash_freed_input_saved_by_the_slot": (
+        "mlp_saves_its_freed_input",
+        r"node 'mlp': .* autograd saved one of them .*MulBackward0",
+    ),
+}
+"""Misuses that killed the process with SIGSEGV (a backward or a recompute reading memory
+free-input released), now refused before the release: id -> (misuse, message)."""
+
+
+@pytest.mark.slow
+def test_crash_catalogue() -> None:
+    """Without debug mode, each is a library error at the freeing slot's forward, the
+    process lives, and the same model then trains exactly."""
+    code = f"""
+        import copy, re
+        import moe_overlap as mo
+        from tests import test_error_catalogue as cat
+        from tests.toy_model import ToyModel, grads, make_microbatches, plain_step
+        from tests.test_parity import assert_same
+        for case_id, (fn, pattern) in {CRASH_CASES!r}.items():
+            print(case_id, flush=True)
+            ref = ToyModel(cat.CONFIG, "mm")
+            model = copy.deepcopy(ref)
+            ctx = cat.Ctx(model, make_microbatches(2, cat.CONFIG))
+            try:
+                getattr(cat, fn)(ctx)
+            except mo.ScheduleError as e:
+                assert isinstance(e.__cause__, mo.IntegrationError), (case_id, repr(e.__cause__))
+                assert re.search(pattern, str(e), re.DOTALL), (case_id, str(e))
+            else:
+                raise AssertionError(case_id + ": no error")
+            cat.undo_patches(model)
+            model.zero_grad(set_to_none=True)
+            mbs = make_microbatches(3, cat.CONFIG, seed=5)
+            plain_step(ref, mbs)
+            mo.combined_1f1b(model, mbs)
+            assert_same(grads(model), grads(ref))
+        print("ok")
+        """
+    out = run_python(code, debug=False)
+    assert out.returncode >= 0, f"killed by signal {-out.returncode} after {out.stdout!r}"
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip().endswith("ok")

@@ -196,6 +196,46 @@ class ModelChunkSchedulePlan:
         assert node is not None, f"step {step} has no node in this chunk"
         return node
 
+    def output_node(self) -> ScheduleNode | None:
+        """The node whose forward output is the chunk's (what ``b_grad`` is the gradient
+        of): the post-process, else the last layer's last slot, else the pre-process."""
+        if self.post_process is not None:
+            return self.post_process
+        if self.layers:
+            last = self.layers[-1]
+            if last.shape.has_mtp_post:
+                slot = Slot.MTP_POST
+            else:
+                slot = Slot.COMBINE if last.shape.is_moe else Slot.MLP
+            return last.nodes.get(slot)
+        return self.pre_process
+
+    def check_output_grad(self, where: str, grad: object) -> None:
+        """Raise :class:`~moe_overlap.ConfigError` unless ``grad`` can be the gradient of this
+        plan's forward output: a tensor of its shape, dtype and device (as
+        ``output.backward(grad)`` needs; the autograd engine itself would broadcast a
+        wrong-shaped one and sum it, silently)."""
+        mb = self.microbatch
+        if not isinstance(grad, Tensor):
+            raise ConfigError(
+                f"{where}: expected the gradient of the backward plan's output (microbatch "
+                f"{mb}) as a Tensor, received {type(grad).__name__}"
+            )
+        node = self.output_node()
+        outputs = node.outputs if node is not None else ()
+        if len(outputs) != 1:
+            return  # not forwarded (or not through this plan): the run refuses it
+        out = outputs[0]
+        if grad.shape == out.shape and grad.dtype == out.dtype and grad.device == out.device:
+            return
+        raise ConfigError(
+            f"{where}: expected the gradient of the backward plan's output (microbatch {mb}) "
+            f"as a tensor of its shape {list(out.shape)}, dtype {_dtype(out)} on {out.device}, "
+            f"received one of shape {list(grad.shape)}, dtype {_dtype(grad)} on {grad.device}; "
+            "pass what output.backward(grad) takes, e.g. torch.ones_like(loss) (times a loss "
+            "scale)"
+        )
+
     def record_current_stream(self) -> None:
         """Make this chunk's next node wait for the work queued so far on the current stream."""
         record_event(self.event, current_stream(self.streams.comp))
@@ -252,6 +292,13 @@ class ModelChunkSchedulePlan:
                 )
         if b is not None and b_grad is None:
             raise IntegrationError("ModelChunkSchedulePlan.run: a backward plan needs b_grad")
+        if b is not None:
+            b.check_output_grad("ModelChunkSchedulePlan.run: b_grad", b_grad)
+        elif b_grad is not None:
+            raise ConfigError(
+                "ModelChunkSchedulePlan.run: b_grad is given but there is no backward plan "
+                "(b_schedule_plan is None); expected b_grad only with a backward plan"
+            )
         check_grad_mode("ModelChunkSchedulePlan.run")
         hooks = ChunkHooks(
             pre_forward=pre_forward,
@@ -322,6 +369,10 @@ def run_pair(
                 f"run_pair: the plan of microbatch {plan.microbatch} was released; build a "
                 "new plan for every microbatch"
             )
+    if b_grads is not None:
+        grad0, grad1 = _pair_of_grads(b_grads)
+        first.check_output_grad("run_pair: b_grads[0]", grad0)
+        second.check_output_grad("run_pair: b_grads[1]", grad1)
     check_grad_mode("run_pair")
     if b_grads is None:
         roles = (Role.F, Role.F2)
@@ -350,6 +401,25 @@ def run_pair(
         return None, None
     outs = (values[roles[0]], values[roles[1]])
     return (outs[0][0] if outs[0] else None), (outs[1][0] if outs[1] else None)
+
+
+def _pair_of_grads(value: object) -> tuple[object, object]:
+    """``run_pair``'s ``b_grads`` as two values, or a :class:`~moe_overlap.ConfigError`."""
+    if isinstance(value, tuple):
+        items = cast("tuple[object, ...]", value)
+        if len(items) == 2:
+            return items[0], items[1]
+        received = f"a tuple of length {len(items)}"
+    else:
+        received = type(value).__name__
+    raise ConfigError(
+        "run_pair: expected b_grads as a tuple of two tensors (the gradients of the two "
+        f"plans' outputs) or None, received {received}"
+    )
+
+
+def _dtype(t: Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
 
 
 def check_grad_mode(where: str) -> None:

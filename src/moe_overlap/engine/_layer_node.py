@@ -14,7 +14,7 @@ from ._debug import DEBUG
 from ._errors import ConfigError, IntegrationError, WgradError
 from ._free_input import should_free_input
 from ._node import ScheduleNode, default_backward, weak_method
-from ._node_checks import check_kept_in_graph, check_own_leaves
+from ._node_checks import check_copies_unused, check_handoffs, check_own_leaves
 from ._options import Hook
 from ._protocols import FreeInputConfig, SlotFn, StreamProvider, WgradLayer
 from ._state import ChunkState, LayerState
@@ -120,6 +120,13 @@ class TransformerLayerNode(ScheduleNode):
             name=name,
         )
         self.layer_state = layer_state
+        self.kept_as_is = layer_state.kept_as_is  # the layer's list, shared by its slots
+        # Where collectives may run, the all-to-all's pending work may hold what dispatch
+        # and combine send and what mlp receives: those reference counts say nothing then.
+        if name in _SENDS_INPUTS:
+            self.count_copy_refs = not _collectives_possible()
+        elif name in _RECEIVES_INPUTS:
+            self.count_input_refs = not _collectives_possible()
         self.chunk_state = chunk_state
         self.submodule = submodule
         self.delay_wgrad_compute = args.delay_wgrad_compute
@@ -161,20 +168,24 @@ class TransformerLayerNode(ScheduleNode):
             self.layer_state.detached_leaves.append(d)
         return d
 
-    def handed_on(self) -> tuple[Tensor | None, ...]:
-        """Debug mode: what this slot keeps for later slots, its detached tensors and every
+    def handed_on(self) -> list[tuple[str, Tensor | None]]:
+        """What this slot keeps for later slots, named: its ``node.detach`` copies and every
         tensor in the layer state (kept there by this or an earlier slot)."""
         state = self.layer_state
-        kept = (
-            *self.detached,
-            state.residual,
-            state.probs,
-            state.dispatched_probs,
-            state.shared_expert_output,
-            state.tokens_per_expert,
-        )
-        if state.extras:
-            kept += tuple(v for v in state.extras.values() if isinstance(v, Tensor))
+        kept = super().handed_on()
+        kept += [("a tensor kept as it is", t) for t in state.kept_as_is]
+        kept += [
+            ("layer_state.residual", state.residual),
+            ("layer_state.probs", state.probs),
+            ("layer_state.dispatched_probs", state.dispatched_probs),
+            ("layer_state.shared_expert_output", state.shared_expert_output),
+            ("layer_state.tokens_per_expert", state.tokens_per_expert),
+        ]
+        kept += [
+            (f"layer_state.stash({k!r})", v)
+            for k, v in state.extras.items()
+            if isinstance(v, Tensor)
+        ]
         return kept
 
     def graph_tails(self) -> tuple[Tensor, ...]:
@@ -192,22 +203,41 @@ class TransformerLayerNode(ScheduleNode):
             inputs.append(a)
         out = self.submodule(self, tuple(inputs))
         state = self.layer_state
+        copies = self.detached
         if DEBUG:
             outs = (out,) if isinstance(out, Tensor) else out
             roots = [t.grad_fn for t in (*outs, *self.before_detached)]
-            check_own_leaves(self.name, roots, (*inputs, *state.detached_leaves))
-        if state.ungraded:  # floating tensors kept without grad by this slot
-            kept = tuple(state.ungraded)
-            state.ungraded.clear()
-            check_kept_in_graph(self.name, inputs, kept, self.non_differentiable)
+            leaves = [d for d in state.detached_leaves if not any(d is c for c in copies)]
+            check_own_leaves(self.name, roots, (*inputs, *leaves), copies)
+        fresh = state.fresh
+        if copies or fresh:  # what the slot hands on: identity checks, no allocation
+            try:
+                check_handoffs(
+                    self.name, inputs, _items(out), copies, state, self.non_differentiable
+                )
+            finally:
+                fresh.clear()
         return out
 
     def backward_impl(
         self, outputs: tuple[Tensor, ...], output_grad: tuple[Tensor | None, ...]
     ) -> None:
-        """Backpropagate from the outputs and from every tensor this node detached."""
-        detached_grad = tuple(d.grad for d in self.detached)
-        default_backward(outputs + self.before_detached, output_grad + detached_grad)
+        """Backpropagate from the outputs and from every tensor this node detached.
+
+        The copies' gradients (from later slots) go back through the tensors they were
+        detached from; the copies' ``.grad`` is cleared first, so a gradient the slot's own
+        backward gives a copy (the slot used it itself) is found and refused after.
+        """
+        copies = self.detached
+        if not copies:
+            default_backward(outputs, output_grad)
+            return
+        detached_grad: list[Tensor | None] = []
+        for d in copies:
+            detached_grad.append(d.grad)
+            d.grad = None
+        default_backward(outputs + self.before_detached, output_grad + tuple(detached_grad))
+        check_copies_unused(self.name, copies)
 
     def forward(self, *inputs: Tensor | None) -> tuple[Tensor, ...]:
         """Run forward; on the layer's last forward slot, fire the post-forward hook."""
@@ -283,6 +313,25 @@ class TransformerLayerNode(ScheduleNode):
         super().release_state()
         self.detached = ()
         self.before_detached = ()
+
+
+_SENDS_INPUTS = frozenset({"moe_dispatch", "moe_combine"})
+"""Layer slots whose inputs go to the all-to-all (Megatron-Core's node names)."""
+_RECEIVES_INPUTS = frozenset({"mlp"})
+"""Layer slots whose inputs are the dispatch all-to-all's receive buffer."""
+
+
+def _collectives_possible() -> bool:
+    """Whether this process has a ``torch.distributed`` process group (an EP all-to-all may
+    run): single-process runs count every reference."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _items(out: object) -> tuple[object, ...]:
+    """A slot's result as a tuple (what the node then checks to be tensors)."""
+    if isinstance(out, tuple):
+        return cast("tuple[object, ...]", out)
+    return (out,)
 
 
 _set_grad_enabled = cast(

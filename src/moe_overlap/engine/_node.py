@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import ParamSpec, TypeVar, cast
 
 import torch
@@ -19,7 +19,13 @@ from torch import Tensor
 
 from ._debug import DEBUG
 from ._errors import IntegrationError, NodeStateError
-from ._node_checks import check_in_graph, check_no_alias, check_not_saved
+from ._node_checks import (
+    check_in_graph,
+    check_no_alias,
+    check_release,
+    storage_use_count,
+    tensor_use_count,
+)
 from ._protocols import NodeTimer, StreamProvider
 from ._recompute_hold import held_for_recompute
 from ._streams import AnyEvent, CpuEvent, CpuStream, record_tensor_on, use_stream
@@ -161,6 +167,16 @@ class ScheduleNode:
     timer: NodeTimer | None
     detached: tuple[Tensor, ...] = ()
     """Tensors the node handed to later nodes itself (layer slots, through ``detach``)."""
+    kept_as_is: Sequence[Tensor] = ()
+    """Tensors kept for later nodes as they are, being some node's input or output (layer
+    slots: their layer's ``LayerState.kept_as_is``); a freeing node checks them by storage."""
+    count_input_refs: bool = True
+    """Whether a freeing node's inputs hold no references but the schedule's when it is about
+    to release them (off where they are a collective's receive buffer, which its pending
+    work may still hold: ``mlp``, after the dispatch all-to-all)."""
+    count_copy_refs: bool = True
+    """The same for the node's detached copies of its inputs, what its slot received (off
+    where the slot hands them to a collective: ``moe_dispatch``, ``moe_combine``)."""
 
     def __init__(
         self,
@@ -190,8 +206,11 @@ class ScheduleNode:
 
         Raises :class:`~moe_overlap.IntegrationError` when a floating-point output does not
         require grad although an input does (cut from the graph; see
-        :meth:`mark_non_differentiable`), or, when this node frees its inputs, when an
-        output or a tensor handed to a later node shares storage with one of them.
+        :meth:`mark_non_differentiable`), or, when this node frees its inputs, before it
+        releases any: when an output or a tensor handed to a later node shares storage with
+        one of them, or when anything else still holds one (an autograd save, a recompute,
+        a layer-state tensor over it; found through reference counts, named by
+        ``check_release``).
         """
         if self.phase is not NodePhase.NEW:
             raise NodeStateError(
@@ -219,17 +238,35 @@ class ScheduleNode:
             return outputs
         # Release the inputs' storage, unless something still in use lives in it (checked
         # for every input before any is released; no allocation on this per-node path).
-        kept = self.handed_on() if DEBUG else self.detached
+        # Anything else that holds an input (a view or copy over its storage, autograd's
+        # saves, a checkpoint) shows in the reference counts of its storage and tensors:
+        # the schedule's own are the input (one tensor), this node's detached copy (one
+        # tensor, plus its grad accumulator when it requires grad) and the storage object
+        # read here. More sends the node to check_release, which names what holds it.
+        kept = self.detached
+        also = self.kept_as_is
+        count_inputs = self.count_input_refs
+        count_copies = self.count_copy_refs
+        suspect = DEBUG
+        storage: torch.UntypedStorage | None = None
+        i = -1
         for tensor in inputs:
-            ptr = 0 if tensor is None else tensor.untyped_storage().data_ptr()
-            if not ptr:  # no tensor, or an empty storage: no memory to lose
+            i += 1  # no zip or enumerate object on this path: they cost more than the checks
+            if tensor is None:
+                continue
+            storage = tensor.untyped_storage()
+            ptr = storage.data_ptr()
+            if not ptr:  # an empty storage: no memory to lose
                 continue
             for out in outputs:
                 if out.untyped_storage().data_ptr() == ptr:
                     check_no_alias(self.name, _storages(inputs), outputs, ())
-            for t in kept:
-                if t is not None and t.untyped_storage().data_ptr() == ptr:
-                    check_no_alias(self.name, _storages(inputs), (), kept)
+            for t in (*kept, *also) if also else kept:
+                if t.untyped_storage().data_ptr() == ptr:
+                    named = self.handed_on()
+                    tensors = [k for _, k in named]
+                    labels = [label for label, _ in named]
+                    check_no_alias(self.name, _storages(inputs), (), tensors, labels)
             if held_for_recompute(ptr):
                 raise IntegrationError(
                     f"node {self.name!r}: the free-input policy releases this node's inputs "
@@ -239,9 +276,30 @@ class ScheduleNode:
                     "receives (recompute inside the slot that produces them, or on a copy), "
                     "or ScheduleOptions(free_input=False)"
                 )
-        if DEBUG:
+            if suspect:
+                continue
+            cdata: int = storage._cdata  # pyright: ignore[reportPrivateUsage]
+            if storage_use_count(cdata) > 3 or (count_inputs and tensor_use_count(tensor) > 1):
+                suspect = True
+            elif count_copies:
+                leaf = detached[i]
+                if leaf is not None:
+                    n = tensor_use_count(leaf)
+                    suspect = n > 2 or (n == 2 and not leaf.requires_grad)
+        storage = None  # one reference less: check_release counts them
+        if suspect:
             roots = [t.grad_fn for t in (*outputs, *self.graph_tails())]
-            check_not_saved(self.name, _storages(inputs), inputs, roots)
+            check_release(
+                self.name,
+                inputs,
+                detached,
+                outputs,
+                self.handed_on(),
+                roots,
+                count_inputs=count_inputs,
+                count_copies=count_copies,
+                walk=DEBUG,
+            )
         cuda = not isinstance(stream, CpuStream)
         for tensor in inputs:
             if tensor is not None:
@@ -261,9 +319,11 @@ class ScheduleNode:
         """
         self.non_differentiable = (*self.non_differentiable, *tensors)
 
-    def handed_on(self) -> tuple[Tensor | None, ...]:
-        """Debug mode: every tensor this node or its layer keeps for later nodes."""
-        return self.detached
+    def handed_on(self) -> list[tuple[str, Tensor | None]]:
+        """Every tensor this node or its layer keeps for later nodes, with its name
+        (checked when the reference counts of an input about to be freed say something
+        else holds it)."""
+        return [(f"node.detach copy {i}", d) for i, d in enumerate(self.detached)]
 
     def graph_tails(self) -> tuple[Tensor, ...]:
         """Tensors besides the outputs whose graph this node's backward runs (none here)."""

@@ -66,11 +66,6 @@ _FIELDS = ("residual", "probs", "dispatched_probs", "shared_expert_output", "tok
 _set = object.__setattr__
 
 
-def _note_ungraded(state: "LayerState", name: str, value: Tensor) -> None:
-    if value.is_floating_point() or value.is_complex():
-        state.ungraded.append((name, value))
-
-
 class LayerState:
     """State the nodes of one layer share within one microbatch.
 
@@ -89,11 +84,12 @@ class LayerState:
         "detached_leaves",
         "dispatched_probs",
         "extras",
+        "fresh",
+        "kept_as_is",
         "probs",
         "residual",
         "shared_expert_output",
         "tokens_per_expert",
-        "ungraded",
     )
 
     residual: Tensor | None
@@ -105,10 +101,14 @@ class LayerState:
     detached_leaves: list[Tensor]
     """Debug mode: every tensor the layer's slots made with ``node.detach`` (legitimate
     leaves of a later slot's graph)."""
-    ungraded: list[tuple[str, Tensor]]
-    """Floating-point tensors kept without ``requires_grad`` since the running slot began
-    (a field or a stash key, and the tensor): the slot's node checks them after its
-    forward, as it checks its outputs."""
+    fresh: list[tuple[str, Tensor, bool]]
+    """Every tensor kept since the running slot began: the field name or stash key, the
+    tensor, and whether it was stashed. The slot's node checks them after its forward, as
+    it checks its outputs (still in the graph, not the slot's own input), and clears the
+    list."""
+    kept_as_is: list[Tensor]
+    """Tensors kept as they are (the same object) that are also an input or an output of
+    the slot that kept them: a slot that frees its inputs checks that none lives there."""
 
     def __init__(self) -> None:
         # Through object.__setattr__: these fields exist, and a plan builds one per layer.
@@ -118,14 +118,13 @@ class LayerState:
         _set(self, "shared_expert_output", None)
         _set(self, "tokens_per_expert", None)
         _set(self, "extras", {})
-        _set(self, "ungraded", [])
+        _set(self, "fresh", [])
+        _set(self, "kept_as_is", [])
         _set(self, "detached_leaves", [])
 
     if not TYPE_CHECKING:  # hidden from type checkers: an unknown field stays a type error
 
         def __setattr__(self, name: str, value: object) -> None:
-            if isinstance(value, Tensor) and not value.requires_grad:
-                _note_ungraded(self, name, value)
             try:
                 object.__setattr__(self, name, value)
             except AttributeError:
@@ -135,6 +134,8 @@ class LayerState:
                     f"layer_state.stash({name!r}, value) and read it with "
                     f"layer_state.take({name!r}, kind)"
                 ) from None
+            if isinstance(value, Tensor):
+                self.fresh.append((name, value, False))
 
         def __getattr__(self, name: str) -> object:
             # Only reached for names that are not fields (slots raise for unset ones first).
@@ -146,8 +147,8 @@ class LayerState:
 
     def stash(self, key: str, value: object) -> None:
         """Keep ``value`` for a later slot of the same layer and microbatch."""
-        if isinstance(value, Tensor) and not value.requires_grad:
-            _note_ungraded(self, f"stash({key!r})", value)
+        if isinstance(value, Tensor):
+            self.fresh.append((key, value, True))
         self.extras[key] = value
 
     def take(self, key: str, kind: type[_T]) -> _T:
@@ -174,5 +175,6 @@ class LayerState:
         _set(self, "shared_expert_output", None)
         _set(self, "tokens_per_expert", None)
         self.extras.clear()
-        self.ungraded.clear()
+        self.fresh.clear()
+        self.kept_as_is.clear()
         self.detached_leaves.clear()
