@@ -14,6 +14,7 @@ from ._errors import ConfigError, IntegrationError, PlanReleasedError, StreamErr
 from ._executor import BValue, FValue, execute, execute_roles
 from ._fsdp_check import check_fsdp
 from ._inputs import check_inputs
+from ._layer_node import refresh_collectives
 from ._layer_plan import POSITIONS, TransformerLayerSchedulePlan
 from ._node import ScheduleNode
 from ._options import ChunkHooks, PostBackwardHook, PostForwardHook, PreHook, ScheduleOptions
@@ -134,6 +135,7 @@ class ModelChunkSchedulePlan:
         )
         where = f"ModelChunkSchedulePlan (microbatch {microbatch})"
         check_inputs(model, self.state, where=where)
+        refresh_collectives()
         self.pre_process: PreProcessNode | None = PreProcessNode(
             model, self.state, self.event, streams.comp_provider
         )

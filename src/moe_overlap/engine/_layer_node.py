@@ -23,6 +23,7 @@ from ._streams import AnyEvent, stream_context
 __all__ = [
     "LayerArgs",
     "TransformerLayerNode",
+    "refresh_collectives",
 ]
 
 
@@ -122,11 +123,13 @@ class TransformerLayerNode(ScheduleNode):
         self.layer_state = layer_state
         self.kept_as_is = layer_state.kept_as_is  # the layer's list, shared by its slots
         # Where collectives may run, the all-to-all's pending work may hold what dispatch
-        # and combine send and what mlp receives: those reference counts say nothing then.
-        if name in _SENDS_INPUTS:
-            self.count_copy_refs = not _collectives_possible()
-        elif name in _RECEIVES_INPUTS:
-            self.count_input_refs = not _collectives_possible()
+        # and combine send and what mlp receives: those reference counts say nothing then
+        # (reading them would only send the release check down its slow path).
+        if _COLLECTIVES[0]:
+            if name in _SENDS_INPUTS:
+                self.count_copy_refs = False
+            elif name in _RECEIVES_INPUTS:
+                self.count_input_refs = False
         self.chunk_state = chunk_state
         self.submodule = submodule
         self.delay_wgrad_compute = args.delay_wgrad_compute
@@ -321,10 +324,15 @@ _RECEIVES_INPUTS = frozenset({"mlp"})
 """Layer slots whose inputs are the dispatch all-to-all's receive buffer."""
 
 
-def _collectives_possible() -> bool:
-    """Whether this process has a ``torch.distributed`` process group (an EP all-to-all may
-    run): single-process runs count every reference."""
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
+def refresh_collectives() -> None:
+    """Note whether this process has a ``torch.distributed`` process group (an EP all-to-all
+    may run; single-process runs count every reference). Chunk plans call it when built;
+    a stale answer costs only time, never a result."""
+    _COLLECTIVES[0] = torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+_COLLECTIVES = [False]
+refresh_collectives()
 
 
 def _items(out: object) -> tuple[object, ...]:

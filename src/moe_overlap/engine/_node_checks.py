@@ -441,9 +441,12 @@ def check_release(
     accumulators = [torch.autograd.graph.get_gradient_edge(t).node for t in leaves]
     owners = {id(t) for t in leaves}
     counted = (count_inputs, count_copies)
-    if not walk and not _unexplained(inputs, copies, known, owners, counted):
+    shared, copied = _unexplained(inputs, copies, known, owners, counted)
+    if not (walk or shared or copied):
         return  # views, storages shared between inputs, accumulators: nothing else
-    producer = [t.grad_fn for t in inputs if t is not None]
+    # What holds a copy (the slot's own input) was made in the slot: only its own graph is
+    # walked for it; what holds the storage or the input may be the previous slot's too.
+    producer = [t.grad_fn for t in inputs if t is not None] if walk or shared else []
     saves = _scan_saves([*producer, *own_roots], pointers)
     if saves.hazards:
         raise _saved_error(name, saves.hazards)
@@ -500,19 +503,18 @@ def _unexplained(
     known: dict[int, Tensor],
     owners: set[int],
     counted: tuple[bool, bool],
-) -> bool:
-    """Whether some input's storage, or (where ``counted``) the input or its copy, has
-    references the schedule does not account for."""
+) -> tuple[bool, bool]:
+    """Whether some input's storage or (where ``counted``) input, and whether (where
+    ``counted``) some copy, has references the schedule does not account for."""
+    shared = copied = False
     for t, x in zip(inputs, copies, strict=True):
         if t is None or x is None or not t.untyped_storage().data_ptr():
             continue
-        if _storage_excess(t, known) > 0:
-            return True
-        if counted[0] and _tensor_excess(t, known, owners) > 0:
-            return True
+        if _storage_excess(t, known) > 0 or (counted[0] and _tensor_excess(t, known, owners) > 0):
+            shared = True
         if counted[1] and _tensor_excess(x, known, owners) > 0:
-            return True
-    return False
+            copied = True
+    return shared, copied
 
 
 def _recomputed_error(name: str, i: int, t: Tensor | None) -> IntegrationError:
