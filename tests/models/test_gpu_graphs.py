@@ -13,7 +13,14 @@ from typing import Any
 import pytest
 import torch
 
-from moe_overlap import ConfigError, Microbatch, ScheduleError, combined_1f1b, make_streams
+from moe_overlap import (
+    ConfigError,
+    CudaGraphModule,
+    Microbatch,
+    ScheduleError,
+    combined_1f1b,
+    make_streams,
+)
 from moe_overlap.blocks import discard_wgrad, finish_wgrad
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel
 
@@ -22,7 +29,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
 ]
 
-ALL = ("attn", "moe_router", "mlp")
+ALL = (CudaGraphModule.attn, CudaGraphModule.moe_router, CudaGraphModule.mlp)
 
 
 @pytest.fixture(autouse=True)
@@ -36,9 +43,12 @@ def _deterministic() -> Iterator[None]:
 
 
 def _model(
-    graphs: tuple[str, ...], *, delay: bool, dispatcher: str = "alltoall", aux: float = 0.0
+    graphs: tuple[CudaGraphModule, ...],
+    *,
+    delay: bool,
+    dispatcher: str = "alltoall",
+    aux: float = 0.0,
 ) -> GPTMoEModel:
-    scopes: Any = graphs  # names as data, checked by the config
     kind: Any = dispatcher
     config = GPTMoEConfig(
         hidden_size=256,
@@ -51,7 +61,7 @@ def _model(
         delay_wgrad_compute=delay,
         dispatcher=kind,
         dtype=torch.bfloat16,
-        cuda_graph_modules=scopes,
+        cuda_graph_modules=graphs,
     )
     return GPTMoEModel(config, device="cuda")
 
@@ -100,9 +110,11 @@ def _assert_same(a: GPTMoEModel, b: GPTMoEModel) -> None:
 
 @pytest.mark.parametrize("how", ["plain", "1f1b", "fill_drain"])
 @pytest.mark.parametrize("delay", [False, True])
-@pytest.mark.parametrize(("graphs", "dispatcher"), [(ALL, "alltoall"), (("attn",), "loopback")])
+@pytest.mark.parametrize(
+    ("graphs", "dispatcher"), [(ALL, "alltoall"), ((CudaGraphModule.attn,), "loopback")]
+)
 def test_graphed_scopes_are_bit_identical_to_eager(
-    how: str, delay: bool, graphs: tuple[str, ...], dispatcher: str
+    how: str, delay: bool, graphs: tuple[CudaGraphModule, ...], dispatcher: str
 ) -> None:
     eager = _model((), delay=delay, dispatcher=dispatcher)
     graphed = _model(graphs, delay=delay, dispatcher=dispatcher)

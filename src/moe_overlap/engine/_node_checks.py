@@ -305,9 +305,7 @@ def _scan_saves(roots: Sequence[object], pointers: set[int]) -> _Saves:
                     else:
                         found.hazards.append(f"{kind}.{attr.removeprefix('_saved_')}")
     for frame in frames.values():
-        get_inputs = getattr(frame, "get_inputs", None)
-        inputs: object = get_inputs() if callable(get_inputs) else ()
-        for t in cast("list[object]", inputs) if isinstance(inputs, list) else ():
+        for t in _frame_inputs(frame):
             if isinstance(t, Tensor) and t.untyped_storage().data_ptr() in pointers:
                 found.recomputed.append(t)
     return found
@@ -343,12 +341,30 @@ def _recompute_frames(hook: Callable[..., object]) -> list[object]:
                     value: object = getattr(cell, "cell_contents")  # noqa: B009 - untyped cell
                 except ValueError:  # an empty cell
                     continue
-                if hasattr(value, "get_inputs") and hasattr(value, "recompute_fn"):
+                if hasattr(value, "recompute_fn") and (
+                    hasattr(value, "get_inputs") or hasattr(value, "input_saver")
+                ):
                     frames.append(value)
                 elif callable(value):
                     nested.append(value)
         pending = nested
     return frames
+
+
+def _frame_inputs(frame: object) -> list[object]:
+    """The inputs a recompute frame reruns on: ``get_inputs()`` (torch 2.13), else the
+    tensors its ``input_saver`` node saved (torch 2.11: ``_NoopSaveInputs``)."""
+    get_inputs = getattr(frame, "get_inputs", None)
+    if callable(get_inputs):
+        inputs: object = get_inputs()
+        return cast("list[object]", inputs) if isinstance(inputs, list) else []
+    saver: object = getattr(frame, "input_saver", None)
+    node: object = getattr(saver, "grad_fn", None)
+    try:
+        saved: object = getattr(node, "saved_tensors", ())
+    except RuntimeError:  # released
+        return []
+    return list(cast("tuple[object, ...]", saved)) if isinstance(saved, tuple) else []
 
 
 def graph_saves(roots: Sequence[object], pointers: set[int]) -> list[str]:
