@@ -513,26 +513,42 @@ def _graph_nodes(t: Tensor) -> Iterator[object]:
                 queue.append(child)
 
 
-def graph_leaves(t: Tensor) -> list[Tensor]:
-    """The leaf tensors requiring grad that ``t`` is computed from (its autograd graph:
-    which tensors its value depends on, whatever their values)."""
+def _node_of(t: Tensor) -> object | None:
+    """The autograd node a graph reaches ``t`` through: its ``grad_fn``, or, for a leaf
+    requiring grad, its gradient accumulator (by identity: ``AccumulateGrad.variable``
+    does not give back the same tensor object on every torch release)."""
+    if t.grad_fn is not None:
+        return t.grad_fn
+    if not t.requires_grad:
+        return None
+    return torch.autograd.graph.get_gradient_edge(t).node
+
+
+def graph_reaches(t: Tensor, leaf: Tensor) -> tuple[bool, bool]:
+    """Whether ``t``'s autograd graph reaches ``leaf`` (a leaf requiring grad), and whether
+    it reaches any other leaf requiring grad (which tensors its value depends on, whatever
+    their values)."""
+    target = _node_of(leaf)
     if t.grad_fn is None:
-        return [t] if t.requires_grad else []
-    leaves: list[Tensor] = []
+        return (t is leaf, t.requires_grad and t is not leaf)
+    found = other = False
     for node in _graph_nodes(t):
-        variable: object = getattr(node, "variable", None)  # an AccumulateGrad node
-        if isinstance(variable, Tensor):
-            leaves.append(variable)
-    return leaves
+        if type(node).__name__ != "AccumulateGrad":
+            continue
+        if node is target:
+            found = True
+        else:
+            other = True
+    return found, other
 
 
 def nearest_source(t: Tensor, candidates: Sequence[Tensor]) -> int | None:
     """The index of the candidate ``t`` is computed from most directly (fewest autograd
     steps), or ``None`` when it is computed from none of them."""
+    nodes = [_node_of(c) for c in candidates]
     for node in _graph_nodes(t):
-        variable: object = getattr(node, "variable", None)
-        for i, c in enumerate(candidates):
-            if (c.grad_fn is not None and node is c.grad_fn) or variable is c:
+        for i, c in enumerate(nodes):
+            if c is not None and node is c:
                 return i
     return None
 
@@ -570,14 +586,14 @@ def measure_block(block: nn.Module, trace: LayerTrace, split: MoESplit, where: s
     with _requiring_grad(params), torch.enable_grad():
         z = torch.zeros_like(x, requires_grad=True)
         rest = run(z, u.detach().requires_grad_())
-        sources = graph_leaves(rest)
-        if not any(s is z for s in sources):
+        reaches_z, reaches_other = graph_reaches(rest, z)
+        if not reaches_z:
             raise ConfigError(
                 f"{where}: expected the MoE block's output to be computed from its routed "
                 "experts' output, received an output that is not (its autograd graph does "
                 "not reach the experts' output)"
             )
-        adds = any(s is not z for s in sources) or bool(rest.detach().abs().max() > 0)
+        adds = reaches_other or bool(rest.detach().abs().max() > 0)
         try:
             (dz,) = torch.autograd.grad(rest, z, torch.ones_like(rest), create_graph=True)
             depends = dz.requires_grad
