@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 import torch
 from torch import Tensor, nn
 
@@ -24,6 +25,17 @@ LOSS_ATOL = 1e-6
 GRAD_RTOL = 1e-5
 """Gradients: max |adapter - transformers| / max |transformers| per tensor (float32;
 measured up to ~7e-7): the expert GEMMs group rows differently."""
+
+
+OLD_TORCH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) < (2, 13)
+"""torch before 2.13 (2.11 on the GPU box): the adapter's structural probe of an MoE block does
+not see its shared expert's parameters there (a known limitation, docs/transformers.md)."""
+ON_OLD_TORCH = pytest.mark.xfail(
+    OLD_TORCH,
+    reason="torch < 2.13: the MoE block's structural probe misses the shared expert "
+    "(zero-initialised shared experts and Llama-4 are refused; docs/transformers.md)",
+    strict=False,
+)
 
 
 def _transformers() -> Any:

@@ -9,6 +9,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from tests.adapters._hf import ON_OLD_TORCH
 from tests.adapters.families import Row, run_all, table
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "families.md"
@@ -41,6 +42,7 @@ def test_no_family_is_accepted_and_wrong(rows: list[Row]) -> None:
     assert wrong == [], wrong
 
 
+@ON_OLD_TORCH
 def test_required_families_are_supported(rows: list[Row]) -> None:
     status = {r.family: r.status for r in rows}
     assert {f: status.get(f) for f in REQUIRED} == dict.fromkeys(REQUIRED, "supported")
@@ -50,6 +52,7 @@ def test_refusals_give_a_reason(rows: list[Row]) -> None:
     assert all(r.detail for r in rows if r.status in ("refused", "not built"))
 
 
+@ON_OLD_TORCH
 def test_docs_table_is_current(rows: list[Row]) -> None:
     assert DOCS.read_text() == table(rows), (
         "docs/families.md is stale: run `python -m tests.adapters.families --write "

@@ -24,7 +24,7 @@ pytest.importorskip("transformers")
 from moe_overlap import ConfigError, Microbatch, combined_1f1b
 from moe_overlap.adapters.transformers import HFMoELayer, TransformersMoEAdapter
 from tests.adapters import families
-from tests.adapters._hf import grads, microbatches, mixtral, reference_step
+from tests.adapters._hf import ON_OLD_TORCH, grads, microbatches, mixtral, reference_step
 
 FLOOR = 1e-7
 """Gradients are compared to ``max(|reference|, FLOOR / RTOL * G)`` with ``G`` the largest
@@ -114,6 +114,7 @@ def _zero(model: nn.Module, pattern: str) -> list[str]:
 
 
 @pytest.mark.parametrize(("family", "pattern"), ZERO_CASES)
+@ON_OLD_TORCH
 def test_zero_initialised_weights_keep_their_path_and_train(family: str, pattern: str) -> None:
     """A shared expert whose output projection is zero (zero-init, upcycling), a zero
     router or gate: the shared expert's output still reaches combine, under the self-check
@@ -185,6 +186,7 @@ def _llama4_with_key_bias(seed: int) -> nn.Module:
     return model
 
 
+@ON_OLD_TORCH
 def test_mathematically_zero_gradients_do_not_refuse_llama4() -> None:
     """Seeds that the purely relative comparison refused (0, 2, 4, 5, 6 of 0..6) are
     accepted, and train exactly."""
@@ -194,6 +196,7 @@ def test_mathematically_zero_gradients_do_not_refuse_llama4() -> None:
     _exact(_llama4_with_key_bias(0), families.batches(), self_check=True)
 
 
+@ON_OLD_TORCH
 def test_a_real_difference_in_a_small_gradient_is_still_refused() -> None:
     """A layer whose forward gives that key bias a real gradient the split does not
     compute (a term of value 0 in the output, of gradient 1e-4 * sum(grad)): refused,
