@@ -16,8 +16,9 @@ argument, every token repeated per expert and scaled by its router score (Llama 
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections import deque
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
@@ -577,10 +578,10 @@ def measure_block(block: nn.Module, trace: LayerTrace, split: MoESplit, where: s
     assert isinstance(x, Tensor)
     experts = block.get_submodule("experts")
 
-    def run(value: Tensor, u_in: Tensor) -> Tensor:
+    def run(value: Tensor, u_in: Tensor, on: nn.Module = block) -> Tensor:
         stand_in = ExpertsStandIn(experts, value=value)
-        with swap_child(block, "experts", stand_in), block_norm_identity(block, split):
-            return first_tensor(split.block_call.call(block, u_in, trace.call))
+        with swap_child(on, "experts", stand_in), block_norm_identity(on, split):
+            return first_tensor(split.block_call.call(on, u_in, trace.call))
 
     params = list(block.parameters())
     with _requiring_grad(params), torch.enable_grad():
@@ -599,6 +600,10 @@ def measure_block(block: nn.Module, trace: LayerTrace, split: MoESplit, where: s
             depends = dz.requires_grad
         except RuntimeError:  # an op without double backward: the measure below decides
             depends = False
+    if not adds:
+        adds = _adds_with_random_weights(
+            block, experts, lambda on: run(torch.zeros_like(x), u.detach(), on)
+        )
     if depends:
         raise ConfigError(
             f"{where}: the MoE block transforms its routed experts' output other than by a "
@@ -622,6 +627,26 @@ def measure_block(block: nn.Module, trace: LayerTrace, split: MoESplit, where: s
             "constant factor (a norm or gate after the experts), which the slots cannot split"
         )
     return replace(split, experts_scale=None if abs(c - 1.0) < 1e-6 else c, block_adds=adds)
+
+
+def _adds_with_random_weights(
+    block: nn.Module, experts: nn.Module, run: Callable[[nn.Module], Tensor]
+) -> bool:
+    """Whether the block adds anything to its experts' output when its other parameters
+    are random: a copy of the block (its experts shared, not copied) with every parameter
+    outside ``experts`` drawn from a generator of its own runs with the experts' output
+    zero. A part whose weights happen to be zero (zero-initialised, upcycled) then shows,
+    on every torch release, whatever the autograd graph tells (the graph check above
+    misses it on torch 2.11)."""
+    probe = copy.deepcopy(block, memo={id(experts): experts})
+    g = torch.Generator().manual_seed(11)
+    shared = {id(p) for p in experts.parameters()}
+    with torch.no_grad():
+        for p in probe.parameters():
+            if id(p) not in shared and p.is_floating_point():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p))
+        out = run(probe)
+    return bool(out.abs().max() > 0)
 
 
 @contextlib.contextmanager
