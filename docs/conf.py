@@ -11,6 +11,7 @@ build time, so new re-exports and new public subpackages need no change here.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -36,11 +37,12 @@ html_static_path: list[str] = []
 
 
 def _public_packages(package_dir: Path) -> list[str]:
-    """``moe_overlap`` and every public subpackage that has an ``__init__.py``."""
+    """``moe_overlap`` and every public subpackage (at any depth) that has an ``__init__.py``."""
     found = ["moe_overlap"]
-    for init in sorted(package_dir.glob("*/__init__.py")):
-        if not init.parent.name.startswith("_"):
-            found.append(f"moe_overlap.{init.parent.name}")
+    for init in sorted(package_dir.glob("*/**/__init__.py")):
+        parts = init.parent.relative_to(package_dir).parts
+        if not any(p.startswith("_") for p in parts):
+            found.append(".".join(("moe_overlap", *parts)))
     return found
 
 
@@ -111,7 +113,13 @@ def _annotation_rewrites() -> list[tuple[str, str]]:
 autodoc2_packages = [{"path": "../src/moe_overlap", "module": "moe_overlap"}]
 autodoc2_output_dir = "apidocs"  # generated at build time; gitignored
 autodoc2_render_plugin = "myst"
-autodoc2_module_all_regexes = [r"moe_overlap", r"moe_overlap\.[a-z][a-z0-9_]*"]
+# A package documents its ``__all__``: the top level, its modules and subpackages, and the
+# public packages below them (``moe_overlap.integrations.pipelining``).
+autodoc2_module_all_regexes = [
+    r"moe_overlap",
+    r"moe_overlap\.[a-z][a-z0-9_]*",
+    *(re.escape(name) for name in _public_packages(PACKAGE_DIR)),
+]
 autodoc2_skip_module_regexes = [r"moe_overlap(\.[a-z][a-z0-9_]*)*\._.*"]
 autodoc2_hidden_objects = ["private", "dunder", "inherited"]
 # The package's docstrings are reST with Google-style sections: see _ext/google_rst.py.

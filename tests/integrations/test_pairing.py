@@ -1,4 +1,7 @@
-"""The OVERLAP_F_B lowering on schedule data (no process group), as torch tests its own."""
+"""The OVERLAP_F_B lowering on schedule data (no process group), as torch tests its own.
+
+The lowering module is called directly: it needs no process group, stage or plan.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 from torch.distributed.pipelining.schedules import (
+    BACKWARD_INPUT,
     FORWARD,
     FULL_BACKWARD,
     OVERLAP_F_B,
@@ -18,7 +22,8 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from moe_overlap import ConfigError
-from moe_overlap.integrations.pipelining import check_torch, pair_overlap_f_b
+from moe_overlap.integrations.pipelining._lowering import check_actions, pair_overlap_f_b
+from moe_overlap.integrations.pipelining._torch import check_torch
 
 
 class _Stage:
@@ -95,3 +100,14 @@ def test_untested_torch_is_refused() -> None:
     check_torch(torch.__version__)
     with pytest.raises(ConfigError, match=r"tested with torch 2.11, 2.13; received torch 2.99"):
         check_torch("2.99.0+cpu")
+
+
+def test_the_action_check_counts_pairs_and_refuses_other_parts() -> None:
+    a = _Action.from_str
+    lowered = pair_overlap_f_b(
+        {0: [a("0F0"), a("0F1"), a("0B0"), a("0B1")]}, num_stages=1, stage_to_rank=lambda s: 0
+    )
+    assert check_actions([x for x in lowered[0] if x is not None]) == 1
+    parts = (_Action(0, FORWARD, 1), _Action(0, BACKWARD_INPUT, 0))
+    with pytest.raises(ConfigError, match=r"expected each OVERLAP_F_B as \(FORWARD, FULL_BACK"):
+        check_actions([_Action(-1, OVERLAP_F_B, None, parts)])

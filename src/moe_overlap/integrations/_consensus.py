@@ -5,7 +5,7 @@ fail at their process group's timeout) or, when every rank fails, with receives 
 that the next step's messages would fill. :class:`StepConsensus` is one tiny all-reduce
 over a group of its own: each rank reports how far its step got (:class:`Phase`), and every
 rank learns every rank's report, so no rank returns normally from a step that failed
-elsewhere.
+elsewhere. Only public ``torch.distributed`` API is used.
 """
 
 from __future__ import annotations

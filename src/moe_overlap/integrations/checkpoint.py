@@ -19,7 +19,9 @@ storage, so ``dcp.load`` writes straight into them.
   explicitly with :func:`attach_optimizer`.
 
 What cannot be done exactly raises :class:`~moe_overlap.IntegrationError` or
-:class:`~moe_overlap.ConfigError` (see ``docs/checkpoint.md``).
+:class:`~moe_overlap.ConfigError` (see ``docs/checkpoint.md``). Only public torch API is used
+(``DeviceMesh``, ``DTensor``, module and optimizer state-dict hooks,
+``register_optimizer_step_pre_hook``).
 """
 
 from __future__ import annotations

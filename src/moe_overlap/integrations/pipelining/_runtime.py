@@ -1,42 +1,15 @@
-# pyright: reportPrivateUsage=false
-# This module is where moe_overlap touches torch.distributed.pipelining's private names.
-"""Run ``torch.distributed.pipelining`` schedules through ``moe_overlap`` plans.
+"""The pipelining runtime: torch's compute actions through ``moe_overlap`` chunk plans.
 
-:func:`prepare_schedule` makes a schedule's compute actions run as chunk plans: ``F`` a
-plan's forward, ``B`` its backward, and ``OVERLAP_F_B`` (a forward of one (stage,
-microbatch) with a full backward of another on the same rank) one
-:meth:`~moe_overlap.ModelChunkSchedulePlan.run` that overlaps the all-to-all of one under
-the compute of the other. ``ScheduleDualPipeV`` emits such actions itself;
-:func:`pair_overlap_f_b` (``prepare_schedule(..., pair=True)``) lowers any other
-compute-only schedule, e.g. ``ScheduleInterleaved1F1B``, by pairing neighbouring forwards
-and backwards, as Megatron-Core's combined 1F1B does with virtual pipeline stages.
-Communication actions (``SEND_*`` / ``RECV_*``), ``REDUCE_GRAD`` (gradient scaling) and
-the loss function stay torch's own.
-
-Private torch names used, all in this module: of ``torch.distributed.pipelining.schedules``
-``_PipelineScheduleRuntime`` (``register_custom_function``, ``_step_microbatches``,
-``_prepare_schedule_with_comms``, ``_assert_unsharded``, ``fwd_recv_ops`` /
-``bwd_recv_ops``, ``backward_counter``, ``pipeline_order`` / ``pipeline_order_with_comms``,
-``_stages``, ``_maybe_compute_loss`` / ``_maybe_get_loss``, ``_internal_losses``,
-``stage_index_to_group_rank``, ``_num_stages``), ``_Action``,
-``_ComputationType``, ``_wait_batch_p2p`` and ``_add_send_recv``; of ``stage``
-(``_PipelineStageBase``): ``_retrieve_recv_activations`` / ``_retrieve_recv_grads``,
-``fwd_cache`` / ``bwd_cache``, ``output_chunks``, ``set_local_fwd_input`` /
-``set_local_bwd_input`` / ``get_local_bwd_output``, ``dw_builder``, and the output checks
-(``_validate_fwd_outputs`` in 2.11, ``_runtime_validate`` / ``_validate_stage_tensors`` /
-``_stage_meta`` in 2.13); of ``_utils``: ``flatten_args``; of ``torch.distributed``: a
-process group's ``_get_backend(device).options._timeout`` (the default of
-``consensus_timeout``). The schedule's ``step`` and ``_step_microbatches`` are wrapped on
-the instance (:class:`PipelineOverlap`). Tested with torch 2.11 and 2.13;
-on another release every function raises :class:`~moe_overlap.ConfigError` before touching
-them (:func:`check_torch`).
+:class:`PipelineOverlap` registers a custom function for each compute action of a prepared
+schedule and runs each through chunk plans; after every step the ranks agree on its
+outcome (``integrations/_consensus.py``). torch's internals only through ``_torch``.
 """
 
 from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Callable, Generator, Iterable, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -57,115 +30,19 @@ from moe_overlap import (
     StepObserver,
     check_inputs,
 )
-from moe_overlap.engine._args import BOOL, CALLABLE, POSITIVE, Instance, Methods, Opt, check_arg
+from moe_overlap.engine._args import BOOL, Instance, Methods, Opt, check_arg
 from moe_overlap.engine._bypass_check import check_bypassed
 from moe_overlap.engine._conformance import check_model
 from moe_overlap.engine._wgrad_check import check_wgrad_done, owed_wgrad
 from moe_overlap.integrations._consensus import Phase, StepConsensus, Verdict
+from moe_overlap.integrations.pipelining import _torch
+from moe_overlap.integrations.pipelining._lowering import check_actions, describe, pair_overlap_f_b
+from moe_overlap.integrations.pipelining._torch import check_torch
 
 if TYPE_CHECKING:
-    from torch.distributed.pipelining.schedules import (
-        _Action,
-        _PipelineContext,
-    )
-    from torch.distributed.pipelining.stage import _PipelineStageBase
+    from moe_overlap.integrations.pipelining._torch import Action, Context, Stage
 
-__all__ = [
-    "TESTED_TORCH",
-    "PipelineOverlap",
-    "check_torch",
-    "pair_overlap_f_b",
-    "prepare_schedule",
-]
-
-TESTED_TORCH = ("2.11", "2.13")
-"""The torch releases (major.minor) whose pipelining internals this module was tested with."""
-
-
-def check_torch(version: str | None = None) -> None:
-    """Raise :class:`~moe_overlap.ConfigError` unless torch is one of :data:`TESTED_TORCH`."""
-    check_arg("check_torch", "version", version, Opt(Instance(str, "a version string")))
-    found = version if version is not None else torch.__version__
-    release = ".".join(found.split("+")[0].split(".")[:2])
-    if release not in TESTED_TORCH:
-        raise ConfigError(
-            f"moe_overlap.integrations.pipelining: uses private names of "
-            f"torch.distributed.pipelining tested with torch {', '.join(TESTED_TORCH)}; "
-            f"received torch {found}. Pin one of those, or check the module against this "
-            "release and add it to TESTED_TORCH"
-        )
-
-
-Order = Mapping[int, Sequence["_Action | None"]]
-_ORDER = Instance[Mapping[object, object]](Mapping, "a mapping of each rank to its actions")
-
-
-def pair_overlap_f_b(
-    order: Order, *, num_stages: int, stage_to_rank: Callable[[int], int]
-) -> dict[int, list[_Action | None]]:
-    """Pair each rank's neighbouring forward and full backward into ``OVERLAP_F_B`` actions.
-
-    ``order`` is a compute-only schedule (``schedule.pipeline_order``: per rank, ``F``,
-    ``B`` (full backward) and ``None`` bubbles). Two neighbours on one rank are paired when
-    one is a forward and the other a full backward of another microbatch (a backward needs
-    the loss, hence every forward, of its own microbatch) and the schedule with the pair
-    still lowers to communication without a deadlock: torch's own send/recv placement
-    must succeed for every rank, the pair waiting for both of its inputs. The pair is
-    ``(forward, backward)``, as ``ScheduleDualPipeV`` orders its own. Each rank's compute
-    actions keep their order; ranks are paired in rank order.
-    """
-    check_torch()
-    w = "pair_overlap_f_b"
-    check_arg(w, "order", order, _ORDER)
-    check_arg(w, "num_stages", num_stages, POSITIVE)
-    check_arg(w, "stage_to_rank", stage_to_rank, CALLABLE)
-    from torch.distributed.pipelining.schedules import (
-        FORWARD,
-        FULL_BACKWARD,
-        OVERLAP_F_B,
-        _Action,
-    )
-
-    def pairable(a: _Action | None, b: _Action | None) -> _Action | None:
-        if a is None or b is None or a.sub_actions is not None or b.sub_actions is not None:
-            return None
-        kinds = {a.computation_type, b.computation_type}
-        if kinds != {FORWARD, FULL_BACKWARD} or a.microbatch_index == b.microbatch_index:
-            return None
-        f, bwd = (a, b) if a.computation_type == FORWARD else (b, a)
-        return _Action(-1, OVERLAP_F_B, None, (f, bwd))
-
-    out: dict[int, list[_Action | None]] = {r: list(order[r]) for r in sorted(order)}
-    for rank in sorted(out):
-        i = 0
-        while i + 1 < len(out[rank]):
-            acts = out[rank]
-            pair = pairable(acts[i], acts[i + 1])
-            if pair is not None:
-                trial = {**out, rank: [*acts[:i], pair, *acts[i + 2 :]]}
-                if _lowers(trial, num_stages, stage_to_rank):
-                    out = trial
-            i += 1
-    return out
-
-
-def _lowers(order: Order, num_stages: int, stage_to_rank: Callable[[int], int]) -> bool:
-    """torch's send/recv placement succeeds (no rank waits forever)."""
-    from torch.distributed.pipelining.schedules import (
-        _add_send_recv,
-    )
-
-    compute = {r: [a for a in acts if a is not None] for r, acts in order.items()}
-    compute = {r: acts for r, acts in compute.items() if acts}
-    try:
-        _add_send_recv(compute, stage_to_rank, num_stages)
-    except AssertionError:
-        return False
-    return True
-
-
-# --------------------------------------------------------------------------------------
-# The runtime: torch's compute actions through moe_overlap plans.
+__all__ = ["PipelineOverlap", "prepare_schedule"]
 
 _PLAN_KWARGS = ("position_ids", "attention_mask", "padding_mask")
 """Stage-module keyword arguments (``schedule.step(..., **kwargs)``) a plan takes by name."""
@@ -279,7 +156,7 @@ class _Forwarded:
 
 @dataclass(slots=True)
 class _ForwardCall:
-    stage: _PipelineStageBase
+    stage: Stage
     key: Key
     args: tuple[object, ...]
     kwargs: dict[str, object]
@@ -288,7 +165,7 @@ class _ForwardCall:
 
 @dataclass(slots=True)
 class _BackwardCall:
-    stage: _PipelineStageBase
+    stage: Stage
     key: Key
     forwarded: _Forwarded | None  # None: the stage has no backward
     grad: Tensor | None
@@ -317,10 +194,7 @@ class PipelineOverlap:
         consensus_group: dist.ProcessGroup | None = None,
         consensus_timeout: timedelta | None = None,
     ) -> None:
-        from torch.distributed.pipelining import schedules as S
-
-        runtime = S._PipelineScheduleRuntime
-        if not isinstance(schedule, runtime):
+        if not _torch.is_action_runtime(schedule):
             raise ConfigError(
                 "prepare_schedule: expected a multi-stage torch.distributed.pipelining "
                 "schedule run by torch's action runtime (ScheduleDualPipeV, "
@@ -341,8 +215,8 @@ class PipelineOverlap:
         self.schedule: Any = schedule  # torch's schedules are untyped
         self.overlap = overlap
         self.observer = observer
-        self._stages: dict[int, _PipelineStageBase] = {
-            s.stage_index: s for s in self.schedule._stages
+        self._stages: dict[int, Stage] = {
+            s.stage_index: s for s in _torch.schedule_stages(self.schedule)
         }
         for stage in self._stages.values():
             _check_stage(stage)
@@ -351,7 +225,7 @@ class PipelineOverlap:
         self._options = {i: _stage_options(st, options) for i, st in self._stages.items()}
         if pair:
             self._pair()
-        self.paired = _check_actions(self.schedule)
+        self.paired = check_actions(_torch.rank_actions(self.schedule))
         self._live: dict[Key, _Forwarded] = {}
         self._held: dict[Key, list[tuple[nn.Parameter, Tensor | None]]] = {}
         self._return_outputs = True
@@ -363,14 +237,15 @@ class PipelineOverlap:
         self._consensus_group = consensus_group
         # Last: a collective over every rank, after every local check passed.
         self._consensus = _make_consensus(self._stages.values(), consensus_group, consensus_timeout)
+        kinds = _torch.kinds()
         for kind, fn in (
-            (S.FORWARD, self._on_forward),
-            (S.FULL_BACKWARD, self._on_full_backward),
-            (S.BACKWARD_INPUT, self._on_backward_input),
-            (S.BACKWARD_WEIGHT, self._on_backward_weight),
-            (S.OVERLAP_F_B, self._on_overlap),
+            (kinds.forward, self._on_forward),
+            (kinds.full_backward, self._on_full_backward),
+            (kinds.backward_input, self._on_backward_input),
+            (kinds.backward_weight, self._on_backward_weight),
+            (kinds.overlap_f_b, self._on_overlap),
         ):
-            self.schedule.register_custom_function(kind, fn)
+            _torch.register_action(self.schedule, kind, fn)
         self._wrap_step()
         _PREPARED.add(schedule)
 
@@ -383,20 +258,20 @@ class PipelineOverlap:
 
     def _pair(self) -> None:
         sched = self.schedule
-        to_rank: dict[int, int] = dict(sched.stage_index_to_group_rank)
+        to_rank = _torch.stage_to_rank(sched)
         lowered = pair_overlap_f_b(
-            sched.pipeline_order, num_stages=sched._num_stages, stage_to_rank=to_rank.__getitem__
+            _torch.pipeline_order(sched),
+            num_stages=_torch.num_stages(sched),
+            stage_to_rank=to_rank.__getitem__,
         )
-        sched.pipeline_order = lowered
-        sched._prepare_schedule_with_comms(lowered)
+        _torch.set_pipeline_order(sched, lowered)
 
     def _wrap_step(self) -> None:
         """Wrap the schedule's ``step`` (the consensus after it) and the runtime's per-step
         entry (read ``return_outputs`` / ``loss_kwargs``, which the custom functions'
         context lacks; clean up after a failed step; called alone, the consensus too)."""
-        original = self.schedule._step_microbatches
+        original_step, original = _torch.step_functions(self.schedule)
         signature = inspect.signature(original)
-        original_step = self.schedule.step
 
         def run(args: tuple[object, ...], kwargs: dict[str, object]) -> object:
             bound = signature.bind(*args, **kwargs)
@@ -423,8 +298,7 @@ class PipelineOverlap:
         def step(*args: object, **kwargs: object) -> object:
             return self._agreed(lambda: original_step(*args, **kwargs))
 
-        self.schedule._step_microbatches = step_microbatches
-        self.schedule.step = step
+        _torch.wrap_step_functions(self.schedule, step, step_microbatches)
 
     # -- the consensus after every step -------------------------------------------------
 
@@ -561,10 +435,7 @@ class PipelineOverlap:
         """After a failed step: release the plans and torch's per-step state (the loss
         list is indexed by microbatch; stale entries would be read as the next step's)."""
         self.release()
-        sched = self.schedule
-        sched._internal_losses.clear()
-        sched.fwd_recv_ops.clear()
-        sched.bwd_recv_ops.clear()
+        _torch.clear_step_state(self.schedule)
 
     def release(self) -> None:
         """Release every plan kept between actions and the weight gradients held aside."""
@@ -576,20 +447,20 @@ class PipelineOverlap:
 
     # -- the custom functions -----------------------------------------------------------
 
-    def _on_forward(self, action: _Action, ctx: _PipelineContext) -> None:
+    def _on_forward(self, action: Action, ctx: Context) -> None:
         with self._at(action, "forward"):
             call = self._forward_begin(action, ctx)
             out = self._run(call, None) if call.plan is not None else None
             self._forward_end(call, out, ctx)
 
-    def _on_full_backward(self, action: _Action, ctx: _PipelineContext) -> None:
+    def _on_full_backward(self, action: Action, ctx: Context) -> None:
         del ctx
         with self._at(action, "full backward"):
             call = self._backward_begin(action, full=True)
             self._run(None, call)
             self._backward_end(call)
 
-    def _on_backward_input(self, action: _Action, ctx: _PipelineContext) -> None:
+    def _on_backward_input(self, action: Action, ctx: Context) -> None:
         del ctx
         with self._at(action, "input backward"):
             call = self._backward_begin(action, full=False)
@@ -609,12 +480,12 @@ class PipelineOverlap:
                     p.grad = g
             self._backward_end(call)
 
-    def _on_backward_weight(self, action: _Action, ctx: _PipelineContext) -> None:
+    def _on_backward_weight(self, action: Action, ctx: Context) -> None:
         del ctx
         with self._at(action, "weight backward"):
             stage, key = self._stage_of(action)
-            self.schedule._assert_unsharded(stage)
-            self.schedule.backward_counter[key[0]] += 1
+            _torch.assert_unsharded(self.schedule, stage)
+            _torch.count_backward(self.schedule, key[0])
             if not stage.has_backward:
                 return
             held = self._held.pop(key, None)
@@ -631,7 +502,7 @@ class PipelineOverlap:
                 else:
                     p.grad += g
 
-    def _on_overlap(self, action: _Action, ctx: _PipelineContext) -> None:
+    def _on_overlap(self, action: Action, ctx: Context) -> None:
         assert action.sub_actions is not None  # checked at prepare
         f_action, b_action = action.sub_actions
         if not self.overlap:
@@ -647,7 +518,7 @@ class PipelineOverlap:
 
     # -- the halves of torch's FORWARD / FULL_BACKWARD branches --------------------------
 
-    def _stage_of(self, action: _Action) -> tuple[_PipelineStageBase, Key]:
+    def _stage_of(self, action: Action) -> tuple[Stage, Key]:
         index, mb = action.stage_index, action.microbatch_index
         if mb is None or index not in self._stages:
             raise NodeStateError(
@@ -656,31 +527,28 @@ class PipelineOverlap:
             )
         return self._stages[index], (index, mb)
 
-    def _forward_begin(self, action: _Action, ctx: _PipelineContext) -> _ForwardCall:
+    def _forward_begin(self, action: Action, ctx: Context) -> _ForwardCall:
         if self._first_action:
             self._after_shape_inference()
-        from torch.distributed.pipelining.schedules import (
-            _wait_batch_p2p,
-        )
-
         sched = self.schedule
         stage, key = self._stage_of(action)
-        sched._assert_unsharded(stage)
+        _torch.assert_unsharded(sched, stage)
         index, mb = key
-        if not stage.is_first and index - 1 not in self._stages:
-            if key not in sched.fwd_recv_ops:
-                raise NodeStateError(
-                    f"pipeline rank {self.rank}: {action} computed before receiving its input"
-                )
-            _wait_batch_p2p(sched.fwd_recv_ops.pop(key))
-        context: Any = ctx  # torch leaves the microbatch lists' items untyped
-        arg_mbs: list[tuple[object, ...]] = context.arg_mbs
-        kwarg_mbs: list[dict[str, object] | None] = context.kwarg_mbs
-        torch_stage: Any = stage
-        received: Any = None if stage.is_first else torch_stage._retrieve_recv_activations(mb)
-        args: tuple[object, ...] = tuple(arg_mbs[mb]) if stage.is_first else tuple(received)
-        kwargs = dict(kwarg_mbs[mb] or {})
-        _validate_inputs(stage, args)
+        if (
+            not stage.is_first
+            and index - 1 not in self._stages
+            and not _torch.wait_received(sched, key, forward=True)
+        ):
+            raise NodeStateError(
+                f"pipeline rank {self.rank}: {action} computed before receiving its input"
+            )
+        args = (
+            _torch.microbatch_args(ctx, mb)
+            if stage.is_first
+            else _torch.received_activations(stage, mb)
+        )
+        kwargs = _torch.microbatch_kwargs(ctx, mb)
+        _torch.validate_inputs(stage, args)
         stale = self._live.pop(key, None)
         if stale is not None:
             stale.plan.release_state()
@@ -691,7 +559,7 @@ class PipelineOverlap:
 
     def _plan(
         self,
-        stage: _PipelineStageBase,
+        stage: Stage,
         mb: int,
         args: tuple[object, ...],
         kwargs: Mapping[str, object],
@@ -756,17 +624,13 @@ class PipelineOverlap:
             if decoder is not None:
                 setattr(decoder, "input_tensor", None)  # noqa: B010
 
-    def _forward_end(self, call: _ForwardCall, out: Tensor | None, ctx: _PipelineContext) -> None:
-        from torch.distributed.pipelining import _utils
-
-        utils: Any = _utils
-        flatten_args: Callable[[object], list[object]] = utils.flatten_args
+    def _forward_end(self, call: _ForwardCall, out: Tensor | None, ctx: Context) -> None:
         sched, stage = self.schedule, call.stage
-        targets: object = cast(Any, ctx).target_mbs
+        targets = _torch.targets(ctx)
         index, mb = call.key
         if call.plan is None:  # the plain path: torch's own forward of the stage module
-            output: object = stage.forward_one_chunk(
-                mb, call.args, call.kwargs, save_forward_output=self._return_outputs
+            output = _torch.forward_one_chunk(
+                stage, mb, call.args, call.kwargs, save_forward_output=self._return_outputs
             )
         else:
             assert out is not None
@@ -774,40 +638,33 @@ class PipelineOverlap:
             result = leaf if leaf is not None else out
             output = result
             if stage.is_last and self._return_outputs:
-                stage.output_chunks.append(result)
-            inputs: list[object] = list(flatten_args(call.args)) + list(flatten_args(call.kwargs))
-            cache = cast("dict[int, object]", stage.fwd_cache)
-            cache[mb] = ((result,), inputs)
-            _validate_outputs(stage, (result,))
+                _torch.keep_output(stage, result)
+            inputs = _torch.flatten_args(call.args) + _torch.flatten_args(call.kwargs)
+            _torch.cache_forward(stage, mb, result, inputs)
+            _torch.validate_outputs(stage, (result,))
             self._live[call.key] = _Forwarded(call.plan, inputs, leaf)
-        if self._loss_kwargs is None:
-            sched._maybe_compute_loss(stage, output, targets, mb)
-        else:
-            sched._maybe_compute_loss(stage, output, targets, mb, self._loss_kwargs)
+        _torch.compute_loss(sched, stage, output, targets, mb, self._loss_kwargs)
         if index + 1 in self._stages:  # torch's V-schedule hand-off between local stages
-            self._stages[index + 1].set_local_fwd_input(output, mb)
+            _torch.hand_forward(self._stages[index + 1], output, mb)
 
-    def _backward_begin(self, action: _Action, *, full: bool) -> _BackwardCall:
+    def _backward_begin(self, action: Action, *, full: bool) -> _BackwardCall:
         if self._first_action:
             self._after_shape_inference()
-        from torch.distributed.pipelining.schedules import (
-            _wait_batch_p2p,
-        )
-
         sched = self.schedule
         stage, key = self._stage_of(action)
         index, mb = key
-        sched._assert_unsharded(stage)
-        if not stage.is_last and index + 1 not in self._stages:
-            if key not in sched.bwd_recv_ops:
-                raise NodeStateError(
-                    f"pipeline rank {self.rank}: {action} computed before receiving its "
-                    "output gradient"
-                )
-            _wait_batch_p2p(sched.bwd_recv_ops.pop(key))
-        loss = sched._maybe_get_loss(stage, mb)
+        _torch.assert_unsharded(sched, stage)
+        if (
+            not stage.is_last
+            and index + 1 not in self._stages
+            and not _torch.wait_received(sched, key, forward=False)
+        ):
+            raise NodeStateError(
+                f"pipeline rank {self.rank}: {action} computed before receiving its output gradient"
+            )
+        loss = _torch.stage_loss(sched, stage, mb)
         if full:
-            sched.backward_counter[index] += 1
+            _torch.count_backward(sched, index)
         if not stage.has_backward:
             return _BackwardCall(stage, key, None, None)
         forwarded = self._live.pop(key, None)
@@ -816,12 +673,13 @@ class PipelineOverlap:
                 f"pipeline rank {self.rank}: {action} (backward of stage {index}, "
                 f"microbatch {mb}) without its forward through moe_overlap"
             )
-        stage.fwd_cache.pop(mb)
+        _torch.drop_forward(stage, mb)
+        grad: object
         if stage.is_last:
             grad = self._loss_grad(stage, forwarded, loss, full=full)
         else:
-            grads = tuple(stage._retrieve_recv_grads(mb))
-            _validate_output_grads(stage, grads)
+            grads = _torch.received_grads(stage, mb)
+            _torch.validate_output_grads(stage, grads)
             grad = grads[0] if len(grads) == 1 else None
         if not isinstance(grad, Tensor):
             forwarded.plan.release_state()
@@ -833,7 +691,7 @@ class PipelineOverlap:
         return _BackwardCall(stage, key, forwarded, grad)
 
     def _loss_grad(
-        self, stage: _PipelineStageBase, forwarded: _Forwarded, loss: object, *, full: bool
+        self, stage: Stage, forwarded: _Forwarded, loss: object, *, full: bool
     ) -> Tensor | None:
         """The last stage's output gradient: the loss's backward into the leaf handed to
         ``loss_fn`` (a full backward also reaches ``loss_fn``'s own parameters, as torch's
@@ -860,27 +718,26 @@ class PipelineOverlap:
             return
         inputs = call.forwarded.inputs
         grads_input = tuple(t.grad if isinstance(t, Tensor) else None for t in inputs)
-        stage.bwd_cache[mb] = _positional_grads(stage, grads_input)
-        _validate_input_grads(stage, stage.bwd_cache[mb])
+        _torch.cache_input_grads(stage, mb, grads_input)
         if stage.is_last and not stage.is_first and call.forwarded.leaf is not None:
             call.forwarded.leaf.detach_()
         if index - 1 in self._stages:  # torch's V-schedule hand-off between local stages
-            grads = cast(Any, stage).get_local_bwd_output(mb)  # untyped in torch
-            self._stages[index - 1].set_local_bwd_input(grads, mb)
+            grads = _torch.local_input_grads(stage, mb)
+            _torch.hand_backward(self._stages[index - 1], grads, mb)
 
     @contextmanager
-    def _at(self, action: _Action, what: str) -> Generator[None]:
+    def _at(self, action: Action, what: str) -> Generator[None]:
         """Name the pipeline position in a failure: ScheduleError for a failed plan step
         and for anything not the library's own; the library's own errors as they are."""
         try:
             yield
         except ScheduleError as e:
-            position = f"pipeline rank {self.rank}, {_describe(action)}"
+            position = f"pipeline rank {self.rank}, {describe(action)}"
             raise ScheduleError(f"{position}: {e}", position=f"{position}; {e.position}") from e
         except MoeOverlapError:
             raise
         except Exception as e:
-            position = f"pipeline rank {self.rank}, {_describe(action)} ({what})"
+            position = f"pipeline rank {self.rank}, {describe(action)} ({what})"
             raise ScheduleError(f"{position}: {type(e).__name__}: {e}", position=position) from e
 
 
@@ -895,7 +752,7 @@ def _world() -> object:
     return world
 
 
-def _groups(stages: Iterable[_PipelineStageBase]) -> list[object]:
+def _groups(stages: Iterable[Stage]) -> list[object]:
     """The process groups the stages communicate on (``None``: the default group)."""
     default = _world()
     found: list[object] = []
@@ -907,9 +764,7 @@ def _groups(stages: Iterable[_PipelineStageBase]) -> list[object]:
     return found
 
 
-def _check_untainted(
-    stages: Iterable[_PipelineStageBase], consensus_group: dist.ProcessGroup | None
-) -> None:
+def _check_untainted(stages: Iterable[Stage], consensus_group: dist.ProcessGroup | None) -> None:
     """No group of a schedule whose step failed mid-communication is used again."""
     named = [
         (f"pipeline stage {stage.stage_index}'s group", group)
@@ -929,7 +784,7 @@ def _check_untainted(
 
 
 def _check_consensus(
-    stages: Iterable[_PipelineStageBase],
+    stages: Iterable[Stage],
     group: dist.ProcessGroup | None,
     timeout: timedelta | None,
 ) -> None:
@@ -964,7 +819,7 @@ def _check_consensus(
 
 
 def _make_consensus(
-    stages: Iterable[_PipelineStageBase],
+    stages: Iterable[Stage],
     group: dist.ProcessGroup | None,
     timeout: timedelta | None,
 ) -> StepConsensus | None:
@@ -979,25 +834,13 @@ def _make_consensus(
     return StepConsensus.create(timeout)
 
 
-def _longest_timeout(stages: Iterable[_PipelineStageBase]) -> timedelta:
+def _longest_timeout(stages: Iterable[Stage]) -> timedelta:
     """The longest timeout of the default group and the stages' groups (torch's default
     where a group does not say)."""
     groups = [_world(), *_groups(stages)]
-    found = [_group_timeout(g) for g in groups if g is not None]
+    found = [_torch.group_timeout(g) for g in groups if g is not None]
     known = [t for t in found if t is not None]
     return max(known) if known else dist.default_pg_timeout
-
-
-def _group_timeout(group: object) -> timedelta | None:
-    for device in ("cpu", "cuda"):
-        try:
-            backend: Any = cast(Any, group)._get_backend(torch.device(device))
-        except (RuntimeError, AttributeError, ValueError):
-            continue
-        value: object = getattr(getattr(backend, "options", None), "_timeout", None)
-        if isinstance(value, timedelta):
-            return value
-    return None
 
 
 def _check_stage_keywords(module: nn.Module, kwargs: Mapping[str, object], where: str) -> None:
@@ -1032,19 +875,7 @@ def _signature(module: nn.Module) -> str:
     return str(inspect.signature(module.forward))
 
 
-def _describe(action: _Action) -> str:
-    """``stage 1 microbatch 2 (forward) with stage 0 microbatch 1 (full backward)``."""
-    kinds = {"F": "forward", "B": "full backward", "I": "input backward", "W": "weight backward"}
-    parts = action.sub_actions or (action,)
-    named = [
-        f"stage {a.stage_index} microbatch {a.microbatch_index} "
-        f"({kinds.get(str(a.computation_type.value), str(a.computation_type))})"
-        for a in parts
-    ]
-    return " with ".join(named) + f" [action {action}]"
-
-
-def _stage_options(stage: _PipelineStageBase, options: ScheduleOptions | None) -> ScheduleOptions:
+def _stage_options(stage: Stage, options: ScheduleOptions | None) -> ScheduleOptions:
     if options is not None:
         return options
     make: object = getattr(stage.submod, "schedule_options", None)
@@ -1055,7 +886,7 @@ def _stage_options(stage: _PipelineStageBase, options: ScheduleOptions | None) -
     return ScheduleOptions()
 
 
-def _check_stage(stage: _PipelineStageBase) -> None:
+def _check_stage(stage: Stage) -> None:
     """A stage the plans can run: its module a PreprocessableModel placed as the stage is."""
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
@@ -1069,7 +900,7 @@ def _check_stage(stage: _PipelineStageBase) -> None:
             "pipeline integration yet (their hooks do not fire when plan slots call "
             "submodules): prepare an unwrapped stage"
         )
-    if stage.dw_builder is not None:
+    if _torch.dw_builder(stage) is not None:
         raise ConfigError(
             f"{where}: expected a stage without dw_builder (the plans compute the weight "
             "gradients), received one"
@@ -1086,72 +917,3 @@ def _check_stage(stage: _PipelineStageBase) -> None:
                 f"{where}: expected {flag}={expected} for stage {stage.stage_index} of "
                 f"{stage.num_stages} ({meaning}), received {flag}={got}"
             )
-
-
-def _check_actions(schedule: Any) -> int:
-    """Every compute action of this rank is one the plans run; the number of pairs."""
-    from torch.distributed.pipelining import schedules as S
-
-    pairs = 0
-    for action in schedule.pipeline_order_with_comms[schedule.rank]:
-        if action.computation_type != S.OVERLAP_F_B:
-            continue
-        parts = action.sub_actions or ()
-        kinds = tuple(a.computation_type for a in parts)
-        if kinds != (S.FORWARD, S.FULL_BACKWARD):
-            raise ConfigError(
-                f"prepare_schedule: expected each OVERLAP_F_B as (FORWARD, FULL_BACKWARD), "
-                f"received {action} with parts {[str(k) for k in kinds]}"
-            )
-        pairs += 1
-    return pairs
-
-
-def _validate_inputs(stage: _PipelineStageBase, args: tuple[object, ...]) -> None:
-    """torch 2.13's optional runtime check of the stage inputs (2.11 has none)."""
-    if getattr(stage, "_runtime_validate", False):
-        stage._validate_stage_tensors(
-            f"Stage {stage.stage_index} forward inputs",
-            stage._stage_meta.inputs,
-            cast("tuple[Tensor | None, ...]", args),
-        )
-
-
-def _validate_outputs(stage: _PipelineStageBase, outputs: tuple[Tensor, ...]) -> None:
-    """torch's output check after a forward: 2.11 always, 2.13 when asked (not last)."""
-    check: object = getattr(stage, "_validate_fwd_outputs", None)
-    if callable(check):
-        check(outputs)
-    elif getattr(stage, "_runtime_validate", False) and not stage.is_last:
-        stage._validate_stage_tensors(
-            f"Stage {stage.stage_index} forward outputs", stage._stage_meta.outputs, outputs
-        )
-
-
-def _validate_output_grads(stage: _PipelineStageBase, grads: tuple[object, ...]) -> None:
-    if getattr(stage, "_runtime_validate", False):
-        stage._validate_stage_tensors(
-            f"Stage {stage.stage_index} backward input (output_grads)",
-            stage._stage_meta.output_grads,
-            cast("tuple[Tensor | None, ...]", grads),
-        )
-
-
-def _validate_input_grads(stage: _PipelineStageBase, grads: tuple[Tensor | None, ...]) -> None:
-    if getattr(stage, "_runtime_validate", False) and not stage.is_first:
-        stage._validate_stage_tensors(
-            f"Stage {stage.stage_index} backward output (input_grads)",
-            stage._stage_meta.input_grads,
-            grads,
-        )
-
-
-def _positional_grads(
-    stage: _PipelineStageBase, grads: tuple[Tensor | None, ...]
-) -> tuple[Tensor | None, ...]:
-    """What torch caches to send back: 2.13 the positional inputs' grads, 2.11 all."""
-    meta: object = getattr(stage, "_stage_meta", None)
-    inputs: object = getattr(meta, "inputs", None)
-    if isinstance(inputs, (tuple, list)):
-        return grads[: len(cast("Sequence[object]", inputs))]
-    return grads
