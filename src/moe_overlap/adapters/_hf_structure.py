@@ -391,7 +391,7 @@ def _experts_call(trace: LayerTrace, where: str, top_k: int | None) -> ExpertsCa
     raise ConfigError(
         f"{where}: expected experts(hidden [T, D], index [T, K], weights [T, K]) or "
         "experts(hidden scaled by router scores [E*T, D]), received arguments "
-        + ", ".join(f"{k}: {tuple(t.shape)} {t.dtype}" for k, t in slots)
+        + ", ".join(f"{k!r}: {tuple(t.shape)} {t.dtype}" for k, t in slots)
     )
 
 
