@@ -22,7 +22,7 @@ from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any, TypeAlias, cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -83,7 +83,7 @@ class ExpertsKind(Enum):
     PRESCALED = "prescaled"
 
 
-ArgSlot: TypeAlias = int | str
+ArgSlot = int | str
 """Where a recorded call passed an argument: its position (``int``) or its keyword (``str``)."""
 
 
