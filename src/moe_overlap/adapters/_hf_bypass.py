@@ -121,8 +121,6 @@ def repeated_outside(
                 base,
                 hidden,
                 labels=None,
-                attention_mask=None,
-                position_ids=None,
                 accepts_router_flag=accepts_router_flag,
             )
     finally:

@@ -27,6 +27,7 @@ import importlib
 from collections.abc import Callable, Generator, Mapping, Sequence, Sized
 from contextlib import suppress
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, cast
 
 import torch
@@ -35,6 +36,7 @@ from torch import Tensor, nn
 from moe_overlap import ConfigError
 
 __all__ = [
+    "ArgFrom",
     "ArgSource",
     "CallSpec",
     "LayerCall",
@@ -329,9 +331,9 @@ def causal_lm_output(
     hidden_states: Tensor,
     *,
     labels: Tensor | None,
-    attention_mask: Tensor | None,
-    position_ids: Tensor | None,
     accepts_router_flag: bool,
+    attention_mask: Tensor | None = None,
+    position_ids: Tensor | None = None,
 ) -> Tensor:
     """``model.forward``'s loss (or logits) with ``hidden_states`` as the last layer's output.
 
@@ -400,15 +402,22 @@ def swap_child(parent: nn.Module, name: str, stand_in: nn.Module) -> Generator[N
         modules[name] = original
 
 
+class ArgFrom(Enum):
+    """What one argument of a child call is (:class:`ArgSource`)."""
+
+    INPUT = "input"
+    """The hidden states the slot passes."""
+    LAYER = "layer"
+    """The layer's argument named ``key``, or its positional argument ``index``."""
+    CONST = "const"
+    """A constant, ``value``."""
+
+
 @dataclass(frozen=True, slots=True)
 class ArgSource:
-    """Where one argument of a child call comes from.
+    """Where one argument of a child call comes from."""
 
-    ``kind``: ``"input"`` (the hidden states the slot passes), ``"layer"`` (the layer's
-    argument named ``key``, or positional argument ``index``), ``"const"`` (``value``).
-    """
-
-    kind: str
+    kind: ArgFrom
     key: str = ""
     index: int = -1
     value: object = None
@@ -434,18 +443,18 @@ class CallSpec:
 
         def source(name: str, value: object) -> ArgSource:
             if value is hidden:
-                return ArgSource("input")
+                return ArgSource(ArgFrom.INPUT)
             # The layer's argument of the same name, passed on (None included: a mask may be
             # None for the probe and a tensor later).
             if name in call.kwargs and call.kwargs[name] is value:
-                return ArgSource("layer", key=name)
+                return ArgSource(ArgFrom.LAYER, key=name)
             if not isinstance(value, (bool, int, float, str)) and value is not None:
                 for key, v in call.kwargs.items():
                     if v is value:
-                        return ArgSource("layer", key=key)
+                        return ArgSource(ArgFrom.LAYER, key=key)
                 for i, v in enumerate(call.args):
                     if v is value:
-                        return ArgSource("layer", index=i)
+                        return ArgSource(ArgFrom.LAYER, index=i)
             kind = type(value).__name__
             if isinstance(value, Tensor) or (
                 isinstance(value, (list, tuple, dict)) and len(cast("Sized", value)) > 0
@@ -455,7 +464,7 @@ class CallSpec:
                     "adapter can pass on only the layer's hidden input, the layer's own "
                     f"arguments and constants, received a {kind}"
                 )
-            return ArgSource("const", value=value)  # pyright: ignore[reportUnknownArgumentType] - any constant
+            return ArgSource(ArgFrom.CONST, value=value)  # pyright: ignore[reportUnknownArgumentType] - any constant
 
         return CallSpec(
             tuple(source(str(i), a) for i, a in enumerate(args)),
@@ -464,9 +473,9 @@ class CallSpec:
 
     def call(self, fn: Callable[..., object], hidden: Tensor, layer: LayerCall) -> object:
         def value(src: ArgSource) -> object:
-            if src.kind == "input":
+            if src.kind is ArgFrom.INPUT:
                 return hidden
-            if src.kind == "layer":
+            if src.kind is ArgFrom.LAYER:
                 return layer.args[src.index] if src.index >= 0 else layer.value(src.key)
             return src.value
 

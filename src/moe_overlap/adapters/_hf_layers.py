@@ -52,6 +52,7 @@ from moe_overlap.adapters._hf_experts import (
     delay_linears_in,
 )
 from moe_overlap.adapters._hf_structure import (
+    ExpertsKind,
     ExpertsStandIn,
     MoESplit,
     block_norm_identity,
@@ -205,7 +206,7 @@ class HFMoELayer(_LayerBase, MoESlots):
         self.layout = ExpertLayout.of(self.experts_module, hidden_size, where)
         self.weights = (
             ExpertWeights(self.experts_module, self.layout, delay_wgrad=delay_wgrad)
-            if delay_wgrad or split.experts.kind == "prescaled"
+            if delay_wgrad or split.experts.kind is ExpertsKind.PRESCALED
             else None
         )
         self.router_module: nn.Module | None = None
@@ -226,9 +227,13 @@ class HFMoELayer(_LayerBase, MoESlots):
             else None
         )
         self.extras = tuple((layer.get_submodule(n), spec) for n, spec in split.extras)
+        # Where a routed call passes its arguments, looked up once.
+        self.routed_slots = (
+            split.experts.routed_slots() if split.experts.kind is ExpertsKind.ROUTED else None
+        )
         self.score_router = (
             self.block.get_submodule(split.experts.router)
-            if split.experts.kind == "prescaled"
+            if split.experts.kind is ExpertsKind.PRESCALED
             else None
         )
         skip = (self.experts_module,)
@@ -319,9 +324,10 @@ class HFMoELayer(_LayerBase, MoESlots):
             for h in hooks:
                 h.remove()
         logits = seen.get("logits")
-        if ex.kind == "routed":
+        if self.routed_slots is not None:
+            hidden_at, index_at, weights_at = self.routed_slots
             get = self.stand_in.get
-            hidden, index, weights = get(ex.hidden), get(ex.index), get(ex.weights)
+            hidden, index, weights = get(hidden_at), get(index_at), get(weights_at)
         else:
             scores = seen.get("scores")
             assert isinstance(scores, Tensor)
@@ -339,7 +345,9 @@ class HFMoELayer(_LayerBase, MoESlots):
         ex, weights = self.split.experts, self.weights
 
         def run(x_MD: Tensor, sizes: GroupSizes, p_M: Tensor) -> Tensor:
-            if ex.kind == "prescaled":  # as the model: rows scaled by their score, then experts
+            if (
+                ex.kind is ExpertsKind.PRESCALED
+            ):  # as the model: rows scaled by their score, then experts
                 assert weights is not None
                 return weights((x_MD * p_M.unsqueeze(-1)).to(x_MD.dtype), sizes)
             if weights is not None:  # delayed wgrad: the same products, grouped

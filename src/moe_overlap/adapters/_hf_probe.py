@@ -26,13 +26,19 @@ from moe_overlap.engine._state import ChunkState
 
 __all__ = [
     "GRADIENT_FLOOR",
+    "PROBE_TOKENS",
     "PROBE_TOLERANCE",
     "Mismatch",
     "compare_layer",
+    "failing_module",
     "float32_call",
     "float32_copy",
+    "probe_ids",
     "structure_key",
 ]
+
+PROBE_TOKENS = 6
+"""Each probe is two sequences of this many tokens."""
 
 PROBE_TOLERANCE = 1e-5
 """Largest difference accepted, relative to the largest magnitude of the compared tensor:
@@ -207,3 +213,27 @@ def float32_copy(
                 m.discard_wgrad()
                 m.delay_wgrad = False
     return dup
+
+
+def probe_ids(config: object, device: torch.device) -> Tensor:
+    """Two sequences of token ids from a private generator, within the config's vocabulary."""
+    vocab: object = getattr(config, "vocab_size", None)
+    high = vocab if isinstance(vocab, int) and not isinstance(vocab, bool) else 2
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(0, max(2, min(high, 100)), (2, PROBE_TOKENS), generator=g).to(device)
+
+
+def failing_module(exc: BaseException, root: nn.Module) -> str:
+    """Where ``exc`` was raised: the innermost module of ``root`` (by its path) whose code
+    is on the traceback, for messages."""
+    names = {id(m): n for n, m in cast("Iterator[tuple[str, nn.Module]]", root.named_modules())}
+    cls = type(root).__name__
+    found = cls
+    tb = exc.__traceback__
+    while tb is not None:
+        obj: object = tb.tb_frame.f_locals.get("self")
+        if isinstance(obj, nn.Module) and id(obj) in names:
+            path = names[id(obj)]
+            found = f"{cls}.{path} ({type(obj).__name__})" if path else cls
+        tb = tb.tb_next
+    return found

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import cast
 
 import torch
@@ -24,6 +25,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from moe_overlap import ConfigError
+from moe_overlap.adapters._hf_calls import causal_lm_output, decoder_input
 
 __all__ = [
     "Draws",
@@ -31,7 +33,11 @@ __all__ = [
     "check_quiet",
     "config_hint",
     "draws_matter",
+    "outside_draws",
+    "random_modules",
+    "random_of",
     "record_draws",
+    "refuse_eval_draws",
     "training_mode",
 ]
 
@@ -203,3 +209,73 @@ def check_quiet(modules: Iterable[RandomModule], hint: Callable[[], str]) -> Non
                 "training mode: call .eval() on it (or the model), or set the probability "
                 "to 0"
             )
+
+
+def random_modules(prefix: str, root: nn.Module, names: Iterable[str]) -> list[RandomModule]:
+    """``root``'s submodules called ``names``, named ``prefix.name`` for messages."""
+    return [RandomModule(f"{prefix}.{n}" if n else prefix, root.get_submodule(n)) for n in names]
+
+
+def random_of(draws: Draws, device: torch.device, config: object) -> list[str]:
+    """The modules that drew whose output depends on the draws (all that drew, when
+    the config sets a non-zero dropout or jitter probability)."""
+    if not draws.names:
+        return []
+    if config_hint(config):
+        return list(draws.names)
+    return [n for n in draws.names if draws_matter(draws, n, device)]
+
+
+def refuse_eval_draws(found: Sequence[RandomModule], config: object) -> None:
+    """Refuse a module that drew random numbers in eval mode (``found``: those that did)."""
+    if found:
+        item = found[0]
+        raise ConfigError(
+            f"{item.name} ({type(item.module).__name__}): its forward draws random "
+            "numbers in eval mode too (sampled "
+            "routing, noise not tied to training mode), which the schedule cannot "
+            "reproduce; expected a forward that draws none, at least in eval mode, "
+            f"received draws{config_hint(config)}"
+        )
+
+
+def outside_draws(
+    model: nn.Module,
+    base: nn.Module,
+    layers: Sequence[nn.Module],
+    ids: Tensor,
+    *,
+    accepts_router_flag: bool,
+) -> list[RandomModule]:
+    """The modules outside the decoder layers whose forward draws random numbers that
+    change its output in training mode (embedding dropout, ...): found on a probe of
+    the model's own forward with the layers stood in for, those modules put in training
+    mode for it (their flags restored after)."""
+    config: object = getattr(model, "config", None)
+    inside = {id(m) for layer in layers for m in layer.modules()}
+    outside = [m for m in model.modules() if id(m) not in inside]
+    device = ids.device
+    name = type(model).__name__
+
+    def run(quiet: Sequence[str]) -> list[str]:
+        with torch.no_grad(), training_mode(outside):
+            for n in quiet:
+                model.get_submodule(n).training = False
+            with record_draws(model, device, skip=layers) as draws:
+                hidden = decoder_input(base, input_ids=ids, position_ids=None)
+                causal_lm_output(
+                    model,
+                    base,
+                    hidden,
+                    labels=ids,
+                    accepts_router_flag=accepts_router_flag,
+                )
+            return random_of(draws, device, config)
+
+    drawn = run(())
+    if not drawn:
+        return []
+    found = random_modules(name, model, drawn)
+    check_quiet(found, partial(config_hint, config))
+    refuse_eval_draws(random_modules(name, model, run(drawn)), config)
+    return found

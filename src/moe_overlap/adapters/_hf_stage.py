@@ -175,8 +175,6 @@ def _outside_parameters(
             base,
             hidden,
             labels=None,
-            attention_mask=None,
-            position_ids=None,
             accepts_router_flag=adapter._accepts_router_flag,  # pyright: ignore[reportPrivateUsage] - same package
         )
         reach_last = torch.autograd.grad(

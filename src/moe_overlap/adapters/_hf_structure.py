@@ -18,9 +18,10 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections import deque
-from collections.abc import Callable, Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from typing import Any, cast
 
 import torch
@@ -32,8 +33,10 @@ from moe_overlap.adapters._hf_calls import CallSpec, LayerCall, swap_child
 from moe_overlap.adapters._hf_experts import DelayedLinear
 
 __all__ = [
+    "ArgSlot",
     "ChildCall",
     "ExpertsCall",
+    "ExpertsKind",
     "ExpertsStandIn",
     "LayerTrace",
     "MoESplit",
@@ -73,20 +76,43 @@ class LayerTrace:
         return frozenset(n for n, k in self.linear_calls.items() if k == 1)
 
 
+class ExpertsKind(Enum):
+    """The routed-expert convention of a MoE block (see the module docstring)."""
+
+    ROUTED = "routed"
+    PRESCALED = "prescaled"
+
+
+ArgSlot = int | str
+"""Where a recorded call passed an argument: its position (``int``) or its keyword (``str``)."""
+
+
+def argument(slot: ArgSlot, args: Sequence[object], kwargs: Mapping[str, object]) -> object:
+    """The argument a call passed at ``slot``."""
+    return args[slot] if isinstance(slot, int) else kwargs[slot]
+
+
 @dataclass(frozen=True, slots=True)
 class ExpertsCall:
     """How the MoE block calls ``experts`` (see the module docstring)."""
 
-    kind: str
-    """``routed`` or ``prescaled``."""
-    hidden: tuple[str, int | str]
-    index: tuple[str, int | str] = ("", -1)
-    weights: tuple[str, int | str] = ("", -1)
+    kind: ExpertsKind
+    hidden: ArgSlot
+    index: ArgSlot | None = None
+    """``routed``: the ``[T, K]`` expert indices..."""
+    weights: ArgSlot | None = None
+    """... and their ``[T, K]`` weights."""
     router: str = ""
     """``prescaled``: the block child whose output holds the ``[T, E]`` router scores..."""
     router_output: int = 0
     """... at this position of its output tuple."""
     top_k: int = 0
+
+    def routed_slots(self) -> tuple[ArgSlot, ArgSlot, ArgSlot]:
+        """Where a ``routed`` call passes the hidden rows, the indices and the weights."""
+        assert self.index is not None, "a routed call passes indices"
+        assert self.weights is not None, "a routed call passes weights"
+        return self.hidden, self.index, self.weights
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,7 +157,7 @@ class MoESplit:
             f"mlp_out_norm={self.mlp_out_norm}",
             f"parallel={self.parallel}",
             f"multiplier={self.multiplier}",
-            f"experts={self.experts.kind}",
+            f"experts={self.experts.kind.value}",
             f"experts_scale={self.experts_scale}",
             f"block_out_norm={self.block_out_norm}",
             f"block_adds={self.block_adds}",
@@ -237,10 +263,9 @@ class ExpertsStandIn(nn.Module):
             calls.append(ChildCall("experts", experts, args, dict(kwargs), out))
         return out
 
-    def get(self, key: tuple[str, int | str]) -> Tensor:
-        """The argument of the last call at ``key`` (``("arg", i)`` or ``("kw", name)``)."""
-        kind, k = key
-        value = self.args[int(k)] if kind == "arg" else self.kwargs[str(k)]
+    def get(self, slot: ArgSlot) -> Tensor:
+        """The argument of the last call at ``slot``."""
+        value = argument(slot, self.args, self.kwargs)
         assert isinstance(value, Tensor)
         return value
 
@@ -316,9 +341,9 @@ def _experts_call(trace: LayerTrace, where: str, top_k: int | None) -> ExpertsCa
             f"{len(trace.experts_calls)} calls"
         )
     c = trace.experts_calls[0]
-    slots: list[tuple[tuple[str, int | str], Tensor]] = []
-    slots += [(("arg", i), a) for i, a in enumerate(c.args) if isinstance(a, Tensor)]
-    slots += [(("kw", k), v) for k, v in c.kwargs.items() if isinstance(v, Tensor)]
+    slots: list[tuple[ArgSlot, Tensor]] = []
+    slots += [(i, a) for i, a in enumerate(c.args) if isinstance(a, Tensor)]
+    slots += [(k, v) for k, v in c.kwargs.items() if isinstance(v, Tensor)]
     ints = [s for s, t in slots if not t.is_floating_point()]
     floats = [s for s, t in slots if t.is_floating_point()]
     tensors = dict(slots)
@@ -330,7 +355,11 @@ def _experts_call(trace: LayerTrace, where: str, top_k: int | None) -> ExpertsCa
                 f"shape {tuple(index.shape)}"
             )
         return ExpertsCall(
-            "routed", hidden=floats[0], index=ints[0], weights=floats[1], top_k=index.shape[1]
+            ExpertsKind.ROUTED,
+            hidden=floats[0],
+            index=ints[0],
+            weights=floats[1],
+            top_k=index.shape[1],
         )
     if len(slots) == 1 and len(floats) == 1:
         rows_in = tensors[floats[0]]
@@ -357,12 +386,12 @@ def _experts_call(trace: LayerTrace, where: str, top_k: int | None) -> ExpertsCa
                 )
             name, i, _ = found[pick]
             return ExpertsCall(
-                "prescaled", hidden=floats[0], router=name, router_output=i, top_k=top_k
+                ExpertsKind.PRESCALED, hidden=floats[0], router=name, router_output=i, top_k=top_k
             )
     raise ConfigError(
         f"{where}: expected experts(hidden [T, D], index [T, K], weights [T, K]) or "
         "experts(hidden scaled by router scores [E*T, D]), received arguments "
-        + ", ".join(f"{k}: {tuple(t.shape)} {t.dtype}" for k, t in slots)
+        + ", ".join(f"{k!r}: {tuple(t.shape)} {t.dtype}" for k, t in slots)
     )
 
 
@@ -465,16 +494,17 @@ def candidate_splits(
 def experts_arguments(
     call: ExpertsCall, hidden: Tensor, index: Tensor, weights: Tensor
 ) -> tuple[list[object], dict[str, object]]:
-    """Positional and keyword arguments for ``experts`` in the block's own convention."""
-    values = {call.hidden: hidden, call.index: index, call.weights: weights}
-    n = 1 + max((int(k) for (kind, k) in values if kind == "arg"), default=-1)
+    """Positional and keyword arguments for ``experts`` in the block's own (routed) convention."""
+    hidden_at, index_at, weights_at = call.routed_slots()
+    values: dict[ArgSlot, Tensor] = {hidden_at: hidden, index_at: index, weights_at: weights}
+    n = 1 + max((s for s in values if isinstance(s, int)), default=-1)
     args: list[object] = [None] * n
     kwargs: dict[str, object] = {}
-    for (kind, key), v in values.items():
-        if kind == "arg":
-            args[int(key)] = v
+    for slot, v in values.items():
+        if isinstance(slot, int):
+            args[slot] = v
         else:
-            kwargs[str(key)] = v
+            kwargs[slot] = v
     return args, kwargs
 
 
@@ -573,8 +603,7 @@ def measure_block(block: nn.Module, trace: LayerTrace, split: MoESplit, where: s
     u = _arg(call)
     assert isinstance(u, Tensor)
     ec = trace.experts_calls[0]
-    kind, key = split.experts.hidden
-    x = ec.args[int(key)] if kind == "arg" else ec.kwargs[str(key)]
+    x = argument(split.experts.hidden, ec.args, ec.kwargs)
     assert isinstance(x, Tensor)
     experts = block.get_submodule("experts")
 
@@ -611,7 +640,7 @@ def measure_block(block: nn.Module, trace: LayerTrace, split: MoESplit, where: s
             "output's gradient with respect to the experts' output depends on the input or "
             "on parameters), which the slots cannot split"
         )
-    if split.experts.kind == "prescaled":
+    if split.experts.kind is ExpertsKind.PRESCALED:
         # A sum over every expert's rows, not one row per token: the self-check covers it.
         return replace(split, block_adds=adds)
     g = torch.Generator().manual_seed(7)
