@@ -129,6 +129,14 @@ class Spec(Generic[T_co]):
         """``value`` (normalised), or :class:`Mismatch`."""
         raise NotImplementedError
 
+    def accepts(self, value: object) -> bool:
+        """Whether :meth:`check` accepts ``value`` (a boolean, for fast paths)."""
+        try:
+            self.check(value)
+        except Mismatch:
+            return False
+        return True
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.expects!r})"
 
@@ -145,6 +153,9 @@ class Bool(Spec[bool]):
         if not isinstance(value, bool):
             raise Mismatch
         return value
+
+    def accepts(self, value: object) -> bool:
+        return isinstance(value, bool)
 
 
 def _bound(value: float, name: str | None) -> str:
@@ -294,6 +305,9 @@ class Func(Spec[Callable[..., object]]):
         if not callable(value):
             raise Mismatch
         return value
+
+    def accepts(self, value: object) -> bool:
+        return callable(value)
 
 
 class Opt(Spec["T | None"]):

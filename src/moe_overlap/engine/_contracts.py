@@ -133,7 +133,7 @@ class Member:
     dispatch slot of a dense layer is never called).
     """
 
-    __slots__ = ("hint", "kind", "name", "spec", "when", "when_words")
+    __slots__ = ("accepts", "hint", "kind", "name", "spec", "when", "when_words")
 
     def __init__(
         self,
@@ -151,23 +151,16 @@ class Member:
         self.when = when
         self.when_words = when_words
         self.hint = hint
+        self.accepts: Callable[[object], bool] = (
+            spec.conforms if isinstance(spec, Contract) else spec.accepts
+        )
+        """Whether a value is what the member must hold (no string formatted)."""
 
     @property
     def expects(self) -> str:
         """What the value must be, in words."""
         words = self.spec.noun if isinstance(self.spec, Contract) else self.spec.expects
         return f"{words} {self.when_words}" if self.when_words else words
-
-    def accepts(self, value: object) -> bool:
-        """Whether ``value`` is what the member must hold (no string formatted)."""
-        spec = self.spec
-        if isinstance(spec, Contract):
-            return spec.conforms(value)
-        try:
-            spec.check(value)
-        except Mismatch:
-            return False
-        return True
 
     def __repr__(self) -> str:
         return f"Member({self.name!r}, {self.kind.name}, {self.expects!r})"
@@ -221,7 +214,7 @@ class Contract(Generic[T]):
     :class:`~moe_overlap.IntegrationError`). Registers itself for :func:`contract_of`.
     """
 
-    __slots__ = ("fields", "help", "members", "noun", "protocol", "value_error")
+    __slots__ = ("_rows", "fields", "help", "members", "noun", "protocol", "value_error")
 
     def __init__(
         self,
@@ -238,6 +231,7 @@ class Contract(Generic[T]):
         self.help = help
         self.fields = fields
         self.value_error = value_error
+        self._rows = tuple((m.name, m.accepts, m.when) for m in members)
         _CONTRACTS[protocol] = self
 
     @property
@@ -247,13 +241,11 @@ class Contract(Generic[T]):
 
     def conforms(self, obj: object) -> bool:
         """The fast path: whether ``obj`` has every member, each of the right value."""
-        for m in self.members:
-            value: object = getattr(obj, m.name, _MISSING)
+        for name, accepts, when in self._rows:
+            value: object = getattr(obj, name, _MISSING)
             if value is _MISSING:
                 return False
-            if m.when is not None and not m.when(obj):
-                continue
-            if not m.accepts(value):
+            if not accepts(value) and (when is None or when(obj)):
                 return False
         return True
 
