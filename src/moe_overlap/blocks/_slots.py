@@ -9,6 +9,7 @@ from torch import Tensor
 
 from moe_overlap import ChunkState, IntegrationError, LayerState
 from moe_overlap.engine._args import Instance, check_arg, refuse
+from moe_overlap.engine._contracts import Contract, attribute, method
 
 __all__ = [
     "DenseSlots",
@@ -35,6 +36,16 @@ class SlotContext(Protocol):
     def chunk_state(self) -> ChunkState: ...
     def detach(self, t: Tensor) -> Tensor: ...
     def mark_non_differentiable(self, *tensors: Tensor) -> None: ...
+
+
+SLOT_CONTEXT: Contract[SlotContext] = Contract(
+    SlotContext,
+    "a SlotContext (what a slot reads from its node)",
+    attribute("layer_state", Instance(LayerState, "a LayerState")),
+    attribute("chunk_state", Instance(ChunkState, "a ChunkState")),
+    method("detach"),
+    method("mark_non_differentiable"),
+)
 
 
 _STATE = Instance(ChunkState, "a ChunkState", error=IntegrationError)

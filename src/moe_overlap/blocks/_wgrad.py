@@ -33,6 +33,7 @@ from moe_overlap.engine._args import (
     check_arg,
     refuse,
 )
+from moe_overlap.engine._contracts import Contract, method
 
 __all__ = [
     "DelayedWgradGroupedLinear",
@@ -64,6 +65,15 @@ class MatmulKernel(Protocol):
     def forward(self, x: Tensor, weight: Tensor) -> Tensor: ...
     def dgrad(self, grad_y: Tensor, weight: Tensor) -> Tensor: ...
     def wgrad(self, x: Tensor, grad_y: Tensor) -> Tensor: ...
+
+
+MATMUL_KERNEL: Contract[MatmulKernel] = Contract(
+    MatmulKernel,
+    "a MatmulKernel (forward, dgrad and wgrad of a linear layer)",
+    method("forward"),
+    method("dgrad"),
+    method("wgrad"),
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,7 +68,6 @@ __all__ = [
     "Instance",
     "Int",
     "Items",
-    "Methods",
     "Mismatch",
     "OneOf",
     "Opt",
@@ -130,6 +129,14 @@ class Spec(Generic[T_co]):
         """``value`` (normalised), or :class:`Mismatch`."""
         raise NotImplementedError
 
+    def accepts(self, value: object) -> bool:
+        """Whether :meth:`check` accepts ``value`` (a boolean, for fast paths)."""
+        try:
+            self.check(value)
+        except Mismatch:
+            return False
+        return True
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.expects!r})"
 
@@ -147,6 +154,9 @@ class Bool(Spec[bool]):
             raise Mismatch
         return value
 
+    def accepts(self, value: object) -> bool:
+        return isinstance(value, bool)
+
 
 def _bound(value: float, name: str | None) -> str:
     return f"{name}={value}" if name else f"{value}"
@@ -155,10 +165,12 @@ def _bound(value: float, name: str | None) -> str:
 class Int(Spec[int]):
     """An int (not a bool), ``min <= value <= max`` where given; returned as ``int``.
 
-    ``max_name`` names a bound that comes from another value (``topk <= num_experts=8``).
+    ``max_name`` names a bound that comes from another value (``topk <= num_experts=8``);
+    ``exact`` accepts a Python ``int`` only (a member the schedule reads as it is, not
+    normalised: NumPy's integers refused).
     """
 
-    __slots__ = ("max", "min")
+    __slots__ = ("exact", "max", "min")
 
     def __init__(
         self,
@@ -166,6 +178,7 @@ class Int(Spec[int]):
         max: int | None = None,
         *,
         max_name: str | None = None,
+        exact: bool = False,
         error: type[MoeOverlapError] = ConfigError,
         hint: str = "",
     ) -> None:
@@ -180,11 +193,17 @@ class Int(Spec[int]):
         super().__init__(words, error=error, hint=hint)
         self.min = min
         self.max = max
+        self.exact = exact
 
     def check(self, value: object) -> int:
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        if self.exact:
+            if type(value) is not int:
+                raise Mismatch
+            n = value
+        elif isinstance(value, bool) or not isinstance(value, numbers.Integral):
             raise Mismatch
-        n = int(value)
+        else:
+            n = int(value)
         if (self.min is not None and n < self.min) or (self.max is not None and n > self.max):
             raise Mismatch
         return n
@@ -287,33 +306,18 @@ class Func(Spec[Callable[..., object]]):
             raise Mismatch
         return value
 
-
-class Methods(Spec[object]):
-    """An object with these callable members (a structural check cheaper and stricter than
-    a ``runtime_checkable`` Protocol's, which only looks the names up)."""
-
-    __slots__ = ("names",)
-
-    def __init__(
-        self, names: Sequence[str], expects: str, *, error: type[MoeOverlapError] = ConfigError
-    ) -> None:
-        super().__init__(expects, error=error)
-        self.names = tuple(names)
-
-    def check(self, value: object) -> object:
-        missing = [n for n in self.names if not callable(getattr(value, n, None))]
-        if missing:
-            raise Mismatch(f"no callable {', '.join(missing)}") if value is not None else Mismatch
-        return value
+    def accepts(self, value: object) -> bool:
+        return callable(value)
 
 
 class Opt(Spec["T | None"]):
-    """``None`` or what ``spec`` accepts."""
+    """``None`` or what ``spec`` accepts; ``expects`` replaces the words ``"<spec's> or None"``."""
 
     __slots__ = ("spec",)
 
-    def __init__(self, spec: Spec[T]) -> None:
-        super().__init__(f"{spec.expects} or None", error=spec.error, hint=spec.hint)
+    def __init__(self, spec: Spec[T], *, expects: str | None = None) -> None:
+        words = expects or f"{spec.expects} or None"
+        super().__init__(words, error=spec.error, hint=spec.hint)
         self.spec = spec
 
     def check(self, value: object) -> T | None:

@@ -8,6 +8,7 @@ schedule with the model's plain forward (``_plain_check.py``, run by ``combined_
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 __all__ = ["DEBUG", "DEBUG_ENV", "debug_enabled", "install_beartype"]
 
@@ -23,24 +24,53 @@ DEBUG = debug_enabled()
 """Read once, at import: debug mode's costly checks (saved-tensor hooks, ...) are on."""
 
 
+def _rules(protocol: type) -> Callable[[object], bool]:
+    """A beartype validator for ``protocol``: its rule table's fast check (``_contracts.py``).
+
+    The table is looked up on the first call: its module is imported after beartype's hook
+    is installed, so it is checked too.
+    """
+    found: list[Callable[[object], bool]] = []
+
+    def conforms(value: object) -> bool:
+        if not found:
+            from moe_overlap.engine._contracts import contract_of
+
+            contract = contract_of(protocol)
+            assert contract is not None, f"{protocol.__name__} has no rule table"
+            found.append(contract.conforms)
+        return found[0](value)
+
+    conforms.__name__ = conforms.__qualname__ = f"{protocol.__name__}_rule_table"
+    return conforms
+
+
 def install_beartype() -> None:
     """Check every later-imported module of the package with beartype.
 
     Violations raise :class:`~moe_overlap.TypeHintError` (an ``IntegrationError``, so a
     ``TypeError``); an ``int`` is accepted where the hint says ``float`` (PEP 484's
-    numeric tower). Protocol-typed parameters are not checked per call (an
-    ``isinstance`` against a runtime Protocol costs microseconds and, on Python 3.12+,
-    misses ``nn.Module`` submodules): beartype sees them as ``object``, and plans check
-    integrations once, at construction, member by member.
+    numeric tower). A parameter or return value typed with one of the library's Protocols
+    is checked with that Protocol's rule table (``Annotated[object, Is[<its table>]]``),
+    the very check plans run at construction: each member looked up with ``getattr`` (an
+    ``isinstance`` against a runtime Protocol misses ``nn.Module`` submodules on Python
+    3.12+) and its value checked.
     """
+    from typing import Annotated
+
     from beartype import BeartypeConf, FrozenDict
     from beartype.claw import beartype_package
+    from beartype.vale import Is
 
     from moe_overlap.engine import _protocols as protocols
     from moe_overlap.engine._errors import TypeHintError
 
     overrides: dict[object, object] = {
-        getattr(protocols, name): object for name in protocols.__all__
+        kind: Annotated[object, Is[_rules(kind)]]
+        for kind in vars(protocols).values()
+        if isinstance(kind, type)
+        and kind.__module__ == protocols.__name__
+        and getattr(kind, "_is_runtime_protocol", False)
     }
     beartype_package(
         "moe_overlap",

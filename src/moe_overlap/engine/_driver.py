@@ -15,7 +15,6 @@ from ._args import (
     CALLABLE,
     TENSOR,
     Instance,
-    Methods,
     Opt,
     Real,
     Spec,
@@ -25,6 +24,7 @@ from ._args import (
 from ._bypass_check import check_bypassed
 from ._chunk_plan import ModelChunkSchedulePlan, check_grad_mode, run_pair
 from ._conformance import check_model, checks_memoized
+from ._contracts import OPT_STEP_OBSERVER
 from ._debug import DEBUG
 from ._errors import ConfigError, IntegrationError
 from ._inputs import check_inputs
@@ -270,7 +270,7 @@ def _run(
     return losses
 
 
-_OBSERVER = Opt(Methods(("timer",), "a StepObserver (with timer(step, microbatch))"))
+_OBSERVER = OPT_STEP_OBSERVER
 _STREAMS = Opt(Instance(StreamPair, "a StreamPair (make_streams(device))"))
 
 

@@ -14,6 +14,8 @@ from typing import Protocol, cast, runtime_checkable
 
 from torch import Tensor
 
+from ._args import Int, Opt
+from ._contracts import Contract, attribute, method
 from ._errors import ScheduleError
 from ._layer_node import TransformerLayerNode
 from ._node import ScheduleNode
@@ -35,6 +37,13 @@ class NodeSource(Protocol):
     def microbatch(self) -> int | None: ...
     def node_for(self, step: Step) -> ScheduleNode: ...
 
+
+NODE_SOURCE: Contract[NodeSource] = Contract(
+    NodeSource,
+    "a NodeSource (a plan: microbatch and node_for(step))",
+    attribute("microbatch", Opt(Int(0), expects="None or an int >= 0")),
+    method("node_for"),
+)
 
 HookRunner = Callable[[Step, FValue, BValue], None]
 

@@ -10,6 +10,7 @@ import torch
 from torch import Tensor
 
 from ._args import BOOL, POSITIVE, Opt, check_arg
+from ._contracts import FREE_INPUT_CONFIG
 from ._debug import DEBUG
 from ._errors import ConfigError, IntegrationError, WgradError
 from ._free_input import should_free_input
@@ -53,11 +54,11 @@ class LayerArgs:
                 f"{sorted(known)}"
             )
         config = mapping.get("config")
-        if not isinstance(config, FreeInputConfig):
+        if FREE_INPUT_CONFIG.missing(config):
+            *names, last = FREE_INPUT_CONFIG.names
             raise ConfigError(
-                "LayerArgs: extra_args['config'] must have moe_token_dispatcher_type, "
-                "moe_flex_dispatcher_backend, fp8, fp4 and cuda_graph_modules; received "
-                f"{type(config).__name__}"
+                f"LayerArgs: extra_args['config'] must have {', '.join(names)} and {last}; "
+                f"received {type(config).__name__}"
             )
         flags = {
             key: check_arg("LayerArgs", f"extra_args[{key!r}]", mapping.get(key, False), BOOL)
@@ -75,7 +76,7 @@ class LayerArgs:
             mapping.get("num_local_experts"),
             _LOCAL_EXPERTS,
         )
-        return cls(config=config, num_local_experts=nle, **flags)
+        return cls(config=cast(FreeInputConfig, config), num_local_experts=nle, **flags)
 
     @classmethod
     def coerce(cls, value: LayerArgs | Mapping[str, object] | None) -> LayerArgs:

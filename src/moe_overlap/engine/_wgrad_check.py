@@ -10,6 +10,7 @@ from typing import NoReturn, cast
 
 from torch import nn
 
+from ._contracts import PENDING_WGRAD
 from ._errors import IntegrationError, WgradError
 
 __all__ = [
@@ -60,6 +61,7 @@ def _candidates(model: object, declared: Sequence[tuple[str, object]]) -> Iterat
 
 
 _BAD = -1  # pending_count's answer for a pending_wgrad that is not an int >= 0
+_COUNT = PENDING_WGRAD.member("pending_wgrad")
 
 
 def pending_count(module: object) -> int | None:
@@ -73,7 +75,7 @@ def pending_count(module: object) -> int | None:
     if not (hasattr(type(module), "pending_wgrad") or "pending_wgrad" in attrs):
         return None
     count: object = getattr(module, "pending_wgrad", None)
-    return count if type(count) is int and count >= 0 else _BAD  # bool is not an int here
+    return cast(int, count) if _COUNT.accepts(count) else _BAD  # bool is not an int here
 
 
 def wgrad_namer(
@@ -153,10 +155,10 @@ def _bad_count(module: object, name: Callable[[object], str]) -> NoReturn:
     else:
         got = type(count).__name__
     raise IntegrationError(
-        f"{name(module)}.pending_wgrad: expected an int >= 0 (PendingWgrad: a read-only "
+        f"{name(module)}.pending_wgrad: expected {_COUNT.expects} (PendingWgrad: a read-only "
         f"property counting the weight gradients it still owes), received {got}; the "
-        "schedule reads it before and after every step, so make it a property returning "
-        "an int (@property def pending_wgrad(self) -> int), or rename the member"
+        f"schedule reads it before and after every step, so {_COUNT.hint}, or rename the "
+        "member"
     )
 
 

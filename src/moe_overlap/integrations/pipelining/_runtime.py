@@ -30,10 +30,11 @@ from moe_overlap import (
     StepObserver,
     check_inputs,
 )
-from moe_overlap.engine._args import BOOL, Instance, Methods, Opt, check_arg
+from moe_overlap.engine._args import BOOL, Instance, Opt, check_arg
 from moe_overlap.engine._bypass_check import check_bypassed
 from moe_overlap.engine._conformance import check_model
-from moe_overlap.engine._wgrad_check import check_wgrad_done, owed_wgrad
+from moe_overlap.engine._contracts import OPT_STEP_OBSERVER
+from moe_overlap.engine._wgrad_check import check_wgrad_done, owed_wgrad, pending_count
 from moe_overlap.integrations._consensus import Phase, StepConsensus, Verdict
 from moe_overlap.integrations.pipelining import _torch
 from moe_overlap.integrations.pipelining._lowering import check_actions, describe, pair_overlap_f_b
@@ -172,7 +173,7 @@ class _BackwardCall:
 
 
 _OPTIONS = Opt(Instance(ScheduleOptions, "a ScheduleOptions"))
-_OBSERVER = Opt(Methods(("timer",), "a StepObserver (with timer(step, microbatch))"))
+_OBSERVER = OPT_STEP_OBSERVER
 
 
 class PipelineOverlap:
@@ -409,7 +410,7 @@ class PipelineOverlap:
                 continue
             for module in stage.submod.modules():
                 drop: object = getattr(module, "discard_wgrad", None)
-                if getattr(module, "pending_wgrad", 0) and callable(drop):
+                if pending_count(module) and callable(drop):
                     drop()
             check_wgrad_done(
                 stage.submod,

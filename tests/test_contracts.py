@@ -1,0 +1,95 @@
+"""Each Protocol's contract is written once: its rule table lists exactly its members."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+import typing_extensions
+
+import moe_overlap
+from moe_overlap.engine._contracts import (
+    LAYER,
+    MODEL,
+    STEP_OBSERVER,
+    Kind,
+    contract_of,
+    contracts,
+)
+
+# Modules that need an optional dependency this environment may lack.
+_OPTIONAL = ("moe_overlap.adapters", "moe_overlap.timeline")
+
+
+def _runtime_protocols() -> list[type]:
+    """Every ``@runtime_checkable`` Protocol defined in the package, found by importing it all."""
+    found: dict[str, type] = {}
+    for info in pkgutil.walk_packages(moe_overlap.__path__, "moe_overlap."):
+        try:
+            module = importlib.import_module(info.name)
+        except ImportError:
+            if info.name.startswith(_OPTIONAL):
+                continue
+            raise
+        for value in vars(module).values():
+            if (
+                inspect.isclass(value)
+                and value.__module__ == module.__name__
+                and typing_extensions.is_protocol(value)
+                and getattr(value, "_is_runtime_protocol", False)
+            ):
+                found[f"{value.__module__}.{value.__qualname__}"] = value
+    return [found[k] for k in sorted(found)]
+
+
+PROTOCOLS = _runtime_protocols()
+
+
+def test_the_walk_finds_the_protocols() -> None:
+    names = {p.__name__ for p in PROTOCOLS}
+    assert {"PreprocessableModel", "SchedulableLayer", "WgradLayer", "SlotContext"} <= names
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS, ids=lambda p: p.__name__)
+def test_every_runtime_protocol_has_a_table_of_exactly_its_members(protocol: type) -> None:
+    contract = contract_of(protocol)
+    assert contract is not None, f"{protocol.__qualname__} has no rule table (_contracts.py)"
+    assert len(set(contract.names)) == len(contract.names), contract
+    assert set(contract.names) == set(typing_extensions.get_protocol_members(protocol))
+
+
+def test_every_table_belongs_to_a_runtime_protocol() -> None:
+    assert set(contracts()) <= set(PROTOCOLS)
+
+
+def test_member_kinds_follow_the_protocol() -> None:
+    """A member the Protocol declares as a method is a method row; a property, an attribute."""
+    for protocol in PROTOCOLS:
+        contract = contract_of(protocol)
+        assert contract is not None
+        for member in contract.members:
+            declared = inspect.getattr_static(protocol, member.name)
+            kind = Kind.ATTRIBUTE if isinstance(declared, property) else Kind.METHOD
+            assert member.kind is kind, (protocol.__name__, member.name)
+
+
+class _Observer:
+    def timer(self, step: object, microbatch: int | None) -> None:
+        del step, microbatch
+
+
+def test_one_checker_for_the_fast_path_and_the_message() -> None:
+    assert STEP_OBSERVER.conforms(_Observer())
+    assert not STEP_OBSERVER.conforms(object())
+    assert STEP_OBSERVER.detail(object()) == "missing members: ['timer']"
+    error = MODEL.error(object())
+    assert str(error).startswith("object is not a PreprocessableModel; missing members: [")
+
+    class Layer:
+        config = None
+        is_moe = "yes"
+
+    message = str(LAYER.error(Layer(), "decoder.layers[3]"))
+    assert message.startswith("decoder.layers[3]: Layer is not a SchedulableLayer; missing")
