@@ -11,6 +11,7 @@ import torch
 
 from moe_overlap import (
     CudaGraphModule,
+    Microbatch,
     ModelChunkSchedulePlan,
     ScheduleOptions,
     Slot,
@@ -132,10 +133,7 @@ def test_freed_exactly_where_the_policy_says(free_input: bool) -> None:
     (mb,) = make_microbatches(1, config)
     plan = ModelChunkSchedulePlan(
         model,
-        mb.input_ids,
-        mb.position_ids,
-        None,
-        labels=mb.labels,
+        Microbatch(input_ids=mb.input_ids, position_ids=mb.position_ids, labels=mb.labels),
         options=ScheduleOptions(free_input=free_input),
     )
     loss = ModelChunkSchedulePlan.run(plan, None)

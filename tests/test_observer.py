@@ -13,6 +13,7 @@ from torch import Tensor
 from moe_overlap import (
     CpuStream,
     Direction,
+    Microbatch,
     ModelChunkSchedulePlan,
     NodeTimer,
     ScheduleError,
@@ -138,7 +139,9 @@ def test_run_with_hooks_shows_only_node_steps() -> None:
     def plan(i: int) -> ModelChunkSchedulePlan:
         mb = mbs[i]
         return ModelChunkSchedulePlan(
-            model, mb.input_ids, mb.position_ids, None, labels=mb.labels, microbatch=i
+            model,
+            Microbatch(input_ids=mb.input_ids, position_ids=mb.position_ids, labels=mb.labels),
+            index=i,
         )
 
     def pre(stage: int | None) -> None:
@@ -186,7 +189,9 @@ def test_layer_plan_run_passes_the_observer() -> None:
     model = ToyModel(config, "m")
     mb = make_microbatches(1, config)[0]
     plan = ModelChunkSchedulePlan(
-        model, mb.input_ids, mb.position_ids, None, labels=mb.labels, microbatch=4
+        model,
+        Microbatch(input_ids=mb.input_ids, position_ids=mb.position_ids, labels=mb.labels),
+        index=4,
     )
     assert plan.pre_process is not None
     hidden = plan.pre_process.forward()

@@ -39,8 +39,9 @@ def install_beartype() -> None:
     from moe_overlap.engine import _protocols as protocols
     from moe_overlap.engine._errors import TypeHintError
 
+    members = [getattr(protocols, name) for name in protocols.__all__]
     overrides: dict[object, object] = {
-        getattr(protocols, name): object for name in protocols.__all__
+        p: object for p in members if getattr(p, "_is_protocol", False)
     }
     beartype_package(
         "moe_overlap",
