@@ -84,14 +84,13 @@ def combined_1f1b(
     with checks_memoized():  # the model and its layers are checked once, not per plan
         model = check_model(model)
         _check_arguments(microbatches, overlap, options, streams, loss_scale, on_plan, observer)
-        _check_fill_drain(fill_drain, overlap)
+        mode = _schedule_mode(overlap, fill_drain)
         _check_inputs(model, microbatches)
         check_grad_mode("combined_1f1b")
         declared = declared_wgrad(model)
         check_wgrad_done(
             model, when="before the step (left from an earlier one)", declared=declared
         )
-        mode = ScheduleMode.of(overlap=overlap, fill_drain=fill_drain)
         if DEBUG:  # the model's first step: its schedule and its plain forward agree
             first = [microbatches[0]]
             check_first_step(
@@ -206,14 +205,16 @@ def _check_inputs(model: PreprocessableModel, microbatches: Sequence[Microbatch]
         )
 
 
-def _check_fill_drain(fill_drain: object, overlap: object) -> None:
-    check_arg("combined_1f1b", "fill_drain", fill_drain, BOOL)
+def _schedule_mode(overlap: bool, fill_drain: object) -> ScheduleMode:
+    """The mode of ``overlap`` (checked already) and ``fill_drain``, which needs it."""
+    fill_drain = check_arg("combined_1f1b", "fill_drain", fill_drain, BOOL)
     if fill_drain and not overlap:
         raise ConfigError(
             "combined_1f1b: fill_drain overlaps the first two forwards and the last two "
             "backwards of the overlapped schedule; expected overlap=True with it, received "
             "overlap=False"
         )
+    return ScheduleMode.of(overlap=overlap, fill_drain=fill_drain)
 
 
 def _check_loss(model: PreprocessableModel, out: Tensor | None) -> Tensor:
