@@ -292,6 +292,23 @@ def test_global_streams_first_call_wins() -> None:
     reset_streams()
 
 
+def test_default_streams_belong_to_a_device() -> None:
+    reset_streams()
+    cpu = set_streams(device="cpu")
+    assert set_streams(device=torch.device("cpu")) is cpu
+    if torch.cuda.is_available():  # a bare "cuda" is the current device
+        cuda = set_streams(device="cuda")
+        assert cuda is not cpu and set_streams(device="cpu") is cpu
+        assert set_streams(device=f"cuda:{torch.cuda.current_device()}") is cuda
+        with pytest.raises(StreamError, match="expected streams of cuda"):
+            set_streams(comp_stream=CpuStream(), device="cuda")
+    mine = set_streams(CpuStream("a"), CpuStream("b"))  # keyed by the streams' device
+    assert set_streams(device="cpu") is mine
+    reset_streams()
+    assert set_streams(device="cpu") is not mine
+    reset_streams()
+
+
 def test_stream_event_device_mismatch() -> None:
     class FakeCudaEvent:
         pass

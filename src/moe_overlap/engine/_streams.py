@@ -324,7 +324,7 @@ _DEFAULTS: dict[torch.device, StreamPair] = {}
 
 def _device_key(dev: torch.device) -> torch.device:
     """``dev`` with its index (a bare ``cuda`` is the current CUDA device)."""
-    if dev.type == "cuda" and dev.index is None:
+    if dev.type == "cuda" and cast("int | None", dev.index) is None:  # torch types it int
         return torch.device("cuda", torch.cuda.current_device())
     return dev
 
