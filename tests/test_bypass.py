@@ -19,7 +19,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     offload_wrapper,
 )
 
-from moe_overlap import ConfigError, Microbatch, ModelChunkSchedulePlan, combined_1f1b
+from moe_overlap import ConfigError, ModelChunkSchedulePlan, combined_1f1b
 from moe_overlap.blocks import recompute_module
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel
 from moe_overlap.models._layers import DenseLayer, MoELayer, _AttentionBlock
@@ -121,7 +121,7 @@ def test_a_hook_added_after_a_step_is_found_at_the_next_plan_and_the_model_stays
     with pytest.raises(ConfigError, match=LAYER):
         ModelChunkSchedulePlan(
             model,
-            Microbatch(input_ids=mb.input_ids, position_ids=mb.position_ids, labels=mb.labels),
+            mb,
         )
     handle.remove()
     combined_1f1b(model, mbs)

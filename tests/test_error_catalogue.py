@@ -72,7 +72,7 @@ def plan(ctx: Ctx, i: int = 0) -> ModelChunkSchedulePlan:
     mb = ctx.mbs[i]
     return ModelChunkSchedulePlan(
         ctx.model,
-        Microbatch(input_ids=mb.input_ids, position_ids=mb.position_ids, labels=mb.labels),
+        mb,
         index=i,
     )
 

@@ -11,7 +11,6 @@ import torch
 
 from moe_overlap import (
     CudaGraphModule,
-    Microbatch,
     ModelChunkSchedulePlan,
     ScheduleOptions,
     Slot,
@@ -133,7 +132,7 @@ def test_freed_exactly_where_the_policy_says(free_input: bool) -> None:
     (mb,) = make_microbatches(1, config)
     plan = ModelChunkSchedulePlan(
         model,
-        Microbatch(input_ids=mb.input_ids, position_ids=mb.position_ids, labels=mb.labels),
+        mb,
         options=ScheduleOptions(free_input=free_input),
     )
     loss = ModelChunkSchedulePlan.run(plan, None)

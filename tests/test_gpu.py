@@ -60,7 +60,7 @@ def test_cuda_parity(
 
 
 def test_cpu_streams_rejected_for_cuda_inputs() -> None:
-    from moe_overlap import Microbatch, ModelChunkSchedulePlan, StreamError
+    from moe_overlap import ModelChunkSchedulePlan, StreamError
 
     config = ToyConfig()
     model = ToyModel(config, "m").cuda()
@@ -68,7 +68,7 @@ def test_cpu_streams_rejected_for_cuda_inputs() -> None:
     with pytest.raises(StreamError, match="inputs are on cuda"):
         ModelChunkSchedulePlan(
             model,
-            Microbatch(input_ids=mb.input_ids, position_ids=mb.position_ids, labels=mb.labels),
+            mb,
             streams=make_streams("cpu"),
         )
 

@@ -13,7 +13,6 @@ from torch import Tensor
 from moe_overlap import (
     CpuStream,
     Direction,
-    Microbatch,
     ModelChunkSchedulePlan,
     NodeTimer,
     ScheduleError,
@@ -140,7 +139,7 @@ def test_run_with_hooks_shows_only_node_steps() -> None:
         mb = mbs[i]
         return ModelChunkSchedulePlan(
             model,
-            Microbatch(input_ids=mb.input_ids, position_ids=mb.position_ids, labels=mb.labels),
+            mb,
             index=i,
         )
 
@@ -190,7 +189,7 @@ def test_layer_plan_run_passes_the_observer() -> None:
     mb = make_microbatches(1, config)[0]
     plan = ModelChunkSchedulePlan(
         model,
-        Microbatch(input_ids=mb.input_ids, position_ids=mb.position_ids, labels=mb.labels),
+        mb,
         index=4,
     )
     assert plan.pre_process is not None

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from moe_overlap import Microbatch, ModelChunkSchedulePlan, ScheduleOptions, combined_1f1b
+from moe_overlap import ModelChunkSchedulePlan, ScheduleOptions, combined_1f1b
 
 from .toy_model import ToyConfig, ToyModel, grads, make_microbatches, plain_step
 
@@ -96,7 +96,7 @@ def test_chunks_with_different_layer_counts(layers: tuple[int, int], delay: bool
         plans.append(
             ModelChunkSchedulePlan(
                 m,
-                Microbatch(input_ids=mb.input_ids, position_ids=mb.position_ids, labels=mb.labels),
+                mb,
                 options=options,
                 index=i,
             )
