@@ -15,6 +15,7 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -23,7 +24,6 @@ from moe_overlap import (
     ChunkState,
     Microbatch,
     PreprocessOutput,
-    TransformerLayerNode,
     WgradLayer,
     WgradScope,
     combined_1f1b,
@@ -37,6 +37,9 @@ from moe_overlap.blocks import (
     TokenDispatcher,
     TopKRouter,
 )
+
+if TYPE_CHECKING:  # only here since the issue-25 layout; this file also runs on older trees
+    from moe_overlap import SlotContext
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,22 +80,22 @@ class TrivialLayer(nn.Module):
         return x + self.w[i]
 
     def slot_pre_dispatch(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+        self, node: SlotContext, inputs: tuple[Tensor, ...], /
     ) -> Tensor | tuple[Tensor, ...]:
         return self.op(0, inputs)
 
     def slot_dispatch(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+        self, node: SlotContext, inputs: tuple[Tensor, ...], /
     ) -> Tensor | tuple[Tensor, ...]:
         return self.op(1, inputs)
 
     def slot_mlp(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+        self, node: SlotContext, inputs: tuple[Tensor, ...], /
     ) -> Tensor | tuple[Tensor, ...]:
         return self.op(2, inputs)
 
     def slot_combine(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+        self, node: SlotContext, inputs: tuple[Tensor, ...], /
     ) -> Tensor | tuple[Tensor, ...]:
         return self.op(3, inputs)
 
@@ -167,6 +170,15 @@ def _per_call_us(fn: Callable[[], object], repeats: int, calls: int = 200) -> fl
     return statistics.median(samples)
 
 
+def _chunk_state() -> ChunkState:
+    """An empty chunk state; the A/B runs this file against older trees too (before
+    ``ChunkState`` took a ``Microbatch``)."""
+    try:
+        return ChunkState(Microbatch())
+    except TypeError:
+        return ChunkState()  # type: ignore[call-arg]  # pyright: ignore[reportCallIssue]
+
+
 def _blocks_cost_us(repeats: int) -> dict[str, float]:
     """Host cost of each block's step on tiny CPU tensors (so the library is all there is)."""
     T, D, X, K = 16, 8, 4, 2
@@ -180,7 +192,7 @@ def _blocks_cost_us(repeats: int) -> dict[str, float]:
     linear = DelayedWgradLinear(D, D, delay_wgrad=True)
     nn.init.normal_(linear.weight)
     probs, chosen = router(hidden)
-    ctx = PlainContext(ChunkState())
+    ctx = PlainContext(_chunk_state())
 
     def four_steps() -> Tensor:
         tokens, p = dispatcher.slot_permute(ctx, hidden, probs, chosen)

@@ -53,8 +53,16 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from moe_overlap import ChunkState, LayerArgs, LayerState, TransformerLayerNode
+from moe_overlap import (
+    ChunkState,
+    LayerArgs,
+    LayerState,
+    Microbatch,
+    SlotContext,
+    TransformerLayerNode,
+)
 from moe_overlap.engine._streams import AnyEvent, AnyStream, make_event, make_streams
+from moe_overlap.megatron import layer_args
 
 SLOTS = ("pre_dispatch_computation", "moe_dispatch", "mlp", "moe_combine")
 """Megatron-Core's slot names; the free-input policy keys on them."""
@@ -90,7 +98,7 @@ class NoopWgrad(nn.Module):
 # --- the slot functions: the same work on both sides ------------------------------------
 
 
-def ours_slot(node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
+def ours_slot(node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
     (x,) = inputs
     return x * 2
 
@@ -165,9 +173,9 @@ def ours_side(
         "num_local_experts": 2,
         "delay_wgrad_compute": delay,
     }
-    args: LayerArgs | dict[str, object] = extra if dict_args else LayerArgs.from_mapping(extra)
+    args: LayerArgs | dict[str, object] = extra if dict_args else layer_args(extra)
     wgrad = [NoopWgrad().to(env.device)]
-    chunk_state = ChunkState()
+    chunk_state = ChunkState(Microbatch())
     layer_states = [LayerState() for _ in range(n_layers)]
 
     def build(slot: str, i: int) -> object:

@@ -139,7 +139,7 @@ class NodeRecorder:
         self.origin = self.clock.mark()
 
     def __call__(self, plan: ModelChunkSchedulePlan) -> None:
-        mb = plan.microbatch
+        mb = plan.microbatch_index
         assert mb is not None, "combined_1f1b numbers its microbatches"
         self.shapes[mb] = plan.shape
         nodes: list[tuple[int | None, Slot, ScheduleNode]] = []

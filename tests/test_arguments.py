@@ -49,6 +49,7 @@ from moe_overlap import (
 from moe_overlap import blocks as b
 from moe_overlap.integrations import checkpoint as ckpt
 from moe_overlap.integrations import fsdp, pipelining
+from moe_overlap.megatron import layer_args
 from moe_overlap.models import (
     Decoder,
     DenseLayer,
@@ -600,19 +601,19 @@ def _entries() -> Iterator[Entry]:
         yield Entry(
             fn.__name__,
             fn,
-            lambda: dict(state=ChunkState()),
+            lambda: dict(state=ChunkState(Microbatch())),
             (Arg("state", not_instance(ChunkState)),),
         )
     yield Entry(
         "check_masks",
         b.check_masks,
-        lambda: dict(state=ChunkState(), batch=2, seq=4, where="here"),
+        lambda: dict(state=ChunkState(Microbatch()), batch=2, seq=4, where="here"),
         (Arg("state", not_instance(ChunkState)),),
     )
     yield Entry(
         "PlainContext",
         b.PlainContext,
-        lambda: dict(chunk_state=ChunkState()),
+        lambda: dict(chunk_state=ChunkState(Microbatch())),
         (Arg("chunk_state", not_instance(ChunkState)),),
     )
     inputs: tuple[tuple[Callable[..., Any], int], ...] = ((b.single_input, 1), (b.pair_input, 2))
@@ -764,7 +765,7 @@ def _entries() -> Iterator[Entry]:
     )
     yield Entry(
         "LayerArgs.from_mapping",
-        lambda **mapping: mo.LayerArgs.from_mapping(mapping),
+        lambda **mapping: layer_args(mapping),
         lambda: dict(config=tiny_config(), is_moe=True, num_local_experts=None),
         (
             Arg("config", JUNK),

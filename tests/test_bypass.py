@@ -119,7 +119,10 @@ def test_a_hook_added_after_a_step_is_found_at_the_next_plan_and_the_model_stays
     # A plan built directly is checked too.
     mb = mbs[0]
     with pytest.raises(ConfigError, match=LAYER):
-        ModelChunkSchedulePlan(model, mb.input_ids, mb.position_ids, None, labels=mb.labels)
+        ModelChunkSchedulePlan(
+            model,
+            mb,
+        )
     handle.remove()
     combined_1f1b(model, mbs)
     plain_step(ref, mbs)

@@ -40,6 +40,7 @@ from moe_overlap import (
     weak_method,
 )
 from moe_overlap.engine._streams import use_stream
+from moe_overlap.megatron import layer_args
 
 from .test_debug_mode import run as run_python
 from .test_parity import assert_same
@@ -70,7 +71,9 @@ def cpu() -> CpuStream:
 def plan(ctx: Ctx, i: int = 0) -> ModelChunkSchedulePlan:
     mb = ctx.mbs[i]
     return ModelChunkSchedulePlan(
-        ctx.model, mb.input_ids, mb.position_ids, None, labels=mb.labels, microbatch=i
+        ctx.model,
+        mb,
+        index=i,
     )
 
 
@@ -209,7 +212,7 @@ def backward_dw_twice(ctx: Ctx) -> None:
         cpu,
         CpuEvent(),
         LayerState(),
-        mo.ChunkState(),
+        mo.ChunkState(mo.Microbatch()),
         lambda n, i: i[0],
         "mlp",
         None,
@@ -220,15 +223,15 @@ def backward_dw_twice(ctx: Ctx) -> None:
 
 
 def unknown_extra_args_key(ctx: Ctx) -> None:
-    LayerArgs.from_mapping({"config": CONFIG, "is_moe": True, "num_experts": 8})
+    layer_args({"config": CONFIG, "is_moe": True, "num_experts": 8})
 
 
 def extra_args_wrong_type(ctx: Ctx) -> None:
-    LayerArgs.from_mapping({"config": CONFIG, "is_first_layer": 1})
+    layer_args({"config": CONFIG, "is_first_layer": 1})
 
 
 def extra_args_without_config(ctx: Ctx) -> None:
-    LayerArgs.from_mapping({"is_moe": True})
+    layer_args({"is_moe": True})
 
 
 def unknown_slot_name(ctx: Ctx) -> None:
@@ -537,7 +540,13 @@ def microbatch_field_the_model_does_not_read(ctx: Ctx) -> None:
 def plan_input_the_model_does_not_read(ctx: Ctx) -> None:
     mb = ctx.mbs[0]
     ModelChunkSchedulePlan(
-        ctx.model, mb.input_ids, mb.position_ids, None, labels=mb.labels, loss_mask=torch.ones(2, 8)
+        ctx.model,
+        Microbatch(
+            input_ids=mb.input_ids,
+            position_ids=mb.position_ids,
+            labels=mb.labels,
+            loss_mask=torch.ones(2, 8),
+        ),
     )
 
 

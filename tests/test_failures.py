@@ -112,7 +112,7 @@ def install(model: ToyModel, trap: Trap, layer_index: int) -> None:
 def tag_microbatches(plan: ModelChunkSchedulePlan) -> None:
     for lp in plan.layers:
         for node in lp.nodes.values():
-            node.microbatch_index = plan.microbatch  # type: ignore[attr-defined]  # pyright: ignore[reportAttributeAccessIssue]
+            node.microbatch_index = plan.microbatch_index  # type: ignore[attr-defined]  # pyright: ignore[reportAttributeAccessIssue]
 
 
 def discard_pending(model: ToyModel) -> None:

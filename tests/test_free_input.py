@@ -132,10 +132,7 @@ def test_freed_exactly_where_the_policy_says(free_input: bool) -> None:
     (mb,) = make_microbatches(1, config)
     plan = ModelChunkSchedulePlan(
         model,
-        mb.input_ids,
-        mb.position_ids,
-        None,
-        labels=mb.labels,
+        mb,
         options=ScheduleOptions(free_input=free_input),
     )
     loss = ModelChunkSchedulePlan.run(plan, None)

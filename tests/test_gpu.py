@@ -68,10 +68,7 @@ def test_cpu_streams_rejected_for_cuda_inputs() -> None:
     with pytest.raises(StreamError, match="inputs are on cuda"):
         ModelChunkSchedulePlan(
             model,
-            mb.input_ids,
-            mb.position_ids,
-            None,
-            labels=mb.labels,
+            mb,
             streams=make_streams("cpu"),
         )
 

@@ -64,9 +64,7 @@ def test_p2p_hooks_get_the_chunk_boundary_values() -> None:
 
     def plan(i: int) -> ModelChunkSchedulePlan:
         mb = mbs[i]
-        return ModelChunkSchedulePlan(
-            model, mb.input_ids, mb.position_ids, None, labels=mb.labels, microbatch=i, vp_stage=7
-        )
+        return ModelChunkSchedulePlan(model, mb, index=i, vp_stage=7)
 
     def pre_forward(stage: int | None) -> None:
         calls.append(("pre_forward", stage))

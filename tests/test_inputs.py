@@ -24,6 +24,7 @@ from moe_overlap import (
     combined_1f1b,
     read_inputs,
 )
+from moe_overlap.megatron import build_schedule_plan
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel, GPTMoEStage
 
 from .test_parity import assert_same
@@ -92,11 +93,11 @@ def test_a_direct_plan_refuses_what_the_model_does_not_read() -> None:
     for kwargs in cases:
         name = next(iter(kwargs))
         with pytest.raises(ConfigError, match=rf"microbatch 4\): input {name} is set"):
-            ModelChunkSchedulePlan(
-                model, mb.input_ids, None, None, labels=mb.labels, microbatch=4, **kwargs
+            build_schedule_plan(
+                model, mb.input_ids, None, None, labels=mb.labels, index=4, **kwargs
             )
     with pytest.raises(ConfigError, match="input attention_mask is set"):
-        ModelChunkSchedulePlan(model, mb.input_ids, None, MASK)
+        ModelChunkSchedulePlan(model, Microbatch(input_ids=mb.input_ids, attention_mask=MASK))
 
 
 class _Strict(ToyModel):

@@ -19,9 +19,11 @@ from moe_overlap import (
     IntegrationError,
     LayerArgs,
     LayerState,
+    Microbatch,
     NodeStateError,
     NoopScheduleNode,
     ScheduleNode,
+    SlotContext,
     StreamError,
     StreamPair,
     TransformerLayerNode,
@@ -34,6 +36,7 @@ from moe_overlap import (
     weak_method,
 )
 from moe_overlap.engine._streams import reset_streams, use_stream
+from moe_overlap.megatron import layer_args, layer_schedule_plan
 
 CPU = CpuStream("test")
 
@@ -120,16 +123,16 @@ def test_noop_node_passes_through() -> None:
 
 
 def test_layer_node_detach_flows_backward() -> None:
-    state, chunk = LayerState(), ChunkState()
+    state, chunk = LayerState(), ChunkState(Microbatch())
     args = LayerArgs(config=Cfg())
 
-    def first(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> Tensor:
+    def first(node: SlotContext, inputs: tuple[Tensor, ...]) -> Tensor:
         (x,) = inputs
         h = x * 3
         node.layer_state.residual = node.detach(h)
         return h * 2
 
-    def second(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> Tensor:
+    def second(node: SlotContext, inputs: tuple[Tensor, ...]) -> Tensor:
         (y,) = inputs
         assert node.layer_state.residual is not None
         return y + node.layer_state.residual
@@ -148,18 +151,18 @@ def test_layer_node_detach_flows_backward() -> None:
 
 
 def test_layer_args_from_mapping() -> None:
-    args = LayerArgs.from_mapping({"config": Cfg(), "is_moe": True, "num_local_experts": 4})
+    args = layer_args({"config": Cfg(), "is_moe": True, "num_local_experts": 4})
     assert args.is_moe and args.num_local_experts == 4
     with pytest.raises(ConfigError, match=r"unknown extra_args keys \['bogus'\]"):
-        LayerArgs.from_mapping({"config": Cfg(), "bogus": 1})
+        layer_args({"config": Cfg(), "bogus": 1})
     with pytest.raises(ConfigError, match="'is_moe'.*must be a bool"):
-        LayerArgs.from_mapping({"config": Cfg(), "is_moe": "yes"})
+        layer_args({"config": Cfg(), "is_moe": "yes"})
     with pytest.raises(ConfigError, match="config"):
-        LayerArgs.from_mapping({"is_moe": True})
+        layer_args({"is_moe": True})
     with pytest.raises(ConfigError, match="num_local_experts"):
-        LayerArgs.from_mapping({"config": Cfg(), "num_local_experts": 0})
+        layer_args({"config": Cfg(), "num_local_experts": 0})
     with pytest.raises(ConfigError, match="received None"):
-        LayerArgs.coerce(None)
+        layer_args(None)
 
 
 class Wgrad(torch.nn.Module):
@@ -180,7 +183,14 @@ def test_backward_dw_runs_once_with_hooks_and_post_backward_hook() -> None:
     wg = Wgrad()
     args = LayerArgs(config=Cfg(), delay_wgrad_compute=True)
     node = TransformerLayerNode(
-        cpu_stream, CpuEvent(), LayerState(), ChunkState(), lambda n, i: i[0] * 1, "mlp", [wg], args
+        cpu_stream,
+        CpuEvent(),
+        LayerState(),
+        ChunkState(Microbatch()),
+        lambda n, i: i[0] * 1,
+        "mlp",
+        [wg],
+        args,
     )
     fired: list[str] = []
     node.set_post_backward_hook(lambda: fired.append("post_backward"))
@@ -199,7 +209,7 @@ def test_backward_dw_is_a_noop_without_delay() -> None:
         cpu_stream,
         CpuEvent(),
         LayerState(),
-        ChunkState(),
+        ChunkState(Microbatch()),
         lambda n, i: i[0],
         "mlp",
         wg,
@@ -282,6 +292,23 @@ def test_global_streams_first_call_wins() -> None:
     reset_streams()
 
 
+def test_default_streams_belong_to_a_device() -> None:
+    reset_streams()
+    cpu = set_streams(device="cpu")
+    assert set_streams(device=torch.device("cpu")) is cpu
+    if torch.cuda.is_available():  # a bare "cuda" is the current device
+        cuda = set_streams(device="cuda")
+        assert cuda is not cpu and set_streams(device="cpu") is cpu
+        assert set_streams(device=f"cuda:{torch.cuda.current_device()}") is cuda
+        with pytest.raises(StreamError, match="expected streams of cuda"):
+            set_streams(comp_stream=CpuStream(), device="cuda")
+    mine = set_streams(CpuStream("a"), CpuStream("b"))  # keyed by the streams' device
+    assert set_streams(device="cpu") is mine
+    reset_streams()
+    assert set_streams(device="cpu") is not mine
+    reset_streams()
+
+
 def test_stream_event_device_mismatch() -> None:
     class FakeCudaEvent:
         pass
@@ -298,13 +325,12 @@ def test_stream_pair_providers() -> None:
 
 
 def test_layer_plan_reads_the_position_from_megatron_style_extra_args() -> None:
-    from moe_overlap import TransformerLayerSchedulePlan
 
     from .toy_model import ToyConfig, ToyLayer
 
     layer = ToyLayer(ToyConfig(), moe=True)
-    plan = TransformerLayerSchedulePlan(
-        layer, CpuEvent(), ChunkState(), cpu_stream, cpu_stream, {"is_last_layer": True}
+    plan = layer_schedule_plan(
+        layer, CpuEvent(), ChunkState(Microbatch()), cpu_stream, cpu_stream, {"is_last_layer": True}
     )
     node = plan.nodes[next(iter(plan.nodes))]
     assert isinstance(node, TransformerLayerNode)
@@ -312,6 +338,6 @@ def test_layer_plan_reads_the_position_from_megatron_style_extra_args() -> None:
     assert not node.is_first_layer
     assert node.args.is_moe  # taken from the layer, not the mapping
     with pytest.raises(ConfigError, match=r"unknown extra_args keys \['bogus'\]"):
-        TransformerLayerSchedulePlan(
-            layer, CpuEvent(), ChunkState(), cpu_stream, cpu_stream, {"bogus": 1}
+        layer_schedule_plan(
+            layer, CpuEvent(), ChunkState(Microbatch()), cpu_stream, cpu_stream, {"bogus": 1}
         )

@@ -138,7 +138,9 @@ def test_run_with_hooks_shows_only_node_steps() -> None:
     def plan(i: int) -> ModelChunkSchedulePlan:
         mb = mbs[i]
         return ModelChunkSchedulePlan(
-            model, mb.input_ids, mb.position_ids, None, labels=mb.labels, microbatch=i
+            model,
+            mb,
+            index=i,
         )
 
     def pre(stage: int | None) -> None:
@@ -186,7 +188,9 @@ def test_layer_plan_run_passes_the_observer() -> None:
     model = ToyModel(config, "m")
     mb = make_microbatches(1, config)[0]
     plan = ModelChunkSchedulePlan(
-        model, mb.input_ids, mb.position_ids, None, labels=mb.labels, microbatch=4
+        model,
+        mb,
+        index=4,
     )
     assert plan.pre_process is not None
     hidden = plan.pre_process.forward()

@@ -96,12 +96,9 @@ def test_chunks_with_different_layer_counts(layers: tuple[int, int], delay: bool
         plans.append(
             ModelChunkSchedulePlan(
                 m,
-                mb.input_ids,
-                mb.position_ids,
-                None,
-                labels=mb.labels,
+                mb,
                 options=options,
-                microbatch=i,
+                index=i,
             )
         )
     out0 = ModelChunkSchedulePlan.run(plans[0], None)

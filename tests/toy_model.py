@@ -22,7 +22,7 @@ from moe_overlap import (
     CudaGraphModule,
     Microbatch,
     PreprocessOutput,
-    TransformerLayerNode,
+    SlotContext,
     WgradError,
     WgradLayer,
     WgradScope,
@@ -220,7 +220,7 @@ class ToyLayer(nn.Module):
 
     # --- SchedulableLayer -----------------------------------------------------------------
     def slot_pre_dispatch(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+        self, node: SlotContext, inputs: tuple[Tensor, ...], /
     ) -> Tensor | tuple[Tensor, ...]:
         (x,) = inputs
         a = self._attention(x, node.chunk_state.rotary_pos_emb)
@@ -234,14 +234,14 @@ class ToyLayer(nn.Module):
         return rows, probs
 
     def slot_dispatch(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+        self, node: SlotContext, inputs: tuple[Tensor, ...], /
     ) -> Tensor | tuple[Tensor, ...]:
         rows, probs = inputs
         node.layer_state.dispatched_probs = node.detach(probs.clone())
         return self._dispatch(rows)
 
     def slot_mlp(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+        self, node: SlotContext, inputs: tuple[Tensor, ...], /
     ) -> Tensor | tuple[Tensor, ...]:
         (x,) = inputs
         if not self.is_moe:
@@ -251,7 +251,7 @@ class ToyLayer(nn.Module):
         return self._experts(x, probs, node.layer_state.take("route", Route))
 
     def slot_combine(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+        self, node: SlotContext, inputs: tuple[Tensor, ...], /
     ) -> Tensor | tuple[Tensor, ...]:
         (y,) = inputs
         state = node.layer_state
@@ -298,7 +298,7 @@ class ToyMtpLayer(ToyLayer):
         return [*super().pre_dispatch_wgrad(), WgradScope(CudaGraphModule.attn, self.mtp_proj)]
 
     def slot_mtp_post_process(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+        self, node: SlotContext, inputs: tuple[Tensor, ...], /
     ) -> Tensor | tuple[Tensor, ...]:
         (h,) = inputs
         return self._mtp(h)

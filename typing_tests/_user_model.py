@@ -19,7 +19,7 @@ from torch.nn import Parameter
 from moe_overlap import (
     CudaGraphModule,
     PreprocessOutput,
-    TransformerLayerNode,
+    SlotContext,
     WgradLayer,
     WgradScope,
 )
@@ -72,7 +72,7 @@ class UserLayer(nn.Module):
         return self.unpermute(self.experts(rows, probs, counts), order, h)
 
     def slot_pre_dispatch(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+        self, node: SlotContext, inputs: tuple[Tensor, ...], /
     ) -> tuple[Tensor, ...]:
         (x,) = inputs
         h = self.attention(x)
@@ -82,19 +82,19 @@ class UserLayer(nn.Module):
         node.layer_state.stash("order", order)
         return rows, probs
 
-    def slot_dispatch(self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
+    def slot_dispatch(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
         rows, probs = inputs
         node.layer_state.dispatched_probs = node.detach(probs.clone())
         return rows.clone()
 
-    def slot_mlp(self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
+    def slot_mlp(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
         (rows,) = inputs
         state = node.layer_state
         assert state.dispatched_probs is not None
         assert state.tokens_per_expert is not None
         return self.experts(rows.clone(), state.dispatched_probs, state.tokens_per_expert)
 
-    def slot_combine(self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
+    def slot_combine(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
         state = node.layer_state
         assert state.residual is not None
         return self.unpermute(inputs[0], state.take("order", Tensor), state.residual)

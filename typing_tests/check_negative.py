@@ -21,10 +21,13 @@ from moe_overlap import (
     FreeInputConfig,
     LayerArgs,
     LayerState,
+    Microbatch,
+    ModelChunkSchedulePlan,
     PreprocessableModel,
     PreprocessOutput,
     SchedulableLayer,
     ScheduleOptions,
+    SlotContext,
     Step,
     StepObserver,
     StreamProvider,
@@ -128,15 +131,13 @@ class MissingCombine(nn.Module):
         self.is_moe = True
         self.num_local_experts: int | None = 2
 
-    def slot_pre_dispatch(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
-    ) -> Tensor:
+    def slot_pre_dispatch(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
         return inputs[0]
 
-    def slot_dispatch(self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
+    def slot_dispatch(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
         return inputs[0]
 
-    def slot_mlp(self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /) -> Tensor:
+    def slot_mlp(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
         return inputs[0]
 
     def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
@@ -157,7 +158,7 @@ class SlotReturnsList(UserLayer):
     """``slot_dispatch`` returns a list; slots return a tensor or a tuple of tensors."""
 
     def slot_dispatch(  # type: ignore[override]  # pyright: ignore[reportIncompatibleMethodOverride]
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+        self, node: SlotContext, inputs: tuple[Tensor, ...], /
     ) -> list[Tensor]:
         return list(inputs)
 
@@ -226,7 +227,7 @@ def node(extra_args: object) -> None:
         get_comp_stream,
         CpuEvent(),
         LayerState(),
-        ChunkState(),
+        ChunkState(Microbatch()),
         UserLayer(config).slot_mlp,
         name="mlp",
         extra_args=[("config", config)],  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
@@ -235,7 +236,7 @@ def node(extra_args: object) -> None:
         get_comp_stream,
         CpuEvent(),
         LayerState(),
-        ChunkState(),
+        ChunkState(Microbatch()),
         UserLayer(config).pre_dispatch_wgrad,  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
     )
 
@@ -246,7 +247,10 @@ args = LayerArgs(config=config)
 args.is_moe = True  # type: ignore[misc]  # pyright: ignore[reportAttributeAccessIssue]
 options = ScheduleOptions()
 options.free_input = False  # type: ignore[misc]  # pyright: ignore[reportAttributeAccessIssue]
-typo = ChunkState(input_id=None)  # type: ignore[call-arg]  # pyright: ignore[reportCallIssue]
+typo = ChunkState(Microbatch(input_id=None))  # type: ignore[call-arg]  # pyright: ignore[reportCallIssue]
+no_microbatch = ChunkState()  # type: ignore[call-arg]  # pyright: ignore[reportCallIssue]
+ChunkState(Microbatch()).attention_mask = None  # type: ignore[misc]  # pyright: ignore[reportAttributeAccessIssue]
+old_plan = ModelChunkSchedulePlan(UserModel(config), None, None, None)  # type: ignore[call-arg, arg-type]  # pyright: ignore[reportCallIssue]
 LayerState().router_logits = torch.ones(1)  # type: ignore[attr-defined]  # pyright: ignore[reportAttributeAccessIssue]
 
 

@@ -24,6 +24,7 @@ from moe_overlap import (
     PreprocessOutput,
     SchedulableLayer,
     ScheduleOptions,
+    SlotContext,
     Step,
     StepObserver,
     StreamPair,
@@ -38,6 +39,7 @@ from moe_overlap import (
     make_streams,
     should_free_input,
 )
+from moe_overlap.megatron import build_schedule_plan
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel, GPTMoEStage
 from moe_overlap.timeline import Timeline
 
@@ -63,7 +65,7 @@ reference_model: PreprocessableModel = reference
 reference_declares: DeclaresInputs = reference
 reference_validates: ValidatesInputs = reference
 stage_validates: ValidatesInputs = GPTMoEStage(reference, range(0, 1))
-check_inputs(reference, ChunkState(), where="typing")
+check_inputs(reference, ChunkState(Microbatch()), where="typing")
 check_inputs(reference, {"attention_mask": None}, what="stage keyword")
 
 # Layers, wgrad modules, configs.
@@ -85,7 +87,7 @@ node_typed = TransformerLayerNode(
     provider_fn,
     CpuEvent(),
     LayerState(),
-    ChunkState(),
+    ChunkState(Microbatch()),
     UserLayer(config).slot_mlp,
     name="mlp",
     bwd_dw_callables=[DelayedLinear(8, 8)],
@@ -95,12 +97,15 @@ node_mapping = TransformerLayerNode(
     provider_method,
     CpuEvent(),
     LayerState(),
-    ChunkState(),
+    ChunkState(Microbatch()),
     UserLayer(config).slot_mlp,
     name="mlp",
     bwd_dw_callables=DelayedLinear(8, 8),
     extra_args={"config": config, "is_moe": True, "num_local_experts": 2},
 )
+
+# Slots take a SlotContext: the node is one.
+context: SlotContext = node_typed
 
 # The preprocess 6-tuple is a NamedTuple with defaults; a plain tuple is also accepted.
 out = PreprocessOutput(torch.ones(2))
@@ -114,7 +119,10 @@ losses: list[Tensor] = combined_1f1b(
     options=ScheduleOptions(delay_wgrad_compute=True),
     streams=streams,
 )
-plan = ModelChunkSchedulePlan(UserModel(config), None, None, None, streams=streams)
+plan = ModelChunkSchedulePlan(UserModel(config), Microbatch(), streams=streams, index=0)
+megatron_plan: ModelChunkSchedulePlan = build_schedule_plan(
+    UserModel(config), None, None, None, streams=streams
+)
 chunk_out: Tensor | None = ModelChunkSchedulePlan.run(plan, None)
 
 

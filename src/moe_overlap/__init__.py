@@ -14,7 +14,6 @@ if _debug_enabled():  # must run before any other submodule is imported
 
 from moe_overlap.engine._chunk_plan import ModelChunkSchedulePlan as ModelChunkSchedulePlan
 from moe_overlap.engine._chunk_plan import run_pair as run_pair
-from moe_overlap.engine._driver import Microbatch as Microbatch
 from moe_overlap.engine._driver import combined_1f1b as combined_1f1b
 from moe_overlap.engine._errors import ConfigError as ConfigError
 from moe_overlap.engine._errors import IntegrationError as IntegrationError
@@ -26,17 +25,20 @@ from moe_overlap.engine._errors import ScheduleError as ScheduleError
 from moe_overlap.engine._errors import StreamError as StreamError
 from moe_overlap.engine._errors import TypeHintError as TypeHintError
 from moe_overlap.engine._errors import WgradError as WgradError
-from moe_overlap.engine._free_input import CudaGraphModule as CudaGraphModule
 from moe_overlap.engine._free_input import should_free_input as should_free_input
 from moe_overlap.engine._inputs import DEFAULT_INPUTS as DEFAULT_INPUTS
 from moe_overlap.engine._inputs import OPTIONAL_INPUTS as OPTIONAL_INPUTS
 from moe_overlap.engine._inputs import check_inputs as check_inputs
 from moe_overlap.engine._inputs import read_inputs as read_inputs
-from moe_overlap.engine._layer_node import LayerArgs as LayerArgs
+from moe_overlap.engine._layer_args import LayerArgs as LayerArgs
 from moe_overlap.engine._layer_node import TransformerLayerNode as TransformerLayerNode
 from moe_overlap.engine._layer_plan import (
     TransformerLayerSchedulePlan as TransformerLayerSchedulePlan,
 )
+from moe_overlap.engine._macro import MacroStep as MacroStep
+from moe_overlap.engine._macro import ScheduleMode as ScheduleMode
+from moe_overlap.engine._macro import macro_steps as macro_steps
+from moe_overlap.engine._microbatch import Microbatch as Microbatch
 from moe_overlap.engine._node import NoopScheduleNode as NoopScheduleNode
 from moe_overlap.engine._node import ScheduleNode as ScheduleNode
 from moe_overlap.engine._node import weak_method as weak_method
@@ -44,6 +46,7 @@ from moe_overlap.engine._options import ChunkHooks as ChunkHooks
 from moe_overlap.engine._options import ScheduleOptions as ScheduleOptions
 from moe_overlap.engine._process_nodes import PostProcessNode as PostProcessNode
 from moe_overlap.engine._process_nodes import PreProcessNode as PreProcessNode
+from moe_overlap.engine._protocols import CudaGraphModule as CudaGraphModule
 from moe_overlap.engine._protocols import DeclaresInputs as DeclaresInputs
 from moe_overlap.engine._protocols import FreeInputConfig as FreeInputConfig
 from moe_overlap.engine._protocols import GraphedWgradLayer as GraphedWgradLayer
@@ -52,11 +55,13 @@ from moe_overlap.engine._protocols import NodeTimer as NodeTimer
 from moe_overlap.engine._protocols import PendingWgrad as PendingWgrad
 from moe_overlap.engine._protocols import PreprocessableModel as PreprocessableModel
 from moe_overlap.engine._protocols import SchedulableLayer as SchedulableLayer
+from moe_overlap.engine._protocols import SlotContext as SlotContext
 from moe_overlap.engine._protocols import SlotFn as SlotFn
 from moe_overlap.engine._protocols import StepObserver as StepObserver
 from moe_overlap.engine._protocols import StreamProvider as StreamProvider
 from moe_overlap.engine._protocols import ValidatesInputs as ValidatesInputs
 from moe_overlap.engine._protocols import WgradLayer as WgradLayer
+from moe_overlap.engine._protocols import WgradScope as WgradScope
 from moe_overlap.engine._state import ChunkState as ChunkState
 from moe_overlap.engine._state import LayerState as LayerState
 from moe_overlap.engine._state import PreprocessOutput as PreprocessOutput
@@ -81,7 +86,6 @@ from moe_overlap.engine._streams import make_event as make_event
 from moe_overlap.engine._streams import make_streams as make_streams
 from moe_overlap.engine._streams import set_streams as set_streams
 from moe_overlap.engine._wgrad import BackwardDWWrapper as BackwardDWWrapper
-from moe_overlap.engine._wgrad import WgradScope as WgradScope
 from moe_overlap.engine._wgrad_check import check_wgrad_done as check_wgrad_done
 
 __version__ = "0.1.0"
@@ -106,6 +110,7 @@ __all__ = [
     "LayerShape",
     "LayerState",
     "LayerStateAttributeError",
+    "MacroStep",
     "Microbatch",
     "ModelChunkSchedulePlan",
     "MoeOverlapError",
@@ -122,9 +127,11 @@ __all__ = [
     "Role",
     "SchedulableLayer",
     "ScheduleError",
+    "ScheduleMode",
     "ScheduleNode",
     "ScheduleOptions",
     "Slot",
+    "SlotContext",
     "SlotFn",
     "Step",
     "StepObserver",
@@ -149,6 +156,7 @@ __all__ = [
     "get_comm_stream",
     "get_comp_stream",
     "layer_pair_steps",
+    "macro_steps",
     "make_event",
     "make_streams",
     "read_inputs",

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from moe_overlap import ChunkState, ConfigError
+from moe_overlap import ChunkState, ConfigError, Microbatch
 from moe_overlap.blocks import (
     DelayedWgradGroupedLinear,
     DispatcherKind,
@@ -122,7 +122,7 @@ def _moe_step(
     probs = torch.rand(T, K, requires_grad=True)
     chosen = torch.stack([torch.randperm(X)[:K] for _ in range(T)])
     chosen[:, 0] = 0  # expert 3 gets nothing from the first choice; some may be empty
-    ctx = PlainContext(ChunkState())
+    ctx = PlainContext(ChunkState(Microbatch()))
     seen: list[GroupSizes] = []
     metas: list[DispatchMeta] = []
     plan = dispatcher.plan

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from moe_overlap import ChunkState, IntegrationError
+from moe_overlap import ChunkState, IntegrationError, Microbatch
 from moe_overlap.blocks import DispatcherKind, PlainContext, TokenDispatcher
 
 
@@ -20,7 +20,7 @@ def test_four_steps_weigh_and_sum_each_tokens_copies(kind: DispatcherKind) -> No
     probs = torch.rand(T, K)
     experts = torch.stack([torch.randperm(X)[:K] for _ in range(T)])
     dispatcher = TokenDispatcher(X, K, kind=kind)
-    ctx = PlainContext(ChunkState())
+    ctx = PlainContext(ChunkState(Microbatch()))
     seen: list[tuple[int, ...]] = []
 
     def double(rows: Tensor, sizes: Sequence[int]) -> Tensor:
@@ -39,6 +39,6 @@ def test_four_steps_weigh_and_sum_each_tokens_copies(kind: DispatcherKind) -> No
 
 def test_experts_step_needs_the_dispatch_step() -> None:
     dispatcher = TokenDispatcher(2, 1)
-    ctx = PlainContext(ChunkState())
+    ctx = PlainContext(ChunkState(Microbatch()))
     with pytest.raises(IntegrationError, match="nothing stashed"):
         dispatcher.slot_experts(ctx, torch.ones(1, 1), lambda r, s: r, weigh_in_float32=False)

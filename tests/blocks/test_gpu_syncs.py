@@ -13,7 +13,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from moe_overlap import ChunkState
+from moe_overlap import ChunkState, Microbatch
 from moe_overlap.blocks import DispatcherKind, GroupedExperts, PlainContext, TokenDispatcher
 
 pytestmark = [
@@ -46,7 +46,7 @@ def test_dispatch_experts_combine_issue_no_host_sync(
     hidden = torch.randn(T, D, device=dev, dtype=dtype, requires_grad=True)
     probs = torch.rand(T, K, device=dev, dtype=dtype, requires_grad=True)
     chosen = torch.stack([torch.randperm(X, device=dev)[:K] for _ in range(T)])
-    ctx = PlainContext(ChunkState())
+    ctx = PlainContext(ChunkState(Microbatch()))
     tokens, p = dispatcher.slot_permute(ctx, hidden, probs, chosen)  # may synchronize
     with no_host_sync():
         received = dispatcher.slot_dispatch(ctx, tokens, p)

@@ -180,15 +180,7 @@ def test_wrong_masks_are_refused_at_plan_build(case: str) -> None:
         combined_1f1b(model, [good, bad])
     assert all(p.grad is None for p in model.parameters())
     with pytest.raises(ConfigError, match=match):
-        ModelChunkSchedulePlan(
-            model,
-            bad.input_ids,
-            bad.position_ids,
-            bad.attention_mask,
-            labels=bad.labels,
-            loss_mask=bad.loss_mask,
-            padding_mask=bad.padding_mask,
-        )
+        ModelChunkSchedulePlan(model, bad)
     assert bad.input_ids is not None
     with pytest.raises(ConfigError, match=match):
         model(
@@ -207,7 +199,7 @@ def test_a_later_stage_checks_its_masks_against_its_input_at_run_time() -> None:
     model = GPTMoEModel(config)
     stage = GPTMoEStage(model, range(1, 2))
     plan = ModelChunkSchedulePlan(
-        stage, None, None, None, padding_mask=torch.zeros(2, 5, dtype=torch.bool)
+        stage, Microbatch(padding_mask=torch.zeros(2, 5, dtype=torch.bool))
     )
     setattr(stage.decoder, "input_tensor", torch.randn(2, 8, 16, requires_grad=True))  # noqa: B010
     with pytest.raises(ScheduleError, match=r"padding_mask: expected .* \[2, 8\]") as info:

@@ -39,7 +39,6 @@ from moe_overlap import (
     CudaGraphModule,
     FreeInputConfig,
     IntegrationError,
-    TransformerLayerNode,
     WgradLayer,
     WgradScope,
 )
@@ -150,14 +149,10 @@ class HFDenseLayer(DenseSlots, _LayerBase):
         call = self.calls(chunk_state, self.index)
         return first_tensor(self.layer(x_BSD, *call.args, **dict(call.kwargs)))
 
-    def slot_pre_dispatch(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
-    ) -> Tensor:
+    def slot_pre_dispatch(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
         return self.forward(single_input(inputs, self.where("pre_dispatch")), node.chunk_state)
 
-    def slot_mlp(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
-    ) -> tuple[Tensor, ...]:
+    def slot_mlp(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> tuple[Tensor, ...]:
         del node
         return inputs
 

@@ -19,10 +19,10 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
+from moe_overlap import ChunkState, Microbatch
 from moe_overlap.adapters._hf_calls import LayerCall
 from moe_overlap.adapters._hf_structure import first_tensor
 from moe_overlap.blocks import DelayedWgradModule
-from moe_overlap.engine._state import ChunkState
 
 __all__ = [
     "GRADIENT_FLOOR",
@@ -155,7 +155,7 @@ def compare_layer(
     x_ref = hidden.detach().clone().requires_grad_()
     x_cand = hidden.detach().clone().requires_grad_()
     out_r = first_tensor(reference(x_ref, *layer_call.args, **dict(layer_call.kwargs)))
-    out_c = run(x_cand, ChunkState())
+    out_c = run(x_cand, ChunkState(Microbatch()))
     worst = (
         Mismatch("output", _rel(out_c, out_r))
         if out_c.shape == out_r.shape

@@ -19,6 +19,7 @@ from moe_overlap import (
     ChunkState,
     ConfigError,
     IntegrationError,
+    Microbatch,
     PreprocessOutput,
     ScheduleOptions,
     check_inputs,
@@ -112,25 +113,22 @@ class MegatronHooks:
         post_process = bool(getattr(self, "post_process", True))
         input_ids = x if pre_process else None
         cs = ChunkState(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            decoder_input=None if pre_process else x,
-            labels=labels,
-            loss_mask=loss_mask,
-            padding_mask=padding_mask,
+            Microbatch(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                decoder_input=None if pre_process else x,
+                labels=labels,
+                loss_mask=loss_mask,
+                padding_mask=padding_mask,
+            )
         )
         check_inputs(self, cs, where=f"{type(self).__name__}.plain_forward", what="argument")
         if pre_process:
             pre = self._preprocess(x, position_ids, padding_mask=padding_mask)
         else:
             pre = self._preprocess(None, position_ids, decoder_input=x, padding_mask=padding_mask)
-        cs.decoder_input = pre.decoder_input
-        cs.rotary_pos_emb = pre.rotary_pos_emb
-        cs.rotary_pos_cos = pre.rotary_pos_cos
-        cs.rotary_pos_sin = pre.rotary_pos_sin
-        cs.sequence_len_offset = pre.sequence_len_offset
-        cs.padding_mask = pre.padding_mask
+        cs.set_preprocess_output(pre)
         decoder: object = getattr(self, "decoder", None)
         layers = cast("Iterable[object]", getattr(decoder, "layers", ()))
         h = pre.decoder_input

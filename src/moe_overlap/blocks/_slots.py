@@ -1,15 +1,15 @@
-"""What a slot sees of its node, and the plain path's stand-in for it."""
+"""The plain path's stand-in for a slot's node (:class:`~moe_overlap.SlotContext`, defined
+with the Protocols and re-exported here), and the slot helpers."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, cast, runtime_checkable
+from typing import cast
 
 from torch import Tensor
 
-from moe_overlap import ChunkState, IntegrationError, LayerState
+from moe_overlap import ChunkState, IntegrationError, LayerState, SlotContext
 from moe_overlap.engine._args import Instance, check_arg, refuse
-from moe_overlap.engine._contracts import Contract, attribute, method
 
 __all__ = [
     "DenseSlots",
@@ -20,32 +20,6 @@ __all__ = [
     "pair_input",
     "single_input",
 ]
-
-
-@runtime_checkable
-class SlotContext(Protocol):
-    """What a slot reads from its node; :class:`~moe_overlap.TransformerLayerNode` is one.
-
-    Writing a layer's math against this (not the node) lets the plain path run the very
-    same code with a :class:`PlainContext`.
-    """
-
-    @property
-    def layer_state(self) -> LayerState: ...
-    @property
-    def chunk_state(self) -> ChunkState: ...
-    def detach(self, t: Tensor) -> Tensor: ...
-    def mark_non_differentiable(self, *tensors: Tensor) -> None: ...
-
-
-SLOT_CONTEXT: Contract[SlotContext] = Contract(
-    SlotContext,
-    "a SlotContext (what a slot reads from its node)",
-    attribute("layer_state", Instance(LayerState, "a LayerState")),
-    attribute("chunk_state", Instance(ChunkState, "a ChunkState")),
-    method("detach"),
-    method("mark_non_differentiable"),
-)
 
 
 _STATE = Instance(ChunkState, "a ChunkState", error=IntegrationError)

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any, cast
+from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import Tensor
 
+from ._args import Instance, check_arg
 from ._bypass_check import check_bypassed
 from ._conformance import check_model
 from ._errors import ConfigError, IntegrationError, PlanReleasedError, StreamError
@@ -15,7 +16,8 @@ from ._executor import BValue, FValue, execute, execute_roles
 from ._fsdp_check import check_fsdp
 from ._inputs import check_inputs
 from ._layer_node import refresh_collectives
-from ._layer_plan import POSITIONS, TransformerLayerSchedulePlan
+from ._layer_plan import TransformerLayerSchedulePlan
+from ._microbatch import EMPTY_MICROBATCH, Microbatch
 from ._node import ScheduleNode
 from ._options import ChunkHooks, PostBackwardHook, PostForwardHook, PreHook, ScheduleOptions
 from ._process_nodes import PostProcessNode, PreProcessNode
@@ -46,11 +48,16 @@ from ._wgrad_check import check_wgrad_listed
 __all__ = ["ModelChunkSchedulePlan", "check_grad_mode", "default_streams", "run_pair"]
 
 _DEFAULT_OPTIONS = ScheduleOptions()
+_MICROBATCH = Instance(
+    Microbatch,
+    "a Microbatch",
+    hint="Megatron-Core's positional inputs: moe_overlap.megatron.build_schedule_plan",
+)
 _CPU_STREAMS = StreamPair(comp=CpuStream("comp"), comm=CpuStream("comm"))
 
 
 def default_streams(device: torch.device) -> StreamPair:
-    """CPU no-op streams on CPU; the module-level streams (see ``set_streams``) on CUDA."""
+    """CPU no-op streams on CPU; the device's default streams (see ``set_streams``) on CUDA."""
     if device.type == "cpu":
         return _CPU_STREAMS
     if device.type != "cuda":
@@ -58,54 +65,63 @@ def default_streams(device: torch.device) -> StreamPair:
     return set_streams(device=device)
 
 
+def _device_of(mb: Microbatch) -> torch.device:
+    """The device of the chunk's input (token ids, else hidden states, else labels)."""
+    for t in (mb.input_ids, mb.decoder_input, mb.labels):
+        if t is not None:
+            return t.device
+    return torch.device("cpu")
+
+
 class ModelChunkSchedulePlan:
     """The nodes of one model chunk for one microbatch; ``run`` schedules two chunks.
 
     Every node of the chunk shares one event, so one microbatch's nodes run in order
-    whichever stream they are on; two microbatches' nodes interleave freely. The
-    positional parameters mirror Megatron-Core's ``build_schedule_plan``.
+    whichever stream they are on; two microbatches' nodes interleave freely. Megatron-Core's
+    positional form (``build_schedule_plan(model, input_ids, position_ids, ...)``) is
+    :func:`moe_overlap.megatron.build_schedule_plan`.
 
     An input the model does not read (:func:`~moe_overlap.check_inputs`: not in its
     ``microbatch_inputs``) is a :class:`~moe_overlap.ConfigError` here, before any node.
 
     Args:
         model: the model chunk; checked once here, member by member.
-        streams: compute/comm streams; by default CPU no-op streams for CPU inputs and the
-            module-level streams on CUDA. A CUDA stream for CPU inputs (or the reverse) is
-            a :class:`~moe_overlap.StreamError`.
+        microbatch: the microbatch's inputs (:class:`~moe_overlap.Microbatch`).
         options: :class:`~moe_overlap.ScheduleOptions`.
-        microbatch: index shown in error messages and timelines.
+        streams: compute/comm streams; by default those of the inputs' device: CPU no-op
+            streams for CPU inputs, the device's default streams (:func:`~moe_overlap.set_streams`)
+            on CUDA. A CUDA stream for CPU inputs (or the reverse) is a
+            :class:`~moe_overlap.StreamError`.
+        index: the microbatch number shown in error messages and timelines (kept as
+            ``microbatch_index``).
         vp_stage: virtual-pipeline stage passed to the p2p hooks.
         float32_output: return a half-precision post-process result (the loss) in float32;
             off, in the model's dtype (a pipeline stage's output for the schedule's loss).
+        output_processor, output_processor_context: passed to ``_postprocess``.
     """
 
     def __init__(
         self,
         model: PreprocessableModel,
-        input_ids: Tensor | None,
-        position_ids: Tensor | None,
-        attention_mask: Tensor | None,
-        decoder_input: Tensor | None = None,
-        labels: Tensor | None = None,
-        packed_seq_params: Any = None,
-        extra_block_kwargs: Mapping[str, object] | None = None,
-        runtime_gather_output: bool | None = None,
-        loss_mask: Tensor | None = None,
-        padding_mask: Tensor | None = None,
+        microbatch: Microbatch,
         *,
-        output_processor: Callable[..., object] | None = None,
-        output_processor_context: object | None = None,
-        streams: StreamPair | None = None,
         options: ScheduleOptions = _DEFAULT_OPTIONS,
-        microbatch: int | None = None,
+        streams: StreamPair | None = None,
+        index: int | None = None,
         vp_stage: int | None = None,
         float32_output: bool = True,
+        output_processor: Callable[..., object] | None = None,
+        output_processor_context: object | None = None,
     ) -> None:
         check_bypassed(model)  # every plan: a hook added since the last one is found too
         model = check_model(model)
-        anchor = next((t for t in (input_ids, decoder_input, labels) if t is not None), None)
-        device = anchor.device if anchor is not None else torch.device("cpu")
+        check_arg("ModelChunkSchedulePlan", "microbatch", microbatch, _MICROBATCH)
+        state = ChunkState(
+            microbatch,
+            output_processor=output_processor,
+            output_processor_context=output_processor_context,
+        )
+        device = _device_of(microbatch)
         if streams is None:
             streams = default_streams(device)
         elif (device.type == "cpu") != isinstance(streams.comp, CpuStream):
@@ -115,25 +131,12 @@ class ModelChunkSchedulePlan:
             )
         self.streams = streams
         self.options = options
-        self.microbatch = microbatch
+        self.microbatch_index = index
+        """The microbatch number shown in errors and timelines (``index``)."""
         self.vp_stage = vp_stage
         self.event = make_event(streams.device)
-        self.state = ChunkState(
-            input_ids=input_ids,
-            position_ids=position_ids,
-            attention_mask=attention_mask,
-            decoder_input=decoder_input,
-            labels=labels,
-            packed_seq_params=packed_seq_params,
-            extra_block_kwargs=extra_block_kwargs,
-            runtime_gather_output=runtime_gather_output,
-            loss_mask=loss_mask,
-            padding_mask=padding_mask,
-            output_processor=output_processor,
-            output_processor_context=output_processor_context,
-            model=model,
-        )
-        where = f"ModelChunkSchedulePlan (microbatch {microbatch})"
+        self.state = state
+        where = f"ModelChunkSchedulePlan (microbatch {index})"
         check_inputs(model, self.state, where=where)
         refresh_collectives()
         self.pre_process: PreProcessNode | None = PreProcessNode(
@@ -145,19 +148,18 @@ class ModelChunkSchedulePlan:
         self.layers: list[TransformerLayerSchedulePlan] = [
             TransformerLayerSchedulePlan(
                 cast(SchedulableLayer, layer),  # checked there, named after ``owner``
-                self.event,
-                self.state,
-                streams.comp_provider,
-                streams.comm_provider,
-                POSITIONS[i == 0, i == n - 1],
+                event=self.event,
+                chunk_state=state,
+                streams=streams,
                 options=options,
                 index=i,
+                is_first_layer=i == 0,
+                is_last_layer=i == n - 1,
                 owner=owner,
+                microbatch_index=index,
             )
             for i, layer in enumerate(layers)
         ]
-        for lp in self.layers:
-            lp.microbatch = microbatch
         delayed = any(lp.shape.delay_wgrad for lp in self.layers)
         if delayed:
             check_wgrad_listed(model, list(layers), [lp.wgrad_parts for lp in self.layers])
@@ -189,7 +191,7 @@ class ModelChunkSchedulePlan:
         """The node behind ``step``: a layer slot, the pre-process or the post-process."""
         if self.released:
             raise PlanReleasedError(
-                f"chunk plan of microbatch {self.microbatch}: used after release_state "
+                f"chunk plan of microbatch {self.microbatch_index}: used after release_state "
                 f"(step {step}); build a new plan for every microbatch"
             )
         if step.layer is not None:
@@ -217,7 +219,7 @@ class ModelChunkSchedulePlan:
         plan's forward output: a tensor of its shape, dtype and device (as
         ``output.backward(grad)`` needs; the autograd engine itself would broadcast a
         wrong-shaped one and sum it, silently)."""
-        mb = self.microbatch
+        mb = self.microbatch_index
         if not isinstance(grad, Tensor):
             raise ConfigError(
                 f"{where}: expected the gradient of the backward plan's output (microbatch "
@@ -256,7 +258,7 @@ class ModelChunkSchedulePlan:
         self.layers = []
         self.pre_process = None
         self.post_process = None
-        self.state = ChunkState()
+        self.state = ChunkState(EMPTY_MICROBATCH)
         self.released = True
 
     @staticmethod
@@ -289,7 +291,7 @@ class ModelChunkSchedulePlan:
         for plan in (f, b):
             if plan is not None and plan.released:
                 raise PlanReleasedError(
-                    f"ModelChunkSchedulePlan.run: the plan of microbatch {plan.microbatch} "
+                    f"ModelChunkSchedulePlan.run: the plan of microbatch {plan.microbatch_index} "
                     "was released; build a new plan for every microbatch"
                 )
         if b is not None and b_grad is None:
@@ -368,7 +370,7 @@ def run_pair(
     for plan in (first, second):
         if plan.released:
             raise PlanReleasedError(
-                f"run_pair: the plan of microbatch {plan.microbatch} was released; build a "
+                f"run_pair: the plan of microbatch {plan.microbatch_index} was released; build a "
                 "new plan for every microbatch"
             )
     if b_grads is not None:

@@ -25,7 +25,20 @@ from collections.abc import Callable, Generator, Iterable, Mapping
 from enum import Enum
 from typing import Any, Generic, NamedTuple, TypeVar, cast
 
-from ._args import ANY, BOOL, CALLABLE, TENSOR, Int, Mismatch, OneOf, Opt, Spec, refuse, shown
+from ._args import (
+    ANY,
+    BOOL,
+    CALLABLE,
+    TENSOR,
+    Instance,
+    Int,
+    Mismatch,
+    OneOf,
+    Opt,
+    Spec,
+    refuse,
+    shown,
+)
 from ._errors import ConfigError, IntegrationError, MoeOverlapError
 from ._protocols import (
     DeclaresInputs,
@@ -39,12 +52,14 @@ from ._protocols import (
     PendingWgrad,
     PreprocessableModel,
     SchedulableLayer,
+    SlotContext,
     SlotFn,
     StepObserver,
     StreamProvider,
     ValidatesInputs,
     WgradLayer,
 )
+from ._state import ChunkState, LayerState
 
 __all__ = [
     "DISPATCHER_BACKENDS",
@@ -496,6 +511,15 @@ STREAM_PROVIDER: Contract[StreamProvider] = Contract(
     StreamProvider,
     "a StreamProvider (a zero-argument callable returning a stream)",
     method("__call__"),
+)
+
+SLOT_CONTEXT: Contract[SlotContext] = Contract(
+    SlotContext,
+    "a SlotContext (what a slot reads from its node)",
+    attribute("layer_state", Instance(LayerState, "a LayerState")),
+    attribute("chunk_state", Instance(ChunkState, "a ChunkState")),
+    method("detach"),
+    method("mark_non_differentiable"),
 )
 
 SLOT_FN: Contract[SlotFn] = Contract(

@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from torch import Tensor
 
-from ._args import (
-    ANY,
-    BOOL,
-    CALLABLE,
-    TENSOR,
-    Instance,
-    Opt,
-    Real,
-    Spec,
-    check_arg,
-    check_fields,
-)
+from ._args import BOOL, CALLABLE, Instance, Opt, Real, check_arg
 from ._bypass_check import check_bypassed
 from ._chunk_plan import ModelChunkSchedulePlan, check_grad_mode, run_pair
 from ._conformance import check_model, checks_memoized
@@ -28,6 +16,8 @@ from ._contracts import OPT_STEP_OBSERVER
 from ._debug import DEBUG
 from ._errors import ConfigError, IntegrationError
 from ._inputs import check_inputs
+from ._macro import ScheduleMode, macro_steps
+from ._microbatch import Microbatch
 from ._options import ScheduleOptions
 from ._plain_check import check_first_step
 from ._protocols import PreprocessableModel, StepObserver
@@ -35,73 +25,10 @@ from ._state import ChunkState
 from ._streams import StreamPair
 from ._wgrad_check import check_wgrad_done, declared_wgrad
 
-__all__ = ["Microbatch", "combined_1f1b"]
+__all__ = ["combined_1f1b"]
 
 _DEFAULT_OPTIONS = ScheduleOptions()
 
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class Microbatch:
-    """One microbatch's inputs, by the names of Megatron-Core's ``build_schedule_plan``.
-
-    ``B`` batch, ``S`` sequence. A field is *set* when it is not ``None``. Each model reads
-    the fields it declares in ``microbatch_inputs`` (:class:`~moe_overlap.DeclaresInputs`;
-    :data:`~moe_overlap.DEFAULT_INPUTS` without a declaration): a set field it does not
-    read is a :class:`~moe_overlap.ConfigError` naming the field and the model when the
-    plan is built (:func:`~moe_overlap.check_inputs`), never silently ignored. What a field
-    means is the model's; Megatron-Core's conventions, which the reference model
-    (:mod:`moe_overlap.models`) follows and checks (dtype and shape, ``ConfigError``
-    naming the field), are:
-
-    Attributes:
-        input_ids: token ids ``[B, S]`` (int64); the first pipeline stage's input.
-        position_ids: positions ``[B, S]`` (int64); ``None``: ``0 .. S-1`` per row.
-        attention_mask: bool ``[B or 1, 1, S or 1, S]``, ``True`` where a query (dim 2)
-            must not attend a key (dim 3); applied on top of the causal mask. The
-            transformers adapter takes transformers' own instead (``[B, S]``, ``1`` at
-            tokens to attend).
-        labels: target ids ``[B, S]`` (int64); with them ``_postprocess`` returns the loss.
-        loss_mask: ``[B, S]`` weights of each position in the language-model loss (float
-            or bool; ``0`` drops a position); ``None``: every position counts.
-        decoder_input: the first layer's input ``[B, S, D]``, instead of embedding
-            ``input_ids``.
-        padding_mask: bool ``[B, S]``, ``True`` at padding tokens. The reference model
-            keeps them out of attention (as keys) and of the router's aux loss; they are
-            routed like any token. The loss is still ``loss_mask``'s: with ``labels``, a
-            ``padding_mask`` needs a ``loss_mask`` (``0`` at padding).
-        packed_seq_params: Megatron-Core's ``PackedSeqParams`` (no shipped model reads it).
-        extra_block_kwargs: keywords for the decoder block (an empty mapping is unset).
-        runtime_gather_output: Megatron-Core's output gather flag.
-    """
-
-    input_ids: Tensor | None = None
-    position_ids: Tensor | None = None
-    attention_mask: Tensor | None = None
-    labels: Tensor | None = None
-    loss_mask: Tensor | None = None
-    decoder_input: Tensor | None = None
-    padding_mask: Tensor | None = None
-    packed_seq_params: Any = None
-    extra_block_kwargs: Mapping[str, object] | None = None
-    runtime_gather_output: bool | None = None
-
-    def __post_init__(self) -> None:
-        check_fields(self, _MICROBATCH)
-
-
-_TENSOR = Opt(TENSOR)
-_MICROBATCH: dict[str, Spec[object]] = {
-    "input_ids": _TENSOR,
-    "position_ids": _TENSOR,
-    "attention_mask": _TENSOR,
-    "labels": _TENSOR,
-    "loss_mask": _TENSOR,
-    "decoder_input": _TENSOR,
-    "padding_mask": _TENSOR,
-    "packed_seq_params": ANY,
-    "extra_block_kwargs": Opt(Instance(Mapping, "a mapping")),
-    "runtime_gather_output": Opt(BOOL),
-}
 
 PlanCallback = Callable[[ModelChunkSchedulePlan], None]
 
@@ -120,7 +47,8 @@ def combined_1f1b(
 ) -> list[Tensor]:
     """Run forward and backward of every microbatch; return the (detached, fp32) losses.
 
-    With ``overlap`` (combined 1F1B)::
+    The order is :func:`~moe_overlap.macro_steps` of ``ScheduleMode.of(overlap=...,
+    fill_drain=...)``. With ``overlap`` (combined 1F1B)::
 
         F0 | F1+B0 | F2+B1 | ... | F(N-1)+B(N-2) | B(N-1)
 
@@ -157,7 +85,7 @@ def combined_1f1b(
     with checks_memoized():  # the model and its layers are checked once, not per plan
         model = check_model(model)
         _check_arguments(microbatches, overlap, options, streams, loss_scale, on_plan, observer)
-        _check_fill_drain(fill_drain, overlap)
+        mode = _schedule_mode(overlap, fill_drain)
         _check_inputs(model, microbatches)
         check_grad_mode("combined_1f1b")
         declared = declared_wgrad(model)
@@ -169,20 +97,10 @@ def combined_1f1b(
             check_first_step(
                 model,
                 microbatches[0],
-                lambda: _run(model, first, overlap, options, streams, loss_scale, None, None),
+                lambda: _run(model, first, mode, options, streams, loss_scale, None, None),
                 loss_scale,
             )
-        losses = _run(
-            model,
-            microbatches,
-            overlap,
-            options,
-            streams,
-            loss_scale,
-            on_plan,
-            observer,
-            fill_drain=fill_drain,
-        )
+        losses = _run(model, microbatches, mode, options, streams, loss_scale, on_plan, observer)
     check_wgrad_done(model, when="when combined_1f1b returns", declared=declared)
     return [loss.detach() for loss in losses]
 
@@ -190,81 +108,50 @@ def combined_1f1b(
 def _run(
     model: PreprocessableModel,
     microbatches: Sequence[Microbatch],
-    overlap: bool,
+    mode: ScheduleMode,
     options: ScheduleOptions,
     streams: StreamPair | None,
     loss_scale: float,
     on_plan: PlanCallback | None,
     observer: StepObserver | None,
-    *,
-    fill_drain: bool = False,
 ) -> list[Tensor]:
-    """The schedule itself: build, run and release the plans; the losses, in order."""
-
-    def build(i: int) -> ModelChunkSchedulePlan:
-        mb = microbatches[i]
-        plan = ModelChunkSchedulePlan(
-            model,
-            mb.input_ids,
-            mb.position_ids,
-            mb.attention_mask,
-            decoder_input=mb.decoder_input,
-            labels=mb.labels,
-            packed_seq_params=mb.packed_seq_params,
-            extra_block_kwargs=mb.extra_block_kwargs,
-            runtime_gather_output=mb.runtime_gather_output,
-            loss_mask=mb.loss_mask,
-            padding_mask=mb.padding_mask,
-            streams=streams,
-            options=options,
-            microbatch=i,
-        )
-        if on_plan is not None:
-            on_plan(plan)
-        return plan
-
+    """The schedule itself: walk :func:`macro_steps`, building each microbatch's plan at
+    its forward and releasing it after its backward; the losses, in order."""
     losses: list[Tensor] = []
-    live: list[ModelChunkSchedulePlan] = []
+    live: dict[int, ModelChunkSchedulePlan] = {}
 
     def grad_of(plan: ModelChunkSchedulePlan) -> Tensor:
-        assert plan.microbatch is not None
-        return torch.full_like(losses[plan.microbatch], loss_scale)
-
-    def forward(f: ModelChunkSchedulePlan | None, b: ModelChunkSchedulePlan | None) -> None:
-        grad = grad_of(b) if b is not None else None
-        out = ModelChunkSchedulePlan.run(f, b, b_grad=grad, observer=observer)
-        if b is not None:
-            live.remove(b)
-        if f is not None:
-            losses.append(_check_loss(model, out))
+        assert plan.microbatch_index is not None
+        return torch.full_like(losses[plan.microbatch_index], loss_scale)
 
     try:
-        if overlap and fill_drain and len(microbatches) >= 2:
-            live += [build(0), build(1)]
-            first, second = run_pair(live[0], live[1], observer=observer)
-            losses += [_check_loss(model, first), _check_loss(model, second)]
-            for i in range(2, len(microbatches)):
-                oldest = live[0]
-                live.append(build(i))
-                forward(live[-1], oldest)
-            b1, b2 = live
-            run_pair(b1, b2, b_grads=(grad_of(b1), grad_of(b2)), observer=observer)
-            live.clear()
-        elif overlap:
-            live.append(build(0))
-            forward(live[-1], None)
-            for i in range(1, len(microbatches)):
-                prev = live[-1]
-                live.append(build(i))
-                forward(live[-1], prev)
-            forward(None, live[-1])
-        else:
-            for i in range(len(microbatches)):
-                live.append(build(i))
-                forward(live[-1], None)
-                forward(None, live[-1])
+        for step in macro_steps(len(microbatches), mode):
+            for i in step.forward:
+                plan = ModelChunkSchedulePlan(
+                    model, microbatches[i], options=options, streams=streams, index=i
+                )
+                if on_plan is not None:
+                    on_plan(plan)
+                live[i] = plan
+            fs = [live[i] for i in step.forward]
+            bs = [live[i] for i in step.backward]
+            if len(fs) == 2:  # the fill: two forwards
+                first, second = run_pair(fs[0], fs[1], observer=observer)
+                losses += [_check_loss(model, first), _check_loss(model, second)]
+            elif len(bs) == 2:  # the drain: two backwards
+                grads = (grad_of(bs[0]), grad_of(bs[1]))
+                run_pair(bs[0], bs[1], b_grads=grads, observer=observer)
+            else:
+                f = fs[0] if fs else None
+                b = bs[0] if bs else None
+                grad = grad_of(b) if b is not None else None
+                out = ModelChunkSchedulePlan.run(f, b, b_grad=grad, observer=observer)
+                if f is not None:
+                    losses.append(_check_loss(model, out))
+            for i in step.backward:
+                del live[i]
     finally:
-        for plan in live:
+        for plan in live.values():
             if not plan.released:
                 plan.release_state()
     return losses
@@ -313,20 +200,22 @@ def _check_inputs(model: PreprocessableModel, microbatches: Sequence[Microbatch]
     (or its own ``validate_inputs`` refuses) fails here, not after earlier microbatches
     accumulated gradients."""
     for i, mb in enumerate(microbatches):
-        state = ChunkState(**{f.name: getattr(mb, f.name) for f in fields(mb)})
+        state = ChunkState(mb)
         check_inputs(
             model, state, where=f"combined_1f1b: microbatches[{i}]", what="Microbatch field"
         )
 
 
-def _check_fill_drain(fill_drain: object, overlap: object) -> None:
-    check_arg("combined_1f1b", "fill_drain", fill_drain, BOOL)
+def _schedule_mode(overlap: bool, fill_drain: object) -> ScheduleMode:
+    """The mode of ``overlap`` (checked already) and ``fill_drain``, which needs it."""
+    fill_drain = check_arg("combined_1f1b", "fill_drain", fill_drain, BOOL)
     if fill_drain and not overlap:
         raise ConfigError(
             "combined_1f1b: fill_drain overlaps the first two forwards and the last two "
             "backwards of the overlapped schedule; expected overlap=True with it, received "
             "overlap=False"
         )
+    return ScheduleMode.of(overlap=overlap, fill_drain=fill_drain)
 
 
 def _check_loss(model: PreprocessableModel, out: Tensor | None) -> Tensor:

@@ -34,7 +34,7 @@ class NodeSource(Protocol):
     """A plan, as the executor sees it: the node behind a step and the microbatch it runs."""
 
     @property
-    def microbatch(self) -> int | None: ...
+    def microbatch_index(self) -> int | None: ...
     def node_for(self, step: Step) -> ScheduleNode: ...
 
 
@@ -100,7 +100,7 @@ def execute_roles(
             assert source is not None, f"step {step} has no plan for its role"
             node = source.node_for(step)
             if observer is not None:
-                node.timer = observer.timer(step, source.microbatch)
+                node.timer = observer.timer(step, source.microbatch_index)
             try:
                 if step.direction is Direction.FORWARD:
                     values[step.role] = node.forward(*values[step.role])
@@ -136,7 +136,7 @@ def _schedule_error(
 ) -> ScheduleError:
     step = steps[index]
     source = plans.get(step.role)
-    mb = source.microbatch if source is not None else None
+    mb = source.microbatch_index if source is not None else None
     direction = {
         Direction.FORWARD: "forward",
         Direction.BACKWARD: "backward",
@@ -149,7 +149,7 @@ def _schedule_error(
         f"slot {step.slot.value}, {direction}"
     )
     pair = ", ".join(
-        f"{_ROLE_NAMES[role]} microbatch {p.microbatch if p is not None else None}"
+        f"{_ROLE_NAMES[role]} microbatch {p.microbatch_index if p is not None else None}"
         for role, p in plans.items()
         if role in (Role.F, Role.B) or p is not None
     )

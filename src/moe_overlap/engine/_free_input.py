@@ -5,20 +5,9 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 
-from ._protocols import FreeInputConfig
+from ._protocols import CudaGraphModule, FreeInputConfig
 
 __all__ = ["CudaGraphModule", "graph_module_names", "should_free_input"]
-
-
-class CudaGraphModule(str, enum.Enum):
-    """Scopes of a layer that CUDA graphs can capture (Megatron-Core's member names)."""
-
-    attn = "attn"
-    mlp = "mlp"
-    moe = "moe"
-    moe_router = "moe_router"
-    moe_preprocess = "moe_preprocess"
-    mamba = "mamba"
 
 
 def graph_module_names(modules: Iterable[object]) -> frozenset[str]:

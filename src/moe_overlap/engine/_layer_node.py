@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
 from typing import cast
 
 import torch
 from torch import Tensor
 
-from ._args import BOOL, POSITIVE, Opt, check_arg
-from ._contracts import FREE_INPUT_CONFIG
 from ._debug import DEBUG
-from ._errors import ConfigError, IntegrationError, WgradError
+from ._errors import IntegrationError, WgradError
 from ._free_input import should_free_input
+from ._layer_args import LayerArgs
+from ._megatron import layer_args
 from ._node import ScheduleNode, default_backward, weak_method
 from ._node_checks import check_copies_unused, check_handoffs, check_own_leaves
 from ._options import Hook
@@ -21,75 +20,14 @@ from ._protocols import FreeInputConfig, SlotFn, StreamProvider, WgradLayer
 from ._state import ChunkState, LayerState
 from ._streams import AnyEvent, stream_context
 
-__all__ = [
-    "LayerArgs",
-    "TransformerLayerNode",
-    "refresh_collectives",
-]
-
-
-_LOCAL_EXPERTS = Opt(POSITIVE)
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class LayerArgs:
-    """What a :class:`~moe_overlap.TransformerLayerNode` knows about its layer (Megatron's ``extra_args``)."""
-
-    config: FreeInputConfig
-    is_moe: bool = False
-    num_local_experts: int | None = None
-    delay_wgrad_compute: bool = False
-    is_mtp: bool = False
-    is_first_layer: bool = False
-    is_last_layer: bool = False
-
-    @classmethod
-    def from_mapping(cls, mapping: Mapping[str, object]) -> LayerArgs:
-        """Build from a Megatron-style ``extra_args`` dict, checking keys and value types."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(mapping) - known)
-        if unknown:
-            raise ConfigError(
-                f"LayerArgs: unknown extra_args keys {unknown}; expected a subset of "
-                f"{sorted(known)}"
-            )
-        config = mapping.get("config")
-        if FREE_INPUT_CONFIG.missing(config):
-            *names, last = FREE_INPUT_CONFIG.names
-            raise ConfigError(
-                f"LayerArgs: extra_args['config'] must have {', '.join(names)} and {last}; "
-                f"received {type(config).__name__}"
-            )
-        flags = {
-            key: check_arg("LayerArgs", f"extra_args[{key!r}]", mapping.get(key, False), BOOL)
-            for key in (
-                "is_moe",
-                "delay_wgrad_compute",
-                "is_mtp",
-                "is_first_layer",
-                "is_last_layer",
-            )
-        }
-        nle = check_arg(
-            "LayerArgs",
-            "extra_args['num_local_experts']",
-            mapping.get("num_local_experts"),
-            _LOCAL_EXPERTS,
-        )
-        return cls(config=cast(FreeInputConfig, config), num_local_experts=nle, **flags)
-
-    @classmethod
-    def coerce(cls, value: LayerArgs | Mapping[str, object] | None) -> LayerArgs:
-        """Accept a :class:`~moe_overlap.LayerArgs` or a mapping; ``None`` is an error (config is needed)."""
-        if isinstance(value, LayerArgs):
-            return value
-        if value is None:
-            raise ConfigError("LayerArgs: extra_args must give at least 'config', received None")
-        return cls.from_mapping(value)
+__all__ = ["TransformerLayerNode", "refresh_collectives"]
 
 
 class TransformerLayerNode(ScheduleNode):
     """Schedule node for one slot of a fine-grained layer.
+
+    ``extra_args`` is a :class:`~moe_overlap.LayerArgs`, or Megatron-Core's dict with the
+    same keys (checked by :func:`moe_overlap.megatron.layer_args`).
 
     Owns the slot's stream and event, its free-input policy (``_resolve_free_input``)
     and its delayed weight-gradient work (:meth:`~moe_overlap.TransformerLayerNode.backward_dw`). The slot function receives
@@ -108,7 +46,7 @@ class TransformerLayerNode(ScheduleNode):
         bwd_dw_callables: WgradLayer | Sequence[WgradLayer] | None = None,
         extra_args: LayerArgs | Mapping[str, object] | None = None,
     ) -> None:
-        args = LayerArgs.coerce(extra_args)
+        args = extra_args if isinstance(extra_args, LayerArgs) else layer_args(extra_args)
         self.args = args
         free_input = self._resolve_free_input(
             name, args.is_moe, args.config, args.num_local_experts

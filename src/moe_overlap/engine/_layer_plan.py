@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
+from collections.abc import Callable, Sequence
 from typing import NoReturn
 
 from torch import Tensor
@@ -11,16 +10,17 @@ from torch import Tensor
 from ._conformance import as_mtp_layer, check_layer, check_wgrad_layers
 from ._errors import ConfigError, PlanReleasedError
 from ._executor import execute
-from ._layer_node import LayerArgs, TransformerLayerNode
+from ._layer_args import LayerArgs
+from ._layer_node import TransformerLayerNode
 from ._node import NoopScheduleNode, ScheduleNode
 from ._options import ScheduleOptions
 from ._protocols import SchedulableLayer, SlotFn, StepObserver, StreamProvider, WgradLayer
 from ._state import ChunkState, LayerState
 from ._steps import LayerShape, Slot, Step, layer_pair_steps
-from ._streams import AnyEvent
+from ._streams import AnyEvent, StreamPair
 from ._wgrad import BackwardDWWrapper
 
-__all__ = ["POSITIONS", "TransformerLayerSchedulePlan"]
+__all__ = ["TransformerLayerSchedulePlan"]
 
 _DEFAULT_OPTIONS = ScheduleOptions()
 
@@ -33,6 +33,10 @@ class TransformerLayerSchedulePlan:
     MTP layers, a no-op otherwise. All share the microbatch's ``event`` and a fresh
     :class:`~moe_overlap.LayerState`.
 
+    ``streams``: compute and communication streams; ``is_first_layer`` / ``is_last_layer``:
+    the layer's place in its chunk (Megatron-Core's positional form with an ``extra_args``
+    dict: :func:`moe_overlap.megatron.layer_schedule_plan`).
+
     The layer is checked member by member here (``owner``, the model's class name, names
     it in errors as ``owner.decoder.layers[index]``). It delays
     its weight gradients exactly when ``pre_dispatch_wgrad()`` or ``mlp_wgrad()`` lists a
@@ -43,19 +47,20 @@ class TransformerLayerSchedulePlan:
     def __init__(
         self,
         layer: SchedulableLayer,
+        *,
         event: AnyEvent,
         chunk_state: ChunkState,
-        comp_stream: StreamProvider,
-        comm_stream: StreamProvider,
-        extra_args: LayerArgs | Mapping[str, object] | None = None,
-        *,
+        streams: StreamPair,
         options: ScheduleOptions = _DEFAULT_OPTIONS,
         index: int = 0,
+        is_first_layer: bool = False,
+        is_last_layer: bool = False,
         owner: str | None = None,
+        microbatch_index: int | None = None,
     ) -> None:
         where = _layer_name(owner, index)  # formats only for an error message
         layer = check_layer(layer, where)
-        first, last = _layer_position(layer, extra_args)
+        comp_stream, comm_stream = streams.comp_provider, streams.comm_provider
         mtp = as_mtp_layer(layer)
         is_mtp = mtp is not None
         # The layer is the one source of truth for delayed wgrad: it delays exactly the
@@ -71,10 +76,12 @@ class TransformerLayerSchedulePlan:
             num_local_experts=layer.num_local_experts,
             delay_wgrad_compute=delay,
             is_mtp=is_mtp,
-            is_first_layer=first,
-            is_last_layer=last,
+            is_first_layer=is_first_layer,
+            is_last_layer=is_last_layer,
         )
         self.index = index
+        self.microbatch_index = microbatch_index
+        """The microbatch number shown in errors and timelines (the chunk plan's)."""
         self.layer: SchedulableLayer | None = layer
         self.wgrad_parts: tuple[WgradLayer, ...] = (
             (*(part.module for part in pre_dw.parts), *mlp_dw) if delay else ()
@@ -130,7 +137,6 @@ class TransformerLayerSchedulePlan:
             self.nodes[Slot.MTP_POST] = node(Slot.MTP_POST, comp_stream, mtp.slot_mtp_post_process)
         else:
             self.nodes[Slot.MTP_POST] = NoopScheduleNode("mtp_post_process")
-        self.microbatch: int | None = None
 
     def node_for(self, step: Step) -> ScheduleNode:
         """The node that runs ``step`` (its slot)."""
@@ -211,18 +217,6 @@ def _delay_option_error(
     )
 
 
-_POSITION_KEYS = frozenset({"is_first_layer", "is_last_layer"})
-
-POSITIONS: dict[tuple[bool, bool], Mapping[str, object]] = {
-    (first, last): MappingProxyType({"is_first_layer": first, "is_last_layer": last})
-    for first in (False, True)
-    for last in (False, True)
-}
-"""A layer's place in its chunk as Megatron-style ``extra_args``, one shared mapping per
-``(is_first_layer, is_last_layer)``: what chunk plans pass, recognised without a look."""
-_POSITION_ITEMS = tuple(POSITIONS.items())
-
-
 class _LayerName:
     """``owner.decoder.layers[index]``, formatted when an error message asks for it."""
 
@@ -247,29 +241,3 @@ def _layer_name(owner: str | None, index: int) -> _LayerName:
     while len(names) <= index:
         names.append(_LayerName(owner, len(names)))
     return names[index]
-
-
-def _layer_position(
-    layer: SchedulableLayer, extra_args: LayerArgs | Mapping[str, object] | None
-) -> tuple[bool, bool]:
-    """``(is_first_layer, is_last_layer)`` from ``extra_args``.
-
-    A Megatron-style mapping is validated as :class:`~moe_overlap.LayerArgs`; only the
-    layer position is used, the rest comes from the layer itself (as Megatron-Core
-    overwrites it). The shared :data:`POSITIONS` mappings (what chunk plans pass) and any
-    mapping of just the two position flags take a fast path with the same checks.
-    """
-    if extra_args is None:
-        return False, False
-    if isinstance(extra_args, LayerArgs):
-        return extra_args.is_first_layer, extra_args.is_last_layer
-    for known, mapping in _POSITION_ITEMS:
-        if mapping is extra_args:
-            return known
-    if extra_args.keys() <= _POSITION_KEYS:
-        first = extra_args.get("is_first_layer", False)
-        last = extra_args.get("is_last_layer", False)
-        if isinstance(first, bool) and isinstance(last, bool):
-            return first, last
-    given = LayerArgs.from_mapping({"config": layer.config, **extra_args})
-    return given.is_first_layer, given.is_last_layer

@@ -67,8 +67,8 @@ class PreProcessNode(ScheduleNode):
     """Run the model's ``_preprocess`` (embedding, rotary, padding mask) for a chunk.
 
     Takes ``decoder.input_tensor`` as the decoder input when the model is not the first
-    pipeline stage. Fills the chunk state with the preprocess outputs so layer slots read
-    them by name; returns ``decoder_input``.
+    pipeline stage. Writes the :class:`~moe_overlap.PreprocessOutput` into the chunk state,
+    where the layer slots read it by name; returns ``decoder_input``.
     """
 
     def __init__(
@@ -83,26 +83,22 @@ class PreProcessNode(ScheduleNode):
         self.chunk_state = chunk_state
 
     def forward_impl(self) -> Tensor:
-        """Run ``_preprocess`` and store its outputs in the chunk state."""
+        """Run ``_preprocess`` and keep its :class:`~moe_overlap.PreprocessOutput` in the
+        chunk state (for the layer nodes)."""
         model, cs = self.model, self.chunk_state
-        if not model.pre_process:
-            cs.decoder_input = model.decoder.input_tensor
+        mb = cs.microbatch
+        decoder_input = mb.decoder_input if model.pre_process else model.decoder.input_tensor
         out = as_preprocess_output(
             model,
             model._preprocess(  # pyright: ignore[reportPrivateUsage] - the Protocol's contract
-                input_ids=cs.input_ids,
-                position_ids=cs.position_ids,
-                decoder_input=cs.decoder_input,
-                packed_seq_params=cs.packed_seq_params,
-                padding_mask=cs.padding_mask,
+                input_ids=mb.input_ids,
+                position_ids=mb.position_ids,
+                decoder_input=decoder_input,
+                packed_seq_params=mb.packed_seq_params,
+                padding_mask=mb.padding_mask,
             ),
         )
-        cs.decoder_input = out.decoder_input
-        cs.rotary_pos_emb = out.rotary_pos_emb
-        cs.rotary_pos_cos = out.rotary_pos_cos
-        cs.rotary_pos_sin = out.rotary_pos_sin
-        cs.sequence_len_offset = out.sequence_len_offset
-        cs.padding_mask = out.padding_mask
+        cs.set_preprocess_output(out)
         return out.decoder_input
 
 

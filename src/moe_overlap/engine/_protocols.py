@@ -4,38 +4,40 @@ Keyword names mirror Megatron-Core 0.19's ``GPTModel`` so a Megatron model is
 structurally a :class:`~moe_overlap.PreprocessableModel`; ``typing_tests/`` proves it against the stubs
 in ``stubs/``.
 
-This module imports nothing else of the package at run time, so debug mode can load it
-before installing beartype and tell beartype to leave Protocol checks to plan construction
-(see ``moe_overlap/__init__.py``).
+The value types the Protocols name live here too (:class:`CudaGraphModule`,
+:class:`WgradScope`). This module imports nothing else of the package (not even for
+annotations), so no module of the package is imported before it, and debug mode can load
+it before installing beartype and tell beartype to leave Protocol checks to plan
+construction (see ``moe_overlap/__init__.py``).
 
 A layer is cut into four slots that run, in forward order::
 
     pre_dispatch (compute) -> dispatch (comm) -> mlp (compute) -> combine (comm)
 
-Each slot is a method ``slot_*(node, inputs) -> outputs``: ``node`` is the
-:class:`~moe_overlap.TransformerLayerNode` running it (read ``node.chunk_state`` for the
-attention mask and rotary embeddings, keep per-microbatch values in ``node.layer_state``,
-and pass a tensor to a later slot with ``node.detach(t)``); ``inputs`` are the previous
-slot's outputs. Dense layers (``is_moe`` false) have no dispatch/combine: their
+Each slot is a method ``slot_*(node, inputs) -> outputs``: ``node`` is a
+:class:`SlotContext` (the :class:`~moe_overlap.TransformerLayerNode` running it on the
+schedule; read ``node.chunk_state`` for the attention mask and rotary embeddings, keep
+per-microbatch values in ``node.layer_state``, and pass a tensor to a later slot with
+``node.detach(t)``); ``inputs`` are the previous slot's outputs. Dense layers (``is_moe`` false) have no dispatch/combine: their
 pre-dispatch output goes straight to ``slot_mlp``, whose output is the layer's output.
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol, runtime_checkable
 
 from torch import Tensor
 from torch.nn import Parameter
 
-if TYPE_CHECKING:  # annotations only: this module is imported before anything else
-    from ._layer_node import TransformerLayerNode
-    from ._state import ChunkState
+if TYPE_CHECKING:  # annotations only; none of these imports this module
+    from ._state import ChunkState, LayerState
     from ._steps import Step
     from ._streams import AnyStream
-    from ._wgrad import WgradScope
 
 __all__ = [
+    "CudaGraphModule",
     "DeclaresInputs",
     "DecoderLike",
     "FreeInputConfig",
@@ -46,12 +48,25 @@ __all__ = [
     "PendingWgrad",
     "PreprocessableModel",
     "SchedulableLayer",
+    "SlotContext",
     "SlotFn",
     "StepObserver",
     "StreamProvider",
     "ValidatesInputs",
     "WgradLayer",
+    "WgradScope",
 ]
+
+
+class CudaGraphModule(str, enum.Enum):
+    """Scopes of a layer that CUDA graphs can capture (Megatron-Core's member names)."""
+
+    attn = "attn"
+    mlp = "mlp"
+    moe = "moe"
+    moe_router = "moe_router"
+    moe_preprocess = "moe_preprocess"
+    mamba = "mamba"
 
 
 @runtime_checkable
@@ -65,6 +80,13 @@ class WgradLayer(Protocol):
 
     def backward_dw(self) -> None: ...
     def parameters(self) -> Iterator[Parameter]: ...
+
+
+class WgradScope(NamedTuple):
+    """A pre-dispatch wgrad module and the CUDA-graph scope that covers it."""
+
+    scope: CudaGraphModule
+    module: WgradLayer
 
 
 @runtime_checkable
@@ -231,11 +253,27 @@ class StreamProvider(Protocol):
 
 
 @runtime_checkable
+class SlotContext(Protocol):
+    """What a slot reads from its node; :class:`~moe_overlap.TransformerLayerNode` is one.
+
+    Writing a layer's math against this (not the node) lets the plain path run the very
+    same code with a :class:`~moe_overlap.blocks.PlainContext`.
+    """
+
+    @property
+    def layer_state(self) -> LayerState: ...
+    @property
+    def chunk_state(self) -> ChunkState: ...
+    def detach(self, t: Tensor) -> Tensor: ...
+    def mark_non_differentiable(self, *tensors: Tensor) -> None: ...
+
+
+@runtime_checkable
 class SlotFn(Protocol):
     """A slot's forward: gets its node (state, ``detach``) and its inputs, returns outputs."""
 
     def __call__(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+        self, node: SlotContext, inputs: tuple[Tensor, ...], /
     ) -> Tensor | tuple[Tensor, ...]: ...
 
 
@@ -245,7 +283,7 @@ class SchedulableLayer(Protocol):
 
     The four slots run, in forward order, ``pre_dispatch`` (compute stream), ``dispatch``
     (comm stream), ``mlp`` (compute), ``combine`` (comm). Each ``slot_*(node, inputs)``
-    gets the :class:`~moe_overlap.TransformerLayerNode` running it (read
+    gets a :class:`SlotContext` (the :class:`~moe_overlap.TransformerLayerNode` running it; read
     ``node.chunk_state`` for the attention mask and rotary embeddings, keep per-microbatch
     values in ``node.layer_state``, hand a tensor to a later slot with ``node.detach(t)``)
     and the previous slot's outputs. Dense layers (``is_moe`` false) skip dispatch and
@@ -270,16 +308,16 @@ class SchedulableLayer(Protocol):
     def num_local_experts(self) -> int | None: ...
 
     def slot_pre_dispatch(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+        self, node: SlotContext, inputs: tuple[Tensor, ...], /
     ) -> Tensor | tuple[Tensor, ...]: ...
     def slot_dispatch(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+        self, node: SlotContext, inputs: tuple[Tensor, ...], /
     ) -> Tensor | tuple[Tensor, ...]: ...
     def slot_mlp(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+        self, node: SlotContext, inputs: tuple[Tensor, ...], /
     ) -> Tensor | tuple[Tensor, ...]: ...
     def slot_combine(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+        self, node: SlotContext, inputs: tuple[Tensor, ...], /
     ) -> Tensor | tuple[Tensor, ...]: ...
     def pre_dispatch_wgrad(self) -> Sequence[WgradScope]: ...
     def mlp_wgrad(self) -> Sequence[WgradLayer]: ...
@@ -304,7 +342,7 @@ class MtpSchedulableLayer(SchedulableLayer, Protocol):
     """A multi-token-prediction layer: a schedulable layer with a post-process slot."""
 
     def slot_mtp_post_process(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+        self, node: SlotContext, inputs: tuple[Tensor, ...], /
     ) -> Tensor | tuple[Tensor, ...]: ...
 
 

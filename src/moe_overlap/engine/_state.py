@@ -5,13 +5,13 @@ a type error and every field has a type.
 """
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 
 from torch import Tensor
 
-from ._errors import IntegrationError, LayerStateAttributeError
-from ._protocols import PreprocessableModel
+from ._args import refuse
+from ._errors import IntegrationError, LayerStateAttributeError, NodeStateError
+from ._microbatch import Microbatch
 
 __all__ = ["ChunkState", "LayerState", "PreprocessOutput"]
 
@@ -29,35 +29,139 @@ class PreprocessOutput(NamedTuple):
     padding_mask: Tensor | None = None
 
 
-@dataclass(kw_only=True)
 class ChunkState:
-    """Chunk-level inputs and preprocess outputs, read by name by the layer nodes.
+    """One microbatch's state in a chunk: its inputs, then what its pre-process made.
 
-    Field names are Megatron-Core's ``ModelChunkState`` ones, plus the preprocess outputs.
-    :class:`~moe_overlap.PreProcessNode` fills ``decoder_input`` and the rotary fields.
+    Holds the frozen :class:`~moe_overlap.Microbatch`, the plan's ``output_processor`` /
+    ``output_processor_context`` and, once :class:`~moe_overlap.PreProcessNode` has run,
+    the :class:`~moe_overlap.PreprocessOutput` the layer nodes consume (written once: a
+    second write is a :class:`~moe_overlap.NodeStateError`). Read-only properties give
+    each value under Megatron-Core's ``ModelChunkState`` name: ``decoder_input`` and
+    ``padding_mask`` are the preprocess output's once it exists, the microbatch's before;
+    the rotary fields and ``sequence_len_offset`` are ``None`` until then. Slotted and
+    weakref-able.
     """
 
-    input_ids: Tensor | None = None
-    position_ids: Tensor | None = None
-    attention_mask: Tensor | None = None
-    decoder_input: Tensor | None = None
-    labels: Tensor | None = None
-    loss_mask: Tensor | None = None
-    packed_seq_params: Any = None
-    padding_mask: Tensor | None = None
-    extra_block_kwargs: Mapping[str, object] | None = None
-    runtime_gather_output: bool | None = None
-    output_processor: Callable[..., object] | None = None
-    output_processor_context: object | None = None
-    model: PreprocessableModel | None = None
-    mtp_hidden_states: list[Tensor] | None = None
-    context: Tensor | None = None
-    context_mask: Tensor | None = None
-    attention_bias: Tensor | None = None
-    rotary_pos_emb: Tensor | None = None
-    rotary_pos_cos: Tensor | None = None
-    rotary_pos_sin: Tensor | None = None
-    sequence_len_offset: Tensor | None = None
+    __slots__ = (
+        "__weakref__",
+        "microbatch",
+        "output_processor",
+        "output_processor_context",
+        "preprocess_output",
+    )
+
+    microbatch: Microbatch
+    output_processor: Callable[..., object] | None
+    output_processor_context: object | None
+    preprocess_output: PreprocessOutput | None
+    """What the pre-process produced; ``None`` before it runs."""
+
+    def __init__(
+        self,
+        microbatch: Microbatch,
+        /,
+        *,
+        output_processor: Callable[..., object] | None = None,
+        output_processor_context: object | None = None,
+    ) -> None:
+        if not isinstance(cast(object, microbatch), Microbatch):
+            raise refuse(
+                "ChunkState: microbatch",
+                "a Microbatch (the microbatch's inputs)",
+                microbatch,
+                hint="build one with Microbatch(input_ids=..., labels=...)",
+            )
+        _set(self, "microbatch", microbatch)
+        _set(self, "output_processor", output_processor)
+        _set(self, "output_processor_context", output_processor_context)
+        _set(self, "preprocess_output", None)
+
+    if not TYPE_CHECKING:  # hidden from type checkers: assigning a field stays a type error
+
+        def __setattr__(self, name: str, value: object) -> None:
+            raise IntegrationError(
+                f"ChunkState: cannot set {name!r}; the state is read-only (its inputs are "
+                "the plan's Microbatch, its preprocess output the pre-process node's); keep "
+                "per-layer values in node.layer_state"
+            )
+
+    def set_preprocess_output(self, output: PreprocessOutput) -> None:
+        """Keep what the pre-process produced (once per microbatch)."""
+        if self.preprocess_output is not None:
+            raise NodeStateError(
+                "ChunkState.set_preprocess_output: the preprocess output of this microbatch "
+                "is already set; expected one pre-process per chunk state (build a new "
+                "plan for every microbatch)"
+            )
+        _set(self, "preprocess_output", output)
+
+    # --- the microbatch's inputs, by Megatron-Core's names --------------------------------
+    @property
+    def input_ids(self) -> Tensor | None:
+        return self.microbatch.input_ids
+
+    @property
+    def position_ids(self) -> Tensor | None:
+        return self.microbatch.position_ids
+
+    @property
+    def attention_mask(self) -> Tensor | None:
+        return self.microbatch.attention_mask
+
+    @property
+    def labels(self) -> Tensor | None:
+        return self.microbatch.labels
+
+    @property
+    def loss_mask(self) -> Tensor | None:
+        return self.microbatch.loss_mask
+
+    @property
+    def packed_seq_params(self) -> Any:
+        return self.microbatch.packed_seq_params
+
+    @property
+    def extra_block_kwargs(self) -> Mapping[str, object] | None:
+        return self.microbatch.extra_block_kwargs
+
+    @property
+    def runtime_gather_output(self) -> bool | None:
+        return self.microbatch.runtime_gather_output
+
+    # --- the preprocess output (the microbatch's value before it) -------------------------
+    @property
+    def decoder_input(self) -> Tensor | None:
+        out = self.preprocess_output
+        return self.microbatch.decoder_input if out is None else out.decoder_input
+
+    @property
+    def padding_mask(self) -> Tensor | None:
+        out = self.preprocess_output
+        return self.microbatch.padding_mask if out is None else out.padding_mask
+
+    @property
+    def rotary_pos_emb(self) -> Tensor | None:
+        out = self.preprocess_output
+        return None if out is None else out.rotary_pos_emb
+
+    @property
+    def rotary_pos_cos(self) -> Tensor | None:
+        out = self.preprocess_output
+        return None if out is None else out.rotary_pos_cos
+
+    @property
+    def rotary_pos_sin(self) -> Tensor | None:
+        out = self.preprocess_output
+        return None if out is None else out.rotary_pos_sin
+
+    @property
+    def sequence_len_offset(self) -> Tensor | None:
+        out = self.preprocess_output
+        return None if out is None else out.sequence_len_offset
+
+    def __repr__(self) -> str:
+        done = "preprocessed" if self.preprocess_output is not None else "not preprocessed"
+        return f"ChunkState({self.microbatch!r}, {done})"
 
 
 _FIELDS = ("residual", "probs", "dispatched_probs", "shared_expert_output", "tokens_per_expert")

@@ -6,8 +6,8 @@ objects with the methods the schedule calls that do nothing (CPU work is already
 so the whole schedule runs, exactly, on a laptop.
 
 Streams can be passed explicitly (a :class:`~moe_overlap.StreamPair`) or, for code ported from
-Megatron-Core, through the module-level :func:`~moe_overlap.set_streams` / :func:`~moe_overlap.get_comp_stream` /
-:func:`~moe_overlap.get_comm_stream`.
+Megatron-Core, taken from each device's defaults through :func:`~moe_overlap.set_streams` /
+:func:`~moe_overlap.get_comp_stream` / :func:`~moe_overlap.get_comm_stream`.
 """
 
 from __future__ import annotations
@@ -318,7 +318,23 @@ def record_tensor_on(tensor: torch.Tensor, stream: AnyStream) -> None:
         tensor.record_stream(stream)
 
 
-_GLOBAL: list[StreamPair] = []
+_DEFAULTS: dict[torch.device, StreamPair] = {}
+"""The default streams of each device (``cuda:i`` with its index, or ``cpu``)."""
+
+
+def _device_key(dev: torch.device) -> torch.device:
+    """``dev`` with its index (a bare ``cuda`` is the current CUDA device)."""
+    if dev.type == "cuda" and cast("int | None", dev.index) is None:  # torch types it int
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _pair_device(comp: AnyStream | None, comm: AnyStream | None) -> torch.device | None:
+    """The device of the given streams (``None`` without any)."""
+    given = comp if comp is not None else comm
+    if given is None:
+        return None
+    return torch.device("cpu") if isinstance(given, CpuStream) else _device_key(given.device)
 
 
 def set_streams(
@@ -328,39 +344,56 @@ def set_streams(
     device: torch.device | str | None = None,
     high_priority_comm: bool = False,
 ) -> StreamPair:
-    """Set the module-level streams (Megatron-Core style) and return them.
+    """Set the default streams of a device (Megatron-Core style) and return them.
 
-    The first call wins, as in Megatron-Core, unless streams are passed explicitly, which
-    replace the current ones. Unset streams default to :func:`~moe_overlap.make_streams` for ``device``.
+    Each device has its own pair: ``device`` (default: :func:`~moe_overlap.default_device`,
+    the current CUDA device or the CPU), or the device of the streams passed. The first
+    call for a device wins, as in Megatron-Core, unless streams are passed explicitly,
+    which replace that device's. Unset streams default to :func:`~moe_overlap.make_streams`
+    for the device. A stream of another device than ``device`` is a
+    :class:`~moe_overlap.StreamError`.
     """
     check_arg("set_streams", "comp_stream", comp_stream, _OPT_STREAM)
     check_arg("set_streams", "comm_stream", comm_stream, _OPT_STREAM)
-    if _GLOBAL and comp_stream is None and comm_stream is None:
-        return _GLOBAL[0]
-    made = make_streams(device, high_priority_comm=high_priority_comm)
-    pair = StreamPair(
-        comp=comp_stream if comp_stream is not None else made.comp,
-        comm=comm_stream if comm_stream is not None else made.comm,
-    )
-    if isinstance(pair.comp, CpuStream) != isinstance(pair.comm, CpuStream):
+    given = _pair_device(comp_stream, comm_stream)
+    if device is not None or given is None:
+        key = _device_key(_stream_device(device, "set_streams"))
+    else:
+        key = given
+    if given is not None and given != key:
         raise StreamError(
-            "set_streams: compute and communication streams must be on one device type, "
-            f"received comp={pair.comp!r}, comm={pair.comm!r}"
+            f"set_streams: expected streams of {key}, received "
+            f"comp={comp_stream!r}, comm={comm_stream!r} (on {given}); pass streams of the "
+            "device, or leave device unset"
         )
-    _GLOBAL[:] = [pair]
+    known = _DEFAULTS.get(key)
+    if known is not None and comp_stream is None and comm_stream is None:
+        return known
+    made = (
+        make_streams(key, high_priority_comm=high_priority_comm)
+        if comp_stream is None or comm_stream is None
+        else None
+    )
+    pair = StreamPair(
+        comp=comp_stream if comp_stream is not None else cast(StreamPair, made).comp,
+        comm=comm_stream if comm_stream is not None else cast(StreamPair, made).comm,
+    )
+    _DEFAULTS[key] = pair
     return pair
 
 
 def reset_streams() -> None:
-    """Forget the module-level streams (tests and device switches)."""
-    _GLOBAL.clear()
+    """Forget every device's default streams (tests and device switches)."""
+    _DEFAULTS.clear()
 
 
-def get_comp_stream() -> AnyStream:
-    """The module-level compute stream; set on first use for the default device."""
-    return set_streams().comp
+def get_comp_stream(*, device: torch.device | str | None = None) -> AnyStream:
+    """The default compute stream of ``device`` (the current one without it); set on first
+    use (:func:`~moe_overlap.set_streams`)."""
+    return set_streams(device=device).comp
 
 
-def get_comm_stream() -> AnyStream:
-    """The module-level communication stream; set on first use for the default device."""
-    return set_streams().comm
+def get_comm_stream(*, device: torch.device | str | None = None) -> AnyStream:
+    """The default communication stream of ``device`` (the current one without it); set on
+    first use (:func:`~moe_overlap.set_streams`)."""
+    return set_streams(device=device).comm

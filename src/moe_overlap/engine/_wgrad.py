@@ -1,28 +1,18 @@
-"""Delayed weight gradients of the pre-dispatch slot, and what covers them.
-
-No ``from __future__ import annotations`` here: the NamedTuple's field types must be real
-objects at run time for debug mode's checks.
-"""
+"""Delayed weight gradients of the pre-dispatch slot (its parts are
+:class:`~moe_overlap.WgradScope` s, defined with the Protocols)."""
 
 from collections.abc import Callable, Iterator, Sequence
-from typing import NamedTuple, cast
+from typing import cast
 
 from torch.nn import Parameter
 
 from ._conformance import Indexed, already_checked, check_wgrad_layer, named
 from ._errors import IntegrationError
-from ._free_input import CudaGraphModule, graph_module_names
+from ._free_input import graph_module_names
 from ._options import Hook
-from ._protocols import GraphedWgradLayer, SchedulableLayer, WgradLayer
+from ._protocols import CudaGraphModule, GraphedWgradLayer, SchedulableLayer, WgradScope
 
-__all__ = ["BackwardDWWrapper", "WgradScope", "_BackwardDWWrapper", "check_wgrad_scopes"]
-
-
-class WgradScope(NamedTuple):
-    """A pre-dispatch wgrad module and the CUDA-graph scope that covers it."""
-
-    scope: CudaGraphModule
-    module: WgradLayer
+__all__ = ["BackwardDWWrapper", "_BackwardDWWrapper", "check_wgrad_scopes"]
 
 
 class BackwardDWWrapper:

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from moe_overlap import (
     ConfigError,
     IntegrationError,
+    Microbatch,
     ModelChunkSchedulePlan,
     MoeOverlapError,
     NodeStateError,
@@ -593,13 +594,15 @@ class PipelineOverlap:
 
         plan = ModelChunkSchedulePlan(
             model,
-            x if stage.is_first else None,
-            tensor_kwarg("position_ids"),
-            tensor_kwarg("attention_mask"),
-            decoder_input=None if stage.is_first else x,
-            padding_mask=tensor_kwarg("padding_mask"),
+            Microbatch(
+                input_ids=x if stage.is_first else None,
+                position_ids=tensor_kwarg("position_ids"),
+                attention_mask=tensor_kwarg("attention_mask"),
+                decoder_input=None if stage.is_first else x,
+                padding_mask=tensor_kwarg("padding_mask"),
+            ),
             options=self._options[stage.stage_index],
-            microbatch=mb,
+            index=mb,
             vp_stage=stage.stage_index,
             float32_output=False,
         )

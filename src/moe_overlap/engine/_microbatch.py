@@ -1,0 +1,81 @@
+"""One microbatch's inputs: the value a chunk plan is built from."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor
+
+from ._args import ANY, BOOL, TENSOR, Instance, Opt, Spec, check_fields
+
+__all__ = ["EMPTY_MICROBATCH", "Microbatch"]
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Microbatch:
+    """One microbatch's inputs, by the names of Megatron-Core's ``build_schedule_plan``.
+
+    ``B`` batch, ``S`` sequence. A field is *set* when it is not ``None``. Each model reads
+    the fields it declares in ``microbatch_inputs`` (:class:`~moe_overlap.DeclaresInputs`;
+    :data:`~moe_overlap.DEFAULT_INPUTS` without a declaration): a set field it does not
+    read is a :class:`~moe_overlap.ConfigError` naming the field and the model when the
+    plan is built (:func:`~moe_overlap.check_inputs`), never silently ignored. What a field
+    means is the model's; Megatron-Core's conventions, which the reference model
+    (:mod:`moe_overlap.models`) follows and checks (dtype and shape, ``ConfigError``
+    naming the field), are:
+
+    Attributes:
+        input_ids: token ids ``[B, S]`` (int64); the first pipeline stage's input.
+        position_ids: positions ``[B, S]`` (int64); ``None``: ``0 .. S-1`` per row.
+        attention_mask: bool ``[B or 1, 1, S or 1, S]``, ``True`` where a query (dim 2)
+            must not attend a key (dim 3); applied on top of the causal mask. The
+            transformers adapter takes transformers' own instead (``[B, S]``, ``1`` at
+            tokens to attend).
+        labels: target ids ``[B, S]`` (int64); with them ``_postprocess`` returns the loss.
+        loss_mask: ``[B, S]`` weights of each position in the language-model loss (float
+            or bool; ``0`` drops a position); ``None``: every position counts.
+        decoder_input: the first layer's input ``[B, S, D]``, instead of embedding
+            ``input_ids``.
+        padding_mask: bool ``[B, S]``, ``True`` at padding tokens. The reference model
+            keeps them out of attention (as keys) and of the router's aux loss; they are
+            routed like any token. The loss is still ``loss_mask``'s: with ``labels``, a
+            ``padding_mask`` needs a ``loss_mask`` (``0`` at padding).
+        packed_seq_params: Megatron-Core's ``PackedSeqParams`` (no shipped model reads it).
+        extra_block_kwargs: keywords for the decoder block (an empty mapping is unset).
+        runtime_gather_output: Megatron-Core's output gather flag.
+    """
+
+    input_ids: Tensor | None = None
+    position_ids: Tensor | None = None
+    attention_mask: Tensor | None = None
+    labels: Tensor | None = None
+    loss_mask: Tensor | None = None
+    decoder_input: Tensor | None = None
+    padding_mask: Tensor | None = None
+    packed_seq_params: Any = None
+    extra_block_kwargs: Mapping[str, object] | None = None
+    runtime_gather_output: bool | None = None
+
+    def __post_init__(self) -> None:
+        check_fields(self, _MICROBATCH)
+
+
+_TENSOR = Opt(TENSOR)
+_MICROBATCH: dict[str, Spec[object]] = {
+    "input_ids": _TENSOR,
+    "position_ids": _TENSOR,
+    "attention_mask": _TENSOR,
+    "labels": _TENSOR,
+    "loss_mask": _TENSOR,
+    "decoder_input": _TENSOR,
+    "padding_mask": _TENSOR,
+    "packed_seq_params": ANY,
+    "extra_block_kwargs": Opt(Instance(Mapping, "a mapping")),
+    "runtime_gather_output": Opt(BOOL),
+}
+
+
+EMPTY_MICROBATCH = Microbatch()
+"""A microbatch with no input set (what a released plan keeps)."""

@@ -1,0 +1,97 @@
+"""The microbatch-level schedule as data: pure, without a tensor."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from moe_overlap import ConfigError, MacroStep, ScheduleMode, macro_steps
+from moe_overlap.engine._macro import format_macro, parse_macro
+
+MODES = tuple(ScheduleMode)
+
+
+def _today(n: int, mode: ScheduleMode) -> list[str]:
+    """The order combined_1f1b ran before the schedule was data (its three branches)."""
+    if mode is ScheduleMode.SERIAL:
+        return [s for i in range(n) for s in (f"F{i}", f"B{i}")]
+    if n == 0:
+        return []
+    if mode is ScheduleMode.FILL_DRAIN and n >= 2:
+        return ["F0+F1", *(f"F{i}+B{i - 2}" for i in range(2, n)), f"B{n - 2}+B{n - 1}"]
+    return ["F0", *(f"F{i}+B{i - 1}" for i in range(1, n)), f"B{n - 1}"]
+
+
+@pytest.mark.parametrize("mode", MODES, ids=[m.value for m in MODES])
+@pytest.mark.parametrize("n", range(9))
+def test_every_mode_and_size_is_todays_order(n: int, mode: ScheduleMode) -> None:
+    steps = macro_steps(n, mode)
+    assert [str(s) for s in steps] == _today(n, mode)
+    assert parse_macro(format_macro(steps)) == steps
+    assert all(MacroStep.parse(str(s)) == s for s in steps)
+    forwards = [i for s in steps for i in s.forward]
+    backwards = [i for s in steps for i in s.backward]
+    assert forwards == list(range(n)) and backwards == list(range(n))
+    for k, step in enumerate(steps):  # each backward after its forward, two at most
+        assert 1 <= len(step.forward) + len(step.backward) <= 2
+        done = {i for s in steps[:k] for i in s.forward}
+        assert set(step.backward) <= done
+
+
+def test_the_mode_of_the_driver_flags() -> None:
+    assert ScheduleMode.of(overlap=False, fill_drain=False) is ScheduleMode.SERIAL
+    assert ScheduleMode.of(overlap=True, fill_drain=False) is ScheduleMode.OVERLAPPED
+    assert ScheduleMode.of(overlap=True, fill_drain=True) is ScheduleMode.FILL_DRAIN
+
+
+def test_string_forms() -> None:
+    steps = macro_steps(3, ScheduleMode.OVERLAPPED)
+    assert format_macro(steps) == "F0 | F1+B0 | F2+B1 | B2"
+    assert MacroStep.parse("B2+B3") == MacroStep((), (2, 3))
+    assert MacroStep.parse("F0+F1") == MacroStep((0, 1))
+    assert parse_macro("") == ()
+
+
+@pytest.mark.parametrize("text", ["", "F", "X1", "B0+F1", "F0+F1+F2", "F0,B1", "f0"])
+def test_a_malformed_step_is_refused(text: str) -> None:
+    with pytest.raises(ConfigError, match="MacroStep.parse"):
+        MacroStep.parse(text)
+
+
+def test_arguments_are_checked() -> None:
+    with pytest.raises(ConfigError, match="macro_steps: n"):
+        macro_steps(-1, ScheduleMode.SERIAL)
+    with pytest.raises(ConfigError, match="macro_steps: mode"):
+        macro_steps(2, "serial")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+
+
+ENGINE = Path(__file__).resolve().parents[1] / "src" / "moe_overlap" / "engine"
+
+
+def _engine_imports(module: str) -> set[str]:
+    """The engine modules ``module`` imports, statically (``TYPE_CHECKING`` and function
+    bodies included)."""
+    tree = ast.parse((ENGINE / f"{module}.py").read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level == 1 and node.module:
+                found.add(node.module)
+            elif node.module and node.module.startswith("moe_overlap.engine."):
+                found.add(node.module.rsplit(".", 1)[1])
+    return found
+
+
+def test_the_protocols_import_nothing_that_imports_them_back() -> None:
+    """engine/_protocols.py's imports (annotations included) never reach it again."""
+    seen: set[str] = set()
+    todo = list(_engine_imports("_protocols"))
+    while todo:
+        module = todo.pop()
+        if module in seen:
+            continue
+        seen.add(module)
+        todo += _engine_imports(module)
+    assert "_protocols" not in seen, sorted(seen)
