@@ -5,7 +5,7 @@ instance, so each forward / backward / delayed-wgrad body records a start and an
 on the stream it runs on. The start is recorded after the node's wait on its microbatch's
 event, so a duration is the node's own work, not its wait.
 
-:func:`critical_path_ms` replays the schedule's step lists (:func:`moe_overlap.chunk_steps`)
+:func:`critical_path_ms` replays the schedule's step lists (:func:`moe_overlap.steps.chunk_steps`)
 with those durations: a step starts when its stream is free and the previous step of its
 microbatch has finished; the bound is the sum of each chunk run's makespan (a run ends with
 both microbatches joined to the compute stream, so runs do not overlap).
@@ -23,17 +23,14 @@ from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 
-from moe_overlap import (
+from moe_overlap import ModelChunkSchedulePlan, NoopScheduleNode, ScheduleNode, TransformerLayerNode
+from moe_overlap.steps import (
     ChunkShape,
     Direction,
-    ModelChunkSchedulePlan,
-    NoopScheduleNode,
     Role,
-    ScheduleNode,
     Slot,
     Step,
     StreamKind,
-    TransformerLayerNode,
     backward_pair_steps,
     chunk_steps,
     forward_pair_steps,

@@ -43,9 +43,9 @@ from torch import Tensor, nn
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleInterleaved1F1B
 
-from moe_overlap import StreamKind
 from moe_overlap.integrations.pipelining import prepare_schedule
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel, GPTMoEStage, masked_cross_entropy
+from moe_overlap.steps import StreamKind
 from moe_overlap.timeline import Span, Timeline
 
 _SAFE_ENV = {

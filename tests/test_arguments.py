@@ -32,15 +32,11 @@ from torch import nn
 
 import moe_overlap as mo
 from moe_overlap import (
-    ChunkHooks,
     ChunkState,
-    CpuEvent,
-    CpuStream,
     CudaGraphModule,
     Microbatch,
     MoeOverlapError,
     ScheduleOptions,
-    Step,
     StreamPair,
     combined_1f1b,
     make_event,
@@ -59,6 +55,9 @@ from moe_overlap.models import (
     MoELayer,
     masked_cross_entropy,
 )
+from moe_overlap.steps import ChunkHooks, Step
+from moe_overlap.streams import CpuEvent, CpuStream
+from moe_overlap.wgrad import check_wgrad_done, owed_wgrad
 
 from .toy_model import ToyConfig, ToyModel, make_microbatches
 
@@ -487,7 +486,7 @@ def _entries() -> Iterator[Entry]:
     )
     fn: Callable[..., Any]
     fns: tuple[Callable[..., Any], ...]
-    fns = (b.pending_wgrad, b.check_no_pending_wgrad, b.finish_wgrad, b.discard_wgrad)
+    fns = (owed_wgrad, check_wgrad_done, b.finish_wgrad, b.discard_wgrad)
     for fn in fns:
         yield Entry(
             fn.__name__, fn, lambda: dict(model=nn.Linear(2, 2)), (Arg("model", not_module()),)

@@ -10,7 +10,7 @@ import pytest
 import typing_extensions
 
 import moe_overlap
-from moe_overlap.engine._contracts import (
+from moe_overlap.engine.contracts import (
     LAYER,
     MODEL,
     STEP_OBSERVER,
@@ -55,7 +55,7 @@ def test_the_walk_finds_the_protocols() -> None:
 @pytest.mark.parametrize("protocol", PROTOCOLS, ids=lambda p: p.__name__)
 def test_every_runtime_protocol_has_a_table_of_exactly_its_members(protocol: type) -> None:
     contract = contract_of(protocol)
-    assert contract is not None, f"{protocol.__qualname__} has no rule table (_contracts.py)"
+    assert contract is not None, f"{protocol.__qualname__} has no rule table (engine/contracts.py)"
     assert len(set(contract.names)) == len(contract.names), contract
     assert set(contract.names) == set(typing_extensions.get_protocol_members(protocol))
 

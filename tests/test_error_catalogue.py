@@ -18,8 +18,6 @@ from torch import Tensor
 import moe_overlap as mo
 from moe_overlap import (
     ConfigError,
-    CpuEvent,
-    CpuStream,
     IntegrationError,
     LayerArgs,
     LayerState,
@@ -31,7 +29,6 @@ from moe_overlap import (
     ScheduleError,
     ScheduleNode,
     ScheduleOptions,
-    Step,
     StreamError,
     TransformerLayerNode,
     WgradError,
@@ -41,6 +38,8 @@ from moe_overlap import (
 )
 from moe_overlap.engine._streams import use_stream
 from moe_overlap.megatron import layer_args
+from moe_overlap.steps import Step, run_pair
+from moe_overlap.streams import CpuEvent, CpuStream
 
 from .test_debug_mode import run as run_python
 from .test_parity import assert_same
@@ -902,14 +901,14 @@ def b_grad_without_a_backward_plan(ctx: Ctx) -> None:
 
 def b_grads_of_the_wrong_shape(ctx: Ctx) -> None:
     p0, p1 = plan(ctx, 0), plan(ctx, 1)
-    mo.run_pair(p0, p1)
-    mo.run_pair(p0, p1, b_grads=(torch.ones(()), torch.ones(2)))
+    run_pair(p0, p1)
+    run_pair(p0, p1, b_grads=(torch.ones(()), torch.ones(2)))
 
 
 def b_grads_not_a_pair(ctx: Ctx) -> None:
     p0, p1 = plan(ctx, 0), plan(ctx, 1)
-    mo.run_pair(p0, p1)
-    mo.run_pair(p0, p1, b_grads=bad([torch.ones(()), torch.ones(())]))
+    run_pair(p0, p1)
+    run_pair(p0, p1, b_grads=bad([torch.ones(()), torch.ones(())]))
 
 
 @dataclass(frozen=True)

@@ -14,11 +14,11 @@ from moe_overlap import (
     ModelChunkSchedulePlan,
     ScheduleError,
     ScheduleOptions,
-    Slot,
-    SlotFn,
     TransformerLayerNode,
     combined_1f1b,
 )
+from moe_overlap.protocols import SlotFn
+from moe_overlap.steps import Slot
 
 from .test_parity import assert_same
 from .toy_model import (

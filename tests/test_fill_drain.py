@@ -11,19 +11,17 @@ from typing import Any
 import pytest
 import torch
 
-from moe_overlap import (
+from moe_overlap import ConfigError, ScheduleOptions, combined_1f1b
+from moe_overlap.steps import (
     ChunkShape,
-    ConfigError,
     Direction,
     LayerShape,
     Role,
-    ScheduleOptions,
     Slot,
     Step,
     StreamKind,
     backward_pair_steps,
     chunk_steps,
-    combined_1f1b,
     forward_pair_steps,
 )
 

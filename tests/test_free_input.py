@@ -9,13 +9,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from moe_overlap import (
-    CudaGraphModule,
-    ModelChunkSchedulePlan,
-    ScheduleOptions,
-    Slot,
-    should_free_input,
-)
+from moe_overlap import CudaGraphModule, ModelChunkSchedulePlan, ScheduleOptions, should_free_input
+from moe_overlap.steps import Slot
 
 from .toy_model import ToyConfig, ToyModel, make_microbatches
 

@@ -10,7 +10,8 @@ import copy
 import pytest
 import torch
 
-from moe_overlap import Direction, Microbatch, ScheduleOptions, combined_1f1b, make_streams
+from moe_overlap import Microbatch, ScheduleOptions, combined_1f1b, make_streams
+from moe_overlap.steps import Direction
 
 from .test_parity import assert_same
 from .toy_model import ToyConfig, ToyModel, grads, make_microbatches, plain_step

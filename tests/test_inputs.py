@@ -11,17 +11,19 @@ import torch
 from torch import Tensor
 
 from moe_overlap import (
-    DEFAULT_INPUTS,
-    OPTIONAL_INPUTS,
     ChunkState,
     ConfigError,
-    DeclaresInputs,
     IntegrationError,
     Microbatch,
     ModelChunkSchedulePlan,
+    combined_1f1b,
+)
+from moe_overlap.inputs import (
+    DEFAULT_INPUTS,
+    OPTIONAL_INPUTS,
+    DeclaresInputs,
     ValidatesInputs,
     check_inputs,
-    combined_1f1b,
     read_inputs,
 )
 from moe_overlap.megatron import build_schedule_plan

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from moe_overlap import ConfigError, MacroStep, ScheduleMode, macro_steps
+from moe_overlap import ConfigError
 from moe_overlap.engine._macro import format_macro, parse_macro
+from moe_overlap.steps import MacroStep, ScheduleMode, macro_steps
 
 MODES = tuple(ScheduleMode)
 

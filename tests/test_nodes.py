@@ -14,8 +14,6 @@ from torch import Tensor
 from moe_overlap import (
     ChunkState,
     ConfigError,
-    CpuEvent,
-    CpuStream,
     IntegrationError,
     LayerArgs,
     LayerState,
@@ -37,6 +35,7 @@ from moe_overlap import (
 )
 from moe_overlap.engine._streams import reset_streams, use_stream
 from moe_overlap.megatron import layer_args, layer_schedule_plan
+from moe_overlap.streams import CpuEvent, CpuStream
 
 CPU = CpuStream("test")
 

@@ -11,21 +11,16 @@ import pytest
 from torch import Tensor
 
 from moe_overlap import (
-    CpuStream,
-    Direction,
     ModelChunkSchedulePlan,
-    NodeTimer,
     ScheduleError,
     ScheduleNode,
     ScheduleOptions,
-    Slot,
-    Step,
-    StepObserver,
     TransformerLayerSchedulePlan,
-    chunk_steps,
     combined_1f1b,
 )
 from moe_overlap.engine._streams import AnyStream
+from moe_overlap.steps import Direction, NodeTimer, Slot, Step, StepObserver, chunk_steps
+from moe_overlap.streams import CpuStream
 from moe_overlap.timeline import Timeline
 
 from .test_failures import Boom, Trap, install, tag_microbatches

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from moe_overlap import (
+from moe_overlap.steps import (
     ChunkShape,
     Direction,
     LayerShape,

@@ -17,8 +17,9 @@ from megatron.core.transformer import TransformerConfig
 from megatron.core.transformer.enums import CudaGraphModule as MegatronCudaGraphModule
 from megatron.core.transformer.transformer_block import TransformerBlock
 
-from moe_overlap import FreeInputConfig, PreprocessableModel, should_free_input
+from moe_overlap import PreprocessableModel, should_free_input
 from moe_overlap.engine._protocols import DecoderLike, ModelConfigLike
+from moe_overlap.protocols import FreeInputConfig
 
 
 def megatron_config(config: TransformerConfig) -> tuple[FreeInputConfig, ModelConfigLike]:

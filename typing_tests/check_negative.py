@@ -16,9 +16,6 @@ from torch.nn import Parameter
 
 from moe_overlap import (
     ChunkState,
-    CpuEvent,
-    CpuStream,
-    FreeInputConfig,
     LayerArgs,
     LayerState,
     Microbatch,
@@ -28,8 +25,6 @@ from moe_overlap import (
     SchedulableLayer,
     ScheduleOptions,
     SlotContext,
-    Step,
-    StepObserver,
     StreamProvider,
     TransformerLayerNode,
     WgradLayer,
@@ -38,6 +33,9 @@ from moe_overlap import (
     get_comp_stream,
     should_free_input,
 )
+from moe_overlap.protocols import FreeInputConfig
+from moe_overlap.steps import Step, StepObserver
+from moe_overlap.streams import CpuEvent, CpuStream
 
 from ._user_model import UserConfig, UserDecoder, UserLayer, UserModel
 

@@ -10,37 +10,32 @@ from torch import Tensor
 
 from moe_overlap import (
     ChunkState,
-    CpuEvent,
-    CpuStream,
-    DeclaresInputs,
-    FreeInputConfig,
     LayerArgs,
     LayerState,
     Microbatch,
     ModelChunkSchedulePlan,
     MtpSchedulableLayer,
-    NodeTimer,
     PreprocessableModel,
     PreprocessOutput,
     SchedulableLayer,
     ScheduleOptions,
     SlotContext,
-    Step,
-    StepObserver,
     StreamPair,
     StreamProvider,
     TransformerLayerNode,
-    ValidatesInputs,
     WgradLayer,
-    check_inputs,
     combined_1f1b,
     get_comm_stream,
     get_comp_stream,
     make_streams,
     should_free_input,
 )
+from moe_overlap.inputs import DeclaresInputs, ValidatesInputs, check_inputs
 from moe_overlap.megatron import build_schedule_plan
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel, GPTMoEStage
+from moe_overlap.protocols import FreeInputConfig
+from moe_overlap.steps import NodeTimer, Step, StepObserver
+from moe_overlap.streams import CpuEvent, CpuStream
 from moe_overlap.timeline import Timeline
 
 from ._user_model import (

@@ -1,122 +1,85 @@
 """moe_overlap: overlap the expert-parallel all-to-all of one microbatch with the compute
 of another (combined 1F1B), for any PyTorch mixture-of-experts model.
 
+The top level holds what a user calls and implements: the driver
+(:func:`combined_1f1b`), its inputs and options, the seed's nodes and plans, the layer
+Protocols, streams and the errors. The rest lives in named modules:
+
+- :mod:`moe_overlap.steps`: the schedule as data (steps, shapes, the microbatch order,
+  observers);
+- :mod:`moe_overlap.streams`: CPU stand-ins and stream helpers;
+- :mod:`moe_overlap.protocols`: every Protocol and its rule table;
+- :mod:`moe_overlap.inputs`: which microbatch inputs a model reads;
+- :mod:`moe_overlap.wgrad`: what a model still owes of its delayed weight gradients;
+- :mod:`moe_overlap.errors`: the error hierarchy;
+- :mod:`moe_overlap.megatron`: Megatron-Core's call forms;
+- subpackages :mod:`~moe_overlap.blocks`, :mod:`~moe_overlap.models`,
+  :mod:`~moe_overlap.adapters`, :mod:`~moe_overlap.integrations`, and the
+  :mod:`~moe_overlap.engine` they stand on.
+
 Set ``MOE_OVERLAP_DEBUG=1`` before the first import to check every public call at run
 time with beartype; otherwise beartype is not imported and nothing is wrapped.
 """
 
-from moe_overlap.engine._debug import debug_enabled as _debug_enabled
-
-if _debug_enabled():  # must run before any other submodule is imported
-    from moe_overlap.engine._debug import install_beartype
-
-    install_beartype()
-
-from moe_overlap.engine._chunk_plan import ModelChunkSchedulePlan as ModelChunkSchedulePlan
-from moe_overlap.engine._chunk_plan import run_pair as run_pair
-from moe_overlap.engine._driver import combined_1f1b as combined_1f1b
-from moe_overlap.engine._errors import ConfigError as ConfigError
-from moe_overlap.engine._errors import IntegrationError as IntegrationError
-from moe_overlap.engine._errors import LayerStateAttributeError as LayerStateAttributeError
-from moe_overlap.engine._errors import MoeOverlapError as MoeOverlapError
-from moe_overlap.engine._errors import NodeStateError as NodeStateError
-from moe_overlap.engine._errors import PlanReleasedError as PlanReleasedError
-from moe_overlap.engine._errors import ScheduleError as ScheduleError
-from moe_overlap.engine._errors import StreamError as StreamError
-from moe_overlap.engine._errors import TypeHintError as TypeHintError
-from moe_overlap.engine._errors import WgradError as WgradError
-from moe_overlap.engine._free_input import should_free_input as should_free_input
-from moe_overlap.engine._inputs import DEFAULT_INPUTS as DEFAULT_INPUTS
-from moe_overlap.engine._inputs import OPTIONAL_INPUTS as OPTIONAL_INPUTS
-from moe_overlap.engine._inputs import check_inputs as check_inputs
-from moe_overlap.engine._inputs import read_inputs as read_inputs
-from moe_overlap.engine._layer_args import LayerArgs as LayerArgs
-from moe_overlap.engine._layer_node import TransformerLayerNode as TransformerLayerNode
-from moe_overlap.engine._layer_plan import (
-    TransformerLayerSchedulePlan as TransformerLayerSchedulePlan,
-)
-from moe_overlap.engine._macro import MacroStep as MacroStep
-from moe_overlap.engine._macro import ScheduleMode as ScheduleMode
-from moe_overlap.engine._macro import macro_steps as macro_steps
-from moe_overlap.engine._microbatch import Microbatch as Microbatch
-from moe_overlap.engine._node import NoopScheduleNode as NoopScheduleNode
-from moe_overlap.engine._node import ScheduleNode as ScheduleNode
-from moe_overlap.engine._node import weak_method as weak_method
-from moe_overlap.engine._options import ChunkHooks as ChunkHooks
-from moe_overlap.engine._options import ScheduleOptions as ScheduleOptions
-from moe_overlap.engine._process_nodes import PostProcessNode as PostProcessNode
-from moe_overlap.engine._process_nodes import PreProcessNode as PreProcessNode
-from moe_overlap.engine._protocols import CudaGraphModule as CudaGraphModule
-from moe_overlap.engine._protocols import DeclaresInputs as DeclaresInputs
-from moe_overlap.engine._protocols import FreeInputConfig as FreeInputConfig
-from moe_overlap.engine._protocols import GraphedWgradLayer as GraphedWgradLayer
-from moe_overlap.engine._protocols import MtpSchedulableLayer as MtpSchedulableLayer
-from moe_overlap.engine._protocols import NodeTimer as NodeTimer
-from moe_overlap.engine._protocols import PendingWgrad as PendingWgrad
-from moe_overlap.engine._protocols import PreprocessableModel as PreprocessableModel
-from moe_overlap.engine._protocols import SchedulableLayer as SchedulableLayer
-from moe_overlap.engine._protocols import SlotContext as SlotContext
-from moe_overlap.engine._protocols import SlotFn as SlotFn
-from moe_overlap.engine._protocols import StepObserver as StepObserver
-from moe_overlap.engine._protocols import StreamProvider as StreamProvider
-from moe_overlap.engine._protocols import ValidatesInputs as ValidatesInputs
-from moe_overlap.engine._protocols import WgradLayer as WgradLayer
-from moe_overlap.engine._protocols import WgradScope as WgradScope
-from moe_overlap.engine._state import ChunkState as ChunkState
-from moe_overlap.engine._state import LayerState as LayerState
-from moe_overlap.engine._state import PreprocessOutput as PreprocessOutput
-from moe_overlap.engine._steps import ChunkShape as ChunkShape
-from moe_overlap.engine._steps import Direction as Direction
-from moe_overlap.engine._steps import LayerShape as LayerShape
-from moe_overlap.engine._steps import Role as Role
-from moe_overlap.engine._steps import Slot as Slot
-from moe_overlap.engine._steps import Step as Step
-from moe_overlap.engine._steps import StreamKind as StreamKind
-from moe_overlap.engine._steps import backward_pair_steps as backward_pair_steps
-from moe_overlap.engine._steps import chunk_steps as chunk_steps
-from moe_overlap.engine._steps import format_steps as format_steps
-from moe_overlap.engine._steps import forward_pair_steps as forward_pair_steps
-from moe_overlap.engine._steps import layer_pair_steps as layer_pair_steps
-from moe_overlap.engine._streams import CpuEvent as CpuEvent
-from moe_overlap.engine._streams import CpuStream as CpuStream
-from moe_overlap.engine._streams import StreamPair as StreamPair
-from moe_overlap.engine._streams import get_comm_stream as get_comm_stream
-from moe_overlap.engine._streams import get_comp_stream as get_comp_stream
-from moe_overlap.engine._streams import make_event as make_event
-from moe_overlap.engine._streams import make_streams as make_streams
-from moe_overlap.engine._streams import set_streams as set_streams
-from moe_overlap.engine._wgrad import BackwardDWWrapper as BackwardDWWrapper
-from moe_overlap.engine._wgrad_check import check_wgrad_done as check_wgrad_done
+from moe_overlap.engine import BackwardDWWrapper as BackwardDWWrapper
+from moe_overlap.engine import ChunkState as ChunkState
+from moe_overlap.engine import ConfigError as ConfigError
+from moe_overlap.engine import CudaGraphModule as CudaGraphModule
+from moe_overlap.engine import IntegrationError as IntegrationError
+from moe_overlap.engine import LayerArgs as LayerArgs
+from moe_overlap.engine import LayerState as LayerState
+from moe_overlap.engine import LayerStateAttributeError as LayerStateAttributeError
+from moe_overlap.engine import Microbatch as Microbatch
+from moe_overlap.engine import ModelChunkSchedulePlan as ModelChunkSchedulePlan
+from moe_overlap.engine import MoeOverlapError as MoeOverlapError
+from moe_overlap.engine import MtpSchedulableLayer as MtpSchedulableLayer
+from moe_overlap.engine import NodeStateError as NodeStateError
+from moe_overlap.engine import NoopScheduleNode as NoopScheduleNode
+from moe_overlap.engine import PendingWgrad as PendingWgrad
+from moe_overlap.engine import PlanReleasedError as PlanReleasedError
+from moe_overlap.engine import PostProcessNode as PostProcessNode
+from moe_overlap.engine import PreprocessableModel as PreprocessableModel
+from moe_overlap.engine import PreProcessNode as PreProcessNode
+from moe_overlap.engine import PreprocessOutput as PreprocessOutput
+from moe_overlap.engine import SchedulableLayer as SchedulableLayer
+from moe_overlap.engine import ScheduleError as ScheduleError
+from moe_overlap.engine import ScheduleNode as ScheduleNode
+from moe_overlap.engine import ScheduleOptions as ScheduleOptions
+from moe_overlap.engine import SlotContext as SlotContext
+from moe_overlap.engine import StreamError as StreamError
+from moe_overlap.engine import StreamPair as StreamPair
+from moe_overlap.engine import StreamProvider as StreamProvider
+from moe_overlap.engine import TransformerLayerNode as TransformerLayerNode
+from moe_overlap.engine import TransformerLayerSchedulePlan as TransformerLayerSchedulePlan
+from moe_overlap.engine import TypeHintError as TypeHintError
+from moe_overlap.engine import WgradError as WgradError
+from moe_overlap.engine import WgradLayer as WgradLayer
+from moe_overlap.engine import WgradScope as WgradScope
+from moe_overlap.engine import combined_1f1b as combined_1f1b
+from moe_overlap.engine import get_comm_stream as get_comm_stream
+from moe_overlap.engine import get_comp_stream as get_comp_stream
+from moe_overlap.engine import make_event as make_event
+from moe_overlap.engine import make_streams as make_streams
+from moe_overlap.engine import set_streams as set_streams
+from moe_overlap.engine import should_free_input as should_free_input
+from moe_overlap.engine import weak_method as weak_method
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "DEFAULT_INPUTS",
-    "OPTIONAL_INPUTS",
     "BackwardDWWrapper",
-    "ChunkHooks",
-    "ChunkShape",
     "ChunkState",
     "ConfigError",
-    "CpuEvent",
-    "CpuStream",
     "CudaGraphModule",
-    "DeclaresInputs",
-    "Direction",
-    "FreeInputConfig",
-    "GraphedWgradLayer",
     "IntegrationError",
     "LayerArgs",
-    "LayerShape",
     "LayerState",
     "LayerStateAttributeError",
-    "MacroStep",
     "Microbatch",
     "ModelChunkSchedulePlan",
     "MoeOverlapError",
     "MtpSchedulableLayer",
     "NodeStateError",
-    "NodeTimer",
     "NoopScheduleNode",
     "PendingWgrad",
     "PlanReleasedError",
@@ -124,43 +87,25 @@ __all__ = [
     "PreProcessNode",
     "PreprocessOutput",
     "PreprocessableModel",
-    "Role",
     "SchedulableLayer",
     "ScheduleError",
-    "ScheduleMode",
     "ScheduleNode",
     "ScheduleOptions",
-    "Slot",
     "SlotContext",
-    "SlotFn",
-    "Step",
-    "StepObserver",
     "StreamError",
-    "StreamKind",
     "StreamPair",
     "StreamProvider",
     "TransformerLayerNode",
     "TransformerLayerSchedulePlan",
     "TypeHintError",
-    "ValidatesInputs",
     "WgradError",
     "WgradLayer",
     "WgradScope",
-    "backward_pair_steps",
-    "check_inputs",
-    "check_wgrad_done",
-    "chunk_steps",
     "combined_1f1b",
-    "format_steps",
-    "forward_pair_steps",
     "get_comm_stream",
     "get_comp_stream",
-    "layer_pair_steps",
-    "macro_steps",
     "make_event",
     "make_streams",
-    "read_inputs",
-    "run_pair",
     "set_streams",
     "should_free_input",
     "weak_method",

@@ -20,9 +20,9 @@ import torch
 import torch.distributed as dist
 
 from moe_overlap import ConfigError, Microbatch, combined_1f1b
-from moe_overlap.blocks import check_no_pending_wgrad
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel, MoELayer
 from moe_overlap.timeline import Timeline
+from moe_overlap.wgrad import check_wgrad_done
 
 __all__ = ["DemoArgs", "demo_config", "run_demo"]
 
@@ -228,7 +228,7 @@ def run_demo(args: DemoArgs) -> int:
             loss_scale=scale,
             observer=timeline if record else None,
         )
-        check_no_pending_wgrad(scheduled)
+        check_wgrad_done(scheduled)
         ref: list[torch.Tensor] = []
         for mb in data:
             assert mb.input_ids is not None

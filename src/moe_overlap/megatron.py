@@ -38,9 +38,9 @@ from moe_overlap import (
     StreamProvider,
     TransformerLayerSchedulePlan,
 )
-from moe_overlap.engine._megatron import layer_args as layer_args
-from moe_overlap.engine._megatron import microbatch as microbatch
-from moe_overlap.engine._streams import AnyEvent
+from moe_overlap.engine import AnyEvent
+from moe_overlap.engine import layer_args as layer_args
+from moe_overlap.engine import microbatch as microbatch
 
 __all__ = ["build_schedule_plan", "layer_args", "layer_schedule_plan", "microbatch"]
 

@@ -1,11 +1,11 @@
 """Record which schedule step ran when, on which stream; write Chrome traces and PNGs.
 
-A :class:`Timeline` is a :class:`~moe_overlap.StepObserver`: pass it as
+A :class:`Timeline` is a :class:`~moe_overlap.steps.StepObserver`: pass it as
 ``combined_1f1b(..., observer=timeline)`` (or ``ModelChunkSchedulePlan.run(...,
 observer=timeline)``) and each node step gets a timer that marks the start and the end of
 the node's body on the node's own stream, after the node's wait on its microbatch's event.
 On CUDA the marks are timing events, on CPU the host clock. Each span is keyed by its
-:class:`~moe_overlap.Step` (role, layer, slot, direction, stream): the same step lists the
+:class:`~moe_overlap.steps.Step` (role, layer, slot, direction, stream): the same step lists the
 runner walks. matplotlib is imported only by :meth:`Timeline.to_png`.
 """
 
@@ -21,7 +21,8 @@ from typing import Protocol, cast
 
 import torch
 
-from moe_overlap import CpuStream, Direction, NodeTimer, Role, Slot, Step, StreamKind
+from moe_overlap.steps import Direction, NodeTimer, Role, Slot, Step, StreamKind
+from moe_overlap.streams import CpuStream
 
 __all__ = ["Span", "Timeline"]
 
@@ -105,7 +106,7 @@ class _Clock:
 
 
 class _StepTimer:
-    """The :class:`~moe_overlap.NodeTimer` of one step: marks it and keeps the record.
+    """The :class:`~moe_overlap.steps.NodeTimer` of one step: marks it and keeps the record.
 
     It holds the timeline's clock and record list, never the timeline nor itself through
     them, so it creates no reference cycle.
@@ -140,7 +141,7 @@ class _StepTimer:
 
 
 class Timeline:
-    """Timing recorder for schedule steps; a :class:`~moe_overlap.StepObserver`.
+    """Timing recorder for schedule steps; a :class:`~moe_overlap.steps.StepObserver`.
 
     Pass it as ``combined_1f1b(..., observer=timeline)`` for the steps to record; read
     :meth:`spans` after the step. ``rank`` becomes the trace's process id.
@@ -152,7 +153,7 @@ class Timeline:
         self._clock = _Clock(time.perf_counter())
 
     def timer(self, step: Step, microbatch: int | None) -> NodeTimer:
-        """A timer for one run of ``step`` (the :class:`~moe_overlap.StepObserver` method)."""
+        """A timer for one run of ``step`` (the :class:`~moe_overlap.steps.StepObserver` method)."""
         return _StepTimer(self._clock, self._records, step, microbatch)
 
     def spans(self) -> list[Span]:

@@ -26,7 +26,7 @@ from moe_overlap.blocks import (
     PermuteMeta,
     PlainContext,
     TokenDispatcher,
-    _wgrad,
+    _delayed_linear,
 )
 
 
@@ -76,7 +76,7 @@ def test_the_grouped_linear_checks_the_total_without_host_sizes() -> None:
 def grouped_mm_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """The CUDA bf16 Hopper path, on CPU: every grouped product is one ``_grouped_mm``."""
     usable: Callable[[Tensor, int, int], bool] = lambda x, o, i: True  # noqa: E731
-    monkeypatch.setattr(_wgrad, "_grouped_mm_dims_usable", usable)
+    monkeypatch.setattr(_delayed_linear, "_grouped_mm_dims_usable", usable)
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -169,7 +169,7 @@ def test_ep1_grouped_path_matches_the_per_group_path(
     seen, _, per_group_out, per_group_grads = _moe_step(monkeypatch, kind, delay=True)
     assert seen[0].has_host_sizes  # the CPU path splits by the host sizes
     usable: Callable[[Tensor, int, int], bool] = lambda x, o, i: True  # noqa: E731
-    monkeypatch.setattr(_wgrad, "_grouped_mm_dims_usable", usable)
+    monkeypatch.setattr(_delayed_linear, "_grouped_mm_dims_usable", usable)
     _, _, out, grads = _moe_step(monkeypatch, kind, delay=True)
     assert len(grads) == len(per_group_grads) == 3
     torch.testing.assert_close(out, per_group_out)

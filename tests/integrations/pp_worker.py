@@ -29,12 +29,13 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 
-from moe_overlap import ScheduleError, Step
+from moe_overlap import ScheduleError
 from moe_overlap.adapters.transformers import TransformersMoEAdapter, TransformersMoEStage
 from moe_overlap.blocks import TopKRouter, discard_wgrad
 from moe_overlap.blocks._slots import PlainContext
 from moe_overlap.integrations.pipelining import prepare_schedule
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel, GPTMoEStage, masked_cross_entropy
+from moe_overlap.steps import Step
 from tests.gloo_ranks import exit_worker
 
 B, S = 2, 8

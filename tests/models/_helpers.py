@@ -11,9 +11,9 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from moe_overlap import Microbatch, combined_1f1b
-from moe_overlap.blocks import check_no_pending_wgrad
 from moe_overlap.engine._plain_check import first_step_outcome
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel, MoELayer
+from moe_overlap.wgrad import check_wgrad_done
 
 SMALL = GPTMoEConfig(
     vocab_size=64,
@@ -123,7 +123,7 @@ def check_parity(
         loss_scale=loss_scale,
         fill_drain=fill_drain,
     )
-    check_no_pending_wgrad(scheduled)
+    check_wgrad_done(scheduled)
     ref = []
     with _RoutedCounts(plain) as routed:
         for mb in data:

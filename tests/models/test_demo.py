@@ -12,9 +12,10 @@ import pytest
 import torch
 
 import moe_overlap.demo as demo_module
-from moe_overlap import ConfigError, Direction, ModelChunkSchedulePlan, combined_1f1b
+from moe_overlap import ConfigError, ModelChunkSchedulePlan, combined_1f1b
 from moe_overlap.__main__ import main
 from moe_overlap.models import GPTMoEModel
+from moe_overlap.steps import Direction
 from moe_overlap.timeline import Timeline
 from tests.models._helpers import SMALL, microbatches
 

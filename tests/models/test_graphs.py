@@ -10,15 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from moe_overlap import (
-    BackwardDWWrapper,
-    ConfigError,
-    CudaGraphModule,
-    GraphedWgradLayer,
-    combined_1f1b,
-)
+from moe_overlap import BackwardDWWrapper, ConfigError, CudaGraphModule, combined_1f1b
 from moe_overlap.blocks import GraphedBlock
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel, MoELayer
+from moe_overlap.protocols import GraphedWgradLayer
 
 from ._helpers import SMALL, microbatches
 

@@ -12,12 +12,11 @@ from moe_overlap.blocks import (
     DelayedWgradGroupedLinear,
     DelayedWgradLinear,
     DelayedWgradModule,
-    check_no_pending_wgrad,
     discard_wgrad,
     finish_wgrad,
-    pending_wgrad,
 )
 from moe_overlap.models import GPTMoEModel
+from moe_overlap.wgrad import check_wgrad_done, owed_wgrad
 from tests.models._helpers import SMALL, microbatches
 
 
@@ -127,13 +126,13 @@ def test_pending_wgrad_detected_at_next_forward() -> None:
     mb = microbatches(1, vocab=SMALL.vocab_size)[0]
     assert mb.input_ids is not None
     model(mb.input_ids, mb.position_ids, mb.labels, mb.loss_mask).backward()
-    assert pending_wgrad(model)
+    assert owed_wgrad(model)
     with pytest.raises(WgradError, match="pending"):
-        check_no_pending_wgrad(model)
+        check_wgrad_done(model)
     with pytest.raises(WgradError, match=r"decoder\.layers\.0\.attn_block\.attention\.qkv"):
         model(mb.input_ids, mb.position_ids, mb.labels, mb.loss_mask)
     finish_wgrad(model)
-    check_no_pending_wgrad(model)
+    check_wgrad_done(model)
     model(mb.input_ids, mb.position_ids, mb.labels, mb.loss_mask)
 
 
@@ -145,9 +144,9 @@ def test_schedule_option_that_contradicts_the_model_is_refused(delay: bool) -> N
     with pytest.raises(ConfigError, match=r"decoder\.layers\[0\]: ScheduleOptions\(delay_wgrad"):
         combined_1f1b(model, data, options=ScheduleOptions(delay_wgrad_compute=not delay))
     assert all(p.grad is None for p in model.parameters())
-    check_no_pending_wgrad(model)
+    check_wgrad_done(model)
     combined_1f1b(model, data)  # the layers' own choice
-    check_no_pending_wgrad(model)
+    check_wgrad_done(model)
 
 
 def test_pending_wgrad_from_a_plain_backward_blocks_the_step() -> None:
@@ -161,7 +160,7 @@ def test_pending_wgrad_from_a_plain_backward_blocks_the_step() -> None:
     model.zero_grad(set_to_none=True)
     discard_wgrad(model)
     combined_1f1b(model, data)
-    check_no_pending_wgrad(model)
+    check_wgrad_done(model)
 
 
 def test_delayed_weight_gradients_carry_no_graph() -> None:
@@ -196,7 +195,7 @@ def test_schedule_with_frozen_attention_and_delayed_wgrad() -> None:
             layer.attn_block.attention.requires_grad_(False)
     data = microbatches(3, vocab=SMALL.vocab_size)
     losses = combined_1f1b(scheduled, data, options=scheduled.schedule_options())
-    check_no_pending_wgrad(scheduled)
+    check_wgrad_done(scheduled)
     for mb, loss in zip(data, losses, strict=True):
         assert mb.input_ids is not None
         ref = plain(mb.input_ids, mb.position_ids, mb.labels, mb.loss_mask)

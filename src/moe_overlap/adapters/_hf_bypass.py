@@ -31,7 +31,7 @@ from torch.nn.modules.module import register_module_forward_pre_hook
 from moe_overlap import ConfigError
 from moe_overlap.adapters._hf_calls import causal_lm_output, decoder_input, layer_calls
 from moe_overlap.adapters._hf_structure import block_of
-from moe_overlap.engine._bypass_check import Bypass, BypassedModule
+from moe_overlap.engine import Bypass, BypassedModule
 
 __all__ = ["Bypassed", "bypassed", "check_layers_unchanged", "repeated_outside"]
 

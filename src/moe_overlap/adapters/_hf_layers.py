@@ -35,13 +35,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from moe_overlap import (
-    CudaGraphModule,
-    FreeInputConfig,
-    IntegrationError,
-    WgradLayer,
-    WgradScope,
-)
+from moe_overlap import CudaGraphModule, IntegrationError, WgradLayer, WgradScope
 from moe_overlap.adapters._hf_aux import RouterAuxLoss
 from moe_overlap.adapters._hf_calls import LayerCall, swap_child
 from moe_overlap.adapters._hf_experts import (
@@ -67,7 +61,8 @@ from moe_overlap.blocks import (
     TokenDispatcher,
     single_input,
 )
-from moe_overlap.engine._state import ChunkState
+from moe_overlap.engine import ChunkState
+from moe_overlap.protocols import FreeInputConfig
 
 __all__ = ["HFDenseLayer", "HFLayer", "HFMoELayer", "LayerCalls"]
 

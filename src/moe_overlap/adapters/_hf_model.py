@@ -37,9 +37,9 @@ from moe_overlap.adapters._hf_plan import LayerPlan, SelfCheck, plan_layers, pro
 from moe_overlap.adapters._hf_probe import failing_module, probe_ids
 from moe_overlap.adapters._hf_random import RandomModule, check_quiet, config_hint, outside_draws
 from moe_overlap.adapters._hf_structure import block_of
-from moe_overlap.blocks import MegatronHooks, TokenDispatcher, recompute_module
-from moe_overlap.blocks._recompute import check_recompute
-from moe_overlap.engine._args import (
+from moe_overlap.blocks import MegatronHooks, TokenDispatcher, check_recompute, recompute_module
+from moe_overlap.engine import BypassedModule, ChunkState, check_module
+from moe_overlap.engine.args import (
     BOOL,
     GROUP,
     MODULE,
@@ -51,8 +51,6 @@ from moe_overlap.engine._args import (
     check_arg,
     check_fields,
 )
-from moe_overlap.engine._bypass_check import BypassedModule, check_module
-from moe_overlap.engine._state import ChunkState
 
 __all__ = ["AdapterConfig", "AdapterDecoder", "TransformersMoEAdapter"]
 
@@ -481,7 +479,7 @@ class TransformersMoEAdapter(MegatronHooks):
 
     # --- public helpers -------------------------------------------------------------------
     microbatch_inputs = frozenset({"position_ids", "attention_mask", "labels"})
-    """What the adapter reads (:class:`~moe_overlap.DeclaresInputs`): the arguments of the
+    """What the adapter reads (:class:`~moe_overlap.inputs.DeclaresInputs`): the arguments of the
     model's own ``forward`` it reproduces. ``attention_mask`` is transformers' (``[B, S]``,
     ``1`` at tokens to attend, or what the model's ``forward`` takes), not Megatron-Core's;
     ``loss_mask`` and ``padding_mask`` are refused: set ignored labels to ``-100``, and

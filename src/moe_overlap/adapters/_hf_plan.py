@@ -21,7 +21,7 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from moe_overlap import ConfigError, FreeInputConfig
+from moe_overlap import ConfigError
 from moe_overlap.adapters._hf_calls import LayerCall, layer_calls
 from moe_overlap.adapters._hf_ep import experts_of
 from moe_overlap.adapters._hf_layers import HFDenseLayer, HFLayer, HFMoELayer
@@ -52,7 +52,8 @@ from moe_overlap.adapters._hf_structure import (
     trace_layer,
 )
 from moe_overlap.blocks import TokenDispatcher
-from moe_overlap.engine._state import ChunkState
+from moe_overlap.engine import ChunkState
+from moe_overlap.protocols import FreeInputConfig
 
 __all__ = ["LayerPlan", "Probe", "SelfCheck", "plan_layers", "probe_calls"]
 

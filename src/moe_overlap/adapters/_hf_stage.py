@@ -13,8 +13,8 @@ from moe_overlap.adapters._hf_calls import base_model, causal_lm_output, decoder
 from moe_overlap.adapters._hf_layers import HFLayer
 from moe_overlap.adapters._hf_model import AdapterConfig, AdapterDecoder, TransformersMoEAdapter
 from moe_overlap.blocks import MegatronHooks, StageLayers, StageRange
-from moe_overlap.engine._args import Instance, check_arg
-from moe_overlap.engine._bypass_check import BypassedModule
+from moe_overlap.engine import BypassedModule
+from moe_overlap.engine.args import Instance, check_arg
 
 __all__ = ["ModelScope", "TransformersMoEStage"]
 
@@ -126,7 +126,7 @@ class TransformersMoEStage(StageRange, MegatronHooks, nn.Module):
         return self.adapter.output(hidden_states, labels, loss_mask)
 
     microbatch_inputs = frozenset({"position_ids", "labels"})
-    """What a stage reads (:class:`~moe_overlap.DeclaresInputs`): a stage takes no
+    """What a stage reads (:class:`~moe_overlap.inputs.DeclaresInputs`): a stage takes no
     ``attention_mask`` (its ``forward`` has none; use the whole adapter for padded
     batches)."""
 

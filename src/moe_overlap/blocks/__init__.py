@@ -5,8 +5,9 @@
   :class:`GroupedExperts`, their projections delayed-wgrad linears;
 - delayed weight gradients: :class:`DelayedWgradLinear`, :class:`DelayedWgradGroupedLinear`
   (rows per group as :class:`GroupSizes`, or capacity-padded; their base
-  :class:`DelayedWgradModule`), and the model-wide :func:`pending_wgrad`,
-  :func:`check_no_pending_wgrad`, :func:`finish_wgrad`, :func:`discard_wgrad`;
+  :class:`DelayedWgradModule`), and the model-wide :func:`finish_wgrad` and
+  :func:`discard_wgrad` (what a model still owes: :func:`moe_overlap.wgrad.owed_wgrad`,
+  :func:`moe_overlap.wgrad.check_wgrad_done`);
 - routing: :class:`TopKRouter` (softmax or sigmoid scores, a selection bias, group-limited
   top-k, renormalization, the load-balancing loss through :func:`attach_aux_loss`);
 - token movement: :class:`TokenDispatcher` permutes copies by expert (:class:`PermuteMeta`,
@@ -37,6 +38,19 @@ The reference model (:mod:`moe_overlap.models`) and the transformers adapter are
 them.
 """
 
+from moe_overlap.blocks._delayed_linear import (
+    DelayedWgradGroupedLinear as DelayedWgradGroupedLinear,
+)
+from moe_overlap.blocks._delayed_linear import DelayedWgradLinear as DelayedWgradLinear
+from moe_overlap.blocks._delayed_linear import DelayedWgradModule as DelayedWgradModule
+from moe_overlap.blocks._delayed_linear import DenseKernel as DenseKernel
+from moe_overlap.blocks._delayed_linear import GroupedKernel as GroupedKernel
+from moe_overlap.blocks._delayed_linear import GroupSizes as GroupSizes
+from moe_overlap.blocks._delayed_linear import MatmulKernel as MatmulKernel
+from moe_overlap.blocks._delayed_linear import PendingItem as PendingItem
+from moe_overlap.blocks._delayed_linear import accumulate_grad as accumulate_grad
+from moe_overlap.blocks._delayed_linear import discard_wgrad as discard_wgrad
+from moe_overlap.blocks._delayed_linear import finish_wgrad as finish_wgrad
 from moe_overlap.blocks._dispatcher import DispatcherKind as DispatcherKind
 from moe_overlap.blocks._dispatcher import DispatchMeta as DispatchMeta
 from moe_overlap.blocks._dispatcher import HostCounts as HostCounts
@@ -58,6 +72,8 @@ from moe_overlap.blocks._model import PlainLayer as PlainLayer
 from moe_overlap.blocks._model import Rotary as Rotary
 from moe_overlap.blocks._model import StageRange as StageRange
 from moe_overlap.blocks._recompute import RecomputePart as RecomputePart
+from moe_overlap.blocks._recompute import RecomputeParts as RecomputeParts
+from moe_overlap.blocks._recompute import check_recompute as check_recompute
 from moe_overlap.blocks._recompute import recompute as recompute
 from moe_overlap.blocks._recompute import recompute_module as recompute_module
 from moe_overlap.blocks._recompute import save_matmuls as save_matmuls
@@ -79,19 +95,6 @@ from moe_overlap.blocks._transformer import SwiGLUMLP as SwiGLUMLP
 from moe_overlap.blocks._transformer import apply_rotary as apply_rotary
 from moe_overlap.blocks._transformer import rotary_tables as rotary_tables
 from moe_overlap.blocks._transformer import swiglu as swiglu
-from moe_overlap.blocks._wgrad import DelayedWgradGroupedLinear as DelayedWgradGroupedLinear
-from moe_overlap.blocks._wgrad import DelayedWgradLinear as DelayedWgradLinear
-from moe_overlap.blocks._wgrad import DelayedWgradModule as DelayedWgradModule
-from moe_overlap.blocks._wgrad import DenseKernel as DenseKernel
-from moe_overlap.blocks._wgrad import GroupedKernel as GroupedKernel
-from moe_overlap.blocks._wgrad import GroupSizes as GroupSizes
-from moe_overlap.blocks._wgrad import MatmulKernel as MatmulKernel
-from moe_overlap.blocks._wgrad import PendingItem as PendingItem
-from moe_overlap.blocks._wgrad import accumulate_grad as accumulate_grad
-from moe_overlap.blocks._wgrad import check_no_pending_wgrad as check_no_pending_wgrad
-from moe_overlap.blocks._wgrad import discard_wgrad as discard_wgrad
-from moe_overlap.blocks._wgrad import finish_wgrad as finish_wgrad
-from moe_overlap.blocks._wgrad import pending_wgrad as pending_wgrad
 
 __all__ = [
     "BlockedKeys",
@@ -118,6 +121,7 @@ __all__ = [
     "PlainLayer",
     "RMSNorm",
     "RecomputePart",
+    "RecomputeParts",
     "Rotary",
     "RotaryTables",
     "ScoreFunction",
@@ -135,13 +139,12 @@ __all__ = [
     "blocked_keys",
     "check_attention_mask",
     "check_masks",
-    "check_no_pending_wgrad",
     "check_padding_mask",
+    "check_recompute",
     "discard_wgrad",
     "finish_wgrad",
     "loopback",
     "pair_input",
-    "pending_wgrad",
     "recompute",
     "recompute_module",
     "rotary_tables",

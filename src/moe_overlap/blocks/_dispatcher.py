@@ -44,10 +44,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_overlap import ConfigError, IntegrationError
+from moe_overlap.blocks._delayed_linear import GroupSizes
 from moe_overlap.blocks._loopback import HostLoopback, loopback
 from moe_overlap.blocks._slots import SlotContext
-from moe_overlap.blocks._wgrad import GroupSizes
-from moe_overlap.engine._args import GROUP, POSITIVE, Int, OneOf, Opt, check_arg
+from moe_overlap.engine.args import GROUP, POSITIVE, Int, OneOf, Opt, check_arg
 
 # Layer-state keys of the metadata handed between slots.
 _PERMUTE = "moe_overlap.permute"

@@ -11,10 +11,10 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from moe_overlap.blocks._delayed_linear import DelayedWgradGroupedLinear
 from moe_overlap.blocks._recompute import recompute
 from moe_overlap.blocks._transformer import swiglu
-from moe_overlap.blocks._wgrad import DelayedWgradGroupedLinear
-from moe_overlap.engine._args import (
+from moe_overlap.engine.args import (
     BOOL,
     FLOAT_DTYPE,
     NON_NEGATIVE,

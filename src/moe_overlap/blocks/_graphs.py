@@ -49,9 +49,9 @@ from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
 from moe_overlap import ConfigError, CudaGraphModule, IntegrationError, WgradError
-from moe_overlap.blocks._wgrad import DelayedWgradModule, PendingItem, accumulate_grad
-from moe_overlap.engine._args import CALLABLE, POSITIVE, Func, Instance, Items, Opt, check_arg
-from moe_overlap.engine._debug import DEBUG
+from moe_overlap.blocks._delayed_linear import DelayedWgradModule, PendingItem, accumulate_grad
+from moe_overlap.engine import DEBUG
+from moe_overlap.engine.args import CALLABLE, POSITIVE, Func, Instance, Items, Opt, check_arg
 
 __all__ = ["GraphedBlock"]
 

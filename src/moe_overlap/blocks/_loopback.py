@@ -16,7 +16,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from moe_overlap.engine._args import NON_NEGATIVE, POSITIVE, TENSOR, Instance, OneOf, Opt, check_arg
+from moe_overlap.engine.args import NON_NEGATIVE, POSITIVE, TENSOR, Instance, OneOf, Opt, check_arg
 
 __all__ = ["HostLoopback", "LoopbackMode", "loopback"]
 

@@ -22,8 +22,8 @@ from moe_overlap import (
     Microbatch,
     PreprocessOutput,
     ScheduleOptions,
-    check_inputs,
 )
+from moe_overlap.inputs import check_inputs
 
 __all__ = ["MegatronHooks", "Rotary"]
 
@@ -106,7 +106,7 @@ class MegatronHooks:
         ``x`` is the token ids when the model has ``pre_process`` (a first pipeline
         stage or a whole model), else the hidden states from the previous stage; without
         ``post_process`` the last layer's hidden states are returned. The inputs are
-        checked as a plan checks them (:func:`~moe_overlap.check_inputs`): one the model
+        checked as a plan checks them (:func:`~moe_overlap.inputs.check_inputs`): one the model
         does not read is a :class:`~moe_overlap.ConfigError` here too.
         """
         pre_process = bool(getattr(self, "pre_process", True))

@@ -34,8 +34,8 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from moe_overlap import ConfigError, IntegrationError
-from moe_overlap.engine._args import BOOL, MODULE, Spec, check_arg, refuse
-from moe_overlap.engine._recompute_hold import hold_for_recompute
+from moe_overlap.engine import hold_for_recompute
+from moe_overlap.engine.args import BOOL, MODULE, Spec, check_arg, refuse
 
 __all__ = [
     "RecomputePart",

@@ -9,7 +9,7 @@ from typing import cast
 from torch import Tensor
 
 from moe_overlap import ChunkState, IntegrationError, LayerState, SlotContext
-from moe_overlap.engine._args import Instance, check_arg, refuse
+from moe_overlap.engine.args import Instance, check_arg, refuse
 
 __all__ = [
     "DenseSlots",

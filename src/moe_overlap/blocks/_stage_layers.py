@@ -15,7 +15,7 @@ from torch import nn
 from typing_extensions import Self
 
 from moe_overlap import ConfigError
-from moe_overlap.engine._args import MODULE, NON_NEGATIVE, Mismatch, check_arg, refuse, shown
+from moe_overlap.engine.args import MODULE, NON_NEGATIVE, Mismatch, check_arg, refuse, shown
 
 __all__ = ["StageLayers"]
 

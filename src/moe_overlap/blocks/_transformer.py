@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from moe_overlap.blocks._delayed_linear import DelayedWgradLinear
 from moe_overlap.blocks._recompute import recompute
-from moe_overlap.blocks._wgrad import DelayedWgradLinear
-from moe_overlap.engine._args import (
+from moe_overlap.engine.args import (
     BOOL,
     FLOAT_DTYPE,
     OPT_DEVICE,

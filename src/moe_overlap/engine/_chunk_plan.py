@@ -8,7 +8,6 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from ._args import Instance, check_arg
 from ._bypass_check import check_bypassed
 from ._conformance import check_model
 from ._errors import ConfigError, IntegrationError, PlanReleasedError, StreamError
@@ -20,6 +19,7 @@ from ._layer_plan import TransformerLayerSchedulePlan
 from ._microbatch import EMPTY_MICROBATCH, Microbatch
 from ._node import ScheduleNode
 from ._options import ChunkHooks, PostBackwardHook, PostForwardHook, PreHook, ScheduleOptions
+from ._owed_wgrad import check_wgrad_listed
 from ._process_nodes import PostProcessNode, PreProcessNode
 from ._protocols import PreprocessableModel, SchedulableLayer, StepObserver
 from ._state import ChunkState
@@ -43,7 +43,7 @@ from ._streams import (
     synchronize,
     wait_event,
 )
-from ._wgrad_check import check_wgrad_listed
+from .args import Instance, check_arg
 
 __all__ = ["ModelChunkSchedulePlan", "check_grad_mode", "default_streams", "run_pair"]
 
@@ -81,7 +81,7 @@ class ModelChunkSchedulePlan:
     positional form (``build_schedule_plan(model, input_ids, position_ids, ...)``) is
     :func:`moe_overlap.megatron.build_schedule_plan`.
 
-    An input the model does not read (:func:`~moe_overlap.check_inputs`: not in its
+    An input the model does not read (:func:`~moe_overlap.inputs.check_inputs`: not in its
     ``microbatch_inputs``) is a :class:`~moe_overlap.ConfigError` here, before any node.
 
     Args:
@@ -275,7 +275,7 @@ class ModelChunkSchedulePlan:
     ) -> Tensor | None:
         """Forward ``f_schedule_plan`` overlapped with backward of ``b_schedule_plan``.
 
-        Phases (see :func:`~moe_overlap.chunk_steps`):
+        Phases (see :func:`~moe_overlap.steps.chunk_steps`):
 
         1. f pre-process forward; 2. b post-process backward (from ``b_grad``);
         3. forward layer ``i`` paired with backward layer ``n-1-i``; 4. leftover layers;
@@ -284,7 +284,7 @@ class ModelChunkSchedulePlan:
 
         Returns f's output (the loss when f has a post-process), ``None`` without f. The
         b plan is released at the end; on failure both are, after synchronizing streams.
-        ``observer`` (a :class:`~moe_overlap.StepObserver`) is asked for a timer for every
+        ``observer`` (a :class:`~moe_overlap.steps.StepObserver`) is asked for a timer for every
         non-hook step, in order.
         """
         f, b = f_schedule_plan, b_schedule_plan
@@ -361,8 +361,8 @@ def run_pair(
 ) -> tuple[Tensor | None, Tensor | None]:
     """Two forwards (``b_grads`` ``None``) or two backwards of one model, overlapped.
 
-    The fill and the drain of combined 1F1B (:func:`~moe_overlap.forward_pair_steps`,
-    :func:`~moe_overlap.backward_pair_steps`): each microbatch's all-to-all runs under the
+    The fill and the drain of combined 1F1B (:func:`~moe_overlap.steps.forward_pair_steps`,
+    :func:`~moe_overlap.steps.backward_pair_steps`): each microbatch's all-to-all runs under the
     other's compute, ``first`` one slot ahead. Returns both forwards' outputs (the losses),
     or ``(None, None)`` after the backwards, which release both plans; on failure both are
     released, after synchronizing streams.

@@ -2,7 +2,7 @@
 
 Everything the schedule will touch is looked up here, before any tensor runs, so a missing
 or wrongly typed member fails with the member's name instead of an ``AttributeError`` deep
-inside a slot. Each check is its Protocol's rule table (``_contracts.py``) applied to one
+inside a slot. Each check is its Protocol's rule table (``engine/contracts.py``) applied to one
 object; what is left here is how the schedule walks to the objects (a layer's wgrad lists).
 """
 
@@ -11,7 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import cast
 
-from ._contracts import (
+from ._errors import IntegrationError
+from ._protocols import (
+    FreeInputConfig,
+    MtpSchedulableLayer,
+    PreprocessableModel,
+    SchedulableLayer,
+    WgradLayer,
+)
+from .contracts import (
     DISPATCHER_BACKENDS,
     DISPATCHER_TYPES,
     FREE_INPUT_CONFIG,
@@ -22,14 +30,6 @@ from ._contracts import (
     already_checked,
     checks_memoized,
     named,
-)
-from ._errors import IntegrationError
-from ._protocols import (
-    FreeInputConfig,
-    MtpSchedulableLayer,
-    PreprocessableModel,
-    SchedulableLayer,
-    WgradLayer,
 )
 
 __all__ = [
@@ -61,7 +61,7 @@ def check_model(model: object) -> PreprocessableModel:
 
 
 def check_free_input_config(config: object, where: str) -> FreeInputConfig:
-    """Return ``config`` as a :class:`~moe_overlap.FreeInputConfig` or raise, naming the field."""
+    """Return ``config`` as a :class:`~moe_overlap.protocols.FreeInputConfig` or raise, naming the field."""
     if FREE_INPUT_CONFIG.conforms(config):
         return cast(FreeInputConfig, config)
     raise FREE_INPUT_CONFIG.error(config, where)

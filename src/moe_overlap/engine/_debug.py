@@ -25,7 +25,7 @@ DEBUG = debug_enabled()
 
 
 def _rules(protocol: type) -> Callable[[object], bool]:
-    """A beartype validator for ``protocol``: its rule table's fast check (``_contracts.py``).
+    """A beartype validator for ``protocol``: its rule table's fast check (``engine/contracts.py``).
 
     The table is looked up on the first call: its module is imported after beartype's hook
     is installed, so it is checked too.
@@ -34,7 +34,7 @@ def _rules(protocol: type) -> Callable[[object], bool]:
 
     def conforms(value: object) -> bool:
         if not found:
-            from moe_overlap.engine._contracts import contract_of
+            from moe_overlap.engine.contracts import contract_of
 
             contract = contract_of(protocol)
             assert contract is not None, f"{protocol.__name__} has no rule table"

@@ -8,22 +8,22 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from ._args import BOOL, CALLABLE, Instance, Opt, Real, check_arg
 from ._bypass_check import check_bypassed
 from ._chunk_plan import ModelChunkSchedulePlan, check_grad_mode, run_pair
 from ._conformance import check_model, checks_memoized
-from ._contracts import OPT_STEP_OBSERVER
 from ._debug import DEBUG
 from ._errors import ConfigError, IntegrationError
 from ._inputs import check_inputs
 from ._macro import ScheduleMode, macro_steps
 from ._microbatch import Microbatch
 from ._options import ScheduleOptions
+from ._owed_wgrad import check_wgrad_done, declared_wgrad
 from ._plain_check import check_first_step
 from ._protocols import PreprocessableModel, StepObserver
 from ._state import ChunkState
 from ._streams import StreamPair
-from ._wgrad_check import check_wgrad_done, declared_wgrad
+from .args import BOOL, CALLABLE, Instance, Opt, Real, check_arg
+from .contracts import OPT_STEP_OBSERVER
 
 __all__ = ["combined_1f1b"]
 
@@ -47,7 +47,7 @@ def combined_1f1b(
 ) -> list[Tensor]:
     """Run forward and backward of every microbatch; return the (detached, fp32) losses.
 
-    The order is :func:`~moe_overlap.macro_steps` of ``ScheduleMode.of(overlap=...,
+    The order is :func:`~moe_overlap.steps.macro_steps` of ``ScheduleMode.of(overlap=...,
     fill_drain=...)``. With ``overlap`` (combined 1F1B)::
 
         F0 | F1+B0 | F2+B1 | ... | F(N-1)+B(N-2) | B(N-1)
@@ -64,7 +64,7 @@ def combined_1f1b(
     ``(loss_i * loss_scale).backward()`` per microbatch, in order.
 
     ``on_plan`` is called with each plan right after it is built (FSDP reshard hooks).
-    ``observer`` (a :class:`~moe_overlap.StepObserver`, e.g. a
+    ``observer`` (a :class:`~moe_overlap.steps.StepObserver`, e.g. a
     :class:`~moe_overlap.timeline.Timeline`) is asked for a timer for every node step of
     every :meth:`ModelChunkSchedulePlan.run`. Delayed weight gradients are all computed by
     the time this returns: modules that count them (:class:`~moe_overlap.PendingWgrad`)

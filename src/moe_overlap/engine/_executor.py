@@ -1,4 +1,4 @@
-"""Walk a list of :class:`~moe_overlap.Step` s, threading each microbatch's values through.
+"""Walk a list of :class:`~moe_overlap.steps.Step` s, threading each microbatch's values through.
 
 The forward microbatch's value is the tuple of tensors flowing forward (its last node's
 outputs); the backward microbatch's value is the tuple of grads flowing backward. A failing
@@ -14,14 +14,14 @@ from typing import Protocol, cast, runtime_checkable
 
 from torch import Tensor
 
-from ._args import Int, Opt
-from ._contracts import Contract, attribute, method
 from ._errors import ScheduleError
 from ._layer_node import TransformerLayerNode
 from ._node import ScheduleNode
 from ._node_checks import freed_memory_hint
 from ._protocols import StepObserver
 from ._steps import Direction, Role, Step, format_steps
+from .args import Int, Opt
+from .contracts import Contract, attribute, method
 
 __all__ = ["NodeSource", "execute", "execute_roles"]
 

@@ -1,9 +1,9 @@
 """Which microbatch inputs a model reads: an input it does not read is refused at plan build.
 
 A model lists the optional inputs it honours in ``microbatch_inputs``
-(:class:`~moe_overlap.DeclaresInputs`); one that does not is taken to read
+(:class:`~moe_overlap.inputs.DeclaresInputs`); one that does not is taken to read
 :data:`DEFAULT_INPUTS`. :func:`check_inputs` refuses a set input outside that list, then
-runs the model's own ``validate_inputs`` (:class:`~moe_overlap.ValidatesInputs`) when it
+runs the model's own ``validate_inputs`` (:class:`~moe_overlap.inputs.ValidatesInputs`) when it
 has one. The check looks at attributes only (no tensor is read), so it is always on.
 """
 
@@ -99,7 +99,7 @@ def check_inputs(
     ``extra_block_kwargs`` is not set). A set input outside :func:`read_inputs` is a
     :class:`~moe_overlap.ConfigError` naming ``where``, the input (``what`` says what kind:
     a Microbatch field, a stage keyword) and the model. With a ``ChunkState``, the model's
-    ``validate_inputs(state)`` runs after (:class:`~moe_overlap.ValidatesInputs`).
+    ``validate_inputs(state)`` runs after (:class:`~moe_overlap.inputs.ValidatesInputs`).
     """
     if isinstance(inputs, ChunkState):
         given = {name: getattr(inputs, name) for name in OPTIONAL_INPUTS}

@@ -7,6 +7,7 @@ from typing import NoReturn
 
 from torch import Tensor
 
+from ._backward_dw import BackwardDWWrapper
 from ._conformance import as_mtp_layer, check_layer, check_wgrad_layers
 from ._errors import ConfigError, PlanReleasedError
 from ._executor import execute
@@ -18,7 +19,6 @@ from ._protocols import SchedulableLayer, SlotFn, StepObserver, StreamProvider, 
 from ._state import ChunkState, LayerState
 from ._steps import LayerShape, Slot, Step, layer_pair_steps
 from ._streams import AnyEvent, StreamPair
-from ._wgrad import BackwardDWWrapper
 
 __all__ = ["TransformerLayerSchedulePlan"]
 
@@ -185,13 +185,13 @@ class TransformerLayerSchedulePlan:
     ) -> tuple[tuple[Tensor, ...], tuple[Tensor | None, ...]]:
         """Forward ``f_layer`` and backward ``b_layer`` interleaved; either may be ``None``.
 
-        Order (see :func:`~moe_overlap.layer_pair_steps`)::
+        Order (see :func:`~moe_overlap.steps.layer_pair_steps`)::
 
             b.combine.B | f.pre_dispatch.F | b.mlp.B | f.dispatch.F | b.mlp.W, b.dispatch.B |
             f.mlp.F | f.combine.F | b.pre_dispatch.B | f.mtp_post.F | b.pre_dispatch.W
 
         Returns the forward output and the grads of ``b_layer``'s input. ``observer`` (a
-        :class:`~moe_overlap.StepObserver`) is asked for a timer for every step, in order.
+        :class:`~moe_overlap.steps.StepObserver`) is asked for a timer for every step, in order.
         """
         steps = layer_pair_steps(
             f_layer.shape if f_layer is not None else None,

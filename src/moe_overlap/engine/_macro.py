@@ -18,8 +18,8 @@ import re
 from collections.abc import Sequence
 from typing import NamedTuple, cast
 
-from ._args import NON_NEGATIVE, OneOf, check_arg, refuse
 from ._errors import ConfigError
+from .args import NON_NEGATIVE, OneOf, check_arg, refuse
 
 __all__ = ["MacroStep", "ScheduleMode", "format_macro", "macro_steps", "parse_macro"]
 
@@ -47,7 +47,7 @@ class MacroStep(NamedTuple):
 
     At most two microbatches in all: one forward, one backward, a forward and a backward
     (one :meth:`~moe_overlap.ModelChunkSchedulePlan.run`), or two forwards or two
-    backwards (:func:`~moe_overlap.run_pair`).
+    backwards (:func:`~moe_overlap.steps.run_pair`).
     """
 
     forward: tuple[int, ...] = ()

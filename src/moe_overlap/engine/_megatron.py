@@ -10,12 +10,12 @@ from typing import Any, cast
 
 from torch import Tensor
 
-from ._args import BOOL, POSITIVE, Opt, check_arg
-from ._contracts import FREE_INPUT_CONFIG
 from ._errors import ConfigError
 from ._layer_args import LayerArgs
 from ._microbatch import Microbatch
 from ._protocols import FreeInputConfig
+from .args import BOOL, POSITIVE, Opt, check_arg
+from .contracts import FREE_INPUT_CONFIG
 
 __all__ = ["layer_args", "microbatch"]
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ._args import ANY, BOOL, TENSOR, Instance, Opt, Spec, check_fields
+from .args import ANY, BOOL, TENSOR, Instance, Opt, Spec, check_fields
 
 __all__ = ["EMPTY_MICROBATCH", "Microbatch"]
 
@@ -18,10 +18,10 @@ class Microbatch:
     """One microbatch's inputs, by the names of Megatron-Core's ``build_schedule_plan``.
 
     ``B`` batch, ``S`` sequence. A field is *set* when it is not ``None``. Each model reads
-    the fields it declares in ``microbatch_inputs`` (:class:`~moe_overlap.DeclaresInputs`;
-    :data:`~moe_overlap.DEFAULT_INPUTS` without a declaration): a set field it does not
+    the fields it declares in ``microbatch_inputs`` (:class:`~moe_overlap.inputs.DeclaresInputs`;
+    :data:`~moe_overlap.inputs.DEFAULT_INPUTS` without a declaration): a set field it does not
     read is a :class:`~moe_overlap.ConfigError` naming the field and the model when the
-    plan is built (:func:`~moe_overlap.check_inputs`), never silently ignored. What a field
+    plan is built (:func:`~moe_overlap.inputs.check_inputs`), never silently ignored. What a field
     means is the model's; Megatron-Core's conventions, which the reference model
     (:mod:`moe_overlap.models`) follows and checks (dtype and shape, ``ConfigError``
     naming the field), are:

@@ -160,7 +160,7 @@ class ScheduleNode:
     :class:`~moe_overlap.NodeStateError`.
 
     ``timer``, when set (the runner sets it for one step from a
-    :class:`~moe_overlap.StepObserver` and clears it after), is started after the event
+    :class:`~moe_overlap.steps.StepObserver` and clears it after), is started after the event
     wait and stopped after the body, on the node's stream.
     """
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from ._args import BOOL, CALLABLE, Opt, Spec, check_fields
+from .args import BOOL, CALLABLE, Opt, Spec, check_fields
 
 __all__ = [
     "ChunkHooks",

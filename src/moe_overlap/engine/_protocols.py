@@ -94,7 +94,7 @@ class PendingWgrad(Protocol):
     """A delayed-wgrad module that can say how many weight gradients it still owes.
 
     Optional beside :class:`WgradLayer`: :func:`~moe_overlap.combined_1f1b` (and
-    :func:`~moe_overlap.check_wgrad_done`) read ``pending_wgrad`` of every module of the
+    :func:`~moe_overlap.wgrad.check_wgrad_done`) read ``pending_wgrad`` of every module of the
     model (and every part its layers list) that has it, and raise
     :class:`~moe_overlap.WgradError` when one is owed at the start or the end of a step —
     e.g. a module that delays but is not listed by its layer's ``pre_dispatch_wgrad()`` /
@@ -203,8 +203,8 @@ class DeclaresInputs(Protocol):
     ``extra_block_kwargs``) but not listed: :class:`~moe_overlap.ConfigError` naming the
     field and the model. ``input_ids`` and ``decoder_input`` (the chunk's input) are always
     read. A model without the member is taken to read
-    :data:`~moe_overlap.DEFAULT_INPUTS` (``position_ids``, ``labels``): what every
-    ``PreprocessableModel``'s hooks take positionally. See :func:`~moe_overlap.check_inputs`.
+    :data:`~moe_overlap.inputs.DEFAULT_INPUTS` (``position_ids``, ``labels``): what every
+    ``PreprocessableModel``'s hooks take positionally. See :func:`~moe_overlap.inputs.check_inputs`.
     """
 
     @property
@@ -352,7 +352,7 @@ class NodeTimer(Protocol):
 
     ``start`` is called once the node's wait on its microbatch's event is queued (so the
     wait is not timed) and ``stop`` right after its body is issued, before the event is
-    recorded; both receive the node's stream (a :class:`~moe_overlap.CpuStream` on CPU).
+    recorded; both receive the node's stream (a :class:`~moe_overlap.streams.CpuStream` on CPU).
     A node whose step does no work (a no-op node, wgrad not delayed) calls neither; a body
     that raises leaves ``stop`` uncalled.
     """
@@ -365,10 +365,10 @@ class NodeTimer(Protocol):
 class StepObserver(Protocol):
     """Watches the steps a plan runs: ``combined_1f1b(..., observer=...)``.
 
-    Before each non-hook :class:`~moe_overlap.Step` the runner asks ``timer(step,
+    Before each non-hook :class:`~moe_overlap.steps.Step` the runner asks ``timer(step,
     microbatch)`` (``microbatch`` as given to the plan running the step) for a
-    :class:`~moe_overlap.NodeTimer` to hand the node, or ``None`` not to time it. An
-    observer sees the very step lists of :func:`~moe_overlap.chunk_steps`, in order; it
+    :class:`~moe_overlap.steps.NodeTimer` to hand the node, or ``None`` not to time it. An
+    observer sees the very step lists of :func:`~moe_overlap.steps.chunk_steps`, in order; it
     must not touch the tensors, so observed runs compute exactly what unobserved ones do.
     """
 

@@ -1,6 +1,6 @@
 """The schedule as data: ordered, typed steps that plans walk.
 
-A :class:`~moe_overlap.Step` names one thing the schedule does: which microbatch role (``f`` for the
+A :class:`~moe_overlap.steps.Step` names one thing the schedule does: which microbatch role (``f`` for the
 microbatch running forward, ``b`` for the one running backward), which layer, which slot,
 which direction, on which stream. The same lists drive the plans' ``run``, the step
 listing printed on failure, the timeline and the critical-path bound, and they are tested
@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, cast
 
-from ._args import refuse
 from ._errors import ConfigError
+from .args import refuse
 
 __all__ = [
     "ChunkShape",
@@ -100,7 +100,7 @@ _STEP_RE = re.compile(
 
 
 class Step(NamedTuple):
-    """One step of a schedule. ``str(step)`` round-trips through :meth:`~moe_overlap.Step.parse`."""
+    """One step of a schedule. ``str(step)`` round-trips through :meth:`~moe_overlap.steps.Step.parse`."""
 
     role: Role
     layer: int | None

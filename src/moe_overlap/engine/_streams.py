@@ -1,7 +1,7 @@
 """Streams and events for CUDA and CPU.
 
 On CUDA the compute stream is the current stream and the communication stream is a
-dedicated one. On CPU every stream and event is a :class:`~moe_overlap.CpuStream` / :class:`~moe_overlap.CpuEvent`:
+dedicated one. On CPU every stream and event is a :class:`~moe_overlap.streams.CpuStream` / :class:`~moe_overlap.streams.CpuEvent`:
 objects with the methods the schedule calls that do nothing (CPU work is already ordered),
 so the whole schedule runs, exactly, on a laptop.
 
@@ -21,8 +21,8 @@ from typing import Union, cast
 
 import torch
 
-from ._args import BOOL, Instance, Opt, Spec, check_arg, check_fields, refuse
 from ._errors import StreamError
+from .args import BOOL, Instance, Opt, Spec, check_arg, check_fields, refuse
 
 __all__ = [
     "AnyEvent",
@@ -185,7 +185,7 @@ def make_streams(
 
 
 def make_event(device: torch.device | str | None = None) -> AnyEvent:
-    """A new event: a ``torch.cuda.Event`` on CUDA, a :class:`~moe_overlap.CpuEvent` on CPU."""
+    """A new event: a ``torch.cuda.Event`` on CUDA, a :class:`~moe_overlap.streams.CpuEvent` on CPU."""
     dev = _stream_device(device, "make_event")
     if dev.type == "cpu":
         return CpuEvent()

@@ -8,9 +8,8 @@ from typing import Literal
 import torch
 
 from moe_overlap import ConfigError, CudaGraphModule
-from moe_overlap.blocks._dispatcher import DispatcherKind
-from moe_overlap.blocks._recompute import RecomputePart, RecomputeParts
-from moe_overlap.engine._args import (
+from moe_overlap.blocks import DispatcherKind, RecomputePart, RecomputeParts
+from moe_overlap.engine.args import (
     BOOL,
     NON_NEGATIVE,
     NONE,
@@ -32,7 +31,7 @@ __all__ = ["GPTMoEConfig"]
 class GPTMoEConfig:
     """Configuration of :class:`~moe_overlap.models.GPTMoEModel`.
 
-    Also a :class:`~moe_overlap.FreeInputConfig` (the ``moe_*``, ``fp8``, ``fp4`` and
+    Also a :class:`~moe_overlap.protocols.FreeInputConfig` (the ``moe_*``, ``fp8``, ``fp4`` and
     ``cuda_graph_modules`` fields, fixed to what this model supports) and a model config
     for :class:`~moe_overlap.PreprocessableModel` (``mtp_num_layers``).
 

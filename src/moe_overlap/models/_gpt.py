@@ -22,16 +22,21 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_overlap import ChunkState, ConfigError
-from moe_overlap.blocks._dispatcher import TokenDispatcher
-from moe_overlap.blocks._experts import GroupedExperts
-from moe_overlap.blocks._graphs import GraphedBlock
-from moe_overlap.blocks._masks import check_masks
-from moe_overlap.blocks._model import MegatronHooks, Rotary
-from moe_overlap.blocks._router import TopKRouter
-from moe_overlap.blocks._stage_layers import StageLayers
-from moe_overlap.blocks._transformer import RMSNorm, rotary_tables
-from moe_overlap.blocks._wgrad import DelayedWgradModule, check_no_pending_wgrad
-from moe_overlap.engine._args import (
+from moe_overlap.blocks import (
+    DelayedWgradModule,
+    GraphedBlock,
+    GroupedExperts,
+    MegatronHooks,
+    RMSNorm,
+    Rotary,
+    StageLayers,
+    TokenDispatcher,
+    TopKRouter,
+    check_masks,
+    rotary_tables,
+)
+from moe_overlap.engine import check_wgrad_done
+from moe_overlap.engine.args import (
     GROUP,
     OPT_DEVICE,
     TENSOR,
@@ -208,7 +213,7 @@ class GPTMoEModel(MegatronHooks, nn.Module):
     def on_microbatch(self, decoder_input: Tensor) -> None:
         """No weight gradient may still be pending when a microbatch starts."""
         del decoder_input
-        check_no_pending_wgrad(self)
+        check_wgrad_done(self, when="when a microbatch starts")
 
     def rotary(self, decoder_input: Tensor, position_ids: Tensor | None) -> Rotary:
         """Rotary tables for ``position_ids`` (``0 .. S-1`` for every row by default)."""
@@ -233,7 +238,7 @@ class GPTMoEModel(MegatronHooks, nn.Module):
         return masked_cross_entropy(logits_BSV, labels, loss_mask)
 
     microbatch_inputs = frozenset(REFERENCE_INPUTS)
-    """The microbatch inputs the model reads (:class:`~moe_overlap.DeclaresInputs`)."""
+    """The microbatch inputs the model reads (:class:`~moe_overlap.inputs.DeclaresInputs`)."""
 
     def validate_inputs(self, state: ChunkState, /) -> None:
         """The masks' and labels' shapes and dtypes (:func:`check_reference_inputs`)."""

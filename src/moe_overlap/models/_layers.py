@@ -28,28 +28,29 @@ from moe_overlap import (
     WgradLayer,
     WgradScope,
 )
-from moe_overlap.blocks._dispatcher import TokenDispatcher
-from moe_overlap.blocks._experts import GroupedExperts
-from moe_overlap.blocks._graphs import GraphedBlock
-from moe_overlap.blocks._masks import (
+from moe_overlap.blocks import (
+    DenseSlots,
+    GraphedBlock,
+    GroupedExperts,
+    MoESlots,
+    PlainContext,
+    RMSNorm,
+    SelfAttention,
+    SlotContext,
+    SwiGLUMLP,
+    TokenDispatcher,
+    TopKRouter,
+    add_residual,
     blocked_keys,
     check_attention_mask,
     check_padding_mask,
+    recompute,
+    save_matmuls,
     token_padding,
 )
-from moe_overlap.blocks._recompute import recompute, save_matmuls
-from moe_overlap.blocks._router import TopKRouter
-from moe_overlap.blocks._slots import (
-    DenseSlots,
-    MoESlots,
-    PlainContext,
-    SlotContext,
-    add_residual,
-)
-from moe_overlap.blocks._slots import single_input as _single
-from moe_overlap.blocks._transformer import RMSNorm, SelfAttention, SwiGLUMLP
-from moe_overlap.engine._args import NON_NEGATIVE, OPT_DEVICE, Instance, check_arg, refuse
-from moe_overlap.engine._options import Hook
+from moe_overlap.blocks import single_input as _single
+from moe_overlap.engine import Hook
+from moe_overlap.engine.args import NON_NEGATIVE, OPT_DEVICE, Instance, check_arg, refuse
 from moe_overlap.integrations.checkpoint import register_expert_shards
 from moe_overlap.models._config import GPTMoEConfig
 

@@ -7,9 +7,9 @@ from typing import cast
 from torch import Tensor, nn
 
 from moe_overlap import ChunkState, IntegrationError
-from moe_overlap.blocks._model import MegatronHooks, Rotary, StageRange
-from moe_overlap.blocks._wgrad import check_no_pending_wgrad
-from moe_overlap.engine._args import Instance, check_arg
+from moe_overlap.blocks import MegatronHooks, Rotary, StageRange
+from moe_overlap.engine import check_wgrad_done
+from moe_overlap.engine.args import Instance, check_arg
 from moe_overlap.models._gpt import (
     REFERENCE_INPUTS,
     Decoder,
@@ -64,7 +64,7 @@ class GPTMoEStage(StageRange, MegatronHooks, nn.Module):
 
     def on_microbatch(self, decoder_input: Tensor) -> None:
         del decoder_input
-        check_no_pending_wgrad(self)
+        check_wgrad_done(self, when="when a microbatch starts")
 
     def rotary(self, decoder_input: Tensor, position_ids: Tensor | None) -> Rotary:
         return self._rotary(decoder_input, position_ids)
@@ -83,7 +83,7 @@ class GPTMoEStage(StageRange, MegatronHooks, nn.Module):
         return masked_cross_entropy(logits_BSV, labels, loss_mask)
 
     microbatch_inputs = frozenset(REFERENCE_INPUTS)
-    """What the stage reads (:class:`~moe_overlap.DeclaresInputs`): as the whole model; a
+    """What the stage reads (:class:`~moe_overlap.inputs.DeclaresInputs`): as the whole model; a
     pipeline passes ``position_ids``, ``attention_mask`` and ``padding_mask`` as stage
     keywords."""
 

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from moe_overlap import ConfigError
-from moe_overlap.engine._args import CALLABLE, POSITIVE, Instance, check_arg
+from moe_overlap.engine.args import CALLABLE, POSITIVE, Instance, check_arg
 from moe_overlap.integrations.pipelining import _torch
 from moe_overlap.integrations.pipelining._torch import check_torch
 

@@ -28,18 +28,22 @@ from moe_overlap import (
     NodeStateError,
     ScheduleError,
     ScheduleOptions,
-    StepObserver,
-    check_inputs,
 )
-from moe_overlap.engine._args import BOOL, Instance, Opt, check_arg
-from moe_overlap.engine._bypass_check import check_bypassed
-from moe_overlap.engine._conformance import check_model
-from moe_overlap.engine._contracts import OPT_STEP_OBSERVER
-from moe_overlap.engine._wgrad_check import check_wgrad_done, owed_wgrad, pending_count
+from moe_overlap.engine import (
+    check_bypassed,
+    check_model,
+    check_wgrad_done,
+    owed_wgrad,
+    pending_count,
+)
+from moe_overlap.engine.args import BOOL, Instance, Opt, check_arg
+from moe_overlap.engine.contracts import OPT_STEP_OBSERVER
+from moe_overlap.inputs import check_inputs
 from moe_overlap.integrations._consensus import Phase, StepConsensus, Verdict
 from moe_overlap.integrations.pipelining import _torch
 from moe_overlap.integrations.pipelining._lowering import check_actions, describe, pair_overlap_f_b
 from moe_overlap.integrations.pipelining._torch import check_torch
+from moe_overlap.steps import StepObserver
 
 if TYPE_CHECKING:
     from moe_overlap.integrations.pipelining._torch import Action, Context, Stage
@@ -850,7 +854,7 @@ def _longest_timeout(stages: Iterable[Stage]) -> timedelta:
 def _check_stage_keywords(module: nn.Module, kwargs: Mapping[str, object], where: str) -> None:
     """Every stage keyword is one the plan consumes, never one it drops: the stage module's
     ``forward`` must take it (torch's own run passes it there, ``None`` included) and, when
-    set, the model must read it (:func:`~moe_overlap.check_inputs`)."""
+    set, the model must read it (:func:`~moe_overlap.inputs.check_inputs`)."""
     if not kwargs:
         return
     params = _forward_parameters(module)

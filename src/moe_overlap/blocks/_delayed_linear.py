@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_overlap import ConfigError, IntegrationError, WgradError
-from moe_overlap.engine._args import (
+from moe_overlap.engine.args import (
     BOOL,
     FLOAT_DTYPE,
     NON_NEGATIVE,
@@ -33,7 +33,7 @@ from moe_overlap.engine._args import (
     check_arg,
     refuse,
 )
-from moe_overlap.engine._contracts import Contract, method
+from moe_overlap.engine.contracts import Contract, method
 
 __all__ = [
     "DelayedWgradGroupedLinear",
@@ -44,10 +44,8 @@ __all__ = [
     "GroupedKernel",
     "MatmulKernel",
     "PendingItem",
-    "check_no_pending_wgrad",
     "discard_wgrad",
     "finish_wgrad",
-    "pending_wgrad",
 ]
 
 
@@ -566,39 +564,6 @@ def _delayed(model: nn.Module) -> Iterator[DelayedWgradModule]:
     for module in model.modules():
         if isinstance(module, DelayedWgradModule):
             yield module
-
-
-def pending_wgrad(model: nn.Module) -> dict[str, int]:
-    """``{"path (Class)": count}`` of every delayable linear in ``model`` with pending wgrad.
-
-    The path is the module's ``label`` when the model set one (the reference model sets
-    each to its qualified name), else its path in ``model``.
-    """
-    owing = [m for m in _delayed(model) if m.pending_wgrad]
-    if not owing:
-        return {}
-    named = cast("Iterator[tuple[str, nn.Module]]", model.named_modules())
-    paths = {id(m): name for name, m in named}
-    out: dict[str, int] = {}
-    for m in owing:
-        cls = type(m).__name__
-        where = m.label if m.label and m.label != cls else (paths.get(id(m)) or "(model)")
-        out[f"{where} ({cls})"] = m.pending_wgrad
-    return out
-
-
-def check_no_pending_wgrad(model: nn.Module) -> None:
-    """Raise :class:`~moe_overlap.WgradError` if any weight gradient is still pending.
-
-    Call before ``optimizer.step()``; the reference model also calls it at every forward.
-    """
-    pending = pending_wgrad(model)
-    if pending:
-        raise WgradError(
-            f"{type(model).__name__}: expected no pending weight gradients (run backward_dw "
-            f"for every delayed backward first, or discard_wgrad after a failed step), "
-            f"received pending {pending}"
-        )
 
 
 def finish_wgrad(model: nn.Module) -> None:

@@ -10,8 +10,9 @@ from typing import NoReturn, cast
 
 from torch import nn
 
-from ._contracts import PENDING_WGRAD
 from ._errors import IntegrationError, WgradError
+from .args import refuse
+from .contracts import MODEL, PENDING_WGRAD
 
 __all__ = [
     "check_wgrad_done",
@@ -122,8 +123,10 @@ def owed_wgrad(
     of modules named below it (the model's own total) is left out when they are listed.
 
     Raises :class:`~moe_overlap.IntegrationError` naming a module whose ``pending_wgrad``
-    is not an ``int >= 0`` (e.g. a method: its count would otherwise be ignored).
+    is not an ``int >= 0`` (e.g. a method: its count would otherwise be ignored), or for a
+    ``model`` that is neither an ``nn.Module`` nor a :class:`~moe_overlap.PreprocessableModel`.
     """
+    _check_model(model)
     parts = declared_wgrad(model) if declared is None else declared
     owing: list[tuple[object, int]] = []
     for module in _candidates(model, parts):
@@ -144,6 +147,17 @@ def owed_wgrad(
         return any(other != path and other.startswith(prefix) for other in paths)
 
     return {n: count for (n, count), path in zip(named, paths, strict=True) if not aggregate(path)}
+
+
+def _check_model(model: object) -> None:
+    """``model`` is something whose modules can owe weight gradients."""
+    if not isinstance(model, nn.Module) and not MODEL.conforms(model):
+        raise refuse(
+            "owed_wgrad: model",
+            "an nn.Module or a PreprocessableModel",
+            model,
+            error=IntegrationError,
+        )
 
 
 def _bad_count(module: object, name: Callable[[object], str]) -> NoReturn:
@@ -167,8 +181,10 @@ def check_wgrad_done(
 ) -> None:
     """Raise :class:`~moe_overlap.WgradError` if a module of ``model`` still owes a weight gradient.
 
-    :func:`~moe_overlap.combined_1f1b` calls it before and after every step; call it
-    yourself after driving :meth:`~moe_overlap.ModelChunkSchedulePlan.run` directly.
+    :func:`~moe_overlap.combined_1f1b` calls it before and after every step, the reference
+    model at every forward; call it yourself before ``optimizer.step()`` after a plain
+    ``backward()`` of a delayed model or after driving
+    :meth:`~moe_overlap.ModelChunkSchedulePlan.run` directly.
     """
     owed = owed_wgrad(model, declared)
     if not owed:

@@ -2,7 +2,7 @@
 
 A :class:`Contract` lists a runtime Protocol's members, each with its kind (an attribute or
 property whose value is checked, or a method: a callable) and, for an attribute, what its
-value must be (a :class:`~moe_overlap.engine._args.Spec`, or another contract for an
+value must be (a :class:`~moe_overlap.engine.args.Spec`, or another contract for an
 object the schedule reads members of). The same table serves
 
 - the fast path, :meth:`Contract.conforms`: a boolean pass that formats no string, run
@@ -25,20 +25,6 @@ from collections.abc import Callable, Generator, Iterable, Mapping
 from enum import Enum
 from typing import Any, Generic, NamedTuple, TypeVar, cast
 
-from ._args import (
-    ANY,
-    BOOL,
-    CALLABLE,
-    TENSOR,
-    Instance,
-    Int,
-    Mismatch,
-    OneOf,
-    Opt,
-    Spec,
-    refuse,
-    shown,
-)
 from ._errors import ConfigError, IntegrationError, MoeOverlapError
 from ._protocols import (
     DeclaresInputs,
@@ -60,6 +46,20 @@ from ._protocols import (
     WgradLayer,
 )
 from ._state import ChunkState, LayerState
+from .args import (
+    ANY,
+    BOOL,
+    CALLABLE,
+    TENSOR,
+    Instance,
+    Int,
+    Mismatch,
+    OneOf,
+    Opt,
+    Spec,
+    refuse,
+    shown,
+)
 
 __all__ = [
     "DISPATCHER_BACKENDS",
@@ -346,7 +346,7 @@ class Contract(Generic[T]):
         return cast(T, obj)
 
     def arg(self, *, error: type[MoeOverlapError] = ConfigError, hint: str = "") -> Conforms:
-        """This contract as the spec of an argument (:func:`~moe_overlap.engine._args.check_arg`)."""
+        """This contract as the spec of an argument (:func:`~moe_overlap.engine.args.check_arg`)."""
         return Conforms(self, error=error, hint=hint)
 
     def __repr__(self) -> str:
@@ -565,5 +565,5 @@ STEP_OBSERVER: Contract[StepObserver] = Contract(
 )
 
 OPT_STEP_OBSERVER: Spec[object | None] = Opt(STEP_OBSERVER.arg())
-"""An ``observer=`` argument: ``None`` or a :class:`~moe_overlap.StepObserver` (a
+"""An ``observer=`` argument: ``None`` or a :class:`~moe_overlap.steps.StepObserver` (a
 :class:`~moe_overlap.ConfigError` otherwise)."""
