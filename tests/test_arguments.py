@@ -514,6 +514,12 @@ def _entries() -> Iterator[Entry]:
         (Arg("fn", not_callable()), Arg("policy", not_callable(optional=True))),
     )
     yield Entry(
+        "check_recompute",
+        b.check_recompute,
+        lambda: dict(parts=("norm",), where="GPTMoEConfig.recompute"),
+        (Arg("parts", st.sampled_from(["norm", ("norms",), 5, None, [1], torch.ones(2)])),),
+    )
+    yield Entry(
         "recompute_module",
         b.recompute_module,
         lambda: dict(module=nn.Linear(2, 2), selective=False),
@@ -1040,6 +1046,7 @@ def test_every_public_constructor_and_function_of_blocks_is_in_the_table() -> No
         "GroupedKernel",
         "PendingItem",
         "RecomputePart",
+        "RecomputeParts",
         "ScoreFunction",
         "SlotContext",
         "PlainLayer",

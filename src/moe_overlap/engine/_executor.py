@@ -40,8 +40,8 @@ class NodeSource(Protocol):
 
 NODE_SOURCE: Contract[NodeSource] = Contract(
     NodeSource,
-    "a NodeSource (a plan: microbatch and node_for(step))",
-    attribute("microbatch", Opt(Int(0), expects="None or an int >= 0")),
+    "a NodeSource (a plan: microbatch_index and node_for(step))",
+    attribute("microbatch_index", Opt(Int(0), expects="None or an int >= 0")),
     method("node_for"),
 )
 
