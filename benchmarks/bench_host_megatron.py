@@ -61,8 +61,8 @@ from moe_overlap import (
     SlotContext,
     TransformerLayerNode,
 )
-from moe_overlap.engine._streams import AnyEvent, AnyStream, make_event, make_streams
 from moe_overlap.megatron import layer_args
+from moe_overlap.streams import AnyEvent, AnyStream, make_event, make_streams
 
 SLOTS = ("pre_dispatch_computation", "moe_dispatch", "mlp", "moe_combine")
 """Megatron-Core's slot names; the free-input policy keys on them."""

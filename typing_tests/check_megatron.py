@@ -18,8 +18,7 @@ from megatron.core.transformer.enums import CudaGraphModule as MegatronCudaGraph
 from megatron.core.transformer.transformer_block import TransformerBlock
 
 from moe_overlap import PreprocessableModel, should_free_input
-from moe_overlap.engine._protocols import DecoderLike, ModelConfigLike
-from moe_overlap.protocols import FreeInputConfig
+from moe_overlap.protocols import DecoderLike, FreeInputConfig, ModelConfigLike
 
 
 def megatron_config(config: TransformerConfig) -> tuple[FreeInputConfig, ModelConfigLike]:
