@@ -59,7 +59,7 @@ from moe_overlap.steps import ChunkHooks, Step
 from moe_overlap.streams import CpuEvent, CpuStream
 from moe_overlap.wgrad import check_wgrad_done, owed_wgrad
 
-from .toy_model import ToyConfig, ToyModel, make_microbatches
+from .engine.toy_model import ToyConfig, ToyModel, make_microbatches
 
 # --- wrong values ---------------------------------------------------------------------------
 

@@ -4,7 +4,7 @@ pending host counts, the grouped weight grad.
 On CPU: the GPU path's logic runs with the grouped GEMM forced on (torch's CPU
 ``_grouped_mm``), and the tests check that nothing asked for the host sizes or the host
 counts. The CUDA run under ``torch.cuda.set_sync_debug_mode("error")`` is
-``tests/test_gpu_sync.py``.
+``tests/engine/test_gpu_sync.py``.
 """
 
 from __future__ import annotations

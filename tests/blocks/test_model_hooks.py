@@ -17,8 +17,15 @@ from moe_overlap import (
     combined_1f1b,
 )
 from moe_overlap.blocks import DenseSlots, MegatronHooks, Rotary, SlotContext
-from tests.test_parity import assert_same
-from tests.toy_model import ToyConfig, ToyDecoder, ToyLayer, grads, make_microbatches, rms_norm
+from tests.engine.test_parity import assert_same
+from tests.engine.toy_model import (
+    ToyConfig,
+    ToyDecoder,
+    ToyLayer,
+    grads,
+    make_microbatches,
+    rms_norm,
+)
 
 CONFIG = ToyConfig()
 

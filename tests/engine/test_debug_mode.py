@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def run(code: str, *, debug: bool) -> subprocess.CompletedProcess[str]:
@@ -74,7 +74,7 @@ def test_debug_mode_step_is_still_exact() -> None:
         """
         import copy, torch
         from moe_overlap import ScheduleOptions, combined_1f1b
-        from tests.toy_model import ToyConfig, ToyModel, grads, make_microbatches, plain_step
+        from tests.engine.toy_model import ToyConfig, ToyModel, grads, make_microbatches, plain_step
         config = ToyConfig(shared_expert=True)
         ref = ToyModel(config, "dmt")
         model = copy.deepcopy(ref)
@@ -105,8 +105,8 @@ def test_first_step_check_raises_no_false_alarm_and_leaves_no_trace() -> None:
         import copy, dataclasses, torch
         import moe_overlap as mo
         from moe_overlap.engine._plain_check import first_step_outcome
-        from tests.toy_model import ToyConfig, ToyModel, grads, make_microbatches, plain_step
-        from tests.test_parity import assert_same
+        from tests.engine.toy_model import ToyConfig, ToyModel, grads, make_microbatches, plain_step
+        from tests.engine.test_parity import assert_same
 
         # The toy model (forward takes the Microbatch), delayed wgrad, MTP and shared expert.
         for kinds, delay, fill in [("dm", False, False), ("dmt", True, True)]:
@@ -211,8 +211,8 @@ def test_first_step_check_skips_what_it_cannot_compare() -> None:
         import copy, torch
         import moe_overlap as mo
         from moe_overlap.engine._plain_check import first_step_outcome
-        from tests.toy_model import ToyConfig, ToyModel, grads, make_microbatches, plain_step
-        from tests.test_parity import assert_same
+        from tests.engine.toy_model import ToyConfig, ToyModel, grads, make_microbatches, plain_step
+        from tests.engine.test_parity import assert_same
 
         class LogitsOnly(ToyModel):  # a forward that takes no labels
             def forward(self, input_ids):

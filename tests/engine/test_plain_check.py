@@ -1,7 +1,7 @@
 """Debug mode's first-step check, its parts: how the plain forward is called, the tolerance.
 
-The check itself runs in debug mode only (``tests/test_debug_mode.py``,
-``tests/test_error_catalogue.py::test_debug_mode_catalogue``); these parts are plain code.
+The check itself runs in debug mode only (``tests/engine/test_debug_mode.py``,
+``tests/engine/test_error_catalogue.py::test_debug_mode_catalogue``); these parts are plain code.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ from moe_overlap.engine._plain_check import (
     plain_call,
 )
 from moe_overlap.models import GPTMoEModel
+from tests.engine.toy_model import ToyConfig, ToyModel
 from tests.models._helpers import SMALL
-from tests.toy_model import ToyConfig, ToyModel
 
 IDS = torch.zeros(2, 8, dtype=torch.long)
 MB = Microbatch(input_ids=IDS, labels=IDS, loss_mask=torch.ones(2, 8))

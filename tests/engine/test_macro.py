@@ -68,7 +68,7 @@ def test_arguments_are_checked() -> None:
         macro_steps(2, "serial")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
 
 
-ENGINE = Path(__file__).resolve().parents[1] / "src" / "moe_overlap" / "engine"
+ENGINE = Path(__file__).resolve().parents[2] / "src" / "moe_overlap" / "engine"
 
 
 def _engine_imports(module: str) -> set[str]:

@@ -1486,7 +1486,7 @@ def undo_patches(model: ToyModel) -> None:
 SLOT_NAMES = ("slot_pre_dispatch", "slot_dispatch", "slot_mlp", "slot_combine")
 
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_catalogue_is_documented() -> None:
@@ -1673,8 +1673,8 @@ def test_debug_mode_catalogue() -> None:
         import copy, re, sys
         import moe_overlap as mo
         from tests import test_error_catalogue as cat
-        from tests.toy_model import ToyModel, grads, make_microbatches, plain_step
-        from tests.test_parity import assert_same
+        from tests.engine.toy_model import ToyModel, grads, make_microbatches, plain_step
+        from tests.engine.test_parity import assert_same
         cases = {DEBUG_CASES!r}
         for case_id, (fn, pattern) in cases.items():
             ref = ToyModel(cat.CONFIG, "mm")
@@ -1830,8 +1830,8 @@ def test_crash_catalogue() -> None:
         import copy, re
         import moe_overlap as mo
         from tests import test_error_catalogue as cat
-        from tests.toy_model import ToyModel, grads, make_microbatches, plain_step
-        from tests.test_parity import assert_same
+        from tests.engine.toy_model import ToyModel, grads, make_microbatches, plain_step
+        from tests.engine.test_parity import assert_same
         for case_id, (fn, pattern) in {CRASH_CASES!r}.items():
             print(case_id, flush=True)
             ref = ToyModel(cat.CONFIG, "mm")

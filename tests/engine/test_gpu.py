@@ -1,6 +1,6 @@
 """On CUDA, with real compute and communication streams: the same bit-identity.
 
-Skipped without a GPU. Run on the lent H200 with ``pytest tests/test_gpu.py``.
+Skipped without a GPU. Run on the lent H200 with ``pytest tests/engine/test_gpu.py``.
 """
 
 from __future__ import annotations
