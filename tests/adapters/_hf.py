@@ -90,6 +90,27 @@ def qwen2_moe(*, aux: bool = False, seed: int = 0, **overrides: object) -> nn.Mo
     return model
 
 
+def qwen3_moe(*, seed: int = 0, **overrides: object) -> nn.Module:
+    """A 3-layer Qwen3-MoE (QK norm): 4 experts, top-2, GQA, no aux loss."""
+    t = _transformers()
+    kwargs: dict[str, object] = dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        intermediate_size=48,
+        max_position_embeddings=64,
+    )
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model: nn.Module = t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(**kwargs))
+    return model
+
+
 FAMILIES = {"mixtral": mixtral, "qwen2_moe": qwen2_moe}
 
 

@@ -2,41 +2,18 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
 import pytest
 import torch
-from torch import nn
 
 from moe_overlap import ConfigError
 from moe_overlap.adapters.transformers import TransformersMoEAdapter, TransformersMoEStage
+from tests.adapters._hf import qwen3_moe
 
 pytest.importorskip("transformers")
 
 
-def _qwen3_moe(**overrides: object) -> nn.Module:
-    t: Any = importlib.import_module("transformers")
-    kwargs: dict[str, object] = dict(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        intermediate_size=48,
-        max_position_embeddings=64,
-    )
-    kwargs.update(overrides)
-    torch.manual_seed(0)
-    model: nn.Module = t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(**kwargs))
-    return model
-
-
 def test_stages_own_every_parameter_once_and_chain_to_the_model_s_logits() -> None:
-    model = _qwen3_moe()
+    model = qwen3_moe()
     adapter = TransformersMoEAdapter(model)
     stages = [TransformersMoEStage(adapter, r) for r in (range(0, 1), range(1, 3))]
     owned = [id(p) for s in stages for p in s.parameters()]
@@ -51,17 +28,17 @@ def test_stages_own_every_parameter_once_and_chain_to_the_model_s_logits() -> No
 
 
 def test_tied_embeddings_split_over_stages_are_refused() -> None:
-    adapter = TransformersMoEAdapter(_qwen3_moe(tie_word_embeddings=True))
+    adapter = TransformersMoEAdapter(qwen3_moe(tie_word_embeddings=True))
     TransformersMoEStage(adapter, range(0, 3))  # one stage holds both ends: fine
     with pytest.raises(ConfigError, match=r"tied weights\); expected them on one stage"):
         TransformersMoEStage(adapter, range(0, 1))
 
 
 def test_the_router_aux_loss_and_a_bad_range_are_refused() -> None:
-    adapter = TransformersMoEAdapter(_qwen3_moe(output_router_logits=True))
+    adapter = TransformersMoEAdapter(qwen3_moe(output_router_logits=True))
     with pytest.raises(ConfigError, match="router aux loss sums over every layer"):
         TransformersMoEStage(adapter, range(0, 1))
-    plain = TransformersMoEAdapter(_qwen3_moe())
+    plain = TransformersMoEAdapter(qwen3_moe())
     for bad in (range(2, 1), range(1, 4), range(0, 3, 2)):
         with pytest.raises(ConfigError, match=r"expected layers as range\(a, b\)"):
             TransformersMoEStage(plain, bad)

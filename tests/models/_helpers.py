@@ -27,6 +27,17 @@ SMALL = GPTMoEConfig(
     moe_router_topk=2,
 )
 
+GPU_BF16 = GPTMoEConfig(
+    hidden_size=256,
+    num_layers=3,
+    num_attention_heads=4,
+    num_experts=8,
+    moe_ffn_hidden_size=128,
+    moe_shared_expert_hidden_size=128,
+    dtype=torch.bfloat16,
+)
+"""The GPU tests' model: bf16, every layer MoE with a shared expert."""
+
 
 def microbatches(
     n: int, *, vocab: int, batch: int = 2, seq: int = 16, seed: int = 0, padded: bool = False

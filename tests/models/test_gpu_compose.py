@@ -5,6 +5,7 @@ Skipped without a GPU (run on the lent H200).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -14,7 +15,8 @@ import torch._dynamo
 
 from moe_overlap import Microbatch, combined_1f1b, make_streams
 from moe_overlap.blocks import finish_wgrad
-from moe_overlap.models import GPTMoEConfig, GPTMoEModel
+from moe_overlap.models import GPTMoEModel
+from tests.models._helpers import GPU_BF16
 
 pytestmark = [
     pytest.mark.gpu,
@@ -24,17 +26,7 @@ pytestmark = [
 
 def _model(recompute: tuple[str, ...], delay: bool, compiled: bool) -> GPTMoEModel:
     parts: Any = recompute  # names as data, checked by the config
-    config = GPTMoEConfig(
-        hidden_size=256,
-        num_layers=3,
-        num_attention_heads=4,
-        num_experts=8,
-        moe_ffn_hidden_size=128,
-        moe_shared_expert_hidden_size=128,
-        delay_wgrad_compute=delay,
-        dtype=torch.bfloat16,
-        recompute=parts,
-    )
+    config = dataclasses.replace(GPU_BF16, delay_wgrad_compute=delay, recompute=parts)
     model = GPTMoEModel(config, device="cuda")
     if compiled:
         for layer in model.layer_list:

@@ -6,6 +6,7 @@ Skipped without a GPU (run on the lent H200).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -22,7 +23,8 @@ from moe_overlap import (
     make_streams,
 )
 from moe_overlap.blocks import discard_wgrad, finish_wgrad
-from moe_overlap.models import GPTMoEConfig, GPTMoEModel
+from moe_overlap.models import GPTMoEModel
+from tests.models._helpers import GPU_BF16
 
 pytestmark = [
     pytest.mark.gpu,
@@ -50,17 +52,11 @@ def _model(
     aux: float = 0.0,
 ) -> GPTMoEModel:
     kind: Any = dispatcher
-    config = GPTMoEConfig(
-        hidden_size=256,
-        num_layers=3,
-        num_attention_heads=4,
-        num_experts=8,
-        moe_ffn_hidden_size=128,
-        moe_shared_expert_hidden_size=128,
+    config = dataclasses.replace(
+        GPU_BF16,
         moe_aux_loss_coeff=aux,
         delay_wgrad_compute=delay,
         dispatcher=kind,
-        dtype=torch.bfloat16,
         cuda_graph_modules=graphs,
     )
     return GPTMoEModel(config, device="cuda")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +19,7 @@ from torch.distributed.checkpoint.state_dict import (
 from moe_overlap import ConfigError
 from moe_overlap.blocks import StageLayers
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel, GPTMoEStage
+from tests.adapters._hf import qwen3_moe
 
 CONFIG = GPTMoEConfig(
     num_layers=4,
@@ -132,24 +132,8 @@ def test_plain_state_dicts_between_stages_and_the_whole_model() -> None:
 
 
 def _qwen3_moe(**overrides: object) -> nn.Module:
-    t: Any = importlib.import_module("transformers")
-    kwargs: dict[str, object] = dict(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        intermediate_size=48,
-        max_position_embeddings=64,
-        mlp_only_layers=[1],
-    )
-    kwargs.update(overrides)
-    torch.manual_seed(0)
-    model: nn.Module = t.Qwen3MoeForCausalLM(t.Qwen3MoeConfig(**kwargs))
-    return model
+    """The shared Qwen3-MoE with layer 1 dense."""
+    return qwen3_moe(**{"mlp_only_layers": [1], **overrides})
 
 
 def test_transformers_stages_and_save_pretrained_keep_the_model_s_names(tmp_path: Path) -> None:
