@@ -246,3 +246,38 @@ def test_first_step_check_skips_what_it_cannot_compare() -> None:
     )
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.strip() == "ok"
+
+
+def test_debug_mode_runs_the_pipelining_integration_and_protocol_errors() -> None:
+    """Beartype resolves every annotation of the pipelining package (its private torch types
+    are opaque at run time) and of the rule tables' error path (a refused stage module is the
+    library's own error, not a beartype forward-reference failure)."""
+    out = run(
+        """
+        from torch import nn
+        from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+        import moe_overlap as m
+        from moe_overlap.integrations.pipelining import pair_overlap_f_b
+        from moe_overlap.protocols import contract_of
+
+        class Stage:
+            def __init__(self, index, n):
+                self.stage_index, self.num_stages = index, n
+                self.group_size, self.group_rank = 2, 0
+                self.is_first, self.is_last = index == 0, index == n - 1
+                self.submod = nn.Identity()
+
+        schedule = ScheduleInterleaved1F1B(
+            [Stage(0, 4), Stage(2, 4)], n_microbatches=4, loss_fn=lambda a, b: a
+        )
+        order = {r: list(a) for r, a in schedule.pipeline_order.items()}
+        lowered = pair_overlap_f_b(order, num_stages=4, stage_to_rank=lambda s: s % 2)
+        assert any(a is not None and a.sub_actions for a in lowered[0])
+        error = contract_of(m.PreprocessableModel).error(nn.Linear(2, 2), "stage module")
+        assert isinstance(error, m.IntegrationError), error
+        print("ok")
+        """,
+        debug=True,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Generator, Iterable, Mapping
+from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Generic, NamedTuple, TypeVar, cast
+from typing import Any, Generic, TypeVar, cast
 
 from ._errors import ConfigError, IntegrationError, MoeOverlapError
 from ._protocols import (
@@ -204,8 +205,13 @@ def method(
     return Member(name, Kind.METHOD, CALLABLE, when=when, when_words=when_words, hint=hint)
 
 
-class Problem(NamedTuple):
-    """The first thing an object gets wrong, found by :meth:`Contract.problem`."""
+@dataclass(frozen=True, slots=True)
+class Problem:
+    """The first thing an object gets wrong, found by :meth:`Contract.problem`.
+
+    A dataclass, not a NamedTuple: debug mode's beartype resolves ``Contract`` in this
+    module, which it cannot do for a NamedTuple's generated ``__new__``.
+    """
 
     path: tuple[str, ...]
     """The member names from the checked object down to ``holder`` (empty: the object)."""

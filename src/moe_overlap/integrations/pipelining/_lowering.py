@@ -7,15 +7,11 @@ no stage, no plan; tested on schedule data as torch tests its own lowering.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING
 
 from moe_overlap import ConfigError
 from moe_overlap.engine.args import CALLABLE, POSITIVE, Instance, check_arg
 from moe_overlap.integrations.pipelining import _torch
-from moe_overlap.integrations.pipelining._torch import check_torch
-
-if TYPE_CHECKING:
-    from moe_overlap.integrations.pipelining._torch import Action
+from moe_overlap.integrations.pipelining._torch import Action, check_torch
 
 __all__ = ["Order", "check_actions", "describe", "pair_overlap_f_b"]
 

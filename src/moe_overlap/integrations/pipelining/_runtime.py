@@ -13,7 +13,7 @@ from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -42,11 +42,8 @@ from moe_overlap.inputs import check_inputs
 from moe_overlap.integrations._consensus import Phase, StepConsensus, Verdict
 from moe_overlap.integrations.pipelining import _torch
 from moe_overlap.integrations.pipelining._lowering import check_actions, describe, pair_overlap_f_b
-from moe_overlap.integrations.pipelining._torch import check_torch
+from moe_overlap.integrations.pipelining._torch import Action, Context, Stage, check_torch
 from moe_overlap.steps import StepObserver
-
-if TYPE_CHECKING:
-    from moe_overlap.integrations.pipelining._torch import Action, Context, Stage
 
 __all__ = ["PipelineOverlap", "prepare_schedule"]
 

@@ -66,6 +66,11 @@ if TYPE_CHECKING:
     """What torch hands a custom function besides its action (the step's microbatches)."""
     Stage: TypeAlias = _PipelineStageBase
     """A pipeline stage (``PipelineStage``)."""
+else:
+    # At run time the aliases stay opaque: torch's pipelining is imported only after
+    # check_torch, and debug mode's beartype resolves annotations through these names (the
+    # integration checks stages and actions itself).
+    Action = Kind = Context = Stage = object
 
 __all__ = [
     "TESTED_TORCH",
