@@ -131,9 +131,9 @@ def test_plain_state_dicts_between_stages_and_the_whole_model() -> None:
     assert all(torch.equal(v, whole[k]) for k, v in again.state_dict().items())
 
 
-def _qwen3_moe(**overrides: object) -> nn.Module:
+def _qwen3_moe() -> nn.Module:
     """The shared Qwen3-MoE with layer 1 dense."""
-    return qwen3_moe(**{"mlp_only_layers": [1], **overrides})
+    return qwen3_moe(mlp_only_layers=[1])
 
 
 def test_transformers_stages_and_save_pretrained_keep_the_model_s_names(tmp_path: Path) -> None:
