@@ -1672,7 +1672,7 @@ def test_debug_mode_catalogue() -> None:
     code = f"""
         import copy, re, sys
         import moe_overlap as mo
-        from tests import test_error_catalogue as cat
+        from tests.engine import test_error_catalogue as cat
         from tests.engine.toy_model import ToyModel, grads, make_microbatches, plain_step
         from tests.engine.test_parity import assert_same
         cases = {DEBUG_CASES!r}
@@ -1829,7 +1829,7 @@ def test_crash_catalogue() -> None:
     code = f"""
         import copy, re
         import moe_overlap as mo
-        from tests import test_error_catalogue as cat
+        from tests.engine import test_error_catalogue as cat
         from tests.engine.toy_model import ToyModel, grads, make_microbatches, plain_step
         from tests.engine.test_parity import assert_same
         for case_id, (fn, pattern) in {CRASH_CASES!r}.items():
