@@ -51,3 +51,23 @@ def test_bench_slice_graphs_smoke(tmp_path: Path) -> None:
     report = json.loads((tmp_path / "slice_graphs.json").read_text())
     assert [m for m in report if m != "config"] == ["eager", "attn", "attn+router"]
     assert all(report[m].get("bit_identical_to_eager") for m in ("eager", "attn", "attn+router"))
+
+
+def test_ab_calls_counts_the_same_tree_the_same() -> None:
+    """Call counts are deterministic: a tree against itself differs by no call."""
+    src = str(ROOT / "src")
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "ab_calls.py"), "--a", src, "--b", src],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=ROOT,
+        env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    for mode in ("serial", "overlapped"):
+        assert summary[mode]["b_over_a"] == 1.0, summary[mode]
+        assert summary[mode]["most_changed"] == {}, summary[mode]
+        assert summary[mode]["a_calls_per_node"] > 10

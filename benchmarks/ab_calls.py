@@ -1,0 +1,87 @@
+"""A/B of the schedule's host work in Python calls: deterministic where timings are noise.
+
+``python benchmarks/ab_calls.py --a /tmp/base/src --b src`` runs ``bench_host.py``'s trivial
+model (8 layers, 8 microbatches) under ``cProfile`` with ``PYTHONPATH`` set to each ``src``
+folder in turn and prints the Python function calls per node of a serial and an
+overlapped ``combined_1f1b`` step, and the functions whose call counts differ most. A call
+count is the same on every machine and every run, so a change of the per-node path shows
+even on a loaded 2-core machine; what each call costs is ``ab_host.py``'s to measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+STEPS = 5
+_CHILD = f"""
+import cProfile, gc, json, pstats, re, sys
+sys.path.insert(0, {str(HERE)!r})
+import torch
+import bench_host as bh
+from moe_overlap import Microbatch, combined_1f1b, make_streams
+
+torch.set_num_threads(1)
+model = bh.TrivialModel(8)
+mbs = [Microbatch(decoder_input=torch.randn(4)) for _ in range(8)]
+streams = make_streams("cpu")
+out = {{}}
+for name, overlap in (("serial", False), ("overlapped", True)):
+    for _ in range(3):  # warm: first-call caches and memoized checks
+        combined_1f1b(model, mbs, overlap=overlap, streams=streams)
+    gc.collect()
+    gc.disable()  # a collection's finalizers would be counted wherever it happens to run
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range({STEPS}):
+        combined_1f1b(model, mbs, overlap=overlap, streams=streams)
+    profile.disable()
+    gc.enable()
+    calls = {{}}
+    for (path, _, fn), (_, n, *_rest) in pstats.Stats(profile).stats.items():
+        key = path.split("moe_overlap/")[-1] + ":" + re.sub(r" at 0x[0-9a-f]+", "", fn)
+        calls[key] = calls.get(key, 0) + n
+    out[name] = calls
+print(json.dumps(out))
+"""
+NODES_PER_STEP = 8 * (8 * 4 + 2) * 2  # microbatches x (4 slots x layers + pre/post) x F/B
+
+
+def _calls(src: str) -> dict[str, dict[str, int]]:
+    env = {**os.environ, "PYTHONPATH": src}
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, check=True
+    )
+    data: dict[str, dict[str, int]] = json.loads(out.stdout)
+    return data
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Python calls per node of two library trees")
+    p.add_argument("--a", required=True, help="the baseline's src folder")
+    p.add_argument("--b", required=True, help="the candidate's src folder")
+    p.add_argument("--top", type=int, default=10, help="how many differing functions to list")
+    args = p.parse_args(argv)
+    a, b = _calls(args.a), _calls(args.b)
+    summary: dict[str, object] = {"a_src": args.a, "b_src": args.b}
+    for mode in ("serial", "overlapped"):
+        ta, tb = sum(a[mode].values()), sum(b[mode].values())
+        per = STEPS * NODES_PER_STEP
+        diff = {k: b[mode].get(k, 0) - a[mode].get(k, 0) for k in set(a[mode]) | set(b[mode])}
+        top = sorted(diff.items(), key=lambda kv: -abs(kv[1]))[: args.top]
+        summary[mode] = {
+            "a_calls_per_node": ta / per,
+            "b_calls_per_node": tb / per,
+            "b_over_a": tb / ta,
+            "most_changed": {k: v for k, v in top if v},
+        }
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
