@@ -1,9 +1,9 @@
 """A/B of the schedule's host work in Python calls: deterministic where timings are noise.
 
 ``python benchmarks/ab_calls.py --a /tmp/base/src --b src`` runs ``bench_host.py``'s trivial
-model (8 layers, 8 microbatches) under ``cProfile`` with ``PYTHONPATH`` set to each ``src``
-folder in turn and prints the Python function calls per node of a serial and an
-overlapped ``combined_1f1b`` step, and the functions whose call counts differ most. A call
+model (8 layers, 8 microbatches) under a call counter (``sys.setprofile``) with
+``PYTHONPATH`` set to each ``src`` folder in turn and prints the function calls (Python and
+C) per node of a serial and an overlapped ``combined_1f1b`` step, and the functions whose call counts differ most. A call
 count is the same on every machine and every run, so a change of the per-node path shows
 even on a loaded 2-core machine; what each call costs is ``ab_host.py``'s to measure.
 """
@@ -20,7 +20,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 STEPS = 5
 _CHILD = f"""
-import cProfile, gc, json, pstats, re, sys
+import gc, json, re, sys
 sys.path.insert(0, {str(HERE)!r})
 import torch
 import bench_host as bh
@@ -34,26 +34,35 @@ out = {{}}
 for name, overlap in (("serial", False), ("overlapped", True)):
     for _ in range(3):  # warm: first-call caches and memoized checks
         combined_1f1b(model, mbs, overlap=overlap, streams=streams)
+    counts = {{}}
+
+    def count(frame, event, arg):
+        # Every call, Python or C, added up by name (cProfile's table keeps one entry per
+        # name and line, so generated functions sharing one would overwrite each other).
+        if event == "call":
+            code = frame.f_code
+            key = code.co_filename.split("moe_overlap/")[-1] + ":" + code.co_name
+        elif event == "c_call":
+            key = "~:" + getattr(arg, "__qualname__", repr(arg))
+        else:
+            return
+        counts[key] = counts.get(key, 0) + 1
+
     gc.collect()
     gc.disable()  # a collection's finalizers would be counted wherever it happens to run
-    profile = cProfile.Profile()
-    profile.enable()
+    sys.setprofile(count)
     for _ in range({STEPS}):
         combined_1f1b(model, mbs, overlap=overlap, streams=streams)
-    profile.disable()
+    sys.setprofile(None)
     gc.enable()
-    calls = {{}}
-    for (path, _, fn), (_, n, *_rest) in pstats.Stats(profile).stats.items():
-        key = path.split("moe_overlap/")[-1] + ":" + re.sub(r" at 0x[0-9a-f]+", "", fn)
-        calls[key] = calls.get(key, 0) + n
-    out[name] = calls
+    out[name] = {{re.sub(r" at 0x[0-9a-f]+", "", k): v for k, v in counts.items()}}
 print(json.dumps(out))
 """
 NODES_PER_STEP = 8 * (8 * 4 + 2) * 2  # microbatches x (4 slots x layers + pre/post) x F/B
 
 
 def _calls(src: str) -> dict[str, dict[str, int]]:
-    env = {**os.environ, "PYTHONPATH": src}
+    env = {**os.environ, "PYTHONPATH": src, "PYTHONHASHSEED": "0"}  # set orders decide some paths
     out = subprocess.run(
         [sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, check=True
     )
