@@ -9,7 +9,6 @@ This module accepts Megatron-Core's shapes and converts them:
   attention_mask, decoder_input=None, labels=None, packed_seq_params=None,
   extra_block_kwargs=None, runtime_gather_output=None, loss_mask=None, padding_mask=None,
   ...)``, a :class:`~moe_overlap.ModelChunkSchedulePlan`;
-- :func:`microbatch`: the same positional inputs as a :class:`~moe_overlap.Microbatch`;
 - :func:`layer_args`: a dict-shaped ``extra_args`` as a :class:`~moe_overlap.LayerArgs`
   (an unknown key is a :class:`~moe_overlap.ConfigError`);
   :class:`~moe_overlap.TransformerLayerNode` takes either;
@@ -30,6 +29,7 @@ from torch import Tensor
 from moe_overlap import (
     ChunkState,
     LayerArgs,
+    Microbatch,
     ModelChunkSchedulePlan,
     PreprocessableModel,
     SchedulableLayer,
@@ -40,9 +40,8 @@ from moe_overlap import (
 )
 from moe_overlap.engine import AnyEvent
 from moe_overlap.engine import layer_args as layer_args
-from moe_overlap.engine import microbatch as microbatch
 
-__all__ = ["build_schedule_plan", "layer_args", "layer_schedule_plan", "microbatch"]
+__all__ = ["build_schedule_plan", "layer_args", "layer_schedule_plan"]
 
 _DEFAULT_OPTIONS = ScheduleOptions()
 
@@ -72,17 +71,17 @@ def build_schedule_plan(
     inputs (the order of its ``build_schedule_plan``); the keywords are the plan's."""
     return ModelChunkSchedulePlan(
         model,
-        microbatch(
-            input_ids,
-            position_ids,
-            attention_mask,
-            decoder_input,
-            labels,
-            packed_seq_params,
-            extra_block_kwargs,
-            runtime_gather_output,
-            loss_mask,
-            padding_mask,
+        Microbatch(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            decoder_input=decoder_input,
+            labels=labels,
+            packed_seq_params=packed_seq_params,
+            extra_block_kwargs=extra_block_kwargs,
+            runtime_gather_output=runtime_gather_output,
+            loss_mask=loss_mask,
+            padding_mask=padding_mask,
         ),
         output_processor=output_processor,
         output_processor_context=output_processor_context,

@@ -56,7 +56,6 @@ from moe_overlap.engine._macro import format_macro as format_macro
 from moe_overlap.engine._macro import macro_steps as macro_steps
 from moe_overlap.engine._macro import parse_macro as parse_macro
 from moe_overlap.engine._megatron import layer_args as layer_args
-from moe_overlap.engine._megatron import microbatch as microbatch
 from moe_overlap.engine._microbatch import Microbatch as Microbatch
 from moe_overlap.engine._node import NoopScheduleNode as NoopScheduleNode
 from moe_overlap.engine._node import ScheduleNode as ScheduleNode
@@ -200,7 +199,6 @@ __all__ = [
     "macro_steps",
     "make_event",
     "make_streams",
-    "microbatch",
     "owed_wgrad",
     "parse_macro",
     "pending_count",

@@ -1,23 +1,21 @@
-"""Megatron-Core's input shapes converted to the engine's: what the engine itself accepts
-(:class:`~moe_overlap.TransformerLayerNode` takes an ``extra_args`` mapping), so it lives in
-the engine's floor. Public, with the plan builders, as :mod:`moe_overlap.megatron`."""
+"""Megatron-Core's dict-shaped ``extra_args`` converted to the engine's
+:class:`~moe_overlap.LayerArgs`: the engine itself accepts one
+(:class:`~moe_overlap.TransformerLayerNode`), so it lives in the engine's floor. Public, with
+the plan builders, as :mod:`moe_overlap.megatron`."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import fields
-from typing import Any, cast
-
-from torch import Tensor
+from typing import cast
 
 from ._errors import ConfigError
 from ._layer_args import LayerArgs
-from ._microbatch import Microbatch
 from ._protocols import FreeInputConfig
 from .args import BOOL, POSITIVE, Opt, check_arg
 from .contracts import FREE_INPUT_CONFIG
 
-__all__ = ["layer_args", "microbatch"]
+__all__ = ["layer_args"]
 
 _LOCAL_EXPERTS = Opt(POSITIVE)
 _FLAGS = ("is_moe", "delay_wgrad_compute", "is_mtp", "is_first_layer", "is_last_layer")
@@ -56,31 +54,3 @@ def layer_args(extra_args: Mapping[str, object] | None) -> LayerArgs:
         _LOCAL_EXPERTS,
     )
     return LayerArgs(config=cast(FreeInputConfig, config), num_local_experts=nle, **flags)
-
-
-def microbatch(
-    input_ids: Tensor | None,
-    position_ids: Tensor | None,
-    attention_mask: Tensor | None,
-    decoder_input: Tensor | None = None,
-    labels: Tensor | None = None,
-    packed_seq_params: Any = None,
-    extra_block_kwargs: Mapping[str, object] | None = None,
-    runtime_gather_output: bool | None = None,
-    loss_mask: Tensor | None = None,
-    padding_mask: Tensor | None = None,
-) -> Microbatch:
-    """Megatron's positional chunk inputs, in ``build_schedule_plan``'s order, as a
-    :class:`~moe_overlap.Microbatch`."""
-    return Microbatch(
-        input_ids=input_ids,
-        position_ids=position_ids,
-        attention_mask=attention_mask,
-        decoder_input=decoder_input,
-        labels=labels,
-        packed_seq_params=packed_seq_params,
-        extra_block_kwargs=extra_block_kwargs,
-        runtime_gather_output=runtime_gather_output,
-        loss_mask=loss_mask,
-        padding_mask=padding_mask,
-    )
