@@ -93,3 +93,20 @@ def test_one_checker_for_the_fast_path_and_the_message() -> None:
 
     message = str(LAYER.error(Layer(), "decoder.layers[3]"))
     assert message.startswith("decoder.layers[3]: Layer is not a SchedulableLayer; missing")
+
+
+def test_passing_one_contract_does_not_pass_another() -> None:
+    """Inside one ``combined_1f1b`` call each object is checked once *per contract*: a layer
+    that passed the layer check and lists itself as a delayed-wgrad module is still checked
+    as a WgradLayer (it has no ``backward_dw``) when the plan is built."""
+    from moe_overlap import IntegrationError, combined_1f1b
+    from tests.engine.toy_model import ToyConfig, ToyModel, make_microbatches
+
+    config = ToyConfig()
+    model = ToyModel(config, "mm")
+    model.set_delay(True)
+    layer = model.decoder.layers[0]
+    layer.mlp_wgrad = lambda: [layer]  # the layer itself: a LAYER, not a WGRAD_LAYER
+    with pytest.raises(IntegrationError, match=r"mlp_wgrad\(\)\[0\].*backward_dw"):
+        combined_1f1b(model, make_microbatches(2, config))
+    assert all(p.grad is None for p in model.parameters())

@@ -11,6 +11,7 @@ from ._errors import IntegrationError
 from ._free_input import graph_module_names
 from ._options import Hook
 from ._protocols import CudaGraphModule, GraphedWgradLayer, SchedulableLayer, WgradScope
+from .contracts import WGRAD_LAYER
 
 __all__ = ["BackwardDWWrapper", "_BackwardDWWrapper", "check_wgrad_scopes"]
 
@@ -82,7 +83,7 @@ def check_wgrad_scopes(parts: object, where: str | Callable[[], str]) -> tuple[W
                 f"{named(where)}[{i}].scope: expected a CudaGraphModule, "
                 f"received {type(part.scope).__name__} {part.scope!r}"
             )
-        if not already_checked(part.module):
+        if not already_checked(part.module, WGRAD_LAYER):
             check_wgrad_layer(part.module, Indexed(lambda: named(where), i, ".module"))
     return cast("tuple[WgradScope, ...]", items)
 

@@ -101,7 +101,7 @@ def check_wgrad_layers(
         )
     items = list(cast("Sequence[object]", modules))
     for i, module in enumerate(items):
-        if not already_checked(module):
+        if not already_checked(module, WGRAD_LAYER):
             check_wgrad_layer(module, Indexed(name, i, ""))
     return cast("list[WgradLayer]", items)
 

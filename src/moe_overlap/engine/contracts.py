@@ -98,9 +98,11 @@ def named(where: str | Callable[[], str]) -> str:
     return where if isinstance(where, str) else where()
 
 
-# While a combined_1f1b call runs, an object that passed its check is not checked again for
-# the next microbatch's plan: {id: the object} (held, so its id cannot be reused).
-_memo: dict[int, object] | None = None
+# While a combined_1f1b call runs, an object that passed a contract's check is not checked
+# against it again for the next microbatch's plan: {(id of the contract, id of the object):
+# the object} (held, so its id cannot be reused). Per contract: passing one Protocol's check
+# says nothing of another's (a layer listed as its own wgrad module is still checked as one).
+_memo: dict[tuple[int, int], object] | None = None
 _depth = 0
 
 
@@ -119,17 +121,19 @@ def checks_memoized() -> Generator[None, None, None]:
             _memo = None
 
 
-def already_checked(obj: object) -> bool:
-    """Whether ``obj`` passed a check inside the current :func:`checks_memoized` block."""
+def already_checked(obj: object, contract: object) -> bool:
+    """Whether ``obj`` passed ``contract``'s check inside the current :func:`checks_memoized`
+    block."""
     memo = _memo
-    return memo is not None and memo.get(id(obj)) is obj
+    return memo is not None and memo.get((id(contract), id(obj))) is obj
 
 
-def remember(obj: object) -> None:
-    """Record that ``obj`` passed its check (inside a :func:`checks_memoized` block)."""
+def remember(obj: object, contract: object) -> None:
+    """Record that ``obj`` passed ``contract``'s check (inside a :func:`checks_memoized`
+    block)."""
     memo = _memo
     if memo is not None:
-        memo[id(obj)] = obj
+        memo[(id(contract), id(obj))] = obj
 
 
 class Kind(Enum):
@@ -345,10 +349,10 @@ class Contract(Generic[T]):
     def check(self, obj: object, where: str | Callable[[], str] = "") -> T:
         """``obj`` as the Protocol, or raise :meth:`error`; ``where`` names it (a callable is
         called only then). Inside :func:`checks_memoized`, an object is checked once."""
-        if not already_checked(obj):
+        if not already_checked(obj, self):
             if not self.conforms(obj):
                 raise self.error(obj, named(where))
-            remember(obj)
+            remember(obj, self)
         return cast(T, obj)
 
     def arg(self, *, error: type[MoeOverlapError] = ConfigError, hint: str = "") -> Conforms:
