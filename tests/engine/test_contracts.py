@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
+from typing import Any
 
 import pytest
 import typing_extensions
@@ -105,7 +106,7 @@ def test_passing_one_contract_does_not_pass_another() -> None:
     config = ToyConfig()
     model = ToyModel(config, "mm")
     model.set_delay(True)
-    layer = model.decoder.layers[0]
+    layer: Any = model.decoder.layers[0]
     layer.mlp_wgrad = lambda: [layer]  # the layer itself: a LAYER, not a WGRAD_LAYER
     with pytest.raises(IntegrationError, match=r"mlp_wgrad\(\)\[0\].*backward_dw"):
         combined_1f1b(model, make_microbatches(2, config))
