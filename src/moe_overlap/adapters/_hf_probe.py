@@ -34,6 +34,7 @@ __all__ = [
     "float32_call",
     "float32_copy",
     "probe_ids",
+    "rel_difference",
     "structure_key",
 ]
 
@@ -122,7 +123,7 @@ def _magnitude(t: Tensor) -> float:
     return float(t.detach().abs().max()) if t.numel() else 0.0
 
 
-def _rel(a: Tensor, b: Tensor, floor: float = 0.0) -> float:
+def rel_difference(a: Tensor, b: Tensor, floor: float = 0.0) -> float:
     """``max |a - b|`` relative to ``max(max |b|, floor)`` (absolute when both are 0)."""
     a, b = a.detach(), b.detach()
     scale = max(_magnitude(b), floor)
@@ -157,7 +158,7 @@ def compare_layer(
     out_r = first_tensor(reference(x_ref, *layer_call.args, **dict(layer_call.kwargs)))
     out_c = run(x_cand, ChunkState(Microbatch()))
     worst = (
-        Mismatch("output", _rel(out_c, out_r))
+        Mismatch("output", rel_difference(out_c, out_r))
         if out_c.shape == out_r.shape
         else Mismatch("output shape", float("inf"))
     )
@@ -181,7 +182,7 @@ def compare_layer(
             absent = "no gradient" if got is None else "a gradient the layer does not give"
             return Mismatch(f"{what} (the split gives {absent})", float("inf"))
         if got is not None and want is not None:
-            d = _rel(got, want, floor) if got.shape == want.shape else float("inf")
+            d = rel_difference(got, want, floor) if got.shape == want.shape else float("inf")
             if d > worst.difference:
                 worst = Mismatch(what, d)
     return worst if worst.difference > PROBE_TOLERANCE else None

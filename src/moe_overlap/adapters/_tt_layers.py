@@ -1,0 +1,413 @@
+"""A torchtitan transformer block cut into the four slots of :class:`~moe_overlap.SchedulableLayer`.
+
+Legend: ``B`` batch, ``L`` sequence, ``D`` hidden, ``T = B*L`` tokens, ``K`` top-k,
+``R`` rows the experts receive, ``E`` experts.
+
+MoE block slots (every module and method called is torchtitan's own)::
+
+    pre_dispatch: h = the block's own forward with its ``moe`` stood in for (attention,
+                  norms, the residual add of the attention branch; the stand-in returns a
+                  zero and keeps its input u); the MoE's own forward on u with its
+                  ``routed_experts`` stood in for (router with its expert bias, score
+                  function and grouped routing, the load-balancing token count, shared
+                  experts); the stand-in keeps what the MoE hands its routed experts
+    dispatch:     the block's token dispatcher's own ``dispatch`` (local reorder and, under
+                  torchtitan's expert parallelism, the count exchange and all-to-all)
+    mlp:          the block's own ``inner_experts`` on the received rows
+    combine:      the token dispatcher's own ``combine`` (all-to-all back, scores,
+                  scatter-add), + the MoE's other output (shared experts), + h
+
+Dense blocks run their own ``forward`` whole in pre-dispatch.
+
+The split assumes the block's output is ``h + moe(u)`` and the MoE's is
+``routed + rest``; the adapter's self-check (:mod:`._tt_check`) compares it with the
+block's own forward and backward at construction and refuses a block it does not match.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import NamedTuple, cast
+
+import torch
+from torch import Tensor, nn
+
+from moe_overlap import CudaGraphModule, IntegrationError, WgradLayer, WgradScope
+from moe_overlap.adapters._hf_experts import DelayedLinear, WgradGroup
+from moe_overlap.blocks import (
+    DelayedWgradModule,
+    DenseSlots,
+    MoESlots,
+    SlotContext,
+    single_input,
+)
+from moe_overlap.engine import ChunkState
+from moe_overlap.protocols import FreeInputConfig
+
+__all__ = [
+    "BlockCall",
+    "BlockCalls",
+    "TitanDenseLayer",
+    "TitanLayer",
+    "TitanMoELayer",
+    "delay_titan_linears",
+    "swap",
+]
+
+
+class BlockCall(NamedTuple):
+    """What torchtitan's decoder hands every block: its attention masks and positions."""
+
+    attention_masks: object
+    positions: Tensor | None
+
+
+BlockCalls = Callable[[ChunkState], BlockCall]
+"""The block arguments of a microbatch (computed once per chunk by the adapter)."""
+
+_REST = "moe_overlap.titan.rest"
+_ROUTED = "moe_overlap.titan.routed"
+_DISPATCHED = "moe_overlap.titan.dispatched"
+
+
+@contextmanager
+def swap(parent: nn.Module, name: str, stand_in: nn.Module | None) -> Iterator[None]:
+    """``parent.name`` is ``stand_in`` inside the block (restored after, even on error)."""
+    modules = parent._modules  # pyright: ignore[reportPrivateUsage]
+    original = modules[name]
+    modules[name] = stand_in
+    try:
+        yield
+    finally:
+        modules[name] = original
+
+
+class _Keep(nn.Module):
+    """Stands in for a child: keeps the arguments it is called with, returns a zero of the
+    first one's shape (an expanded scalar: no memory)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.args: tuple[object, ...] | None = None
+        self.out: Tensor | None = None
+
+    def forward(self, *args: object) -> Tensor:
+        first = args[0]
+        if not isinstance(first, Tensor):
+            raise IntegrationError(
+                f"torchtitan adapter stand-in: expected a tensor as the first argument, "
+                f"received {type(first).__name__}"
+            )
+        self.args = args
+        self.out = torch.zeros((), dtype=first.dtype, device=first.device).expand(first.shape)
+        return self.out
+
+    def take(self, where: str, count: int) -> tuple[object, ...]:
+        args, self.args, self.out = self.args, None, None
+        if args is None or len(args) != count:
+            got = "no call" if args is None else f"{len(args)} arguments"
+            raise IntegrationError(
+                f"{where}: expected the stood-in module to be called once with {count} "
+                f"arguments, received {got}"
+            )
+        return args
+
+
+def _tensor(value: object, where: str) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise IntegrationError(f"{where}: expected a tensor, received {type(value).__name__}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class _Routed:
+    """What pre-dispatch hands dispatch besides the slot inputs (no gradient)."""
+
+    expert_ids_TK: Tensor
+    counts_E: Tensor
+    x_TD: Tensor  # detached, for the dispatcher's combine (it reads the shape)
+    shape: torch.Size
+
+
+@dataclass(frozen=True, slots=True)
+class _Dispatched:
+    """What dispatch hands mlp and combine: the received counts and the metadata, whose
+    differentiable tensors went through ``ctx.detach``."""
+
+    counts_e: Tensor
+    metadata: object
+    x_TD: Tensor
+    shape: torch.Size
+
+
+def _detach_metadata(ctx: SlotContext, metadata: object, where: str) -> object:
+    """The dispatcher's metadata with every tensor that carries a gradient cut from the
+    dispatch slot's graph (its gradient flows back when combine's backward runs)."""
+    if not dataclasses.is_dataclass(metadata) or isinstance(metadata, type):
+        if isinstance(metadata, Tensor) and metadata.requires_grad:
+            return ctx.detach(metadata)
+        if isinstance(metadata, (tuple, list)):
+            items = cast("Sequence[object]", metadata)
+            if any(isinstance(t, Tensor) and t.requires_grad for t in items):
+                raise IntegrationError(
+                    f"{where}: the token dispatcher's metadata is a sequence holding tensors "
+                    "with gradients; expected a dataclass (as torchtitan's dispatchers return)"
+                )
+        return metadata
+    changes: dict[str, object] = {}
+    for field in dataclasses.fields(metadata):
+        value: object = getattr(metadata, field.name)
+        if isinstance(value, Tensor) and value.requires_grad:
+            changes[field.name] = ctx.detach(value)
+    return dataclasses.replace(metadata, **changes) if changes else metadata
+
+
+class _BlockBase:
+    """What dense and MoE blocks share: identity, wgrad bookkeeping."""
+
+    is_moe: bool
+
+    def __init__(
+        self, block: nn.Module, index: int, name: str, calls: BlockCalls, config: FreeInputConfig
+    ) -> None:
+        self.layer = block
+        self.config = config
+        self.index = index
+        self.name = name
+        self.calls = calls
+
+    def where(self, slot: str) -> str:
+        return f"{self.name} ({type(self.layer).__name__}) {slot}"
+
+    def delayed_modules(self) -> tuple[DelayedWgradModule, ...]:
+        raise NotImplementedError
+
+    @property
+    def pending_wgrad(self) -> int:
+        """Weight gradients the block's delayed modules still owe."""
+        return sum(m.pending_wgrad for m in self.delayed_modules())
+
+    def discard_wgrad(self) -> None:
+        """Drop the pending weight gradients (after a failed step)."""
+        for module in self.delayed_modules():
+            module.discard_wgrad()
+
+
+class TitanDenseLayer(DenseSlots, _BlockBase):
+    """A block without routed experts: its own ``forward``, whole, in pre-dispatch."""
+
+    def __init__(
+        self,
+        block: nn.Module,
+        index: int,
+        name: str,
+        calls: BlockCalls,
+        config: FreeInputConfig,
+        *,
+        delayed: Sequence[DelayedLinear] = (),
+    ) -> None:
+        super().__init__(block, index, name, calls, config)
+        self.group = WgradGroup(delayed)
+
+    def forward(self, x_BLD: Tensor, chunk_state: ChunkState) -> Tensor:
+        call = self.calls(chunk_state)
+        out: object = self.layer(x_BLD, call.attention_masks, call.positions)
+        return _tensor(out, self.where("forward"))
+
+    def slot_pre_dispatch(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
+        return self.forward(single_input(inputs, self.where("pre_dispatch")), node.chunk_state)
+
+    def slot_mlp(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> tuple[Tensor, ...]:
+        del node
+        return inputs
+
+    def run_plain(self, x_BLD: Tensor, chunk_state: ChunkState) -> Tensor:
+        return self.forward(x_BLD, chunk_state)
+
+    def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
+        if not self.group.modules:
+            return []
+        return [WgradScope(CudaGraphModule.attn, self.group)]
+
+    def mlp_wgrad(self) -> Sequence[WgradLayer]:
+        return []
+
+    def delayed_modules(self) -> tuple[DelayedWgradModule, ...]:
+        return self.group.modules
+
+
+class TitanMoELayer(_BlockBase, MoESlots):
+    """A torchtitan block with a ``moe`` (torchtitan's ``MoE``), split as the module
+    docstring says."""
+
+    def __init__(
+        self,
+        block: nn.Module,
+        index: int,
+        name: str,
+        calls: BlockCalls,
+        config: FreeInputConfig,
+        *,
+        attention_delayed: Sequence[DelayedLinear] = (),
+        moe_delayed: Sequence[DelayedLinear] = (),
+    ) -> None:
+        super().__init__(block, index, name, calls, config)
+        self.moe = block.get_submodule("moe")
+        self.routed_experts = self.moe.get_submodule("routed_experts")
+        self.inner_experts = self.routed_experts.get_submodule("inner_experts")
+        dispatcher: object = getattr(self.routed_experts, "token_dispatcher", None)
+        if dispatcher is None or not callable(getattr(dispatcher, "dispatch", None)):
+            raise IntegrationError(
+                f"{self.where('dispatch')}: expected moe.routed_experts.token_dispatcher with "
+                f"dispatch/combine (torchtitan's), received {type(dispatcher).__name__}"
+            )
+        self.dispatcher = dispatcher
+        self.attention_group = WgradGroup(attention_delayed)
+        self.moe_group = WgradGroup(moe_delayed)
+        self._moe_stand_in = _Keep()
+        self._routed_stand_in = _Keep()
+
+    @property
+    def num_local_experts(self) -> int:
+        n: object = getattr(self.inner_experts, "num_experts", None)
+        w: object = getattr(self.inner_experts, "w1_EFD", None)
+        if isinstance(w, Tensor):  # the local shard under expert parallelism
+            local = getattr(w, "to_local", None)
+            t = cast("Tensor", local()) if callable(local) else w
+            return int(t.shape[0])
+        return n if isinstance(n, int) else 1
+
+    # --- the math, once, for the slots and the plain path --------------------------------
+    def pre_dispatch(self, ctx: SlotContext, x_BLD: Tensor) -> tuple[Tensor, Tensor]:
+        call = self.calls(ctx.chunk_state)
+        keep_moe, keep_routed = self._moe_stand_in, self._routed_stand_in
+        with swap(self.layer, "moe", keep_moe):
+            h = _tensor(
+                self.layer(x_BLD, call.attention_masks, call.positions), self.where("block")
+            )
+        (u,) = keep_moe.take(self.where("pre_dispatch: the block's moe"), 1)
+        u_BLD = _tensor(u, self.where("moe input"))
+        with swap(self.moe, "routed_experts", keep_routed):
+            rest: object = self.moe(u_BLD)
+            stood_in_out = keep_routed.out
+        x_in, scores, ids, counts = keep_routed.take(
+            self.where("pre_dispatch: the MoE's routed_experts"), 4
+        )
+        x_BLD_in = _tensor(x_in, self.where("routed input"))
+        scores_BLK = _tensor(scores, self.where("routing scores"))
+        ids_BLK = _tensor(ids, self.where("expert ids"))
+        counts_E = _tensor(counts, self.where("token counts"))
+        B, L, D = x_BLD_in.shape
+        T, K = B * L, scores_BLK.shape[-1]
+        x_TD = x_BLD_in.reshape(T, D)
+        state = ctx.layer_state
+        state.residual = ctx.detach(h)
+        # What the MoE adds to its routed experts' output (shared experts); nothing when
+        # its output is the stand-in's own.
+        if rest is stood_in_out:
+            state.stash(_REST, None)
+        else:
+            r = _tensor(rest, self.where("moe output"))
+            state.stash(_REST, ctx.detach(r) if r.requires_grad else r)
+        state.stash(
+            _ROUTED,
+            _Routed(
+                ids_BLK.reshape(T, K).detach(),
+                counts_E.detach(),
+                x_TD.detach(),
+                x_BLD_in.shape,
+            ),
+        )
+        return x_TD, scores_BLK.reshape(T, K)
+
+    def dispatch(self, ctx: SlotContext, x_TD: Tensor, scores_TK: Tensor) -> Tensor:
+        where = self.where("dispatch")
+        routed = ctx.layer_state.take(_ROUTED, _Routed)
+        dispatch = cast("Callable[..., tuple[Tensor, Tensor, object]]", self.dispatcher.dispatch)  # type: ignore[attr-defined]
+        received_RD, counts_e, metadata = dispatch(
+            x_TD, scores_TK, routed.expert_ids_TK, routed.counts_E
+        )
+        ctx.layer_state.stash(
+            _DISPATCHED,
+            _Dispatched(
+                _tensor(counts_e, where).detach(),
+                _detach_metadata(ctx, metadata, where),
+                routed.x_TD,
+                routed.shape,
+            ),
+        )
+        return _tensor(received_RD, where)
+
+    def mlp_forward(self, ctx: SlotContext, received_RD: Tensor) -> Tensor:
+        d = ctx.layer_state.take(_DISPATCHED, _Dispatched)
+        from torchtitan.distributed.spmd_types import maybe_set_sparse_mesh
+
+        with maybe_set_sparse_mesh():
+            out: object = self.inner_experts(received_RD, d.counts_e)
+        return _tensor(out, self.where("mlp"))
+
+    def combine(self, ctx: SlotContext, out_RD: Tensor) -> Tensor:
+        state = ctx.layer_state
+        d = state.take(_DISPATCHED, _Dispatched)
+        combine = cast("Callable[..., Tensor]", self.dispatcher.combine)  # type: ignore[attr-defined]
+        out_TD = _tensor(combine(out_RD, d.metadata, d.x_TD), self.where("combine"))
+        B, _, D = d.shape
+        m = out_TD.view(B, -1, D)
+        rest: object = state.extras.get(_REST)
+        if isinstance(rest, Tensor):
+            m = m + rest
+        residual = state.residual
+        if residual is None:
+            raise IntegrationError(
+                f"{self.where('combine')}: expected the residual from pre_dispatch, received None"
+            )
+        state.residual = None
+        return residual + m
+
+    # --- delayed weight gradients ---------------------------------------------------------
+    def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
+        scopes: list[WgradScope] = []
+        if self.attention_group.modules:
+            scopes.append(WgradScope(CudaGraphModule.attn, self.attention_group))
+        if self.moe_group.modules:
+            scopes.append(WgradScope(CudaGraphModule.moe_router, self.moe_group))
+        return scopes
+
+    def mlp_wgrad(self) -> Sequence[WgradLayer]:
+        return []
+
+    def delayed_modules(self) -> tuple[DelayedWgradModule, ...]:
+        return self.attention_group.modules + self.moe_group.modules
+
+
+TitanLayer = TitanDenseLayer | TitanMoELayer
+"""A layer of :class:`~moe_overlap.adapters.torchtitan.TorchtitanMoEAdapter`."""
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    """An ``nn.Linear`` (or a subclass that keeps its ``forward``, as torchtitan's)."""
+    return isinstance(module, nn.Linear) and type(module).forward is nn.Linear.forward
+
+
+def delay_titan_linears(
+    parent: nn.Module, *, skip: tuple[nn.Module, ...] = ()
+) -> list[DelayedLinear]:
+    """Swap every linear under ``parent`` (not under ``skip``) for a :class:`DelayedLinear`
+    sharing its parameters (same ``state_dict`` keys); returns them."""
+    found: list[DelayedLinear] = []
+    for name, child in list(parent.named_children()):
+        if any(child is s for s in skip):
+            continue
+        if isinstance(child, DelayedLinear):
+            child.delay_wgrad = True
+            found.append(child)
+        elif _plain_linear(child):
+            swapped = DelayedLinear(cast("nn.Linear", child), delay_wgrad=True)
+            setattr(parent, name, swapped)
+            found.append(swapped)
+        else:
+            found += delay_titan_linears(child, skip=skip)
+    return found

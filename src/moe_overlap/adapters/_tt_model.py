@@ -1,0 +1,552 @@
+"""A torchtitan decoder model as a :class:`~moe_overlap.PreprocessableModel`.
+
+Legend: ``B`` batch, ``L`` sequence, ``D`` hidden, ``V`` vocabulary.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import cast
+
+import torch
+from torch import Tensor, nn
+
+from moe_overlap import ConfigError, CudaGraphModule, IntegrationError, ScheduleOptions
+from moe_overlap.adapters._hf_model import ADAPTER_CONFIG_SPECS
+from moe_overlap.adapters._hf_probe import (
+    GRADIENT_FLOOR,
+    PROBE_TOLERANCE,
+    Mismatch,
+    failing_module,
+    rel_difference,
+)
+from moe_overlap.adapters._tt_layers import (
+    BlockCall,
+    TitanDenseLayer,
+    TitanLayer,
+    TitanMoELayer,
+    delay_titan_linears,
+    swap,
+)
+from moe_overlap.blocks import MegatronHooks
+from moe_overlap.engine import Bypass, BypassedModule, ChunkState, check_wgrad_done
+from moe_overlap.engine.args import BOOL, MODULE, check_arg, check_fields
+
+__all__ = ["LossFn", "SelfCheckReport", "TitanConfig", "TitanDecoder", "TorchtitanMoEAdapter"]
+
+LossFn = Callable[[Tensor, Tensor], object]
+"""``loss_fn(logits, labels)``: a scalar tensor, or a tuple whose first item is one (what
+a torchtitan ``BaseLoss`` returns)."""
+
+PROBE_TOKENS = 8
+"""The self-check's probe: two sequences of this many tokens."""
+
+IGNORE_INDEX = -100
+"""torchtitan's (and torch's) ignored label."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TitanConfig:
+    """The configuration the schedule reads (free-input policy): the all-to-all dispatcher,
+    no FP8/FP4, no CUDA graphs, no MTP."""
+
+    delay_wgrad_compute: bool = False
+    moe_token_dispatcher_type: str = "alltoall"
+    moe_flex_dispatcher_backend: str | None = None
+    fp8: str | None = None
+    fp4: str | None = None
+    cuda_graph_modules: tuple[CudaGraphModule, ...] = ()
+    mtp_num_layers: int | None = None
+
+    def __post_init__(self) -> None:
+        check_fields(self, ADAPTER_CONFIG_SPECS)
+
+
+class TitanDecoder:
+    """``decoder`` as the schedule sees it: the adapted blocks; final norm in post-process."""
+
+    def __init__(self, layers: tuple[TitanLayer, ...]) -> None:
+        self.layers = layers
+        self.input_tensor: Tensor | None = None
+        self.final_layernorm: Callable[[Tensor], Tensor] | None = None
+
+
+@dataclass(slots=True)
+class SelfCheckReport:
+    """What the construction-time self-check did: per structure, the blocks it stands for
+    and the largest difference found (relative; see ``PROBE_TOLERANCE``)."""
+
+    enabled: bool
+    seconds: float = 0.0
+    structures: list[tuple[str, list[str], float]] = field(
+        default_factory=list[tuple[str, list[str], float]]
+    )
+
+
+class _Stop(Exception):  # noqa: N818 - control flow, never seen by a user
+    def __init__(self, value: Tensor) -> None:
+        super().__init__("stand-in reached")
+        self.value = value
+
+
+class _StopHere(nn.Module):
+    """Stands in for the final norm: ends the model's forward, handing on its input."""
+
+    def forward(self, h: Tensor) -> Tensor:
+        raise _Stop(h)
+
+
+_OUTSIDE = (
+    "the adapter runs its forward only around stand-ins for its blocks (the embedding; the "
+    "final norm and LM head), twice per microbatch and never as a whole"
+)
+_MOE_BLOCK = (
+    "the adapter's slots call its forward with its moe stood in for, and the MoE's pieces "
+    "after it"
+)
+_MOE = "the adapter's slots call its forward with its routed_experts stood in for"
+_ROUTED = (
+    "the adapter's slots call its token dispatcher and inner experts, never its forward"
+)
+_DENSE = "the adapter calls the block it was built on, not a wrapper around it"
+
+
+def _titan() -> tuple[type[nn.Module], type[nn.Module]]:
+    """torchtitan's ``Decoder`` and ``MoE`` classes (imported here: torchtitan is optional)."""
+    try:
+        from torchtitan.models.common.decoder import Decoder
+        from torchtitan.models.common.moe import MoE
+    except ImportError as exc:  # pragma: no cover - the extra is installed in CI
+        raise ConfigError(
+            "TorchtitanMoEAdapter: expected torchtitan to be importable "
+            "(pip install 'moe-overlap[torchtitan]' and torchtitan itself), received "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    return cast("type[nn.Module]", Decoder), cast("type[nn.Module]", MoE)
+
+
+def _uses_masks(model: nn.Module) -> bool:
+    """Whether torchtitan's trainer builds attention masks for this model (its first
+    attention's inner attention is flex or varlen)."""
+    from torchtitan.models.common.attention import FlexAttention, VarlenAttention
+
+    config: object = getattr(model, "config", None)
+    first: object = getattr(config, "first_attention", None)
+    inner: object = getattr(first, "inner_attention", None)
+    return isinstance(inner, (FlexAttention.Config, VarlenAttention.Config))
+
+
+def _check_arguments(
+    model: nn.Module, loss_fn: LossFn | None, delay_wgrad_compute: bool, self_check: bool
+) -> None:
+    w = "TorchtitanMoEAdapter"
+    check_arg(w, "model", model, MODULE)
+    check_arg(w, "delay_wgrad_compute", delay_wgrad_compute, BOOL)
+    check_arg(w, "self_check", self_check, BOOL)
+    if loss_fn is not None and not callable(loss_fn):
+        raise ConfigError(
+            f"{w}: loss_fn: expected a callable loss_fn(logits, labels) or None (torchtitan's "
+            f"cross-entropy, mean over the microbatch's labelled tokens), received "
+            f"{type(loss_fn).__name__}"
+        )
+    decoder_cls, _ = _titan()
+    if not isinstance(model, decoder_cls):
+        raise ConfigError(
+            f"{w}: model: expected a torchtitan decoder model (a "
+            f"torchtitan.models.common.decoder.Decoder, as its model registries build), "
+            f"received {type(model).__name__}"
+        )
+    mtp: object = getattr(model, "mtp_layers", None)
+    if isinstance(mtp, nn.ModuleList) and len(mtp) > 0:
+        raise ConfigError(
+            f"{w}: {type(model).__name__}.mtp_layers: expected no multi-token-prediction "
+            f"layers (the adapter schedules the decoder blocks only), received {len(mtp)}; "
+            "build the model with num_mtp_layers=0"
+        )
+
+
+def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    layers: object = getattr(model, "layers", None)
+    if not isinstance(layers, nn.ModuleDict) or len(layers) == 0:
+        raise ConfigError(
+            f"TorchtitanMoEAdapter: {type(model).__name__}.layers: expected a non-empty "
+            f"ModuleDict of transformer blocks, received {type(layers).__name__}"
+        )
+    return list(cast("Iterator[tuple[str, nn.Module]]", layers.items()))
+
+
+def _is_moe(block: nn.Module, moe_cls: type[nn.Module]) -> bool:
+    moe: object = getattr(block, "moe", None)
+    return bool(getattr(block, "moe_enabled", False)) and isinstance(moe, moe_cls)
+
+
+def _structure(block: nn.Module) -> tuple[object, ...]:
+    """Blocks of one structure: the same module classes at the same places."""
+    named = cast("Iterator[tuple[str, nn.Module]]", block.named_modules())
+    mods = tuple((n, type(m).__qualname__) for n, m in named)
+    dispatcher: object = getattr(getattr(block, "moe", None), "routed_experts", None)
+    kind = type(getattr(dispatcher, "token_dispatcher", None)).__qualname__
+    return (type(block).__qualname__, mods, kind)
+
+
+class TorchtitanMoEAdapter(MegatronHooks):
+    """A torchtitan MoE decoder model for :func:`~moe_overlap.combined_1f1b`.
+
+    The adapter holds no weights: it runs and trains ``model``'s own modules, so the
+    optimizer (and torchtitan's load-balancing hook) takes the model as it is, and
+    checkpoints stay torchtitan's. The embedding, final norm and LM head run as the model's
+    own ``forward`` with its blocks stood in for; each MoE block is split into the
+    schedule's four slots by running its own code (see
+    :mod:`moe_overlap.adapters.torchtitan`); dense blocks run whole.
+
+    Args:
+        model: a model built by a torchtitan model registry
+            (``model_registry(flavor).model.build()``, states initialised), on its device,
+            optionally with torchtitan's expert parallelism applied.
+        loss_fn: ``loss_fn(logits, labels)``; ``None``: torchtitan's cross-entropy (sum
+            reduction) over the microbatch's labelled tokens, divided by their number.
+        delay_wgrad_compute: delay the weight gradients of the blocks' linears (attention
+            and shared experts; swapped in place for delayable linears sharing their
+            parameters and ``state_dict`` keys) to the schedule's ``backward_dw``. The
+            routed experts' and the router's weight gradients stay in backward.
+        self_check: compare the split of each distinct block structure with the block's
+            own forward and backward on a float32 probe and refuse a mismatch with
+            :class:`~moe_overlap.ConfigError` (see :attr:`self_check_report`).
+
+    Raises :class:`~moe_overlap.ConfigError` at construction for a model it cannot train
+    exactly, naming the member and the reason.
+    """
+
+    microbatch_inputs = frozenset({"position_ids", "labels"})
+    """What the adapter reads (:class:`~moe_overlap.inputs.DeclaresInputs`): ``position_ids``
+    (torchtitan's ``positions``: RoPE and, for flex/varlen attention, the per-document
+    masks the model builds from them) and ``labels`` (``-100`` ignored)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        loss_fn: LossFn | None = None,
+        delay_wgrad_compute: bool = False,
+        self_check: bool = True,
+    ) -> None:
+        _check_arguments(model, loss_fn, delay_wgrad_compute, self_check)
+        _, moe_cls = _titan()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.config = TitanConfig(delay_wgrad_compute=delay_wgrad_compute)
+        self._blocks = _blocks(model)
+        self._moe = [name for name, b in self._blocks if _is_moe(b, moe_cls)]
+        if not self._moe:
+            raise ConfigError(
+                f"TorchtitanMoEAdapter: {type(model).__name__}: expected MoE blocks (a "
+                "'moe' child that is torchtitan's MoE, with moe_enabled), received none"
+            )
+        self._masks = _uses_masks(model)
+        self._calls: dict[int, BlockCall] = {}
+        self._check_bypassed()
+        self.self_check_report = SelfCheckReport(enabled=self_check)
+        if self_check:
+            self._self_check()
+        self.decoder = TitanDecoder(self._adapt(delay_wgrad_compute))
+        self._label_delayed_modules()
+
+    # --- construction --------------------------------------------------------------------
+    def _adapt(self, delay: bool) -> tuple[TitanLayer, ...]:
+        moe = set(self._moe)
+        adapted: list[TitanLayer] = []
+        for i, (name, block) in enumerate(self._blocks):
+            label = f"layers.{name}"
+            if name not in moe:
+                delayed = delay_titan_linears(block) if delay else []
+                adapted.append(
+                    TitanDenseLayer(block, i, label, self.block_call, self.config, delayed=delayed)
+                )
+                continue
+            m = block.get_submodule("moe")
+            attention = [c for n, c in block.named_children() if n != "moe"]
+            attn_delayed = [d for c in attention for d in delay_titan_linears(c)] if delay else []
+            shared: object = getattr(m, "shared_experts", None)
+            moe_delayed = (
+                delay_titan_linears(shared) if delay and isinstance(shared, nn.Module) else []
+            )
+            adapted.append(
+                TitanMoELayer(
+                    block,
+                    i,
+                    label,
+                    self.block_call,
+                    self.config,
+                    attention_delayed=attn_delayed,
+                    moe_delayed=moe_delayed,
+                )
+            )
+        return tuple(adapted)
+
+    def _label_delayed_modules(self) -> None:
+        named = cast("Iterator[tuple[str, nn.Module]]", self.model.named_modules())
+        names = {id(m): n for n, m in named}
+        for layer in self.decoder.layers:
+            for module in layer.delayed_modules():
+                module.label = names.get(id(module), module.label)
+
+    def _check_bypassed(self) -> None:
+        from moe_overlap.engine import check_module
+
+        for item in self.bypassed_modules():
+            check_module(item.module, item.name, item.reason, item.bypass)
+
+    def _probe(self, device: torch.device) -> tuple[Tensor, BlockCall]:
+        """Two sequences of random hidden states (a private generator) and the block
+        arguments the model builds for them."""
+        dim: object = getattr(getattr(self.model, "config", None), "dim", None)
+        if not isinstance(dim, int):
+            raise ConfigError(
+                f"TorchtitanMoEAdapter: {type(self.model).__name__}.config.dim: expected an "
+                f"int (the hidden size), received {dim!r}"
+            )
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(2, PROBE_TOKENS, dim, generator=g).to(device)
+        positions = torch.arange(PROBE_TOKENS, device=device).expand(2, PROBE_TOKENS)
+        return x, self._block_call(positions)
+
+    def _self_check(self) -> None:
+        """Each distinct block structure's split against the block's own forward/backward."""
+        start = time.perf_counter()
+        report = self.self_check_report
+        p0 = next(self.model.parameters())
+        x, call = self._probe(p0.device)
+        moe = set(self._moe)
+        seen: dict[tuple[object, ...], list[str]] = {}
+        for name, block in self._blocks:
+            if name not in moe:
+                continue
+            key = _structure(block)
+            if key in seen:
+                seen[key].append(name)
+                continue
+            seen[key] = [name]
+            try:
+                worst = _compare(block, name, x, call)
+            except (ConfigError, IntegrationError):
+                raise
+            except Exception as exc:  # torchtitan's own code, run as the adapter runs it
+                raise ConfigError(
+                    f"TorchtitanMoEAdapter: layers.{name}: {failing_module(exc, block)} raised "
+                    f"{type(exc).__name__}: {exc}, when the self-check ran the block's own "
+                    "forward and backward and the adapter's split of it on a float32 probe; "
+                    "expected both to run (or pass self_check=False)"
+                ) from exc
+            if worst.difference > PROBE_TOLERANCE:
+                raise ConfigError(
+                    f"TorchtitanMoEAdapter: layers.{name} ({type(block).__name__}): the "
+                    f"adapter's split of the block differs from its own forward: {worst} "
+                    f"(relative, over {PROBE_TOLERANCE:g}); expected the block's output to be "
+                    "h + moe(u) and the MoE's to be routed_experts(...) + the rest, as "
+                    "torchtitan's blocks compute them. This block cannot be scheduled exactly"
+                )
+            report.structures.append((type(block).__name__, seen[key], worst.difference))
+        report.seconds = time.perf_counter() - start
+
+    # --- the blocks' arguments, per microbatch -------------------------------------------
+    def _block_call(self, positions: Tensor | None) -> BlockCall:
+        masks: object = None
+        if self._masks and positions is not None:
+            get = cast("Callable[[Tensor], object]", self.model.get_attention_masks)
+            masks = get(positions)
+        return BlockCall(masks, positions)
+
+    def block_call(self, chunk_state: ChunkState) -> BlockCall:
+        """What torchtitan's decoder hands every block for this microbatch: the attention
+        masks it builds from the positions (as its trainer does) and the positions."""
+        key = id(chunk_state)
+        call = self._calls.get(key)
+        if call is None:
+            with torch.no_grad():
+                call = self._block_call(chunk_state.position_ids)
+            self._calls[key] = call
+            weakref.finalize(chunk_state, self._calls.pop, key, None)
+        return call
+
+    # --- public helpers -------------------------------------------------------------------
+    def bypassed_modules(self) -> Iterator[BypassedModule]:
+        """The torchtitan modules whose ``forward`` the slots skip or split (checked at
+        every plan build: wrappers, ``compile`` and hooks on them are refused)."""
+        cls = type(self.model).__name__
+        yield BypassedModule(cls, self.model, Bypass.CALLS, _OUTSIDE)
+        moe = set(self._moe)
+        current = dict(_blocks(self.model))
+        for name, block in self._blocks:
+            where = f"{cls}.layers.{name}"
+            if current.get(name) is not block:
+                found = current.get(name)
+                raise ConfigError(
+                    f"{where}: expected the block the adapter was built on, received "
+                    f"{type(found).__name__} in its place (a wrapper put around it after "
+                    "construction, e.g. activation checkpointing, would never run); apply "
+                    "wrappers before building the adapter, or rebuild it"
+                )
+            if name not in moe:
+                yield BypassedModule(where, block, Bypass.WRAPPER, _DENSE)
+                continue
+            m = block.get_submodule("moe")
+            routed = m.get_submodule("routed_experts")
+            yield BypassedModule(where, block, Bypass.OUTPUT, _MOE_BLOCK)
+            yield BypassedModule(f"{where}.moe", m, Bypass.OUTPUT, _MOE)
+            yield BypassedModule(f"{where}.moe.routed_experts", routed, Bypass.FORWARD, _ROUTED)
+
+    @property
+    def pre_process(self) -> bool:
+        return True
+
+    @property
+    def post_process(self) -> bool:
+        return True
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The model's parameters (what the optimizer takes)."""
+        return self.model.parameters()
+
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The model's parameters with their names in the model."""
+        return self.model.named_parameters()
+
+    def schedule_options(
+        self, *, free_input: bool = False, ep_overlap_early_attn_memory_release: bool = False
+    ) -> ScheduleOptions:
+        """Schedule options matching this adapter. ``free_input`` is off: torchtitan's
+        dispatcher and experts may keep their inputs for backward (a ``bfloat16`` cast of
+        a ``bfloat16`` tensor is the tensor itself), so no slot input is released early."""
+        return ScheduleOptions(
+            delay_wgrad_compute=self.config.delay_wgrad_compute,
+            free_input=free_input,
+            ep_overlap_early_attn_memory_release=ep_overlap_early_attn_memory_release,
+        )
+
+    def forward(
+        self, input_ids: Tensor, position_ids: Tensor | None = None, labels: Tensor | None = None
+    ) -> Tensor:
+        """The plain path: the adapter's blocks without a schedule (each one's
+        ``run_plain``) between the model's own embedding and head; the loss with
+        ``labels``, else the logits. Bit-identical to :func:`~moe_overlap.combined_1f1b`."""
+        return self.plain_forward(input_ids, position_ids, labels=labels)
+
+    @property
+    def pending_wgrad(self) -> int:
+        """Delayed weight gradients waiting for ``backward_dw`` (0 after a schedule)."""
+        return sum(layer.pending_wgrad for layer in self.decoder.layers)
+
+    def discard_wgrad(self) -> None:
+        """Drop every pending delayed weight gradient (after a failed step; zero the
+        gradients too)."""
+        for layer in self.decoder.layers:
+            layer.discard_wgrad()
+
+    # --- MegatronHooks: what _preprocess / _postprocess are built on ----------------------
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.embed_at(input_ids, None)
+
+    def embed_at(self, input_ids: Tensor, position_ids: Tensor | None) -> Tensor:
+        """The first block's input, by the model's own ``forward`` (blocks stood in for by
+        none, the final norm by a stop)."""
+        model = self.model
+        try:
+            with swap(model, "layers", nn.ModuleDict()), swap(model, "norm", _StopHere()):
+                model(input_ids, positions=position_ids)
+        except _Stop as stop:
+            return stop.value
+        raise IntegrationError(
+            f"TorchtitanMoEAdapter: {type(model).__name__}.forward: expected it to call its "
+            "final norm after its blocks, received a forward that returned without it"
+        )
+
+    def on_microbatch(self, decoder_input: Tensor) -> None:
+        """Refuse pending weight gradients at the start of a microbatch."""
+        del decoder_input
+        check_wgrad_done(self, when="at the start of a microbatch")
+
+    def output(
+        self, hidden_states: Tensor, labels: Tensor | None, loss_mask: Tensor | None
+    ) -> Tensor:
+        """The model's own final norm and LM head (its ``forward`` with no embedding and no
+        blocks); the loss with ``labels``, else the logits."""
+        if loss_mask is not None:
+            raise ConfigError(
+                "TorchtitanMoEAdapter: torchtitan models take no loss_mask; expected None "
+                "(set ignored label positions to -100), received a tensor"
+            )
+        model = self.model
+        with swap(model, "tok_embeddings", None), swap(model, "layers", nn.ModuleDict()):
+            logits = cast("Tensor", model(hidden_states))
+        if labels is None:
+            return logits
+        if self.loss_fn is not None:
+            out: object = self.loss_fn(logits, labels)
+            if isinstance(out, tuple):
+                out = cast("tuple[object, ...]", out)[0]
+            if not isinstance(out, Tensor):
+                raise IntegrationError(
+                    f"TorchtitanMoEAdapter: loss_fn: expected a tensor (or a tuple starting "
+                    f"with one), received {type(out).__name__}"
+                )
+            return out
+        from torchtitan.components.loss import cross_entropy_loss
+
+        total = cross_entropy_loss(logits, labels)
+        return total / (labels != IGNORE_INDEX).sum()
+
+
+def _float32_copy(block: nn.Module) -> nn.Module:
+    """A float32 training-mode copy sharing the token dispatcher (it holds the
+    expert-parallel mesh, which is not copied)."""
+    memo: dict[int, object] = {}
+    for m in cast("Iterator[nn.Module]", block.modules()):
+        d: object = getattr(m, "token_dispatcher", None)
+        if d is not None:
+            memo[id(d)] = d
+    dup = copy.deepcopy(block, memo)
+    dup.float()
+    dup.train()
+    return dup
+
+
+def _compare(block: nn.Module, name: str, x: Tensor, call: BlockCall) -> Mismatch:
+    """The split (on one float32 copy) against the block's own forward and backward (on
+    another): output, input gradient, parameter gradients."""
+    ref, cand = _float32_copy(block), _float32_copy(block)
+    layer = TitanMoELayer(cand, 0, f"layers.{name}", lambda cs: call, TitanConfig())
+    x_ref = x.detach().clone().requires_grad_()
+    x_cand = x.detach().clone().requires_grad_()
+    out_r = cast("Tensor", ref(x_ref, call.attention_masks, call.positions))
+    from moe_overlap import Microbatch
+
+    out_c = layer.run_plain(x_cand, ChunkState(Microbatch()))
+    if out_c.shape != out_r.shape:
+        return Mismatch("output shape", float("inf"))
+    worst = Mismatch("output", rel_difference(out_c, out_r))
+    g = torch.Generator().manual_seed(1)
+    grad_out = torch.randn(out_r.shape, generator=g).to(out_r.device)
+    torch.autograd.backward(out_r, grad_out)
+    torch.autograd.backward(out_c, grad_out)
+    pairs: list[tuple[str, Tensor | None, Tensor | None]] = [
+        ("input gradient", x_cand.grad, x_ref.grad)
+    ]
+    cand_grads = dict(cast("Iterator[tuple[str, nn.Parameter]]", cand.named_parameters()))
+    for pname, p in cast("Iterator[tuple[str, nn.Parameter]]", ref.named_parameters()):
+        pairs.append((f"gradient of {pname}", cand_grads[pname].grad, p.grad))
+    scale = max((float(w.abs().max()) for _, _, w in pairs if w is not None and w.numel()), default=0.0)
+    floor = GRADIENT_FLOOR * scale
+    for what, got, want in pairs:
+        if (got is None) != (want is None):
+            absent = "no gradient" if got is None else "a gradient the block does not give"
+            return Mismatch(f"{what} (the split gives {absent})", float("inf"))
+        if got is not None and want is not None:
+            d = rel_difference(got, want, floor) if got.shape == want.shape else float("inf")
+            if d > worst.difference:
+                worst = Mismatch(what, d)
+    return worst
+

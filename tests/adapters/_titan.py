@@ -1,0 +1,108 @@
+"""torchtitan models for the tests: built by torchtitan's own registries, tiny, on CPU.
+
+PyTorch's FlexAttention has no backward on CPU, so :func:`causal_stand_in` replaces each
+block's ``inner_attention`` by torchtitan's own ``ScaledDotProductAttention`` (causal), a
+test-only stand-in: :func:`check_stand_in` compares it with flex in forward on the same
+inputs first. On the GPU the tests keep torchtitan's real flex attention.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+
+titan = __import__("pytest").importorskip("torchtitan")
+
+# torchtitan's model registries and the small flavours the tests build.
+FAMILIES: dict[str, tuple[str, str]] = {
+    "deepseek_v3": ("torchtitan.models.deepseek_v3", "debugmodel"),
+    "qwen3": ("torchtitan.models.qwen3", "debugmodel_moe"),
+    "gpt_oss": ("torchtitan.models.gpt_oss", "debugmodel"),
+    "kimi_k2_7": ("torchtitan.models.kimi_k2_7", "debugmodel"),
+}
+
+
+def shrink(config: Any, *, layers: int = 3, dim: int | None = None) -> Any:
+    """The registry's config with fewer layers (the first dense one kept where it is)."""
+    return dataclasses.replace(config, layers=list(config.layers[:layers]))
+
+
+def build(family: str, *, layers: int = 3, seed: int = 0, **registry: object) -> nn.Module:
+    """``family``'s test flavour from torchtitan's registry, states initialised, float32."""
+    import importlib
+
+    module, flavor = FAMILIES[family]
+    if family == "gpt_oss":  # its registry defaults to varlen attention (CUDA only)
+        registry = {"attn_backend": "flex", **registry}
+    spec = importlib.import_module(module).model_registry(flavor, **registry)
+    config = shrink(spec.model, layers=layers)
+    torch.manual_seed(seed)
+    model = cast(nn.Module, config.build())
+    model.init_states(buffer_device=torch.device("cpu"))
+    return model
+
+
+class CausalAttention(nn.Module):
+    """Test-only stand-in for torchtitan's ``FlexAttention`` on CPU (which has no flex
+    backward): causal softmax attention in plain torch ops, with flex's call signature,
+    GQA and its ``out_transform(out, lse)`` hook. Equal to flex for one document per row
+    (positions ``0..L-1``), which is what the tests feed; :func:`check_stand_in` compares."""
+
+    def forward(
+        self,
+        q_BLNH: Tensor,
+        k_BLNH: Tensor,
+        v_BLNH: Tensor,
+        *,
+        attention_masks: object = None,
+        scale: float | None = None,
+        enable_gqa: bool = False,
+        out_transform: Callable[[Tensor, Tensor], Tensor] | None = None,
+        **kwargs: object,
+    ) -> Tensor:
+        del attention_masks, kwargs
+        q, k, v = (t.transpose(1, 2) for t in (q_BLNH, k_BLNH, v_BLNH))
+        if enable_gqa and k.shape[1] != q.shape[1]:
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        s = scale if scale is not None else q.shape[-1] ** -0.5
+        scores = (q @ k.transpose(-2, -1)) * s
+        L = q.shape[2]
+        causal = torch.ones(L, L, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        lse = torch.logsumexp(scores.float(), dim=-1)
+        out = (torch.softmax(scores.float(), dim=-1).to(v.dtype) @ v).transpose(1, 2)
+        if out_transform is None:
+            return out
+        return out_transform(out, lse.transpose(1, 2))
+
+
+def causal_stand_in(model: nn.Module) -> nn.Module:
+    """Each FlexAttention in ``model`` replaced by :class:`CausalAttention`."""
+    from torchtitan.models.common.attention import FlexAttention
+
+    for name, module in list(model.named_modules()):
+        if isinstance(module, FlexAttention):
+            parent_name, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent_name), child, CausalAttention())
+    return model
+
+
+def batch(model: nn.Module, n: int, *, b: int = 2, s: int = 16, seed: int = 1) -> list[dict[str, Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    vocab = int(getattr(model, "config").vocab_size)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, vocab, (b, s + 1), generator=g)
+        out.append(
+            {
+                "input_ids": ids[:, :-1].contiguous(),
+                "labels": ids[:, 1:].contiguous(),
+                "position_ids": torch.arange(s).expand(b, s).contiguous(),
+            }
+        )
+    return out
