@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	# never let a resolver pick a multi-GB CUDA build.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --progress-bar on torch==2.13.0
 	$(BIN)/pip install --progress-bar on -e '.[$(EXTRAS)]'
+	# torchtitan without its declared deps (datasets, wandb, tensorboard, torchdata): what
+	# it imports on CPU is pinned in the torchtitan extra (in dev too).
+	$(BIN)/pip install --progress-bar on --no-deps torchtitan==0.3.0
 	touch $(STAMP)
 
 $(DOCS_STAMP): $(STAMP)

@@ -1,9 +1,13 @@
 """torchtitan models for the tests: built by torchtitan's own registries, tiny, on CPU.
 
 PyTorch's FlexAttention has no backward on CPU, so :func:`causal_stand_in` replaces each
-block's ``inner_attention`` by torchtitan's own ``ScaledDotProductAttention`` (causal), a
-test-only stand-in: :func:`check_stand_in` compares it with flex in forward on the same
-inputs first. On the GPU the tests keep torchtitan's real flex attention.
+block's ``inner_attention`` by :class:`CausalAttention`, a test-only stand-in that
+``test_torchtitan.py`` compares with flex in forward on the same inputs. On the GPU the
+tests keep torchtitan's real flex attention.
+
+The registry's debug flavours are cut to three layers and, where their experts are large
+for a CPU test (Qwen3's 64 experts, gpt-oss's 2880-wide ones), to fewer and narrower
+experts (:data:`TINY_MOE`): the same modules and code paths, smaller tensors.
 """
 
 from __future__ import annotations
@@ -26,20 +30,57 @@ FAMILIES: dict[str, tuple[str, str]] = {
 }
 
 
-def shrink(config: Any, *, layers: int = 3, dim: int | None = None) -> Any:
-    """The registry's config with fewer layers (the first dense one kept where it is)."""
-    return dataclasses.replace(config, layers=list(config.layers[:layers]))
+# Per family: the MoE config fields rewritten for a small CPU test (every ``num_experts``
+# and ``top_k`` in the MoE's config, the router gate's width, the experts' ``hidden_dim``).
+TINY_MOE: dict[str, dict[str, int]] = {
+    "qwen3": {"num_experts": 8, "top_k": 2, "hidden_dim": 64},
+    "gpt_oss": {"hidden_dim": 64},
+}
 
 
-def build(family: str, *, layers: int = 3, seed: int = 0, **registry: object) -> nn.Module:
-    """``family``'s test flavour from torchtitan's registry, states initialised, float32."""
+def _rewrite_moe(config: Any, fields: dict[str, int]) -> Any:
+    """``config`` (a MoE config or one of its parts) with ``fields`` replaced at every
+    depth; the router gate's ``out_features`` follows ``num_experts``."""
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        return config
+    changes: dict[str, Any] = {}
+    for f in dataclasses.fields(config):
+        if not f.init:
+            continue
+        value = getattr(config, f.name)
+        if f.name in fields:
+            changes[f.name] = fields[f.name]
+        elif f.name == "gate" and "num_experts" in fields:
+            changes[f.name] = dataclasses.replace(value, out_features=fields["num_experts"])
+        elif dataclasses.is_dataclass(value):
+            changes[f.name] = _rewrite_moe(value, fields)
+    return dataclasses.replace(config, **changes)
+
+
+def shrink(config: Any, *, layers: int = 3, moe: dict[str, int] | None = None) -> Any:
+    """The registry's config with fewer layers (the first dense one kept where it is) and
+    the MoE fields in ``moe`` rewritten (:func:`_rewrite_moe`)."""
+    kept = list(config.layers[:layers])
+    if moe:
+        kept = [
+            layer if layer.moe is None else dataclasses.replace(layer, moe=_rewrite_moe(layer.moe, moe))
+            for layer in kept
+        ]
+    return dataclasses.replace(config, layers=kept)
+
+
+def build(
+    family: str, *, layers: int = 3, seed: int = 0, tiny: bool = True, **registry: object
+) -> nn.Module:
+    """``family``'s test flavour from torchtitan's registry (with ``tiny``, its experts cut
+    as :data:`TINY_MOE` says), states initialised, float32."""
     import importlib
 
     module, flavor = FAMILIES[family]
     if family == "gpt_oss":  # its registry defaults to varlen attention (CUDA only)
         registry = {"attn_backend": "flex", **registry}
     spec = importlib.import_module(module).model_registry(flavor, **registry)
-    config = shrink(spec.model, layers=layers)
+    config = shrink(spec.model, layers=layers, moe=TINY_MOE.get(family) if tiny else None)
     torch.manual_seed(seed)
     model = cast(nn.Module, config.build())
     model.init_states(buffer_device=torch.device("cpu"))

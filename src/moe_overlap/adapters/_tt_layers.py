@@ -27,16 +27,17 @@ block's own forward and backward at construction and refuses a block it does not
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import NamedTuple, cast
+from typing import NamedTuple, Protocol, cast
 
 import torch
 from torch import Tensor, nn
 
 from moe_overlap import CudaGraphModule, IntegrationError, WgradLayer, WgradScope
 from moe_overlap.adapters._hf_experts import DelayedLinear, WgradGroup
+from moe_overlap.adapters._tt_imports import titan
 from moe_overlap.blocks import (
     DelayedWgradModule,
     DenseSlots,
@@ -74,7 +75,7 @@ _DISPATCHED = "moe_overlap.titan.dispatched"
 
 
 @contextmanager
-def swap(parent: nn.Module, name: str, stand_in: nn.Module | None) -> Iterator[None]:
+def swap(parent: nn.Module, name: str, stand_in: nn.Module | None) -> Generator[None, None, None]:
     """``parent.name`` is ``stand_in`` inside the block (restored after, even on error)."""
     modules = parent._modules  # pyright: ignore[reportPrivateUsage]
     original = modules[name]
@@ -122,6 +123,16 @@ def _tensor(value: object, where: str) -> Tensor:
     return value
 
 
+class _Dispatcher(Protocol):
+    """torchtitan's token dispatchers (``LocalTokenDispatcher`` and its subclasses)."""
+
+    def dispatch(
+        self, x_TD: Tensor, scores_TK: Tensor, ids_TK: Tensor, counts_E: Tensor, /
+    ) -> tuple[object, object, object]: ...
+
+    def combine(self, out_RD: Tensor, metadata: object, x_TD: Tensor, /) -> object: ...
+
+
 @dataclass(frozen=True, slots=True)
 class _Routed:
     """What pre-dispatch hands dispatch besides the slot inputs (no gradient)."""
@@ -146,22 +157,23 @@ class _Dispatched:
 def _detach_metadata(ctx: SlotContext, metadata: object, where: str) -> object:
     """The dispatcher's metadata with every tensor that carries a gradient cut from the
     dispatch slot's graph (its gradient flows back when combine's backward runs)."""
+    if isinstance(metadata, Tensor):
+        return ctx.detach(metadata) if metadata.requires_grad else metadata
     if not dataclasses.is_dataclass(metadata) or isinstance(metadata, type):
-        if isinstance(metadata, Tensor) and metadata.requires_grad:
-            return ctx.detach(metadata)
-        if isinstance(metadata, (tuple, list)):
-            items = cast("Sequence[object]", metadata)
-            if any(isinstance(t, Tensor) and t.requires_grad for t in items):
-                raise IntegrationError(
-                    f"{where}: the token dispatcher's metadata is a sequence holding tensors "
-                    "with gradients; expected a dataclass (as torchtitan's dispatchers return)"
-                )
+        items: object = metadata
+        if isinstance(items, (tuple, list)) and any(
+            isinstance(t, Tensor) and t.requires_grad for t in cast("Sequence[object]", items)
+        ):
+            raise IntegrationError(
+                f"{where}: the token dispatcher's metadata is a sequence holding tensors "
+                "with gradients; expected a dataclass (as torchtitan's dispatchers return)"
+            )
         return metadata
     changes: dict[str, object] = {}
-    for field in dataclasses.fields(metadata):
-        value: object = getattr(metadata, field.name)
+    for f in dataclasses.fields(metadata):
+        value: object = getattr(metadata, f.name)
         if isinstance(value, Tensor) and value.requires_grad:
-            changes[field.name] = ctx.detach(value)
+            changes[f.name] = ctx.detach(value)
     return dataclasses.replace(metadata, **changes) if changes else metadata
 
 
@@ -259,12 +271,12 @@ class TitanMoELayer(_BlockBase, MoESlots):
         self.routed_experts = self.moe.get_submodule("routed_experts")
         self.inner_experts = self.routed_experts.get_submodule("inner_experts")
         dispatcher: object = getattr(self.routed_experts, "token_dispatcher", None)
-        if dispatcher is None or not callable(getattr(dispatcher, "dispatch", None)):
+        if not all(callable(getattr(dispatcher, m, None)) for m in ("dispatch", "combine")):
             raise IntegrationError(
                 f"{self.where('dispatch')}: expected moe.routed_experts.token_dispatcher with "
                 f"dispatch/combine (torchtitan's), received {type(dispatcher).__name__}"
             )
-        self.dispatcher = dispatcher
+        self.dispatcher = cast("_Dispatcher", dispatcher)
         self.attention_group = WgradGroup(attention_delayed)
         self.moe_group = WgradGroup(moe_delayed)
         self._moe_stand_in = _Keep()
@@ -326,8 +338,7 @@ class TitanMoELayer(_BlockBase, MoESlots):
     def dispatch(self, ctx: SlotContext, x_TD: Tensor, scores_TK: Tensor) -> Tensor:
         where = self.where("dispatch")
         routed = ctx.layer_state.take(_ROUTED, _Routed)
-        dispatch = cast("Callable[..., tuple[Tensor, Tensor, object]]", self.dispatcher.dispatch)  # type: ignore[attr-defined]
-        received_RD, counts_e, metadata = dispatch(
+        received_RD, counts_e, metadata = self.dispatcher.dispatch(
             x_TD, scores_TK, routed.expert_ids_TK, routed.counts_E
         )
         ctx.layer_state.stash(
@@ -343,17 +354,15 @@ class TitanMoELayer(_BlockBase, MoESlots):
 
     def mlp_forward(self, ctx: SlotContext, received_RD: Tensor) -> Tensor:
         d = ctx.layer_state.take(_DISPATCHED, _Dispatched)
-        from torchtitan.distributed.spmd_types import maybe_set_sparse_mesh
-
-        with maybe_set_sparse_mesh():
+        with titan().sparse_mesh():
             out: object = self.inner_experts(received_RD, d.counts_e)
         return _tensor(out, self.where("mlp"))
 
     def combine(self, ctx: SlotContext, out_RD: Tensor) -> Tensor:
         state = ctx.layer_state
         d = state.take(_DISPATCHED, _Dispatched)
-        combine = cast("Callable[..., Tensor]", self.dispatcher.combine)  # type: ignore[attr-defined]
-        out_TD = _tensor(combine(out_RD, d.metadata, d.x_TD), self.where("combine"))
+        out = self.dispatcher.combine(out_RD, d.metadata, d.x_TD)
+        out_TD = _tensor(out, self.where("combine"))
         B, _, D = d.shape
         m = out_TD.view(B, -1, D)
         rest: object = state.extras.get(_REST)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import copy
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import cast
 
@@ -24,6 +24,7 @@ from moe_overlap.adapters._hf_probe import (
     failing_module,
     rel_difference,
 )
+from moe_overlap.adapters._tt_imports import titan
 from moe_overlap.adapters._tt_layers import (
     BlockCall,
     TitanDenseLayer,
@@ -78,16 +79,19 @@ class TitanDecoder:
 @dataclass(slots=True)
 class SelfCheckReport:
     """What the construction-time self-check did: per structure, the blocks it stands for
-    and the largest difference found (relative; see ``PROBE_TOLERANCE``)."""
+    and the largest difference found (relative; :func:`probe_tolerance`). The probe runs
+    in float32; a block whose own forward fails in float32 (gpt-oss's experts return
+    ``bfloat16``) is probed in the model's dtype instead."""
 
     enabled: bool
     seconds: float = 0.0
-    structures: list[tuple[str, list[str], float]] = field(
-        default_factory=list[tuple[str, list[str], float]]
+    structures: list[tuple[str, list[str], float, str]] = field(
+        default_factory=list[tuple[str, list[str], float, str]]
     )
+    """``(block class, block names, largest relative difference, probe dtype)``."""
 
 
-class _Stop(Exception):  # noqa: N818 - control flow, never seen by a user
+class _Stop(Exception):
     def __init__(self, value: Tensor) -> None:
         super().__init__("stand-in reached")
         self.value = value
@@ -105,39 +109,20 @@ _OUTSIDE = (
     "final norm and LM head), twice per microbatch and never as a whole"
 )
 _MOE_BLOCK = (
-    "the adapter's slots call its forward with its moe stood in for, and the MoE's pieces "
-    "after it"
+    "the adapter's slots call its forward with its moe stood in for, and the MoE's pieces after it"
 )
 _MOE = "the adapter's slots call its forward with its routed_experts stood in for"
-_ROUTED = (
-    "the adapter's slots call its token dispatcher and inner experts, never its forward"
-)
+_ROUTED = "the adapter's slots call its token dispatcher and inner experts, never its forward"
 _DENSE = "the adapter calls the block it was built on, not a wrapper around it"
-
-
-def _titan() -> tuple[type[nn.Module], type[nn.Module]]:
-    """torchtitan's ``Decoder`` and ``MoE`` classes (imported here: torchtitan is optional)."""
-    try:
-        from torchtitan.models.common.decoder import Decoder
-        from torchtitan.models.common.moe import MoE
-    except ImportError as exc:  # pragma: no cover - the extra is installed in CI
-        raise ConfigError(
-            "TorchtitanMoEAdapter: expected torchtitan to be importable "
-            "(pip install 'moe-overlap[torchtitan]' and torchtitan itself), received "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
-    return cast("type[nn.Module]", Decoder), cast("type[nn.Module]", MoE)
 
 
 def _uses_masks(model: nn.Module) -> bool:
     """Whether torchtitan's trainer builds attention masks for this model (its first
     attention's inner attention is flex or varlen)."""
-    from torchtitan.models.common.attention import FlexAttention, VarlenAttention
-
     config: object = getattr(model, "config", None)
     first: object = getattr(config, "first_attention", None)
     inner: object = getattr(first, "inner_attention", None)
-    return isinstance(inner, (FlexAttention.Config, VarlenAttention.Config))
+    return isinstance(inner, titan().masked_attention)
 
 
 def _check_arguments(
@@ -153,8 +138,7 @@ def _check_arguments(
             f"cross-entropy, mean over the microbatch's labelled tokens), received "
             f"{type(loss_fn).__name__}"
         )
-    decoder_cls, _ = _titan()
-    if not isinstance(model, decoder_cls):
+    if not isinstance(model, titan().decoder):
         raise ConfigError(
             f"{w}: model: expected a torchtitan decoder model (a "
             f"torchtitan.models.common.decoder.Decoder, as its model registries build), "
@@ -235,7 +219,7 @@ class TorchtitanMoEAdapter(MegatronHooks):
         self_check: bool = True,
     ) -> None:
         _check_arguments(model, loss_fn, delay_wgrad_compute, self_check)
-        _, moe_cls = _titan()
+        moe_cls = titan().moe
         self.model = model
         self.loss_fn = loss_fn
         self.config = TitanConfig(delay_wgrad_compute=delay_wgrad_compute)
@@ -331,25 +315,33 @@ class TorchtitanMoEAdapter(MegatronHooks):
                 continue
             seen[key] = [name]
             try:
-                worst = _compare(block, name, x, call)
+                worst, dtype = _compare_in_float32_or(block, name, x, call, p0.dtype)
             except (ConfigError, IntegrationError):
                 raise
             except Exception as exc:  # torchtitan's own code, run as the adapter runs it
                 raise ConfigError(
                     f"TorchtitanMoEAdapter: layers.{name}: {failing_module(exc, block)} raised "
                     f"{type(exc).__name__}: {exc}, when the self-check ran the block's own "
-                    "forward and backward and the adapter's split of it on a float32 probe; "
+                    "forward and backward and the adapter's split of it on a probe; "
                     "expected both to run (or pass self_check=False)"
                 ) from exc
-            if worst.difference > PROBE_TOLERANCE:
+            tolerance = probe_tolerance(dtype)
+            if worst.difference > tolerance:
                 raise ConfigError(
                     f"TorchtitanMoEAdapter: layers.{name} ({type(block).__name__}): the "
                     f"adapter's split of the block differs from its own forward: {worst} "
-                    f"(relative, over {PROBE_TOLERANCE:g}); expected the block's output to be "
+                    f"(relative, over {tolerance:g} in {dtype}); expected the block's output to be "
                     "h + moe(u) and the MoE's to be routed_experts(...) + the rest, as "
                     "torchtitan's blocks compute them. This block cannot be scheduled exactly"
                 )
-            report.structures.append((type(block).__name__, seen[key], worst.difference))
+            report.structures.append(
+                (
+                    type(block).__name__,
+                    seen[key],
+                    worst.difference,
+                    str(dtype).removeprefix("torch."),
+                )
+            )
         report.seconds = time.perf_counter() - start
 
     # --- the blocks' arguments, per microbatch -------------------------------------------
@@ -494,51 +486,83 @@ class TorchtitanMoEAdapter(MegatronHooks):
                     f"with one), received {type(out).__name__}"
                 )
             return out
-        from torchtitan.components.loss import cross_entropy_loss
-
-        total = cross_entropy_loss(logits, labels)
+        total = titan().cross_entropy_loss(logits, labels)
         return total / (labels != IGNORE_INDEX).sum()
 
 
-def _float32_copy(block: nn.Module) -> nn.Module:
-    """A float32 training-mode copy sharing the token dispatcher (it holds the
+def probe_tolerance(dtype: torch.dtype) -> float:
+    """The largest relative difference the self-check accepts in ``dtype``: the split runs
+    the block's own operations, so only gradients summed in another order differ (float32:
+    ``PROBE_TOLERANCE``; a 16-bit dtype: 8 of its rounding units)."""
+    if dtype == torch.float32 or not dtype.is_floating_point:
+        return PROBE_TOLERANCE
+    return 8 * torch.finfo(dtype).eps
+
+
+class _ReferenceFailed(Exception):
+    pass
+
+
+def _compare_in_float32_or(
+    block: nn.Module, name: str, x: Tensor, call: BlockCall, dtype: torch.dtype
+) -> tuple[Mismatch, torch.dtype]:
+    """:func:`_compare` in float32, or in ``dtype`` when the block's own forward and
+    backward fail in float32."""
+    try:
+        return _compare(block, name, x, call, torch.float32), torch.float32
+    except _ReferenceFailed as failed:
+        if dtype == torch.float32:
+            raise cast("Exception", failed.__cause__) from None
+    return _compare(block, name, x, call, dtype), dtype
+
+
+def _float32_copy(block: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """A training-mode copy in ``dtype`` sharing the token dispatcher (it holds the
     expert-parallel mesh, which is not copied)."""
     memo: dict[int, object] = {}
-    for m in cast("Iterator[nn.Module]", block.modules()):
+    for m in block.modules():
         d: object = getattr(m, "token_dispatcher", None)
         if d is not None:
             memo[id(d)] = d
     dup = copy.deepcopy(block, memo)
-    dup.float()
+    dup.to(dtype)
     dup.train()
     return dup
 
 
-def _compare(block: nn.Module, name: str, x: Tensor, call: BlockCall) -> Mismatch:
-    """The split (on one float32 copy) against the block's own forward and backward (on
-    another): output, input gradient, parameter gradients."""
-    ref, cand = _float32_copy(block), _float32_copy(block)
+def _compare(
+    block: nn.Module, name: str, x: Tensor, call: BlockCall, dtype: torch.dtype
+) -> Mismatch:
+    """The split (on one copy in ``dtype``) against the block's own forward and backward
+    (on another): output, input gradient, parameter gradients. Raises
+    :class:`_ReferenceFailed` (from the error) when the block's own code fails."""
+    ref, cand = _float32_copy(block, dtype), _float32_copy(block, dtype)
     layer = TitanMoELayer(cand, 0, f"layers.{name}", lambda cs: call, TitanConfig())
-    x_ref = x.detach().clone().requires_grad_()
-    x_cand = x.detach().clone().requires_grad_()
-    out_r = cast("Tensor", ref(x_ref, call.attention_masks, call.positions))
+    x_ref = x.detach().to(dtype).requires_grad_()
+    x_cand = x.detach().to(dtype).requires_grad_()
+    g = torch.Generator().manual_seed(1)
+    try:
+        out_r = cast("Tensor", ref(x_ref, call.attention_masks, call.positions))
+        grad_out = torch.randn(out_r.shape, generator=g).to(out_r.device, out_r.dtype)
+        torch.autograd.backward(out_r, grad_out)
+    except Exception as exc:
+        raise _ReferenceFailed from exc
     from moe_overlap import Microbatch
 
     out_c = layer.run_plain(x_cand, ChunkState(Microbatch()))
     if out_c.shape != out_r.shape:
         return Mismatch("output shape", float("inf"))
     worst = Mismatch("output", rel_difference(out_c, out_r))
-    g = torch.Generator().manual_seed(1)
-    grad_out = torch.randn(out_r.shape, generator=g).to(out_r.device)
-    torch.autograd.backward(out_r, grad_out)
     torch.autograd.backward(out_c, grad_out)
     pairs: list[tuple[str, Tensor | None, Tensor | None]] = [
         ("input gradient", x_cand.grad, x_ref.grad)
     ]
-    cand_grads = dict(cast("Iterator[tuple[str, nn.Parameter]]", cand.named_parameters()))
-    for pname, p in cast("Iterator[tuple[str, nn.Parameter]]", ref.named_parameters()):
+    cand_grads = dict(cand.named_parameters())
+    for pname, p in ref.named_parameters():
         pairs.append((f"gradient of {pname}", cand_grads[pname].grad, p.grad))
-    scale = max((float(w.abs().max()) for _, _, w in pairs if w is not None and w.numel()), default=0.0)
+    scale = max(
+        (float(w.abs().max()) for _, _, w in pairs if w is not None and w.numel()), default=0.0
+    )
     floor = GRADIENT_FLOOR * scale
     for what, got, want in pairs:
         if (got is None) != (want is None):
@@ -549,4 +573,3 @@ def _compare(block: nn.Module, name: str, x: Tensor, call: BlockCall) -> Mismatc
             if d > worst.difference:
                 worst = Mismatch(what, d)
     return worst
-

@@ -1,0 +1,291 @@
+"""One rank of the torchtitan adapter's EP=2 test: ``python -m tests.adapters.titan_ep_worker``.
+
+Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT``; prints one JSON line
+per case with this rank's verdict.
+
+Expert parallelism is torchtitan's own, applied as its trainer and
+``parallelize_deepseekv3`` apply it, less FSDP (which the adapter refuses) and on CPU:
+
+1. the model config gets torchtitan's sharding configs
+   (``set_deepseek_v3_sharding_config(enable_ep=True)``: what
+   ``DeepSeekV3Model.Config.update_from_config`` does; that method itself imports
+   ``torchtitan.trainer``, whose data loader needs ``torchdata``, left out on purpose);
+2. ``set_spmd_backend("partial_dtensor")`` (what the trainer does with
+   ``parallelism.spmd_backend``): DTensor on the model-parallel axes only;
+3. ``ParallelDims.from_config(ParallelismConfig(expert_parallel_degree=2, ...))`` and its
+   ``build_mesh()``, with ``parallel_dims.device_type`` set to ``"cpu"`` (torchtitan falls
+   back to ``"cuda"`` when no accelerator is found);
+4. ``model.parallelize(parallel_dims)``: what ``parallelize_deepseekv3`` calls for EP. The
+   routed experts become DTensors ``Shard(0)`` over the ``ep`` mesh, and
+   ``RoutedExperts.parallelize`` wires that mesh into the model's
+   ``AllToAllTokenDispatcher`` (the registry's ``moe_comm_backend="standard"``), whose
+   dispatch and combine run ``all_to_all_single`` over gloo.
+
+The registry's flex attention has no backward on CPU: every model gets the test stand-in
+(:func:`tests.adapters._titan.causal_stand_in`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import time
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from moe_overlap import ConfigError, Microbatch, combined_1f1b
+from moe_overlap.adapters.torchtitan import TorchtitanMoEAdapter
+from tests.adapters._titan import FAMILIES, batch, build, causal_stand_in, shrink
+from tests.gloo_ranks import exit_worker
+
+FAMILY = "deepseek_v3"
+LAYERS = 3
+MICROBATCHES = 3
+LOSS_ATOL = 1e-5
+GRAD_RTOL = 1e-4
+
+
+def parallel_dims(world: int) -> Any:
+    """torchtitan's ``ParallelDims`` for EP=2 on CPU, meshes built, backend set."""
+    import torchtitan.distributed.parallel_dims as titan_dims
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+
+    parallelism = ParallelismConfig(expert_parallel_degree=world, spmd_backend="partial_dtensor")
+    dist_utils.set_spmd_backend(parallelism.spmd_backend)
+    titan_dims.device_type = "cpu"  # type: ignore[attr-defined]
+    dims = ParallelDims.from_config(parallelism, world)
+    dims.build_mesh()
+    return dims
+
+
+def ep_model(dims: Any, *, seed: int = 0) -> nn.Module:
+    """:func:`tests.adapters._titan.build`'s model with torchtitan's expert parallelism."""
+    from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
+
+    module, flavor = FAMILIES[FAMILY]
+    config = shrink(importlib.import_module(module).model_registry(flavor).model, layers=LAYERS)
+    set_deepseek_v3_sharding_config(config, enable_sp=True, enable_ep=True)
+    torch.manual_seed(seed)
+    model = cast(nn.Module, config.build())
+    cast(Any, model).init_states(buffer_device=torch.device("cpu"))
+    causal_stand_in(model)
+    cast(Any, model).parallelize(dims)
+    return model
+
+
+def _boundary_mesh(module: nn.Module, dims: Any) -> object:
+    """The mesh of the activation boundary ``Module.parallelize`` wrapped ``module``'s
+    forward with (input/output redistribution, ``local_map``); ``None``: a no-op."""
+    config = getattr(module, "_sharding_config", None)
+    if config is None:
+        return None
+    layouts: list[Any] = [
+        *(config.in_src_shardings or {}).values(),
+        *(config.in_dst_shardings or {}).values(),
+    ]
+    for out in (config.out_src_shardings, config.out_dst_shardings):
+        layouts += list(out) if isinstance(out, tuple) else [out]
+    if config.local_map is not None and config.local_map.in_grad_placements:
+        layouts += list(config.local_map.in_grad_placements)
+    meshes = [dims.resolve_shared_mesh([layout]) for layout in layouts]
+    return next((m for m in meshes if m is not None), None)
+
+
+def unwrap_bypassed(model: nn.Module, dims: Any) -> list[str]:
+    """Workaround: drop the forward wrappers ``Module.parallelize`` set on the modules the
+    adapter splits (each MoE block's ``moe`` and ``moe.routed_experts``), after checking
+    each is a no-op here (EP only: the activation boundaries name the tp/cp/dp axes, all
+    of degree 1). Returns the modules unwrapped."""
+    done = []
+    for name, block in cast(Any, model).layers.items():
+        moe = getattr(block, "moe", None)
+        if moe is None:
+            continue
+        for where, module in (("moe", moe), ("moe.routed_experts", moe.routed_experts)):
+            if "forward" not in module.__dict__:
+                continue
+            mesh = _boundary_mesh(module, dims)
+            assert mesh is None, f"layers.{name}.{where}: its wrapper redistributes on {mesh}"
+            del module.forward
+            done.append(f"layers.{name}.{where}")
+    return done
+
+
+def local(t: Tensor) -> Tensor:
+    """A DTensor's local shard; a plain tensor as it is."""
+    to_local = getattr(t, "to_local", None)
+    return cast(Tensor, to_local()) if callable(to_local) else t
+
+
+def is_sharded(t: Tensor) -> bool:
+    return callable(getattr(t, "to_local", None))
+
+
+def grads(model: nn.Module) -> dict[str, Tensor]:
+    """Every parameter's gradient (its local shard under EP)."""
+    out: dict[str, Tensor] = {}
+    for name, p in model.named_parameters():
+        assert p.grad is not None, name
+        out[name] = local(p.grad).clone()
+    return out
+
+
+def counts(model: nn.Module) -> dict[str, Tensor]:
+    """Every MoE's ``tokens_per_expert_E`` (torchtitan's load-balancing count)."""
+    return {n: b.clone() for n, b in model.named_buffers() if n.endswith("tokens_per_expert_E")}
+
+
+def microbatches(model: nn.Module, rank: int) -> list[Microbatch]:
+    return [
+        Microbatch(input_ids=d["input_ids"], position_ids=d["position_ids"], labels=d["labels"])
+        for d in batch(model, MICROBATCHES, seed=100 + rank)
+    ]
+
+
+def adapter_for(model: nn.Module, dims: Any) -> tuple[TorchtitanMoEAdapter, str, list[str]]:
+    """The adapter on the parallelized model as it is; where it refuses torchtitan's
+    forward wrappers, on the model with the no-op ones dropped (:func:`unwrap_bypassed`).
+    Returns the adapter, the refusal ("" when none) and the modules unwrapped."""
+    try:
+        return TorchtitanMoEAdapter(model), "", []
+    except ConfigError as exc:
+        if "forward set on the instance" not in str(exc):
+            raise
+        refusal = str(exc)
+    unwrapped = unwrap_bypassed(model, dims)
+    return TorchtitanMoEAdapter(model), refusal, unwrapped
+
+
+def plain_step(adapter: TorchtitanMoEAdapter, mbs: list[Microbatch]) -> list[Tensor]:
+    losses = []
+    for mb in mbs:
+        loss = adapter.forward(mb.input_ids, mb.position_ids, mb.labels)
+        loss.backward()
+        losses.append(loss.detach().float())
+    return losses
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        start = time.perf_counter()
+        dims = parallel_dims(world)
+        over_model, plain_model = ep_model(dims), ep_model(dims)
+        ref_model = causal_stand_in(build(FAMILY, layers=LAYERS))
+        built = time.perf_counter() - start
+        mbs = microbatches(over_model, rank)
+
+        moe = over_model.get_submodule("layers.1.moe.routed_experts")
+        dispatcher: object = getattr(moe, "token_dispatcher")
+        w1 = moe.get_submodule("inner_experts").get_parameter("w1_EFD")
+        ref_w1 = ref_model.get_parameter("layers.1.moe.routed_experts.inner_experts.w1_EFD")
+        # The EP model holds this rank's slice of the same global experts as the EP=1 one.
+        n_local = local(w1).shape[0]
+        same_weights = all(
+            torch.equal(
+                local(p),
+                ref_model.get_parameter(n)[rank * n_local : (rank + 1) * n_local]
+                if is_sharded(p)
+                else ref_model.get_parameter(n),
+            )
+            for n, p in over_model.named_parameters()
+        )
+        over, refusal, unwrapped = adapter_for(over_model, dims)
+        plain, _, _ = adapter_for(plain_model, dims)
+        ref = TorchtitanMoEAdapter(ref_model)
+
+        t0 = time.perf_counter()
+        lo = combined_1f1b(over, mbs, options=over.schedule_options())
+        overlap_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        lp = plain_step(plain, mbs)
+        plain_s = time.perf_counter() - t0
+        go, gp = grads(over_model), grads(plain_model)
+        co, cp = counts(over_model), counts(plain_model)
+        bit = (
+            all(torch.equal(x, y) for x, y in zip(lo, lp, strict=True))
+            and list(go) == list(gp)
+            and all(torch.equal(go[k], gp[k]) for k in go)
+            and list(co) == list(cp)
+            and all(torch.equal(co[k], cp[k]) for k in co)
+        )
+        print(
+            json.dumps(
+                {
+                    "case": "overlap_vs_plain",
+                    "rank": rank,
+                    "ok": bit and same_weights,
+                    "bit_identical": bit,
+                    "same_weights": same_weights,
+                    "refusal": refusal,
+                    "unwrapped": unwrapped,
+                    "self_check": over.self_check_report.structures,
+                    "dispatcher": type(dispatcher).__name__,
+                    "ep_mesh": str(getattr(dispatcher, "ep_mesh", None)),
+                    "expert_weight": type(w1).__name__,
+                    "placements": str(getattr(w1, "placements", None)),
+                    "local_experts": n_local,
+                    "global_experts": int(ref_w1.shape[0]),
+                    "num_local_experts": over.decoder.layers[1].num_local_experts,
+                    "pending_after": over.pending_wgrad + plain.pending_wgrad,
+                    "losses": [float(x) for x in lo],
+                    "build_s": round(built, 2),
+                    "overlap_s": round(overlap_s, 2),
+                    "plain_s": round(plain_s, 2),
+                }
+            )
+        )
+
+        # EP=1: the same global model, the adapter's plain path on this rank's data; its
+        # gradients summed over the ranks (every rank's tokens reach every expert, and
+        # each rank's dense gradients are of its own data only).
+        lr = plain_step(ref, mbs)
+        gr = grads(ref_model)
+        gsum = {}
+        for k, g in go.items():
+            if is_sharded(over_model.get_parameter(k)):
+                dist.all_reduce(gr[k])
+                gr[k] = gr[k][rank * n_local : (rank + 1) * n_local]
+                gsum[k] = g
+            else:
+                gsum[k] = g.clone()
+                dist.all_reduce(gsum[k])
+                dist.all_reduce(gr[k])
+        loss_diff = max(abs(float(x) - float(y)) for x, y in zip(lo, lr, strict=True))
+        rel = {
+            k: float((gsum[k] - gr[k]).abs().max() / gr[k].abs().max().clamp_min(1e-30))
+            for k in gsum
+        }
+        worst = max(rel, key=lambda k: rel[k])
+        cr = counts(ref_model)
+        same_counts = list(co) == list(cr) and all(torch.equal(co[k], cr[k]) for k in co)
+        print(
+            json.dumps(
+                {
+                    "case": "ep2_vs_ep1",
+                    "rank": rank,
+                    "ok": loss_diff <= LOSS_ATOL and rel[worst] <= GRAD_RTOL and same_counts,
+                    "loss_diff": loss_diff,
+                    "grad_rel_diff": rel[worst],
+                    "worst_grad": worst,
+                    "same_counts": same_counts,
+                    "total_s": round(time.perf_counter() - start, 2),
+                }
+            )
+        )
+    finally:
+        dist.barrier()  # leave together: a rank tearing gloo down alone can abort the other
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    exit_worker(main)

@@ -1,0 +1,231 @@
+"""Every model family of the installed torchtitan, tried tiny against the adapter.
+
+``python -m tests.adapters.titan_families --write docs/torchtitan_families.md`` regenerates
+the table in the docs; ``tests/adapters/test_titan_families.py`` fails when it is stale.
+
+A family is a package of ``torchtitan.models`` with a ``model_registry``; its smallest
+flavour (``debugmodel_moe``, else ``debugmodel``) is built by the registry, cut to
+:data:`LAYERS` blocks, with the test-only causal attention in place of flex
+(``_titan.causal_stand_in``: flex has no backward on CPU), in float32, or in bfloat16
+when the model's own forward fails in float32, and checked as :func:`check_family` says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib
+import pathlib
+import pkgutil
+import sys
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from moe_overlap import ConfigError, Microbatch, combined_1f1b
+
+from . import _titan
+
+LAYERS = 3
+MICROBATCHES = 2
+GRAD_RTOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
+"""Largest gradient difference against the model's own forward, relative to the largest
+gradient of the parameter (float32: rounding; bfloat16: its rounding unit times a few).
+torchtitan's grouped experts compute in bfloat16 whatever the model's dtype, so their
+weights are held to the bfloat16 bound."""
+_NOT_FAMILIES = {"common", "utils"}
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    family: str
+    model: str
+    status: str
+    detail: str
+
+
+def _flavor(module: object) -> str | None:
+    for name in dir(module):
+        configs = getattr(module, name)
+        if name.endswith("_configs") and isinstance(configs, dict):
+            for flavor in ("debugmodel_moe", "debugmodel"):
+                if flavor in configs:
+                    return flavor
+    return None
+
+
+def _own_loss(model: nn.Module, mb: dict[str, Tensor]) -> Tensor:
+    from torchtitan.components.loss import cross_entropy_loss
+
+    logits = model(mb["input_ids"], positions=mb["position_ids"])
+    labels = mb["labels"]
+    return cross_entropy_loss(logits, labels) / (labels != -100).sum()
+
+
+def _grads(model: nn.Module) -> dict[str, Tensor]:
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_family(model: nn.Module) -> str:
+    """``""`` when the adapter is exact on ``model``, else what differs.
+
+    Exact: the adapter's plain path matches the model's own forward and ``backward()``
+    (loss and gradients within :data:`GRAD_RTOL`), and :func:`~moe_overlap.combined_1f1b`
+    is bit-identical to the plain path (losses, gradients, the load-balancing counts), with
+    and without ``delay_wgrad_compute``.
+    """
+    from moe_overlap.adapters.torchtitan import TorchtitanMoEAdapter
+
+    dtype = next(model.parameters()).dtype
+    batches = _titan.batch(model, MICROBATCHES)
+    for delay in (False, True):
+        own, plain, sched = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
+        a_plain = TorchtitanMoEAdapter(plain, delay_wgrad_compute=delay, self_check=False)
+        a_sched = TorchtitanMoEAdapter(sched, delay_wgrad_compute=delay)
+        for mb in batches:
+            _own_loss(own, mb).backward()
+            a_plain.forward(mb["input_ids"], mb["position_ids"], labels=mb["labels"]).backward()
+            for layer in a_plain.decoder.layers:
+                for m in layer.delayed_modules():
+                    while m.pending_wgrad:
+                        m.backward_dw()
+        combined_1f1b(
+            a_sched, [Microbatch(**mb) for mb in batches], options=a_sched.schedule_options()
+        )
+        g_own, g_plain, g_sched = _grads(own), _grads(plain), _grads(sched)
+        if g_plain.keys() != g_own.keys() or g_sched.keys() != g_own.keys():
+            return f"delay={delay}: other parameters get gradients than in the model's own run"
+        for name, want in g_own.items():
+            scale = float(want.abs().max()) or 1.0
+            diff = float((g_plain[name].float() - want.float()).abs().max()) / scale
+            rtol = GRAD_RTOL[torch.bfloat16 if ".routed_experts." in name else dtype]
+            if diff > rtol:
+                return f"delay={delay}: gradient of {name} differs from the model's own by {diff:.2g}"
+            if not torch.equal(g_sched[name], g_plain[name]):
+                return f"delay={delay}: the schedule's gradient of {name} differs from the plain path's"
+        for (name, b_plain), (_, b_sched), (_, b_own) in zip(
+            plain.named_buffers(), sched.named_buffers(), own.named_buffers(), strict=True
+        ):
+            if not (torch.equal(b_plain, b_own) and torch.equal(b_sched, b_own)):
+                return f"delay={delay}: buffer {name} ends the step otherwise than in the model's own run"
+    return ""
+
+
+def _build(family: str, registry: object, flavor: str) -> nn.Module:
+    kwargs: dict[str, object] = {}
+    if family == "gpt_oss":
+        kwargs["attn_backend"] = "flex"
+    spec = registry(flavor, **kwargs)  # type: ignore[operator]
+    config = _titan.shrink(spec.model, layers=LAYERS)
+    torch.manual_seed(0)
+    model: nn.Module = config.build()
+    model.init_states(buffer_device=torch.device("cpu"))
+    return _titan.causal_stand_in(model)
+
+
+def _runs_in_float32(model: nn.Module) -> bool:
+    mb = _titan.batch(model, 1)[0]
+    try:
+        with torch.no_grad():
+            model(mb["input_ids"], positions=mb["position_ids"])
+    except RuntimeError:
+        return False
+    return True
+
+
+def rows() -> list[Row]:
+    """One row per family of ``torchtitan.models``."""
+    import torchtitan.models as models
+
+    torch.set_num_threads(1)
+    found: list[Row] = []
+    for info in sorted(pkgutil.iter_modules(models.__path__), key=lambda m: m.name):
+        family = info.name
+        if family in _NOT_FAMILIES:
+            continue
+        try:
+            module = importlib.import_module(f"torchtitan.models.{family}")
+        except ImportError as exc:
+            found.append(Row(family, "", "not importable", f"{type(exc).__name__}: {exc}"))
+            continue
+        registry = getattr(module, "model_registry", None)
+        flavor = _flavor(module)
+        if registry is None or flavor is None:
+            found.append(Row(family, "", "no registry", "no model_registry / debug flavour"))
+            continue
+        try:
+            model = _build(family, registry, flavor)
+        except Exception as exc:  # noqa: BLE001 - a family that does not build is listed
+            found.append(Row(family, "", "not built", f"{type(exc).__name__}: {exc}"))
+            continue
+        name = f"{type(model).__name__} ({flavor})"
+        if not _runs_in_float32(model):
+            model = model.to(torch.bfloat16)
+        try:
+            problem = check_family(model)
+        except ConfigError as exc:
+            found.append(Row(family, name, "refused", str(exc)))
+            continue
+        status = "supported" if not problem else "WRONG"
+        found.append(Row(family, name, status, problem or str(next(model.parameters()).dtype)))
+    return found
+
+
+def _cell(text: str) -> str:
+    text = " ".join(text.split()).replace("|", "\\|")
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def render(found: list[Row]) -> str:
+    import torchtitan
+
+    version = getattr(torchtitan, "__version__", "?")
+    counts: dict[str, int] = {}
+    for r in found:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    lines = [
+        "# torchtitan model families",
+        "",
+        "Generated by `python -m tests.adapters.titan_families --write "
+        f"docs/torchtitan_families.md` from torchtitan {version}; "
+        "`tests/adapters/test_titan_families.py` fails when it is stale.",
+        "",
+        f"Each family's smallest flavour is built by its own registry, cut to {LAYERS} blocks, "
+        "with a test-only causal attention in place of flex attention (flex has no backward "
+        "on CPU), in float32 (bfloat16 where the model's own forward fails in float32), and "
+        f"trained one step of {MICROBATCHES} microbatches: *supported* means the adapter's "
+        "plain path matches the model's own forward + `backward()` (gradients within "
+        "1e-4 relative in float32, 3e-2 in bfloat16, which torchtitan's grouped experts "
+        "compute in whatever the model's dtype) and the overlapped schedule is "
+        "bit-identical to the plain path (gradients and the load-balancing counts), with and "
+        "without `delay_wgrad_compute`; *refused* means `TorchtitanMoEAdapter` raises "
+        "`ConfigError`.",
+        "",
+        f"**{summary}** (of {len(found)}).",
+        "",
+        "| family | model (flavour) | status | detail |",
+        "|---|---|---|---|",
+    ]
+    for r in found:
+        model = f"`{r.model}`" if r.model else ""
+        lines.append(f"| `{r.family}` | {model} | {r.status} | {_cell(r.detail)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", type=pathlib.Path, help="write the table to this file")
+    args = parser.parse_args(argv)
+    text = render(rows())
+    if args.write is None:
+        sys.stdout.write(text)
+    else:
+        args.write.write_text(text)
+        print(f"wrote {args.write}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
