@@ -61,7 +61,7 @@ def build(family: str, layers: int, device: torch.device) -> nn.Module:
                 block.attention, inner_attention=sdpa.ScaledDotProductAttention.Config()
             )
     config = dataclasses.replace(config, layers=blocks)
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # pyright: ignore[reportUnknownMemberType] - unannotated
     with device:
         model = cast("nn.Module", config.build())
     cast("Any", model).init_states(buffer_device=device)
@@ -100,7 +100,7 @@ def average_gradients(model: nn.Module, world: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="Train a tiny torchtitan MoE with combined 1F1B.")
     parser.add_argument("--family", choices=sorted(FLAVORS), default="deepseek_v3")
     parser.add_argument("--layers", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
@@ -117,7 +117,11 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)  # several ranks share the cores
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    device = (
+        torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        if cuda
+        else torch.device("cpu")
+    )
 
     model = build(args.family, args.layers, device)
     adapter = TorchtitanMoEAdapter(model, delay_wgrad_compute=args.delay_wgrad)
@@ -134,15 +138,16 @@ def main(argv: list[str] | None = None) -> int:
             adapter, mbs, options=adapter.schedule_options(), loss_scale=1 / len(mbs)
         )
         average_gradients(model, world)
-        optimizer.step()
+        optimizer.step()  # pyright: ignore[reportUnknownMemberType] - unannotated closure
         loss = torch.stack([x.detach() for x in losses]).mean()
         _all_reduce(loss)
         if rank == 0:
             print(f"step {step:3d}: loss {float(loss) / world:.4f}", flush=True)
     if rank == 0:
         moe = model.get_submodule("layers.1.moe")
-        bias: Tensor = cast("Tensor", moe.expert_bias_E)
-        print(f"expert bias of layers.1 after {args.steps} steps: {bias.tolist()}")
+        bias = cast("Tensor", moe.expert_bias_E)
+        values = [round(float(b), 5) for b in bias]
+        print(f"expert bias of layers.1 after {args.steps} steps: {values}")
     dist.destroy_process_group()
     return 0
 

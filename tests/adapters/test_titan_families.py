@@ -8,7 +8,7 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from tests.adapters import titan_families  # noqa: E402 - after the skip
+from tests.adapters import titan_families
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "torchtitan_families.md"
 

@@ -19,6 +19,7 @@ import pathlib
 import pkgutil
 import sys
 from dataclasses import dataclass
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -60,7 +61,14 @@ def _own_loss(model: nn.Module, mb: dict[str, Tensor]) -> Tensor:
 
     logits = model(mb["input_ids"], positions=mb["position_ids"])
     labels = mb["labels"]
-    return cross_entropy_loss(logits, labels) / (labels != -100).sum()
+    loss: Tensor = cross_entropy_loss(logits, labels) / (labels != -100).sum()
+    return loss
+
+
+def _microbatch(mb: dict[str, Tensor]) -> Microbatch:
+    return Microbatch(
+        input_ids=mb["input_ids"], labels=mb["labels"], position_ids=mb["position_ids"]
+    )
 
 
 def _grads(model: nn.Module) -> dict[str, Tensor]:
@@ -84,14 +92,15 @@ def check_family(model: nn.Module) -> str:
         a_plain = TorchtitanMoEAdapter(plain, delay_wgrad_compute=delay, self_check=False)
         a_sched = TorchtitanMoEAdapter(sched, delay_wgrad_compute=delay)
         for mb in batches:
-            _own_loss(own, mb).backward()
-            a_plain.forward(mb["input_ids"], mb["position_ids"], labels=mb["labels"]).backward()
+            torch.autograd.backward(_own_loss(own, mb))
+            plain_loss = a_plain.forward(mb["input_ids"], mb["position_ids"], labels=mb["labels"])
+            torch.autograd.backward(plain_loss)
             for layer in a_plain.decoder.layers:
                 for m in layer.delayed_modules():
                     while m.pending_wgrad:
                         m.backward_dw()
         combined_1f1b(
-            a_sched, [Microbatch(**mb) for mb in batches], options=a_sched.schedule_options()
+            a_sched, [_microbatch(mb) for mb in batches], options=a_sched.schedule_options()
         )
         g_own, g_plain, g_sched = _grads(own), _grads(plain), _grads(sched)
         if g_plain.keys() != g_own.keys() or g_sched.keys() != g_own.keys():
@@ -101,7 +110,9 @@ def check_family(model: nn.Module) -> str:
             diff = float((g_plain[name].float() - want.float()).abs().max()) / scale
             rtol = GRAD_RTOL[torch.bfloat16 if ".routed_experts." in name else dtype]
             if diff > rtol:
-                return f"delay={delay}: gradient of {name} differs from the model's own by {diff:.2g}"
+                return (
+                    f"delay={delay}: gradient of {name} differs from the model's own by {diff:.2g}"
+                )
             if not torch.equal(g_sched[name], g_plain[name]):
                 return f"delay={delay}: the schedule's gradient of {name} differs from the plain path's"
         for (name, b_plain), (_, b_sched), (_, b_own) in zip(
@@ -116,10 +127,10 @@ def _build(family: str, registry: object, flavor: str) -> nn.Module:
     kwargs: dict[str, object] = {}
     if family == "gpt_oss":
         kwargs["attn_backend"] = "flex"
-    spec = registry(flavor, **kwargs)  # type: ignore[operator]
+    spec = cast("Any", registry)(flavor, **kwargs)
     config = _titan.shrink(spec.model, layers=LAYERS)
     torch.manual_seed(0)
-    model: nn.Module = config.build()
+    model: Any = config.build()
     model.init_states(buffer_device=torch.device("cpu"))
     return _titan.causal_stand_in(model)
 
@@ -156,7 +167,7 @@ def rows() -> list[Row]:
             continue
         try:
             model = _build(family, registry, flavor)
-        except Exception as exc:  # noqa: BLE001 - a family that does not build is listed
+        except Exception as exc:
             found.append(Row(family, "", "not built", f"{type(exc).__name__}: {exc}"))
             continue
         name = f"{type(model).__name__} ({flavor})"
@@ -215,7 +226,7 @@ def render(found: list[Row]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="The torchtitan families table.")
     parser.add_argument("--write", type=pathlib.Path, help="write the table to this file")
     args = parser.parse_args(argv)
     text = render(rows())

@@ -1,0 +1,369 @@
+"""The torchtitan adapter on one CPU process: the test-only attention stand-in against
+flex, the self-check, parity with torchtitan's own forward and backward, the overlap
+schedule bit-identical to the adapter's plain path (also with delayed weight gradients and
+over optimizer steps with torchtitan's load-balancing hook), refusals."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+pytest.importorskip("torchtitan")
+
+from moe_overlap import ConfigError, Microbatch, combined_1f1b
+from moe_overlap.adapters.torchtitan import TorchtitanMoEAdapter
+from moe_overlap.blocks import finish_wgrad
+from tests.adapters import _titan
+from tests.adapters._titan import CausalAttention, FAMILIES, batch, build, causal_stand_in
+
+pytestmark = pytest.mark.filterwarnings(
+    # torchtitan's MoE enters a float32 CPU autocast, which torch disables with a warning.
+    "ignore:In CPU autocast, but the target dtype is not supported:UserWarning",
+    # The self-check's float32 copy of a block casts its complex RoPE cache (see the report).
+    "ignore:Casting complex values to real discards the imaginary part:UserWarning",
+)
+
+MICROBATCHES = 3
+DTYPES = {"gpt_oss": torch.bfloat16}
+"""gpt-oss's experts return bfloat16 and its own forward fails in float32: trained in it."""
+GRAD_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+"""Adapter vs torchtitan's own forward and backward: gradients meeting at a slot boundary
+are summed in another order, so they agree to the dtype's rounding (relative, with a floor
+of ``GRAD_FLOOR`` times the parameter's largest gradient)."""
+GRAD_FLOOR = {torch.float32: 1e-6, torch.bfloat16: 2e-2}
+LOSS_RTOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2}
+
+
+@functools.cache
+def _base(family: str) -> nn.Module:
+    """``family``'s tiny model with the causal stand-in, in its training dtype (shared:
+    tests take deep copies)."""
+    return causal_stand_in(build(family)).to(DTYPES.get(family, torch.float32))
+
+
+def model_of(family: str) -> nn.Module:
+    return copy.deepcopy(_base(family))
+
+
+@functools.cache
+def _batches(family: str, seed: int = 1) -> tuple[dict[str, Tensor], ...]:
+    return tuple(batch(_base(family), MICROBATCHES, seed=seed))
+
+
+def microbatches(family: str, seed: int = 1) -> list[Microbatch]:
+    return [Microbatch(**mb) for mb in _batches(family, seed)]
+
+
+def grads(model: nn.Module) -> dict[str, Tensor]:
+    """Every parameter's gradient; a parameter without one fails the test."""
+    out: dict[str, Tensor] = {}
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{name} got no gradient"
+        out[name] = p.grad.detach().clone()
+    return out
+
+
+def moe_buffers(model: nn.Module, what: str) -> dict[str, Tensor]:
+    """The MoE buffers named ``what`` (``tokens_per_expert_E``, ``expert_bias_E``)."""
+    found = {n: b.detach().clone() for n, b in model.named_buffers() if n.endswith(what)}
+    assert found, f"{type(model).__name__} has no {what} buffers"
+    return found
+
+
+def assert_bit_identical(
+    got: dict[str, Tensor], want: dict[str, Tensor], what: str, where: str
+) -> None:
+    assert list(got) == list(want), f"{what}: different names"
+    differ = [n for n in want if not torch.equal(got[n], want[n])]
+    assert not differ, (
+        f"{where}: {what} not bit-identical for {len(differ)} of {len(want)}: "
+        + ", ".join(f"{n} (max diff {float((got[n] - want[n]).abs().max()):.3g})" for n in differ)
+    )
+
+
+def plain_step(
+    adapter: TorchtitanMoEAdapter, mbs: Sequence[Microbatch], *, delay: bool = False
+) -> list[Tensor]:
+    """The adapter's plain path: forward and backward per microbatch (delayed weight
+    gradients finished after each backward)."""
+    losses = []
+    for mb in mbs:
+        assert mb.input_ids is not None
+        loss = adapter.forward(mb.input_ids, mb.position_ids, labels=mb.labels)
+        loss.backward()
+        if delay:
+            assert adapter.pending_wgrad > 0, "delayed wgrad: nothing pending after backward"
+            finish_wgrad(adapter.model)
+        losses.append(loss.detach())
+    return losses
+
+
+def torchtitan_step(model: nn.Module, mbs: Sequence[Microbatch]) -> list[Tensor]:
+    """torchtitan's own forward and its cross-entropy, mean over labelled tokens."""
+    from torchtitan.components.loss import cross_entropy_loss
+
+    losses = []
+    for mb in mbs:
+        assert mb.labels is not None
+        logits = model(mb.input_ids, positions=mb.position_ids)
+        loss = cross_entropy_loss(logits, mb.labels) / (mb.labels != -100).sum()
+        loss.backward()
+        losses.append(loss.detach())
+    return losses
+
+
+def schedule(adapter: TorchtitanMoEAdapter, mbs: Sequence[Microbatch]) -> list[Tensor]:
+    losses = combined_1f1b(adapter, list(mbs), options=adapter.schedule_options())
+    return [x.detach() for x in losses]
+
+
+# --- the stand-in ---------------------------------------------------------------------------
+def test_causal_stand_in_equals_flex_attention_in_forward() -> None:
+    """:class:`CausalAttention` (what the CPU tests train with) gives torchtitan's
+    FlexAttention's output, on the BlockMask the model builds, with GQA and a scale; its
+    ``out_transform`` sees flex's log-sum-exp (compared with eager flex: compiled flex on
+    CPU does not return it)."""
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+    from torchtitan.models.common.attention import FlexAttention
+
+    model = build("deepseek_v3")
+    flex = next(m for m in model.modules() if isinstance(m, FlexAttention))
+    positions = torch.arange(16).expand(2, 16)
+    masks = model.get_attention_masks(positions)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 16, 4, 8, generator=g)
+    k, v = torch.randn(2, 16, 2, 8, generator=g), torch.randn(2, 16, 2, 8, generator=g)
+    stand_in = CausalAttention()
+    with torch.no_grad():
+        for scale in (None, 0.3):
+            want = flex(q, k, v, attention_masks=masks, scale=scale, enable_gqa=True)
+            got = stand_in(q, k, v, attention_masks=masks, scale=scale, enable_gqa=True)
+            torch.testing.assert_close(got, want, msg=lambda m: f"scale={scale}: {m}")
+        out, aux = flex_attention(
+            *(t.transpose(1, 2) for t in (q, k, v)),
+            block_mask=masks,
+            enable_gqa=True,
+            return_aux=AuxRequest(lse=True),
+        )
+        seen: list[tuple[Tensor, Tensor]] = []
+
+        def keep(o: Tensor, lse: Tensor) -> Tensor:
+            seen.append((o, lse))
+            return o
+
+        stand_in(q, k, v, attention_masks=masks, enable_gqa=True, out_transform=keep)
+    (o, lse), want_lse = seen[0], aux.lse
+    assert want_lse is not None
+    torch.testing.assert_close(o, out.transpose(1, 2))
+    torch.testing.assert_close(lse, want_lse.transpose(1, 2))
+
+
+# --- self-check -----------------------------------------------------------------------------
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_self_check_passes(family: str) -> None:
+    adapter = TorchtitanMoEAdapter(model_of(family))
+    report = adapter.self_check_report
+    assert report.enabled and report.seconds > 0
+    assert report.structures, f"{family}: the self-check compared no block structure"
+    dtype = DTYPES.get(family, torch.float32)
+    for cls, names, difference, probe_dtype in report.structures:
+        assert names, cls
+        assert probe_dtype == str(dtype).removeprefix("torch."), report
+        assert difference <= (1e-5 if dtype == torch.float32 else 8 * 2**-7), report
+    checked = [f"layers.{n}" for _, names, _, _ in report.structures for n in names]
+    moe = [layer.name for layer in adapter.decoder.layers if layer.is_moe]
+    assert sorted(checked) == sorted(moe), f"{family}: checked {checked}, MoE blocks {moe}"
+
+
+# --- parity with torchtitan -----------------------------------------------------------------
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_plain_path_matches_torchtitan(family: str) -> None:
+    """Losses and every parameter gradient equal torchtitan's own forward and backward to
+    the dtype's rounding; the load-balancing token counts are equal."""
+    dtype = DTYPES.get(family, torch.float32)
+    mbs = microbatches(family)
+    ours = TorchtitanMoEAdapter(model_of(family), self_check=False)
+    ref = model_of(family)
+    ref_losses = torchtitan_step(ref, mbs)
+    losses = plain_step(ours, mbs)
+    torch.testing.assert_close(
+        torch.stack(losses), torch.stack(ref_losses), rtol=LOSS_RTOL[dtype], atol=0
+    )
+    got, want = grads(ours.model), grads(ref)
+    assert list(got) == list(want)
+    for name, w in want.items():
+        floor = GRAD_FLOOR[dtype] * float(w.abs().max())
+        torch.testing.assert_close(
+            got[name],
+            w,
+            rtol=GRAD_RTOL[dtype],
+            atol=floor,
+            msg=lambda m, name=name: f"{family}: gradient of {name}: {m}",  # type: ignore[misc]
+        )
+    assert_bit_identical(
+        moe_buffers(ours.model, "tokens_per_expert_E"),
+        moe_buffers(ref, "tokens_per_expert_E"),
+        "tokens_per_expert_E",
+        f"{family} adapter vs torchtitan",
+    )
+
+
+# --- the schedule against the plain path ----------------------------------------------------
+@pytest.mark.parametrize("delay", [False, True], ids=["wgrad", "delayed_wgrad"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_schedule_is_bit_identical_to_plain_path(family: str, delay: bool) -> None:
+    mbs = microbatches(family)
+    plain = TorchtitanMoEAdapter(model_of(family), delay_wgrad_compute=delay, self_check=False)
+    sched = TorchtitanMoEAdapter(model_of(family), delay_wgrad_compute=delay, self_check=False)
+    plain_losses = plain_step(plain, mbs, delay=delay)
+    losses = schedule(sched, mbs)
+    assert sched.pending_wgrad == 0 and plain.pending_wgrad == 0
+    where = f"{family} (delay_wgrad_compute={delay}) schedule vs plain"
+    assert len(losses) == len(mbs)
+    assert all(torch.equal(a, b) for a, b in zip(losses, plain_losses, strict=True)), (
+        f"{where}: losses {losses} vs {plain_losses}"
+    )
+    assert_bit_identical(grads(sched.model), grads(plain.model), "gradients", where)
+    assert_bit_identical(
+        moe_buffers(sched.model, "tokens_per_expert_E"),
+        moe_buffers(plain.model, "tokens_per_expert_E"),
+        "tokens_per_expert_E",
+        where,
+    )
+
+
+# --- optimizer steps with torchtitan's load balancing ---------------------------------------
+@pytest.fixture
+def one_rank_group(tmp_path: Path) -> Iterator[None]:
+    """A one-rank gloo process group: torchtitan's ``ParallelDims`` builds its device
+    meshes (all of size 1) on it."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialised in this process")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _optimizer(model: nn.Module) -> Any:
+    """torchtitan's AdamW container with its MoE load-balancing hook, as its trainer
+    builds them (one model part, every parallel degree 1)."""
+    from torchtitan.components.optimizer.optimizer import (
+        OptimizersContainer,
+        default_adamw,
+        register_moe_load_balancing_hook,
+    )
+    from torchtitan.distributed import ParallelDims
+
+    config = default_adamw(lr=1e-3)
+    config.implementation = "for-loop"  # "fused" is CUDA's
+    optimizers = OptimizersContainer(config, model_parts=[model])
+    dims = ParallelDims(dp_replicate=1, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=1)
+    register_moe_load_balancing_hook(optimizers, [model], dims)
+    assert len(optimizers._optimizer_step_pre_hooks) == 1, "the load-balancing hook"
+    return optimizers
+
+
+@pytest.mark.usefixtures("one_rank_group")
+def test_training_steps_with_load_balancing_hook_are_bit_identical() -> None:
+    """Three AdamW steps through the schedule and through the plain path, each with
+    torchtitan's load-balancing hook updating the expert biases from the token counts:
+    counts, biases and parameters bit-identical after every step."""
+    family = "deepseek_v3"
+    plain = TorchtitanMoEAdapter(model_of(family), self_check=False)
+    sched = TorchtitanMoEAdapter(model_of(family), self_check=False)
+    assert all(
+        getattr(m, "load_balance_coeff", None) for n, m in plain.model.named_modules() if n.endswith("moe")
+    ), "deepseek_v3's debug model has load balancing on"
+    opt_plain, opt_sched = _optimizer(plain.model), _optimizer(sched.model)
+    bias0 = moe_buffers(plain.model, "expert_bias_E")
+    for step in range(3):
+        mbs = microbatches(family, seed=10 + step)
+        where = f"step {step}"
+        plain_losses, losses = plain_step(plain, mbs), schedule(sched, mbs)
+        assert all(torch.equal(a, b) for a, b in zip(losses, plain_losses, strict=True)), where
+        counts = moe_buffers(plain.model, "tokens_per_expert_E")
+        assert all(float(c.sum()) > 0 for c in counts.values()), f"{where}: no tokens counted"
+        assert_bit_identical(
+            moe_buffers(sched.model, "tokens_per_expert_E"), counts, "tokens_per_expert_E", where
+        )
+        for opt in (opt_plain, opt_sched):
+            opt.step()
+            opt.zero_grad()
+        bias = moe_buffers(plain.model, "expert_bias_E")
+        assert_bit_identical(moe_buffers(sched.model, "expert_bias_E"), bias, "expert_bias_E", where)
+        assert_bit_identical(
+            moe_buffers(sched.model, "tokens_per_expert_E"),
+            moe_buffers(plain.model, "tokens_per_expert_E"),
+            "tokens_per_expert_E after the hook",
+            where,
+        )
+        assert_bit_identical(
+            dict(sched.model.named_parameters()),
+            dict(plain.model.named_parameters()),
+            "parameters",
+            where,
+        )
+    assert any(
+        not torch.equal(bias[n], bias0[n]) for n in bias0
+    ), "the load-balancing hook never moved an expert bias"
+
+
+# --- refusals -------------------------------------------------------------------------------
+def test_refuses_a_module_that_is_not_a_torchtitan_decoder() -> None:
+    with pytest.raises(ConfigError, match=r"model: expected a torchtitan decoder model.*received Linear"):
+        TorchtitanMoEAdapter(nn.Linear(4, 4))
+
+
+def test_refuses_multi_token_prediction_layers() -> None:
+    model = build("deepseek_v3", num_mtp_layers=1)
+    with pytest.raises(ConfigError, match=r"DeepSeekV3Model\.mtp_layers: expected no multi-token"):
+        TorchtitanMoEAdapter(model, self_check=False)
+
+
+@pytest.mark.parametrize(
+    ("where", "message"),
+    [
+        ("layers.1", r"DeepSeekV3Model\.layers\.1: expected no forward or backward hooks"),
+        ("layers.1.moe", r"DeepSeekV3Model\.layers\.1\.moe: expected no forward"),
+        ("layers.1.moe.routed_experts", r"layers\.1\.moe\.routed_experts: expected no"),
+    ],
+)
+def test_refuses_a_forward_hook_on_a_split_module(where: str, message: str) -> None:
+    model = model_of("deepseek_v3")
+    model.get_submodule(where).register_forward_hook(lambda *args: None)
+    with pytest.raises(ConfigError, match=message):
+        TorchtitanMoEAdapter(model, self_check=False)
+
+
+def test_refuses_a_block_replaced_after_construction() -> None:
+    model = model_of("deepseek_v3")
+    adapter = TorchtitanMoEAdapter(model, self_check=False)
+    layers = model.get_submodule("layers")
+    assert isinstance(layers, nn.ModuleDict)
+    layers["2"] = copy.deepcopy(layers["2"])
+    with pytest.raises(
+        ConfigError, match=r"DeepSeekV3Model\.layers\.2: expected the block the adapter was built on"
+    ):
+        combined_1f1b(adapter, microbatches("deepseek_v3")[:1], options=adapter.schedule_options())
+
+
+def test_refuses_loss_mask() -> None:
+    adapter = TorchtitanMoEAdapter(model_of("deepseek_v3"), self_check=False)
+    mb = _batches("deepseek_v3")[0]
+    bad = Microbatch(**mb, loss_mask=torch.ones(2, 16))
+    with pytest.raises(ConfigError, match=r"microbatches\[0\].*loss_mask is set.*TorchtitanMoEAdapter"):
+        combined_1f1b(adapter, [bad], options=adapter.schedule_options())
