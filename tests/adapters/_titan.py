@@ -63,7 +63,9 @@ def shrink(config: Any, *, layers: int = 3, moe: dict[str, int] | None = None) -
     kept = list(config.layers[:layers])
     if moe:
         kept = [
-            layer if layer.moe is None else dataclasses.replace(layer, moe=_rewrite_moe(layer.moe, moe))
+            layer
+            if layer.moe is None
+            else dataclasses.replace(layer, moe=_rewrite_moe(layer.moe, moe))
             for layer in kept
         ]
     return dataclasses.replace(config, layers=kept)
@@ -82,9 +84,9 @@ def build(
     spec = importlib.import_module(module).model_registry(flavor, **registry)
     config = shrink(spec.model, layers=layers, moe=TINY_MOE.get(family) if tiny else None)
     torch.manual_seed(seed)
-    model = cast(nn.Module, config.build())
+    model: Any = config.build()
     model.init_states(buffer_device=torch.device("cpu"))
-    return model
+    return cast(nn.Module, model)
 
 
 class CausalAttention(nn.Module):
@@ -133,9 +135,11 @@ def causal_stand_in(model: nn.Module) -> nn.Module:
     return model
 
 
-def batch(model: nn.Module, n: int, *, b: int = 2, s: int = 16, seed: int = 1) -> list[dict[str, Tensor]]:
+def batch(
+    model: nn.Module, n: int, *, b: int = 2, s: int = 16, seed: int = 1
+) -> list[dict[str, Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    vocab = int(getattr(model, "config").vocab_size)
+    vocab = int(cast(Any, model).config.vocab_size)
     out = []
     for _ in range(n):
         ids = torch.randint(0, vocab, (b, s + 1), generator=g)

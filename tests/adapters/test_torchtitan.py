@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +20,7 @@ pytest.importorskip("torchtitan")
 from moe_overlap import ConfigError, Microbatch, combined_1f1b
 from moe_overlap.adapters.torchtitan import TorchtitanMoEAdapter
 from moe_overlap.blocks import finish_wgrad
-from tests.adapters import _titan
-from tests.adapters._titan import CausalAttention, FAMILIES, batch, build, causal_stand_in
+from tests.adapters._titan import FAMILIES, CausalAttention, batch, build, causal_stand_in
 
 pytestmark = pytest.mark.filterwarnings(
     # torchtitan's MoE enters a float32 CPU autocast, which torch disables with a warning.
@@ -57,16 +56,26 @@ def _batches(family: str, seed: int = 1) -> tuple[dict[str, Tensor], ...]:
     return tuple(batch(_base(family), MICROBATCHES, seed=seed))
 
 
+def as_microbatch(mb: dict[str, Tensor], *, loss_mask: Tensor | None = None) -> Microbatch:
+    return Microbatch(
+        input_ids=mb["input_ids"],
+        labels=mb["labels"],
+        position_ids=mb["position_ids"],
+        loss_mask=loss_mask,
+    )
+
+
 def microbatches(family: str, seed: int = 1) -> list[Microbatch]:
-    return [Microbatch(**mb) for mb in _batches(family, seed)]
+    return [as_microbatch(mb) for mb in _batches(family, seed)]
 
 
-def grads(model: nn.Module) -> dict[str, Tensor]:
-    """Every parameter's gradient; a parameter without one fails the test."""
-    out: dict[str, Tensor] = {}
+def grads(model: nn.Module) -> dict[str, Tensor | None]:
+    """Every parameter's gradient (None where it got none: Kimi's vision encoder in a
+    text-only step); a decoder block parameter without one fails the test."""
+    out: dict[str, Tensor | None] = {}
     for name, p in model.named_parameters():
-        assert p.grad is not None, f"{name} got no gradient"
-        out[name] = p.grad.detach().clone()
+        assert p.grad is not None or not name.startswith("layers."), f"{name} got no gradient"
+        out[name] = None if p.grad is None else p.grad.detach().clone()
     return out
 
 
@@ -77,14 +86,24 @@ def moe_buffers(model: nn.Module, what: str) -> dict[str, Tensor]:
     return found
 
 
+def _differ(a: Tensor | None, b: Tensor | None) -> str | None:
+    if a is None or b is None:
+        return (
+            None
+            if a is b
+            else f"{'no' if a is None else 'a'} gradient vs {'none' if b is None else 'one'}"
+        )
+    return None if torch.equal(a, b) else f"max diff {float((a - b).abs().max()):.3g}"
+
+
 def assert_bit_identical(
-    got: dict[str, Tensor], want: dict[str, Tensor], what: str, where: str
+    got: Mapping[str, Tensor | None], want: Mapping[str, Tensor | None], what: str, where: str
 ) -> None:
-    assert list(got) == list(want), f"{what}: different names"
-    differ = [n for n in want if not torch.equal(got[n], want[n])]
+    assert list(got) == list(want), f"{where}: {what}: different names"
+    differ = {n: d for n in want if (d := _differ(got[n], want[n])) is not None}
     assert not differ, (
         f"{where}: {what} not bit-identical for {len(differ)} of {len(want)}: "
-        + ", ".join(f"{n} (max diff {float((got[n] - want[n]).abs().max()):.3g})" for n in differ)
+        + ", ".join(f"{n} ({d})" for n, d in differ.items())
     )
 
 
@@ -97,7 +116,7 @@ def plain_step(
     for mb in mbs:
         assert mb.input_ids is not None
         loss = adapter.forward(mb.input_ids, mb.position_ids, labels=mb.labels)
-        loss.backward()
+        torch.autograd.backward(loss)
         if delay:
             assert adapter.pending_wgrad > 0, "delayed wgrad: nothing pending after backward"
             finish_wgrad(adapter.model)
@@ -133,8 +152,8 @@ def test_causal_stand_in_equals_flex_attention_in_forward() -> None:
     from torch.nn.attention.flex_attention import AuxRequest, flex_attention
     from torchtitan.models.common.attention import FlexAttention
 
-    model = build("deepseek_v3")
-    flex = next(m for m in model.modules() if isinstance(m, FlexAttention))
+    model: Any = build("deepseek_v3")
+    flex: Any = next(m for m in model.modules() if isinstance(m, FlexAttention))
     positions = torch.arange(16).expand(2, 16)
     masks = model.get_attention_masks(positions)
     g = torch.Generator().manual_seed(0)
@@ -142,12 +161,14 @@ def test_causal_stand_in_equals_flex_attention_in_forward() -> None:
     k, v = torch.randn(2, 16, 2, 8, generator=g), torch.randn(2, 16, 2, 8, generator=g)
     stand_in = CausalAttention()
     with torch.no_grad():
-        for scale in (None, 0.3):
-            want = flex(q, k, v, attention_masks=masks, scale=scale, enable_gqa=True)
-            got = stand_in(q, k, v, attention_masks=masks, scale=scale, enable_gqa=True)
-            torch.testing.assert_close(got, want, msg=lambda m: f"scale={scale}: {m}")
+        # One call: each scale is a compile of flex on CPU (tens of seconds cold).
+        want = flex(q, k, v, attention_masks=masks, scale=0.3, enable_gqa=True)
+        got = stand_in(q, k, v, attention_masks=masks, scale=0.3, enable_gqa=True)
+        torch.testing.assert_close(got, want)
         out, aux = flex_attention(
-            *(t.transpose(1, 2) for t in (q, k, v)),
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
             block_mask=masks,
             enable_gqa=True,
             return_aux=AuxRequest(lse=True),
@@ -168,7 +189,17 @@ def test_causal_stand_in_equals_flex_attention_in_forward() -> None:
 # --- self-check -----------------------------------------------------------------------------
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_self_check_passes(family: str) -> None:
-    adapter = TorchtitanMoEAdapter(model_of(family))
+    """Every MoE block structure compared, within tolerance; the model itself untouched
+    (the probe runs on copies: no gradients, no token counts, the same state)."""
+    model = model_of(family)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    adapter = TorchtitanMoEAdapter(model)
+    after = model.state_dict()
+    assert list(after) == list(before)
+    changed = [k for k in before if not torch.equal(after[k], before[k])]
+    assert not changed, f"{family}: the self-check changed {changed}"
+    touched = [n for n, p in model.named_parameters() if p.grad is not None]
+    assert not touched, f"{family}: the self-check left gradients on {touched}"
     report = adapter.self_check_report
     assert report.enabled and report.seconds > 0
     assert report.structures, f"{family}: the self-check compared no block structure"
@@ -199,9 +230,15 @@ def test_plain_path_matches_torchtitan(family: str) -> None:
     got, want = grads(ours.model), grads(ref)
     assert list(got) == list(want)
     for name, w in want.items():
+        g = got[name]
+        if w is None or g is None:
+            assert g is w, (
+                f"{family}: {name}: gradient {g is not None} vs torchtitan's {w is not None}"
+            )
+            continue
         floor = GRAD_FLOOR[dtype] * float(w.abs().max())
         torch.testing.assert_close(
-            got[name],
+            g,
             w,
             rtol=GRAD_RTOL[dtype],
             atol=floor,
@@ -213,6 +250,17 @@ def test_plain_path_matches_torchtitan(family: str) -> None:
         "tokens_per_expert_E",
         f"{family} adapter vs torchtitan",
     )
+
+
+def test_logits_without_labels_are_the_models_own() -> None:
+    """Without labels the adapter returns the LM head's logits, as the model's forward."""
+    model = model_of("deepseek_v3")
+    mb = _batches("deepseek_v3")[0]
+    adapter = TorchtitanMoEAdapter(copy.deepcopy(model), self_check=False)
+    with torch.no_grad():
+        logits = adapter.forward(mb["input_ids"], mb["position_ids"])
+        own = model(mb["input_ids"], positions=mb["position_ids"])
+    torch.testing.assert_close(logits, own, rtol=1e-5, atol=1e-5 * float(own.abs().max()))
 
 
 # --- the schedule against the plain path ----------------------------------------------------
@@ -250,8 +298,8 @@ def one_rank_group(tmp_path: Path) -> Iterator[None]:
         pytest.skip("torch.distributed is not available")
     if dist.is_initialized():
         pytest.skip("a process group is already initialised in this process")
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    init = f"file://{tmp_path / 'store'}"
+    dist.init_process_group("gloo", init_method=init, rank=0, world_size=1)
     try:
         yield
     finally:
@@ -286,10 +334,13 @@ def test_training_steps_with_load_balancing_hook_are_bit_identical() -> None:
     plain = TorchtitanMoEAdapter(model_of(family), self_check=False)
     sched = TorchtitanMoEAdapter(model_of(family), self_check=False)
     assert all(
-        getattr(m, "load_balance_coeff", None) for n, m in plain.model.named_modules() if n.endswith("moe")
+        getattr(m, "load_balance_coeff", None)
+        for n, m in plain.model.named_modules()
+        if n.endswith("moe")
     ), "deepseek_v3's debug model has load balancing on"
     opt_plain, opt_sched = _optimizer(plain.model), _optimizer(sched.model)
     bias0 = moe_buffers(plain.model, "expert_bias_E")
+    bias = bias0
     for step in range(3):
         mbs = microbatches(family, seed=10 + step)
         where = f"step {step}"
@@ -304,7 +355,9 @@ def test_training_steps_with_load_balancing_hook_are_bit_identical() -> None:
             opt.step()
             opt.zero_grad()
         bias = moe_buffers(plain.model, "expert_bias_E")
-        assert_bit_identical(moe_buffers(sched.model, "expert_bias_E"), bias, "expert_bias_E", where)
+        assert_bit_identical(
+            moe_buffers(sched.model, "expert_bias_E"), bias, "expert_bias_E", where
+        )
         assert_bit_identical(
             moe_buffers(sched.model, "tokens_per_expert_E"),
             moe_buffers(plain.model, "tokens_per_expert_E"),
@@ -317,14 +370,16 @@ def test_training_steps_with_load_balancing_hook_are_bit_identical() -> None:
             "parameters",
             where,
         )
-    assert any(
-        not torch.equal(bias[n], bias0[n]) for n in bias0
-    ), "the load-balancing hook never moved an expert bias"
+    assert any(not torch.equal(bias[n], bias0[n]) for n in bias0), (
+        "the load-balancing hook never moved an expert bias"
+    )
 
 
 # --- refusals -------------------------------------------------------------------------------
 def test_refuses_a_module_that_is_not_a_torchtitan_decoder() -> None:
-    with pytest.raises(ConfigError, match=r"model: expected a torchtitan decoder model.*received Linear"):
+    with pytest.raises(
+        ConfigError, match=r"model: expected a torchtitan decoder model.*received Linear"
+    ):
         TorchtitanMoEAdapter(nn.Linear(4, 4))
 
 
@@ -356,7 +411,8 @@ def test_refuses_a_block_replaced_after_construction() -> None:
     assert isinstance(layers, nn.ModuleDict)
     layers["2"] = copy.deepcopy(layers["2"])
     with pytest.raises(
-        ConfigError, match=r"DeepSeekV3Model\.layers\.2: expected the block the adapter was built on"
+        ConfigError,
+        match=r"DeepSeekV3Model\.layers\.2: expected the block the adapter was built on",
     ):
         combined_1f1b(adapter, microbatches("deepseek_v3")[:1], options=adapter.schedule_options())
 
@@ -364,6 +420,8 @@ def test_refuses_a_block_replaced_after_construction() -> None:
 def test_refuses_loss_mask() -> None:
     adapter = TorchtitanMoEAdapter(model_of("deepseek_v3"), self_check=False)
     mb = _batches("deepseek_v3")[0]
-    bad = Microbatch(**mb, loss_mask=torch.ones(2, 16))
-    with pytest.raises(ConfigError, match=r"microbatches\[0\].*loss_mask is set.*TorchtitanMoEAdapter"):
+    bad = as_microbatch(mb, loss_mask=torch.ones(2, 16))
+    with pytest.raises(
+        ConfigError, match=r"microbatches\[0\].*loss_mask is set.*TorchtitanMoEAdapter"
+    ):
         combined_1f1b(adapter, [bad], options=adapter.schedule_options())

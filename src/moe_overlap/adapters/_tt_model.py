@@ -314,6 +314,7 @@ class TorchtitanMoEAdapter(MegatronHooks):
                 seen[key].append(name)
                 continue
             seen[key] = [name]
+            before = _state_of(block)
             try:
                 worst, dtype = _compare_in_float32_or(block, name, x, call, p0.dtype)
             except (ConfigError, IntegrationError):
@@ -325,6 +326,12 @@ class TorchtitanMoEAdapter(MegatronHooks):
                     "forward and backward and the adapter's split of it on a probe; "
                     "expected both to run (or pass self_check=False)"
                 ) from exc
+            if _state_of(block) != before:
+                raise IntegrationError(
+                    f"TorchtitanMoEAdapter: layers.{name}: the self-check's copy of the block "
+                    "changed the model's own gradients or buffers (a module of the copy still "
+                    "runs the original); expected the probe to touch the copy only"
+                )
             tolerance = probe_tolerance(dtype)
             if worst.difference > tolerance:
                 raise ConfigError(
@@ -490,6 +497,13 @@ class TorchtitanMoEAdapter(MegatronHooks):
         return total / (labels != IGNORE_INDEX).sum()
 
 
+def _state_of(block: nn.Module) -> list[tuple[str, int, int]]:
+    """Which gradients exist and the buffers' versions: what a probe must not change."""
+    grads = [(n, id(p.grad), -1) for n, p in block.named_parameters()]
+    buffers = [(n, id(b), b._version) for n, b in block.named_buffers()]
+    return grads + buffers
+
+
 def probe_tolerance(dtype: torch.dtype) -> float:
     """The largest relative difference the self-check accepts in ``dtype``: the split runs
     the block's own operations, so only gradients summed in another order differ (float32:
@@ -525,6 +539,11 @@ def _float32_copy(block: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Mo
         if d is not None:
             memo[id(d)] = d
     dup = copy.deepcopy(block, memo)
+    for m in dup.modules():
+        # A forward set on the instance (torchtitan's parallelize wraps forwards so) is
+        # copied as a closure over the original module: the copy would run the model.
+        if "forward" in vars(m):
+            delattr(m, "forward")
     dup.to(dtype)
     dup.train()
     return dup

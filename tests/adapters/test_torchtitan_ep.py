@@ -1,0 +1,66 @@
+"""The torchtitan adapter on torchtitan's own expert parallelism (EP=2, two gloo processes).
+
+The worker (:mod:`tests.adapters.titan_ep_worker`) says how EP is applied.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.gloo_ranks import run_ranks
+
+pytest.importorskip("torchtitan")
+
+
+@pytest.fixture(scope="module")
+def titan_ep2() -> list[dict[str, object]]:
+    return run_ranks("tests.adapters.titan_ep_worker")
+
+
+def _rows(results: list[dict[str, object]], case: str) -> list[dict[str, object]]:
+    rows = [r for r in results if r["case"] == case]
+    assert sorted(int(str(r["rank"])) for r in rows) == [0, 1]
+    return rows
+
+
+@pytest.mark.slow
+def test_ep2_overlap_is_bit_identical_to_plain(titan_ep2: list[dict[str, object]]) -> None:
+    for r in _rows(titan_ep2, "overlap_vs_plain"):
+        assert r["ok"], r
+        # torchtitan's EP, not a local fallback: its all-to-all dispatcher on the ep
+        # mesh, experts sharded over it.
+        assert r["dispatcher"] == "AllToAllTokenDispatcher"
+        assert "ep=2" in str(r["ep_mesh"])
+        assert r["expert_weight"] == "DTensor"
+        assert r["placements"] == "(Shard(dim=0),)"
+        assert r["local_experts"] == r["num_local_experts"] == 4
+        assert r["global_experts"] == 8
+        assert r["pending_after"] == 0
+
+
+@pytest.mark.slow
+def test_ep2_matches_ep1_on_the_same_global_model(titan_ep2: list[dict[str, object]]) -> None:
+    for r in _rows(titan_ep2, "ep2_vs_ep1"):
+        assert r["ok"], r
+        assert r["loss_diff"] == 0.0, r  # forward is per token: the same bits
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    reason="the adapter refuses the forward wrappers torchtitan's Module.parallelize sets "
+    "on moe and routed_experts (no-ops under EP alone); the worker drops them",
+    strict=True,
+)
+def test_ep2_adapter_takes_the_parallelized_model_as_is(
+    titan_ep2: list[dict[str, object]],
+) -> None:
+    for r in _rows(titan_ep2, "overlap_vs_plain"):
+        assert not r["refusal"], r["refusal"]
+
+
+@pytest.mark.slow
+def test_ep2_self_check_leaves_the_model_untouched(
+    titan_ep2: list[dict[str, object]],
+) -> None:
+    for r in _rows(titan_ep2, "overlap_vs_plain"):
+        assert r["self_check_touched"] == [], r["self_check_touched"]
