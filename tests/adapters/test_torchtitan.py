@@ -43,8 +43,14 @@ LOSS_RTOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2}
 @functools.cache
 def _base(family: str) -> nn.Module:
     """``family``'s tiny model with the causal stand-in, in its training dtype (shared:
-    tests take deep copies)."""
-    return causal_stand_in(build(family)).to(DTYPES.get(family, torch.float32))
+    tests take deep copies). Only a model trained in another dtype is cast: ``.to(float32)``
+    would turn DeepSeek's and Kimi's complex RoPE caches real."""
+    model = causal_stand_in(build(family))
+    dtype = DTYPES.get(family)
+    if dtype is not None:
+        assert not any(b.is_complex() for b in model.buffers()), f"{family}: complex buffers"
+        model = model.to(dtype)
+    return model
 
 
 def model_of(family: str) -> nn.Module:
@@ -192,6 +198,9 @@ def test_self_check_passes(family: str) -> None:
     """Every MoE block structure compared, within tolerance; the model itself untouched
     (the probe runs on copies: no gradients, no token counts, the same state)."""
     model = model_of(family)
+    assert all(b.is_complex() for n, b in model.named_buffers() if n.endswith("rope.cache")) or (
+        family not in ("deepseek_v3", "kimi_k2_7")
+    ), "the test model keeps its complex RoPE cache"
     before = {k: v.clone() for k, v in model.state_dict().items()}
     adapter = TorchtitanMoEAdapter(model)
     after = model.state_dict()
