@@ -544,7 +544,14 @@ def _float32_copy(block: nn.Module, dtype: torch.dtype = torch.float32) -> nn.Mo
         # copied as a closure over the original module: the copy would run the model.
         if "forward" in vars(m):
             delattr(m, "forward")
-    dup.to(dtype)
+    # Floating-point tensors only: a complex RoPE cache keeps its imaginary part.
+    with torch.no_grad():
+        for p in dup.parameters():
+            p.data = p.data.to(dtype)
+        for m in dup.modules():
+            for key, b in list(m.named_buffers(recurse=False)):
+                if b.is_floating_point():
+                    setattr(m, key, b.to(dtype))
     dup.train()
     return dup
 
