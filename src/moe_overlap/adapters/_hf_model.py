@@ -52,7 +52,7 @@ from moe_overlap.engine.args import (
     check_fields,
 )
 
-__all__ = ["ADAPTER_CONFIG_SPECS", "AdapterConfig", "AdapterDecoder", "TransformersMoEAdapter"]
+__all__ = ["AdapterConfig", "AdapterDecoder", "TransformersMoEAdapter"]
 
 _NOT_SOFTMAX = ("linear", "mamba", "conv", "delta", "ssm", "recurrent")
 
@@ -74,10 +74,10 @@ class AdapterConfig:
     mtp_num_layers: int | None = None
 
     def __post_init__(self) -> None:
-        check_fields(self, ADAPTER_CONFIG_SPECS)
+        check_fields(self, _ADAPTER_CONFIG)
 
 
-ADAPTER_CONFIG_SPECS: dict[str, Spec[object]] = {
+_ADAPTER_CONFIG: dict[str, Spec[object]] = {
     "delay_wgrad_compute": BOOL,
     "moe_token_dispatcher_type": OneOf(("alltoall",)),
     "moe_flex_dispatcher_backend": NONE,

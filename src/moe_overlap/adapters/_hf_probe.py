@@ -36,6 +36,7 @@ __all__ = [
     "probe_ids",
     "rel_difference",
     "structure_key",
+    "worst_gradient",
 ]
 
 PROBE_TOKENS = 6
@@ -174,8 +175,17 @@ def compare_layer(
     cand_grads = dict(_grads(candidate))
     for name, ref_grad in _grads(reference):
         pairs.append((f"gradient of {name}", cand_grads.get(name), ref_grad))
-    # The layer's gradient scale: a mathematically-zero gradient's float32 noise sits far
-    # below it (see GRADIENT_FLOOR).
+    worst = worst_gradient(pairs, worst)
+    return worst if worst.difference > PROBE_TOLERANCE else None
+
+
+def worst_gradient(
+    pairs: Sequence[tuple[str, Tensor | None, Tensor | None]], worst: Mismatch
+) -> Mismatch:
+    """The largest of ``worst`` and the ``(what, split's, reference's)`` gradient
+    differences, each relative to its own magnitude floored at ``GRADIENT_FLOOR`` times the
+    largest gradient of all (a mathematically-zero gradient's float32 noise sits far below
+    it); a gradient only one side gives is an infinite difference."""
     floor = GRADIENT_FLOOR * max((_magnitude(w) for _, _, w in pairs if w is not None), default=0.0)
     for what, got, want in pairs:
         if (got is None) != (want is None):
@@ -185,7 +195,7 @@ def compare_layer(
             d = rel_difference(got, want, floor) if got.shape == want.shape else float("inf")
             if d > worst.difference:
                 worst = Mismatch(what, d)
-    return worst if worst.difference > PROBE_TOLERANCE else None
+    return worst
 
 
 def float32_copy(

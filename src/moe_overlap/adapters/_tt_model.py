@@ -15,14 +15,14 @@ from typing import cast
 import torch
 from torch import Tensor, nn
 
-from moe_overlap import ConfigError, CudaGraphModule, IntegrationError, ScheduleOptions
-from moe_overlap.adapters._hf_model import ADAPTER_CONFIG_SPECS
+from moe_overlap import ConfigError, IntegrationError, Microbatch, ScheduleOptions
+from moe_overlap.adapters._hf_model import AdapterConfig
 from moe_overlap.adapters._hf_probe import (
-    GRADIENT_FLOOR,
     PROBE_TOLERANCE,
     Mismatch,
     failing_module,
     rel_difference,
+    worst_gradient,
 )
 from moe_overlap.adapters._tt_imports import titan
 from moe_overlap.adapters._tt_layers import (
@@ -35,9 +35,9 @@ from moe_overlap.adapters._tt_layers import (
 )
 from moe_overlap.blocks import MegatronHooks
 from moe_overlap.engine import Bypass, BypassedModule, ChunkState, check_wgrad_done
-from moe_overlap.engine.args import BOOL, MODULE, check_arg, check_fields
+from moe_overlap.engine.args import BOOL, MODULE, check_arg
 
-__all__ = ["LossFn", "SelfCheckReport", "TitanConfig", "TitanDecoder", "TorchtitanMoEAdapter"]
+__all__ = ["LossFn", "SelfCheckReport", "TitanDecoder", "TorchtitanMoEAdapter"]
 
 LossFn = Callable[[Tensor, Tensor], object]
 """``loss_fn(logits, labels)``: a scalar tensor, or a tuple whose first item is one (what
@@ -48,23 +48,6 @@ PROBE_TOKENS = 8
 
 IGNORE_INDEX = -100
 """torchtitan's (and torch's) ignored label."""
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class TitanConfig:
-    """The configuration the schedule reads (free-input policy): the all-to-all dispatcher,
-    no FP8/FP4, no CUDA graphs, no MTP."""
-
-    delay_wgrad_compute: bool = False
-    moe_token_dispatcher_type: str = "alltoall"
-    moe_flex_dispatcher_backend: str | None = None
-    fp8: str | None = None
-    fp4: str | None = None
-    cuda_graph_modules: tuple[CudaGraphModule, ...] = ()
-    mtp_num_layers: int | None = None
-
-    def __post_init__(self) -> None:
-        check_fields(self, ADAPTER_CONFIG_SPECS)
 
 
 class TitanDecoder:
@@ -222,7 +205,7 @@ class TorchtitanMoEAdapter(MegatronHooks):
         moe_cls = titan().moe
         self.model = model
         self.loss_fn = loss_fn
-        self.config = TitanConfig(delay_wgrad_compute=delay_wgrad_compute)
+        self.config = AdapterConfig(delay_wgrad_compute=delay_wgrad_compute)
         self._blocks = _blocks(model)
         self._moe = [name for name, b in self._blocks if _is_moe(b, moe_cls)]
         if not self._moe:
@@ -563,7 +546,7 @@ def _compare(
     (on another): output, input gradient, parameter gradients. Raises
     :class:`_ReferenceFailed` (from the error) when the block's own code fails."""
     ref, cand = _float32_copy(block, dtype), _float32_copy(block, dtype)
-    layer = TitanMoELayer(cand, 0, f"layers.{name}", lambda cs: call, TitanConfig())
+    layer = TitanMoELayer(cand, 0, f"layers.{name}", lambda cs: call, AdapterConfig())
     x_ref = x.detach().to(dtype).requires_grad_()
     x_cand = x.detach().to(dtype).requires_grad_()
     g = torch.Generator().manual_seed(1)
@@ -573,8 +556,6 @@ def _compare(
         torch.autograd.backward(out_r, grad_out)
     except Exception as exc:
         raise _ReferenceFailed from exc
-    from moe_overlap import Microbatch
-
     out_c = layer.run_plain(x_cand, ChunkState(Microbatch()))
     if out_c.shape != out_r.shape:
         return Mismatch("output shape", float("inf"))
@@ -586,16 +567,4 @@ def _compare(
     cand_grads = dict(cand.named_parameters())
     for pname, p in ref.named_parameters():
         pairs.append((f"gradient of {pname}", cand_grads[pname].grad, p.grad))
-    scale = max(
-        (float(w.abs().max()) for _, _, w in pairs if w is not None and w.numel()), default=0.0
-    )
-    floor = GRADIENT_FLOOR * scale
-    for what, got, want in pairs:
-        if (got is None) != (want is None):
-            absent = "no gradient" if got is None else "a gradient the block does not give"
-            return Mismatch(f"{what} (the split gives {absent})", float("inf"))
-        if got is not None and want is not None:
-            d = rel_difference(got, want, floor) if got.shape == want.shape else float("inf")
-            if d > worst.difference:
-                worst = Mismatch(what, d)
-    return worst
+    return worst_gradient(pairs, worst)

@@ -49,14 +49,12 @@ from moe_overlap.adapters._tt_layers import TitanLayer as TitanLayer
 from moe_overlap.adapters._tt_layers import TitanMoELayer as TitanMoELayer
 from moe_overlap.adapters._tt_model import LossFn as LossFn
 from moe_overlap.adapters._tt_model import SelfCheckReport as SelfCheckReport
-from moe_overlap.adapters._tt_model import TitanConfig as TitanConfig
 from moe_overlap.adapters._tt_model import TorchtitanMoEAdapter as TorchtitanMoEAdapter
 
 __all__ = [
     "BlockCall",
     "LossFn",
     "SelfCheckReport",
-    "TitanConfig",
     "TitanDenseLayer",
     "TitanLayer",
     "TitanMoELayer",
