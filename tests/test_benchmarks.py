@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -71,3 +73,18 @@ def test_ab_calls_counts_the_same_tree_the_same() -> None:
         assert summary[mode]["b_over_a"] == 1.0, summary[mode]
         assert summary[mode]["most_changed"] == {}, summary[mode]
         assert summary[mode]["a_calls_per_node"] > 10
+
+
+def test_bench_torchtitan_smoke(tmp_path: Path) -> None:
+    pytest.importorskip("torchtitan")
+    _bench(
+        "bench_torchtitan.py",
+        *("--warmup", "0", "--iters", "1", "--microbatches", "2", "--layers", "1"),
+        *("--exact-microbatches", "2", "--out", str(tmp_path)),
+    )
+    result = json.loads((tmp_path / "bench_torchtitan.json").read_text())
+    for mode in ("default", "deterministic"):
+        rows = result["exactness"][mode]["rows"]
+        assert all(r["bit_identical"] for name, r in rows.items() if "torchtitan" not in name)
+    (timing,) = result["timing"]
+    assert all(timing["rows"][v]["median_ms"] > 0 for v in ("torchtitan", "overlapped"))

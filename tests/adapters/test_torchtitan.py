@@ -260,10 +260,23 @@ def test_plain_path_matches_torchtitan(family: str) -> None:
     ref = model
     ref_losses = torchtitan_step(ref, mbs)
     losses = plain_step(ours, mbs)
+    assert_matches_torchtitan(family, dtype, ours.model, losses, ref, ref_losses)
+
+
+def assert_matches_torchtitan(
+    family: str,
+    dtype: torch.dtype,
+    ours: nn.Module,
+    losses: Sequence[Tensor],
+    ref: nn.Module,
+    ref_losses: Sequence[Tensor],
+) -> None:
+    """Losses and gradients of ``ours`` equal torchtitan's (``ref``) to ``dtype``'s
+    rounding (routed experts: bfloat16's); the token counts are equal."""
     torch.testing.assert_close(
-        torch.stack(losses), torch.stack(ref_losses), rtol=LOSS_RTOL[dtype], atol=0
+        torch.stack(list(losses)), torch.stack(list(ref_losses)), rtol=LOSS_RTOL[dtype], atol=0
     )
-    got, want = grads(ours.model), grads(ref)
+    got, want = grads(ours), grads(ref)
     assert list(got) == list(want)
     for name, w in want.items():
         g = got[name]
@@ -283,7 +296,7 @@ def test_plain_path_matches_torchtitan(family: str) -> None:
             msg=lambda m, name=name: f"{family}: gradient of {name}: {m}",  # type: ignore[misc]
         )
     assert_bit_identical(
-        moe_buffers(ours.model, "tokens_per_expert_E"),
+        moe_buffers(ours, "tokens_per_expert_E"),
         moe_buffers(ref, "tokens_per_expert_E"),
         "tokens_per_expert_E",
         f"{family} adapter vs torchtitan",
@@ -463,3 +476,99 @@ def test_refuses_loss_mask() -> None:
         ConfigError, match=r"microbatches\[0\].*loss_mask is set.*TorchtitanMoEAdapter"
     ):
         combined_1f1b(adapter, [bad], options=adapter.schedule_options())
+
+
+# --- torchtitan's parallelize forward wrappers ----------------------------------------------
+class _Dims:
+    """Stands in for torchtitan's ``ParallelDims`` in the closure: every boundary resolves
+    to ``mesh`` (``None``: no mesh, as under expert parallelism alone)."""
+
+    def __init__(self, mesh: object = None, backend: str = "partial_dtensor") -> None:
+        self.mesh = mesh
+        self.spmd_backend = backend
+
+    def resolve_shared_mesh(self, layouts: object) -> object:
+        del layouts
+        return self.mesh
+
+
+def _parallelize_forward(module: nn.Module, dims: _Dims, *, local_map: bool = False) -> None:
+    """A ``forward`` on ``module`` shaped as torchtitan's ``Module.parallelize`` sets it (a
+    closure over the module, its forward, possibly in a local map, and the parallel dims),
+    with a sharding config of one input and one output."""
+    from torchtitan.protocols.sharding import ShardingConfig
+
+    self = module
+    fn = module.forward
+    if local_map:
+        fn = functools.partial(fn)
+    parallel_dims = dims
+
+    def forward_with_redistribution(*args: object, **kwargs: object) -> object:
+        closure = (self, parallel_dims)  # what torchtitan's closure holds
+        del closure
+        return fn(*args, **kwargs)
+
+    forward_with_redistribution.__module__ = "torchtitan.protocols.module"
+    forward_with_redistribution.__qualname__ = (
+        "Module.parallelize.<locals>.forward_with_redistribution"
+    )
+    inputs: Any = {"x_BLD": None}
+    module.__dict__["_sharding_config"] = ShardingConfig(in_src_shardings=inputs)
+    module.__dict__["forward"] = forward_with_redistribution
+
+
+def test_honours_torchtitan_parallelize_forwards_that_do_nothing() -> None:
+    """A no-op parallelize forward on a MoE's ``moe`` and ``routed_experts`` is honoured:
+    the schedule stays bit-identical to the plain path on the model as it is."""
+    models = [model_of("deepseek_v3") for _ in range(2)]
+    for model in models:
+        for where in ("layers.1.moe", "layers.1.moe.routed_experts"):
+            _parallelize_forward(model.get_submodule(where), _Dims())
+    plain = TorchtitanMoEAdapter(models[0], self_check=False)
+    sched = TorchtitanMoEAdapter(models[1])
+    mbs = microbatches("deepseek_v3")
+    assert [float(x) for x in plain_step(plain, mbs)] == [float(x) for x in schedule(sched, mbs)]
+    assert_bit_identical(grads(sched.model), grads(plain.model), "gradients", "parallelize")
+
+
+@pytest.mark.parametrize(
+    ("dims", "local_map", "message"),
+    [
+        (_Dims(mesh="DeviceMesh('cpu', [0, 1], mesh_dim_names=('tp',))"), False, "on DeviceMesh"),
+        (_Dims(backend="spmd_types"), False, "under the 'spmd_types' SPMD backend"),
+        (_Dims(), True, "received a local_map around it"),
+    ],
+    ids=["redistributes", "spmd_types", "local_map"],
+)
+def test_refuses_torchtitan_parallelize_forwards_that_act(
+    dims: _Dims, local_map: bool, message: str
+) -> None:
+    model = model_of("deepseek_v3")
+    _parallelize_forward(
+        model.get_submodule("layers.1.moe.routed_experts"), dims, local_map=local_map
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"layers\.1\.moe\.routed_experts \(RoutedExperts\): expected .*" + message,
+    ):
+        TorchtitanMoEAdapter(model, self_check=False)
+
+
+def test_refuses_the_parallelize_forward_of_a_copy() -> None:
+    """A deep copy keeps the original's parallelize forward, which runs the original."""
+    model = model_of("deepseek_v3")
+    _parallelize_forward(model.get_submodule("layers.1.moe"), _Dims())
+    with pytest.raises(ConfigError, match=r"layers\.1\.moe \(MoE\): expected .* own forward"):
+        TorchtitanMoEAdapter(copy.deepcopy(model), self_check=False)
+
+
+def test_refuses_a_forward_set_on_a_split_module() -> None:
+    """A forward of another origin on a split module is refused by the bypass check."""
+    model = model_of("deepseek_v3")
+    moe = model.get_submodule("layers.1.moe")
+    moe.__dict__["forward"] = lambda x: type(moe).forward(moe, x)
+    with pytest.raises(
+        ConfigError, match=r"layers\.1\.moe: expected the class's own forward, received a forward"
+    ):
+        TorchtitanMoEAdapter(model, self_check=False)

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from moe_overlap import ConfigError, Microbatch, combined_1f1b
+from moe_overlap import Microbatch, combined_1f1b
 from moe_overlap.adapters.torchtitan import TorchtitanMoEAdapter
 from tests.adapters._titan import FAMILIES, batch, build, causal_stand_in, shrink
 from tests.gloo_ranks import exit_worker
@@ -84,42 +84,10 @@ def ep_model(dims: Any, *, seed: int = 0) -> nn.Module:
     return model
 
 
-def _boundary_mesh(module: nn.Module, dims: Any) -> object:
-    """The mesh of the activation boundary ``Module.parallelize`` wrapped ``module``'s
-    forward with (input/output redistribution, ``local_map``); ``None``: a no-op."""
-    config = getattr(module, "_sharding_config", None)
-    if config is None:
-        return None
-    layouts: list[Any] = [
-        *(config.in_src_shardings or {}).values(),
-        *(config.in_dst_shardings or {}).values(),
-    ]
-    for out in (config.out_src_shardings, config.out_dst_shardings):
-        layouts += list(out) if isinstance(out, tuple) else [out]
-    if config.local_map is not None and config.local_map.in_grad_placements:
-        layouts += list(config.local_map.in_grad_placements)
-    meshes = [dims.resolve_shared_mesh([layout]) for layout in layouts]
-    return next((m for m in meshes if m is not None), None)
-
-
-def unwrap_bypassed(model: nn.Module, dims: Any) -> list[str]:
-    """Workaround: drop the forward wrappers ``Module.parallelize`` set on the modules the
-    adapter splits (each MoE block's ``moe`` and ``moe.routed_experts``), after checking
-    each is a no-op here (EP only: the activation boundaries name the tp/cp/dp axes, all
-    of degree 1). Returns the modules unwrapped."""
-    done = []
-    for name, block in cast(Any, model).layers.items():
-        moe = getattr(block, "moe", None)
-        if moe is None:
-            continue
-        for where, module in (("moe", moe), ("moe.routed_experts", moe.routed_experts)):
-            if "forward" not in module.__dict__:
-                continue
-            mesh = _boundary_mesh(module, dims)
-            assert mesh is None, f"layers.{name}.{where}: its wrapper redistributes on {mesh}"
-            del module.forward
-            done.append(f"layers.{name}.{where}")
-    return done
+def instance_forwards(model: nn.Module) -> list[str]:
+    """The modules carrying a ``forward`` on the instance (what ``Module.parallelize`` sets
+    on the modules with a sharding config): the adapter honours the no-op ones as they are."""
+    return [n for n, m in model.named_modules() if "forward" in m.__dict__]
 
 
 def local(t: Tensor) -> Tensor:
@@ -151,22 +119,6 @@ def microbatches(model: nn.Module, rank: int) -> list[Microbatch]:
         Microbatch(input_ids=d["input_ids"], position_ids=d["position_ids"], labels=d["labels"])
         for d in batch(model, MICROBATCHES, seed=100 + rank)
     ]
-
-
-def adapter_for(
-    model: nn.Module, dims: Any, *, self_check: bool
-) -> tuple[TorchtitanMoEAdapter, str, list[str]]:
-    """The adapter on the parallelized model as it is; where it refuses torchtitan's
-    forward wrappers, on the model with the no-op ones dropped (:func:`unwrap_bypassed`).
-    Returns the adapter, the refusal ("" when none) and the modules unwrapped."""
-    try:
-        return TorchtitanMoEAdapter(model, self_check=self_check), "", []
-    except ConfigError as exc:
-        if "forward set on the instance" not in str(exc):
-            raise
-        refusal = str(exc)
-    unwrapped = unwrap_bypassed(model, dims)
-    return TorchtitanMoEAdapter(model, self_check=self_check), refusal, unwrapped
 
 
 def touched(model: nn.Module) -> list[str]:
@@ -222,11 +174,13 @@ def main() -> None:
             )
             for n, p in over_model.named_parameters()
         )
-        # The self-check on the EP model: its float32 copies keep the instance forwards
-        # torchtitan's parallelize set, which call the original modules.
-        over, refusal, unwrapped = adapter_for(over_model, dims, self_check=True)
+        # The parallelized models as they are: torchtitan's forward wrappers on moe and
+        # routed_experts stay (no-ops under EP alone: the adapter checks and honours them).
+        # The self-check's float32 copies drop them (they call the original modules).
+        wrapped = instance_forwards(over_model)
+        over = TorchtitanMoEAdapter(over_model, self_check=True)
         self_check_touched = touched(over_model)
-        plain, _, _ = adapter_for(plain_model, dims, self_check=False)
+        plain = TorchtitanMoEAdapter(plain_model, self_check=False)
         ref = TorchtitanMoEAdapter(ref_model)
         reset(over_model)
 
@@ -253,8 +207,7 @@ def main() -> None:
                     "ok": bit and same_weights,
                     "bit_identical": bit,
                     "same_weights": same_weights,
-                    "refusal": refusal,
-                    "unwrapped": unwrapped,
+                    "instance_forwards": wrapped,
                     "self_check": over.self_check_report.structures,
                     "self_check_touched": self_check_touched,
                     "dispatcher": type(dispatcher).__name__,

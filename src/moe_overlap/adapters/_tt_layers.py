@@ -19,6 +19,10 @@ MoE block slots (every module and method called is torchtitan's own)::
 
 Dense blocks run their own ``forward`` whole in pre-dispatch.
 
+A block torchtitan wrapped for activation checkpointing (``SelectiveAC``, ``FullAC``) is
+built on inside its wrapper: pre-dispatch and mlp (a dense block: its whole forward) each
+run as one checkpointed region with the wrapper's settings (:mod:`._tt_recompute`).
+
 The split assumes the block's output is ``h + moe(u)`` and the MoE's is
 ``routed + rest``; the adapter's self-check (:mod:`._tt_check`) compares it with the
 block's own forward and backward at construction and refuses a block it does not match.
@@ -30,7 +34,7 @@ import dataclasses
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, cast
+from typing import NamedTuple, Protocol, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -38,6 +42,7 @@ from torch import Tensor, nn
 from moe_overlap import CudaGraphModule, IntegrationError, WgradLayer, WgradScope
 from moe_overlap.adapters._hf_experts import DelayedLinear, WgradGroup
 from moe_overlap.adapters._tt_imports import titan
+from moe_overlap.adapters._tt_recompute import TitanCheckpoint
 from moe_overlap.blocks import (
     DelayedWgradModule,
     DenseSlots,
@@ -68,6 +73,8 @@ class BlockCall(NamedTuple):
 
 BlockCalls = Callable[[ChunkState], BlockCall]
 """The block arguments of a microbatch (computed once per chunk by the adapter)."""
+
+_R = TypeVar("_R")
 
 _REST = "moe_overlap.titan.rest"
 _ROUTED = "moe_overlap.titan.routed"
@@ -183,13 +190,27 @@ class _BlockBase:
     is_moe: bool
 
     def __init__(
-        self, block: nn.Module, index: int, name: str, calls: BlockCalls, config: FreeInputConfig
+        self,
+        block: nn.Module,
+        index: int,
+        name: str,
+        calls: BlockCalls,
+        config: FreeInputConfig,
+        checkpoint: TitanCheckpoint | None = None,
     ) -> None:
         self.layer = block
         self.config = config
         self.index = index
         self.name = name
         self.calls = calls
+        self.checkpoint = checkpoint
+        """torchtitan's checkpoint wrapper around the block: its slots are recomputed."""
+
+    def _run(self, fn: Callable[..., _R], *args: object) -> _R:
+        """``fn(*args)``, as one checkpointed region when the block is wrapped."""
+        if self.checkpoint is None:
+            return fn(*args)
+        return self.checkpoint.run(fn, *args)
 
     def where(self, slot: str) -> str:
         return f"{self.name} ({type(self.layer).__name__}) {slot}"
@@ -209,7 +230,8 @@ class _BlockBase:
 
 
 class TitanDenseLayer(DenseSlots, _BlockBase):
-    """A block without routed experts: its own ``forward``, whole, in pre-dispatch."""
+    """A block without routed experts: its own ``forward``, whole, in pre-dispatch
+    (recomputed whole when torchtitan wrapped it for activation checkpointing)."""
 
     def __init__(
         self,
@@ -220,13 +242,14 @@ class TitanDenseLayer(DenseSlots, _BlockBase):
         config: FreeInputConfig,
         *,
         delayed: Sequence[DelayedLinear] = (),
+        checkpoint: TitanCheckpoint | None = None,
     ) -> None:
-        super().__init__(block, index, name, calls, config)
+        super().__init__(block, index, name, calls, config, checkpoint)
         self.group = WgradGroup(delayed)
 
     def forward(self, x_BLD: Tensor, chunk_state: ChunkState) -> Tensor:
         call = self.calls(chunk_state)
-        out: object = self.layer(x_BLD, call.attention_masks, call.positions)
+        out: object = self._run(self.layer, x_BLD, call.attention_masks, call.positions)
         return _tensor(out, self.where("forward"))
 
     def slot_pre_dispatch(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
@@ -265,8 +288,9 @@ class TitanMoELayer(_BlockBase, MoESlots):
         *,
         attention_delayed: Sequence[DelayedLinear] = (),
         moe_delayed: Sequence[DelayedLinear] = (),
+        checkpoint: TitanCheckpoint | None = None,
     ) -> None:
-        super().__init__(block, index, name, calls, config)
+        super().__init__(block, index, name, calls, config, checkpoint)
         self.moe = block.get_submodule("moe")
         self.routed_experts = self.moe.get_submodule("routed_experts")
         self.inner_experts = self.routed_experts.get_submodule("inner_experts")
@@ -293,13 +317,16 @@ class TitanMoELayer(_BlockBase, MoESlots):
         return n if isinstance(n, int) else 1
 
     # --- the math, once, for the slots and the plain path --------------------------------
-    def pre_dispatch(self, ctx: SlotContext, x_BLD: Tensor) -> tuple[Tensor, Tensor]:
-        call = self.calls(ctx.chunk_state)
+    def _pre_dispatch_region(
+        self, x_BLD: Tensor, masks: object, positions: Tensor | None
+    ) -> tuple[Tensor, Tensor | None, Tensor, Tensor, Tensor, Tensor]:
+        """The block's and the MoE's own code up to the routed experts (one checkpointed
+        region when the block is wrapped: run again, whole, in backward): the block's
+        output without the MoE, the MoE's other output (``None``: nothing besides the
+        routed experts), what the MoE hands its routed experts."""
         keep_moe, keep_routed = self._moe_stand_in, self._routed_stand_in
         with swap(self.layer, "moe", keep_moe):
-            h = _tensor(
-                self.layer(x_BLD, call.attention_masks, call.positions), self.where("block")
-            )
+            h = _tensor(self.layer(x_BLD, masks, positions), self.where("block"))
         (u,) = keep_moe.take(self.where("pre_dispatch: the block's moe"), 1)
         u_BLD = _tensor(u, self.where("moe input"))
         with swap(self.moe, "routed_experts", keep_routed):
@@ -308,10 +335,20 @@ class TitanMoELayer(_BlockBase, MoESlots):
         x_in, scores, ids, counts = keep_routed.take(
             self.where("pre_dispatch: the MoE's routed_experts"), 4
         )
-        x_BLD_in = _tensor(x_in, self.where("routed input"))
-        scores_BLK = _tensor(scores, self.where("routing scores"))
-        ids_BLK = _tensor(ids, self.where("expert ids"))
-        counts_E = _tensor(counts, self.where("token counts"))
+        return (
+            h,
+            None if rest is stood_in_out else _tensor(rest, self.where("moe output")),
+            _tensor(x_in, self.where("routed input")),
+            _tensor(scores, self.where("routing scores")),
+            _tensor(ids, self.where("expert ids")),
+            _tensor(counts, self.where("token counts")),
+        )
+
+    def pre_dispatch(self, ctx: SlotContext, x_BLD: Tensor) -> tuple[Tensor, Tensor]:
+        call = self.calls(ctx.chunk_state)
+        h, rest, x_BLD_in, scores_BLK, ids_BLK, counts_E = self._run(
+            self._pre_dispatch_region, x_BLD, call.attention_masks, call.positions
+        )
         B, L, D = x_BLD_in.shape
         T, K = B * L, scores_BLK.shape[-1]
         x_TD = x_BLD_in.reshape(T, D)
@@ -319,11 +356,10 @@ class TitanMoELayer(_BlockBase, MoESlots):
         state.residual = ctx.detach(h)
         # What the MoE adds to its routed experts' output (shared experts); nothing when
         # its output is the stand-in's own.
-        if rest is stood_in_out:
+        if rest is None:
             state.stash(_REST, None)
         else:
-            r = _tensor(rest, self.where("moe output"))
-            state.stash(_REST, ctx.detach(r) if r.requires_grad else r)
+            state.stash(_REST, ctx.detach(rest) if rest.requires_grad else rest)
         state.stash(
             _ROUTED,
             _Routed(
@@ -352,10 +388,13 @@ class TitanMoELayer(_BlockBase, MoESlots):
         )
         return _tensor(received_RD, where)
 
+    def _experts(self, received_RD: Tensor, counts_e: Tensor) -> object:
+        with titan().sparse_mesh():
+            return self.inner_experts(received_RD, counts_e)
+
     def mlp_forward(self, ctx: SlotContext, received_RD: Tensor) -> Tensor:
         d = ctx.layer_state.take(_DISPATCHED, _Dispatched)
-        with titan().sparse_mesh():
-            out: object = self.inner_experts(received_RD, d.counts_e)
+        out = self._run(self._experts, received_RD, d.counts_e)
         return _tensor(out, self.where("mlp"))
 
     def combine(self, ctx: SlotContext, out_RD: Tensor) -> Tensor:

@@ -33,6 +33,8 @@ from moe_overlap.adapters._tt_layers import (
     delay_titan_linears,
     swap,
 )
+from moe_overlap.adapters._tt_parallel import honoured_forward
+from moe_overlap.adapters._tt_recompute import unwrap_blocks
 from moe_overlap.blocks import MegatronHooks
 from moe_overlap.engine import Bypass, BypassedModule, ChunkState, check_wgrad_done
 from moe_overlap.engine.args import BOOL, MODULE, check_arg
@@ -134,14 +136,44 @@ def _check_arguments(
             f"layers (the adapter schedules the decoder blocks only), received {len(mtp)}; "
             "build the model with num_mtp_layers=0"
         )
+    _check_stage_layout(model)
+
+
+def _has(model: nn.Module, name: str) -> bool:
+    """Whether ``model.name`` is a module (torchtitan's stage split sets the ones a stage
+    does not hold to ``None``)."""
+    return isinstance(getattr(model, name, None), nn.Module)
+
+
+def _check_stage_layout(model: nn.Module) -> None:
+    """A whole model or a stage of torchtitan's pipeline split whose output the adapter
+    can name: hidden states (no final norm, no LM head) or logits (both)."""
+    cls = type(model).__name__
+    norm, head = _has(model, "norm"), _has(model, "lm_head")
+    if norm != head:
+        held, missing = ("norm", "lm_head") if norm else ("lm_head", "norm")
+        raise ConfigError(
+            f"TorchtitanMoEAdapter: {cls}: expected the final norm and the LM head on the same "
+            f"stage (its output is then the logits, else hidden states), received {held} "
+            f"without {missing}; put 'norm' and 'lm_head' in one stage's module names"
+        )
+    if bool(getattr(model, "_skip_lm_head", False)):
+        raise ConfigError(
+            f"TorchtitanMoEAdapter: {cls}._skip_lm_head: expected False (the adapter's last "
+            "stage returns the logits, which the loss takes), received True"
+        )
 
 
 def _blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's blocks by name; a pipeline stage may hold none (torchtitan's split can
+    give a stage only the final norm and the LM head)."""
     layers: object = getattr(model, "layers", None)
-    if not isinstance(layers, nn.ModuleDict) or len(layers) == 0:
+    whole = _has(model, "tok_embeddings") and _has(model, "lm_head")
+    if not isinstance(layers, nn.ModuleDict) or (whole and len(layers) == 0):
+        got = "an empty ModuleDict" if isinstance(layers, nn.ModuleDict) else type(layers).__name__
         raise ConfigError(
-            f"TorchtitanMoEAdapter: {type(model).__name__}.layers: expected a non-empty "
-            f"ModuleDict of transformer blocks, received {type(layers).__name__}"
+            f"TorchtitanMoEAdapter: {type(model).__name__}.layers: expected a ModuleDict of "
+            f"transformer blocks (non-empty in a whole model), received {got}"
         )
     return list(cast("Iterator[tuple[str, nn.Module]]", layers.items()))
 
@@ -173,7 +205,12 @@ class TorchtitanMoEAdapter(MegatronHooks):
     Args:
         model: a model built by a torchtitan model registry
             (``model_registry(flavor).model.build()``, states initialised), on its device,
-            optionally with torchtitan's expert parallelism applied.
+            optionally with torchtitan's expert parallelism applied (its forward wrappers
+            on the MoE modules honoured where they do nothing) and with torchtitan's
+            ``SelectiveAC`` / ``FullAC`` applied (each wrapped block's slots recomputed
+            with the wrapper's settings: pre-dispatch and the routed experts, a dense
+            block whole; the wrapper stays in the model for torchtitan's
+            load-balancing hook).
         loss_fn: ``loss_fn(logits, labels)``; ``None``: torchtitan's cross-entropy (sum
             reduction) over the microbatch's labelled tokens, divided by their number.
         delay_wgrad_compute: delay the weight gradients of the blocks' linears (attention
@@ -206,9 +243,11 @@ class TorchtitanMoEAdapter(MegatronHooks):
         self.model = model
         self.loss_fn = loss_fn
         self.config = AdapterConfig(delay_wgrad_compute=delay_wgrad_compute)
-        self._blocks = _blocks(model)
+        # The blocks inside torchtitan's activation-checkpoint wrappers (kept in the model:
+        # its load-balancing hook looks for them), and the wrappers by name.
+        self._blocks, self._checkpoints = unwrap_blocks(_blocks(model), type(model).__name__)
         self._moe = [name for name, b in self._blocks if _is_moe(b, moe_cls)]
-        if not self._moe:
+        if not self._moe and self.pre_process and self.post_process:
             raise ConfigError(
                 f"TorchtitanMoEAdapter: {type(model).__name__}: expected MoE blocks (a "
                 "'moe' child that is torchtitan's MoE, with moe_enabled), received none"
@@ -231,7 +270,15 @@ class TorchtitanMoEAdapter(MegatronHooks):
             if name not in moe:
                 delayed = delay_titan_linears(block) if delay else []
                 adapted.append(
-                    TitanDenseLayer(block, i, label, self.block_call, self.config, delayed=delayed)
+                    TitanDenseLayer(
+                        block,
+                        i,
+                        label,
+                        self.block_call,
+                        self.config,
+                        delayed=delayed,
+                        checkpoint=self._checkpoints.get(name),
+                    )
                 )
                 continue
             m = block.get_submodule("moe")
@@ -250,6 +297,7 @@ class TorchtitanMoEAdapter(MegatronHooks):
                     self.config,
                     attention_delayed=attn_delayed,
                     moe_delayed=moe_delayed,
+                    checkpoint=self._checkpoints.get(name),
                 )
             )
         return tuple(adapted)
@@ -265,7 +313,7 @@ class TorchtitanMoEAdapter(MegatronHooks):
         from moe_overlap.engine import check_module
 
         for item in self.bypassed_modules():
-            check_module(item.module, item.name, item.reason, item.bypass)
+            check_module(item.module, item.name, item.reason, item.bypass, item.honoured)
 
     def _probe(self, device: torch.device) -> tuple[Tensor, BlockCall]:
         """Two sequences of random hidden states (a private generator) and the block
@@ -357,14 +405,19 @@ class TorchtitanMoEAdapter(MegatronHooks):
     # --- public helpers -------------------------------------------------------------------
     def bypassed_modules(self) -> Iterator[BypassedModule]:
         """The torchtitan modules whose ``forward`` the slots skip or split (checked at
-        every plan build: wrappers, ``compile`` and hooks on them are refused)."""
+        every plan build: wrappers, ``compile`` and hooks on them are refused), and
+        torchtitan's activation-checkpoint wrappers around blocks (the slots recompute
+        with their settings: checked unchanged; hooks on them are refused)."""
         cls = type(self.model).__name__
-        yield BypassedModule(cls, self.model, Bypass.CALLS, _OUTSIDE)
+        # A forward torchtitan's parallelize set is honoured where it does nothing.
+        noop = honoured_forward
+        yield BypassedModule(cls, self.model, Bypass.CALLS, _OUTSIDE, noop(self.model, cls))
         moe = set(self._moe)
         current = dict(_blocks(self.model))
         for name, block in self._blocks:
             where = f"{cls}.layers.{name}"
-            if current.get(name) is not block:
+            checkpoint = self._checkpoints.get(name)
+            if current.get(name) is not (block if checkpoint is None else checkpoint.wrapper):
                 found = current.get(name)
                 raise ConfigError(
                     f"{where}: expected the block the adapter was built on, received "
@@ -372,22 +425,30 @@ class TorchtitanMoEAdapter(MegatronHooks):
                     "construction, e.g. activation checkpointing, would never run); apply "
                     "wrappers before building the adapter, or rebuild it"
                 )
+            if checkpoint is not None:
+                yield from checkpoint.bypassed(where)
             if name not in moe:
                 yield BypassedModule(where, block, Bypass.WRAPPER, _DENSE)
                 continue
             m = block.get_submodule("moe")
             routed = m.get_submodule("routed_experts")
-            yield BypassedModule(where, block, Bypass.OUTPUT, _MOE_BLOCK)
-            yield BypassedModule(f"{where}.moe", m, Bypass.OUTPUT, _MOE)
-            yield BypassedModule(f"{where}.moe.routed_experts", routed, Bypass.FORWARD, _ROUTED)
+            yield BypassedModule(where, block, Bypass.OUTPUT, _MOE_BLOCK, noop(block, where))
+            w = f"{where}.moe"
+            yield BypassedModule(w, m, Bypass.OUTPUT, _MOE, noop(m, w))
+            w = f"{where}.moe.routed_experts"
+            yield BypassedModule(w, routed, Bypass.FORWARD, _ROUTED, noop(routed, w))
 
     @property
     def pre_process(self) -> bool:
-        return True
+        """Whether the model embeds token ids: a whole model, or the first stage of
+        torchtitan's pipeline split (its ``tok_embeddings`` kept)."""
+        return _has(self.model, "tok_embeddings")
 
     @property
     def post_process(self) -> bool:
-        return True
+        """Whether the model ends in its final norm and LM head (a whole model or the last
+        stage); otherwise it hands hidden states on."""
+        return _has(self.model, "lm_head")
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """The model's parameters (what the optimizer takes)."""
@@ -436,6 +497,12 @@ class TorchtitanMoEAdapter(MegatronHooks):
         """The first block's input, by the model's own ``forward`` (blocks stood in for by
         none, the final norm by a stop)."""
         model = self.model
+        if not self.pre_process:
+            raise IntegrationError(
+                f"TorchtitanMoEAdapter: {type(model).__name__}: only the first pipeline stage "
+                "(the one holding tok_embeddings) embeds token ids; this stage takes the "
+                "previous stage's hidden states"
+            )
         try:
             with swap(model, "layers", nn.ModuleDict()), swap(model, "norm", _StopHere()):
                 model(input_ids, positions=position_ids)
@@ -456,6 +523,12 @@ class TorchtitanMoEAdapter(MegatronHooks):
     ) -> Tensor:
         """The model's own final norm and LM head (its ``forward`` with no embedding and no
         blocks); the loss with ``labels``, else the logits."""
+        if not self.post_process:
+            raise IntegrationError(
+                f"TorchtitanMoEAdapter: {type(self.model).__name__}: only the last pipeline "
+                "stage (the one holding norm and lm_head) has an output; this stage hands its "
+                "hidden states on"
+            )
         if loss_mask is not None:
             raise ConfigError(
                 "TorchtitanMoEAdapter: torchtitan models take no loss_mask; expected None "

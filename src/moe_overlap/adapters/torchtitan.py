@@ -37,8 +37,10 @@ rounding (gradients meeting at a slot boundary are summed in another order), and
 
 Not supported (refused at construction): models that are not torchtitan decoders,
 multi-token-prediction layers (``num_mtp_layers > 0``), wrappers, ``compile`` or hooks on
-the modules the slots split (apply activation checkpointing through ``recompute`` instead:
-see ``docs/torchtitan.md``), FSDP, tensor and context parallelism.
+the modules the slots split, FSDP, tensor and context parallelism. Accepted: torchtitan's
+``SelectiveAC`` / ``FullAC`` block wrappers (the slots recompute with the wrapper's
+settings, per slot) and the forward wrappers torchtitan's ``parallelize`` sets where they
+do nothing (expert parallelism alone): see ``docs/torchtitan.md``.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from moe_overlap.adapters._tt_layers import TitanMoELayer as TitanMoELayer
 from moe_overlap.adapters._tt_model import LossFn as LossFn
 from moe_overlap.adapters._tt_model import SelfCheckReport as SelfCheckReport
 from moe_overlap.adapters._tt_model import TorchtitanMoEAdapter as TorchtitanMoEAdapter
+from moe_overlap.adapters._tt_stage import TorchtitanMoEStage as TorchtitanMoEStage
 
 __all__ = [
     "BlockCall",
@@ -59,4 +62,5 @@ __all__ = [
     "TitanLayer",
     "TitanMoELayer",
     "TorchtitanMoEAdapter",
+    "TorchtitanMoEStage",
 ]

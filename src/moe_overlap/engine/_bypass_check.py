@@ -57,6 +57,10 @@ class BypassedModule(NamedTuple):
     bypass: Bypass
     reason: str
     """Why, for the message: what the schedule does with it instead."""
+    honoured: object = None
+    """The module itself (a torch wrapper object) or the ``forward`` set on it, when the
+    integration runs what it does itself (and checked that it can): not refused; hooks,
+    ``compile`` and anything else on the module still are."""
 
 
 _MODEL = "the schedule never calls the model's forward (it calls _preprocess / _postprocess and the layers' slots)"
@@ -127,18 +131,23 @@ def _refuse(where: str, finding: Finding, reason: str, bypass: Bypass) -> NoRetu
 
 
 def check_module(
-    module: object, where: str | Callable[[], str], reason: str, bypass: Bypass
+    module: object,
+    where: str | Callable[[], str],
+    reason: str,
+    bypass: Bypass,
+    honoured: object = None,
 ) -> None:
     """Raise :class:`~moe_overlap.ConfigError` for what torch would run only through
     ``module``'s own call, as :class:`Bypass` says the schedule runs it.
 
     ``where`` names the module (a callable is called only for the message); ``reason``
-    says what the schedule does instead of calling it.
+    says what the schedule does instead of calling it; ``honoured`` as
+    :attr:`BypassedModule.honoured`.
     """
     if not isinstance(module, nn.Module):
         return
     refuse_fsdp(module, where, "a module")
-    finding = find_wrapping(module, pre_hooks=bypass is not Bypass.OUTPUT)
+    finding = find_wrapping(module, pre_hooks=bypass is not Bypass.OUTPUT, honoured=honoured)
     if finding is None or (bypass is Bypass.WRAPPER and not finding.wrapper):
         return
     _refuse(named(where), finding, reason, bypass)
@@ -179,4 +188,6 @@ def check_bypassed(model: object, where: str | None = None) -> None:
     if callable(declared):
         listed = cast("Callable[[object], Iterable[BypassedModule]]", declared)(model)
         for item in listed:
-            check_module(item.module, f"{prefix}{item.name}", item.reason, item.bypass)
+            check_module(
+                item.module, f"{prefix}{item.name}", item.reason, item.bypass, item.honoured
+            )

@@ -154,18 +154,22 @@ def _hooks(attrs: dict[str, object], *, pre_hooks: bool) -> str | None:
     return " and ".join(parts) if parts else None
 
 
-def find_wrapping(obj: object, *, pre_hooks: bool = True) -> Finding | None:
+def find_wrapping(
+    obj: object, *, pre_hooks: bool = True, honoured: object = None
+) -> Finding | None:
     """The first thing found that torch runs only through ``obj``'s own call, or ``None``.
 
     In this order: a wrapper object (checkpoint, compiled, data-parallel), a composable
     API applied to it, ``compile()`` in place, a ``forward`` set on the instance, module
     hooks (forward pre-hooks only when ``pre_hooks``). Global hooks
     (``register_module_forward_hook``) are not the module's and are not looked at.
+    ``honoured``: ``obj`` itself (a wrapper object) or the ``forward`` set on it, which the
+    caller runs itself (it checked what it does); skipped, the rest is still looked at.
     """
     if not isinstance(obj, nn.Module):
         return None
     cls = type(obj).__name__
-    found = _wrapper_class(obj)
+    found = _wrapper_class(obj) if honoured is not obj else None
     if found is not None:
         inner = inner_module(obj)
         around = f" around {type(inner).__name__}" if inner is not None else ""
@@ -182,7 +186,7 @@ def find_wrapping(obj: object, *, pre_hooks: bool = True) -> Finding | None:
                 return Finding(kind, f"{name}({cls}) applied to it")
     if attrs.get("_compiled_call_impl") is not None:
         return Finding(Kind.COMPILE, f"{cls}.compile() (compiled in place)")
-    if "forward" in attrs:
+    if "forward" in attrs and (honoured is None or attrs["forward"] is not honoured):
         forward: object = attrs["forward"]
         return Finding(Kind.FORWARD, f"a forward set on the instance ({_hook_name(forward)})")
     hooks = _hooks(attrs, pre_hooks=pre_hooks)

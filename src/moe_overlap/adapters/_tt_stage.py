@@ -1,0 +1,128 @@
+"""A stage of torchtitan's pipeline split as the module a ``PipelineStage`` runs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import cast
+
+from torch import Tensor, nn
+
+from moe_overlap import ConfigError, IntegrationError, ScheduleOptions
+from moe_overlap.adapters._tt_model import TitanDecoder, TorchtitanMoEAdapter
+from moe_overlap.blocks import MegatronHooks
+from moe_overlap.engine import BypassedModule
+from moe_overlap.engine.args import Instance, check_arg
+
+__all__ = ["TorchtitanMoEStage"]
+
+_ADAPTER = Instance(TorchtitanMoEAdapter, "a TorchtitanMoEAdapter", error=IntegrationError)
+
+
+class TorchtitanMoEStage(MegatronHooks, nn.Module):
+    """One model chunk of torchtitan's pipeline split, adapted, as a pipeline stage module.
+
+    ``adapter`` is a :class:`TorchtitanMoEAdapter` built on a chunk that torchtitan's
+    ``pipeline_llm`` (its module-FQN split) made: a decoder holding some of the blocks,
+    with ``tok_embeddings`` on the first stage only and ``norm`` and ``lm_head`` on the last
+    only. Put the stage in place of the chunk in torchtitan's ``PipelineStage``
+    (``stage.submod = TorchtitanMoEStage(TorchtitanMoEAdapter(stage.submod))``, as
+    torchtitan itself swaps a parallelized chunk in), then
+    :func:`~moe_overlap.integrations.pipelining.prepare_schedule` the schedule.
+
+    ``forward(x, position_ids)`` is the plain path (token ids on the first stage, hidden
+    states on the others; logits out of the last, for the schedule's ``loss_fn``), which
+    torch's own execution of the schedule runs and the prepared schedule matches bit for
+    bit. The chunk's modules are registered under their own names, so ``parameters()``,
+    ``state_dict()`` and torchtitan's checkpoints see exactly the chunk's keys.
+
+    The stage builds the attention masks from ``position_ids`` itself (as the adapter
+    does): pass ``position_ids=`` to ``schedule.step`` and no ``attention_masks``.
+    """
+
+    microbatch_inputs = frozenset({"position_ids"})
+    """What a stage reads (:class:`~moe_overlap.inputs.DeclaresInputs`): the positions
+    (RoPE, and the masks the model builds from them); labels go to the schedule's loss."""
+
+    def __init__(self, adapter: TorchtitanMoEAdapter) -> None:
+        super().__init__()
+        check_arg("TorchtitanMoEStage", "adapter", adapter, _ADAPTER)
+        object.__setattr__(self, "_adapter", adapter)  # not a submodule: it holds no weights
+        self.decoder: TitanDecoder = adapter.decoder
+        self.config = adapter.config
+        model = adapter.model
+        for name, child in list(model._modules.items()):
+            if child is None:
+                continue
+            if hasattr(self, name):
+                raise ConfigError(
+                    f"TorchtitanMoEStage({type(model).__name__}): the chunk's {name!r} would "
+                    f"be named like the stage's own member ({type(getattr(self, name)).__name__})"
+                    "; expected chunk names that leave the stage's members free, received a "
+                    "clash"
+                )
+            self.add_module(name, child)
+        own = [n for n, _ in model.named_parameters(recurse=False)]
+        own += [n for n, _ in model.named_buffers(recurse=False)]
+        if own:
+            raise ConfigError(
+                f"TorchtitanMoEStage({type(model).__name__}): expected the chunk's parameters "
+                f"and buffers in its child modules (as torchtitan's decoders hold them), "
+                f"received {own} on the chunk itself"
+            )
+
+    @property
+    def adapter(self) -> TorchtitanMoEAdapter:
+        return cast(TorchtitanMoEAdapter, object.__getattribute__(self, "_adapter"))
+
+    @property
+    def pre_process(self) -> bool:
+        return self.adapter.pre_process
+
+    @property
+    def post_process(self) -> bool:
+        return self.adapter.post_process
+
+    def extra_repr(self) -> str:
+        names = [layer.name for layer in self.decoder.layers]
+        if not names:
+            return "no blocks"
+        return f"{names[0]}..{names[-1]}" if len(names) > 1 else names[0]
+
+    def schedule_options(
+        self, *, free_input: bool = False, ep_overlap_early_attn_memory_release: bool = False
+    ) -> ScheduleOptions:
+        return self.adapter.schedule_options(
+            free_input=free_input,
+            ep_overlap_early_attn_memory_release=ep_overlap_early_attn_memory_release,
+        )
+
+    def bypassed_modules(self) -> Iterator[BypassedModule]:
+        """The torchtitan modules of this stage whose ``forward`` the slots skip or split."""
+        return self.adapter.bypassed_modules()
+
+    def embed_at(self, input_ids: Tensor, position_ids: Tensor | None) -> Tensor:
+        return self.adapter.embed_at(input_ids, position_ids)
+
+    def embed(self, input_ids: Tensor) -> Tensor:
+        return self.adapter.embed_at(input_ids, None)
+
+    def on_microbatch(self, decoder_input: Tensor) -> None:
+        self.adapter.on_microbatch(decoder_input)
+
+    def output(
+        self, hidden_states: Tensor, labels: Tensor | None, loss_mask: Tensor | None
+    ) -> Tensor:
+        return self.adapter.output(hidden_states, labels, loss_mask)
+
+    def forward(self, x: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        """The plain path: token ids or hidden states in, hidden states or logits out."""
+        return self.plain_forward(x, position_ids)
+
+    @property
+    def pending_wgrad(self) -> int:
+        """Delayed weight gradients of this stage waiting for ``backward_dw``."""
+        return self.adapter.pending_wgrad
+
+    def discard_wgrad(self) -> None:
+        """Drop this stage's pending delayed weight gradients (after a failed step)."""
+        self.adapter.discard_wgrad()

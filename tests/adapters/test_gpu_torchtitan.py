@@ -1,0 +1,125 @@
+"""On CUDA in bf16: torchtitan's DeepSeek-V3 ``debugmodel`` (all 6 blocks, torchtitan's real
+flex attention) through ``TorchtitanMoEAdapter``: ``combined_1f1b`` serial, overlapped and
+fill/drain, with and without delayed weight gradients, bit-identical to the adapter's
+plain path (losses, gradients, ``tokens_per_expert_E``).
+
+Flex attention is compiled without torchtitan's max-autotune (``compile_flex``: the
+same kernels, default configs). Deterministic settings (``torch.use_deterministic_algorithms``), real compute and comm
+streams. Skipped without a GPU or without an importable torchtitan. On a torch older than
+torchtitan 0.3.0 wants (the H200 image's 2.11), ``benchmarks/titan_compat.py`` adds
+placeholders for the names it lacks, as the benchmark does.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib
+import sys
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from moe_overlap import Microbatch, StreamPair, combined_1f1b, make_streams
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+]
+
+MICROBATCHES, BATCH, SEQ = 4, 2, 256
+
+
+@pytest.fixture(scope="module")
+def base() -> nn.Module:
+    try:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+        compat: Any = importlib.import_module("titan_compat")
+        compat.import_torchtitan()
+        compat.compile_flex(autotune=False)  # torchtitan's max-autotune: minutes per shape
+    except ImportError as exc:
+        pytest.skip(f"torchtitan does not import: {exc}")
+    deepseek_v3: Any = importlib.import_module("torchtitan.models.deepseek_v3")
+    config = deepseek_v3.model_registry("debugmodel").model
+    config = dataclasses.replace(config, layers=list(config.layers))
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = cast(nn.Module, config.build())
+    cast(Any, model).init_states(buffer_device=torch.device("cuda"))
+    for p in model.parameters():  # buffers stay: the RoPE cache is complex
+        p.data = p.data.to(torch.bfloat16)
+    return model
+
+
+def _microbatches(model: nn.Module) -> list[Microbatch]:
+    g = torch.Generator().manual_seed(1)
+    vocab = int(cast(Any, model).config.vocab_size)
+    out = []
+    for _ in range(MICROBATCHES):
+        ids = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=g).cuda()
+        out.append(
+            Microbatch(
+                input_ids=ids[:, :-1].contiguous(),
+                labels=ids[:, 1:].contiguous(),
+                position_ids=torch.arange(SEQ, device="cuda").expand(BATCH, SEQ).contiguous(),
+            )
+        )
+    return out
+
+
+def _state(model: nn.Module) -> dict[str, Tensor]:
+    out = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    out |= {n: b.clone() for n, b in model.named_buffers() if n.endswith("tokens_per_expert_E")}
+    return out
+
+
+def _run(base: nn.Module, kind: str, delay: bool) -> tuple[list[Tensor], dict[str, Tensor]]:
+    from moe_overlap.adapters.torchtitan import TorchtitanMoEAdapter
+    from moe_overlap.blocks import finish_wgrad
+
+    model = copy.deepcopy(base)
+    adapter = TorchtitanMoEAdapter(model, delay_wgrad_compute=delay, self_check=kind == "plain")
+    mbs = _microbatches(model)
+    if kind == "plain":
+        losses = []
+        for mb in mbs:
+            assert mb.input_ids is not None
+            loss = adapter.forward(mb.input_ids, mb.position_ids, labels=mb.labels)
+            torch.autograd.backward(loss)
+            if delay:
+                finish_wgrad(model)
+            losses.append(loss.detach())
+    else:
+        pair = make_streams(torch.device("cuda"))
+        losses = combined_1f1b(
+            adapter,
+            mbs,
+            overlap=kind != "serial",
+            fill_drain=kind == "fill_drain",
+            streams=pair if kind != "serial" else StreamPair(comp=pair.comp, comm=pair.comp),
+            options=adapter.schedule_options(),
+        )
+    torch.cuda.synchronize()
+    return losses, _state(model)
+
+
+@pytest.mark.parametrize("delay", [False, True], ids=["wgrad", "delayed_wgrad"])
+def test_bf16_flex_schedule_is_bit_identical_to_plain(base: nn.Module, delay: bool) -> None:
+    torch.use_deterministic_algorithms(True)
+    try:
+        plain_losses, plain = _run(base, "plain", delay)
+        assert all(torch.isfinite(x) for x in plain_losses)
+        for kind in ("serial", "overlapped", "fill_drain"):
+            losses, got = _run(base, kind, delay)
+            where = f"{kind} (delay_wgrad_compute={delay}) vs plain"
+            assert all(torch.equal(a, b) for a, b in zip(losses, plain_losses, strict=True)), (
+                f"{where}: losses {losses} vs {plain_losses}"
+            )
+            assert got.keys() == plain.keys(), where
+            differ = [k for k in plain if not torch.equal(got[k], plain[k])]
+            assert not differ, f"{where}: {len(differ)} of {len(plain)} differ: {differ[:5]}"
+    finally:
+        torch.use_deterministic_algorithms(False)
