@@ -7,6 +7,8 @@ import os
 import socket
 import subprocess
 import sys
+import threading
+import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -46,11 +48,38 @@ def run_ranks(module: str, *, world: int = 2, timeout: float = 180) -> list[dict
         )
         for rank in range(world)
     ]
+    # Read every rank's pipes in the background; a rank that fails ends the run at once
+    # (its peers would wait for it until the timeout).
+    outputs: list[tuple[str, str] | None] = [None] * world
+
+    def read(rank: int) -> None:
+        outputs[rank] = procs[rank].communicate()
+
+    readers = [threading.Thread(target=read, args=(r,), daemon=True) for r in range(world)]
+    for t in readers:
+        t.start()
+    deadline = time.monotonic() + timeout
+    failed: int | None = None
+    while failed is None and any(p.poll() is None for p in procs):
+        failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), None)
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    failed = next((r for r, p in enumerate(procs) if p.poll() not in (None, 0)), failed)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for t in readers:
+        t.join()
+    if failed is not None:
+        err = (outputs[failed] or ("", ""))[1]
+        raise AssertionError(f"{module} rank {failed} failed (the others were stopped):\n{err}")
+    hung = [r for r, p in enumerate(procs) if p.returncode != 0]
+    assert not hung, f"{module} ranks {hung} did not finish in {timeout:g} s"
     results: list[dict[str, object]] = []
-    for rank, proc in enumerate(procs):
-        out, err = proc.communicate(timeout=timeout)
-        assert proc.returncode == 0, f"{module} rank {rank} failed:\n{err}"
-        results += [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    for out in outputs:
+        assert out is not None
+        results += [json.loads(line) for line in out[0].splitlines() if line.startswith("{")]
     return results
 
 

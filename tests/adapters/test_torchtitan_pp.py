@@ -1,4 +1,6 @@
-"""The torchtitan adapter under torchtitan's own pipeline split (PP=2, gloo processes).
+"""The torchtitan adapter under torchtitan's own pipeline split: PP=2 (two gloo processes)
+and PP=2 x EP=2 (four), DualPipeV and paired interleaved 1F1B, with and without delayed
+weight gradients and torchtitan's selective activation checkpointing.
 
 The worker (:mod:`tests.adapters.titan_pp_worker`) says what is torchtitan's and what is
 compared.
@@ -7,7 +9,7 @@ compared.
 from __future__ import annotations
 
 import json
-import os
+from typing import cast
 
 import pytest
 
@@ -15,39 +17,50 @@ from tests.gloo_ranks import run_ranks
 
 pytest.importorskip("torchtitan")
 
-SCHEDULES = ["DualPipeV", "Interleaved1F1B"]
 
-
-def _run(monkeypatch: pytest.MonkeyPatch, *, ep: int, delay: bool) -> list[dict[str, object]]:
-    case = {"ep": ep, "schedules": SCHEDULES, "delay": delay}
-    monkeypatch.setenv("TITAN_PP_CASE", json.dumps(case))
-    return run_ranks("tests.adapters.titan_pp_worker", world=2 * ep, timeout=600)
-
-
-def _check(rows: list[dict[str, object]], world: int) -> None:
-    assert sorted((str(r["schedule"]), int(str(r["rank"]))) for r in rows) == sorted(
-        (s, r) for s in SCHEDULES for r in range(world)
-    )
+def _run(
+    monkeypatch: pytest.MonkeyPatch, ep: int, runs: list[dict[str, object]]
+) -> list[dict[str, object]]:
+    monkeypatch.setenv("TITAN_PP_CASE", json.dumps({"ep": ep, "runs": runs}))
+    rows = run_ranks("tests.adapters.titan_pp_worker", world=2 * ep, timeout=600)
+    assert len(rows) == len(runs) * 2 * ep
     for r in rows:
-        assert r["bit_identical"], r
-        assert r["vs_torchtitan_ok"], r
+        assert r["bit_identical"], r  # prepared schedule vs torch's execution of it
+        assert r["vs_torchtitan_ok"], r  # vs torch's execution of torchtitan's own chunks
         assert r["pending"] == 0, r
-        # DualPipeV emits its own overlapped pairs; interleaved 1F1B is paired by us.
-        assert int(str(r["paired"])) > 0, r
+        assert int(str(r["paired"])) > 0, r  # overlapped forward+backward pairs ran
+        # torchtitan's SelectiveAC wrapped every block of the stages (kept in the chunks).
+        assert (int(str(r["checkpointed"])) > 0) == r["ac"], r
+    return rows
+
+
+def _spec(schedule: str, *, delay: bool = False, ac: bool = False) -> dict[str, object]:
+    return {"schedule": schedule, "delay": delay, "ac": ac}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("delay", [False, True], ids=["plain-wgrad", "delayed-wgrad"])
-def test_pp2_bit_identical_to_torchs_execution(
-    monkeypatch: pytest.MonkeyPatch, delay: bool
-) -> None:
-    rows = _run(monkeypatch, ep=1, delay=delay)
-    _check(rows, 2)
-    by_rank = {int(str(r["rank"])): r for r in rows if r["schedule"] == "DualPipeV"}
-    assert by_rank[0]["stages"] == [0, 3] and by_rank[1]["stages"] == [1, 2]
-    assert "tok_embeddings" in str(by_rank[0]["modules"]) and "lm_head" in str(
-        by_rank[0]["modules"]
-    )
+def test_pp2_dualpipev_and_interleaved_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = [
+        _spec("DualPipeV"),
+        _spec("Interleaved1F1B", delay=True),
+        _spec("DualPipeV", delay=True, ac=True),
+        _spec("Interleaved1F1B", ac=True),
+    ]
+    rows = _run(monkeypatch, 1, runs)
+    dualpipe = {int(str(r["rank"])): r for r in rows if r["schedule"] == "DualPipeV"}
+    # torchtitan's V-shaped split: rank 0 holds the first and the last stage.
+    assert dualpipe[0]["stages"] == [0, 3] and dualpipe[1]["stages"] == [1, 2]
+    modules = cast("list[list[str]]", dualpipe[0]["modules"])
+    assert modules[0][0] == "tok_embeddings" and modules[1][-2:] == ["norm", "lm_head"]
 
 
-_ = os
+@pytest.mark.slow
+def test_pp2_ep2_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = [_spec("DualPipeV", ac=True), _spec("Interleaved1F1B", delay=True)]
+    rows = _run(monkeypatch, 2, runs)
+    assert {int(str(r["rank"])) for r in rows} == {0, 1, 2, 3}
+    for r in rows:  # torchtitan's EP on every MoE stage, its parallelize wrappers kept
+        if r["stages"] == [1, 2]:
+            found = " ".join(map(str, cast("list[str]", r["ep"])))
+            assert "AllToAllTokenDispatcher" in found and "ep=2" in found, r["ep"]
+            assert "DTensor" in found and "instance forward" in found, r["ep"]

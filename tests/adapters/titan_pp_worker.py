@@ -1,9 +1,10 @@
 """One rank of the torchtitan pipeline tests: ``python -m tests.adapters.titan_pp_worker``.
 
 Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_*`` and ``TITAN_PP_CASE`` (JSON: ``ep`` the
-expert-parallel degree, 1 or 2; ``schedules``, torchtitan's schedule names; ``delay``
-delayed weight gradients). The pipeline degree is ``WORLD_SIZE / ep``. Prints one JSON
-line per schedule with this rank's verdict.
+expert-parallel degree, 1 or 2; ``runs``, each a ``schedule`` (torchtitan's name),
+``delay`` (delayed weight gradients) and ``ac`` (torchtitan's ``SelectiveAC`` on every
+chunk)). The pipeline degree is ``WORLD_SIZE / ep``. Prints one JSON line per run with
+this rank's verdict.
 
 Everything pipeline-side is torchtitan's own: its module-FQN split
 (``_generate_llm_fqn_per_model_part``, then ``_pipeline_module_split``, which deep-copies
@@ -16,7 +17,8 @@ chunk is then wrapped (``stage.submod = TorchtitanMoEStage(TorchtitanMoEAdapter(
 and the same schedule runs twice: as torch executes it, and prepared by
 ``prepare_schedule``. Verdicts: bit-identical losses and gradients (and
 ``tokens_per_expert_E``); and torch's execution of torchtitan's raw chunks (no adapter)
-within float32 rounding.
+within float32 rounding. With ``ac`` the references run without checkpointing (see
+:func:`run_case`) and the counts are compared doubled.
 """
 
 from __future__ import annotations
@@ -80,8 +82,12 @@ def whole_model(ep: int) -> nn.Module:
     return causal_stand_in(model)
 
 
-def split(model: nn.Module, dims: Any, schedule: str, ep: int) -> tuple[list[Any], list[nn.Module]]:
-    """torchtitan's stages and chunks of ``model`` for ``schedule`` (2 stages per rank)."""
+def split(
+    model: nn.Module, dims: Any, schedule: str, ep: int, *, ac: bool
+) -> tuple[list[Any], list[nn.Module]]:
+    """torchtitan's stages and chunks of ``model`` for ``schedule`` (2 stages per rank),
+    parallelized as torchtitan's parallelize functions do: expert parallelism, then
+    selective activation checkpointing (``ac``)."""
     from torchtitan.distributed.pipeline_parallel import (
         _generate_llm_fqn_per_model_part,
         _pipeline_module_split,
@@ -92,9 +98,13 @@ def split(model: nn.Module, dims: Any, schedule: str, ep: int) -> tuple[list[Any
     stages, chunks = _pipeline_module_split(
         model, dims.get_mesh("pp"), schedule, torch.device("cpu"), names
     )
-    if ep > 1:
-        for chunk in chunks:
+    for chunk in chunks:
+        if ep > 1:
             cast(Any, chunk).parallelize(dims)
+        if ac:
+            from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+            SelectiveAC(SelectiveAC.Config()).apply(chunk)
     return stages, chunks
 
 
@@ -153,6 +163,28 @@ def state(chunks: list[nn.Module]) -> dict[str, Tensor]:
     return out
 
 
+def expert_parallel(chunks: list[nn.Module]) -> list[str]:
+    """What shows torchtitan's expert parallelism in ``chunks``: each token dispatcher's
+    class and mesh, the expert weights' class, and the modules with an instance forward
+    (``parallelize``'s wrappers, kept)."""
+    found: set[str] = set()
+    for chunk in chunks:
+        for name, m in chunk.named_modules():
+            d = getattr(m, "token_dispatcher", None)
+            if d is not None:
+                found.add(f"{type(d).__name__} {getattr(d, 'ep_mesh', None)}")
+                w = m.get_submodule("inner_experts").get_parameter("w1_EFD")
+                found.add(type(w).__name__)
+            if "forward" in vars(m) and not name.endswith("_checkpoint_wrapped_module"):
+                found.add("instance forward")
+    return sorted(found)
+
+
+def unwrapped(found: dict[str, Tensor]) -> dict[str, Tensor]:
+    """``found`` under the names without torch's checkpoint wrapper."""
+    return {k.replace("._checkpoint_wrapped_module", ""): v for k, v in found.items()}
+
+
 def worst(a: dict[str, Tensor], b: dict[str, Tensor]) -> tuple[float, float, str]:
     """Largest relative difference of dense and of expert gradients, and where."""
     dense, expert, where = 0.0, 0.0, ""
@@ -166,10 +198,11 @@ def worst(a: dict[str, Tensor], b: dict[str, Tensor]) -> tuple[float, float, str
 
 
 def adapted(
-    model: nn.Module, dims: Any, name: str, ep: int, delay: bool
+    model: nn.Module, dims: Any, run: dict[str, Any], *, delay: bool
 ) -> tuple[Any, list[Any], list[nn.Module]]:
     """torchtitan's schedule over its stages, each chunk wrapped in a stage module."""
-    stages, chunks = split(model, dims, name, ep)
+    name, ep = run["schedule"], dims.ep
+    stages, chunks = split(model, dims, name, ep, ac=run["ac"])
     for s, chunk in zip(stages, chunks, strict=True):
         s.submod = TorchtitanMoEStage(TorchtitanMoEAdapter(chunk, delay_wgrad_compute=delay))
     return titan_schedule(stages, name, dims.pp), stages, chunks
@@ -182,64 +215,67 @@ def main() -> None:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     ep = int(case["ep"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    run_cases(case, rank, world, ep)
+    dims = dims_for(world // ep, ep)
+    model = whole_model(ep)
+    for run in case["runs"]:
+        print(json.dumps(run_case(model, dims, run, rank)), flush=True)
     dist.barrier()  # leave together (a failed rank exits at once: its peers time out)
     dist.destroy_process_group()
 
 
-def run_cases(case: dict[str, Any], rank: int, world: int, ep: int) -> None:
-    if True:
-        dims = dims_for(world // ep, ep)
-        model = whole_model(ep)
-        ep_rank = rank % ep  # torchtitan's mesh: pp outermost
-        x, y, pos, tokens = data(model, ep_rank)
-        kw = {"loss_kwargs": {"global_valid_tokens": tokens}}
-        for name in case["schedules"]:
-            start = time.perf_counter()
-            torch_sched, torch_stages, torch_chunks = adapted(model, dims, name, ep, False)
-            ref = step(torch_sched, torch_stages, x, y, position_ids=pos, **kw)
-            ours, our_stages, our_chunks = adapted(model, dims, name, ep, case["delay"])
-            overlap = prepare_schedule(ours, pair=name != "DualPipeV")
-            got = step(ours, our_stages, x, y, position_ids=pos, **kw)
-            # torch's execution of torchtitan's own chunks, no adapter.
-            raw_stages, raw_chunks = split(model, dims, name, ep)
-            raw = step(
-                titan_schedule(raw_stages, name, dims.pp), raw_stages, x, y, positions=pos, **kw
-            )
-            a, b, r = state(our_chunks), state(torch_chunks), state(raw_chunks)
-            bit = (
-                len(got) == len(ref)
-                and all(torch.equal(p, q) for p, q in zip(got, ref, strict=True))
-                and list(a) == list(b)
-                and all(torch.equal(a[k], b[k]) for k in a)
-            )
-            dense, expert, where = worst(b, r)
-            loss_diff = max(
-                (abs(float(p) - float(q)) for p, q in zip(ref, raw, strict=True)), default=0.0
-            )
-            print(
-                json.dumps(
-                    {
-                        "schedule": name,
-                        "rank": rank,
-                        "bit_identical": bit,
-                        "differ": [k for k in a if k in b and not torch.equal(a[k], b[k])][:5],
-                        "stages": [s.stage_index for s in our_stages],
-                        "modules": [[n for n, _ in s.submod.named_children()] for s in our_stages],
-                        "paired": overlap.paired,
-                        "losses": [float(v) for v in got],
-                        "states": len(a),
-                        "vs_torchtitan_ok": loss_diff <= 1e-5
-                        and dense <= GRAD_RTOL
-                        and expert <= EXPERT_GRAD_RTOL
-                        and list(b) == list(r),
-                        "vs_torchtitan": [loss_diff, dense, expert, where],
-                        "pending": sum(s.submod.pending_wgrad for s in our_stages),
-                        "seconds": round(time.perf_counter() - start, 2),
-                    }
-                ),
-                flush=True,
-            )
+def run_case(model: nn.Module, dims: Any, run: dict[str, Any], rank: int) -> dict[str, Any]:
+    """One step three ways: torch's execution of the adapted stages, the prepared
+    schedule, torch's execution of torchtitan's own chunks."""
+    start = time.perf_counter()
+    name = run["schedule"]
+    x, y, pos, tokens = data(model, rank % dims.ep)  # torchtitan's mesh: pp outermost
+    kw = {"loss_kwargs": {"global_valid_tokens": tokens}}
+    # torch's own execution of DualPipeV cannot run checkpointed stages (its split backward
+    # runs a selectively checkpointed region's backward twice, which torch refuses): the
+    # references run the same stages without checkpointing, which changes no value.
+    plain_run = {**run, "ac": False}
+    torch_sched, torch_stages, torch_chunks = adapted(model, dims, plain_run, delay=False)
+    ref = step(torch_sched, torch_stages, x, y, position_ids=pos, **kw)
+    ours, our_stages, our_chunks = adapted(model, dims, run, delay=run["delay"])
+    overlap = prepare_schedule(ours, pair=name != "DualPipeV")
+    got = step(ours, our_stages, x, y, position_ids=pos, **kw)
+    raw_stages, raw_chunks = split(model, dims, name, dims.ep, ac=False)
+    raw_sched = titan_schedule(raw_stages, name, dims.pp)
+    raw = step(raw_sched, raw_stages, x, y, positions=pos, **kw)
+    a, b, r = (unwrapped(state(c)) for c in (our_chunks, torch_chunks, raw_chunks))
+    if run["ac"]:  # recomputation counts every token twice, as under torchtitan's wrapper
+        for refs in (b, r):
+            refs.update({k: 2 * v for k, v in refs.items() if k.endswith("tokens_per_expert_E")})
+    bit = (
+        len(got) == len(ref)
+        and all(torch.equal(p, q) for p, q in zip(got, ref, strict=True))
+        and list(a) == list(b)
+        and all(torch.equal(a[k], b[k]) for k in a)
+    )
+    dense, expert, where = worst(b, r)
+    loss_diff = max((abs(float(p) - float(q)) for p, q in zip(ref, raw, strict=True)), default=0.0)
+    return {
+        **run,
+        "rank": rank,
+        "bit_identical": bit,
+        "differ": [k for k in a if k in b and not torch.equal(a[k], b[k])][:5],
+        "stages": [s.stage_index for s in our_stages],
+        "modules": [[n for n, _ in s.submod.named_children()] for s in our_stages],
+        "paired": overlap.paired,
+        "losses": [float(v) for v in got],
+        "states": len(a),
+        "vs_torchtitan_ok": loss_diff <= 1e-5
+        and dense <= GRAD_RTOL
+        and expert <= EXPERT_GRAD_RTOL
+        and list(b) == list(r),
+        "vs_torchtitan": [loss_diff, dense, expert, where],
+        "pending": sum(s.submod.pending_wgrad for s in our_stages),
+        "ep": expert_parallel(our_chunks),
+        "checkpointed": sum(
+            type(m).__name__ == "CheckpointWrapper" for c in our_chunks for m in c.modules()
+        ),
+        "seconds": round(time.perf_counter() - start, 2),
+    }
 
 
 if __name__ == "__main__":
