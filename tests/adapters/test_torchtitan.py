@@ -434,12 +434,6 @@ def test_refuses_a_module_that_is_not_a_torchtitan_decoder() -> None:
         TorchtitanMoEAdapter(nn.Linear(4, 4))
 
 
-def test_refuses_multi_token_prediction_layers() -> None:
-    model = build("deepseek_v3", num_mtp_layers=1)
-    with pytest.raises(ConfigError, match=r"DeepSeekV3Model\.mtp_layers: expected no multi-token"):
-        TorchtitanMoEAdapter(model, self_check=False)
-
-
 @pytest.mark.parametrize(
     ("where", "message"),
     [

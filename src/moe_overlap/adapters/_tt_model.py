@@ -6,11 +6,12 @@ Legend: ``B`` batch, ``L`` sequence, ``D`` hidden, ``V`` vocabulary.
 from __future__ import annotations
 
 import copy
+import importlib
 import time
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
@@ -82,6 +83,19 @@ class _Stop(Exception):
         self.value = value
 
 
+class _Inject(nn.Module):
+    """Stands in for the blocks: hands on the hidden states the schedule computed, whatever
+    the model's own embedding gave it."""
+
+    def __init__(self, hidden: Tensor) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, h: Tensor, *args: object) -> Tensor:
+        del h, args
+        return self.hidden
+
+
 class _StopHere(nn.Module):
     """Stands in for the final norm: ends the model's forward, handing on its input."""
 
@@ -129,14 +143,21 @@ def _check_arguments(
             f"torchtitan.models.common.decoder.Decoder, as its model registries build), "
             f"received {type(model).__name__}"
         )
-    mtp: object = getattr(model, "mtp_layers", None)
-    if isinstance(mtp, nn.ModuleList) and len(mtp) > 0:
-        raise ConfigError(
-            f"{w}: {type(model).__name__}.mtp_layers: expected no multi-token-prediction "
-            f"layers (the adapter schedules the decoder blocks only), received {len(mtp)}; "
-            "build the model with num_mtp_layers=0"
-        )
     _check_stage_layout(model)
+    whole = _has(model, "tok_embeddings") and _has(model, "lm_head")
+    if _mtp_depth(model) is not None and not whole:
+        raise ConfigError(
+            f"{w}: {type(model).__name__}.mtp_layers: expected multi-token-prediction layers "
+            "only in a whole model (they read the token ids and end in the LM head; torchtitan "
+            "refuses them under pipeline parallelism too), received them in a pipeline stage"
+        )
+
+
+def _mtp_depth(model: nn.Module) -> int | None:
+    """How many multi-token-prediction layers the model runs after its blocks (DeepSeek-V3's
+    ``MTPDecoder``: a module list, possibly empty); ``None`` when it has none."""
+    mtp: object = getattr(model, "mtp_layers", None)
+    return len(mtp) if isinstance(mtp, nn.ModuleList) else None
 
 
 def _has(model: nn.Module, name: str) -> bool:
@@ -518,6 +539,69 @@ class TorchtitanMoEAdapter(MegatronHooks):
         del decoder_input
         check_wgrad_done(self, when="at the start of a microbatch")
 
+    def _postprocess(
+        self,
+        hidden_states: Tensor,
+        input_ids: Tensor | None,
+        position_ids: Tensor | None,
+        labels: Tensor | None,
+        *args: object,
+        loss_mask: Tensor | None = None,
+        **kwargs: object,
+    ) -> Tensor:
+        """:meth:`output`; with multi-token-prediction layers, :meth:`mtp_output`."""
+        del args, kwargs  # Megatron's other arguments: the rotary tables, unused here
+        if not _mtp_depth(self.model):
+            return self.output(hidden_states, labels, loss_mask)
+        if loss_mask is not None:
+            raise ConfigError(
+                "TorchtitanMoEAdapter: torchtitan models take no loss_mask; expected None "
+                "(set ignored label positions to -100), received a tensor"
+            )
+        if input_ids is None:
+            raise IntegrationError(
+                f"TorchtitanMoEAdapter: {type(self.model).__name__}.mtp_layers: expected the "
+                "microbatch's token ids (the MTP layers embed them shifted), received None"
+            )
+        return self.mtp_output(hidden_states, input_ids, position_ids, labels)
+
+    def mtp_output(
+        self,
+        hidden_states: Tensor,
+        input_ids: Tensor,
+        position_ids: Tensor | None,
+        labels: Tensor | None,
+    ) -> Tensor:
+        """The model's own forward after its blocks (final norm, each MTP layer on the
+        shifted token embeddings, the LM head on every depth), its blocks stood in for by
+        the schedule's hidden states; the loss with ``labels`` (``loss_fn(predictions,
+        labels, positions=...)``, by default torchtitan's ``MTPLoss`` divided by the
+        labelled-token count), else the main logits."""
+        model = self.model
+        call = self._block_call(position_ids)
+        stand_in = nn.ModuleDict({"0": _Inject(hidden_states)})
+        with swap(model, "layers", stand_in):
+            out: object = model(input_ids, position_ids, call.attention_masks)
+        items = cast("list[object]", out) if isinstance(out, list) else []
+        predictions = [t for t in items if isinstance(t, Tensor)]
+        if not predictions or len(predictions) != len(items):
+            got = f"a list of {len(items)}" if isinstance(out, list) else type(out).__name__
+            raise IntegrationError(
+                f"TorchtitanMoEAdapter: {type(model).__name__}.forward: expected a list of "
+                f"logits (the main ones, then one per MTP depth), received {got}"
+            )
+        if labels is None:
+            return predictions[0]
+        positions = position_ids
+        if positions is None:  # one document per row, as the model's own roll assumes
+            length = input_ids.shape[1]
+            positions = torch.arange(length, device=input_ids.device).expand_as(input_ids)
+        if self.loss_fn is not None:
+            loss_fn = cast("Callable[..., object]", self.loss_fn)
+            return _loss_tensor(loss_fn(predictions, labels, positions=positions))
+        loss = titan_mtp_loss()(predictions, labels, None, positions=positions)
+        return _loss_tensor(loss) / (labels != IGNORE_INDEX).sum()
+
     def output(
         self, hidden_states: Tensor, labels: Tensor | None, loss_mask: Tensor | None
     ) -> Tensor:
@@ -536,21 +620,37 @@ class TorchtitanMoEAdapter(MegatronHooks):
             )
         model = self.model
         with swap(model, "tok_embeddings", None), swap(model, "layers", nn.ModuleDict()):
-            logits = cast("Tensor", model(hidden_states))
+            logits: object = model(hidden_states)
+        if not isinstance(logits, Tensor):
+            raise IntegrationError(
+                f"TorchtitanMoEAdapter: {type(model).__name__}.forward: expected the logits, "
+                f"received {type(logits).__name__}"
+            )
         if labels is None:
             return logits
         if self.loss_fn is not None:
-            out: object = self.loss_fn(logits, labels)
-            if isinstance(out, tuple):
-                out = cast("tuple[object, ...]", out)[0]
-            if not isinstance(out, Tensor):
-                raise IntegrationError(
-                    f"TorchtitanMoEAdapter: loss_fn: expected a tensor (or a tuple starting "
-                    f"with one), received {type(out).__name__}"
-                )
-            return out
+            return _loss_tensor(self.loss_fn(logits, labels))
         total = titan().cross_entropy_loss(logits, labels)
         return total / (labels != IGNORE_INDEX).sum()
+
+
+def _loss_tensor(out: object) -> Tensor:
+    """A loss function's result as a tensor (a torchtitan ``BaseLoss`` returns a tuple)."""
+    if isinstance(out, tuple):
+        out = cast("tuple[object, ...]", out)[0]
+    if not isinstance(out, Tensor):
+        raise IntegrationError(
+            f"TorchtitanMoEAdapter: loss_fn: expected a tensor (or a tuple starting with one), "
+            f"received {type(out).__name__}"
+        )
+    return out
+
+
+def titan_mtp_loss() -> Callable[..., object]:
+    """torchtitan's DeepSeek-V3 ``MTPLoss`` with its default configuration (``mtp_scale``
+    0.3; sum reduction)."""
+    mtp: Any = importlib.import_module("torchtitan.models.deepseek_v3.mtp")
+    return cast("Callable[..., object]", mtp.MTPLoss(mtp.MTPLoss.Config()))
 
 
 def _state_of(block: nn.Module) -> list[tuple[str, int, int]]:

@@ -35,12 +35,17 @@ Numerics: losses and gradients match the model's own forward and backward to flo
 rounding (gradients meeting at a slot boundary are summed in another order), and
 :func:`~moe_overlap.combined_1f1b` with and without overlap are bit-identical.
 
+Pipelines: :class:`TorchtitanMoEStage` takes a chunk of torchtitan's own pipeline split
+(``pipeline_llm``) as the module of its ``PipelineStage``; prepare the schedule with
+:func:`~moe_overlap.integrations.pipelining.prepare_schedule`. DeepSeek-V3's
+multi-token-prediction layers run whole in post-process (whole models only).
+
 Not supported (refused at construction): models that are not torchtitan decoders,
-multi-token-prediction layers (``num_mtp_layers > 0``), wrappers, ``compile`` or hooks on
-the modules the slots split, FSDP, tensor and context parallelism. Accepted: torchtitan's
-``SelectiveAC`` / ``FullAC`` block wrappers (the slots recompute with the wrapper's
-settings, per slot) and the forward wrappers torchtitan's ``parallelize`` sets where they
-do nothing (expert parallelism alone): see ``docs/torchtitan.md``.
+wrappers, ``compile`` or hooks on the modules the slots split, FSDP, tensor and context
+parallelism. Accepted: torchtitan's ``SelectiveAC`` / ``FullAC`` block wrappers (the slots
+recompute with the wrapper's settings, per slot) and the forward wrappers torchtitan's
+``parallelize`` sets where they do nothing (expert parallelism alone): see
+``docs/torchtitan.md``.
 """
 
 from __future__ import annotations
