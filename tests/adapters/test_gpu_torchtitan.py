@@ -1,5 +1,6 @@
 """On CUDA in bf16: torchtitan's DeepSeek-V3 ``debugmodel`` (all 6 blocks, torchtitan's real
-flex attention) through ``TorchtitanMoEAdapter``: ``combined_1f1b`` serial, overlapped and
+flex attention) through ``TorchtitanMoEAdapter``, as built, under torchtitan's
+``SelectiveAC`` and with one MTP layer: ``combined_1f1b`` serial, overlapped and
 fill/drain, with and without delayed weight gradients, bit-identical to the adapter's
 plain path (losses, gradients, ``tokens_per_expert_E``).
 
@@ -33,8 +34,13 @@ pytestmark = [
 MICROBATCHES, BATCH, SEQ = 4, 2, 256
 
 
+VARIANTS = ("blocks", "selective_ac", "mtp")
+"""The registry's model as built; with torchtitan's ``SelectiveAC`` applied; built with
+``num_mtp_layers=1``."""
+
+
 @pytest.fixture(scope="module")
-def base() -> nn.Module:
+def titan_ready() -> None:
     try:
         sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
         compat: Any = importlib.import_module("titan_compat")
@@ -42,8 +48,15 @@ def base() -> nn.Module:
         compat.compile_flex(autotune=False)  # torchtitan's max-autotune: minutes per shape
     except ImportError as exc:
         pytest.skip(f"torchtitan does not import: {exc}")
+
+
+@pytest.fixture(scope="module", params=VARIANTS)
+def base(request: pytest.FixtureRequest, titan_ready: None) -> nn.Module:
+    del titan_ready
+    variant = str(request.param)
     deepseek_v3: Any = importlib.import_module("torchtitan.models.deepseek_v3")
-    config = deepseek_v3.model_registry("debugmodel").model
+    mtp = 1 if variant == "mtp" else 0
+    config = deepseek_v3.model_registry("debugmodel", num_mtp_layers=mtp).model
     config = dataclasses.replace(config, layers=list(config.layers))
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -51,6 +64,10 @@ def base() -> nn.Module:
     cast(Any, model).init_states(buffer_device=torch.device("cuda"))
     for p in model.parameters():  # buffers stay: the RoPE cache is complex
         p.data = p.data.to(torch.bfloat16)
+    if variant == "selective_ac":
+        from torchtitan.distributed.activation_checkpoint import SelectiveAC
+
+        SelectiveAC(SelectiveAC.Config()).apply(model)
     return model
 
 

@@ -274,6 +274,11 @@ class TorchtitanMoEAdapter(MegatronHooks):
                 "'moe' child that is torchtitan's MoE, with moe_enabled), received none"
             )
         self._masks = _uses_masks(model)
+        embedding: object = getattr(model, "tok_embeddings", None)
+        self._embedding = frozenset(
+            id(p) for p in (embedding.parameters() if isinstance(embedding, nn.Module) else ())
+        )
+        """The embedding's parameters, by id (post-process may use them too)."""
         self._calls: dict[int, BlockCall] = {}
         self._check_bypassed()
         self.self_check_report = SelfCheckReport(enabled=self_check)
@@ -581,7 +586,9 @@ class TorchtitanMoEAdapter(MegatronHooks):
         call = self._block_call(position_ids)
         stand_in = nn.ModuleDict({"0": _Inject(hidden_states)})
         with swap(model, "layers", stand_in):
-            out: object = model(input_ids, position_ids, call.attention_masks)
+            out = _call_sharing_embedding(
+                model, self._embedding, input_ids, position_ids, call.attention_masks
+            )
         items = cast("list[object]", out) if isinstance(out, list) else []
         predictions = [t for t in items if isinstance(t, Tensor)]
         if not predictions or len(predictions) != len(items):
@@ -620,7 +627,7 @@ class TorchtitanMoEAdapter(MegatronHooks):
             )
         model = self.model
         with swap(model, "tok_embeddings", None), swap(model, "layers", nn.ModuleDict()):
-            logits: object = model(hidden_states)
+            logits = _call_sharing_embedding(model, self._embedding, hidden_states)
         if not isinstance(logits, Tensor):
             raise IntegrationError(
                 f"TorchtitanMoEAdapter: {type(model).__name__}.forward: expected the logits, "
@@ -632,6 +639,52 @@ class TorchtitanMoEAdapter(MegatronHooks):
             return _loss_tensor(self.loss_fn(logits, labels))
         total = titan().cross_entropy_loss(logits, labels)
         return total / (labels != IGNORE_INDEX).sum()
+
+
+class _AccumulateNow(torch.autograd.Function):
+    """Identity on a parameter whose gradient through it is added to ``.grad`` as soon as
+    its backward runs, not handed on to the parameter's own accumulation."""
+
+    @staticmethod
+    def forward(ctx: Any, param: Tensor) -> Tensor:  # torch's FunctionCtx declares no fields
+        ctx.param = param
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> None:
+        param: Tensor = ctx.param
+        (grad,) = grads
+        with torch.no_grad():
+            if param.grad is None:
+                param.grad = grad.clone()
+            else:
+                param.grad += grad
+
+
+# Function.apply is untyped; give it its signature once, here.
+_accumulate_now = cast(
+    "Callable[[Tensor], Tensor]",
+    _AccumulateNow.apply,  # pyright: ignore[reportUnknownMemberType]
+)
+
+
+def _call_sharing_embedding(model: nn.Module, shared: frozenset[int], *args: object) -> object:
+    """``model(*args)`` in post-process, where the embedding's parameters (DeepSeek-V3's
+    MTP layers embed the shifted tokens; a tied LM head) get their gradient through
+    :class:`_AccumulateNow`: added to ``.grad`` when post-process's backward runs, before
+    the embedding's own backward adds its part, in the plain path as in the schedule (where
+    the two are separate backward passes). Autograd would otherwise sum the two parts first
+    in the plain path, and bfloat16 rounds the sums apart. ``shared``: the ids of the
+    embedding's parameters."""
+    if not shared or not torch.is_grad_enabled():
+        return model(*args)
+    named = dict(model.named_parameters())
+    swapped = {
+        n: _accumulate_now(p) for n, p in named.items() if id(p) in shared and p.requires_grad
+    }
+    if not swapped:
+        return model(*args)
+    return torch.func.functional_call(model, swapped, args)
 
 
 def _loss_tensor(out: object) -> Tensor:
