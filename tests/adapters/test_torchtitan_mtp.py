@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from moe_overlap import ConfigError, Microbatch
+from moe_overlap import ConfigError, Microbatch, combined_1f1b
 from moe_overlap.adapters.torchtitan import TorchtitanMoEAdapter
 from tests.adapters._titan import build, causal_stand_in
 from tests.adapters.test_torchtitan import (
@@ -89,14 +89,21 @@ def test_mtp_plain_path_matches_torchtitan() -> None:
     )
 
 
+@pytest.mark.parametrize("fill_drain", [False, True], ids=["1f1b", "fill_drain"])
 @pytest.mark.parametrize("delay", [False, True], ids=["wgrad", "delayed_wgrad"])
-def test_mtp_schedule_is_bit_identical_to_plain_path(delay: bool) -> None:
+def test_mtp_schedule_is_bit_identical_to_plain_path(delay: bool, fill_drain: bool) -> None:
+    """Also under fill and drain, whose backward passes interleave microbatches: the
+    embedding's gradient from the MTP layers is added to its own per microbatch."""
     mbs = microbatches(_base())
     plain = TorchtitanMoEAdapter(mtp_model(), delay_wgrad_compute=delay)
     sched = TorchtitanMoEAdapter(mtp_model(), delay_wgrad_compute=delay, self_check=False)
     plain_losses = plain_step(plain, mbs, delay=delay)
-    losses = schedule(sched, mbs)
-    where = f"MTP (delay_wgrad_compute={delay}) schedule vs plain"
+    if fill_drain:
+        got = combined_1f1b(sched, mbs, fill_drain=True, options=sched.schedule_options())
+        losses = [x.detach() for x in got]
+    else:
+        losses = schedule(sched, mbs)
+    where = f"MTP (delay_wgrad_compute={delay}, fill_drain={fill_drain}) schedule vs plain"
     assert all(torch.equal(a, b) for a, b in zip(losses, plain_losses, strict=True)), where
     assert_bit_identical(grads(sched.model), grads(plain.model), "gradients", where)
     assert_bit_identical(

@@ -274,11 +274,9 @@ class TorchtitanMoEAdapter(MegatronHooks):
                 "'moe' child that is torchtitan's MoE, with moe_enabled), received none"
             )
         self._masks = _uses_masks(model)
-        embedding: object = getattr(model, "tok_embeddings", None)
-        self._embedding = frozenset(
-            id(p) for p in (embedding.parameters() if isinstance(embedding, nn.Module) else ())
-        )
-        """The embedding's parameters, by id (post-process may use them too)."""
+        self._shared = _shared_with_embedding(model)
+        self._post_stash: _Stash | None = None
+        self._stashes: dict[int, _Stash] = {}
         self._calls: dict[int, BlockCall] = {}
         self._check_bypassed()
         self.self_check_report = SelfCheckReport(enabled=self_check)
@@ -530,8 +528,9 @@ class TorchtitanMoEAdapter(MegatronHooks):
                 "previous stage's hidden states"
             )
         try:
+            stash = self._stash_for(input_ids) if self._shared else None
             with swap(model, "layers", nn.ModuleDict()), swap(model, "norm", _StopHere()):
-                model(input_ids, positions=position_ids)
+                _call_with(model, self._shared, _take, stash, input_ids, positions=position_ids)
         except _Stop as stop:
             return stop.value
         raise IntegrationError(
@@ -556,8 +555,13 @@ class TorchtitanMoEAdapter(MegatronHooks):
     ) -> Tensor:
         """:meth:`output`; with multi-token-prediction layers, :meth:`mtp_output`."""
         del args, kwargs  # Megatron's other arguments: the rotary tables, unused here
+        stash = self._stashes.get(id(input_ids)) if input_ids is not None else None
         if not _mtp_depth(self.model):
-            return self.output(hidden_states, labels, loss_mask)
+            self._post_stash = stash
+            try:
+                return self.output(hidden_states, labels, loss_mask)
+            finally:
+                self._post_stash = None
         if loss_mask is not None:
             raise ConfigError(
                 "TorchtitanMoEAdapter: torchtitan models take no loss_mask; expected None "
@@ -568,7 +572,19 @@ class TorchtitanMoEAdapter(MegatronHooks):
                 f"TorchtitanMoEAdapter: {type(self.model).__name__}.mtp_layers: expected the "
                 "microbatch's token ids (the MTP layers embed them shifted), received None"
             )
-        return self.mtp_output(hidden_states, input_ids, position_ids, labels)
+        self._post_stash = stash
+        try:
+            return self.mtp_output(hidden_states, input_ids, position_ids, labels)
+        finally:
+            self._post_stash = None
+
+    def _stash_for(self, input_ids: Tensor) -> _Stash:
+        """A new :class:`_Stash` for the microbatch of ``input_ids`` (found again by
+        post-process, which gets the same tensor; dropped with it)."""
+        key = id(input_ids)
+        stash = self._stashes[key] = _Stash()
+        weakref.finalize(input_ids, self._stashes.pop, key, None)
+        return stash
 
     def mtp_output(
         self,
@@ -586,8 +602,14 @@ class TorchtitanMoEAdapter(MegatronHooks):
         call = self._block_call(position_ids)
         stand_in = nn.ModuleDict({"0": _Inject(hidden_states)})
         with swap(model, "layers", stand_in):
-            out = _call_sharing_embedding(
-                model, self._embedding, input_ids, position_ids, call.attention_masks
+            out = _call_with(
+                model,
+                self._shared,
+                _hand,
+                self._post_stash,
+                input_ids,
+                position_ids,
+                call.attention_masks,
             )
         items = cast("list[object]", out) if isinstance(out, list) else []
         predictions = [t for t in items if isinstance(t, Tensor)]
@@ -627,7 +649,7 @@ class TorchtitanMoEAdapter(MegatronHooks):
             )
         model = self.model
         with swap(model, "tok_embeddings", None), swap(model, "layers", nn.ModuleDict()):
-            logits = _call_sharing_embedding(model, self._embedding, hidden_states)
+            logits = _call_with(model, self._shared, _hand, self._post_stash, hidden_states)
         if not isinstance(logits, Tensor):
             raise IntegrationError(
                 f"TorchtitanMoEAdapter: {type(model).__name__}.forward: expected the logits, "
@@ -641,50 +663,97 @@ class TorchtitanMoEAdapter(MegatronHooks):
         return total / (labels != IGNORE_INDEX).sum()
 
 
-class _AccumulateNow(torch.autograd.Function):
-    """Identity on a parameter whose gradient through it is added to ``.grad`` as soon as
-    its backward runs, not handed on to the parameter's own accumulation."""
+class _Stash:
+    """The gradient post-process sends a microbatch's embedding parameters (DeepSeek-V3's
+    MTP layers embed the shifted tokens; a tied LM head), held until the embedding's own
+    backward for that microbatch adds it to its part.
+
+    Autograd would sum the two parts in whatever order the backward passes come (one pass in
+    the plain path, two in the schedule, interleaved with other microbatches under fill and
+    drain), and bfloat16 rounds the orders apart; this way ``.grad`` gets ``post + pre`` per
+    microbatch, in microbatch order, in every schedule."""
+
+    __slots__ = ("grads",)
+
+    def __init__(self) -> None:
+        self.grads: dict[int, Tensor] = {}
+
+
+class _Hand(torch.autograd.Function):
+    """Identity on a parameter used in post-process: its gradient goes to the stash."""
 
     @staticmethod
-    def forward(ctx: Any, param: Tensor) -> Tensor:  # torch's FunctionCtx declares no fields
-        ctx.param = param
+    def forward(ctx: Any, param: Tensor, stash: _Stash) -> Tensor:  # FunctionCtx: no fields
+        ctx.stash, ctx.key = stash, id(param)
         return param.view_as(param)
 
     @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> None:
-        param: Tensor = ctx.param
+    def backward(ctx: Any, *grads: Tensor) -> tuple[None, None]:
         (grad,) = grads
-        with torch.no_grad():
-            if param.grad is None:
-                param.grad = grad.clone()
-            else:
-                param.grad += grad
+        held: dict[int, Tensor] = ctx.stash.grads
+        key: int = ctx.key
+        held[key] = grad if key not in held else held[key] + grad
+        return None, None
+
+
+class _Take(torch.autograd.Function):
+    """Identity on a parameter used by the embedding: its gradient is the stashed
+    post-process part plus its own."""
+
+    @staticmethod
+    def forward(ctx: Any, param: Tensor, stash: _Stash) -> Tensor:
+        ctx.stash, ctx.key = stash, id(param)
+        return param.view_as(param)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, None]:
+        (grad,) = grads
+        held: Tensor | None = ctx.stash.grads.pop(ctx.key, None)
+        return (grad if held is None else held + grad), None
 
 
 # Function.apply is untyped; give it its signature once, here.
-_accumulate_now = cast(
-    "Callable[[Tensor], Tensor]",
-    _AccumulateNow.apply,  # pyright: ignore[reportUnknownMemberType]
-)
+_hand = cast("Callable[[Tensor, _Stash], Tensor]", _Hand.apply)  # pyright: ignore[reportUnknownMemberType]
+_take = cast("Callable[[Tensor, _Stash], Tensor]", _Take.apply)  # pyright: ignore[reportUnknownMemberType]
 
 
-def _call_sharing_embedding(model: nn.Module, shared: frozenset[int], *args: object) -> object:
-    """``model(*args)`` in post-process, where the embedding's parameters (DeepSeek-V3's
-    MTP layers embed the shifted tokens; a tied LM head) get their gradient through
-    :class:`_AccumulateNow`: added to ``.grad`` when post-process's backward runs, before
-    the embedding's own backward adds its part, in the plain path as in the schedule (where
-    the two are separate backward passes). Autograd would otherwise sum the two parts first
-    in the plain path, and bfloat16 rounds the sums apart. ``shared``: the ids of the
-    embedding's parameters."""
-    if not shared or not torch.is_grad_enabled():
-        return model(*args)
-    named = dict(model.named_parameters())
-    swapped = {
-        n: _accumulate_now(p) for n, p in named.items() if id(p) in shared and p.requires_grad
-    }
+def _call_with(
+    model: nn.Module,
+    shared: frozenset[int],
+    through: Callable[[Tensor, _Stash], Tensor],
+    stash: _Stash | None,
+    *args: object,
+    **kwargs: object,
+) -> object:
+    """``model(*args, **kwargs)`` with its parameters in ``shared`` (ids) used ``through``
+    :class:`_Hand` or :class:`_Take` (none: as they are)."""
+    swapped = (
+        {
+            n: through(p, stash)
+            for n, p in model.named_parameters()
+            if id(p) in shared and p.requires_grad
+        }
+        if stash is not None and torch.is_grad_enabled()
+        else {}
+    )
     if not swapped:
-        return model(*args)
-    return torch.func.functional_call(model, swapped, args)
+        return model(*args, **kwargs)
+    return torch.func.functional_call(model, swapped, args, kwargs)
+
+
+def _shared_with_embedding(model: nn.Module) -> frozenset[int]:
+    """The ids of the embedding's parameters that post-process uses too: all of them with
+    MTP layers (they embed the shifted tokens), a tied LM head's otherwise."""
+    embedding: object = getattr(model, "tok_embeddings", None)
+    if not isinstance(embedding, nn.Module):
+        return frozenset()
+    ids = {id(p) for p in embedding.parameters()}
+    if _mtp_depth(model):
+        return frozenset(ids)
+    post = [getattr(model, n, None) for n in ("norm", "lm_head")]
+    return frozenset(
+        id(p) for m in post if isinstance(m, nn.Module) for p in m.parameters() if id(p) in ids
+    )
 
 
 def _loss_tensor(out: object) -> Tensor:
