@@ -19,6 +19,14 @@ For each configuration of the sweep, in one process:
   CUDA graphs (:class:`~moe_overlap.blocks.GraphedBlock`), with their own bound; every copy
   is captured before the timed steps (checked).
 
+Timing (every row): the variants above (the first configuration also the high-priority
+comm stream and delayed expert wgrad) run interleaved, ``--warmup`` untimed rounds (2;
+the process's first row ``--first-warmup``, 4) then ``--iters`` timed rounds (5), each
+round running every variant once in an order rotated by one per round; each figure is the
+median of its timed steps, stored with its samples and their spread ((max - min) / min).
+``--budget-s`` skips a row whose predicted time (from the rows already run) would pass
+the budget, and says so.
+
 Then, for the first configuration: peak memory of every variant with and without
 free-input, the timeline (PNG + Chrome trace) of one overlapped step, and host time per
 layer pair, eager and graphed; and host time and step time at a host-bound size (H=256).
@@ -82,26 +90,42 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_ms(b: Bench, fn: Callable[[], object]) -> list[float]:
-    """Per-call milliseconds of ``fn`` after warm-up, on the current (compute) stream.
+def spread(xs: list[float]) -> float:
+    """(max - min) / min of a figure's samples: how far apart the timed steps were."""
+    lo = min(xs)
+    return (max(xs) - lo) / lo if lo > 0 else 0.0
 
-    ``fn`` must leave the current stream waiting for all its work (the driver does).
+
+def time_interleaved(b: Bench, fns: dict[str, Callable[[], object]]) -> dict[str, list[float]]:
+    """Per-call milliseconds of every variant of one row, the variants interleaved.
+
+    ``b.warmup`` untimed rounds, then ``b.iters`` timed rounds; a round runs each variant
+    once, the order rotated by one every round (no variant always runs first or always
+    follows the same one), so drift over the row (clocks, heat, the allocator) lands on all
+    variants alike instead of on whichever ran last. Each call is timed alone: synchronized
+    before, marks on the current (compute) stream around it; ``fn`` must leave the current
+    stream waiting for all its work (the driver does).
     """
     clock = Clock(b.device)
-    for _ in range(b.warmup):
-        b.model.zero_grad(set_to_none=False)
-        fn()
-    _sync(b.device)
-    out: list[float] = []
-    for _ in range(b.iters):
-        b.model.zero_grad(set_to_none=False)
-        _sync(b.device)
-        start = clock.mark()
-        fn()
-        end = clock.mark()
-        _sync(b.device)
-        out.append(Clock.ms(start, end))
+    names = list(fns)
+    out: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(b.warmup + b.iters):
+        for j in range(len(names)):
+            name = names[(r + j) % len(names)]
+            b.model.zero_grad(set_to_none=False)
+            _sync(b.device)
+            start = clock.mark()
+            fns[name]()
+            end = clock.mark()
+            _sync(b.device)
+            if r >= b.warmup:
+                out[name].append(Clock.ms(start, end))
     return out
+
+
+def time_ms(b: Bench, fn: Callable[[], object]) -> list[float]:
+    """Per-call milliseconds of one variant alone (``time_interleaved`` of one)."""
+    return time_interleaved(b, {"fn": fn})["fn"]
 
 
 def step(
@@ -134,24 +158,33 @@ def _comm_only(b: Bench) -> None:
             lb(x)
 
 
-def _recorded(b: Bench, *, overlap: bool, options: ScheduleOptions | None = None) -> NodeRecorder:
+def _recorded(
+    b: Bench, *, overlap: bool, options: ScheduleOptions | None = None, graphs: bool = False
+) -> NodeRecorder:
+    """Per-node durations of one step (with the attention graphed when ``graphs``)."""
     rec = NodeRecorder(b.device)
     b.model.zero_grad(set_to_none=False)
-    _sync(b.device)
-    rec.start()
-    combined_1f1b(
-        b.model,
-        b.mbs,
-        overlap=overlap,
-        streams=b.pair if overlap else b.serial,
-        options=options if options is not None else ScheduleOptions(),
-        on_plan=rec,
-    )
-    _sync(b.device)
+    b.model.set_graphs(graphs)
+    try:
+        _sync(b.device)
+        rec.start()
+        combined_1f1b(
+            b.model,
+            b.mbs,
+            overlap=overlap,
+            streams=b.pair if overlap else b.serial,
+            options=options if options is not None else ScheduleOptions(),
+            on_plan=rec,
+        )
+        _sync(b.device)
+    finally:
+        b.model.set_graphs(False)
     return rec
 
 
-def make_bench(cfg: SliceConfig, args: argparse.Namespace, microbatches: int) -> Bench:
+def make_bench(
+    cfg: SliceConfig, args: argparse.Namespace, microbatches: int, *, warmup: int | None = None
+) -> Bench:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     pair = make_streams(device)
@@ -161,7 +194,7 @@ def make_bench(cfg: SliceConfig, args: argparse.Namespace, microbatches: int) ->
         device=device,
         pair=pair,
         serial=StreamPair(comp=pair.comp, comm=pair.comp),
-        warmup=args.warmup,
+        warmup=args.warmup if warmup is None else warmup,
         iters=args.iters,
     )
 
@@ -170,46 +203,96 @@ def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
+def _switched(
+    enter: Callable[[], None], leave: Callable[[], None], fn: Callable[[], object]
+) -> Callable[[], None]:
+    """``fn`` run between ``enter`` and ``leave`` (a model setting switched for one call)."""
+
+    def run() -> None:
+        enter()
+        try:
+            fn()
+        finally:
+            leave()
+
+    return run
+
+
+def row_variants(b: Bench, *, main: bool) -> dict[str, Callable[[], object]]:
+    """Every timed variant of a row, each one step, each leaving the model as it found it
+    (eager attention, host loopback, no delayed wgrad), so that they can be interleaved.
+
+    The graphed variants need their graphs captured first (``_capture_graphs``); the main
+    row adds the high-priority comm stream and delayed expert wgrad.
+    """
+    model = b.model
+
+    def graphed(fn: Callable[[], object]) -> Callable[[], None]:
+        return _switched(lambda: model.set_graphs(True), lambda: model.set_graphs(False), fn)
+
+    fns: dict[str, Callable[[], object]] = {
+        "serial": lambda: step(b, overlap=False),
+        "overlapped": lambda: step(b, overlap=True),
+        "fill_drain": lambda: step(b, overlap=True, fill_drain=True),
+        "graphs_overlapped": graphed(lambda: step(b, overlap=True)),
+        "graphs_fill_drain": graphed(lambda: step(b, overlap=True, fill_drain=True)),
+        "compute_only": _switched(
+            lambda: model.set_loopback(LoopbackMode.DEVICE),
+            lambda: model.set_loopback(LoopbackMode.HOST),
+            lambda: step(b, overlap=False),
+        ),
+        "comm_only": lambda: _comm_only(b),
+    }
+    if main:
+        hp = make_streams(b.device, high_priority_comm=True)
+        delay = ScheduleOptions(delay_wgrad_compute=True)
+        fns["high_priority_comm"] = lambda: combined_1f1b(model, b.mbs, overlap=True, streams=hp)
+        fns["delay_wgrad_compute"] = _switched(
+            lambda: model.set_delay_wgrad(True),
+            lambda: model.set_delay_wgrad(False),
+            lambda: step(b, overlap=True, options=delay),
+        )
+    return fns
+
+
 def measure(
-    cfg: SliceConfig, args: argparse.Namespace, *, microbatches: int, main: bool, out: Path
+    cfg: SliceConfig,
+    args: argparse.Namespace,
+    *,
+    microbatches: int,
+    main: bool,
+    first: bool = False,
+    out: Path,
 ) -> JsonDict:
-    """Every figure for one configuration and microbatch count."""
-    b = make_bench(cfg, args, microbatches)
+    """Every figure for one configuration and microbatch count (``first``: the first
+    configuration of the process, which gets ``--first-warmup`` warm-up rounds)."""
+    b = make_bench(cfg, args, microbatches, warmup=args.first_warmup if first else None)
     model, mbs, dtype = b.model, b.mbs, b.model.embed_scale.dtype
-    res: JsonDict = {"config": _config_json(cfg, dtype), "microbatches": len(mbs)}
-    serial = time_ms(b, lambda: step(b, overlap=False))
-    overlapped = time_ms(b, lambda: step(b, overlap=True))
-    fill_drain = time_ms(b, lambda: step(b, overlap=True, fill_drain=True))
-    graphed = _graphed(b)
-    model.set_loopback(LoopbackMode.DEVICE)
-    compute = time_ms(b, lambda: step(b, overlap=False))
-    model.set_loopback(LoopbackMode.HOST)
-    comm = time_ms(b, lambda: _comm_only(b))
+    res: JsonDict = {
+        "config": _config_json(cfg, dtype),
+        "microbatches": len(mbs),
+        "warmup": b.warmup,
+        "iters": b.iters,
+    }
+    captured = _capture_graphs(b)
+    t = time_interleaved(b, row_variants(b, main=main))
+    res["order"] = list(t)
+    if model.graph_captures() != captured:
+        raise RuntimeError("bench_overlap: graphs were captured during the timed steps")
+    graph_rec = _recorded(b, overlap=False, graphs=True)
     serial_rec = _recorded(b, overlap=False)
     over_rec = _recorded(b, overlap=True)
-    runs = overlapped_runs(len(mbs))
+    n = len(mbs)
+    runs = overlapped_runs(n)
     bound = critical_path_ms(runs, serial_rec.shapes, serial_rec.durations())
     bound_cont = critical_path_ms(runs, over_rec.shapes, over_rec.durations())
-    fd_bound = critical_path_ms(
-        fill_drain_runs(len(mbs)), serial_rec.shapes, serial_rec.durations()
-    )
-    m = {
-        k: median(v)
-        for k, v in {
-            "serial": serial,
-            "overlapped": overlapped,
-            "compute_only": compute,
-            "comm_only": comm,
-        }.items()
-    }
+    fd_bound = critical_path_ms(fill_drain_runs(n), serial_rec.shapes, serial_rec.durations())
+    base = ("serial", "overlapped", "compute_only", "comm_only")
+    m = {k: median(t[k]) for k in base}
     res["step_ms"] = m
-    res["step_ms_samples"] = {
-        "serial": serial,
-        "overlapped": overlapped,
-        "compute_only": compute,
-        "comm_only": comm,
-    }
-    a2a_calls = 4 * len(mbs) * cfg.num_layers
+    res["step_ms_samples"] = {k: t[k] for k in base}
+    res["step_ms_spread"] = {k: spread(t[k]) for k in base}
+    a2a_calls = 4 * n * cfg.num_layers
     moved = 2 * cfg.a2a_bytes(dtype) * a2a_calls
     res["comm_GBps"] = moved / (m["comm_only"] * 1e-3) / 1e9
     res["comm_to_compute"] = m["comm_only"] / m["compute_only"]
@@ -220,90 +303,72 @@ def measure(
     res["speedup"] = m["serial"] / m["overlapped"]
     res["overlapped_over_max"] = m["overlapped"] / max(m["compute_only"], m["comm_only"])
     res["sum_node_ms_serial"] = sum(serial_rec.durations().values())
-    fd = median(fill_drain)
-    cap = max(m["compute_only"], m["comm_only"])
-    res["fill_drain"] = {
-        "overlapped_ms": fd,
-        "samples": fill_drain,
-        "bound_ms": fd_bound,
-        "efficiency": fd_bound / fd,
-        "speedup": m["serial"] / fd,
-        "overlapped_over_max": fd / cap,
-    }
+    res["fill_drain"] = _overlap_row(t["fill_drain"], fd_bound, m)
+    g_durations = graph_rec.durations()
     res["graphs"] = {
-        name: {
-            "overlapped_ms": median(samples),
-            "samples": samples,
-            "bound_ms": bound_g,
-            "efficiency": bound_g / median(samples),
-            "speedup": m["serial"] / median(samples),
-            "overlapped_over_max": median(samples) / cap,
-        }
-        for name, (samples, bound_g) in graphed.items()
+        "fill_drain": _overlap_row(
+            t["graphs_fill_drain"],
+            critical_path_ms(fill_drain_runs(n), graph_rec.shapes, g_durations),
+            m,
+        ),
+        "overlapped": _overlap_row(
+            t["graphs_overlapped"], critical_path_ms(runs, graph_rec.shapes, g_durations), m
+        ),
     }
     if main:
         title = (
             f"overlapped step, H={cfg.hidden} F={cfg.ffn} T={cfg.tokens} L={cfg.num_layers} "
-            f"N={len(mbs)} ({m['overlapped']:.1f} ms median)"
+            f"N={n} ({m['overlapped']:.1f} ms median)"
         )
         spans = over_rec.spans()
         write_gantt_png(spans, out / "timeline.png", title=title)
         write_chrome_trace(spans, out / "timeline_trace.json", title=title)
         res["host"] = host_time(b)
         res["host_graphs"] = host_time(b, graphs=True)
-        res["variants"] = _variants(b, m, bound)
+        res["variants"] = _variants(b, t, m, bound)
         res["memory"] = _memory(b)
     return res
 
 
-def _graphed(b: Bench) -> dict[str, tuple[list[float], float]]:
-    """Step times with the attention CUDA-graphed (overlapped, and with the fill/drain
-    overlap), each with its critical-path bound from a graphed serial step."""
-    b.model.set_graphs(True)
-    try:
-        # Capture every copy first (capturing synchronizes and empties the allocator's
-        # cache), then warm the allocator again before anything is timed.
-        for _ in range(3):
-            step(b, overlap=True, fill_drain=True)
-        captured = b.model.graph_captures()
-        fd = time_ms(b, lambda: step(b, overlap=True, fill_drain=True))
-        ov = time_ms(b, lambda: step(b, overlap=True))
-        rec = _recorded(b, overlap=False)
-        if b.model.graph_captures() != captured:
-            raise RuntimeError("bench_overlap: graphs were captured during the timed steps")
-    finally:
-        b.model.set_graphs(False)
-    n = len(b.mbs)
+def _overlap_row(samples: list[float], bound: float, base: dict[str, float]) -> JsonDict:
+    """The figures of an overlapped variant against its row's serial, compute and comm."""
+    med = median(samples)
     return {
-        "fill_drain": (fd, critical_path_ms(fill_drain_runs(n), rec.shapes, rec.durations())),
-        "overlapped": (ov, critical_path_ms(overlapped_runs(n), rec.shapes, rec.durations())),
+        "overlapped_ms": med,
+        "samples": samples,
+        "spread": spread(samples),
+        "bound_ms": bound,
+        "efficiency": bound / med,
+        "speedup": base["serial"] / med,
+        "overlapped_over_max": med / max(base["compute_only"], base["comm_only"]),
     }
 
 
-def _variants(b: Bench, base: dict[str, float], bound: float) -> JsonDict:
-    """The overlapped step with a high-priority comm stream, and with delayed expert wgrad.
+def _capture_graphs(b: Bench) -> int:
+    """Capture every graph copy the graphed variants use, before anything is timed
+    (capturing synchronizes and empties the allocator's cache); the number captured."""
+    b.model.set_graphs(True)
+    try:
+        for _ in range(3):
+            step(b, overlap=True, fill_drain=True)
+    finally:
+        b.model.set_graphs(False)
+    return b.model.graph_captures()
+
+
+def _variants(
+    b: Bench, t: dict[str, list[float]], base: dict[str, float], bound: float
+) -> JsonDict:
+    """The overlapped step with a high-priority comm stream, and with delayed expert wgrad
+    (timed with the rest of the row, in ``t``).
 
     Compute-only and comm-only are the base configuration's (the same work); the delayed
     wgrad bound comes from a serial step with delayed wgrad (its own step lists, with
     ``WGRAD`` steps).
     """
-    out: JsonDict = {}
-    hp = make_streams(b.device, high_priority_comm=True)
-    hp_ms = time_ms(b, lambda: combined_1f1b(b.model, b.mbs, overlap=True, streams=hp))
-    cap = max(base["compute_only"], base["comm_only"])
-    hp_med = median(hp_ms)
-    out["high_priority_comm"] = {
-        "overlapped_ms": hp_med,
-        "samples": hp_ms,
-        "bound_ms": bound,
-        "efficiency": bound / hp_med,
-        "speedup": base["serial"] / hp_med,
-        "overlapped_over_max": hp_med / cap,
-    }
     delay = ScheduleOptions(delay_wgrad_compute=True)
     b.model.set_delay_wgrad(True)
     try:
-        dw_ms = time_ms(b, lambda: step(b, overlap=True, options=delay))
         ser_rec = _recorded(b, overlap=False, options=delay)
         over_rec = _recorded(b, overlap=True, options=delay)
     finally:
@@ -311,18 +376,13 @@ def _variants(b: Bench, base: dict[str, float], bound: float) -> JsonDict:
     runs = overlapped_runs(len(b.mbs))
     dw_bound = critical_path_ms(runs, ser_rec.shapes, ser_rec.durations())
     dw_bound_c = critical_path_ms(runs, over_rec.shapes, over_rec.durations())
-    dw_med = median(dw_ms)
-    out["delay_wgrad_compute"] = {
-        "overlapped_ms": dw_med,
-        "samples": dw_ms,
-        "bound_ms": dw_bound,
-        "bound_contended_ms": dw_bound_c,
-        "efficiency": dw_bound / dw_med,
-        "efficiency_contended": dw_bound_c / dw_med,
-        "speedup": base["serial"] / dw_med,
-        "overlapped_over_max": dw_med / cap,
+    dw = _overlap_row(t["delay_wgrad_compute"], dw_bound, base)
+    dw["bound_contended_ms"] = dw_bound_c
+    dw["efficiency_contended"] = dw_bound_c / median(t["delay_wgrad_compute"])
+    return {
+        "high_priority_comm": _overlap_row(t["high_priority_comm"], bound, base),
+        "delay_wgrad_compute": dw,
     }
-    return out
 
 
 def _config_json(cfg: SliceConfig, dtype: torch.dtype) -> JsonDict:
@@ -416,7 +476,10 @@ def host_time(b: Bench, *, graphs: bool = False, router: bool = False) -> JsonDi
     finally:
         setattr(ModelChunkSchedulePlan, "run", original)  # noqa: B010
         b.model.set_graphs(False)
-    return {k: median([s[k] for s in samples]) for k in samples[0]}
+    out: JsonDict = {k: median([s[k] for s in samples]) for k in samples[0]}
+    out["spread"] = {k: spread([s[k] for s in samples]) for k in samples[0]}
+    out["samples"] = samples
+    return out
 
 
 def _host_sample(
@@ -464,42 +527,56 @@ def closest_to_balance(results: list[JsonDict]) -> SliceConfig | None:
 
 
 def _table(results: list[JsonDict]) -> str:
+    """One line per row and one per overlapped variant; ``sprd%``: the largest spread
+    ((max - min) / min of the timed steps) of the line's step times."""
     head = (
         f"{'H':>5} {'F':>5} {'T':>5} {'N':>2} {'variant':>8} {'serial':>8} {'overlap':>8} "
         f"{'comp':>8} {'comm':>8} {'bound':>8} {'eff':>5} {'effC':>5} {'c:c':>5} {'spdup':>5} "
-        f"{'ov/max':>6}"
+        f"{'ov/max':>6} {'sprd%':>5}"
     )
     lines = [head]
+    labels = {
+        "fill_drain": "filldr",
+        "graphs_overlapped": "gr-ov",
+        "graphs_fill_drain": "gr-fd",
+        "high_priority_comm": "hi-prio",
+        "delay_wgrad_compute": "dwgrad",
+    }
     for r in results:
         c = r["config"]
         m = r["step_ms"]
+        sp = cast("dict[str, float]", r.get("step_ms_spread", {}))
         assert isinstance(c, dict)
         assert isinstance(m, dict)
         key = f"{c['hidden']:>5} {c['ffn']:>5} {c['tokens']:>5} {r['microbatches']:>2}"
+        sprd = f"{100 * max(sp.values()):5.1f}" if sp else f"{'-':>5}"
         lines.append(
             f"{key} {'-':>8} {m['serial']:8.1f} "
             f"{m['overlapped']:8.1f} {m['compute_only']:8.1f} {m['comm_only']:8.1f} "
             f"{r['bound_ms']:8.1f} {r['efficiency']:5.2f} {r['efficiency_contended']:5.2f} "
-            f"{r['comm_to_compute']:5.2f} {r['speedup']:5.2f} {r['overlapped_over_max']:6.2f}"
+            f"{r['comm_to_compute']:5.2f} {r['speedup']:5.2f} {r['overlapped_over_max']:6.2f} "
+            f"{sprd}"
         )
-        variants = cast("dict[str, dict[str, object]]", r.get("variants", {}))
+        graphs = cast("dict[str, dict[str, object]]", r.get("graphs", {}))
         fill = cast("dict[str, object] | None", r.get("fill_drain"))
-        variants = {**({"fill_drain": fill} if fill is not None else {}), **variants}
+        variants = {
+            **({"fill_drain": fill} if fill is not None else {}),
+            **{f"graphs_{k}": v for k, v in graphs.items()},
+            **cast("dict[str, dict[str, object]]", r.get("variants", {})),
+        }
         for name, v in variants.items():
-            label = {
-                "high_priority_comm": "hi-prio",
-                "delay_wgrad_compute": "dwgrad",
-                "fill_drain": "filldr",
-            }[name]
+            label = labels[name]
             eff_c = v.get("efficiency_contended")
             eff_c_s = f"{eff_c:5.2f}" if isinstance(eff_c, float) else f"{'-':>5}"
+            v_sp = v.get("spread")
+            v_sp_s = f"{100 * v_sp:5.1f}" if isinstance(v_sp, float) else f"{'-':>5}"
             ov, bnd, eff = v["overlapped_ms"], v["bound_ms"], v["efficiency"]
             spd, ovm = v["speedup"], v["overlapped_over_max"]
             for x in (ov, bnd, eff, spd, ovm):
                 assert isinstance(x, float)
             lines.append(
                 f"{key} {label:>8} {'':>8} {ov:8.1f} {'':>8} {'':>8} "
-                f"{bnd:8.1f} {eff:5.2f} {eff_c_s} {'':>5} {spd:5.2f} {ovm:6.2f}"
+                f"{bnd:8.1f} {eff:5.2f} {eff_c_s} {'':>5} {spd:5.2f} {ovm:6.2f} {v_sp_s}"
             )
     return "\n".join(lines)
 
@@ -525,11 +602,33 @@ def write_sweep_png(results: list[JsonDict], path: Path) -> None:
     plt.close(fig)
 
 
+#: The method's floor for a figure that is reported: warm-up rounds and timed rounds per row
+#: (``readme_table.py`` refuses results below it). The first row of a process warms more.
+MIN_WARMUP, MIN_ITERS, FIRST_WARMUP = 2, 5, 4
+
+
+def predict_row_s(results: list[JsonDict], microbatches: int, base_microbatches: int) -> float:
+    """Seconds a row of ``microbatches`` should take: the median wall time of the rows so
+    far other than the first (which also draws the timeline, memory and host time), scaled
+    by the microbatch count; 0 before any such row."""
+    walls = [
+        float(str(r["wall_s"])) * base_microbatches / float(str(r["microbatches"]))
+        for r in results[1:]
+    ]
+    return median(walls) * microbatches / base_microbatches if walls else 0.0
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke run)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help="default: benchmarks/results (a --tiny run: a temporary folder, so that a smoke "
+        "run never overwrites the device results the README is generated from)",
+    )
     p.add_argument("--microbatches", type=int, default=4, help="per step, for the sweep")
     p.add_argument(
         "--more-microbatches",
@@ -538,8 +637,24 @@ def main(argv: list[str] | None = None) -> None:
         default=[8],
         help="also run these counts at the main and the comm~compute configuration",
     )
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--iters", type=int, default=3)
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help=f"untimed rounds of every variant per row (default {MIN_WARMUP}; --tiny: 1)",
+    )
+    p.add_argument(
+        "--first-warmup",
+        type=int,
+        default=None,
+        help=f"the same for the process's first row (default {FIRST_WARMUP}; --tiny: 1)",
+    )
+    p.add_argument(
+        "--iters",
+        type=int,
+        default=None,
+        help=f"timed rounds per row, variants interleaved (default {MIN_ITERS}; --tiny: 2)",
+    )
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--ffn", type=int, default=2048)
     p.add_argument("--tokens", type=int, default=4096)
@@ -550,9 +665,18 @@ def main(argv: list[str] | None = None) -> None:
         "--budget-s",
         type=float,
         default=math.inf,
-        help="skip the remaining configurations once this many seconds have passed",
+        help="skip a configuration when the seconds used so far plus its predicted time "
+        "(from the rows already run) would pass this",
     )
     args = p.parse_args(argv)
+    if args.warmup is None:
+        args.warmup = 1 if args.tiny else MIN_WARMUP
+    if args.first_warmup is None:
+        args.first_warmup = max(args.warmup, 1 if args.tiny else FIRST_WARMUP)
+    if args.iters is None:
+        args.iters = 2 if args.tiny else MIN_ITERS
+    if args.out is None:
+        args.out = Path("/tmp/bench_overlap_tiny") if args.tiny else Path("benchmarks/results")
     args.out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     env: JsonDict = {
@@ -562,7 +686,13 @@ def main(argv: list[str] | None = None) -> None:
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
         "argv": sys.argv,
         "warmup": args.warmup,
+        "first_warmup": args.first_warmup,
         "iters": args.iters,
+        "method": (
+            "per row: warm-up rounds then timed rounds, each round runs every variant once "
+            "(order rotated by one per round), each step synchronized and timed alone; "
+            "figure = median, spread = (max - min) / min"
+        ),
     }
     print(json.dumps(env), flush=True)
     results: list[JsonDict] = []
@@ -570,18 +700,33 @@ def main(argv: list[str] | None = None) -> None:
 
     def run(cfg: SliceConfig, n: int, *, main: bool = False) -> None:
         label = f"H={cfg.hidden} F={cfg.ffn} T={cfg.tokens} N={n}"
-        if time.perf_counter() - t_start > args.budget_s:
+        used = time.perf_counter() - t_start
+        predicted = predict_row_s(results, n, args.microbatches)
+        if used + predicted > args.budget_s:
             skipped.append(label)
-            print(f"skipped (time budget): {label}", flush=True)
+            print(
+                f"skipped (time budget): {label}: {used:.0f} s used + {predicted:.0f} s "
+                f"predicted > --budget-s {args.budget_s:.0f}",
+                flush=True,
+            )
             return
         t0 = time.perf_counter()
         try:
-            r = measure(cfg, args, microbatches=n, main=main, out=args.out)
+            r = measure(cfg, args, microbatches=n, main=main, first=not results, out=args.out)
         except torch.OutOfMemoryError as exc:  # keep the rest of the sweep
             print(f"OOM for {label}: {exc}", flush=True)
             return
         r["wall_s"] = time.perf_counter() - t0
+        r["predicted_s"] = predicted
         print(json.dumps(r), flush=True)
+        print(
+            f"{label}: {r['wall_s']:.1f} s (predicted {predicted:.1f}); spread of "
+            + ", ".join(
+                f"{k} {100 * v:.1f}%"
+                for k, v in cast("dict[str, float]", r["step_ms_spread"]).items()
+            ),
+            flush=True,
+        )
         r["slice_config"] = cfg
         results.append(r)
         if args.device == "cuda":
@@ -600,25 +745,7 @@ def main(argv: list[str] | None = None) -> None:
             run(cfg, n)
     for cfg in shape_sweep(args):
         run(cfg, args.microbatches)
-    # Host cost where the GPU never holds the host back: sizes so small that issuing is
-    # slower than running.
-    small = SliceConfig(hidden=256, ffn=128, tokens=256, head_dim=64)
-    sb = make_bench(small, args, args.microbatches)
-    time_ms(sb, lambda: step(sb, overlap=True))
-    host_small: JsonDict = {"config": _config_json(small, sb.model.embed_scale.dtype)}
-    host_small.update(host_time(sb))
-    host_small["graphs"] = host_time(sb, graphs=True)
-    steps: dict[str, Callable[[], None]] = {
-        "overlapped_ms": lambda: step(sb, overlap=True),
-        "fill_drain_ms": lambda: step(sb, overlap=True, fill_drain=True),
-    }
-    for name, fn in steps.items():
-        host_small[name] = median(time_ms(sb, fn))
-        sb.model.set_graphs(True)
-        for _ in range(3):
-            fn()
-        host_small[f"graphs_{name}"] = median(time_ms(sb, fn))
-        sb.model.set_graphs(False)
+    host_small = _host_small(args)
     print(json.dumps({"host_small": host_small}), flush=True)
     env["wall_s"] = time.perf_counter() - t_start
     _save(args.out, env, results, skipped, host_small)
@@ -630,6 +757,26 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
     print(f"skipped: {skipped}; wall {env['wall_s']:.1f} s", flush=True)
+
+
+def _host_small(args: argparse.Namespace) -> JsonDict:
+    """Host cost where the GPU never holds the host back: sizes so small that issuing is
+    slower than running; step times of the overlapped and fill/drain steps, eager and
+    graphed, interleaved."""
+    small = SliceConfig(hidden=256, ffn=128, tokens=256, head_dim=64)
+    sb = make_bench(small, args, args.microbatches)
+    out: JsonDict = {"config": _config_json(small, sb.model.embed_scale.dtype)}
+    out.update(host_time(sb))
+    out["graphs"] = host_time(sb, graphs=True)
+    _capture_graphs(sb)
+    fns = row_variants(sb, main=False)
+    names = ("overlapped", "fill_drain", "graphs_overlapped", "graphs_fill_drain")
+    t = time_interleaved(sb, {k: fns[k] for k in names})
+    for k in names:
+        out[f"{k}_ms"] = median(t[k])
+        out[f"{k}_samples"] = t[k]
+        out[f"{k}_spread"] = spread(t[k])
+    return out
 
 
 def _save(

@@ -13,19 +13,19 @@ from __future__ import annotations
 import copy
 import functools
 from collections.abc import Sequence
+from typing import cast
 
 import pytest
 import torch
 from torch import Tensor, nn
 
 from moe_overlap import ConfigError, Microbatch, combined_1f1b
-from moe_overlap.adapters.torchtitan import TorchtitanMoEAdapter
-from tests.adapters._titan import build, causal_stand_in
+from moe_overlap.adapters.torchtitan import LossFn, TorchtitanMoEAdapter
+from tests.adapters._titan import batch, build, causal_stand_in
 from tests.adapters.test_torchtitan import (
     as_microbatch,
     assert_bit_identical,
     assert_matches_torchtitan,
-    batch,
     grads,
     in_float64,
     moe_buffers,
@@ -122,12 +122,14 @@ def test_mtp_loss_fn_takes_every_depth_and_the_positions() -> None:
     seen: list[tuple[int, bool]] = []
 
     def loss_fn(preds: list[Tensor], labels: Tensor, *, positions: Tensor) -> Tensor:
+        assert mb.position_ids is not None
         seen.append((len(preds), torch.equal(positions, mb.position_ids)))
-        return sum(p.float().mean() for p in preds) + 0 * labels.sum()  # type: ignore[return-value]
+        total = torch.stack([p.float().mean() for p in preds]).sum()
+        return total + 0 * labels.sum()
 
-    adapter = TorchtitanMoEAdapter(model, loss_fn=loss_fn, self_check=False)  # type: ignore[arg-type]
+    adapter = TorchtitanMoEAdapter(model, loss_fn=cast("LossFn", loss_fn), self_check=False)
     assert mb.input_ids is not None
-    adapter.forward(mb.input_ids, mb.position_ids, labels=mb.labels).backward()
+    torch.autograd.backward(adapter.forward(mb.input_ids, mb.position_ids, labels=mb.labels))
     assert seen == [(1 + DEPTHS, True)]
     with torch.no_grad():
         logits = adapter.forward(mb.input_ids, mb.position_ids)
@@ -137,8 +139,9 @@ def test_mtp_loss_fn_takes_every_depth_and_the_positions() -> None:
 
 def test_mtp_refused_in_a_pipeline_stage() -> None:
     model = mtp_model()
-    model.lm_head = None  # what torchtitan's split leaves on an earlier stage
-    model.norm = None
+    # What torchtitan's split leaves on an earlier stage.
+    setattr(model, "lm_head", None)  # noqa: B010 - a module attribute set to None
+    setattr(model, "norm", None)  # noqa: B010
     with pytest.raises(
         ConfigError,
         match=r"mtp_layers: expected multi-token-prediction layers only in a whole model",
