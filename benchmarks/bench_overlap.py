@@ -129,7 +129,12 @@ def time_ms(b: Bench, fn: Callable[[], object]) -> list[float]:
 
 
 def step(
-    b: Bench, *, overlap: bool, options: ScheduleOptions | None = None, fill_drain: bool = False
+    b: Bench,
+    *,
+    overlap: bool,
+    options: ScheduleOptions | None = None,
+    fill_drain: bool = False,
+    on_plan: NodeRecorder | None = None,
 ) -> None:
     combined_1f1b(
         b.model,
@@ -138,6 +143,7 @@ def step(
         streams=b.pair if overlap else b.serial,
         options=options if options is not None else ScheduleOptions(),
         fill_drain=fill_drain,
+        on_plan=on_plan,
     )
 
 
@@ -168,14 +174,7 @@ def _recorded(
     try:
         _sync(b.device)
         rec.start()
-        combined_1f1b(
-            b.model,
-            b.mbs,
-            overlap=overlap,
-            streams=b.pair if overlap else b.serial,
-            options=options if options is not None else ScheduleOptions(),
-            on_plan=rec,
-        )
+        step(b, overlap=overlap, options=options, on_plan=rec)
         _sync(b.device)
     finally:
         b.model.set_graphs(False)

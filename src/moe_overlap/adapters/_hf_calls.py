@@ -391,7 +391,9 @@ def router_flag(
 
 
 @contextlib.contextmanager
-def swap_child(parent: nn.Module, name: str, stand_in: nn.Module) -> Generator[None, None, None]:
+def swap_child(
+    parent: nn.Module, name: str, stand_in: nn.Module | None
+) -> Generator[None, None, None]:
     """``parent.name`` is ``stand_in`` inside the block (restored after, even on error)."""
     modules = parent._modules  # pyright: ignore[reportPrivateUsage]
     original = modules[name]

@@ -31,8 +31,7 @@ block's own forward and backward at construction and refuses a block it does not
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Generator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol, TypeVar, cast
 
@@ -40,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from moe_overlap import CudaGraphModule, IntegrationError, WgradLayer, WgradScope
+from moe_overlap.adapters._hf_calls import swap_child as swap
 from moe_overlap.adapters._hf_experts import DelayedLinear, WgradGroup
 from moe_overlap.adapters._tt_imports import titan
 from moe_overlap.adapters._tt_recompute import TitanCheckpoint
@@ -79,18 +79,6 @@ _R = TypeVar("_R")
 _REST = "moe_overlap.titan.rest"
 _ROUTED = "moe_overlap.titan.routed"
 _DISPATCHED = "moe_overlap.titan.dispatched"
-
-
-@contextmanager
-def swap(parent: nn.Module, name: str, stand_in: nn.Module | None) -> Generator[None, None, None]:
-    """``parent.name`` is ``stand_in`` inside the block (restored after, even on error)."""
-    modules = parent._modules  # pyright: ignore[reportPrivateUsage]
-    original = modules[name]
-    modules[name] = stand_in
-    try:
-        yield
-    finally:
-        modules[name] = original
 
 
 class _Keep(nn.Module):

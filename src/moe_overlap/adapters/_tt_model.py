@@ -275,7 +275,6 @@ class TorchtitanMoEAdapter(MegatronHooks):
             )
         self._masks = _uses_masks(model)
         self._shared = _shared_with_embedding(model)
-        self._post_stash: _Stash | None = None
         self._stashes: dict[int, _Stash] = {}
         self._calls: dict[int, BlockCall] = {}
         self._check_bypassed()
@@ -553,30 +552,19 @@ class TorchtitanMoEAdapter(MegatronHooks):
         loss_mask: Tensor | None = None,
         **kwargs: object,
     ) -> Tensor:
-        """:meth:`output`; with multi-token-prediction layers, :meth:`mtp_output`."""
+        """:meth:`output`, or with multi-token-prediction layers :meth:`_mtp_output`; the
+        embedding's parameters they use send their gradient to the microbatch's stash."""
         del args, kwargs  # Megatron's other arguments: the rotary tables, unused here
         stash = self._stashes.get(id(input_ids)) if input_ids is not None else None
         if not _mtp_depth(self.model):
-            self._post_stash = stash
-            try:
-                return self.output(hidden_states, labels, loss_mask)
-            finally:
-                self._post_stash = None
-        if loss_mask is not None:
-            raise ConfigError(
-                "TorchtitanMoEAdapter: torchtitan models take no loss_mask; expected None "
-                "(set ignored label positions to -100), received a tensor"
-            )
+            return self._output(hidden_states, labels, loss_mask, stash)
+        _refuse_loss_mask(loss_mask)
         if input_ids is None:
             raise IntegrationError(
                 f"TorchtitanMoEAdapter: {type(self.model).__name__}.mtp_layers: expected the "
                 "microbatch's token ids (the MTP layers embed them shifted), received None"
             )
-        self._post_stash = stash
-        try:
-            return self.mtp_output(hidden_states, input_ids, position_ids, labels)
-        finally:
-            self._post_stash = None
+        return self._mtp_output(hidden_states, input_ids, position_ids, labels, stash)
 
     def _stash_for(self, input_ids: Tensor) -> _Stash:
         """A new :class:`_Stash` for the microbatch of ``input_ids`` (found again by
@@ -586,12 +574,13 @@ class TorchtitanMoEAdapter(MegatronHooks):
         weakref.finalize(input_ids, self._stashes.pop, key, None)
         return stash
 
-    def mtp_output(
+    def _mtp_output(
         self,
         hidden_states: Tensor,
         input_ids: Tensor,
         position_ids: Tensor | None,
         labels: Tensor | None,
+        stash: _Stash | None,
     ) -> Tensor:
         """The model's own forward after its blocks (final norm, each MTP layer on the
         shifted token embeddings, the LM head on every depth), its blocks stood in for by
@@ -606,7 +595,7 @@ class TorchtitanMoEAdapter(MegatronHooks):
                 model,
                 self._shared,
                 _hand,
-                self._post_stash,
+                stash,
                 input_ids,
                 position_ids,
                 call.attention_masks,
@@ -636,20 +625,25 @@ class TorchtitanMoEAdapter(MegatronHooks):
     ) -> Tensor:
         """The model's own final norm and LM head (its ``forward`` with no embedding and no
         blocks); the loss with ``labels``, else the logits."""
+        return self._output(hidden_states, labels, loss_mask, None)
+
+    def _output(
+        self,
+        hidden_states: Tensor,
+        labels: Tensor | None,
+        loss_mask: Tensor | None,
+        stash: _Stash | None,
+    ) -> Tensor:
         if not self.post_process:
             raise IntegrationError(
                 f"TorchtitanMoEAdapter: {type(self.model).__name__}: only the last pipeline "
                 "stage (the one holding norm and lm_head) has an output; this stage hands its "
                 "hidden states on"
             )
-        if loss_mask is not None:
-            raise ConfigError(
-                "TorchtitanMoEAdapter: torchtitan models take no loss_mask; expected None "
-                "(set ignored label positions to -100), received a tensor"
-            )
+        _refuse_loss_mask(loss_mask)
         model = self.model
         with swap(model, "tok_embeddings", None), swap(model, "layers", nn.ModuleDict()):
-            logits = _call_with(model, self._shared, _hand, self._post_stash, hidden_states)
+            logits = _call_with(model, self._shared, _hand, stash, hidden_states)
         if not isinstance(logits, Tensor):
             raise IntegrationError(
                 f"TorchtitanMoEAdapter: {type(model).__name__}.forward: expected the logits, "
@@ -754,6 +748,14 @@ def _shared_with_embedding(model: nn.Module) -> frozenset[int]:
     return frozenset(
         id(p) for m in post if isinstance(m, nn.Module) for p in m.parameters() if id(p) in ids
     )
+
+
+def _refuse_loss_mask(loss_mask: Tensor | None) -> None:
+    if loss_mask is not None:
+        raise ConfigError(
+            "TorchtitanMoEAdapter: torchtitan models take no loss_mask; expected None "
+            "(set ignored label positions to -100), received a tensor"
+        )
 
 
 def _loss_tensor(out: object) -> Tensor:
