@@ -6,8 +6,9 @@ on the stream it runs on. The start is recorded after the node's wait on its mic
 event, so a duration is the node's own work, not its wait.
 
 :func:`critical_path_ms` replays the schedule's step lists (:func:`moe_overlap.steps.chunk_steps`)
-with those durations: a step starts when its stream is free and the previous step of its
-microbatch has finished; the bound is the sum of each chunk run's makespan (a run ends with
+with those durations (:func:`moe_overlap.steps.makespan`): a step starts when its stream is
+free and the previous step of its microbatch has finished (a delayed weight-gradient step
+waits on its stream only); the bound is the sum of each chunk run's makespan (a run ends with
 both microbatches joined to the compute stream, so runs do not overlap).
 """
 
@@ -29,11 +30,13 @@ from moe_overlap.steps import (
     Direction,
     Role,
     Slot,
+    SlotKey,
     Step,
     StreamKind,
     backward_pair_steps,
     chunk_steps,
     forward_pair_steps,
+    makespan,
 )
 
 __all__ = [
@@ -46,6 +49,7 @@ __all__ = [
     "overlapped_runs",
     "pyplot",
     "run_steps",
+    "slot_durations",
     "write_chrome_trace",
     "write_gantt_png",
 ]
@@ -238,23 +242,27 @@ def critical_path_ms(
     shapes: dict[int, ChunkShape],
     durations: dict[NodeKey, float],
 ) -> float:
-    """Sum over chunk runs of the makespan of the run's steps with the given durations."""
+    """Sum over chunk runs of the makespan (:func:`moe_overlap.steps.makespan`) of the
+    run's steps with the given durations."""
     total = 0.0
     for run in runs:
-        free = {StreamKind.COMP: 0.0, StreamKind.COMM: 0.0}
-        ready = dict.fromkeys(Role, 0.0)
         which = {Role.F: run.f, Role.B: run.b, Role.F2: run.f2, Role.B2: run.b2}
-        for step in run_steps(run, shapes):
-            if step.stream is StreamKind.HOST:
-                continue
+
+        def duration(step: Step, which: dict[Role, int | None] = which) -> float:
             mb = which[step.role]
             assert mb is not None
-            d = durations.get(NodeKey(mb, step.layer, step.slot, step.direction), 0.0)
-            end = max(free[step.stream], ready[step.role]) + d
-            free[step.stream] = end
-            ready[step.role] = end
-        total += max(free.values())
+            return durations.get(NodeKey(mb, step.layer, step.slot, step.direction), 0.0)
+
+        total += makespan(run_steps(run, shapes), duration)
     return total
+
+
+def slot_durations(durations: dict[NodeKey, float]) -> dict[SlotKey, float]:
+    """Mean duration of each ``(layer, slot, direction)`` over the microbatches."""
+    sums: dict[SlotKey, list[float]] = {}
+    for key, ms in durations.items():
+        sums.setdefault((key.layer, key.slot, key.direction), []).append(ms)
+    return {k: sum(v) / len(v) for k, v in sums.items()}
 
 
 def write_chrome_trace(spans: Sequence[NodeSpan], path: Path, *, title: str) -> None:

@@ -10,9 +10,15 @@ from moe_overlap.engine import Direction as Direction
 from moe_overlap.engine import LayerShape as LayerShape
 from moe_overlap.engine import MacroStep as MacroStep
 from moe_overlap.engine import NodeTimer as NodeTimer
+from moe_overlap.engine import OrderSearch as OrderSearch
+from moe_overlap.engine import PairKind as PairKind
+from moe_overlap.engine import PairOrder as PairOrder
 from moe_overlap.engine import Role as Role
 from moe_overlap.engine import ScheduleMode as ScheduleMode
+from moe_overlap.engine import ScheduleOrder as ScheduleOrder
 from moe_overlap.engine import Slot as Slot
+from moe_overlap.engine import SlotKey as SlotKey
+from moe_overlap.engine import SlotStep as SlotStep
 from moe_overlap.engine import Step as Step
 from moe_overlap.engine import StepObserver as StepObserver
 from moe_overlap.engine import StreamKind as StreamKind
@@ -22,9 +28,13 @@ from moe_overlap.engine import format_macro as format_macro
 from moe_overlap.engine import format_steps as format_steps
 from moe_overlap.engine import forward_pair_steps as forward_pair_steps
 from moe_overlap.engine import layer_pair_steps as layer_pair_steps
+from moe_overlap.engine import macro_run_steps as macro_run_steps
 from moe_overlap.engine import macro_steps as macro_steps
+from moe_overlap.engine import makespan as makespan
 from moe_overlap.engine import parse_macro as parse_macro
+from moe_overlap.engine import predict_ms as predict_ms
 from moe_overlap.engine import run_pair as run_pair
+from moe_overlap.engine import search_order as search_order
 
 __all__ = [
     "ChunkHooks",
@@ -33,9 +43,15 @@ __all__ = [
     "LayerShape",
     "MacroStep",
     "NodeTimer",
+    "OrderSearch",
+    "PairKind",
+    "PairOrder",
     "Role",
     "ScheduleMode",
+    "ScheduleOrder",
     "Slot",
+    "SlotKey",
+    "SlotStep",
     "Step",
     "StepObserver",
     "StreamKind",
@@ -45,7 +61,11 @@ __all__ = [
     "format_steps",
     "forward_pair_steps",
     "layer_pair_steps",
+    "macro_run_steps",
     "macro_steps",
+    "makespan",
     "parse_macro",
+    "predict_ms",
     "run_pair",
+    "search_order",
 ]

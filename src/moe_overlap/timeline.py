@@ -21,7 +21,7 @@ from typing import Protocol, cast
 
 import torch
 
-from moe_overlap.steps import Direction, NodeTimer, Role, Slot, Step, StreamKind
+from moe_overlap.steps import Direction, NodeTimer, Role, Slot, SlotKey, Step, StreamKind
 from moe_overlap.streams import CpuStream
 
 __all__ = ["Span", "Timeline"]
@@ -171,6 +171,18 @@ class Timeline:
             )
             for r in self._records
         ]
+
+    def slot_durations(self) -> dict[SlotKey, float]:
+        """Mean milliseconds of each ``(layer, slot, direction)`` over the recorded
+        microbatches: what :func:`~moe_overlap.steps.search_order` and
+        :func:`~moe_overlap.steps.predict_ms` take (record a serial step for durations
+        without overlap)."""
+        sums: dict[SlotKey, list[float]] = {}
+        for s in self.spans():
+            if s.direction is Direction.HOOK:
+                continue
+            sums.setdefault((s.layer, s.slot, s.direction), []).append(s.duration_ms)
+        return {key: sum(v) / len(v) for key, v in sums.items()}
 
     def _device_ms(self, mark: _Mark) -> float:
         if isinstance(mark, torch.cuda.Event):

@@ -63,6 +63,16 @@ from moe_overlap.engine._node import weak_method as weak_method
 from moe_overlap.engine._options import ChunkHooks as ChunkHooks
 from moe_overlap.engine._options import Hook as Hook
 from moe_overlap.engine._options import ScheduleOptions as ScheduleOptions
+from moe_overlap.engine._order import PairKind as PairKind
+from moe_overlap.engine._order import PairOrder as PairOrder
+from moe_overlap.engine._order import ScheduleOrder as ScheduleOrder
+from moe_overlap.engine._order import SlotStep as SlotStep
+from moe_overlap.engine._order_search import OrderSearch as OrderSearch
+from moe_overlap.engine._order_search import SlotKey as SlotKey
+from moe_overlap.engine._order_search import macro_run_steps as macro_run_steps
+from moe_overlap.engine._order_search import makespan as makespan
+from moe_overlap.engine._order_search import predict_ms as predict_ms
+from moe_overlap.engine._order_search import search_order as search_order
 from moe_overlap.engine._owed_wgrad import check_wgrad_done as check_wgrad_done
 from moe_overlap.engine._owed_wgrad import owed_wgrad as owed_wgrad
 from moe_overlap.engine._owed_wgrad import pending_count as pending_count
@@ -152,6 +162,9 @@ __all__ = [
     "NodeStateError",
     "NodeTimer",
     "NoopScheduleNode",
+    "OrderSearch",
+    "PairKind",
+    "PairOrder",
     "PendingWgrad",
     "PlanReleasedError",
     "PostProcessNode",
@@ -164,9 +177,12 @@ __all__ = [
     "ScheduleMode",
     "ScheduleNode",
     "ScheduleOptions",
+    "ScheduleOrder",
     "Slot",
     "SlotContext",
     "SlotFn",
+    "SlotKey",
+    "SlotStep",
     "Step",
     "StepObserver",
     "StreamError",
@@ -196,15 +212,19 @@ __all__ = [
     "hold_for_recompute",
     "layer_args",
     "layer_pair_steps",
+    "macro_run_steps",
     "macro_steps",
     "make_event",
     "make_streams",
+    "makespan",
     "owed_wgrad",
     "parse_macro",
     "pending_count",
+    "predict_ms",
     "read_inputs",
     "reset_streams",
     "run_pair",
+    "search_order",
     "set_streams",
     "should_free_input",
     "weak_method",

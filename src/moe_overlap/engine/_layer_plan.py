@@ -96,6 +96,7 @@ class TransformerLayerSchedulePlan:
             delay_wgrad=delay,
             has_mtp_post=is_mtp,
             early_attn_release=options.ep_overlap_early_attn_memory_release,
+            order=options.order,
         )
 
         def node(

@@ -7,7 +7,11 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from .args import BOOL, CALLABLE, Opt, Spec, check_fields
+from ._errors import ConfigError
+from ._order import ScheduleOrder
+from .args import BOOL, CALLABLE, Instance, Opt, Spec, check_fields
+
+_MEGATRON_ORDER = ScheduleOrder()
 
 __all__ = [
     "ChunkHooks",
@@ -35,20 +39,34 @@ class ScheduleOptions:
             price of less overlap.
         free_input: apply the free-input policy (:func:`~moe_overlap.should_free_input`);
             off keeps every input, for comparing peak memory.
+        order: the order of the paired runs' steps (:class:`~moe_overlap.steps.ScheduleOrder`;
+            the default is Megatron-Core's). Every order it accepts gives the same bits;
+            :func:`~moe_overlap.steps.search_order` picks one from measured durations.
     """
 
     delay_wgrad_compute: bool | None = None
     ep_overlap_early_attn_memory_release: bool = False
     free_input: bool = True
+    order: ScheduleOrder = _MEGATRON_ORDER
 
     def __post_init__(self) -> None:
         check_fields(self, _OPTIONS)
+        mixed = self.order.mixed
+        early = self.ep_overlap_early_attn_memory_release
+        if early and mixed is not None and not mixed.releases_attention_early():
+            raise ConfigError(
+                "ScheduleOptions: expected with ep_overlap_early_attn_memory_release=True "
+                "an order.mixed running b.pre_dispatch.B before f.mlp.F (what early "
+                "release means), received one running it after; move that step, or "
+                "leave early release off"
+            )
 
 
 _OPTIONS: dict[str, Spec[object]] = {
     "delay_wgrad_compute": Opt(BOOL),
     "ep_overlap_early_attn_memory_release": BOOL,
     "free_input": BOOL,
+    "order": Instance(ScheduleOrder, "a ScheduleOrder (moe_overlap.steps.ScheduleOrder)"),
 }
 
 

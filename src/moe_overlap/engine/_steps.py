@@ -9,13 +9,14 @@ without running a tensor.
 A step prints as ``b.L3.combine.B@comm`` and :meth:`Step.parse` reads that back.
 """
 
-import enum
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, cast
 
 from ._errors import ConfigError
+from ._kinds import Direction, Role, Slot, StreamKind
+from ._order import PairKind, PairOrder, ScheduleOrder, SlotStep
 from .args import refuse
 
 __all__ = [
@@ -32,66 +33,6 @@ __all__ = [
     "forward_pair_steps",
     "layer_pair_steps",
 ]
-
-
-class Role(str, enum.Enum):
-    """Which microbatch of an overlapped pair a step belongs to."""
-
-    F = "f"
-    """The microbatch running forward."""
-    B = "b"
-    """The microbatch running backward."""
-    F2 = "g"
-    """The second microbatch running forward, in a pair of forwards (the fill)."""
-    B2 = "c"
-    """The second microbatch running backward, in a pair of backwards (the drain)."""
-
-
-class Direction(str, enum.Enum):
-    """Forward, backward (activation grads) or delayed weight-gradient work."""
-
-    FORWARD = "F"
-    BACKWARD = "B"
-    WGRAD = "W"
-    HOOK = "H"
-
-
-class Slot(str, enum.Enum):
-    """The pieces a chunk is cut into."""
-
-    PRE_PROCESS = "pre_process"
-    PRE_DISPATCH = "pre_dispatch"
-    DISPATCH = "dispatch"
-    MLP = "mlp"
-    COMBINE = "combine"
-    MTP_POST = "mtp_post"
-    POST_PROCESS = "post_process"
-    PRE_FORWARD = "pre_forward"
-    PRE_BACKWARD = "pre_backward"
-    POST_FORWARD = "post_forward"
-    POST_BACKWARD = "post_backward"
-
-    @property
-    def node_name(self) -> str:
-        """The Megatron-Core node name (what :func:`~moe_overlap.should_free_input` takes)."""
-        return _NODE_NAMES.get(self, self.value)
-
-
-_NODE_NAMES = {
-    Slot.PRE_DISPATCH: "pre_dispatch_computation",
-    Slot.DISPATCH: "moe_dispatch",
-    Slot.COMBINE: "moe_combine",
-    Slot.MTP_POST: "mtp_post_process",
-}
-
-
-class StreamKind(str, enum.Enum):
-    """The stream a step runs on."""
-
-    COMP = "comp"
-    COMM = "comm"
-    HOST = "host"
-    """Hooks: host code between nodes, on no particular stream."""
 
 
 _STEP_RE = re.compile(
@@ -149,6 +90,18 @@ class LayerShape:
     delay_wgrad: bool = False
     has_mtp_post: bool = False
     early_attn_release: bool = False
+    order: ScheduleOrder | None = None
+    """The paired runs' step orders (``None``: Megatron-Core's): ``ScheduleOptions.order``."""
+
+    def __post_init__(self) -> None:
+        if self.order is not None and self.early_attn_release:
+            mixed = self.order.mixed
+            if mixed is not None and not mixed.releases_attention_early():
+                raise ConfigError(
+                    f"LayerShape(index={self.index}): expected with early_attn_release a mixed "
+                    "order running b.pre_dispatch.B before f.mlp.F, received one running it "
+                    "after; move it, or leave early release off"
+                )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -195,31 +148,42 @@ def layer_pair_steps(
 
     ``b.combine.B | f.pre_dispatch.F | b.mlp.B | f.dispatch.F | b.mlp.W, b.dispatch.B |
     f.mlp.F | f.combine.F | b.pre_dispatch.B | f.mtp_post.F | b.pre_dispatch.W``; with
-    early attention-memory release ``b.pre_dispatch.B`` moves before ``f.mlp.F``. Dense
+    early attention-memory release ``b.pre_dispatch.B`` moves before ``f.mlp.F``; that is
+    Megatron-Core's order, the default: the shapes' ``order`` (``ScheduleOptions.order``,
+    its ``mixed`` field) can give another for a forward with a backward (a layer alone keeps
+    Megatron-Core's). Dense
     layers have no dispatch/combine steps (their nodes are no-ops); wgrad steps appear only
     when wgrad is delayed; the last backward layer's pre-dispatch wgrad is left to the chunk.
     """
-    F, B = Role.F, Role.B
+    early = b is not None and b.early_attn_release
+    if f is None or b is None:  # one microbatch alone: Megatron-Core's order, whatever given
+        order = PairOrder.megatron(PairKind.MIXED, early_attn_release=early)
+    else:
+        order = _order_of(PairKind.MIXED, (f, b), early_attn_release=early)
+    skip = {SlotStep(Role.B, Slot.PRE_DISPATCH, Direction.WGRAD)} if is_last_layer_in_bwd else set()
     out: list[Step] = []
     add = _adder(out)
-    early = b is not None and b.early_attn_release
-    add(B, b, Slot.MTP_POST, Direction.BACKWARD)
-    add(B, b, Slot.COMBINE, Direction.BACKWARD)
-    add(F, f, Slot.PRE_DISPATCH, Direction.FORWARD)
-    add(B, b, Slot.MLP, Direction.BACKWARD)
-    add(F, f, Slot.DISPATCH, Direction.FORWARD)
-    add(B, b, Slot.MLP, Direction.WGRAD)
-    add(B, b, Slot.DISPATCH, Direction.BACKWARD)
-    if early:
-        add(B, b, Slot.PRE_DISPATCH, Direction.BACKWARD)
-    add(F, f, Slot.MLP, Direction.FORWARD)
-    add(F, f, Slot.COMBINE, Direction.FORWARD)
-    if not early:
-        add(B, b, Slot.PRE_DISPATCH, Direction.BACKWARD)
-    add(F, f, Slot.MTP_POST, Direction.FORWARD)
-    if not is_last_layer_in_bwd:
-        add(B, b, Slot.PRE_DISPATCH, Direction.WGRAD)
+    layers = {Role.F: f, Role.B: b}
+    for t in order.steps:
+        if t not in skip:
+            add(t.role, layers[t.role], t.slot, t.direction)
     return out
+
+
+def _order_of(
+    kind: PairKind, shapes: Sequence[LayerShape | None], *, early_attn_release: bool = False
+) -> PairOrder:
+    """The order of ``kind`` the shapes were built with (they must agree)."""
+    given = [s for s in shapes if s is not None]
+    orders = {s.order for s in given}
+    if len(orders) > 1:
+        raise ConfigError(
+            f"{kind.name.lower()} run of layers {[s.index for s in given]}: expected plans built "
+            "with one ScheduleOptions.order, received different orders; build every plan of "
+            "a schedule with the same options"
+        )
+    order = next(iter(orders), None) or ScheduleOrder()
+    return order.of(kind, early_attn_release=early_attn_release)
 
 
 def _chunk_step(role: Role, slot: Slot, direction: Direction) -> Step:
@@ -297,26 +261,21 @@ def forward_pair_steps(a: ChunkShape, c: ChunkShape) -> list[Step]:
         f.pre_dispatch | f.dispatch@comm | g.pre_dispatch | f.mlp | g.dispatch@comm |
         f.combine@comm | g.mlp | g.combine@comm
 
-    so each one's all-to-all runs under the other's compute. Pre-process of both first,
-    post-process of both last (``a`` then ``c``).
+    so each one's all-to-all runs under the other's compute (the default order; the shapes'
+    ``order.forwards`` can give another). Pre-process of both first, post-process of both
+    last (``a`` then ``c``).
     """
     _same_layers(a, c, "forward_pair_steps")
     A, C = Role.F, Role.F2
     out = [_chunk_step(A, Slot.PRE_PROCESS, Direction.FORWARD)]
     out.append(_chunk_step(C, Slot.PRE_PROCESS, Direction.FORWARD))
     add = _adder(out)
-    fwd = Direction.FORWARD
     for la, lc in zip(a.layers, c.layers, strict=True):
-        add(A, la, Slot.PRE_DISPATCH, fwd)
-        add(A, la, Slot.DISPATCH, fwd)
-        add(C, lc, Slot.PRE_DISPATCH, fwd)
-        add(A, la, Slot.MLP, fwd)
-        add(C, lc, Slot.DISPATCH, fwd)
-        add(A, la, Slot.COMBINE, fwd)
-        add(C, lc, Slot.MLP, fwd)
-        add(C, lc, Slot.COMBINE, fwd)
-        add(A, la, Slot.MTP_POST, fwd)
-        add(C, lc, Slot.MTP_POST, fwd)
+        order = _order_of(PairKind.FORWARDS, (la, lc))
+        layers = {A: la, C: lc}
+        for t in order.steps:
+            add(t.role, layers[t.role], t.slot, t.direction)
+    fwd = Direction.FORWARD
     for role, shape in ((A, a), (C, c)):
         if shape.has_post_process:
             out.append(_chunk_step(role, Slot.POST_PROCESS, fwd))
@@ -344,7 +303,7 @@ def backward_pair_steps(b1: ChunkShape, b2: ChunkShape) -> list[Step]:
         c.mlp.W | b.pre_dispatch | c.dispatch@comm | b.pre_dispatch.W | c.pre_dispatch |
         c.pre_dispatch.W
 
-    Every slot's backward and weight gradient of ``b1`` runs before ``b2``'s of the same
+    (the default order; the shapes' ``order.backwards`` can give another). Every slot's backward and weight gradient of ``b1`` runs before ``b2``'s of the same
     slot, so each parameter accumulates the two microbatches' contributions in their
     order, as plain ``backward()`` per microbatch does; and a slot's delayed weight
     gradient of ``b1`` is computed before ``b2``'s backward of that slot, so no layer owes
@@ -354,7 +313,7 @@ def backward_pair_steps(b1: ChunkShape, b2: ChunkShape) -> list[Step]:
     """
     _same_layers(b1, b2, "backward_pair_steps")
     P, Q = Role.B, Role.B2
-    bwd, wgrad = Direction.BACKWARD, Direction.WGRAD
+    bwd = Direction.BACKWARD
     out: list[Step] = []
     for role, shape in ((P, b1), (Q, b2)):
         if shape.has_post_process:
@@ -368,18 +327,10 @@ def backward_pair_steps(b1: ChunkShape, b2: ChunkShape) -> list[Step]:
                 for slot, direction in _ALONE_BACKWARD:
                     add(role, layer, slot, direction)
             continue
-        add(P, l1, Slot.COMBINE, bwd)
-        add(P, l1, Slot.MLP, bwd)
-        add(Q, l2, Slot.COMBINE, bwd)
-        add(P, l1, Slot.MLP, wgrad)
-        add(P, l1, Slot.DISPATCH, bwd)
-        add(Q, l2, Slot.MLP, bwd)
-        add(Q, l2, Slot.MLP, wgrad)
-        add(P, l1, Slot.PRE_DISPATCH, bwd)
-        add(Q, l2, Slot.DISPATCH, bwd)
-        add(P, l1, Slot.PRE_DISPATCH, wgrad)
-        add(Q, l2, Slot.PRE_DISPATCH, bwd)
-        add(Q, l2, Slot.PRE_DISPATCH, wgrad)
+        order = _order_of(PairKind.BACKWARDS, (l1, l2))
+        layers = {P: l1, Q: l2}
+        for t in order.steps:
+            add(t.role, layers[t.role], t.slot, t.direction)
     out.append(_chunk_step(P, Slot.PRE_PROCESS, bwd))
     out.append(_chunk_step(Q, Slot.PRE_PROCESS, bwd))
     return out

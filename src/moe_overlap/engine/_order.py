@@ -1,0 +1,359 @@
+"""The order of a paired run's steps, as data that can be chosen.
+
+Inside one overlapped run of a layer, two microbatches walk their own slots in their own
+order; only how the two walks interleave is free. Megatron-Core fixes one interleaving;
+here it is a :class:`PairOrder` — a template of :class:`SlotStep` s, one per slot step of
+a layer, that :func:`~moe_overlap.steps.layer_pair_steps`,
+:func:`~moe_overlap.steps.forward_pair_steps` and
+:func:`~moe_overlap.steps.backward_pair_steps` filter by what each layer has (a dense layer
+has no dispatch or combine, a layer without delayed wgrad no ``W`` steps). A
+:class:`ScheduleOrder` holds one for each kind of run (:class:`PairKind`) and goes into
+:class:`~moe_overlap.ScheduleOptions`; every field defaults to Megatron-Core's order.
+
+Every order a :class:`PairOrder` accepts gives the same losses and gradients, bit for bit
+(the rules are checked when one is built, :class:`~moe_overlap.ConfigError` otherwise):
+
+- each microbatch runs its own steps in its own order (the order of plain ``backward()``),
+  a delayed weight-gradient step (``W``) anywhere after the backward of its slot;
+- in a run of two forwards, the first microbatch's step of a slot comes before the
+  second's (forward side effects, a router's counts, add up in microbatch order);
+- in a run of two backwards, the first microbatch's backward and weight-gradient step of
+  a slot come before the second's backward of that slot: every parameter accumulates the
+  two microbatches' gradients in their order, and no layer owes two microbatches' weight
+  gradients at once.
+
+The orders only change when each step is issued, i.e. which waits on which; a
+:class:`PairOrder` prints as its steps, space-separated (``b.combine.B f.pre_dispatch.F
+...``), and :meth:`PairOrder.parse` / :meth:`ScheduleOrder.parse` read that back.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import json
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, cast
+
+from ._errors import ConfigError
+from ._kinds import Direction, Role, Slot
+from .args import refuse
+
+__all__ = ["PairKind", "PairOrder", "ScheduleOrder", "SlotStep"]
+
+
+class SlotStep(NamedTuple):
+    """One step of a layer's template: a role's slot in a direction (``b.mlp.W``)."""
+
+    role: Role
+    slot: Slot
+    direction: Direction
+
+    def __str__(self) -> str:
+        return f"{self.role.value}.{self.slot.value}.{self.direction.value}"
+
+    @classmethod
+    def parse(cls, text: str) -> SlotStep:
+        """Read a step back from its string form, e.g. ``f.dispatch.F``."""
+        if not isinstance(cast(object, text), str):
+            raise refuse("SlotStep.parse: text", "a step's string form 'role.slot.D'", text)
+        parts = text.strip().split(".")
+        try:
+            role, slot, direction = parts
+            return cls(Role(role), Slot(slot), Direction(direction))
+        except ValueError:
+            raise ConfigError(
+                f"SlotStep.parse: expected 'role.slot.D' (role one of f, b, g, c; slot one of "
+                f"{', '.join(s.value for s in _LAYER_SLOTS)}; D one of F, B, W), received "
+                f"{text!r}"
+            ) from None
+
+
+class PairKind(str, enum.Enum):
+    """Which two microbatches a paired run holds."""
+
+    MIXED = "f+b"
+    """One forward and one backward (combined 1F1B's steady state)."""
+    FORWARDS = "f+g"
+    """Two forwards (the fill)."""
+    BACKWARDS = "b+c"
+    """Two backwards (the drain)."""
+
+
+_LAYER_SLOTS = (Slot.PRE_DISPATCH, Slot.DISPATCH, Slot.MLP, Slot.COMBINE, Slot.MTP_POST)
+F, B, W = Direction.FORWARD, Direction.BACKWARD, Direction.WGRAD
+
+
+def _forward_chain(role: Role) -> tuple[SlotStep, ...]:
+    return tuple(
+        SlotStep(role, s, F)
+        for s in (Slot.PRE_DISPATCH, Slot.DISPATCH, Slot.MLP, Slot.COMBINE, Slot.MTP_POST)
+    )
+
+
+def _backward_chain(role: Role, *, mtp: bool) -> tuple[SlotStep, ...]:
+    slots = (Slot.COMBINE, Slot.MLP, Slot.DISPATCH, Slot.PRE_DISPATCH)
+    return tuple(SlotStep(role, s, B) for s in ((Slot.MTP_POST,) if mtp else ()) + slots)
+
+
+def _wgrads(role: Role) -> tuple[SlotStep, ...]:
+    return (SlotStep(role, Slot.MLP, W), SlotStep(role, Slot.PRE_DISPATCH, W))
+
+
+def _chains(kind: PairKind) -> tuple[tuple[SlotStep, ...], ...]:
+    """The ordered chains of a kind's template (each microbatch's steps, no ``W``)."""
+    if kind is PairKind.MIXED:
+        return (_forward_chain(Role.F), _backward_chain(Role.B, mtp=True))
+    if kind is PairKind.FORWARDS:
+        return (_forward_chain(Role.F), _forward_chain(Role.F2))
+    # Two backwards: an MTP layer runs its two microbatches one after the other, outside
+    # the template (backward_pair_steps), so the template has no mtp_post step.
+    return (_backward_chain(Role.B, mtp=False), _backward_chain(Role.B2, mtp=False))
+
+
+def _wgrad_steps(kind: PairKind) -> tuple[SlotStep, ...]:
+    if kind is PairKind.MIXED:
+        return _wgrads(Role.B)
+    if kind is PairKind.FORWARDS:
+        return ()
+    return (*_wgrads(Role.B), *_wgrads(Role.B2))
+
+
+def _before(kind: PairKind, steps: Iterable[SlotStep]) -> list[tuple[SlotStep, SlotStep]]:
+    """Every ``(a, b)`` with ``a`` required before ``b``, among ``steps``."""
+    have = set(steps)
+    rules: list[tuple[SlotStep, SlotStep]] = []
+    for chain in _chains(kind):
+        present = [s for s in chain if s in have]
+        rules += list(itertools.pairwise(present))
+    for w in _wgrad_steps(kind):
+        rules.append((SlotStep(w.role, w.slot, B), w))
+    if kind is PairKind.FORWARDS:
+        rules += [(a, c) for a, c in zip(*_chains(kind), strict=True)]
+    elif kind is PairKind.BACKWARDS:
+        for s in _chains(kind)[0]:
+            later = SlotStep(Role.B2, s.slot, B)
+            rules.append((s, later))
+            w = SlotStep(Role.B, s.slot, W)
+            if w in _wgrad_steps(kind):
+                rules.append((w, later))
+    return [(a, b) for a, b in rules if a in have and b in have]
+
+
+def template(kind: PairKind) -> frozenset[SlotStep]:
+    """Every step a kind's order lists."""
+    return frozenset(itertools.chain(*_chains(kind), _wgrad_steps(kind)))
+
+
+_MEGATRON: dict[PairKind, str] = {
+    # combined 1F1B's layer pair (Megatron-Core's TransformerLayerSchedulePlan.run).
+    PairKind.MIXED: "b.mtp_post.B b.combine.B f.pre_dispatch.F b.mlp.B f.dispatch.F b.mlp.W "
+    "b.dispatch.B f.mlp.F f.combine.F b.pre_dispatch.B f.mtp_post.F b.pre_dispatch.W",
+    PairKind.FORWARDS: "f.pre_dispatch.F f.dispatch.F g.pre_dispatch.F f.mlp.F g.dispatch.F "
+    "f.combine.F g.mlp.F g.combine.F f.mtp_post.F g.mtp_post.F",
+    PairKind.BACKWARDS: "b.combine.B b.mlp.B c.combine.B b.mlp.W b.dispatch.B c.mlp.B c.mlp.W "
+    "b.pre_dispatch.B c.dispatch.B b.pre_dispatch.W c.pre_dispatch.B c.pre_dispatch.W",
+}
+_EARLY_RELEASE = (
+    "b.mtp_post.B b.combine.B f.pre_dispatch.F b.mlp.B f.dispatch.F b.mlp.W "
+    "b.dispatch.B b.pre_dispatch.B f.mlp.F f.combine.F f.mtp_post.F b.pre_dispatch.W"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PairOrder:
+    """The order of one kind of paired run's steps in a layer (a checked template).
+
+    ``PairOrder(kind, steps)``: ``steps`` lists every step of the kind's template once
+    (:class:`SlotStep` s or their string forms, or one space-separated string), in an order
+    the module's rules allow; :class:`~moe_overlap.ConfigError` names the broken rule.
+    """
+
+    kind: PairKind
+    steps: tuple[SlotStep, ...]
+
+    def __init__(self, kind: PairKind, steps: str | Iterable[SlotStep | str]) -> None:
+        if not isinstance(cast(object, kind), PairKind):
+            raise refuse("PairOrder: kind", "a PairKind (PairKind.MIXED, ...)", kind)
+        items = steps.split() if isinstance(steps, str) else list(steps)
+        parsed = tuple(s if isinstance(s, SlotStep) else SlotStep.parse(s) for s in items)
+        object.__setattr__(self, "kind", kind)
+        object.__setattr__(self, "steps", parsed)
+        _check(kind, parsed)
+
+    def __str__(self) -> str:
+        return " ".join(str(s) for s in self.steps)
+
+    @classmethod
+    def parse(cls, kind: PairKind, text: str) -> PairOrder:
+        """Read an order back from its string form (:meth:`__str__`)."""
+        if not isinstance(cast(object, text), str):
+            raise refuse("PairOrder.parse: text", "the steps, space-separated", text)
+        return cls(kind, text)
+
+    @classmethod
+    def megatron(cls, kind: PairKind, *, early_attn_release: bool = False) -> PairOrder:
+        """Megatron-Core's order (with early attention-memory release, for a mixed run:
+        ``b.pre_dispatch.B`` before ``f.mlp.F``)."""
+        if early_attn_release and kind is PairKind.MIXED:
+            return _MEGATRON_EARLY
+        return _MEGATRONS[kind]
+
+    @property
+    def is_megatron(self) -> bool:
+        return self == _MEGATRONS[self.kind]
+
+    def releases_attention_early(self) -> bool:
+        """Whether the backward's pre-dispatch runs before the forward's mlp (a mixed run)."""
+        if self.kind is not PairKind.MIXED:
+            return False
+        where = {s: i for i, s in enumerate(self.steps)}
+        return where[SlotStep(Role.B, Slot.PRE_DISPATCH, B)] < where[SlotStep(Role.F, Slot.MLP, F)]
+
+
+def _check(kind: PairKind, steps: tuple[SlotStep, ...]) -> None:
+    want = template(kind)
+    where = f"PairOrder({kind.name})"
+    seen: set[SlotStep] = set()
+    for s in steps:
+        if s in seen:
+            raise ConfigError(f"{where}: expected each step once, received {s} twice")
+        seen.add(s)
+    if seen != want:
+        missing = sorted(str(s) for s in want - seen)
+        extra = sorted(str(s) for s in seen - want)
+        raise ConfigError(
+            f"{where}: expected exactly the steps {sorted(str(s) for s in want)}, received "
+            f"{len(steps)} steps (missing {missing}, not of this kind {extra}); start from "
+            f"PairOrder.megatron(PairKind.{kind.name}) and move steps"
+        )
+    index = {s: i for i, s in enumerate(steps)}
+    for a, b in _before(kind, steps):
+        if index[a] > index[b]:
+            raise ConfigError(
+                f"{where}: expected {a} before {b} ({_why(kind, a, b)}), received it after "
+                f"(position {index[a]} > {index[b]}); such an order would change which values "
+                "a step reads, or the order gradients add up"
+            )
+
+
+def _why(kind: PairKind, a: SlotStep, b: SlotStep) -> str:
+    if a.role is b.role:
+        return "a microbatch runs its own steps in order"
+    if kind is PairKind.FORWARDS:
+        return "the first forward's step of a slot comes first"
+    return "the first backward's gradients of a slot add up first"
+
+
+_MEGATRONS = {kind: PairOrder(kind, text) for kind, text in _MEGATRON.items()}
+_MEGATRON_EARLY = PairOrder(PairKind.MIXED, _EARLY_RELEASE)
+
+
+def valid_orders(kind: PairKind, steps: Sequence[SlotStep]) -> Iterator[tuple[SlotStep, ...]]:
+    """Every order of ``steps`` (a subset of the kind's template) the rules allow."""
+    rules = _before(kind, steps)
+    preds: dict[SlotStep, set[SlotStep]] = {s: set() for s in steps}
+    for a, b in rules:
+        preds[b].add(a)
+    out: list[SlotStep] = []
+    placed: set[SlotStep] = set()
+
+    def walk() -> Iterator[tuple[SlotStep, ...]]:
+        if len(out) == len(steps):
+            yield tuple(out)
+            return
+        for s in steps:
+            if s not in placed and preds[s] <= placed:
+                out.append(s)
+                placed.add(s)
+                yield from walk()
+                placed.discard(s)
+                out.pop()
+
+    yield from walk()
+
+
+def complete(kind: PairKind, partial: Sequence[SlotStep]) -> PairOrder:
+    """A full template from an order of some of its steps: each missing step goes where
+    Megatron-Core's order has it relative to the steps before it (then the order is checked)."""
+    have = set(partial)
+    full = list(partial)
+    for s in _MEGATRONS[kind].steps:
+        if s in have:
+            continue
+        # after the last step placed that Megatron's order has before s
+        mega = _MEGATRONS[kind].steps
+        earlier = set(mega[: mega.index(s)])
+        at = max((i + 1 for i, t in enumerate(full) if t in earlier), default=0)
+        full.insert(at, s)
+        have.add(s)
+    return PairOrder(kind, full)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ScheduleOrder:
+    """The order of each kind of paired run; ``None`` is Megatron-Core's.
+
+    ``mixed``: a forward with a backward (the steady state; with
+    ``ScheduleOptions.ep_overlap_early_attn_memory_release``, Megatron's order moved for it
+    when ``None``); ``forwards``: the fill's two forwards; ``backwards``: the drain's two
+    backwards. :func:`~moe_overlap.steps.search_order` finds one from measured durations;
+    ``str()`` / :meth:`parse` (JSON) save and load it.
+    """
+
+    mixed: PairOrder | None = None
+    forwards: PairOrder | None = None
+    backwards: PairOrder | None = None
+
+    def __post_init__(self) -> None:
+        for name, kind in _FIELDS.items():
+            value: object = getattr(self, name)
+            if value is None:
+                continue
+            if not isinstance(value, PairOrder) or value.kind is not kind:
+                raise refuse(
+                    f"ScheduleOrder.{name}",
+                    f"None or a PairOrder of kind PairKind.{kind.name}",
+                    value,
+                )
+
+    def of(self, kind: PairKind, *, early_attn_release: bool = False) -> PairOrder:
+        """The order a run of ``kind`` uses."""
+        chosen: PairOrder | None = getattr(self, _NAMES[kind])
+        if chosen is None:
+            return PairOrder.megatron(kind, early_attn_release=early_attn_release)
+        return chosen
+
+    def __str__(self) -> str:
+        orders: dict[str, PairOrder | None] = {name: getattr(self, name) for name in _FIELDS}
+        return json.dumps({name: None if o is None else str(o) for name, o in orders.items()})
+
+    @classmethod
+    def parse(cls, text: str) -> ScheduleOrder:
+        """Read back what ``str()`` wrote (a JSON object of the three orders)."""
+        if not isinstance(cast(object, text), str):
+            raise refuse("ScheduleOrder.parse: text", "the JSON str(ScheduleOrder) writes", text)
+        try:
+            raw: object = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(
+                f"ScheduleOrder.parse: expected JSON, received {text[:80]!r}: {exc}"
+            ) from None
+        if not isinstance(raw, dict) or set(cast(dict[object, object], raw)) - set(_FIELDS):
+            raise ConfigError(
+                f"ScheduleOrder.parse: expected an object with keys {sorted(_FIELDS)}, received "
+                f"{text[:120]!r}"
+            )
+        fields = cast(dict[str, object], raw)
+        orders: dict[str, PairOrder | None] = {}
+        for name, kind in _FIELDS.items():
+            value = fields.get(name)
+            if value is not None and not isinstance(value, str):
+                raise refuse(f"ScheduleOrder.parse: {name}", "null or the steps as a string", value)
+            orders[name] = None if value is None else PairOrder(kind, value)
+        return cls(**orders)
+
+
+_FIELDS = {"mixed": PairKind.MIXED, "forwards": PairKind.FORWARDS, "backwards": PairKind.BACKWARDS}
+_NAMES = {kind: name for name, kind in _FIELDS.items()}

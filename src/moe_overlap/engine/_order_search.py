@@ -1,0 +1,213 @@
+"""Choose the paired runs' step orders from measured durations.
+
+:func:`makespan` replays a step list on two in-order streams: a step starts when its
+stream is free and, unless it is a delayed weight-gradient step (which waits on nothing but
+its stream), when the previous step of its microbatch has ended (the node waits on its
+microbatch's event). :func:`search_order` tries every order the rules of
+:mod:`~moe_overlap.steps` allow for each kind of paired run of a chunk and keeps the one
+with the shortest replayed run; :func:`predict_ms` replays a whole schedule. Durations
+are per ``(layer, slot, direction)``, e.g. :meth:`moe_overlap.timeline.Timeline.slot_durations`
+of a serial step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import NamedTuple
+
+from ._errors import ConfigError
+from ._macro import MacroStep, ScheduleMode, macro_steps
+from ._order import PairKind, PairOrder, ScheduleOrder, SlotStep, complete, valid_orders
+from ._steps import (
+    ChunkShape,
+    Direction,
+    Role,
+    Slot,
+    Step,
+    StreamKind,
+    backward_pair_steps,
+    chunk_steps,
+    forward_pair_steps,
+)
+from .args import NON_NEGATIVE, Instance, Real, check_arg, refuse
+
+__all__ = ["OrderSearch", "SlotKey", "makespan", "predict_ms", "search_order"]
+
+SlotKey = tuple["int | None", Slot, Direction]
+"""``(layer, slot, direction)``: what a duration is measured for (``layer`` ``None`` for
+pre- and post-process)."""
+
+
+def makespan(steps: list[Step], duration: Callable[[Step], float]) -> float:
+    """The replayed length of one run of ``steps`` (hooks take no time)."""
+    free = {StreamKind.COMP: 0.0, StreamKind.COMM: 0.0}
+    ready = dict.fromkeys(Role, 0.0)
+    for step in steps:
+        if step.stream is StreamKind.HOST:
+            continue
+        if step.direction is Direction.WGRAD:
+            free[step.stream] += duration(step)
+            continue
+        end = max(free[step.stream], ready[step.role]) + duration(step)
+        free[step.stream] = end
+        ready[step.role] = end
+    return max(free.values())
+
+
+def _lookup(durations: Mapping[SlotKey, float]) -> Callable[[Step], float]:
+    def duration(step: Step) -> float:
+        return durations.get((step.layer, step.slot, step.direction), 0.0)
+
+    return duration
+
+
+def _with_order(shape: ChunkShape, order: ScheduleOrder) -> ChunkShape:
+    return dataclasses.replace(
+        shape, layers=tuple(dataclasses.replace(layer, order=order) for layer in shape.layers)
+    )
+
+
+def _run_steps(kind: PairKind, shape: ChunkShape) -> list[Step]:
+    if kind is PairKind.MIXED:
+        return chunk_steps(shape, shape)
+    if kind is PairKind.FORWARDS:
+        return forward_pair_steps(shape, shape)
+    return backward_pair_steps(shape, shape)
+
+
+_KIND_FIELD = {
+    PairKind.MIXED: "mixed",
+    PairKind.FORWARDS: "forwards",
+    PairKind.BACKWARDS: "backwards",
+}
+
+
+def _present(kind: PairKind, shape: ChunkShape) -> list[SlotStep]:
+    """The template steps some layer of ``shape`` has, in Megatron-Core's order."""
+    moe = any(layer.is_moe for layer in shape.layers)
+    mtp = any(layer.has_mtp_post for layer in shape.layers)
+    delay = any(layer.delay_wgrad for layer in shape.layers)
+
+    def has(s: SlotStep) -> bool:
+        if s.slot in (Slot.DISPATCH, Slot.COMBINE) and not moe:
+            return False
+        if s.slot is Slot.MTP_POST and not mtp:
+            return False
+        return s.direction is not Direction.WGRAD or delay
+
+    return [s for s in PairOrder.megatron(kind).steps if has(s)]
+
+
+class OrderSearch(NamedTuple):
+    """What :func:`search_order` found."""
+
+    order: ScheduleOrder
+    """The fastest order of each kind (``None`` where Megatron-Core's is as fast)."""
+    megatron_ms: dict[PairKind, float]
+    """One run of each kind, replayed in Megatron-Core's order."""
+    found_ms: dict[PairKind, float]
+    """The same run in the order found."""
+    tried: dict[PairKind, int]
+    """How many valid orders were replayed."""
+
+
+def search_order(
+    shape: ChunkShape,
+    durations: Mapping[SlotKey, float],
+    *,
+    early_attn_release: bool = False,
+) -> OrderSearch:
+    """The order of each kind of paired run whose replayed run of ``shape`` is shortest.
+
+    ``shape``: the chunk (``ModelChunkSchedulePlan.shape``, or built by hand);
+    ``durations``: milliseconds per ``(layer, slot, direction)`` (a missing key takes no
+    time). Every valid order of a layer's steps is replayed over the whole chunk (the same
+    order in every layer); Megatron-Core's order is kept unless another is strictly faster.
+    With ``early_attn_release`` only mixed orders that release attention early are tried.
+    """
+    shape = check_arg("search_order", "shape", shape, Instance(ChunkShape, "a ChunkShape"))
+    durations = _checked(durations)
+    duration = _lookup(durations)
+    found: dict[str, PairOrder | None] = {}
+    megatron_ms: dict[PairKind, float] = {}
+    found_ms: dict[PairKind, float] = {}
+    tried: dict[PairKind, int] = {}
+    for kind in PairKind:
+        base = ScheduleOrder()
+        best_ms = makespan(_run_steps(kind, _with_order(shape, base)), duration)
+        if kind is PairKind.MIXED and early_attn_release:
+            mega = PairOrder.megatron(kind, early_attn_release=True)
+            best_ms = makespan(
+                _run_steps(kind, _with_order(shape, ScheduleOrder(mixed=mega))), duration
+            )
+        megatron_ms[kind] = best_ms
+        best: PairOrder | None = None
+        count = 0
+        for partial in valid_orders(kind, _present(kind, shape)):
+            order = complete(kind, partial)
+            early_only = early_attn_release and kind is PairKind.MIXED
+            if early_only and not order.releases_attention_early():
+                continue
+            count += 1
+            trial = ScheduleOrder(**{_KIND_FIELD[kind]: order})
+            ms = makespan(_run_steps(kind, _with_order(shape, trial)), duration)
+            if ms < best_ms - 1e-9:
+                best_ms, best = ms, order
+        found[_KIND_FIELD[kind]] = best
+        found_ms[kind] = best_ms
+        tried[kind] = count
+    order = ScheduleOrder(**found)
+    return OrderSearch(order, megatron_ms, found_ms, tried)
+
+
+def _checked(durations: object) -> dict[SlotKey, float]:
+    if not isinstance(durations, Mapping):
+        raise refuse(
+            "search_order: durations", "a mapping (layer, slot, direction) -> ms", durations
+        )
+    out: dict[SlotKey, float] = {}
+    for key, value in durations.items():  # pyright: ignore[reportUnknownVariableType]
+        ok = (
+            isinstance(key, tuple)
+            and len(key) == 3  # pyright: ignore[reportUnknownArgumentType]
+            and (key[0] is None or isinstance(key[0], int))
+            and isinstance(key[1], Slot)
+            and isinstance(key[2], Direction)
+        )
+        if not ok:
+            raise refuse("search_order: durations key", "(layer: int | None, Slot, Direction)", key)
+        ms = check_arg("search_order", f"durations[{key}]", value, _MS)
+        out[key] = ms  # pyright: ignore[reportArgumentType]
+    return out
+
+
+_MS = Real(min=0.0)
+
+
+def predict_ms(
+    shape: ChunkShape,
+    durations: Mapping[SlotKey, float],
+    n: int,
+    mode: ScheduleMode,
+    *,
+    order: ScheduleOrder | None = None,
+) -> float:
+    """The replayed step of ``n`` microbatches of one chunk in ``mode``: the sum of each
+    run's makespan (a run ends with both microbatches joined, so runs do not overlap)."""
+    n = check_arg("predict_ms", "n", n, NON_NEGATIVE)
+    duration = _lookup(_checked(durations))
+    if order is not None:
+        shape = _with_order(shape, order)
+    return sum(makespan(macro_run_steps(step, shape), duration) for step in macro_steps(n, mode))
+
+
+def macro_run_steps(step: MacroStep, shape: ChunkShape) -> list[Step]:
+    """The steps of one macro step (one chunk run) of a chunk of ``shape``."""
+    if len(step.forward) == 2:
+        return forward_pair_steps(shape, shape)
+    if len(step.backward) == 2:
+        return backward_pair_steps(shape, shape)
+    if len(step.forward) > 2 or len(step.backward) > 2:
+        raise ConfigError(f"macro_run_steps: expected at most two microbatches, received {step}")
+    return chunk_steps(shape if step.forward else None, shape if step.backward else None)
