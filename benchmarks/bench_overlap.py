@@ -65,9 +65,12 @@ from node_timing import (
     fill_drain_runs,
     overlapped_runs,
     pyplot,
+    slot_durations,
     write_chrome_trace,
     write_gantt_png,
 )
+
+from moe_overlap.steps import OrderSearch, ScheduleMode, ScheduleOrder, predict_ms, search_order
 
 JsonDict = dict[str, object]
 
@@ -274,7 +277,16 @@ def measure(
         "iters": b.iters,
     }
     captured = _capture_graphs(b)
-    t = time_interleaved(b, row_variants(b, main=main))
+    fns = row_variants(b, main=main)
+    search = _search_order(b)
+    found = search.order
+    if found.mixed is not None:
+        fns["overlapped_searched"] = lambda: step(b, overlap=True, options=_ordered(found))
+    if found.forwards is not None or found.backwards is not None:
+        fns["fill_drain_searched"] = lambda: step(
+            b, overlap=True, options=_ordered(found), fill_drain=True
+        )
+    t = time_interleaved(b, fns)
     res["order"] = list(t)
     if model.graph_captures() != captured:
         raise RuntimeError("bench_overlap: graphs were captured during the timed steps")
@@ -314,6 +326,7 @@ def measure(
             t["graphs_overlapped"], critical_path_ms(runs, graph_rec.shapes, g_durations), m
         ),
     }
+    res["order_search"] = _search_json(b, search, serial_rec, t, m)
     if main:
         title = (
             f"overlapped step, H={cfg.hidden} F={cfg.ffn} T={cfg.tokens} L={cfg.num_layers} "
@@ -327,6 +340,52 @@ def measure(
         res["variants"] = _variants(b, t, m, bound)
         res["memory"] = _memory(b)
     return res
+
+
+def _ordered(order: ScheduleOrder) -> ScheduleOptions:
+    return ScheduleOptions(order=order)
+
+
+def _search_order(b: Bench) -> OrderSearch:
+    """The step order :func:`moe_overlap.steps.search_order` finds from a serial step's
+    node durations (two warm-up steps first)."""
+    for _ in range(2):
+        step(b, overlap=False)
+    rec = _recorded(b, overlap=False)
+    shape = next(iter(rec.shapes.values()))
+    return search_order(shape, slot_durations(rec.durations()))
+
+
+def _search_json(
+    b: Bench,
+    search: OrderSearch,
+    serial_rec: NodeRecorder,
+    t: dict[str, list[float]],
+    base: dict[str, float],
+) -> JsonDict:
+    """What the search found, its predicted steps, and the measured searched variants."""
+    n = len(b.mbs)
+    shape = next(iter(serial_rec.shapes.values()))
+    durations = slot_durations(serial_rec.durations())
+    out: JsonDict = {
+        "order": str(search.order),
+        "tried": {k.value: v for k, v in search.tried.items()},
+        "run_ms_megatron": {k.value: v for k, v in search.megatron_ms.items()},
+        "run_ms_found": {k.value: v for k, v in search.found_ms.items()},
+    }
+    for name, mode in (
+        ("overlapped", ScheduleMode.OVERLAPPED),
+        ("fill_drain", ScheduleMode.FILL_DRAIN),
+    ):
+        found_ms = predict_ms(shape, durations, n, mode, order=search.order)
+        out[f"predicted_{name}_ms"] = {
+            "megatron": predict_ms(shape, durations, n, mode),
+            "found": found_ms,
+        }
+        key = f"{name}_searched"
+        if key in t:
+            out[key] = _overlap_row(t[key], found_ms, base)
+    return out
 
 
 def _overlap_row(samples: list[float], bound: float, base: dict[str, float]) -> JsonDict:
@@ -540,6 +599,8 @@ def _table(results: list[JsonDict]) -> str:
         "graphs_fill_drain": "gr-fd",
         "high_priority_comm": "hi-prio",
         "delay_wgrad_compute": "dwgrad",
+        "overlapped_searched": "ov-srch",
+        "fill_drain_searched": "fd-srch",
     }
     for r in results:
         c = r["config"]
@@ -558,8 +619,14 @@ def _table(results: list[JsonDict]) -> str:
         )
         graphs = cast("dict[str, dict[str, object]]", r.get("graphs", {}))
         fill = cast("dict[str, object] | None", r.get("fill_drain"))
+        searched = cast("dict[str, object]", r.get("order_search", {}))
         variants = {
             **({"fill_drain": fill} if fill is not None else {}),
+            **{
+                k: cast("dict[str, object]", v)
+                for k, v in searched.items()
+                if k.endswith("_searched")
+            },
             **{f"graphs_{k}": v for k, v in graphs.items()},
             **cast("dict[str, dict[str, object]]", r.get("variants", {})),
         }

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from moe_overlap import Microbatch, ScheduleOptions, combined_1f1b, make_streams
-from moe_overlap.steps import Direction
+from moe_overlap.steps import Direction, ScheduleOrder
 
+from .test_order import sample_orders
 from .test_parity import assert_same
 from .toy_model import ToyConfig, ToyModel, grads, make_microbatches, plain_step
 
@@ -37,9 +38,16 @@ def to_cuda(mbs: list[Microbatch]) -> list[Microbatch]:
 @pytest.mark.parametrize("kinds", ["dd", "mm", "dmdm", "dmt"])
 @pytest.mark.parametrize("high_priority", [False, True])
 @pytest.mark.parametrize("fill_drain", [False, True])
+@pytest.mark.parametrize("order_seed", [None, 0, 1])
 def test_cuda_parity(
-    dtype: torch.dtype, delay: bool, kinds: str, high_priority: bool, fill_drain: bool
+    dtype: torch.dtype,
+    delay: bool,
+    kinds: str,
+    high_priority: bool,
+    fill_drain: bool,
+    order_seed: int | None,
 ) -> None:
+    """``order_seed``: a random valid step order of each kind (issue 27), else Megatron's."""
     config = ToyConfig(hidden=64, shared_expert=True)
     ref = ToyModel(config, kinds).to(device="cuda", dtype=dtype)
     model = copy.deepcopy(ref)
@@ -50,7 +58,10 @@ def test_cuda_parity(
     losses = combined_1f1b(
         model,
         mbs,
-        options=ScheduleOptions(delay_wgrad_compute=delay),
+        options=ScheduleOptions(
+            delay_wgrad_compute=delay,
+            order=ScheduleOrder() if order_seed is None else sample_orders(order_seed),
+        ),
         streams=streams,
         fill_drain=fill_drain,
     )

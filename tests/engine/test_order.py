@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import itertools
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -22,7 +23,6 @@ from moe_overlap.steps import (
     ScheduleOrder,
     Slot,
     SlotKey,
-    SlotStep,
     Step,
     StreamKind,
     backward_pair_steps,
@@ -121,7 +121,7 @@ def test_options_refuse_an_order_that_contradicts_early_release() -> None:
     with pytest.raises(ConfigError, match="early release"):
         ScheduleOptions(ep_overlap_early_attn_memory_release=True, order=late)
     with pytest.raises(ConfigError, match="ScheduleOptions.order"):
-        ScheduleOptions(order="megatron")  # type: ignore[arg-type]
+        ScheduleOptions(order="megatron")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
     with pytest.raises(ConfigError, match="kind PairKind.FORWARDS"):
         ScheduleOrder(forwards=PairOrder.megatron(PairKind.MIXED))
 
@@ -148,11 +148,7 @@ def test_every_valid_order_keeps_each_microbatch_s_own_walk(kind: PairKind) -> N
     assert len(orders) > 10
     for order in random.Random(0).sample(orders, 10):
         o = _shape("mdm", delay=True, order=ScheduleOrder(**{_FIELD[kind]: order}))
-        steps = {
-            PairKind.MIXED: lambda: chunk_steps(o, o),
-            PairKind.FORWARDS: lambda: forward_pair_steps(o, o),
-            PairKind.BACKWARDS: lambda: backward_pair_steps(o, o),
-        }[kind]()
+        steps = _RUNS[kind](o)
         for role in {s.role for s in steps}:
             walk = [
                 (s.layer, s.slot, s.direction)
@@ -168,6 +164,11 @@ def test_every_valid_order_keeps_each_microbatch_s_own_walk(kind: PairKind) -> N
                 assert set(walk) == set(want)
 
 
+_RUNS: dict[PairKind, Callable[[ChunkShape], list[Step]]] = {
+    PairKind.MIXED: lambda o: chunk_steps(o, o),
+    PairKind.FORWARDS: lambda o: forward_pair_steps(o, o),
+    PairKind.BACKWARDS: lambda o: backward_pair_steps(o, o),
+}
 _FIELD = {PairKind.MIXED: "mixed", PairKind.FORWARDS: "forwards", PairKind.BACKWARDS: "backwards"}
 
 
@@ -230,11 +231,7 @@ def test_search_brute_force_agrees_on_one_layer() -> None:
         field = _FIELD[kind]
         best = min(
             makespan(
-                {
-                    PairKind.MIXED: chunk_steps,
-                    PairKind.FORWARDS: forward_pair_steps,
-                    PairKind.BACKWARDS: backward_pair_steps,
-                }[kind](o := _shape("m", delay=True, order=ScheduleOrder(**{field: order})), o),
+                _RUNS[kind](_shape("m", delay=True, order=ScheduleOrder(**{field: order}))),
                 lambda s: durations.get((s.layer, s.slot, s.direction), 0.0),
             )
             for order in _all_orders(kind)
@@ -249,17 +246,18 @@ def test_search_with_early_release_keeps_orders_that_release_early() -> None:
 
 def test_search_refuses_bad_durations() -> None:
     with pytest.raises(ConfigError, match="durations key"):
-        search_order(_shape(), {("0", Slot.MLP, F): 1.0})  # type: ignore[dict-item]
+        search_order(_shape(), {("0", Slot.MLP, F): 1.0})  # type: ignore[dict-item]  # pyright: ignore[reportArgumentType]
     with pytest.raises(ConfigError, match=">= 0"):
         search_order(_shape(), {(0, Slot.MLP, F): -1.0})
     with pytest.raises(ConfigError, match="ChunkShape"):
-        search_order("mm", {})  # type: ignore[arg-type]
+        search_order("mm", {})  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
 
 
 # -- every order the rules accept is exact ---------------------------------------------------
 
 
-def _sample_orders(seed: int) -> ScheduleOrder:
+def sample_orders(seed: int) -> ScheduleOrder:
+    """A random valid order of each kind."""
     rng = random.Random(seed)
     return ScheduleOrder(**{_FIELD[k]: rng.choice(_all_orders(k)) for k in PairKind})
 
@@ -277,7 +275,7 @@ def test_any_valid_order_is_bit_identical(stack: str, delay: bool, fill_drain: b
         for p in model.parameters():
             p.grad = None
         model.set_delay(delay)
-        order = _sample_orders(seed + 10 * delay + 100 * fill_drain)
+        order = sample_orders(seed + 10 * delay + 100 * fill_drain)
         options = ScheduleOptions(delay_wgrad_compute=delay, order=order)
         got = combined_1f1b(model, mbs, options=options, fill_drain=fill_drain)
         assert model.pending_wgrad == 0

@@ -220,7 +220,7 @@ def _check(kind: PairKind, steps: tuple[SlotStep, ...]) -> None:
         if s in seen:
             raise ConfigError(f"{where}: expected each step once, received {s} twice")
         seen.add(s)
-    if seen != want:
+    if frozenset(seen) != want:
         missing = sorted(str(s) for s in want - seen)
         extra = sorted(str(s) for s in seen - want)
         raise ConfigError(

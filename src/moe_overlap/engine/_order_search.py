@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from ._errors import ConfigError
 from ._macro import MacroStep, ScheduleMode, macro_steps
@@ -145,15 +145,15 @@ def search_order(
         best: PairOrder | None = None
         count = 0
         for partial in valid_orders(kind, _present(kind, shape)):
-            order = complete(kind, partial)
+            candidate = complete(kind, partial)
             early_only = early_attn_release and kind is PairKind.MIXED
-            if early_only and not order.releases_attention_early():
+            if early_only and not candidate.releases_attention_early():
                 continue
             count += 1
-            trial = ScheduleOrder(**{_KIND_FIELD[kind]: order})
+            trial = ScheduleOrder(**{_KIND_FIELD[kind]: candidate})
             ms = makespan(_run_steps(kind, _with_order(shape, trial)), duration)
             if ms < best_ms - 1e-9:
-                best_ms, best = ms, order
+                best_ms, best = ms, candidate
         found[_KIND_FIELD[kind]] = best
         found_ms[kind] = best_ms
         tried[kind] = count
@@ -167,18 +167,20 @@ def _checked(durations: object) -> dict[SlotKey, float]:
             "search_order: durations", "a mapping (layer, slot, direction) -> ms", durations
         )
     out: dict[SlotKey, float] = {}
-    for key, value in durations.items():  # pyright: ignore[reportUnknownVariableType]
-        ok = (
-            isinstance(key, tuple)
-            and len(key) == 3  # pyright: ignore[reportUnknownArgumentType]
-            and (key[0] is None or isinstance(key[0], int))
-            and isinstance(key[1], Slot)
-            and isinstance(key[2], Direction)
+    items = cast("Mapping[object, object]", durations)
+    for key, value in items.items():
+        wrong = refuse("search_order: durations key", "(layer: int | None, Slot, Direction)", key)
+        if not isinstance(key, tuple) or len(cast("tuple[object, ...]", key)) != 3:
+            raise wrong
+        layer, slot, direction = cast("tuple[object, object, object]", key)
+        int_layer = isinstance(layer, int) and not isinstance(layer, bool)
+        if not (layer is None or int_layer) or not isinstance(slot, Slot):
+            raise wrong
+        if not isinstance(direction, Direction):
+            raise wrong
+        out[(cast("int | None", layer), slot, direction)] = check_arg(
+            "search_order", f"durations[{key}]", value, _MS
         )
-        if not ok:
-            raise refuse("search_order: durations key", "(layer: int | None, Slot, Direction)", key)
-        ms = check_arg("search_order", f"durations[{key}]", value, _MS)
-        out[key] = ms  # pyright: ignore[reportArgumentType]
     return out
 
 

@@ -160,7 +160,9 @@ def layer_pair_steps(
         order = PairOrder.megatron(PairKind.MIXED, early_attn_release=early)
     else:
         order = _order_of(PairKind.MIXED, (f, b), early_attn_release=early)
-    skip = {SlotStep(Role.B, Slot.PRE_DISPATCH, Direction.WGRAD)} if is_last_layer_in_bwd else set()
+    skip: set[SlotStep] = set()
+    if is_last_layer_in_bwd:
+        skip.add(SlotStep(Role.B, Slot.PRE_DISPATCH, Direction.WGRAD))
     out: list[Step] = []
     add = _adder(out)
     layers = {Role.F: f, Role.B: b}
