@@ -26,8 +26,20 @@ def names(steps: list[Step]) -> list[str]:
     return [str(s) for s in steps]
 
 
-def moe(index: int, **kw: bool) -> LayerShape:
-    return LayerShape(index=index, is_moe=True, **kw)
+def moe(
+    index: int,
+    *,
+    delay_wgrad: bool = False,
+    has_mtp_post: bool = False,
+    early_attn_release: bool = False,
+) -> LayerShape:
+    return LayerShape(
+        index=index,
+        is_moe=True,
+        delay_wgrad=delay_wgrad,
+        has_mtp_post=has_mtp_post,
+        early_attn_release=early_attn_release,
+    )
 
 
 def test_layer_pair_order_matches_spec() -> None:
