@@ -244,6 +244,11 @@ def row_variants(b: Bench, *, main: bool) -> dict[str, Callable[[], object]]:
             lambda: step(b, overlap=False),
         ),
         "comm_only": lambda: _comm_only(b),
+        "fill_drain_recompute": _switched(
+            lambda: model.set_recompute(True),
+            lambda: model.set_recompute(False),
+            lambda: step(b, overlap=True, fill_drain=True),
+        ),
     }
     if main:
         hp = make_streams(b.device, high_priority_comm=True)
@@ -315,6 +320,26 @@ def measure(
     res["overlapped_over_max"] = m["overlapped"] / max(m["compute_only"], m["comm_only"])
     res["sum_node_ms_serial"] = sum(serial_rec.durations().values())
     res["fill_drain"] = _overlap_row(t["fill_drain"], fd_bound, m)
+    b.model.set_recompute(True)
+    try:
+        rc_rec = _recorded(b, overlap=False)
+    finally:
+        b.model.set_recompute(False)
+    rc_row = _overlap_row(
+        t["fill_drain_recompute"],
+        critical_path_ms(fill_drain_runs(n), rc_rec.shapes, rc_rec.durations()),
+        m,
+    )
+    rc_row["grads_vs_serial"] = _grads_vs(
+        b,
+        lambda: step(b, overlap=False),
+        _switched(
+            lambda: model.set_recompute(True),
+            lambda: model.set_recompute(False),
+            lambda: step(b, overlap=True, fill_drain=True),
+        ),
+    )
+    res["fill_drain_recompute"] = rc_row
     g_durations = graph_rec.durations()
     res["graphs"] = {
         "fill_drain": _overlap_row(
@@ -340,6 +365,24 @@ def measure(
         res["variants"] = _variants(b, t, m, bound)
         res["memory"] = _memory(b)
     return res
+
+
+def _grads_vs(b: Bench, reference: Callable[[], object], fn: Callable[[], object]) -> JsonDict:
+    """One step of each from zero gradients: are ``fn``'s gradients bit-identical to
+    ``reference``'s (and the largest difference)."""
+    params = [p for p in b.model.parameters() if p.requires_grad]
+    got: list[list[torch.Tensor]] = []
+    for run in (reference, fn):
+        b.model.zero_grad(set_to_none=False)
+        run()
+        _sync(b.device)
+        got.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params])
+    b.model.zero_grad(set_to_none=False)
+    diff = max(
+        ((x.float() - y.float()).abs().max().item() for x, y in zip(*got, strict=True)), default=0.0
+    )
+    same = all(torch.equal(x, y) for x, y in zip(*got, strict=True))
+    return {"bit_identical": same, "max_abs_diff": diff, "tensors": len(params)}
 
 
 def _ordered(order: ScheduleOrder) -> ScheduleOptions:
@@ -466,21 +509,24 @@ def _memory(b: Bench) -> JsonDict:
     if b.device.type != "cuda":
         return {"note": "CUDA only"}
     cases = [
-        (f"{kind}free_input_{free}", overlap, free, fd, graphs)
-        for kind, overlap, fd, graphs in (
-            ("", True, False, False),
-            ("serial_", False, False, False),
-            ("fill_drain_", True, True, False),
-            ("graphs_", True, False, True),
-            ("fill_drain_graphs_", True, True, True),
+        (f"{kind}free_input_{free}", overlap, free, fd, graphs, rc)
+        for kind, overlap, fd, graphs, rc in (
+            ("", True, False, False, False),
+            ("serial_", False, False, False, False),
+            ("fill_drain_", True, True, False, False),
+            ("fill_drain_recompute_", True, True, False, True),
+            ("serial_recompute_", False, False, False, True),
+            ("graphs_", True, False, True, False),
+            ("fill_drain_graphs_", True, True, True, False),
         )
         for free in (True, False)
     ]
     b.model.drop_graphs()
     torch.cuda.empty_cache()
-    for name, overlap, free, fd, graphs in cases:
+    for name, overlap, free, fd, graphs, rc in cases:
         opts = ScheduleOptions(free_input=free)
         b.model.set_graphs(graphs)
+        b.model.set_recompute(rc)
         step(b, overlap=overlap, options=opts, fill_drain=fd)  # warm the allocator
         b.model.zero_grad(set_to_none=False)
         _sync(b.device)
@@ -490,6 +536,7 @@ def _memory(b: Bench) -> JsonDict:
         _sync(b.device)
         peak = torch.cuda.max_memory_allocated(b.device)
         out[name] = {"peak_GB": peak / 1e9, "above_start_GB": (peak - base) / 1e9}
+        b.model.set_recompute(False)
         b.model.set_graphs(False)
         if graphs:
             b.model.drop_graphs()
@@ -595,6 +642,7 @@ def _table(results: list[JsonDict]) -> str:
     lines = [head]
     labels = {
         "fill_drain": "filldr",
+        "fill_drain_recompute": "fd-rcmp",
         "graphs_overlapped": "gr-ov",
         "graphs_fill_drain": "gr-fd",
         "high_priority_comm": "hi-prio",
@@ -619,9 +667,11 @@ def _table(results: list[JsonDict]) -> str:
         )
         graphs = cast("dict[str, dict[str, object]]", r.get("graphs", {}))
         fill = cast("dict[str, object] | None", r.get("fill_drain"))
+        fill_rc = cast("dict[str, object] | None", r.get("fill_drain_recompute"))
         searched = cast("dict[str, object]", r.get("order_search", {}))
         variants = {
             **({"fill_drain": fill} if fill is not None else {}),
+            **({"fill_drain_recompute": fill_rc} if fill_rc is not None else {}),
             **{
                 k: cast("dict[str, object]", v)
                 for k, v in searched.items()

@@ -41,6 +41,8 @@ from moe_overlap.blocks import (
     LoopbackMode,
     MegatronHooks,
     loopback,
+    recompute,
+    save_matmuls,
 )
 
 __all__ = [
@@ -163,6 +165,9 @@ class MoESliceLayer(nn.Module):
         with torch.no_grad():
             self.experts.fc1.weight.copy_(_randn((e, 2 * f, h), h**-0.5, dtype, device))
             self.experts.fc2.weight.copy_(_randn((e, h, f), f**-0.5, dtype, device))
+        # Opt-in recompute (MoESliceModel.set_recompute): attention selectively (matrix
+        # products kept), the routed experts whole (only their input kept).
+        self.recompute = False
         # Opt-in CUDA graphs of the static-shape parts (MoESliceModel.set_graphs).
         self.use_graphs = False
         self.attn_graph = GraphedBlock(
@@ -208,6 +213,9 @@ class MoESliceLayer(nn.Module):
             (a_SH,) = self.attn_graph(x_SH)
             route = self.router_graph if self.graph_router else self._router_block
             t_SH, top_SK, idx_SK = route(a_SH)
+        elif self.recompute:
+            a_SH = recompute(self._attn_block, x_SH, policy=save_matmuls)
+            t_SH, top_SK, idx_SK = self._router_block(a_SH)
         else:
             a_SH = self._attn_block(x_SH)
             t_SH, top_SK, idx_SK = self._router_block(a_SH)
@@ -232,7 +240,10 @@ class MoESliceLayer(nn.Module):
         # The all-to-all delivers rows source-rank-major; sort them expert-major (a fresh
         # buffer, as Megatron's sort_chunks_by_idxs makes, so the input can be freed).
         x_ECH = recv_PH.view(j, e, c // j, h).transpose(0, 1).reshape(e, c, h)
-        y_ECH: Tensor = self.experts(x_ECH, ())  # padded: every expert has C rows
+        # padded: every expert has C rows
+        y_ECH: Tensor = (
+            recompute(self.experts, x_ECH, ()) if self.recompute else self.experts(x_ECH, ())
+        )
         return y_ECH.view(e, j, c // j, h).transpose(0, 1).reshape(e * c, h)
 
     def slot_combine(
@@ -360,6 +371,14 @@ class MoESliceModel(MegatronHooks, nn.Module):
             assert isinstance(layer, MoESliceLayer)
             layer.attn_graph.reset()
             layer.router_graph.reset()
+
+    def set_recompute(self, on: bool) -> None:
+        """Recompute each layer's attention (selectively) and routed experts in backward."""
+        for layer in self.decoder.layers:
+            assert isinstance(layer, MoESliceLayer)
+            if on and (layer.use_graphs or layer.delay_wgrad):
+                raise ValueError("MoESliceModel.set_recompute: not with graphs or delayed wgrad")
+            layer.recompute = on
 
     def set_delay_wgrad(self, delay: bool) -> None:
         """Delay the experts' weight gradients (match ``ScheduleOptions.delay_wgrad_compute``)."""
