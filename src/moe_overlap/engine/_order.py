@@ -27,8 +27,6 @@ The orders only change when each step is issued, i.e. which waits on which; a
 ...``), and :meth:`PairOrder.parse` / :meth:`ScheduleOrder.parse` read that back.
 """
 
-from __future__ import annotations
-
 import enum
 import itertools
 import json
@@ -54,7 +52,7 @@ class SlotStep(NamedTuple):
         return f"{self.role.value}.{self.slot.value}.{self.direction.value}"
 
     @classmethod
-    def parse(cls, text: str) -> SlotStep:
+    def parse(cls, text: str) -> "SlotStep":
         """Read a step back from its string form, e.g. ``f.dispatch.F``."""
         if not isinstance(cast(object, text), str):
             raise refuse("SlotStep.parse: text", "a step's string form 'role.slot.D'", text)
@@ -186,14 +184,14 @@ class PairOrder:
         return " ".join(str(s) for s in self.steps)
 
     @classmethod
-    def parse(cls, kind: PairKind, text: str) -> PairOrder:
+    def parse(cls, kind: PairKind, text: str) -> "PairOrder":
         """Read an order back from its string form (:meth:`__str__`)."""
         if not isinstance(cast(object, text), str):
             raise refuse("PairOrder.parse: text", "the steps, space-separated", text)
         return cls(kind, text)
 
     @classmethod
-    def megatron(cls, kind: PairKind, *, early_attn_release: bool = False) -> PairOrder:
+    def megatron(cls, kind: PairKind, *, early_attn_release: bool = False) -> "PairOrder":
         """Megatron-Core's order (with early attention-memory release, for a mixed run:
         ``b.pre_dispatch.B`` before ``f.mlp.F``)."""
         if early_attn_release and kind is PairKind.MIXED:
@@ -330,7 +328,7 @@ class ScheduleOrder:
         return json.dumps({name: None if o is None else str(o) for name, o in orders.items()})
 
     @classmethod
-    def parse(cls, text: str) -> ScheduleOrder:
+    def parse(cls, text: str) -> "ScheduleOrder":
         """Read back what ``str()`` wrote (a JSON object of the three orders)."""
         if not isinstance(cast(object, text), str):
             raise refuse("ScheduleOrder.parse: text", "the JSON str(ScheduleOrder) writes", text)

@@ -10,8 +10,6 @@ are per ``(layer, slot, direction)``, e.g. :meth:`moe_overlap.timeline.Timeline.
 of a serial step.
 """
 
-from __future__ import annotations
-
 import dataclasses
 from collections.abc import Callable, Mapping
 from typing import NamedTuple, cast
