@@ -323,6 +323,7 @@ CONFIG_WRONG: dict[str, st.SearchStrategy[object]] = {
     "seed": not_int(-(2**63), 2**64 - 1),
     "dtype": st.one_of(not_float_dtype(), st.just(torch.float16)),
     "delay_wgrad_compute": not_bool(),
+    "moe_a2a_chunks": not_int(1),
     "recompute": st.one_of(
         st.sampled_from(["norm", ("norms",), 5, None, [1], torch.ones(2)]),
         st.text(min_size=1, max_size=3),
@@ -360,13 +361,16 @@ def _entries() -> Iterator[Entry]:
     yield Entry(
         "TokenDispatcher",
         b.TokenDispatcher,
-        lambda: dict(num_experts=4, topk=2, kind="alltoall", group=None, count_group=None),
+        lambda: dict(
+            num_experts=4, topk=2, kind="alltoall", group=None, count_group=None, chunks=2
+        ),
         (
             Arg("num_experts", not_int(1)),
             Arg("topk", not_int(1, 4)),
             Arg("kind", not_choice(["alltoall", "loopback"])),
             Arg("group", not_group()),
             Arg("count_group", not_group()),
+            Arg("chunks", not_int(1)),
         ),
     )
     yield Entry(
@@ -379,6 +383,7 @@ def _entries() -> Iterator[Entry]:
             expert_offset=0,
             delay_wgrad=False,
             recompute_activation=False,
+            calls_per_backward=2,
             **_f32(),
         ),
         (
@@ -388,6 +393,7 @@ def _entries() -> Iterator[Entry]:
             Arg("expert_offset", not_int(0)),
             Arg("delay_wgrad", not_bool()),
             Arg("recompute_activation", not_bool()),
+            Arg("calls_per_backward", not_int(1)),
             *DTYPE_DEVICE,
         ),
     )
@@ -576,6 +582,12 @@ def _entries() -> Iterator[Entry]:
             Arg("base", not_real(above=0.0)),
             Arg("dtype", not_float_dtype()),
         ),
+    )
+    yield Entry(
+        "chunk_sizes",
+        b.chunk_sizes,
+        lambda: dict(tokens=10, chunks=3),
+        (Arg("tokens", not_int(0)), Arg("chunks", not_int(1))),
     )
     yield Entry(
         "swiglu", b.swiglu, lambda: dict(gate_up=torch.ones(2, 4)), (Arg("gate_up", not_tensor()),)

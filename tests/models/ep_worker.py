@@ -29,6 +29,7 @@ class Case:
     overlap: bool = True
     count_group: bool = False
     padded: bool = False
+    fill_drain: bool = False
 
 
 CASES: dict[str, Case] = {
@@ -42,6 +43,13 @@ CASES: dict[str, Case] = {
         {"moe_aux_loss_coeff": 0.01, "delay_wgrad_compute": True, "attention": "sdpa"},
         padded=True,
     ),
+    # Chunked all-to-alls (moe_a2a_chunks): each chunk its own all-to-all with its own splits.
+    "chunks3_shared_delay": Case(
+        {"moe_a2a_chunks": 3, "moe_shared_expert_hidden_size": 8, "delay_wgrad_compute": True}
+    ),
+    "chunks2_starved_fill_drain": Case({"moe_a2a_chunks": 2}, starved=(0, 1), fill_drain=True),
+    "chunks2_no_overlap": Case({"moe_a2a_chunks": 2}, overlap=False),
+    "chunks40_padded_aux": Case({"moe_a2a_chunks": 40, "moe_aux_loss_coeff": 0.01}, padded=True),
 }
 
 
@@ -64,6 +72,7 @@ def main() -> None:
                 count_group=counts if case.count_group else None,
                 data_seed=100 + rank,
                 padded=case.padded,
+                fill_drain=case.fill_drain,
             )
             print(json.dumps({"case": name, "rank": rank, **dataclasses.asdict(result)}))
         if only is not None:

@@ -14,7 +14,9 @@
   frozen, handed from pre-dispatch to combine), plans the exchange there (:class:`DispatchMeta`;
   the counts' copy to the host queued as :class:`HostCounts`, awaited in the dispatch slot at
   EP>1 only), moves them over the expert-parallel group or a one-device
-  :class:`HostLoopback` (:func:`loopback` as an autograd op), and back;
+  :class:`HostLoopback` (:func:`loopback` as an autograd op), and back; with ``chunks=K``
+  in ``K`` token groups (:func:`chunk_sizes`), the next group's all-to-all under this
+  group's experts;
 - masks: :func:`check_attention_mask` / :func:`check_padding_mask` (Megatron-Core's
   conventions: a bool ``[B or 1, 1, S or 1, S]`` attention mask, ``True`` = not attended; a
   bool ``[B, S]`` padding mask, ``True`` = padding), :func:`blocked_keys` (both with
@@ -38,6 +40,7 @@ The reference model (:mod:`moe_overlap.models`) and the transformers adapter are
 them.
 """
 
+from moe_overlap.blocks._a2a_chunks import chunk_sizes as chunk_sizes
 from moe_overlap.blocks._delayed_linear import (
     DelayedWgradGroupedLinear as DelayedWgradGroupedLinear,
 )
@@ -141,6 +144,7 @@ __all__ = [
     "check_masks",
     "check_padding_mask",
     "check_recompute",
+    "chunk_sizes",
     "discard_wgrad",
     "finish_wgrad",
     "loopback",

@@ -333,7 +333,8 @@ class DelayedWgradModule(nn.Module):
     """Base of the delayable linears: owns ``weight`` and the queue of pending wgrads.
 
     A :class:`~moe_overlap.WgradLayer`. ``label`` names the module in error messages (the
-    model sets it to the module's qualified name).
+    model sets it to the module's qualified name). :attr:`calls_per_backward` (default 1):
+    how many times the module runs per forward pass.
     """
 
     weight: nn.Parameter
@@ -345,6 +346,20 @@ class DelayedWgradModule(nn.Module):
         self.delay_wgrad = check_arg(w, "delay_wgrad", delay_wgrad, BOOL)
         self.label = type(self).__name__
         self._pending: deque[PendingItem] = deque()
+        self._calls = 1
+
+    @property
+    def calls_per_backward(self) -> int:
+        """How many times the module runs in one forward pass (so how many weight gradients
+        one backward pass queues): a chunked dispatcher's experts run once per chunk.
+        :meth:`backward_dw` computes that many, sums them in the order autograd sums the
+        gradients of a weight used several times, and accumulates the sum once, so delayed
+        and immediate weight gradients stay bit-identical. Default 1."""
+        return self._calls
+
+    @calls_per_backward.setter
+    def calls_per_backward(self, calls: int) -> None:
+        self._calls = check_arg(self.label, "calls_per_backward", calls, POSITIVE)
 
     @property
     def pending_wgrad(self) -> int:
@@ -377,7 +392,8 @@ class DelayedWgradModule(nn.Module):
         return self._pending.popleft()
 
     def backward_dw(self) -> None:
-        """Compute and accumulate the oldest pending weight gradient.
+        """Compute and accumulate the oldest pending weight gradient (the oldest
+        :attr:`calls_per_backward`, summed, when that is above 1).
 
         A frozen weight (``requires_grad`` false) has none to compute: backward queues
         nothing for it and this is a no-op. Raises :class:`~moe_overlap.WgradError` when
@@ -397,10 +413,33 @@ class DelayedWgradModule(nn.Module):
                 f"{self.label}: backward_dw expected a pending weight gradient (one per "
                 "backward), received none: called twice, or before backward"
             )
+        calls = self._calls
+        if calls > 1:
+            self._backward_dw_calls(calls)
+            return
         item = self._pending.popleft()
         with torch.no_grad():  # no graph behind the gradient, whoever calls this
             grad_w = item.kernel.wgrad(item.x, item.grad_y)
             accumulate_grad(self.weight, grad_w)
+
+    def _backward_dw_calls(self, calls: int) -> None:
+        """One backward pass's ``calls`` weight gradients: summed in the order they were
+        queued (autograd's order of summing a weight's gradients), accumulated once."""
+        if len(self._pending) < calls:
+            raise WgradError(
+                f"{self.label}: backward_dw expected {calls} pending weight gradients (one per "
+                f"call of the module in a backward pass, calls_per_backward={calls}), "
+                f"received {len(self._pending)}: the module ran fewer times than "
+                "calls_per_backward says, or backward_dw was called twice"
+            )
+        with torch.no_grad():  # no graph behind the gradient, whoever calls this
+            total: Tensor | None = None
+            for _ in range(calls):
+                item = self._pending.popleft()
+                grad_w = item.kernel.wgrad(item.x, item.grad_y)
+                total = grad_w if total is None else total + grad_w
+            assert total is not None
+            accumulate_grad(self.weight, total)
 
     def discard_wgrad(self) -> None:
         """Drop pending weight gradients (after a failed step)."""

@@ -27,6 +27,11 @@ tensor itself and nothing waits. Over NCCL the count exchange is queued on the g
 stream behind the all-to-alls already issued there (the other microbatch's);
 ``count_group``, a second group over the same ranks, lets it skip that queue.
 
+``chunks=K`` (default 1) cuts the microbatch's tokens into ``K`` groups, each permuted,
+sent, run through the experts and returned on its own, so that the next chunk's all-to-all
+runs under this chunk's expert GEMMs inside the mlp slot (see
+:mod:`moe_overlap.blocks._a2a_chunks`). ``K=1`` is the path above, unchanged.
+
 Every step produces a fresh buffer and saves no input for backward, which is what the
 schedule's free-input policy requires. The unpermute is an ``index_select`` by the inverse
 permutation plus a sum over ``K`` (no scatter-add), deterministic on every device.
@@ -44,6 +49,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_overlap import ConfigError, IntegrationError
+from moe_overlap.blocks import _a2a_chunks as _chunked
 from moe_overlap.blocks._delayed_linear import GroupSizes
 from moe_overlap.blocks._loopback import HostLoopback, loopback
 from moe_overlap.blocks._slots import SlotContext
@@ -294,11 +300,38 @@ def _counts(sorted_ids: Tensor, n: int) -> Tensor:
     return torch.searchsorted(sorted_ids, bounds).diff()
 
 
+def _routed(
+    recv_MD: Tensor,
+    probs_M: Tensor,
+    dmeta: DispatchMeta,
+    experts: Callable[[Tensor, GroupSizes, Tensor], Tensor],
+) -> Tensor:
+    """Sort received rows by local expert (a copy), ``experts``, back to received order."""
+    x_MD = recv_MD.index_select(0, dmeta.sort_M)
+    p_M = probs_M.index_select(0, dmeta.sort_M)
+    y_MD = experts(x_MD, dmeta.local_sizes, p_M)
+    return y_MD.index_select(0, dmeta.unsort_M)
+
+
+_CHUNKS = Int(
+    1,
+    hint="1 (the default) sends a microbatch's tokens in one all-to-all; K > 1 in K chunks",
+)
+
+
 class TokenDispatcher:
     """Moves token copies to the ranks holding their experts and back.
 
     ``group`` ``None`` (or of size 1) means no expert parallelism: the all-to-all becomes a
     copy (``alltoall``) or a round trip through pinned host memory (``loopback``).
+    ``chunks`` (default 1): cut each microbatch's tokens into that many contiguous groups
+    (:func:`~moe_overlap.blocks.chunk_sizes`), each dispatched, run through the experts and
+    combined on its own, the next chunk's all-to-all under this chunk's experts (on a side
+    stream, in the mlp slot); the slots' inputs and outputs keep their meaning, except that
+    dispatch sends, and mlp receives, chunk 0 only. With delayed weight gradients, build the
+    experts with ``calls_per_backward=chunks``
+    (:class:`~moe_overlap.blocks.GroupedExperts`), so that their ``K`` weight gradients per
+    microbatch sum as autograd sums them.
     Raises :class:`~moe_overlap.ConfigError` when the EP size does not divide the experts.
     """
 
@@ -310,9 +343,11 @@ class TokenDispatcher:
         kind: DispatcherKind = "alltoall",
         group: dist.ProcessGroup | None = None,
         count_group: dist.ProcessGroup | None = None,
+        chunks: int = 1,
     ) -> None:
         w = "TokenDispatcher"
         num_experts = check_arg(w, "num_experts", num_experts, POSITIVE)
+        chunks = check_arg(w, "chunks", chunks, _CHUNKS)
         topk = check_arg(w, "topk", topk, Int(1, num_experts, max_name="num_experts"))
         kind = check_arg(w, "kind", kind, _KIND)
         check_arg(w, "group", group, _GROUP)
@@ -347,6 +382,10 @@ class TokenDispatcher:
         self.num_experts = num_experts
         self.local_experts = num_experts // ep
         self.topk = topk
+        self.chunks = chunks
+        self.side_streams: dict[torch.device, _chunked.SideStreams] = {}
+        """The side streams of chunked all-to-alls (sends, returns), per device, made at
+        first use."""
 
     @property
     def expert_offset(self) -> int:
@@ -420,7 +459,7 @@ class TokenDispatcher:
         """Undo :meth:`permute`: each token's output is the sum of its ``K`` copies."""
         T, K = meta.num_tokens, meta.topk
         copies_ND = back_ND.index_select(0, meta.inverse_N)
-        return copies_ND.view(T, K, -1).sum(dim=1)
+        return copies_ND.view(T, K, back_ND.shape[-1]).sum(dim=1)
 
     # --- slot-level: the four steps as a layer's slots call them ---------------------------
     def slot_permute(
@@ -428,6 +467,8 @@ class TokenDispatcher:
     ) -> tuple[Tensor, Tensor]:
         """Pre-dispatch: :meth:`permute` and :meth:`plan`, keeping both metadata values in the
         layer state for the later slots."""
+        if self.chunks > 1:
+            return _chunked.slot_permute(self, ctx, hidden_TD, probs_TK, experts_TK)
         tokens_ND, probs_N, meta = self.permute(hidden_TD, probs_TK, experts_TK)
         state = ctx.layer_state
         state.stash(_PERMUTE, meta)
@@ -436,6 +477,8 @@ class TokenDispatcher:
 
     def slot_dispatch(self, ctx: SlotContext, tokens_ND: Tensor, probs_N: Tensor) -> Tensor:
         """Dispatch: the all-to-all; the received probs go to ``layer_state.dispatched_probs``."""
+        if self.chunks > 1:
+            return _chunked.slot_dispatch(self, ctx, tokens_ND, probs_N)
         state = ctx.layer_state
         recv_MD, recv_M = self.dispatch(tokens_ND, probs_N, state.take(_DISPATCH, DispatchMeta))
         state.dispatched_probs = ctx.detach(recv_M)
@@ -468,7 +511,11 @@ class TokenDispatcher:
     ) -> Tensor:
         """Mlp, for experts that weigh their own output: sort by local expert (a copy: the
         input may be freed), ``experts(rows, sizes, probs)`` returning the weighted rows
-        (``sizes`` carries each row's local expert, ``sizes.ids``), back to received order."""
+        (``sizes`` carries each row's local expert, ``sizes.ids``), back to received order.
+        With ``chunks > 1``: chunk by chunk, the neighbouring chunks' all-to-alls on a side
+        stream under each chunk's experts; returns the last chunk's rows."""
+        if self.chunks > 1:
+            return _chunked.slot_routed_experts(self, ctx, recv_MD, experts, _routed)
         state = ctx.layer_state
         dmeta = state.take(_DISPATCH, DispatchMeta)
         probs_M = state.dispatched_probs
@@ -477,13 +524,13 @@ class TokenDispatcher:
                 "TokenDispatcher: the mlp step expected dispatched_probs from slot_dispatch, "
                 "received None"
             )
-        x_MD = recv_MD.index_select(0, dmeta.sort_M)
-        p_M = probs_M.index_select(0, dmeta.sort_M)
-        y_MD = experts(x_MD, dmeta.local_sizes, p_M)
-        return y_MD.index_select(0, dmeta.unsort_M)
+        return _routed(recv_MD, probs_M, dmeta, experts)
 
     def slot_combine(self, ctx: SlotContext, out_MD: Tensor) -> Tensor:
-        """Combine: the all-to-all back and :meth:`unpermute`; each token's MoE output ``[T, D]``."""
+        """Combine: the all-to-all back and :meth:`unpermute`; each token's MoE output ``[T, D]``
+        (with ``chunks > 1``: the last chunk's, then every chunk's output in token order)."""
+        if self.chunks > 1:
+            return _chunked.slot_combine(self, ctx, out_MD)
         state = ctx.layer_state
         pmeta = state.take(_PERMUTE, PermuteMeta)
         dmeta = state.take(_DISPATCH, DispatchMeta)

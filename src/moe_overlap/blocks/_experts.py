@@ -32,7 +32,10 @@ class GroupedExperts(nn.Module):
     ``fc1.weight`` is ``[L, 2F, D]`` (gate and up), ``fc2.weight`` is ``[L, D, F]``; this
     rank holds global experts ``expert_offset .. expert_offset+L-1``. A
     :class:`~moe_overlap.WgradLayer`. ``recompute_activation``: the SwiGLU product
-    recomputed in backward.
+    recomputed in backward. ``calls_per_backward``: how many times the experts run per
+    forward pass (a chunked :class:`~moe_overlap.blocks.TokenDispatcher`'s ``chunks``), so
+    that delayed weight gradients sum as autograd sums them
+    (:attr:`~moe_overlap.blocks.DelayedWgradModule.calls_per_backward`).
     """
 
     def __init__(
@@ -44,6 +47,7 @@ class GroupedExperts(nn.Module):
         expert_offset: int,
         delay_wgrad: bool,
         recompute_activation: bool = False,
+        calls_per_backward: int = 1,
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
     ) -> None:
@@ -55,6 +59,7 @@ class GroupedExperts(nn.Module):
         expert_offset = check_arg(w, "expert_offset", expert_offset, NON_NEGATIVE)
         delay_wgrad = check_arg(w, "delay_wgrad", delay_wgrad, BOOL)
         recompute_activation = check_arg(w, "recompute_activation", recompute_activation, BOOL)
+        calls = check_arg(w, "calls_per_backward", calls_per_backward, POSITIVE)
         dtype = check_arg(w, "dtype", dtype, FLOAT_DTYPE)
         device = check_arg(w, "device", device, OPT_DEVICE)
         self.recompute_activation = recompute_activation
@@ -66,6 +71,8 @@ class GroupedExperts(nn.Module):
         self.fc2 = DelayedWgradGroupedLinear(
             local_experts, ffn, hidden, delay_wgrad=delay_wgrad, dtype=dtype, device=device
         )
+        self.fc1.calls_per_backward = calls
+        self.fc2.calls_per_backward = calls
 
     def forward(self, x_ND: Tensor, sizes: Sequence[int]) -> Tensor:
         """``sizes[l]`` rows of ``x_ND`` go to local expert ``l``, in order."""

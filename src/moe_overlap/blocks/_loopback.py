@@ -40,7 +40,8 @@ class HostLoopback:
     the rows a real EP rank sends off-rank (``(P-1)/P`` of them), the rest are copied on the
     device. The transfer is cut into ``chunks``: each chunk's host-to-device copy runs on a
     side stream while the next chunk goes device-to-host, as the send and receive of an
-    all-to-all overlap; the calling stream waits for the side stream before the call
+    all-to-all overlap; the calling stream waits for the side stream (one per calling
+    stream, so callers on different streams do not wait for each other) before the call
     returns. Staging blocks come from PyTorch's caching host allocator, which keeps each
     alive until the copies queued on it finish, so calls on any streams are safe. On CPU,
     two plain copies. ``calls`` and ``bytes_moved`` count what it did.
@@ -59,7 +60,9 @@ class HostLoopback:
         self.mode = check_arg(w, "mode", mode, _MODE)
         self.calls = 0
         self.bytes_moved = 0
-        self._side: dict[torch.device, torch.cuda.Stream] = {}
+        # One side stream per calling stream: callers on different streams (a chunked
+        # dispatcher's send and return lanes) do not wait for each other's copies.
+        self._side: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
 
     def __call__(self, x: Tensor) -> Tensor:
         x = x.contiguous()
@@ -68,7 +71,8 @@ class HostLoopback:
             return x.clone()
         out = torch.empty_like(x)
         rows = x.shape[0] if x.dim() else 1
-        flat, flat_out = x.view(rows, -1), out.view(rows, -1)
+        cols = math.prod(x.shape[1:]) if x.dim() else 1  # not -1: rows may be 0
+        flat, flat_out = x.view(rows, cols), out.view(rows, cols)
         remote = rows if self.remote_rows is None else min(self.remote_rows, rows)
         if remote < rows:
             flat_out[remote:].copy_(flat[remote:])
@@ -78,7 +82,7 @@ class HostLoopback:
             return out
         host = torch.empty((remote, flat.shape[1]), dtype=x.dtype, pin_memory=True)
         cur = torch.cuda.current_stream(x.device)
-        side = self._side_stream(x.device)
+        side = self._side_stream(x.device, cur)
         step = max(1, math.ceil(remote / self.chunks))
         for lo in range(0, remote, step):
             hi = min(remote, lo + step)
@@ -91,10 +95,11 @@ class HostLoopback:
         cur.wait_stream(side)
         return out
 
-    def _side_stream(self, device: torch.device) -> torch.cuda.Stream:
-        side = self._side.get(device)
+    def _side_stream(self, device: torch.device, caller: torch.cuda.Stream) -> torch.cuda.Stream:
+        key = (device, int(caller.stream_id))
+        side = self._side.get(key)
         if side is None:
-            side = self._side[device] = _new_stream(device)
+            side = self._side[key] = _new_stream(device)
         return side
 
 

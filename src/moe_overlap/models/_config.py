@@ -45,6 +45,9 @@ class GPTMoEConfig:
     and the schedule follows them (a ``ScheduleOptions.delay_wgrad_compute`` that says
     otherwise is an error).
     ``moe_aux_loss_coeff`` 0 turns the load-balancing loss off.
+    ``moe_a2a_chunks`` ``K`` > 1 cuts each microbatch's tokens into ``K`` groups whose
+    all-to-alls run under the previous group's expert GEMMs
+    (:class:`~moe_overlap.blocks.TokenDispatcher`'s ``chunks``); 1 is one all-to-all.
     Every field is checked at construction (``ConfigError`` naming the field, what it
     expects and what it received): ints are ints (not bools; NumPy integers are taken as
     ints), flags are bools, reals finite, choices among the listed ones. ``attention`` ``math``
@@ -74,6 +77,7 @@ class GPTMoEConfig:
     dtype: torch.dtype = torch.float32
     delay_wgrad_compute: bool = False
     recompute: tuple[RecomputePart, ...] = ()
+    moe_a2a_chunks: int = 1
     # FreeInputConfig / ModelConfigLike: what the schedule reads.
     moe_token_dispatcher_type: Literal["alltoall"] = "alltoall"
     moe_flex_dispatcher_backend: None = None
@@ -149,6 +153,9 @@ _FIELDS: dict[str, Spec[object]] = {
     ),
     "delay_wgrad_compute": BOOL,
     "recompute": RecomputeParts("GPTMoEConfig.recompute"),
+    "moe_a2a_chunks": Int(
+        1, hint="1 (the default) sends a microbatch's tokens in one all-to-all; K > 1 in K chunks"
+    ),
     "moe_token_dispatcher_type": OneOf(("alltoall",)),
     "moe_flex_dispatcher_backend": NONE,
     "fp8": NONE,

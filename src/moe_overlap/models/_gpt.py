@@ -128,6 +128,7 @@ class GPTMoEModel(MegatronHooks, nn.Module):
             kind=c.dispatcher,
             group=ep_group,
             count_group=count_group,
+            chunks=c.moe_a2a_chunks,
         )
         self.embedding = nn.Embedding(c.vocab_size, c.hidden_size, dtype=c.dtype, device=dev)
         layers: list[GPTLayer] = [

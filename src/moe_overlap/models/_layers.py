@@ -256,6 +256,11 @@ class MoELayer(MoESlots, nn.Module):
         dispatch:     all-to-all (tokens, probs)      -> stashes dispatched_probs
         mlp:          local sort, experts, * probs, unsort
         combine:      all-to-all back, unpermute, + residual h (+ shared)
+
+    With ``config.moe_a2a_chunks`` K > 1 the dispatcher does this per token group: dispatch
+    sends group 0, mlp runs each group's experts with the next group's all-to-all and the
+    previous group's return under them (a side stream), combine returns the last group and
+    concatenates (see :class:`~moe_overlap.blocks.TokenDispatcher`).
     """
 
     def __init__(
@@ -268,16 +273,21 @@ class MoELayer(MoESlots, nn.Module):
         super().__init__()
         device = _check_layer("MoELayer", config, index, device)
         check_arg("MoELayer", "dispatcher", dispatcher, _DISPATCHER)
-        if (dispatcher.num_experts, dispatcher.topk) != (
+        if (dispatcher.num_experts, dispatcher.topk, dispatcher.chunks) != (
             config.num_experts,
             config.moe_router_topk,
+            config.moe_a2a_chunks,
         ):
             raise refuse(
                 "MoELayer: dispatcher",
-                f"a TokenDispatcher of the config's num_experts={config.num_experts} and "
-                f"topk={config.moe_router_topk}",
+                f"a TokenDispatcher of the config's num_experts={config.num_experts}, "
+                f"topk={config.moe_router_topk} and chunks={config.moe_a2a_chunks} "
+                "(moe_a2a_chunks)",
                 dispatcher,
-                detail=f"num_experts={dispatcher.num_experts}, topk={dispatcher.topk}",
+                detail=(
+                    f"num_experts={dispatcher.num_experts}, topk={dispatcher.topk}, "
+                    f"chunks={dispatcher.chunks}"
+                ),
             )
         c = config
         self.config = config
@@ -313,6 +323,7 @@ class MoELayer(MoESlots, nn.Module):
             expert_offset=dispatcher.expert_offset,
             delay_wgrad=c.delay_wgrad_compute,
             recompute_activation="activation" in c.recompute,
+            calls_per_backward=c.moe_a2a_chunks,  # the experts run once per chunk
             dtype=c.dtype,
             device=device,
         )
