@@ -368,21 +368,38 @@ def measure(
 
 
 def _grads_vs(b: Bench, reference: Callable[[], object], fn: Callable[[], object]) -> JsonDict:
-    """One step of each from zero gradients: are ``fn``'s gradients bit-identical to
-    ``reference``'s (and the largest difference)."""
+    """One step of each from zero gradients under ``torch.use_deterministic_algorithms``
+    (warn-only): are ``fn``'s gradients bit-identical to ``reference``'s; the largest
+    difference, and the run-to-run floor (``reference`` run twice)."""
     params = [p for p in b.model.parameters() if p.requires_grad]
     got: list[list[torch.Tensor]] = []
-    for run in (reference, fn):
-        b.model.zero_grad(set_to_none=False)
-        run()
-        _sync(b.device)
-        got.append([p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params])
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        for run in (reference, reference, fn):
+            b.model.zero_grad(set_to_none=False)
+            run()
+            _sync(b.device)
+            got.append(
+                [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+            )
+    finally:
+        torch.use_deterministic_algorithms(was)
     b.model.zero_grad(set_to_none=False)
-    diff = max(
-        ((x.float() - y.float()).abs().max().item() for x, y in zip(*got, strict=True)), default=0.0
-    )
-    same = all(torch.equal(x, y) for x, y in zip(*got, strict=True))
-    return {"bit_identical": same, "max_abs_diff": diff, "tensors": len(params)}
+
+    def diff(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> float:
+        return max(
+            ((x.float() - y.float()).abs().max().item() for x, y in zip(xs, ys, strict=True)),
+            default=0.0,
+        )
+
+    return {
+        "deterministic_algorithms": True,
+        "bit_identical": all(torch.equal(x, y) for x, y in zip(got[0], got[2], strict=True)),
+        "max_abs_diff": diff(got[0], got[2]),
+        "reference_run_to_run_max_abs_diff": diff(got[0], got[1]),
+        "tensors": len(params),
+    }
 
 
 def _ordered(order: ScheduleOrder) -> ScheduleOptions:
