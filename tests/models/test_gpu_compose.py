@@ -38,6 +38,7 @@ def _model(recompute: tuple[str, ...], delay: bool, compiled: bool) -> GPTMoEMod
     return model
 
 
+@pytest.mark.parametrize("fill_drain", [False, True])
 @pytest.mark.parametrize(
     ("recompute", "delay", "compiled"),
     [
@@ -46,7 +47,10 @@ def _model(recompute: tuple[str, ...], delay: bool, compiled: bool) -> GPTMoEMod
         ((), False, True),
     ],
 )
-def test_cuda_compose_parity(recompute: tuple[str, ...], delay: bool, compiled: bool) -> None:
+def test_cuda_compose_parity(
+    recompute: tuple[str, ...], delay: bool, compiled: bool, fill_drain: bool
+) -> None:
+    """``fill_drain`` with recompute: the memory-bounded fill/drain of issue 27, part 3."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     torch._dynamo.reset()
@@ -56,7 +60,11 @@ def test_cuda_compose_parity(recompute: tuple[str, ...], delay: bool, compiled: 
         mbs = [Microbatch(input_ids=x, labels=x.roll(-1, 1)) for x in xs]
         scheduled = _model(recompute, delay, compiled)
         losses = combined_1f1b(
-            scheduled, mbs, options=scheduled.schedule_options(), streams=make_streams("cuda")
+            scheduled,
+            mbs,
+            options=scheduled.schedule_options(),
+            streams=make_streams("cuda"),
+            fill_drain=fill_drain,
         )
         plain = _model(recompute, delay, compiled)
         for mb, got in zip(mbs, losses, strict=True):
