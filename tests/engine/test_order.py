@@ -242,6 +242,12 @@ def test_search_brute_force_agrees_on_one_layer() -> None:
 def test_search_with_early_release_keeps_orders_that_release_early() -> None:
     found = search_order(_shape("mm"), _random_durations(5, 2), early_attn_release=True)
     assert found.order.of(PairKind.MIXED, early_attn_release=True).releases_attention_early()
+    # a shape built with early release (a plan's) says so itself
+    early = ChunkShape(
+        layers=tuple(LayerShape(index=i, is_moe=True, early_attn_release=True) for i in range(2))
+    )
+    found = search_order(early, _random_durations(5, 2))
+    assert found.order.of(PairKind.MIXED, early_attn_release=True).releases_attention_early()
 
 
 def test_search_refuses_bad_durations() -> None:

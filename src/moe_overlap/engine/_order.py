@@ -277,12 +277,12 @@ def complete(kind: PairKind, partial: Sequence[SlotStep]) -> PairOrder:
     Megatron-Core's order has it relative to the steps before it (then the order is checked)."""
     have = set(partial)
     full = list(partial)
-    for s in _MEGATRONS[kind].steps:
+    mega = _MEGATRONS[kind].steps
+    for i, s in enumerate(mega):
         if s in have:
             continue
         # after the last step placed that Megatron's order has before s
-        mega = _MEGATRONS[kind].steps
-        earlier = set(mega[: mega.index(s)])
+        earlier = set(mega[:i])
         at = max((i + 1 for i, t in enumerate(full) if t in earlier), default=0)
         full.insert(at, s)
         have.add(s)

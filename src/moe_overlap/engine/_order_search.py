@@ -122,7 +122,8 @@ def search_order(
     ``durations``: milliseconds per ``(layer, slot, direction)`` (a missing key takes no
     time). Every valid order of a layer's steps is replayed over the whole chunk (the same
     order in every layer); Megatron-Core's order is kept unless another is strictly faster.
-    With ``early_attn_release`` only mixed orders that release attention early are tried.
+    With ``early_attn_release``, or a shape whose layers release attention early, only
+    mixed orders that release attention early are tried.
     """
     shape = check_arg("search_order", "shape", shape, Instance(ChunkShape, "a ChunkShape"))
     durations = _checked(durations)
@@ -131,20 +132,19 @@ def search_order(
     megatron_ms: dict[PairKind, float] = {}
     found_ms: dict[PairKind, float] = {}
     tried: dict[PairKind, int] = {}
+    # A shape built with early release refuses mixed orders that do not release early.
+    early = early_attn_release or any(layer.early_attn_release for layer in shape.layers)
     for kind in PairKind:
         base = ScheduleOrder()
+        if early and kind is PairKind.MIXED:
+            base = ScheduleOrder(mixed=PairOrder.megatron(kind, early_attn_release=True))
         best_ms = makespan(_run_steps(kind, _with_order(shape, base)), duration)
-        if kind is PairKind.MIXED and early_attn_release:
-            mega = PairOrder.megatron(kind, early_attn_release=True)
-            best_ms = makespan(
-                _run_steps(kind, _with_order(shape, ScheduleOrder(mixed=mega))), duration
-            )
         megatron_ms[kind] = best_ms
         best: PairOrder | None = None
         count = 0
         for partial in valid_orders(kind, _present(kind, shape)):
             candidate = complete(kind, partial)
-            early_only = early_attn_release and kind is PairKind.MIXED
+            early_only = early and kind is PairKind.MIXED
             if early_only and not candidate.releases_attention_early():
                 continue
             count += 1
@@ -167,19 +167,22 @@ def _checked(durations: object) -> dict[SlotKey, float]:
     out: dict[SlotKey, float] = {}
     items = cast("Mapping[object, object]", durations)
     for key, value in items.items():
-        wrong = refuse("search_order: durations key", "(layer: int | None, Slot, Direction)", key)
-        if not isinstance(key, tuple) or len(cast("tuple[object, ...]", key)) != 3:
-            raise wrong
-        layer, slot, direction = cast("tuple[object, object, object]", key)
+        layer, slot, direction = _key_parts(key)
         int_layer = isinstance(layer, int) and not isinstance(layer, bool)
-        if not (layer is None or int_layer) or not isinstance(slot, Slot):
-            raise wrong
-        if not isinstance(direction, Direction):
-            raise wrong
+        ok = (layer is None or int_layer) and isinstance(slot, Slot)
+        if not ok or not isinstance(direction, Direction):
+            raise refuse("search_order: durations key", "(layer: int | None, Slot, Direction)", key)
         out[(cast("int | None", layer), slot, direction)] = check_arg(
             "search_order", f"durations[{key}]", value, _MS
         )
     return out
+
+
+def _key_parts(key: object) -> tuple[object, object, object]:
+    """A durations key's three parts (three ``None`` when it is not a 3-tuple)."""
+    if isinstance(key, tuple) and len(cast("tuple[object, ...]", key)) == 3:
+        return cast("tuple[object, object, object]", key)
+    return (None, None, None)
 
 
 _MS = Real(min=0.0)

@@ -184,8 +184,11 @@ def _order_of(
             "with one ScheduleOptions.order, received different orders; build every plan of "
             "a schedule with the same options"
         )
-    order = next(iter(orders), None) or ScheduleOrder()
+    order = next(iter(orders), None) or _MEGATRON_ORDER
     return order.of(kind, early_attn_release=early_attn_release)
+
+
+_MEGATRON_ORDER = ScheduleOrder()
 
 
 def _chunk_step(role: Role, slot: Slot, direction: Direction) -> Step:
