@@ -169,8 +169,9 @@ def _checked(durations: object) -> dict[SlotKey, float]:
     for key, value in items.items():
         layer, slot, direction = _key_parts(key)
         int_layer = isinstance(layer, int) and not isinstance(layer, bool)
-        ok = (layer is None or int_layer) and isinstance(slot, Slot)
-        if not ok or not isinstance(direction, Direction):
+        if not (layer is None or int_layer):
+            slot = None  # refused below
+        if not isinstance(slot, Slot) or not isinstance(direction, Direction):
             raise refuse("search_order: durations key", "(layer: int | None, Slot, Direction)", key)
         out[(cast("int | None", layer), slot, direction)] = check_arg(
             "search_order", f"durations[{key}]", value, _MS
