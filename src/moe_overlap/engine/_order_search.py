@@ -168,10 +168,8 @@ def _checked(durations: object) -> dict[SlotKey, float]:
     items = cast("Mapping[object, object]", durations)
     for key, value in items.items():
         layer, slot, direction = _key_parts(key)
-        int_layer = isinstance(layer, int) and not isinstance(layer, bool)
-        if not (layer is None or int_layer):
-            slot = None  # refused below
-        if not isinstance(slot, Slot) or not isinstance(direction, Direction):
+        layer_ok = layer is None or (isinstance(layer, int) and not isinstance(layer, bool))
+        if not layer_ok or not isinstance(slot, Slot) or not isinstance(direction, Direction):
             raise refuse("search_order: durations key", "(layer: int | None, Slot, Direction)", key)
         out[(cast("int | None", layer), slot, direction)] = check_arg(
             "search_order", f"durations[{key}]", value, _MS
