@@ -330,15 +330,7 @@ def measure(
         critical_path_ms(fill_drain_runs(n), rc_rec.shapes, rc_rec.durations()),
         m,
     )
-    rc_row["grads_vs_serial"] = _grads_vs(
-        b,
-        lambda: step(b, overlap=False),
-        _switched(
-            lambda: model.set_recompute(True),
-            lambda: model.set_recompute(False),
-            lambda: step(b, overlap=True, fill_drain=True),
-        ),
-    )
+    rc_row["grads_vs_serial"] = _grads_vs(b, fns["serial"], fns["fill_drain_recompute"])
     res["fill_drain_recompute"] = rc_row
     g_durations = graph_rec.durations()
     res["graphs"] = {
