@@ -19,9 +19,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from moe_overlap import Microbatch, combined_1f1b, make_streams
-from moe_overlap.blocks import finish_wgrad
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel
-from tests.models._helpers import GPU_BF16
+from tests.models._helpers import GPU_BF16, assert_matches_plain, deterministic_cuda
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,12 +30,8 @@ pytestmark = [
 
 @pytest.fixture
 def _deterministic_cuda() -> Iterator[None]:
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic_cuda():
         yield
-    finally:
-        torch.use_deterministic_algorithms(False)
 
 
 def _batches(n: int, batch: int, seq: int, vocab: int) -> list[Microbatch]:
@@ -66,16 +61,7 @@ def test_cuda_chunked_schedule_bit_identical(chunks: int, delay: bool, fill_drai
         streams=make_streams("cuda"),
         fill_drain=fill_drain,
     )
-    for mb, got in zip(mbs, losses, strict=True):
-        assert mb.input_ids is not None
-        loss = plain(mb.input_ids, labels=mb.labels)
-        loss.backward()
-        finish_wgrad(plain)
-        assert torch.equal(got, loss.detach().float())
-    torch.cuda.synchronize()
-    for (name, a), b in zip(scheduled.named_parameters(), plain.parameters(), strict=True):
-        assert a.grad is not None and b.grad is not None, name
-        assert torch.equal(a.grad, b.grad), name
+    assert_matches_plain(scheduled, plain, mbs, losses)
 
 
 # --- overlap: the copies of the next/previous chunk run under this chunk's kernels -------

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +14,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from moe_overlap import Microbatch, combined_1f1b
+from moe_overlap.blocks import finish_wgrad
 from moe_overlap.engine._plain_check import first_step_outcome
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel, MoELayer
 from moe_overlap.wgrad import check_wgrad_done
@@ -37,6 +41,40 @@ GPU_BF16 = GPTMoEConfig(
     dtype=torch.bfloat16,
 )
 """The GPU tests' model: bf16, every layer MoE with a shared expert."""
+
+
+@contextmanager
+def deterministic_cuda() -> Iterator[None]:
+    """``torch.use_deterministic_algorithms`` for the block (cuBLAS workspace set)."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def assert_same_grads(a: nn.Module, b: nn.Module) -> None:
+    """Every parameter of ``a`` has a gradient bit-identical to ``b``'s (after a sync)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        assert torch.equal(p.grad, q.grad), name
+
+
+def assert_matches_plain(
+    scheduled: GPTMoEModel, plain: GPTMoEModel, mbs: Sequence[Microbatch], losses: Sequence[Tensor]
+) -> None:
+    """``plain`` trained per microbatch with ``backward()`` (its delayed wgrad finished)
+    gives the schedule's ``losses`` and ``scheduled``'s gradients, bit for bit."""
+    for mb, got in zip(mbs, losses, strict=True):
+        assert mb.input_ids is not None
+        loss = plain(mb.input_ids, labels=mb.labels)
+        loss.backward()
+        finish_wgrad(plain)
+        assert torch.equal(got, loss.detach().float())
+    assert_same_grads(scheduled, plain)
 
 
 def microbatches(

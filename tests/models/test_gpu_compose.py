@@ -14,9 +14,8 @@ import torch
 import torch._dynamo
 
 from moe_overlap import Microbatch, combined_1f1b, make_streams
-from moe_overlap.blocks import finish_wgrad
 from moe_overlap.models import GPTMoEModel
-from tests.models._helpers import GPU_BF16
+from tests.models._helpers import GPU_BF16, assert_matches_plain
 
 pytestmark = [
     pytest.mark.gpu,
@@ -67,16 +66,7 @@ def test_cuda_compose_parity(
             fill_drain=fill_drain,
         )
         plain = _model(recompute, delay, compiled)
-        for mb, got in zip(mbs, losses, strict=True):
-            assert mb.input_ids is not None
-            loss = plain(mb.input_ids, labels=mb.labels)
-            loss.backward()
-            finish_wgrad(plain)
-            assert torch.equal(got, loss.detach().float())
-        torch.cuda.synchronize()
-        for a, b in zip(scheduled.parameters(), plain.parameters(), strict=True):
-            assert a.grad is not None and b.grad is not None
-            assert torch.equal(a.grad, b.grad)
+        assert_matches_plain(scheduled, plain, mbs, losses)
     finally:
         torch.use_deterministic_algorithms(False)
         torch._dynamo.reset()

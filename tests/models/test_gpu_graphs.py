@@ -7,7 +7,6 @@ Skipped without a GPU (run on the lent H200).
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,7 +23,7 @@ from moe_overlap import (
 )
 from moe_overlap.blocks import discard_wgrad, finish_wgrad
 from moe_overlap.models import GPTMoEModel
-from tests.models._helpers import GPU_BF16
+from tests.models._helpers import GPU_BF16, assert_same_grads, deterministic_cuda
 
 pytestmark = [
     pytest.mark.gpu,
@@ -36,12 +35,8 @@ ALL = (CudaGraphModule.attn, CudaGraphModule.moe_router, CudaGraphModule.mlp)
 
 @pytest.fixture(autouse=True)
 def _deterministic() -> Iterator[None]:
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
-    try:
+    with deterministic_cuda():
         yield
-    finally:
-        torch.use_deterministic_algorithms(False)
 
 
 def _model(
@@ -97,13 +92,6 @@ def _refused(model: GPTMoEModel, mbs: list[Microbatch], match: str) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def _assert_same(a: GPTMoEModel, b: GPTMoEModel) -> None:
-    torch.cuda.synchronize()
-    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
-        assert p.grad is not None and q.grad is not None, name
-        assert torch.equal(p.grad, q.grad), name
-
-
 @pytest.mark.parametrize("how", ["plain", "1f1b", "fill_drain"])
 @pytest.mark.parametrize("delay", [False, True])
 @pytest.mark.parametrize(
@@ -120,7 +108,7 @@ def test_graphed_scopes_are_bit_identical_to_eager(
         got = _step(graphed, mbs, how)
         for g, w in zip(got, want, strict=True):
             assert torch.equal(g, w)
-        _assert_same(graphed, eager)
+        assert_same_grads(graphed, eager)
     blocks = graphed.graphed_blocks()
     assert blocks and all(b.stats.eager_calls == 0 for b in blocks)
     # A copy per microbatch of a layer alive at once: one plainly, two in 1F1B, three when
@@ -149,7 +137,7 @@ def test_moved_parameters_are_refused_until_reset() -> None:
     mbs = _microbatches(2, seed=2)
     for g, w in zip(_step(graphed, mbs, "1f1b"), _step(eager, mbs, "1f1b"), strict=True):
         assert torch.equal(g, w)
-    _assert_same(graphed, eager)
+    assert_same_grads(graphed, eager)
 
 
 def test_a_changed_aux_loss_scale_is_refused() -> None:
