@@ -424,6 +424,11 @@ def _search_json(
         "tried": {k.value: v for k, v in search.tried.items()},
         "run_ms_megatron": {k.value: v for k, v in search.megatron_ms.items()},
         "run_ms_found": {k.value: v for k, v in search.found_ms.items()},
+        # The serial step's node durations: what moe_overlap.plan predicts the row from.
+        "serial_slot_durations": [
+            {"layer": k[0], "slot": k[1].value, "direction": k[2].value, "ms": ms}
+            for k, ms in sorted(durations.items(), key=lambda kv: str(kv[0]))
+        ],
     }
     for name, mode in (
         ("overlapped", ScheduleMode.OVERLAPPED),

@@ -12,7 +12,10 @@ rank it
    deterministic algorithms);
 2. times steps of both (median of ``--iters`` after ``--warmup``);
 3. records the prepared schedule's timeline (one Chrome trace per rank) and the share of
-   the step its compute stream was busy: the rest is pipeline bubble plus waiting.
+   the step its compute stream was busy: the rest is pipeline bubble plus waiting;
+4. times the same prepared schedule with every pair run one after the other and keeps its
+   node durations (``serial_slot_durations``): the profile :mod:`moe_overlap.plan` predicts
+   the overlapped step from.
 
 At EP=1 ``--loopback`` gives the all-to-all its bytes through pinned host memory (the
 one-GPU stand-in), so it is a real share of the step. Launch::
@@ -218,6 +221,12 @@ def main() -> None:
     ours = make_schedule(args, model, pp_rank, pp_group, device)
     timeline = Timeline(rank=rank)
     overlap = prepare_schedule(ours, pair=args.schedule == "interleaved", observer=timeline)
+    # The same schedule with every pair run one after the other: its node durations are the
+    # serial profile that moe_overlap.plan predicts the overlapped step from.
+    profiled = GPTMoEModel(config, ep_group=ep_group, device=device)
+    serial = make_schedule(args, profiled, pp_rank, pp_group, device)
+    profile = Timeline(rank=rank)
+    prepare_schedule(serial, pair=args.schedule == "interleaved", overlap=False, observer=profile)
     gen = torch.Generator().manual_seed(ep_rank)
     tokens = torch.randint(
         0, config.vocab_size, (args.batch * args.microbatches, args.seq + 1), generator=gen
@@ -238,6 +247,17 @@ def main() -> None:
     torch_ms = timed(device, lambda: step(torch_schedule, reference), args.warmup, args.iters)
     ours_ms = timed(device, lambda: step(ours, model), args.warmup, args.iters)
     spans = timeline.spans()
+
+    def serial_step() -> None:
+        profiled.zero_grad(set_to_none=True)
+        profile.clear()
+        run_step(serial, x, y, pp_rank)
+
+    serial_ms = timed(device, serial_step, args.warmup, args.iters)
+    durations = [
+        {"layer": k[0], "slot": k[1].value, "direction": k[2].value, "ms": ms}
+        for k, ms in sorted(profile.slot_durations().items(), key=lambda kv: str(kv[0]))
+    ]
     last = ours_ms[-1] if ours_ms else float("nan")
     row: dict[str, object] = {
         "rank": rank,
@@ -245,6 +265,9 @@ def main() -> None:
         "ep_rank": ep_rank,
         "torch_step_ms": statistics.median(torch_ms) if torch_ms else None,
         "overlapped_step_ms": statistics.median(ours_ms) if ours_ms else None,
+        "overlapped_step_ms_samples": ours_ms,
+        "serial_prepared_step_ms": statistics.median(serial_ms) if serial_ms else None,
+        "serial_slot_durations": durations,
         "overlap_f_b_actions": overlap.paired,
         "comp_busy_ms": busy_ms(spans, StreamKind.COMP),
         "comm_busy_ms": busy_ms(spans, StreamKind.COMM),
