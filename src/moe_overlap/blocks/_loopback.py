@@ -80,7 +80,7 @@ class HostLoopback:
         if not x.is_cuda:
             flat_out[:remote].copy_(flat[:remote].clone())
             return out
-        host = torch.empty((remote, flat.shape[1]), dtype=x.dtype, pin_memory=True)
+        host = _staging((remote, flat.shape[1]), x.dtype)
         cur = torch.cuda.current_stream(x.device)
         side = self._side_stream(x.device, cur)
         step = max(1, math.ceil(remote / self.chunks))
@@ -104,6 +104,25 @@ class HostLoopback:
 
 
 _new_stream: Callable[[torch.device], torch.cuda.Stream] = torch.cuda.Stream
+
+
+def _staging(shape: tuple[int, int], dtype: torch.dtype) -> Tensor:
+    """A pinned host block, left unfilled also under deterministic algorithms.
+
+    ``torch.use_deterministic_algorithms`` makes ``torch.empty`` fill new memory with NaN,
+    on the host a single-threaded memset of the whole transfer on every call, slower than
+    the copies it stages. Every row of this block is written by the device-to-host copy
+    before the host-to-device copy reads it, so the fill guards nothing here.
+    """
+    # A module whose class defines the flag as a property: no static attribute to type.
+    det = cast("Any", torch.utils.deterministic)
+    if not det.fill_uninitialized_memory:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    det.fill_uninitialized_memory = False
+    try:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    finally:
+        det.fill_uninitialized_memory = True
 
 
 class _LoopbackFn(torch.autograd.Function):
