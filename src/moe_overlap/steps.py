@@ -13,6 +13,7 @@ from moe_overlap.engine import NodeTimer as NodeTimer
 from moe_overlap.engine import OrderSearch as OrderSearch
 from moe_overlap.engine import PairKind as PairKind
 from moe_overlap.engine import PairOrder as PairOrder
+from moe_overlap.engine import ReplayedStep as ReplayedStep
 from moe_overlap.engine import Role as Role
 from moe_overlap.engine import ScheduleMode as ScheduleMode
 from moe_overlap.engine import ScheduleOrder as ScheduleOrder
@@ -33,6 +34,7 @@ from moe_overlap.engine import macro_steps as macro_steps
 from moe_overlap.engine import makespan as makespan
 from moe_overlap.engine import parse_macro as parse_macro
 from moe_overlap.engine import predict_ms as predict_ms
+from moe_overlap.engine import replay as replay
 from moe_overlap.engine import run_pair as run_pair
 from moe_overlap.engine import search_order as search_order
 
@@ -46,6 +48,7 @@ __all__ = [
     "OrderSearch",
     "PairKind",
     "PairOrder",
+    "ReplayedStep",
     "Role",
     "ScheduleMode",
     "ScheduleOrder",
@@ -66,6 +69,7 @@ __all__ = [
     "makespan",
     "parse_macro",
     "predict_ms",
+    "replay",
     "run_pair",
     "search_order",
 ]

@@ -68,10 +68,12 @@ from moe_overlap.engine._order import PairOrder as PairOrder
 from moe_overlap.engine._order import ScheduleOrder as ScheduleOrder
 from moe_overlap.engine._order import SlotStep as SlotStep
 from moe_overlap.engine._order_search import OrderSearch as OrderSearch
+from moe_overlap.engine._order_search import ReplayedStep as ReplayedStep
 from moe_overlap.engine._order_search import SlotKey as SlotKey
 from moe_overlap.engine._order_search import macro_run_steps as macro_run_steps
 from moe_overlap.engine._order_search import makespan as makespan
 from moe_overlap.engine._order_search import predict_ms as predict_ms
+from moe_overlap.engine._order_search import replay as replay
 from moe_overlap.engine._order_search import search_order as search_order
 from moe_overlap.engine._owed_wgrad import check_wgrad_done as check_wgrad_done
 from moe_overlap.engine._owed_wgrad import owed_wgrad as owed_wgrad
@@ -163,6 +165,7 @@ __all__ = [
     "NodeTimer",
     "NoopScheduleNode",
     "OrderSearch",
+    "ReplayedStep",
     "PairKind",
     "PairOrder",
     "PendingWgrad",
@@ -221,6 +224,7 @@ __all__ = [
     "parse_macro",
     "pending_count",
     "predict_ms",
+    "replay",
     "read_inputs",
     "reset_streams",
     "run_pair",

@@ -30,27 +30,53 @@ from ._steps import (
 )
 from .args import NON_NEGATIVE, Instance, Real, check_arg, refuse
 
-__all__ = ["OrderSearch", "SlotKey", "makespan", "predict_ms", "search_order"]
+__all__ = [
+    "OrderSearch",
+    "ReplayedStep",
+    "SlotKey",
+    "makespan",
+    "predict_ms",
+    "replay",
+    "search_order",
+]
 
 SlotKey = tuple["int | None", Slot, Direction]
 """``(layer, slot, direction)``: what a duration is measured for (``layer`` ``None`` for
 pre- and post-process)."""
 
 
-def makespan(steps: list[Step], duration: Callable[[Step], float]) -> float:
-    """The replayed length of one run of ``steps`` (hooks take no time)."""
+class ReplayedStep(NamedTuple):
+    """One step of a replayed run, milliseconds from the run's start."""
+
+    step: Step
+    start_ms: float
+    end_ms: float
+
+
+def replay(steps: list[Step], duration: Callable[[Step], float]) -> list[ReplayedStep]:
+    """Each step of one run of ``steps`` placed on its stream (hooks take no time and are
+    left out): a step starts when its stream is free and, unless it is a delayed
+    weight-gradient step, when the previous step of its microbatch has ended."""
     free = {StreamKind.COMP: 0.0, StreamKind.COMM: 0.0}
     ready = dict.fromkeys(Role, 0.0)
+    out: list[ReplayedStep] = []
     for step in steps:
         if step.stream is StreamKind.HOST:
             continue
-        if step.direction is Direction.WGRAD:
-            free[step.stream] += duration(step)
-            continue
-        end = max(free[step.stream], ready[step.role]) + duration(step)
+        start = free[step.stream]
+        if step.direction is not Direction.WGRAD:
+            start = max(start, ready[step.role])
+        end = start + duration(step)
         free[step.stream] = end
-        ready[step.role] = end
-    return max(free.values())
+        if step.direction is not Direction.WGRAD:
+            ready[step.role] = end
+        out.append(ReplayedStep(step, start, end))
+    return out
+
+
+def makespan(steps: list[Step], duration: Callable[[Step], float]) -> float:
+    """The replayed length of one run of ``steps`` (:func:`replay`'s last end)."""
+    return max((r.end_ms for r in replay(steps, duration)), default=0.0)
 
 
 def _lookup(durations: Mapping[SlotKey, float]) -> Callable[[Step], float]:

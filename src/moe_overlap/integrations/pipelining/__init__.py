@@ -19,14 +19,22 @@ torch 2.11 and 2.13; on another release every function raises
 :class:`~moe_overlap.ConfigError` before touching torch's internals (:func:`check_torch`).
 """
 
-from moe_overlap.integrations.pipelining._lowering import pair_overlap_f_b
+from moe_overlap.integrations.pipelining._lowering import (
+    SCHEDULE_CLASSES,
+    pair_overlap_f_b,
+    schedule_order,
+    stage_rank,
+)
 from moe_overlap.integrations.pipelining._runtime import PipelineOverlap, prepare_schedule
 from moe_overlap.integrations.pipelining._torch import TESTED_TORCH, check_torch
 
 __all__ = [
+    "SCHEDULE_CLASSES",
     "TESTED_TORCH",
     "PipelineOverlap",
     "check_torch",
     "pair_overlap_f_b",
     "prepare_schedule",
+    "schedule_order",
+    "stage_rank",
 ]

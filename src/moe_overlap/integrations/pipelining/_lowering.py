@@ -7,13 +7,24 @@ no stage, no plan; tested on schedule data as torch tests its own lowering.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from torch import nn
 
 from moe_overlap import ConfigError
 from moe_overlap.engine.args import CALLABLE, POSITIVE, Instance, check_arg
 from moe_overlap.integrations.pipelining import _torch
 from moe_overlap.integrations.pipelining._torch import Action, check_torch
 
-__all__ = ["Order", "check_actions", "describe", "pair_overlap_f_b"]
+__all__ = [
+    "SCHEDULE_CLASSES",
+    "Order",
+    "check_actions",
+    "describe",
+    "pair_overlap_f_b",
+    "schedule_order",
+    "stage_rank",
+]
 
 Order = Mapping[int, Sequence["Action | None"]]
 """A compute-only schedule: per rank, its actions and ``None`` bubbles."""
@@ -105,3 +116,119 @@ def describe(action: Action) -> str:
         for a in parts
     ]
     return " with ".join(named) + f" [action {action}]"
+
+
+SCHEDULE_CLASSES = (
+    "ScheduleGPipe",
+    "Schedule1F1B",
+    "ScheduleInterleaved1F1B",
+    "ScheduleLoopedBFS",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleZBVZeroBubble",
+    "ScheduleDualPipeV",
+)
+"""The ``torch.distributed.pipelining`` schedules :func:`schedule_order` lowers."""
+
+_V_SHAPED = ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+_SINGLE = ("ScheduleGPipe", "Schedule1F1B")
+
+
+class _StageData:
+    """What a schedule's constructor reads of a stage, and nothing else (no module run)."""
+
+    def __init__(self, index: int, num_stages: int, pp: int) -> None:
+        self.stage_index = index
+        self.num_stages = num_stages
+        self.group_size = pp
+        self.group_rank = 0
+        self.is_first = index == 0
+        self.is_last = index == num_stages - 1
+        self.submod = nn.Identity()
+
+
+def stage_rank(schedule_class: str, pp: int) -> Callable[[int], int]:
+    """The pipeline rank of each stage: a V (``s`` and ``2 * pp - 1 - s`` on rank ``s``)
+    for ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``, else a loop (``s % pp``)."""
+    if schedule_class in _V_SHAPED:
+        return lambda s: s if s < pp else 2 * pp - 1 - s
+    return lambda s: s % pp
+
+
+def schedule_order(
+    schedule_class: str, *, pp: int, stages_per_rank: int, n_microbatches: int
+) -> dict[int, list[Action | None]]:
+    """torch's own per-rank compute actions of ``schedule_class`` (``pipeline_order``),
+    built by its constructor from stage data alone: no process group, no model.
+
+    ``pp`` pipeline ranks with ``stages_per_rank`` stages each (1 for ``ScheduleGPipe`` and
+    ``Schedule1F1B``, 2 for the V-shaped ``ScheduleZBVZeroBubble`` and
+    ``ScheduleDualPipeV``). ``None`` entries are torch's bubbles; ``REDUCE_GRAD`` actions are
+    dropped. Errors of torch's own checks (a microbatch count the schedule does not take)
+    are raised as :class:`~moe_overlap.ConfigError` naming the schedule.
+    """
+    check_torch()
+    w = "schedule_order"
+    if schedule_class not in SCHEDULE_CLASSES:
+        raise ConfigError(
+            f"{w}: schedule_class must be one of {list(SCHEDULE_CLASSES)}, "
+            f"received {schedule_class!r}"
+        )
+    pp = check_arg(w, "pp", pp, POSITIVE)
+    per = check_arg(w, "stages_per_rank", stages_per_rank, POSITIVE)
+    n_mb = check_arg(w, "n_microbatches", n_microbatches, POSITIVE)
+    need = 1 if schedule_class in _SINGLE else 2 if schedule_class in _V_SHAPED else None
+    if need is not None and per != need:
+        raise ConfigError(
+            f"{w}: {schedule_class} has {need} stage(s) per rank, received "
+            f"stages_per_rank={per}; pass {need}"
+        )
+    n = pp * per
+    rank_of = stage_rank(schedule_class, pp)
+    mine: list[Any] = [_StageData(s, n, pp) for s in range(n) if rank_of(s) == 0]
+    cls = _torch.schedule_class(schedule_class)
+    try:
+        made = cls(mine[0] if need == 1 else mine, n_microbatches=n_mb, loss_fn=_no_loss)
+    except (AssertionError, ValueError, RuntimeError) as e:
+        raise ConfigError(
+            f"{w}: torch's {schedule_class} refused pp={pp}, stages_per_rank={per}, "
+            f"n_microbatches={n_mb}: {e}"
+        ) from None
+    order = _torch.pipeline_order(made)
+    out = {r: [a for a in order[r] if a is None or not _torch.is_reduce_grad(a)] for r in order}
+    _check_complete(out, schedule_class, n, n_mb, rank_of)
+    return out
+
+
+def _check_complete(
+    order: Order, name: str, num_stages: int, n_mb: int, rank_of: Callable[[int], int]
+) -> None:
+    """Each (stage, microbatch) has one forward and one backward (full, or input and
+    weight), on its stage's rank: torch's single-stage schedules keep a ``pipeline_order``
+    for show only, and torch 2.13's ``Schedule1F1B`` shifts the last rank's microbatches."""
+    kinds = _torch.kinds()
+    seen: dict[tuple[int, int], list[str]] = {}
+    for rank, acts in order.items():
+        for action in acts:
+            for a in action.sub_actions or (action,) if action is not None else ():
+                key = (a.stage_index, a.microbatch_index or 0)
+                if rank_of(a.stage_index) != rank or not 0 <= key[1] < n_mb:
+                    raise ConfigError(
+                        f"schedule_order: torch's {name} lists {a} on rank {rank}, outside "
+                        f"its {num_stages} stages x {n_mb} microbatches; use "
+                        "ScheduleInterleaved1F1B with one stage per rank for 1F1B"
+                    )
+                seen.setdefault(key, []).append(str(a.computation_type))
+    full = [str(kinds.forward), str(kinds.full_backward)]
+    split = [str(kinds.forward), str(kinds.backward_input), str(kinds.backward_weight)]
+    for stage in range(num_stages):
+        for mb in range(n_mb):
+            got = sorted(seen.get((stage, mb), []))
+            if got not in (sorted(full), sorted(split)):
+                raise ConfigError(
+                    f"schedule_order: torch's {name} gives stage {stage} microbatch {mb} the "
+                    f"actions {got}, expected one forward and one backward"
+                )
+
+
+def _no_loss(output: object, target: object) -> object:
+    return output

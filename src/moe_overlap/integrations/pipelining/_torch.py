@@ -163,6 +163,17 @@ def kinds() -> Kinds:
     return Kinds(S.FORWARD, S.FULL_BACKWARD, S.BACKWARD_INPUT, S.BACKWARD_WEIGHT, S.OVERLAP_F_B)
 
 
+def schedule_class(name: str) -> Any:
+    """A schedule class of ``torch.distributed.pipelining.schedules`` by name."""
+    return getattr(_schedules(), name)
+
+
+def is_reduce_grad(action: Action) -> bool:
+    """``REDUCE_GRAD`` (torch 2.13's gradient scaling step; 2.11 has none)."""
+    kind = getattr(_schedules(), "REDUCE_GRAD", None)
+    return kind is not None and action.computation_type == kind
+
+
 def overlap_action(forward: Action, backward: Action) -> Action:
     """The ``OVERLAP_F_B`` action of ``(forward, backward)``, as ``ScheduleDualPipeV`` makes it."""
     S = _schedules()

@@ -1,0 +1,87 @@
+"""What the planner is asked about: a parallel layout and a schedule name."""
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+from moe_overlap.engine import ConfigError
+from moe_overlap.engine.args import POSITIVE, check_fields
+
+__all__ = ["Layout", "Schedule"]
+
+
+class Schedule(str, enum.Enum):
+    """The schedules the planner predicts, each lowered by the code that runs it.
+
+    At one pipeline rank (``pp=1``) ``serial``, ``combined_1f1b`` and ``fill_drain`` are the
+    engine's own macro schedules (:func:`moe_overlap.steps.macro_steps`); with ``pp > 1``
+    ``serial`` is torch's interleaved 1F1B (``vpp`` stages per rank) and ``combined_1f1b``
+    the same with neighbouring forwards and backwards paired
+    (:func:`~moe_overlap.integrations.pipelining.pair_overlap_f_b`), as Megatron-Core's
+    combined 1F1B does with virtual stages. The others are torch's schedules as they are
+    (:func:`~moe_overlap.integrations.pipelining.schedule_order`).
+    """
+
+    SERIAL = "serial"
+    COMBINED_1F1B = "combined_1f1b"
+    FILL_DRAIN = "fill_drain"
+    GPIPE = "gpipe"
+    ONE_F_ONE_B = "1f1b"
+    INTERLEAVED_1F1B = "interleaved_1f1b"
+    ZERO_BUBBLE = "zero_bubble"
+    ZBV = "zbv"
+    DUALPIPEV = "dualpipev"
+
+    @classmethod
+    def of(cls, value: "Schedule | str") -> "Schedule":
+        """``value`` as a member (its string value taken too)."""
+        if isinstance(value, Schedule):
+            return value
+        try:
+            return cls(value)
+        except ValueError:
+            raise ConfigError(
+                f"Schedule: expected one of {[s.value for s in cls]}, received {value!r}"
+            ) from None
+
+
+_LAYOUT_SPECS = {
+    "ep": POSITIVE,
+    "pp": POSITIVE,
+    "dp": POSITIVE,
+    "vpp": POSITIVE,
+    "microbatches": POSITIVE,
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    """How the GPUs are used: ``ep * pp * dp`` of them.
+
+    ``vpp`` is the number of model stages per pipeline rank (virtual stages; the V-shaped
+    ``dualpipev`` and ``zbv`` always have 2). Ranks are placed EP innermost, then DP, then
+    PP (an EP group on consecutive GPUs), so an EP group of at most a node's GPUs stays on
+    one node. ``microbatches`` per step per pipeline.
+    """
+
+    ep: int = 1
+    pp: int = 1
+    dp: int = 1
+    vpp: int = 1
+    microbatches: int = 4
+
+    def __post_init__(self) -> None:
+        check_fields(self, _LAYOUT_SPECS)
+
+    @property
+    def gpus(self) -> int:
+        """``ep * pp * dp``."""
+        return self.ep * self.pp * self.dp
+
+    def first_gpu(self, pp_rank: int) -> int:
+        """The global index of pipeline rank ``pp_rank``'s first GPU."""
+        return pp_rank * self.dp * self.ep
+
+    def replace(self, **changes: int) -> "Layout":
+        """A copy with ``changes``."""
+        return dataclasses.replace(self, **changes)

@@ -1,0 +1,219 @@
+"""The planner's answer: :func:`plan` and :class:`Plan`."""
+
+import importlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+from moe_overlap.engine import ConfigError, Direction, Slot, SlotKey, StreamKind
+from moe_overlap.plan._actions import lower
+from moe_overlap.plan._layout import Layout, Schedule
+from moe_overlap.plan._profile import profile_times
+from moe_overlap.plan._simulate import Costs, PlanSpan, RankFigures, simulate
+
+__all__ = ["Plan", "costs_from_profile", "fit_contention", "plan"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A predicted step of ``schedule`` on ``layout`` (milliseconds, bytes)."""
+
+    schedule: Schedule
+    layout: Layout
+    step_ms: float
+    ranks: tuple[RankFigures, ...]
+    spans: tuple[PlanSpan, ...]
+    torch_class: str | None
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The largest share of the step a pipeline rank runs no action."""
+        if not self.step_ms:
+            return 0.0
+        return max(r.bubble_ms for r in self.ranks) / self.step_ms
+
+    @property
+    def peak_activation_bytes(self) -> float:
+        """The largest peak of activation memory over the pipeline ranks."""
+        return max(r.peak_activation_bytes for r in self.ranks)
+
+    def to_json(self) -> dict[str, object]:
+        """The figures (no spans) as JSON-ready data."""
+        return {
+            "schedule": self.schedule.value,
+            "torch_class": self.torch_class,
+            "layout": {
+                "ep": self.layout.ep,
+                "pp": self.layout.pp,
+                "dp": self.layout.dp,
+                "vpp": self.layout.vpp,
+                "microbatches": self.layout.microbatches,
+            },
+            "step_ms": self.step_ms,
+            "bubble_fraction": self.bubble_fraction,
+            "ranks": [r._asdict() for r in self.ranks],
+        }
+
+    def summary(self) -> str:
+        """A few lines for a terminal or a log."""
+        lay = self.layout
+        lines = [
+            f"{self.schedule.value}: EP={lay.ep} PP={lay.pp} DP={lay.dp} VPP={lay.vpp} "
+            f"microbatches={lay.microbatches} ({lay.gpus} GPUs)"
+            + (f", torch {self.torch_class}" if self.torch_class else ""),
+            f"  step {self.step_ms:.1f} ms, bubble up to {100 * self.bubble_fraction:.1f} %",
+            "  rank  busy ms  comp ms  comm ms  bubble ms  peak act GB  (stage, mb) alive",
+        ]
+        for r in self.ranks:
+            lines.append(
+                f"  {r.rank:4d} {r.busy_ms:8.1f} {r.comp_busy_ms:8.1f} {r.comm_busy_ms:8.1f} "
+                f"{r.bubble_ms:10.1f} {r.peak_activation_bytes / 1e9:12.2f} "
+                f"{r.peak_activation_units:6d}"
+            )
+        return "\n".join(lines)
+
+    def to_chrome_trace(self, path: "str | os.PathLike[str]") -> Path:
+        """Write the predicted step as Chrome-trace JSON (Perfetto, chrome://tracing): one
+        process per pipeline rank, a track per stream. Returns the path written."""
+        out = Path(path)
+        events: list[dict[str, object]] = []
+        tid = {StreamKind.COMP: 0, StreamKind.COMM: 1}
+        for r in self.ranks:
+            events.append(
+                {
+                    "name": "process_name",
+                    "ph": "M",
+                    "pid": r.rank,
+                    "args": {"name": f"PP rank {r.rank}"},
+                }
+            )
+            for kind, t in tid.items():
+                events.append(
+                    {
+                        "name": "thread_name",
+                        "ph": "M",
+                        "pid": r.rank,
+                        "tid": t,
+                        "args": {"name": f"{kind.value} stream"},
+                    }
+                )
+        for s in self.spans:
+            events.append(
+                {
+                    "name": s.step,
+                    "cat": s.action,
+                    "ph": "X",
+                    "pid": s.rank,
+                    "tid": tid.get(s.stream, 0),
+                    "ts": round(s.start_ms * 1e3, 3),
+                    "dur": round((s.end_ms - s.start_ms) * 1e3, 3),
+                    "args": {"action": s.action},
+                }
+            )
+        out.write_text(json.dumps({"traceEvents": events}), encoding="utf-8")
+        return out
+
+    def gantt_png(self, path: "str | os.PathLike[str]", *, title: str | None = None) -> Path:
+        """Draw the predicted step (one row per rank and stream; forward blue, backward
+        orange, weight gradients grey) with matplotlib. Returns the path written."""
+        try:
+            matplotlib: Any = importlib.import_module("matplotlib")
+            matplotlib.use("Agg")
+            plt: Any = importlib.import_module("matplotlib.pyplot")
+        except ImportError:
+            raise ConfigError(
+                "Plan.gantt_png: needs matplotlib (pip install matplotlib), or write "
+                "Plan.to_chrome_trace and open it in Perfetto"
+            ) from None
+        out = Path(path)
+        rows = [(r.rank, k) for r in self.ranks for k in (StreamKind.COMP, StreamKind.COMM)]
+        index = {row: i for i, row in enumerate(rows)}
+        colour = {".F@": "tab:blue", ".B@": "tab:orange", ".W@": "tab:grey"}
+        fig, ax = plt.subplots(figsize=(12, 0.45 * len(rows) + 1.2))
+        for s in self.spans:
+            c = next((v for k, v in colour.items() if k in s.step), "tab:green")
+            y = index[(s.rank, s.stream)]
+            ax.barh(y, s.end_ms - s.start_ms, left=s.start_ms, height=0.8, color=c, lw=0)
+        ax.set_yticks(range(len(rows)))
+        ax.set_yticklabels([f"rank {r} {k.value}" for r, k in rows])
+        ax.invert_yaxis()
+        ax.set_xlabel("ms")
+        ax.set_title(title or self.summary().splitlines()[0])
+        fig.tight_layout()
+        fig.savefig(out, dpi=110)
+        plt.close(fig)
+        return out
+
+
+def plan(costs: Costs, layout: Layout, schedule: "Schedule | str") -> Plan:
+    """Predict one training step of ``schedule`` on ``layout`` from ``costs``.
+
+    The schedule is lowered by the code that runs it (the engine's macro steps at one
+    pipeline rank, torch's schedule classes and the library's pairing with a pipeline) and
+    replayed action by action, each action's node steps on two streams with ``costs``'
+    durations (see :mod:`moe_overlap.plan`)."""
+    if not isinstance(cast(object, costs), Costs):
+        raise ConfigError(f"plan: costs must be a Costs, received {type(costs).__name__}")
+    if not isinstance(cast(object, layout), Layout):
+        raise ConfigError(f"plan: layout must be a Layout, received {type(layout).__name__}")
+    which = Schedule.of(schedule)
+    lowered = lower(which, layout)
+    sim = simulate(lowered, costs, layout)
+    return Plan(which, layout, sim.step_ms, sim.ranks, sim.spans, lowered.torch_class)
+
+
+def costs_from_profile(
+    profile: Mapping[SlotKey, float],
+    *,
+    num_layers: int,
+    moe: Sequence[bool] | None = None,
+    comm_contention: float = 0.0,
+    weight_split: bool = False,
+) -> Costs:
+    """Costs from measured node durations (:func:`~moe_overlap.plan.load_profile`),
+    repeated over ``num_layers`` layers (:func:`~moe_overlap.plan.profile_times`). ``moe``
+    per layer; by default a layer is MoE when the profile has a dispatch for it. No
+    activation bytes (memory is predicted from a :class:`~moe_overlap.plan.ModelSpec`)."""
+    times = profile_times(profile, num_layers)
+    if moe is None:
+        moe = [(i, Slot.DISPATCH, Direction.FORWARD) in times for i in range(num_layers)]
+    return Costs(
+        times=times,
+        moe=tuple(moe),
+        comm_contention=comm_contention,
+        weight_split=weight_split,
+    )
+
+
+def fit_contention(
+    costs: Costs,
+    layout: Layout,
+    schedule: "Schedule | str",
+    measured_ms: float,
+    *,
+    upper: float = 2.0,
+) -> float:
+    """The ``comm_contention`` at which :func:`plan` predicts ``measured_ms`` for this
+    overlapped step (bisection on ``[0, upper]``): a machine's figure, measured once on one
+    step and used for other layouts and sizes. Refused when the step is faster than the
+    prediction without contention or slower than with ``upper``."""
+    lo_ms = plan(costs.replace(comm_contention=0.0), layout, schedule).step_ms
+    hi_ms = plan(costs.replace(comm_contention=upper), layout, schedule).step_ms
+    if not lo_ms <= measured_ms <= hi_ms:
+        raise ConfigError(
+            f"fit_contention: expected a measured step between {lo_ms:.3f} ms (no contention) "
+            f"and {hi_ms:.3f} ms (contention {upper}), received {measured_ms:.3f} ms; the "
+            "profile and the step are not of the same model and machine, or the step is "
+            "bound by something the replay does not model (host time)"
+        )
+    lo, hi = 0.0, upper
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        if plan(costs.replace(comm_contention=mid), layout, schedule).step_ms < measured_ms:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2

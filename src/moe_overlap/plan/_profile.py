@@ -1,0 +1,77 @@
+"""Measured node durations as the planner's costs.
+
+A serial step recorded with :class:`moe_overlap.timeline.Timeline` (or a benchmark's
+``serial_slot_durations`` rows, ``{"layer", "slot", "direction", "ms"}``) gives each node's
+milliseconds. A profile of one pipeline stage covers that stage's layers only (a stage
+numbers its layers from 0); :func:`profile_times` repeats it over the model's layers.
+"""
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from typing import cast
+
+from moe_overlap.engine import ConfigError, Direction, Slot, SlotKey
+
+__all__ = ["load_profile", "profile_times"]
+
+
+def _row_key(row: Mapping[str, object], where: str) -> tuple[SlotKey, float]:
+    try:
+        layer = row["layer"]
+        slot = Slot(row["slot"])
+        direction = Direction(row["direction"])
+        ms = row["ms"]
+    except (KeyError, ValueError, TypeError) as e:
+        raise ConfigError(
+            f"{where}: expected rows {{'layer', 'slot', 'direction', 'ms'}} with a known slot "
+            f"and direction, received {dict(row)!r} ({e})"
+        ) from None
+    if (layer is not None and (not isinstance(layer, int) or layer < 0)) or isinstance(ms, bool):
+        raise ConfigError(f"{where}: expected a layer index >= 0 or null, received {dict(row)!r}")
+    if not isinstance(ms, (int, float)) or ms < 0:
+        raise ConfigError(f"{where}: expected milliseconds >= 0, received {dict(row)!r}")
+    return (layer, slot, direction), float(ms)
+
+
+def load_profile(
+    source: "str | os.PathLike[str] | Iterable[Mapping[str, object]]",
+) -> dict[SlotKey, float]:
+    """Node milliseconds per ``(layer, slot, direction)`` from rows, or from a JSON file
+    holding the rows (a list, or an object with ``serial_slot_durations``)."""
+    where = "load_profile"
+    if isinstance(source, (str, os.PathLike)):
+        with open(source, encoding="utf-8") as f:
+            data = cast(object, json.load(f))
+        if isinstance(data, dict) and "serial_slot_durations" in data:
+            data = cast("dict[str, object]", data)["serial_slot_durations"]
+        if not isinstance(data, list):
+            raise ConfigError(f"{where}: expected a JSON list of rows in {os.fspath(source)!r}")
+        source = [cast("dict[str, object]", r) for r in cast("list[object]", data)]
+    out: dict[SlotKey, float] = {}
+    for row in source:
+        key, ms = _row_key(row, where)
+        out[key] = ms
+    if not out:
+        raise ConfigError(f"{where}: expected at least one row, received none")
+    return out
+
+
+def profile_times(profile: Mapping[SlotKey, float], num_layers: int) -> dict[SlotKey, float]:
+    """``profile`` over ``num_layers`` layers: layer ``i`` takes the profile's layer
+    ``i % k`` (``k`` the profile's layer count; the profile's own layers when it has them
+    all). Pre- and post-process rows are kept."""
+    layers = sorted({k[0] for k in profile if k[0] is not None})
+    if layers != list(range(len(layers))):
+        raise ConfigError(
+            f"profile_times: expected the profile's layers numbered 0..k-1, received {layers}"
+        )
+    k = len(layers)
+    if not k:
+        raise ConfigError("profile_times: expected at least one layer in the profile")
+    out: dict[SlotKey, float] = {key: ms for key, ms in profile.items() if key[0] is None}
+    for i in range(num_layers):
+        for (layer, slot, direction), ms in profile.items():
+            if layer == i % k:
+                out[(i, slot, direction)] = ms
+    return out
