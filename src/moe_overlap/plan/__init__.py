@@ -1,24 +1,52 @@
-"""Predict a schedule's step time and memory on layouts you cannot run (yet).
+"""Predict a schedule's step time, bubbles and activation memory on layouts you cannot run.
 
-Work in progress: see docs/planning.md.
+The schedule is never described a second time: one pipeline rank's ``serial``,
+``combined_1f1b`` and ``fill_drain`` are the engine's macro steps, pipelines are torch's
+own schedule classes lowered by their constructors
+(:func:`~moe_overlap.integrations.pipelining.schedule_order`) and, for combined 1F1B, the
+library's pairing. :func:`plan` replays every rank's actions, each action as the engine's
+step list of that chunk run on two streams (:func:`moe_overlap.steps.replay`), from node
+durations: measured (:func:`load_profile` of a serial step, :func:`costs_from_profile`) or
+estimated (:func:`costs_from_model`: a roofline of the GPU and alpha-beta links,
+:class:`ModelSpec`, :class:`Machine`). ``python -m moe_overlap plan --help`` runs it from
+the command line; ``docs/planning.md`` shows what it predicts and how it was validated.
 """
 
 from moe_overlap.plan._layout import Layout, Schedule
-from moe_overlap.plan._plan import Plan, costs_from_profile, fit_contention, plan
+from moe_overlap.plan._machine import MACHINES, Link, Machine, a2a_ms, p2p_ms, roofline_durations
+from moe_overlap.plan._model import PRESETS, LayerKind, ModelSpec, SupportsToDict
+from moe_overlap.plan._plan import (
+    Plan,
+    costs_from_model,
+    costs_from_profile,
+    fit_contention,
+    plan,
+)
 from moe_overlap.plan._profile import load_profile, profile_times
 from moe_overlap.plan._simulate import Costs, PlanSpan, RankFigures, stage_layers
 
 __all__ = [
+    "MACHINES",
+    "PRESETS",
     "Costs",
+    "LayerKind",
     "Layout",
+    "Link",
+    "Machine",
+    "ModelSpec",
     "Plan",
     "PlanSpan",
     "RankFigures",
     "Schedule",
+    "SupportsToDict",
+    "a2a_ms",
+    "costs_from_model",
     "costs_from_profile",
     "fit_contention",
     "load_profile",
+    "p2p_ms",
     "plan",
     "profile_times",
+    "roofline_durations",
     "stage_layers",
 ]

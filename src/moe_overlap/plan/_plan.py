@@ -11,10 +11,12 @@ from typing import Any, cast
 from moe_overlap.engine import ConfigError, Direction, Slot, SlotKey, StreamKind
 from moe_overlap.plan._actions import lower
 from moe_overlap.plan._layout import Layout, Schedule
+from moe_overlap.plan._machine import Machine, p2p_ms, roofline_durations
+from moe_overlap.plan._model import ModelSpec
 from moe_overlap.plan._profile import profile_times
 from moe_overlap.plan._simulate import Costs, PlanSpan, RankFigures, simulate
 
-__all__ = ["Plan", "costs_from_profile", "fit_contention", "plan"]
+__all__ = ["Plan", "costs_from_model", "costs_from_profile", "fit_contention", "plan"]
 
 
 @dataclass(frozen=True)
@@ -217,3 +219,31 @@ def fit_contention(
         else:
             hi = mid
     return (lo + hi) / 2
+
+
+def costs_from_model(
+    model: ModelSpec,
+    machine: Machine,
+    layout: Layout,
+    *,
+    comm_contention: float = 0.0,
+    weight_split: bool = False,
+) -> Costs:
+    """Costs of ``model`` on ``machine`` from the roofline and the alpha-beta links
+    (:func:`~moe_overlap.plan.roofline_durations`): every node's milliseconds at
+    ``layout.ep``, the activation bytes of each layer, and one activation's P2P send within
+    a node and across nodes."""
+    layers = range(model.num_layers)
+    nbytes = float(model.tokens * model.hidden_size * model.dtype_bytes)
+    return Costs(
+        times=roofline_durations(model, machine, ep=layout.ep),
+        moe=tuple(model.is_moe(i) for i in layers),
+        activation_bytes=tuple(model.activation_bytes(model.layer_kind(i)) for i in layers),
+        pre_activation_bytes=model.activation_bytes("pre"),
+        post_activation_bytes=model.activation_bytes("post"),
+        p2p_ms=p2p_ms(machine, nbytes, same_node=True),
+        p2p_node_ms=p2p_ms(machine, nbytes, same_node=False),
+        gpus_per_node=machine.gpus_per_node,
+        comm_contention=comm_contention,
+        weight_split=weight_split,
+    )
