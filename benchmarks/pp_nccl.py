@@ -137,15 +137,23 @@ def run_step(schedule: Any, x: Tensor, y: Tensor, pp_rank: int) -> list[Tensor]:
     return losses
 
 
-def same(a: nn.Module, b: nn.Module, got: list[Tensor], want: list[Tensor]) -> bool:
-    if len(got) != len(want) or not all(torch.equal(g, w) for g, w in zip(got, want, strict=True)):
-        return False
-    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+def differences(a: nn.Module, b: nn.Module, got: list[Tensor], want: list[Tensor]) -> list[str]:
+    """What differs between two runs: the losses, then each parameter's gradient (name and
+    largest absolute difference); empty when bit-identical."""
+    out: list[str] = []
+    if len(got) != len(want):
+        out.append(f"losses: {len(got)} against {len(want)}")
+    else:
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            if not torch.equal(g, w):
+                out.append(f"loss {i}: {g.item()!r} against {w.item()!r}")
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
         if (p.grad is None) != (q.grad is None):
-            return False
-        if p.grad is not None and q.grad is not None and not torch.equal(p.grad, q.grad):
-            return False
-    return True
+            out.append(f"{name}: gradient on one side only")
+        elif p.grad is not None and q.grad is not None and not torch.equal(p.grad, q.grad):
+            diff = (p.grad.float() - q.grad.float()).abs().max().item()
+            out.append(f"{name}: max abs diff {diff:.3e}")
+    return out
 
 
 def busy_ms(spans: list[Span], stream: StreamKind) -> float:
@@ -235,7 +243,8 @@ def main() -> None:
 
     want = run_step(torch_schedule, x, y, pp_rank)
     got = run_step(ours, x, y, pp_rank)
-    flag = torch.tensor([float(same(model, reference, got, want))], device=device)
+    mismatch = differences(model, reference, got, want)
+    flag = torch.tensor([float(not mismatch)], device=device)
     _all_reduce(flag, op=dist.ReduceOp.MIN)
     exact = bool(flag.item())
 
@@ -261,6 +270,7 @@ def main() -> None:
     last = ours_ms[-1] if ours_ms else float("nan")
     row: dict[str, object] = {
         "rank": rank,
+        "mismatch": mismatch[:20],
         "pp_rank": pp_rank,
         "ep_rank": ep_rank,
         "torch_step_ms": statistics.median(torch_ms) if torch_ms else None,
