@@ -2,13 +2,14 @@
 
 For every row of a ``bench_overlap.py`` results.json (its ``serial_slot_durations``) the
 planner predicts the serial, overlapped (``combined_1f1b``) and fill/drain steps, and for
-a ``pp_nccl.py`` pp_results.json the one-GPU DualPipeV step. One figure is fitted, not
+each ``pp_nccl.py`` pp_results.json the one-GPU pipeline step (DualPipeV, or interleaved
+1F1B with its forwards and backwards paired). One figure is fitted, not
 predicted: the machine's ``comm_contention`` (how much longer a copy runs under kernels),
 fitted on one step (``--calibrate``, default the first row's overlapped step) and used for
 every other point. Writes ``predicted_ms`` / ``measured_ms`` per point as JSON::
 
     python benchmarks/plan_validate.py                       # the committed round-9 files
-    python benchmarks/plan_validate.py --bench R/results.json --pp R/pp_single_gpu/pp_results.json
+    python benchmarks/plan_validate.py --bench R/results.json --pp R/pp_results.json ...
 
 Standard library and moe_overlap only (CPU; no GPU needed).
 """
@@ -23,7 +24,14 @@ from typing import cast
 from moe_overlap.plan import Costs, Layout, costs_from_profile, fit_contention, load_profile, plan
 
 ROOT = Path(__file__).resolve().parents[1]
-ROUND = ROOT / "benchmarks" / "results" / "round9"
+RESULTS = ROOT / "benchmarks" / "results"
+ROUND = RESULTS / "round9"
+#: The one-GPU pipeline runs: DualPipeV (5 timed steps) and paired interleaved 1F1B (one
+#: timed step, from the rerun with the gradient diagnostic).
+PP_RUNS = (
+    RESULTS / "round10" / "pp_dualpipev" / "pp_results.json",
+    RESULTS / "round10b" / "pp_results.json",
+)
 Json = dict[str, object]
 
 
@@ -59,28 +67,38 @@ def pp_points(pp: Json) -> list[tuple[str, Costs, Layout, str, float]]:
     profile = load_profile(cast("list[dict[str, object]]", rank["serial_slot_durations"]))
     layers_per_stage = len({k[0] for k in profile if k[0] is not None})
     costs = costs_from_profile(profile, num_layers=2 * layers_per_stage * cast(int, pp["pp"]))
-    layout = Layout(pp=cast(int, pp["pp"]), microbatches=cast(int, pp["microbatches"]))
+    # pp_nccl's "interleaved" is torch's interleaved 1F1B with its forwards and backwards
+    # paired: the planner's combined_1f1b with two stages per rank.
+    dual = pp["schedule"] == "dualpipev"
+    layout = Layout(
+        pp=cast(int, pp["pp"]), vpp=1 if dual else 2, microbatches=cast(int, pp["microbatches"])
+    )
     return [
         (
             f"pp_nccl {pp['schedule']} PP={pp['pp']} N={pp['microbatches']}",
             costs,
             layout,
-            cast(str, pp["schedule"]),
+            "dualpipev" if dual else "combined_1f1b",
             cast(float, rank["overlapped_step_ms"]),
         )
     ]
 
 
+def _shown(path: Path) -> str:
+    path = path.resolve()
+    return str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--bench", type=Path, default=ROUND / "results.json")
-    p.add_argument("--pp", type=Path, default=ROUND / "pp_single_gpu" / "pp_results.json")
+    p.add_argument("--pp", type=Path, nargs="*", default=list(PP_RUNS))
     p.add_argument("--calibrate", type=int, default=1, help="index of the point to fit on")
     p.add_argument("--out", type=Path, default=ROUND / "plan_validation.json")
     args = p.parse_args()
     points = bench_points(json.loads(args.bench.read_text()))
-    if args.pp.exists():
-        points += pp_points(json.loads(args.pp.read_text()))
+    for path in cast("list[Path]", args.pp):
+        points += pp_points(json.loads(path.read_text()))
     calibrate: int = args.calibrate
     name, costs, layout, schedule, measured = points[calibrate]
     contention = fit_contention(costs, layout, schedule, measured)
@@ -111,7 +129,7 @@ def main() -> None:
         "bench": str(
             args.bench.relative_to(ROOT) if args.bench.is_relative_to(ROOT) else args.bench
         ),
-        "pp": str(args.pp.relative_to(ROOT) if args.pp.is_relative_to(ROOT) else args.pp),
+        "pp": [_shown(p) for p in cast("list[Path]", args.pp)],
         "comm_contention": contention,
         "points": rows,
     }

@@ -93,7 +93,7 @@ _SINGLE = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
 def lower(schedule: Schedule, layout: Layout) -> Lowered:
     """``schedule``'s actions on each pipeline rank of ``layout``."""
     pp, n = layout.pp, layout.microbatches
-    if schedule in _MODES and pp == 1 and schedule not in _V:
+    if schedule in _MODES and pp == 1 and layout.vpp == 1:
         steps = macro_steps(n, _MODES[schedule])
         return Lowered({0: [Action(Act.RUN, 0, -1, macro=s) for s in steps]}, 1, {0: 0}, None)
     if schedule is Schedule.FILL_DRAIN:
