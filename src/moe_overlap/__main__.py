@@ -1,6 +1,7 @@
-"""Command line: ``python -m moe_overlap demo`` (also the ``moe-overlap`` script).
+"""Command line: ``python -m moe_overlap demo`` and ``python -m moe_overlap plan`` (also the
+``moe-overlap`` script).
 
-The demo itself is :mod:`moe_overlap.demo`.
+The demo itself is :mod:`moe_overlap.demo`; the planner :mod:`moe_overlap.plan`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from moe_overlap.demo import DemoArgs, run_demo
+from moe_overlap.plan import add_plan_parser, run_plan
 
 __all__ = ["main"]
 
@@ -34,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--dispatcher", choices=("alltoall", "loopback"), default=d.dispatcher)
     demo.add_argument("--seed", type=int, default=d.seed)
     demo.add_argument("--no-progress", dest="progress", action="store_false")
+    add_plan_parser(sub)
     return parser
 
 
@@ -56,6 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             progress=ns.progress,
         )
         return run_demo(args)
+    if ns.command == "plan":
+        return run_plan(ns)
     raise AssertionError(f"unhandled command {ns.command!r}")
 
 

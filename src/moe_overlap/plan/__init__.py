@@ -12,6 +12,7 @@ estimated (:func:`costs_from_model`: a roofline of the GPU and alpha-beta links,
 the command line; ``docs/planning.md`` shows what it predicts and how it was validated.
 """
 
+from moe_overlap.plan._cli import add_plan_parser, run_plan
 from moe_overlap.plan._layout import Layout, Schedule
 from moe_overlap.plan._machine import MACHINES, Link, Machine, a2a_ms, p2p_ms, roofline_durations
 from moe_overlap.plan._model import PRESETS, LayerKind, ModelSpec, SupportsToDict
@@ -40,6 +41,7 @@ __all__ = [
     "Schedule",
     "SupportsToDict",
     "a2a_ms",
+    "add_plan_parser",
     "costs_from_model",
     "costs_from_profile",
     "fit_contention",
@@ -48,5 +50,6 @@ __all__ = [
     "plan",
     "profile_times",
     "roofline_durations",
+    "run_plan",
     "stage_layers",
 ]

@@ -193,6 +193,7 @@ class _Replayer:
             )
             for s, r in enumerate(layers)
         ]
+        self._cache: dict[tuple[object, ...], list[tuple[Step, float, float]]] = {}
         acts = costs.activation_bytes
         self.act_bytes = [sum(acts[i] for i in r) if acts else 0.0 for r in layers]
         if acts:
@@ -235,9 +236,23 @@ class _Replayer:
         )
 
     def run(self, action: Action) -> list[tuple[Step, float, float]]:
-        """The action's replayed steps, from its start. A full backward (``B``, the
-        backward of an ``FB``) includes the weight gradients; ``I`` leaves them to ``W`` when
-        the runtime splits them."""
+        """The action's replayed steps, from its start (one replay per kind of action: the
+        microbatch does not change the durations)."""
+        macro = action.macro
+        key = (
+            action.act,
+            action.stage,
+            action.b_stage,
+            (len(macro.forward), len(macro.backward)) if macro is not None else None,
+        )
+        found = self._cache.get(key)
+        if found is None:
+            found = self._cache[key] = self._run(action)
+        return found
+
+    def _run(self, action: Action) -> list[tuple[Step, float, float]]:
+        """A full backward (``B``, the backward of an ``FB``) includes the weight gradients;
+        ``I`` leaves them to ``W`` when the runtime splits them."""
         shapes = self.shapes
         if action.act is Act.W:
             ms = self.weight_ms(action.stage)
