@@ -268,3 +268,15 @@ def test_command_line(tmp_path: Path) -> None:
     assert [p["schedule"] for p in data["plans"]] == ["serial", "combined_1f1b", "dualpipev"]
     assert (tmp_path / "plan_dualpipev_trace.json").exists()
     assert f"wrote {tmp_path / 'plan.json'}" in done.stdout
+
+
+def test_planning_page_tables_are_current() -> None:
+    """``docs/planning.md``'s tables are the saved JSON's, and the first layout of each model
+    still predicts what the JSON holds (``benchmarks/plan_tables.py --check``)."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "plan_tables.py"), "--check"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
