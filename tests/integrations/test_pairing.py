@@ -78,16 +78,32 @@ def test_interleaved_1f1b_pairs_without_deadlock(pp: int, per_rank: int, n_mb: i
 
 
 def test_a_pair_that_would_deadlock_is_not_made() -> None:
-    """Rank 0 pairs (0F1, 0B0); rank 1's (1B0, 1F1) would then wait on rank 0's pair, which
-    waits on 1B0: a cycle, so rank 1 keeps the two apart."""
+    """Rank 1 pairs its backward with the next forward, (1B0, 1F1), first; rank 0's
+    (0F1, 0B0) would then wait on rank 1's pair, which waits on 0F1: a cycle, so rank 0
+    keeps the two apart."""
     a = _Action.from_str
     order: dict[int, list[_Action | None]] = {
         0: [a("0F0"), a("0F1"), a("0B0"), a("0B1")],
         1: [a("1F0"), a("1B0"), a("1F1"), a("1B1")],
     }
     lowered = pair_overlap_f_b(order, num_stages=2, stage_to_rank=lambda s: s)
-    assert [repr(x) for x in lowered[0]] == ["0F0", "(0F1;0B0)OVERLAP_F_B", "0B1"]
-    assert lowered[1] == order[1]
+    assert lowered[0] == order[0]
+    assert [repr(x) for x in lowered[1]] == ["1F0", "(1F1;1B0)OVERLAP_F_B", "1B1"]
+
+
+def test_a_backward_pairs_with_the_next_forward_first() -> None:
+    """In the steady state every backward is paired with the forward after it, so that a
+    pair waits only for its neighbours' previous pairs (``moe_overlap.plan`` replays it)."""
+    order = _interleaved(4, 2, 16)
+    lowered = pair_overlap_f_b(order, num_stages=8, stage_to_rank=lambda s: s % 4)
+    for rank, acts in order.items():
+        compute = [x for x in acts if x is not None]
+        pairs = [x for x in lowered[rank] if x is not None and x.sub_actions]
+        for p in pairs:
+            assert p.sub_actions is not None
+            f, b = p.sub_actions
+            i, j = compute.index(f), compute.index(b)
+            assert j == i - 1, (rank, f, b)
 
 
 def test_same_microbatch_is_never_paired() -> None:

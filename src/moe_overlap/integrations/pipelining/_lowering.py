@@ -41,9 +41,16 @@ def pair_overlap_f_b(
     one is a forward and the other a full backward of another microbatch (a backward needs
     the loss, hence every forward, of its own microbatch) and the schedule with the pair
     still lowers to communication without a deadlock: torch's own send/recv placement
-    must succeed for every rank, the pair waiting for both of its inputs. The pair is
-    ``(forward, backward)``, as ``ScheduleDualPipeV`` orders its own. Each rank's compute
-    actions keep their order; ranks are paired in rank order.
+    must succeed for every rank, the pair waiting for both of its inputs. Each rank's
+    compute actions keep their order; ranks are paired in rank order.
+
+    A backward is paired with the forward after it first, over every rank; only then a
+    forward with the backward after it. In the steady state of a pipeline the first kind
+    lets every rank's pair wait for its neighbours' previous pairs only; pairing a forward
+    with the next backward first makes a pair wait for the next rank's pair of the same
+    step, so the ranks take turns (``moe_overlap.plan`` predicted 0.65-0.95x of the unpaired
+    step that way, ``docs/planning.md``). The pair is ``(forward, backward)``, as
+    ``ScheduleDualPipeV`` orders its own.
     """
     check_torch()
     w = "pair_overlap_f_b"
@@ -53,26 +60,28 @@ def pair_overlap_f_b(
     kinds = _torch.kinds()
     forward, full_backward = kinds.forward, kinds.full_backward
 
-    def pairable(a: Action | None, b: Action | None) -> Action | None:
+    def pairable(a: Action | None, b: Action | None, first: object) -> Action | None:
         if a is None or b is None or a.sub_actions is not None or b.sub_actions is not None:
             return None
-        found = {a.computation_type, b.computation_type}
-        if found != {forward, full_backward} or a.microbatch_index == b.microbatch_index:
+        if a.computation_type != first or a.microbatch_index == b.microbatch_index:
+            return None
+        if {a.computation_type, b.computation_type} != {forward, full_backward}:
             return None
         f, bwd = (a, b) if a.computation_type == forward else (b, a)
         return _torch.overlap_action(f, bwd)
 
     out: dict[int, list[Action | None]] = {r: list(order[r]) for r in sorted(order)}
-    for rank in sorted(out):
-        i = 0
-        while i + 1 < len(out[rank]):
-            acts = out[rank]
-            pair = pairable(acts[i], acts[i + 1])
-            if pair is not None:
-                trial = {**out, rank: [*acts[:i], pair, *acts[i + 2 :]]}
-                if _lowers(trial, num_stages, stage_to_rank):
-                    out = trial
-            i += 1
+    for first in (full_backward, forward):
+        for rank in sorted(out):
+            i = 0
+            while i + 1 < len(out[rank]):
+                acts = out[rank]
+                pair = pairable(acts[i], acts[i + 1], first)
+                if pair is not None:
+                    trial = {**out, rank: [*acts[:i], pair, *acts[i + 2 :]]}
+                    if _lowers(trial, num_stages, stage_to_rank):
+                        out = trial
+                i += 1
     return out
 
 
