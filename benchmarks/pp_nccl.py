@@ -152,7 +152,13 @@ def differences(a: nn.Module, b: nn.Module, got: list[Tensor], want: list[Tensor
             out.append(f"{name}: gradient on one side only")
         elif p.grad is not None and q.grad is not None and not torch.equal(p.grad, q.grad):
             diff = (p.grad.float() - q.grad.float()).abs().max().item()
-            out.append(f"{name}: max abs diff {diff:.3e}")
+            bad = [
+                side
+                for side, g in (("prepared", p.grad), ("torch's", q.grad))
+                if not bool(torch.isfinite(g).all())
+            ]
+            where = f" (not finite in {' and '.join(bad)})" if bad else ""
+            out.append(f"{name}: max abs diff {diff:.3e}{where}")
     return out
 
 
