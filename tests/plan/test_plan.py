@@ -211,6 +211,8 @@ def test_refusals() -> None:
         Layout(pp=0)
     with pytest.raises(ConfigError, match="Costs.times"):
         Costs(times={(7, Slot.MLP, F_): 1.0}, moe=(True,))
+    with pytest.raises(ConfigError, match=r"Costs.times: the milliseconds of .* received float -1"):
+        Costs(times={(0, Slot.MLP, F_): -1.0}, moe=(True,))
     with pytest.raises(ConfigError, match="Costs.activation_bytes"):
         Costs(times={}, moe=(True, True), activation_bytes=(1.0,))
 

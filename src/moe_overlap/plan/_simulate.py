@@ -30,7 +30,7 @@ from moe_overlap.engine import (
     macro_run_steps,
     replay,
 )
-from moe_overlap.engine.args import BOOL, POSITIVE, Instance, Items, Real, check_fields
+from moe_overlap.engine.args import BOOL, POSITIVE, Instance, Items, Real, check_arg, check_fields
 from moe_overlap.plan._actions import Act, Action, Lowered
 from moe_overlap.plan._layout import Layout
 
@@ -105,7 +105,7 @@ class Costs:
                     f"Costs.times: expected keys (layer in 0..{n - 1} or None, Slot, "
                     f"Direction), received {key!r}"
                 )
-            _MS.check(ms)
+            check_arg("Costs.times", f"the milliseconds of {key!r}", ms, _MS)
 
     @property
     def num_layers(self) -> int:
