@@ -15,7 +15,7 @@ the command line; ``docs/planning.md`` shows what it predicts and how it was val
 from moe_overlap.plan._cli import add_plan_parser, run_plan
 from moe_overlap.plan._layout import Layout, Schedule
 from moe_overlap.plan._machine import MACHINES, Link, Machine, a2a_ms, p2p_ms, roofline_durations
-from moe_overlap.plan._model import PRESETS, LayerKind, ModelSpec, SupportsToDict
+from moe_overlap.plan._model import PRESETS, LayerKind, ModelSpec
 from moe_overlap.plan._plan import (
     Plan,
     costs_from_model,
@@ -39,7 +39,6 @@ __all__ = [
     "PlanSpan",
     "RankFigures",
     "Schedule",
-    "SupportsToDict",
     "a2a_ms",
     "add_plan_parser",
     "costs_from_model",

@@ -11,7 +11,7 @@ gradients are left out.
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Protocol, cast, runtime_checkable
+from typing import Literal, NamedTuple, Protocol, cast
 
 import torch
 
@@ -30,7 +30,7 @@ from moe_overlap.engine.args import (
     refuse,
 )
 
-__all__ = ["PRESETS", "LayerKind", "ModelSpec", "SupportsToDict"]
+__all__ = ["PRESETS", "LayerKind", "ModelSpec"]
 
 LayerKind = Literal["moe", "dense", "pre", "post"]
 """A node's owner: an MoE layer, a dense layer, the pre-process (embedding) or the
@@ -39,9 +39,9 @@ post-process (final norm, LM head, loss)."""
 _LAYER_KINDS: tuple[LayerKind, ...] = ("moe", "dense", "pre", "post")
 
 
-@runtime_checkable
-class SupportsToDict(Protocol):
-    """A configuration object with ``to_dict()`` (a transformers ``PretrainedConfig``)."""
+class _ToDict(Protocol):
+    """A configuration object with ``to_dict()`` (a transformers ``PretrainedConfig``); for
+    the annotation only: the check reads the attribute."""
 
     def to_dict(self) -> Mapping[str, object]:
         """The configuration as a mapping of its fields."""
@@ -487,7 +487,7 @@ class ModelSpec:
     @classmethod
     def from_hf_config(
         cls,
-        config: Mapping[str, object] | SupportsToDict,
+        config: "Mapping[str, object] | _ToDict",
         *,
         seq_len: int,
         micro_batch_size: int = 1,
@@ -622,10 +622,11 @@ _ABSENT = object()
 def _as_mapping(where: str, what: str, value: object) -> Mapping[str, object]:
     if isinstance(value, Mapping):
         return cast(Mapping[str, object], value)
-    if isinstance(value, SupportsToDict):
-        out = value.to_dict()
-        if isinstance(cast(object, out), Mapping):
-            return out
+    to_dict = getattr(value, "to_dict", None)
+    if callable(to_dict):
+        out: object = to_dict()
+        if isinstance(out, Mapping):
+            return cast(Mapping[str, object], out)
     raise refuse(
         f"{where}: {what}",
         "a mapping or an object with to_dict() (a transformers PretrainedConfig)",
