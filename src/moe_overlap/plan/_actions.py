@@ -98,8 +98,9 @@ def lower(schedule: Schedule, layout: Layout) -> Lowered:
         return Lowered({0: [Action(Act.RUN, 0, -1, macro=s) for s in steps]}, 1, {0: 0}, None)
     if schedule is Schedule.FILL_DRAIN:
         raise ConfigError(
-            f"plan: fill_drain runs on one pipeline rank, received pp={pp}; for a pipeline "
-            "pass 'combined_1f1b' (paired interleaved 1F1B) or 'dualpipev'"
+            f"plan: fill_drain runs on one pipeline rank with one stage, received pp={pp}, "
+            f"vpp={layout.vpp}; for a pipeline pass 'combined_1f1b' (paired interleaved 1F1B) "
+            "or 'dualpipev'"
         )
     per = 2 if schedule in _V else 1 if schedule in _SINGLE else layout.vpp
     if schedule in _V + _SINGLE and layout.vpp not in (1, per):
