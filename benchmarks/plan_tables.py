@@ -31,7 +31,7 @@ SEQ = 4096
 SCHEDULES = ("serial", "combined_1f1b", "dualpipev")
 
 
-def _layout(ep: int, pp: int, dp: int, schedule: str) -> Layout:
+def _layout(ep: int, pp: int, dp: int) -> Layout:
     """Two stages per pipeline rank for every schedule (interleaved for serial and combined
     1F1B, a V for DualPipeV), 2 x PP microbatches per pipeline."""
     return Layout(ep=ep, pp=pp, dp=dp, vpp=2, microbatches=2 * pp)
@@ -61,18 +61,18 @@ def model_rows(name: str, machine_name: str) -> list[dict[str, object]]:
     machine = Machine.preset(machine_name)
     rows: list[dict[str, object]] = []
     for gpus, ep, pp, dp in LAYOUTS:
+        layout = _layout(ep, pp, dp)
+        costs = costs_from_model(model, machine, layout)
         row: dict[str, object] = {"gpus": gpus, "ep": ep, "pp": pp, "dp": dp}
         for schedule in SCHEDULES:
-            layout = _layout(ep, pp, dp, schedule)
-            costs = costs_from_model(model, machine, layout)
             p = plan(costs, layout, schedule)
             row[schedule] = {
                 "step_ms": p.step_ms,
                 "bubble_fraction": p.bubble_fraction,
                 "peak_activation_GB": p.peak_activation_bytes / 1e9,
             }
-            row["comm_per_compute"] = _comm_share(costs)
-            row["microbatches"] = layout.microbatches
+        row["comm_per_compute"] = _comm_share(costs)
+        row["microbatches"] = layout.microbatches
         rows.append(row)
         print(f"{name} {gpus} GPUs done", flush=True)
     return rows
@@ -83,10 +83,11 @@ def break_even(name: str, machine_name: str) -> list[dict[str, float]]:
     model = ModelSpec.preset(name, seq_len=SEQ)
     machine = Machine.preset(machine_name)
     _, ep, pp, dp = LAYOUTS[1]
+    layout = _layout(ep, pp, dp)
+    unscaled = costs_from_model(model, machine, layout)
     out: list[dict[str, float]] = []
     for factor in (0.05, 0.25, 0.5, 1.0, 2.0, 4.0):
-        layout = _layout(ep, pp, dp, "serial")
-        costs = _scaled(costs_from_model(model, machine, layout), factor)
+        costs = _scaled(unscaled, factor)
         serial = plan(costs, layout, "serial").step_ms
         point = {"comm_per_compute": _comm_share(costs)}
         for schedule in ("combined_1f1b", "dualpipev"):
@@ -141,12 +142,11 @@ def _stale_rows(data: Any) -> list[str]:
     for (name, machine_name), rows in zip(MODELS, data["models"].values(), strict=True):
         saved = rows[0]
         _, ep, pp, dp = LAYOUTS[0]
+        layout = _layout(ep, pp, dp)
         model = ModelSpec.preset(name, seq_len=SEQ)
+        costs = costs_from_model(model, Machine.preset(machine_name), layout)
         for schedule in SCHEDULES:
-            layout = _layout(ep, pp, dp, schedule)
-            ms = plan(
-                costs_from_model(model, Machine.preset(machine_name), layout), layout, schedule
-            ).step_ms
+            ms = plan(costs, layout, schedule).step_ms
             want = saved[schedule]["step_ms"]
             if abs(ms - want) > 1e-6 * want:
                 out.append(f"{name} {schedule}: {ms} ms now, {want} ms in {OUT.name}")

@@ -1,6 +1,7 @@
 """``python -m moe_overlap plan``: predict schedules on a layout from the command line."""
 
 import argparse
+import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -89,7 +90,7 @@ def _costs(ns: argparse.Namespace, layout: Layout) -> tuple[Costs, str]:
         model = ModelSpec.preset(ns.model, seq_len=ns.seq_len, micro_batch_size=ns.micro_batch_size)
     machine = Machine.preset(ns.machine)
     if ns.mfu is not None:
-        machine = Machine(**{**machine.__dict__, "mfu": ns.mfu})
+        machine = dataclasses.replace(machine, mfu=ns.mfu)
     costs = costs_from_model(
         model,
         machine,

@@ -217,8 +217,8 @@ def _check_complete(
     kinds = _torch.kinds()
     seen: dict[tuple[int, int], list[str]] = {}
     for rank, acts in order.items():
-        for action in acts:
-            for a in action.sub_actions or (action,) if action is not None else ():
+        for action in (x for x in acts if x is not None):
+            for a in action.sub_actions or (action,):
                 key = (a.stage_index, a.microbatch_index or 0)
                 if rank_of(a.stage_index) != rank or not 0 <= key[1] < n_mb:
                     raise ConfigError(
