@@ -778,6 +778,7 @@ def _entries() -> Iterator[Entry]:
             Arg("on_plan", not_callable(optional=True)),
             Arg("observer", JUNK.filter(lambda v: v is not None)),
             Arg("fill_drain", not_bool()),
+            Arg("consensus_group", JUNK.filter(lambda v: v is not None)),
         ),
     )
     yield Entry(

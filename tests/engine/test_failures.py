@@ -193,3 +193,32 @@ def test_non_scalar_loss_is_rejected() -> None:
     with pytest.raises(Exception, match="must return a scalar loss") as info:
         combined_1f1b(model, mbs)
     assert type(info.value).__name__ == "IntegrationError"
+
+
+def test_a_consensus_group_of_one_rank_changes_nothing() -> None:
+    """One rank: nothing can be in flight elsewhere, so the failure is raised as it is and
+    the next step is exact (the multi-rank votes: ``tests/models/test_ep_failures.py``)."""
+    import torch.distributed as dist
+    from torch.distributed import HashStore  # type: ignore[attr-defined]  # pyright: ignore[reportPrivateImportUsage]
+
+    config = ToyConfig()
+    ref = ToyModel(config, "mm")
+    model = copy.deepcopy(ref)
+    install(model, Trap(Slot.MLP, "forward", 1), layer_index=1)
+    dist.init_process_group("gloo", store=HashStore(), rank=0, world_size=1)
+    try:
+        group = dist.new_group([0], backend="gloo")
+        assert isinstance(group, dist.ProcessGroup)
+        with pytest.raises(ScheduleError) as info:
+            combined_1f1b(
+                model, make_microbatches(3, config), on_plan=tag_microbatches, consensus_group=group
+            )
+        assert isinstance(info.value.__cause__, Boom)
+        assert "combined_1f1b step" not in str(info.value)  # its own error, unchanged
+        model.zero_grad(set_to_none=True)
+        next_mbs = make_microbatches(3, config, seed=7)
+        plain_step(ref, next_mbs)
+        combined_1f1b(model, next_mbs, consensus_group=group)
+        assert_same(grads(model), grads(ref))
+    finally:
+        dist.destroy_process_group()

@@ -28,6 +28,9 @@ from moe_overlap.engine._bypass_check import check_module as check_module
 from moe_overlap.engine._chunk_plan import ModelChunkSchedulePlan as ModelChunkSchedulePlan
 from moe_overlap.engine._chunk_plan import run_pair as run_pair
 from moe_overlap.engine._conformance import check_model as check_model
+from moe_overlap.engine._consensus import Phase as Phase
+from moe_overlap.engine._consensus import StepConsensus as StepConsensus
+from moe_overlap.engine._consensus import Verdict as Verdict
 from moe_overlap.engine._debug import DEBUG as DEBUG
 from moe_overlap.engine._driver import combined_1f1b as combined_1f1b
 from moe_overlap.engine._errors import ConfigError as ConfigError
@@ -168,6 +171,7 @@ __all__ = [
     "PairKind",
     "PairOrder",
     "PendingWgrad",
+    "Phase",
     "PlanReleasedError",
     "PostProcessNode",
     "PreProcessNode",
@@ -187,6 +191,7 @@ __all__ = [
     "SlotKey",
     "SlotStep",
     "Step",
+    "StepConsensus",
     "StepObserver",
     "StreamError",
     "StreamKind",
@@ -196,6 +201,7 @@ __all__ = [
     "TransformerLayerSchedulePlan",
     "TypeHintError",
     "ValidatesInputs",
+    "Verdict",
     "WgradError",
     "WgradLayer",
     "WgradScope",

@@ -6,11 +6,13 @@ from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ._bypass_check import check_bypassed
 from ._chunk_plan import ModelChunkSchedulePlan, check_grad_mode, run_pair
 from ._conformance import check_model, checks_memoized
+from ._consensus import Phase, VotedStep
 from ._debug import DEBUG
 from ._errors import ConfigError, IntegrationError
 from ._inputs import check_inputs
@@ -44,6 +46,7 @@ def combined_1f1b(
     on_plan: PlanCallback | None = None,
     observer: StepObserver | None = None,
     fill_drain: bool = False,
+    consensus_group: dist.ProcessGroup | None = None,
 ) -> list[Tensor]:
     """Run forward and backward of every microbatch; return the (detached, fp32) losses.
 
@@ -80,7 +83,57 @@ def combined_1f1b(
     gradients the failed step had accumulated are partial: zero them (and drop any weight
     gradients a delayed-wgrad model still holds) before that next step, as after an
     overflowed mixed-precision step.
+
+    Under expert parallelism that holds only where no all-to-all message of the failed
+    step is left in flight, which one rank cannot know: a failure on one rank leaves its
+    peers in an all-to-all, and the next step's messages can fill it. ``consensus_group``
+    (a process group holding every rank of the model's expert-parallel groups, used for
+    nothing else, e.g. ``dist.new_group(backend="gloo", timeout=...)`` made once and passed
+    to every step) makes the ranks vote after every step, failed or not: one all-reduce of
+    a per-rank flag saying how far the step got, so a step that failed on any rank raises
+    on every rank. Failed on some rank while it communicated: every rank raises a
+    :class:`~moe_overlap.ScheduleError` naming the failed global ranks and the step (the
+    steps voted on the group, counted from 0), and every later call with this model or
+    this group is refused before it communicates; restore a checkpoint into a new model
+    on new process groups. Failed on every rank before it communicated, or after its
+    communication completed: the failing ranks' errors are raised as they are (the others
+    raise a ``ScheduleError``) and the next step is exact after the recovery above. The
+    group's timeout must outlast the expert-parallel groups' (a rank blocked in an
+    all-to-all with a failed peer votes after that timeout). Without ``consensus_group``
+    nothing is voted (a model refused earlier stays refused).
     """
+    vote = VotedStep("combined_1f1b", model, consensus_group)  # refuses a poisoned step
+    return vote.run(
+        lambda: _step(
+            model,
+            microbatches,
+            vote,
+            overlap=overlap,
+            options=options,
+            streams=streams,
+            loss_scale=loss_scale,
+            on_plan=on_plan,
+            observer=observer,
+            fill_drain=fill_drain,
+        )
+    )
+
+
+def _step(
+    model: PreprocessableModel,
+    microbatches: Sequence[Microbatch],
+    vote: VotedStep,
+    *,
+    overlap: bool,
+    options: ScheduleOptions,
+    streams: StreamPair | None,
+    loss_scale: float,
+    on_plan: PlanCallback | None,
+    observer: StepObserver | None,
+    fill_drain: bool,
+) -> list[Tensor]:
+    """:func:`combined_1f1b`'s step: the checks, then the schedule; ``vote.phase`` says how
+    far it got."""
     check_bypassed(model)  # before the Protocol checks: a wrapper's message wins
     with checks_memoized():  # the model and its layers are checked once, not per plan
         model = check_model(model)
@@ -92,6 +145,7 @@ def combined_1f1b(
         check_wgrad_done(
             model, when="before the step (left from an earlier one)", declared=declared
         )
+        vote.phase = Phase.DURING  # from here on, the step communicates
         if DEBUG:  # the model's first step: its schedule and its plain forward agree
             first = [microbatches[0]]
             check_first_step(
@@ -101,6 +155,7 @@ def combined_1f1b(
                 loss_scale,
             )
         losses = _run(model, microbatches, mode, options, streams, loss_scale, on_plan, observer)
+    vote.phase = Phase.AFTER  # every all-to-all of the step completed
     check_wgrad_done(model, when="when combined_1f1b returns", declared=declared)
     return [loss.detach() for loss in losses]
 
