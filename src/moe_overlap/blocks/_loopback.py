@@ -16,6 +16,13 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
+from moe_overlap.engine import (
+    AnyStream,
+    CpuStream,
+    cpu_default_stream,
+    current_stream,
+    stream_context,
+)
 from moe_overlap.engine.args import NON_NEGATIVE, POSITIVE, TENSOR, Instance, OneOf, Opt, check_arg
 
 __all__ = ["HostLoopback", "LoopbackMode", "loopback"]
@@ -44,7 +51,8 @@ class HostLoopback:
     stream, so callers on different streams do not wait for each other) before the call
     returns. Staging blocks come from PyTorch's caching host allocator, which keeps each
     alive until the copies queued on it finish, so calls on any streams are safe. On CPU,
-    two plain copies. ``calls`` and ``bytes_moved`` count what it did.
+    the same copies on :class:`~moe_overlap.streams.CpuStream` s (ordered as on a GPU under
+    the stream-order checker). ``calls`` and ``bytes_moved`` count what it did.
     """
 
     def __init__(
@@ -62,7 +70,7 @@ class HostLoopback:
         self.bytes_moved = 0
         # One side stream per calling stream: callers on different streams (a chunked
         # dispatcher's send and return lanes) do not wait for each other's copies.
-        self._side: dict[tuple[torch.device, int], torch.cuda.Stream] = {}
+        self._side: dict[tuple[object, int], AnyStream] = {}
 
     def __call__(self, x: Tensor) -> Tensor:
         x = x.contiguous()
@@ -77,29 +85,37 @@ class HostLoopback:
         if remote < rows:
             flat_out[remote:].copy_(flat[remote:])
         self.bytes_moved += 2 * remote * flat.shape[1] * x.element_size()
-        if not x.is_cuda:
-            flat_out[:remote].copy_(flat[:remote].clone())
-            return out
-        host = _staging((remote, flat.shape[1]), x.dtype)
-        cur = torch.cuda.current_stream(x.device)
+        if x.is_cuda:
+            host = _staging((remote, flat.shape[1]), x.dtype)
+            cur: AnyStream = torch.cuda.current_stream(x.device)
+        else:  # the same steps on CPU streams: the stream-order checker follows them
+            host = torch.empty((remote, flat.shape[1]), dtype=x.dtype)
+            cur = current_stream(cpu_default_stream())
         side = self._side_stream(x.device, cur)
         step = max(1, math.ceil(remote / self.chunks))
         for lo in range(0, remote, step):
             hi = min(remote, lo + step)
             host[lo:hi].copy_(flat[lo:hi], non_blocking=True)
-            side.wait_stream(cur)
-            with torch.cuda.stream(side):
+            side.wait_stream(cur)  # pyright: ignore[reportArgumentType]  # one device kind
+            with stream_context(side):
                 flat_out[lo:hi].copy_(host[lo:hi], non_blocking=True)
         # The calling stream (which owns out's memory) waits for the side stream's writes, so
-        # anything it runs later, a reuse of out's block included, comes after them.
-        cur.wait_stream(side)
+        # anything it runs later, a reuse of out's block included, comes after them. The
+        # staging block needs nothing: the caching host allocator keeps it until the copies
+        # queued on it are done (and on CPU the side stream's read is ordered by this wait).
+        cur.wait_stream(side)  # pyright: ignore[reportArgumentType]
         return out
 
-    def _side_stream(self, device: torch.device, caller: torch.cuda.Stream) -> torch.cuda.Stream:
-        key = (device, int(caller.stream_id))
+    def _side_stream(self, device: torch.device, caller: AnyStream) -> AnyStream:
+        if isinstance(caller, CpuStream):
+            key: tuple[object, int] = ("cpu", id(caller))
+        else:
+            key = (device, int(caller.stream_id))
         side = self._side.get(key)
         if side is None:
-            side = self._side[key] = _new_stream(device)
+            side = CpuStream("loopback side") if isinstance(caller, CpuStream) else None
+            side = side if side is not None else _new_stream(device)
+            self._side[key] = side
         return side
 
 

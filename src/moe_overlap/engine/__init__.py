@@ -63,6 +63,7 @@ from moe_overlap.engine._microbatch import Microbatch as Microbatch
 from moe_overlap.engine._node import NoopScheduleNode as NoopScheduleNode
 from moe_overlap.engine._node import ScheduleNode as ScheduleNode
 from moe_overlap.engine._node import weak_method as weak_method
+from moe_overlap.engine._node_checks import check_marked as check_marked
 from moe_overlap.engine._options import ChunkHooks as ChunkHooks
 from moe_overlap.engine._options import Hook as Hook
 from moe_overlap.engine._options import ScheduleOptions as ScheduleOptions
@@ -118,17 +119,26 @@ from moe_overlap.engine._steps import chunk_steps as chunk_steps
 from moe_overlap.engine._steps import format_steps as format_steps
 from moe_overlap.engine._steps import forward_pair_steps as forward_pair_steps
 from moe_overlap.engine._steps import layer_pair_steps as layer_pair_steps
+from moe_overlap.engine._stream_check import StreamOrderChecker as StreamOrderChecker
+from moe_overlap.engine._stream_check import StreamOrderError as StreamOrderError
+from moe_overlap.engine._stream_check import active_checker as active_checker
+from moe_overlap.engine._stream_check import stream_order_check as stream_order_check
 from moe_overlap.engine._streams import AnyEvent as AnyEvent
 from moe_overlap.engine._streams import AnyStream as AnyStream
 from moe_overlap.engine._streams import CpuEvent as CpuEvent
 from moe_overlap.engine._streams import CpuStream as CpuStream
 from moe_overlap.engine._streams import StreamPair as StreamPair
+from moe_overlap.engine._streams import cpu_default_stream as cpu_default_stream
+from moe_overlap.engine._streams import current_stream as current_stream
 from moe_overlap.engine._streams import get_comm_stream as get_comm_stream
 from moe_overlap.engine._streams import get_comp_stream as get_comp_stream
 from moe_overlap.engine._streams import make_event as make_event
 from moe_overlap.engine._streams import make_streams as make_streams
+from moe_overlap.engine._streams import record_tensor_on as record_tensor_on
 from moe_overlap.engine._streams import reset_streams as reset_streams
 from moe_overlap.engine._streams import set_streams as set_streams
+from moe_overlap.engine._streams import shake as shake
+from moe_overlap.engine._streams import stream_context as stream_context
 
 __all__ = [
     "DEBUG",
@@ -195,6 +205,8 @@ __all__ = [
     "StepObserver",
     "StreamError",
     "StreamKind",
+    "StreamOrderChecker",
+    "StreamOrderError",
     "StreamPair",
     "StreamProvider",
     "TransformerLayerNode",
@@ -205,14 +217,18 @@ __all__ = [
     "WgradError",
     "WgradLayer",
     "WgradScope",
+    "active_checker",
     "backward_pair_steps",
     "check_bypassed",
     "check_inputs",
+    "check_marked",
     "check_model",
     "check_module",
     "check_wgrad_done",
     "chunk_steps",
     "combined_1f1b",
+    "cpu_default_stream",
+    "current_stream",
     "format_macro",
     "format_steps",
     "forward_pair_steps",
@@ -231,11 +247,15 @@ __all__ = [
     "pending_count",
     "predict_ms",
     "read_inputs",
+    "record_tensor_on",
     "replay",
     "reset_streams",
     "run_pair",
     "search_order",
     "set_streams",
+    "shake",
     "should_free_input",
+    "stream_context",
+    "stream_order_check",
     "weak_method",
 ]

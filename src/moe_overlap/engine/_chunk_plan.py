@@ -32,8 +32,10 @@ from ._steps import (
     chunk_steps,
     forward_pair_steps,
 )
+from ._stream_check import _ACTIVE as _CHECKING  # pyright: ignore[reportPrivateUsage]
 from ._streams import (
     CpuStream,
+    cpu_default_stream,
     StreamPair,
     current_stream,
     make_event,
@@ -53,7 +55,7 @@ _MICROBATCH = Instance(
     "a Microbatch",
     hint="Megatron-Core's positional inputs: moe_overlap.megatron.build_schedule_plan",
 )
-_CPU_STREAMS = StreamPair(comp=CpuStream("comp"), comm=CpuStream("comm"))
+_CPU_STREAMS = StreamPair(comp=cpu_default_stream(), comm=CpuStream("comm"))
 
 
 def default_streams(device: torch.device) -> StreamPair:
@@ -180,6 +182,20 @@ class ModelChunkSchedulePlan:
             has_post_process=self.post_process is not None,
         )
         self.released = False
+        if _CHECKING:
+            self._name_nodes()
+
+    def _name_nodes(self) -> None:
+        """Give every node its place, for the stream-order checker's messages."""
+        chunk = f"microbatch {self.microbatch_index}"
+        if self.vp_stage is not None:
+            chunk += f" of stage {self.vp_stage}"
+        for node in (self.pre_process, self.post_process):
+            if node is not None:
+                node.where = chunk
+        for i, lp in enumerate(self.layers):
+            for node in lp.nodes.values():
+                node.where = f"{chunk}, layer {i}"
 
     def num_layers(self) -> int:
         return len(self.layers)

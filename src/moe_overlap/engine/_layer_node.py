@@ -14,11 +14,17 @@ from ._free_input import should_free_input
 from ._layer_args import LayerArgs
 from ._megatron import layer_args
 from ._node import ScheduleNode, default_backward, weak_method
-from ._node_checks import check_copies_unused, check_handoffs, check_own_leaves
+from ._node_checks import (
+    check_copies_unused,
+    check_handoffs,
+    check_own_leaves,
+    check_undetached_reads,
+    second_backward_error,
+)
 from ._options import Hook
 from ._protocols import FreeInputConfig, SlotFn, StreamProvider, WgradLayer
 from ._state import ChunkState, LayerState
-from ._streams import AnyEvent, stream_context
+from ._streams import AnyEvent, record_tensor_on, stream_context
 
 __all__ = ["TransformerLayerNode", "refresh_collectives"]
 
@@ -151,6 +157,9 @@ class TransformerLayerNode(ScheduleNode):
             roots = [t.grad_fn for t in (*outs, *self.before_detached)]
             leaves = [d for d in state.detached_leaves if not any(d is c for c in copies)]
             check_own_leaves(self.name, roots, (*inputs, *leaves), copies)
+        if state.undetached:  # an earlier slot kept a tensor without node.detach (rare)
+            tails = [t for t in (*_items(out), *self.before_detached) if isinstance(t, Tensor)]
+            check_undetached_reads(self.name, [t.grad_fn for t in tails], state.undetached)
         fresh = state.fresh
         if copies or fresh:  # what the slot hands on: identity checks, no allocation
             try:
@@ -179,6 +188,13 @@ class TransformerLayerNode(ScheduleNode):
             detached_grad.append(d.grad)
             d.grad = None
         default_backward(outputs + self.before_detached, output_grad + tuple(detached_grad))
+        # The copies' grads were made by later slots, maybe on the other stream, in that
+        # stream's memory: keep it from reuse until this node's kernels have read them
+        # (ScheduleNode.backward does the same for output_grad).
+        stream = self.stream()
+        for grad in detached_grad:
+            if grad is not None:
+                record_tensor_on(grad, stream)
         check_copies_unused(self.name, copies)
 
     def forward(self, *inputs: Tensor | None) -> tuple[Tensor, ...]:
@@ -192,9 +208,17 @@ class TransformerLayerNode(ScheduleNode):
         """Run backward; on the layer's first slot, fire the post-backward hook.
 
         With delayed wgrad the hook fires at the end of :meth:`~moe_overlap.TransformerLayerNode.backward_dw` instead, when
-        the weight gradients exist.
+        the weight gradients exist. torch's "backward through the graph a second time"
+        (a tensor handed between slots without :meth:`detach`) is raised as an
+        :class:`~moe_overlap.IntegrationError` naming this node.
         """
-        grads = super().backward(*output_grad)
+        try:
+            grads = super().backward(*output_grad)
+        except RuntimeError as e:
+            error = second_backward_error(self.name, e, self.layer_state.undetached)
+            if error is None:
+                raise
+            raise error from e
         if (
             not self.delay_wgrad_compute
             and self.is_layer_first_node

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Union, cast
@@ -22,7 +22,8 @@ from typing import Union, cast
 import torch
 
 from ._errors import StreamError
-from .args import BOOL, Instance, Opt, Spec, check_arg, check_fields, refuse
+from ._stream_check import _ACTIVE as _CHECKING  # pyright: ignore[reportPrivateUsage]
+from .args import BOOL, Instance, Opt, Real, Spec, check_arg, check_fields, refuse
 
 __all__ = [
     "AnyEvent",
@@ -30,6 +31,7 @@ __all__ = [
     "CpuEvent",
     "CpuStream",
     "StreamPair",
+    "cpu_default_stream",
     "current_stream",
     "default_device",
     "get_comm_stream",
@@ -38,8 +40,10 @@ __all__ = [
     "make_streams",
     "record_event",
     "record_tensor_on",
+    "release_storage",
     "reset_streams",
     "set_streams",
+    "shake",
     "stream_context",
     "stream_device",
     "synchronize",
@@ -49,7 +53,11 @@ __all__ = [
 
 
 class CpuStream:
-    """A no-op stream for CPU runs, with the methods of ``torch.cuda.Stream`` the schedule uses."""
+    """A no-op stream for CPU runs, with the methods of ``torch.cuda.Stream`` the schedule uses.
+
+    Under the stream-order checker (:func:`~moe_overlap.streams.stream_order_check`) its
+    waits and synchronizations order work as a CUDA stream's do.
+    """
 
     __slots__ = ("name",)
 
@@ -61,10 +69,13 @@ class CpuStream:
         return torch.device("cpu")
 
     def wait_event(self, event: CpuEvent) -> None:
-        """CPU work is ordered already: nothing to wait for."""
+        """CPU work is ordered already: nothing to wait for (the checker records it)."""
+        event.wait(self)
 
     def wait_stream(self, stream: CpuStream) -> None:
-        """CPU work is ordered already: nothing to wait for."""
+        """CPU work is ordered already: nothing to wait for (the checker records it)."""
+        if _CHECKING:
+            _CHECKING[-1].join_stream(self, stream)
 
     def record_event(self, event: CpuEvent | None = None) -> CpuEvent:
         """Record ``event`` (a new one when ``None``) and return it."""
@@ -73,7 +84,9 @@ class CpuStream:
         return event
 
     def synchronize(self) -> None:
-        """Nothing is in flight on the CPU."""
+        """Nothing is in flight on the CPU (the checker records the host wait)."""
+        if _CHECKING:
+            _CHECKING[-1].host_sync(_CHECKING[-1].snapshot(self))
 
     def query(self) -> bool:
         return True
@@ -85,22 +98,29 @@ class CpuStream:
 class CpuEvent:
     """A no-op event for CPU runs; ``record`` keeps a host timestamp so CPU timelines work."""
 
-    __slots__ = ("_time",)
+    __slots__ = ("_clock", "_time")
 
     def __init__(self, enable_timing: bool = False) -> None:
         if enable_timing.__class__ is not bool:  # inline: made for every no-op node
             check_arg("CpuEvent", "enable_timing", enable_timing, BOOL)  # always timed anyway
         self._time: float | None = None
+        self._clock: dict[int, int] | None = None  # the checker's, when it runs
 
     def record(self, stream: CpuStream | None = None) -> None:
-        del stream
         self._time = time.perf_counter()
+        if _CHECKING:
+            checker = _CHECKING[-1]
+            self._clock = checker.snapshot(stream if stream is not None else checker.current())
 
     def wait(self, stream: CpuStream | None = None) -> None:
-        del stream
+        if _CHECKING:
+            checker = _CHECKING[-1]
+            checker.join(stream if stream is not None else checker.current(), self._clock)
 
     def synchronize(self) -> None:
-        """Nothing is in flight on the CPU."""
+        """Nothing is in flight on the CPU (the checker records the host wait)."""
+        if _CHECKING:
+            _CHECKING[-1].host_sync(self._clock or {})
 
     def query(self) -> bool:
         return True
@@ -152,6 +172,7 @@ _STREAM = Instance((torch.cuda.Stream, CpuStream), "a torch.cuda.Stream or CpuSt
 _OPT_STREAM = Opt(_STREAM)
 _PAIR: dict[str, Spec[object]] = {"comp": _STREAM, "comm": _STREAM}
 _NAME = Instance(str, "a str")
+_NON_NEG = Real(min=0)
 
 
 def default_device() -> torch.device:
@@ -177,11 +198,20 @@ def make_streams(
     check_arg("make_streams", "high_priority_comm", high_priority_comm, BOOL)
     dev = _stream_device(device, "make_streams")
     if dev.type == "cpu":
-        return StreamPair(comp=CpuStream("comp"), comm=CpuStream("comm"))
+        return StreamPair(comp=_CPU_DEFAULT, comm=CpuStream("comm"))
     comp = torch.cuda.current_stream(dev)
     # priority_range() gives (lowest, highest); lower numbers are higher priorities.
     priority = comp.priority_range()[1] if high_priority_comm else 0
     return StreamPair(comp=comp, comm=_new_cuda_stream(device=dev, priority=priority))
+
+
+_CPU_DEFAULT = CpuStream("comp")
+
+
+def cpu_default_stream() -> CpuStream:
+    """The CPU's stand-in for CUDA's default stream: the compute stream of every pair
+    :func:`make_streams` makes for the CPU, and the current stream outside ``use_stream``."""
+    return _CPU_DEFAULT
 
 
 def make_event(device: torch.device | str | None = None) -> AnyEvent:
@@ -257,7 +287,7 @@ class use_stream:  # lower case: used like a function, as torch.cuda.stream
     it runs twice per node, on the schedule's hot path.
     """
 
-    __slots__ = ("_event", "_stream", "_switch")
+    __slots__ = ("_cpu", "_event", "_stream", "_switch")
 
     def __init__(self, stream: AnyStream, event: AnyEvent) -> None:
         cpu = isinstance(stream, CpuStream)
@@ -269,14 +299,19 @@ class use_stream:  # lower case: used like a function, as torch.cuda.stream
             )
         self._stream = stream
         self._event = event
+        self._cpu = cpu
         self._switch: contextlib.AbstractContextManager[object] | None = (
-            None if isinstance(stream, CpuStream) else torch.cuda.stream(stream)
+            None if cpu else torch.cuda.stream(stream)
         )
 
     def __enter__(self) -> None:
         wait_event(self._event, self._stream)
         if self._switch is not None:
             self._switch.__enter__()
+            if _SHAKING:
+                _SHAKING[-1].delay()
+        elif _CHECKING:
+            _CHECKING[-1].enter(self._stream)
 
     def __exit__(
         self,
@@ -286,20 +321,103 @@ class use_stream:  # lower case: used like a function, as torch.cuda.stream
     ) -> None:
         if self._switch is not None:
             self._switch.__exit__(exc_type, exc, tb)
+        elif _CHECKING:
+            _CHECKING[-1].exit()
         if exc_type is None:
             record_event(self._event, self._stream)
 
 
+class Shaker:
+    """Seeded random delays queued on CUDA streams at node boundaries (see :func:`shake`)."""
+
+    def __init__(self, seed: int, max_us: float, probability: float) -> None:
+        import random
+
+        self._rng = random.Random(seed)
+        self.max_us = max_us
+        self.probability = probability
+        self.delays = 0
+        """How many delays were queued (a test can tell it ran)."""
+        # torch.cuda._sleep spins for a number of GPU cycles; ~2 per ns on Hopper and Ampere.
+        self._cycles_per_us = 2000.0
+        self._sleep = cast(
+            "Callable[[int], None]",
+            torch.cuda._sleep,  # pyright: ignore[reportPrivateUsage]  # torch's test helper
+        )
+
+    def delay(self) -> None:
+        """Queue a random spin (0 to ``max_us``) on the current stream, with the set probability."""
+        if self._rng.random() >= self.probability:
+            return
+        self._sleep(int(self._rng.uniform(0.0, self.max_us) * self._cycles_per_us))
+        self.delays += 1
+
+
+_SHAKING: list[Shaker] = []
+
+
+@contextlib.contextmanager
+def shake(seed: int = 0, *, max_us: float = 2000.0, probability: float = 0.5) -> Iterator[Shaker]:
+    """Race-shaking mode: on CUDA, every node (``use_stream``) and every stream switch
+    (``stream_context``) first queues, with ``probability``, a spin of up to ``max_us``
+    microseconds on its stream (seeded: a failing run can be replayed).
+
+    A missing wait between streams is a window in time; these delays move the streams
+    against each other so a run finds windows the steady schedule never opens. Values are
+    unchanged: a run that differs under shaking has a race. No effect on CPU streams (use
+    the stream-order checker there).
+    """
+    check_arg("shake", "max_us", max_us, _NON_NEG)
+    check_arg("shake", "probability", probability, _NON_NEG)
+    shaker = Shaker(seed, float(max_us), float(probability))
+    _SHAKING.append(shaker)
+    try:
+        yield shaker
+    finally:
+        _SHAKING.remove(shaker)
+
+
 def stream_context(stream: AnyStream) -> contextlib.AbstractContextManager[object]:
-    """Run the body on ``stream`` without touching any event (CPU: does nothing)."""
+    """Run the body on ``stream`` without touching any event (CPU: does nothing but tell
+    the stream-order checker)."""
     if isinstance(stream, CpuStream):
-        return contextlib.nullcontext()
+        return _CpuSwitch(stream) if _CHECKING else contextlib.nullcontext()
+    if _SHAKING:
+        return _shaken(stream)
     return torch.cuda.stream(stream)
 
 
+@contextlib.contextmanager
+def _shaken(stream: torch.cuda.Stream) -> Iterator[None]:
+    with torch.cuda.stream(stream):
+        if _SHAKING:
+            _SHAKING[-1].delay()
+        yield
+
+
+class _CpuSwitch:
+    """The checker's current stream is ``stream`` inside the body."""
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: CpuStream) -> None:
+        self._stream = stream
+
+    def __enter__(self) -> None:
+        if _CHECKING:
+            _CHECKING[-1].enter(self._stream)
+
+    def __exit__(self, *exc: object) -> None:
+        if _CHECKING:
+            _CHECKING[-1].exit()
+
+
 def current_stream(like: AnyStream) -> AnyStream:
-    """The stream current on the device ``like`` belongs to (``like`` itself on CPU)."""
+    """The stream current on the device ``like`` belongs to (on CPU ``like`` itself, or
+    the checker's current stream when it runs)."""
     if isinstance(like, CpuStream):
+        if _CHECKING:
+            return cast(CpuStream, _CHECKING[-1].current())
         return like
     return torch.cuda.current_stream(like.device)
 
@@ -308,11 +426,23 @@ def synchronize(like: AnyStream) -> None:
     """Wait for all work on the device ``like`` belongs to (no-op on CPU)."""
     if not isinstance(like, CpuStream):
         torch.cuda.synchronize(like.device)
+    elif _CHECKING:
+        _CHECKING[-1].host_sync()
+
+
+def release_storage(tensor: torch.Tensor) -> None:
+    """Release ``tensor``'s memory now (``resize_(0)``), telling the checker."""
+    if _CHECKING:
+        _CHECKING[-1].release(tensor)
+    tensor.untyped_storage().resize_(0)
 
 
 def record_tensor_on(tensor: torch.Tensor, stream: AnyStream) -> None:
-    """Tell the caching allocator ``tensor`` is in use on ``stream`` (no-op on CPU)."""
+    """Tell the caching allocator ``tensor`` is in use on ``stream`` (no-op on CPU but for
+    the stream-order checker)."""
     if isinstance(stream, CpuStream):
+        if _CHECKING:
+            _CHECKING[-1].record_stream(tensor, stream)
         return
     if tensor.device.type == "cuda":
         tensor.record_stream(stream)
