@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed-dev
 DOCS_STAMP := $(VENV)/.installed-docs
 EXTRAS ?= dev
 
-.PHONY: venv demo test check lint typecheck typing-tests docs bench-cpu clean
+.PHONY: venv demo test test-order check lint typecheck typing-tests docs bench-cpu clean
 
 venv: $(STAMP)
 
@@ -30,6 +30,20 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+
+# Order independence (not run by CI; about three times `make test`): the suite with its test
+# files in reverse order (`--reverse-files`, tests/conftest.py; each file's tests keep their
+# order), then each test file alone in a fresh process. A test that passes only after, or
+# only without, another depends on state a test left; tests/conftest.py already fails a test
+# that leaves torch's process state changed (tests/torch_state.py). Runs both parts, lists
+# the files that fail alone, and fails at the end if either part failed.
+test-order: $(STAMP)
+	@status=0; $(BIN)/python -m pytest -q --reverse-files || status=1; \
+	failed=""; for f in $$(find tests -name 'test_*.py' | sort); do \
+		echo "== $$f"; $(BIN)/python -m pytest -q "$$f" || failed="$$failed $$f"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "failed alone:$$failed"; status=1; fi; \
+	exit $$status
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,15 +1,71 @@
-"""Shared fixtures: deterministic CPU runs."""
+"""Shared fixtures: deterministic CPU runs; a test that leaves torch's process state changed
+fails; ``--reverse-files`` (``make test-order``)."""
 
 from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from moe_overlap.engine._streams import reset_streams
+from tests.torch_state import TorchState
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--reverse-files",
+        action="store_true",
+        help="run the test files in reverse order (each file's tests in their own order): "
+        "a test that passes only after another leaks state (`make test-order`)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--reverse-files"):
+        return
+    by_file: dict[Path, list[pytest.Item]] = {}
+    for item in items:
+        by_file.setdefault(item.path, []).append(item)
+    items[:] = [item for path in reversed(by_file) for item in by_file[path]]
 
 
 @pytest.fixture(autouse=True)
-def _deterministic() -> None:
+def _deterministic() -> Iterator[None]:
+    """Every test runs seeded with deterministic algorithms on; the mode found is put back
+    after, so the suite leaves torch as it found it (and fixtures of a wider scope, set up
+    between tests, see the same mode whatever ran before)."""
+    found = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
     reset_streams()
+    yield
+    torch.use_deterministic_algorithms(found[0], warn_only=found[1])
+
+
+@pytest.fixture(autouse=True)
+def _torch_state_guard(_deterministic: None) -> Iterator[None]:
+    """Fails a test that leaves torch's process state (:class:`TorchState`: thread counts,
+    default dtype, deterministic mode, grad and inference mode, anomaly mode, ...) other
+    than the suite set it, and puts it back, so later tests run as they would alone. Set up
+    after ``_deterministic`` (it compares with the state that sets) and before the test's
+    own fixtures, so it is torn down after them: what they restore is not a leak."""
+    suite = TorchState.read()
+    yield
+    changed = suite.changes(TorchState.read())
+    if not changed:
+        return
+    stuck = suite.restore()
+    note = f" ({', '.join(stuck)} could not be put back)" if stuck else " (put back)"
+    pytest.fail(
+        "the test left torch's process state changed: "
+        + "; ".join(changed)
+        + note
+        + ". Restore what a test changes (a context manager, try/finally or a fixture; "
+        "tests/torch_state.py has some), or later tests run otherwise than alone.",
+        pytrace=False,
+    )

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from moe_overlap import ConfigError, Microbatch
+from tests.torch_state import num_threads
 
 LAYERS = 4
 VOCAB = 128
@@ -337,8 +338,8 @@ def table(rows: Sequence[Row]) -> str:
 
 
 def run_all() -> list[Row]:
-    torch.set_num_threads(1)
-    return [check_family(f, c) for f, c in discover()]
+    with num_threads(1):
+        return [check_family(f, c) for f, c in discover()]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

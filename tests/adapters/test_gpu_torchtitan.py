@@ -125,6 +125,7 @@ def _run(base: nn.Module, kind: str, delay: bool) -> tuple[list[Tensor], dict[st
 
 @pytest.mark.parametrize("delay", [False, True], ids=["wgrad", "delayed_wgrad"])
 def test_bf16_flex_schedule_is_bit_identical_to_plain(base: nn.Module, delay: bool) -> None:
+    found = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         plain_losses, plain = _run(base, "plain", delay)
@@ -139,4 +140,4 @@ def test_bf16_flex_schedule_is_bit_identical_to_plain(base: nn.Module, delay: bo
             differ = [k for k in plain if not torch.equal(got[k], plain[k])]
             assert not differ, f"{where}: {len(differ)} of {len(plain)} differ: {differ[:5]}"
     finally:
-        torch.use_deterministic_algorithms(False)
+        torch.use_deterministic_algorithms(found)  # as found: the suite's fixture turns it on

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 
 from moe_overlap import ConfigError, Microbatch, combined_1f1b
+from tests.torch_state import num_threads
 
 from . import _titan
 
@@ -146,10 +147,15 @@ def _runs_in_float32(model: nn.Module) -> bool:
 
 
 def rows() -> list[Row]:
-    """One row per family of ``torchtitan.models``."""
+    """One row per family of ``torchtitan.models`` (checked at one thread; the thread count
+    found is put back after)."""
+    with num_threads(1):
+        return _rows()
+
+
+def _rows() -> list[Row]:
     import torchtitan.models as models
 
-    torch.set_num_threads(1)
     found: list[Row] = []
     for info in sorted(pkgutil.iter_modules(models.__path__), key=lambda m: m.name):
         family = info.name

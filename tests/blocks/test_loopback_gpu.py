@@ -35,10 +35,11 @@ def test_loopback_exact_and_fill_flag_kept_under_deterministic(
         out = mover(x)
         assert det.fill_uninitialized_memory
     assert torch.equal(out, x)
+    found = det.fill_uninitialized_memory
     det.fill_uninitialized_memory = False
     try:
         with deterministic_cuda():
             assert torch.equal(mover(x), x)
             assert not det.fill_uninitialized_memory
     finally:
-        det.fill_uninitialized_memory = True
+        det.fill_uninitialized_memory = found

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from tests.gloo_ranks import run_ranks
+from tests.torch_state import deterministic_algorithms
 
 
 @dataclass(frozen=True)
@@ -49,6 +49,6 @@ def checkpoint_layouts(tmp_path_factory: pytest.TempPathFactory) -> Layouts:
     from tests.integrations.ckpt_pp_worker import save_whole
 
     folder = tmp_path_factory.mktemp("checkpoints")
-    torch.use_deterministic_algorithms(True)
-    keys = save_whole(str(folder))
+    with deterministic_algorithms():  # put back after: a session fixture's change outlives tests
+        keys = save_whole(str(folder))
     return Layouts(folder, keys, _launch("save", folder), _launch("load", folder))

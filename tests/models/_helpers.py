@@ -45,13 +45,15 @@ GPU_BF16 = GPTMoEConfig(
 
 @contextmanager
 def deterministic_cuda() -> Iterator[None]:
-    """``torch.use_deterministic_algorithms`` for the block (cuBLAS workspace set)."""
+    """``torch.use_deterministic_algorithms`` for the block (cuBLAS workspace set), the mode
+    found put back after."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    found = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(False)
+        torch.use_deterministic_algorithms(found)
 
 
 def assert_same_grads(a: nn.Module, b: nn.Module) -> None:

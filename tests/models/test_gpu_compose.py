@@ -51,6 +51,7 @@ def test_cuda_compose_parity(
 ) -> None:
     """``fill_drain`` with recompute: the memory-bounded fill/drain of issue 27, part 3."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    found = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     torch._dynamo.reset()
     try:
@@ -68,5 +69,5 @@ def test_cuda_compose_parity(
         plain = _model(recompute, delay, compiled)
         assert_matches_plain(scheduled, plain, mbs, losses)
     finally:
-        torch.use_deterministic_algorithms(False)
+        torch.use_deterministic_algorithms(found)  # as found: the suite's fixture turns it on
         torch._dynamo.reset()
