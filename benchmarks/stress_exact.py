@@ -32,7 +32,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, cast
@@ -125,7 +125,7 @@ def mismatches(
 
 
 @contextmanager
-def shaken(on: bool, seed: int, max_us: float) -> Iterator[None]:
+def shaken(on: bool, seed: int, max_us: float) -> Generator[None]:
     with shake(seed, max_us=max_us) if on else nullcontext():
         yield
 
@@ -227,8 +227,12 @@ class PipelineCase:
 def _without_record_stream_fix() -> None:
     """Reproduce issue 37's race: layer nodes skip ``record_stream`` for their copies'
     gradients (a fault injected on purpose, through the private module that holds it)."""
+
+    def skip(tensor: Tensor, stream: object) -> None:
+        del tensor, stream
+
     layer_node = importlib.import_module("moe_overlap.engine._layer_node")
-    layer_node.record_tensor_on = lambda *_: None
+    setattr(layer_node, "record_tensor_on", skip)  # noqa: B010  # a fault, injected
 
 
 def main() -> None:

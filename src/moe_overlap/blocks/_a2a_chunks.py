@@ -33,6 +33,7 @@ needed later.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import cast
@@ -49,6 +50,20 @@ from moe_overlap.blocks._delayed_linear import GroupSizes
 # beartype resolves these annotations.
 from moe_overlap.blocks._dispatcher import DispatchMeta, PermuteMeta, TokenDispatcher
 from moe_overlap.blocks._slots import SlotContext
+from moe_overlap.engine import (
+    AnyEvent,
+    AnyStream,
+    CpuStream,
+    cpu_default_stream,
+    current_stream,
+    make_event,
+    record_event,
+    record_tensor_on,
+    release_storage,
+    stream_context,
+    wait_event,
+    wait_stream,
+)
 from moe_overlap.engine.args import NON_NEGATIVE, POSITIVE, check_arg
 
 __all__ = ["chunk_sizes"]
@@ -83,7 +98,7 @@ class _Plan:
 
     permute: list[PermuteMeta]
     dispatch: list[DispatchMeta]
-    side_done: tuple[torch.cuda.Event | None, ...] = field(default=())
+    side_done: tuple[AnyEvent | None, ...] = field(default=())
 
 
 def _plan(ctx: SlotContext, where: str) -> _Plan:
@@ -108,73 +123,74 @@ def _tensor(ctx: SlotContext, key: str, where: str) -> Tensor:
 
 
 class _Side:
-    """The two side streams of one call (CUDA): lane 0 sends chunks, lane 1 returns them;
-    or nothing (CPU: everything in order on the calling stream).
+    """The two side streams of one call: lane 0 sends chunks, lane 1 returns them.
 
     Two lanes, not one: a return waits for its chunk's experts, and on one FIFO stream the
     next send would wait behind it; in backward (autograd runs each op on its forward's
-    stream) a chunk's experts would wait behind the send of the chunk after it.
+    stream) a chunk's experts would wait behind the send of the chunk after it. On CPU the
+    lanes are :class:`~moe_overlap.streams.CpuStream` s (everything runs in order; the
+    stream-order checker follows the same waits as on a GPU).
     """
 
     SEND = 0
     BACK = 1
 
-    def __init__(self, streams: dict[torch.device, SideStreams], like: Tensor) -> None:
-        self.lanes: SideStreams | None = None
-        self.main: torch.cuda.Stream | None = None
-        self.start: torch.cuda.Event | None = None
+    def __init__(self, streams: dict[object, SideStreams], like: Tensor) -> None:
         if like.is_cuda:
             device = like.device
-            lanes = streams.get(device)
-            if lanes is None:
-                lanes = streams[device] = (_new_stream(device), _new_stream(device))
-            self.lanes = lanes
-            self.main = torch.cuda.current_stream(device)
-            self.start = _new_event()
-            self.start.record(self.main)
+            key: object = device
+            self.main: AnyStream = torch.cuda.current_stream(device)
+        else:
+            self.main = current_stream(cpu_default_stream())
+            key = ("cpu", id(self.main))
+        lanes = streams.get(key)
+        if lanes is None:
+            if like.is_cuda:
+                lanes = (_new_stream(like.device), _new_stream(like.device))
+            else:
+                lanes = (CpuStream("a2a send lane"), CpuStream("a2a return lane"))
+            streams[key] = lanes
+        self.lanes: SideStreams = lanes
+        self.start = make_event(like.device)
+        record_event(self.start, self.main)
 
     def enter(self, lane: int, *reads: Tensor) -> None:
         """Before side work on ``lane`` that reads ``reads`` (written on the main stream):
         a send waits for what the main stream had queued when the call began (the chunks
         were permuted before), a return for everything queued so far (its chunk's experts)."""
-        if self.lanes is not None and self.main is not None and self.start is not None:
-            stream = self.lanes[lane]
-            if lane == self.SEND:
-                stream.wait_event(self.start)
-            else:
-                stream.wait_stream(self.main)
-            for t in reads:
-                t.record_stream(stream)
+        stream = self.lanes[lane]
+        if lane == self.SEND:
+            wait_event(self.start, stream)
+        else:
+            wait_stream(stream, self.main)
+        for t in reads:
+            record_tensor_on(t, stream)
 
-    def to_main(self, lane: int, *tensors: Tensor) -> torch.cuda.Event | None:
+    def to_main(self, lane: int, *tensors: Tensor) -> AnyEvent:
         """After side work on ``lane`` that produced ``tensors``: an event the main stream
         waits on before reading them (recorded on the lane now)."""
-        if self.lanes is None or self.main is None:
-            return None
-        event = _new_event()
-        event.record(self.lanes[lane])
+        event = make_event(tensors[0].device if tensors else self.start_device())
+        record_event(event, self.lanes[lane])
         for t in tensors:
-            t.record_stream(self.main)
+            record_tensor_on(t, self.main)
         return event
 
-    def context(self, lane: int) -> torch.cuda.StreamContext | _NoStream:
-        return torch.cuda.stream(self.lanes[lane]) if self.lanes is not None else _NoStream()
+    def start_device(self) -> torch.device:
+        return torch.device("cpu") if isinstance(self.main, CpuStream) else self.main.device
+
+    def wait_main(self, event: AnyEvent) -> None:
+        """The main stream waits for a lane's event."""
+        wait_event(event, self.main)
+
+    def context(self, lane: int) -> contextlib.AbstractContextManager[object]:
+        return stream_context(self.lanes[lane])
 
 
-SideStreams = tuple[torch.cuda.Stream, torch.cuda.Stream]
+SideStreams = tuple[AnyStream, AnyStream]
 """A device's two side streams of chunked all-to-alls: sends, returns."""
 
 
-class _NoStream:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
 _new_stream: Callable[[torch.device], torch.cuda.Stream] = torch.cuda.Stream
-_new_event: Callable[[], torch.cuda.Event] = torch.cuda.Event
 
 
 # Tensor.split is unannotated in torch; give it its type once, here.
@@ -183,7 +199,7 @@ _split = cast("Callable[[Tensor, list[int]], tuple[Tensor, ...]]", torch.split)
 
 def _release(t: Tensor) -> None:
     """Drop ``t``'s storage once it is sent (recorded on every stream that read it)."""
-    t.untyped_storage().resize_(0)
+    release_storage(t)
 
 
 def slot_permute(
@@ -250,7 +266,7 @@ def slot_routed_experts(
     K = len(plan.dispatch)
     side = _Side(d.side_streams, recv_MD)
 
-    def send(j: int) -> tuple[Tensor, Tensor, torch.cuda.Event | None]:
+    def send(j: int) -> tuple[Tensor, Tensor, AnyEvent | None]:
         tokens = _tensor(ctx, _TOKENS.format(j), where)
         probs = _tensor(ctx, _PROBS.format(j), where)
         side.enter(side.SEND, tokens, probs)
@@ -277,8 +293,8 @@ def slot_routed_experts(
         assert pending is not None
         x_MD, p_M, ready = pending
         pending = send(j + 2) if j + 2 < K else None
-        if ready is not None and side.main is not None:
-            side.main.wait_event(ready)
+        if ready is not None:
+            side.wait_main(ready)
     raise AssertionError("unreachable: the loop returns at its last chunk")
 
 
@@ -291,10 +307,14 @@ def slot_combine(d: TokenDispatcher, ctx: SlotContext, out_MD: Tensor) -> Tensor
     last = d.unpermute(d.combine(out_MD, plan.dispatch[K - 1]), plan.permute[K - 1])
     outs = [_tensor(ctx, _OUT.format(j), where) for j in range(K - 1)]
     if any(e is not None for e in plan.side_done):
-        stream = torch.cuda.current_stream(out_MD.device)
+        stream = (
+            torch.cuda.current_stream(out_MD.device)
+            if out_MD.is_cuda
+            else current_stream(cpu_default_stream())
+        )
         for event in plan.side_done:
             if event is not None:
-                stream.wait_event(event)
+                wait_event(event, stream)
         for t in outs:
-            t.record_stream(stream)
+            record_tensor_on(t, stream)
     return torch.cat([*outs, last])

@@ -383,7 +383,7 @@ class TokenDispatcher:
         self.local_experts = num_experts // ep
         self.topk = topk
         self.chunks = chunks
-        self.side_streams: dict[torch.device, _chunked.SideStreams] = {}
+        self.side_streams: dict[object, _chunked.SideStreams] = {}
         """The side streams of chunked all-to-alls (sends, returns), per device, made at
         first use."""
 

@@ -22,6 +22,7 @@ from moe_overlap.engine import (
     cpu_default_stream,
     current_stream,
     stream_context,
+    wait_stream,
 )
 from moe_overlap.engine.args import NON_NEGATIVE, POSITIVE, TENSOR, Instance, OneOf, Opt, check_arg
 
@@ -96,14 +97,14 @@ class HostLoopback:
         for lo in range(0, remote, step):
             hi = min(remote, lo + step)
             host[lo:hi].copy_(flat[lo:hi], non_blocking=True)
-            side.wait_stream(cur)  # pyright: ignore[reportArgumentType]  # one device kind
+            wait_stream(side, cur)
             with stream_context(side):
                 flat_out[lo:hi].copy_(host[lo:hi], non_blocking=True)
         # The calling stream (which owns out's memory) waits for the side stream's writes, so
         # anything it runs later, a reuse of out's block included, comes after them. The
         # staging block needs nothing: the caching host allocator keeps it until the copies
         # queued on it are done (and on CPU the side stream's read is ordered by this wait).
-        cur.wait_stream(side)  # pyright: ignore[reportArgumentType]
+        wait_stream(cur, side)
         return out
 
     def _side_stream(self, device: torch.device, caller: AnyStream) -> AnyStream:

@@ -122,6 +122,7 @@ from moe_overlap.engine._steps import layer_pair_steps as layer_pair_steps
 from moe_overlap.engine._stream_check import StreamOrderChecker as StreamOrderChecker
 from moe_overlap.engine._stream_check import StreamOrderError as StreamOrderError
 from moe_overlap.engine._stream_check import active_checker as active_checker
+from moe_overlap.engine._stream_check import start_from_env as _start_from_env
 from moe_overlap.engine._stream_check import stream_order_check as stream_order_check
 from moe_overlap.engine._streams import AnyEvent as AnyEvent
 from moe_overlap.engine._streams import AnyStream as AnyStream
@@ -134,11 +135,17 @@ from moe_overlap.engine._streams import get_comm_stream as get_comm_stream
 from moe_overlap.engine._streams import get_comp_stream as get_comp_stream
 from moe_overlap.engine._streams import make_event as make_event
 from moe_overlap.engine._streams import make_streams as make_streams
+from moe_overlap.engine._streams import record_event as record_event
 from moe_overlap.engine._streams import record_tensor_on as record_tensor_on
+from moe_overlap.engine._streams import release_storage as release_storage
 from moe_overlap.engine._streams import reset_streams as reset_streams
 from moe_overlap.engine._streams import set_streams as set_streams
 from moe_overlap.engine._streams import shake as shake
 from moe_overlap.engine._streams import stream_context as stream_context
+from moe_overlap.engine._streams import wait_event as wait_event
+from moe_overlap.engine._streams import wait_stream as wait_stream
+
+_start_from_env()  # MOE_OVERLAP_STREAM_CHECK=1: the stream-order checker for the whole process
 
 __all__ = [
     "DEBUG",
@@ -247,7 +254,9 @@ __all__ = [
     "pending_count",
     "predict_ms",
     "read_inputs",
+    "record_event",
     "record_tensor_on",
+    "release_storage",
     "replay",
     "reset_streams",
     "run_pair",
@@ -257,5 +266,7 @@ __all__ = [
     "should_free_input",
     "stream_context",
     "stream_order_check",
+    "wait_event",
+    "wait_stream",
     "weak_method",
 ]

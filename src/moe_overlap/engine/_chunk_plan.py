@@ -35,8 +35,8 @@ from ._steps import (
 from ._stream_check import _ACTIVE as _CHECKING  # pyright: ignore[reportPrivateUsage]
 from ._streams import (
     CpuStream,
-    cpu_default_stream,
     StreamPair,
+    cpu_default_stream,
     current_stream,
     make_event,
     record_event,

@@ -33,13 +33,13 @@ use repeated runs under deterministic algorithms (``benchmarks/stress_exact.py``
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast, runtime_checkable
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
+from torch.multiprocessing.reductions import StorageWeakRef as _StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._errors import StreamError
@@ -49,6 +49,7 @@ __all__ = [
     "StreamOrderChecker",
     "StreamOrderError",
     "active_checker",
+    "start_from_env",
     "stream_order_check",
 ]
 
@@ -62,6 +63,15 @@ class StreamOrderError(StreamError):
 Clock = dict[int, int]
 
 
+@runtime_checkable
+class _WeakStorage(Protocol):
+    def expired(self) -> bool: ...
+
+
+# torch leaves it unannotated; give it its type once, here.
+_weak_storage = cast("Callable[[torch.UntypedStorage], _WeakStorage]", _StorageWeakRef)
+
+
 @dataclass(slots=True)
 class _Access:
     stream: int
@@ -72,7 +82,7 @@ class _Access:
 
 @dataclass(slots=True)
 class _Record:
-    ref: StorageWeakRef
+    ref: _WeakStorage
     owner: int
     made_by: str
     shape: tuple[int, ...]
@@ -84,9 +94,9 @@ class _Record:
     released: bool = False
 
 
-class _Mode(TorchDispatchMode):
+class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]  # torch: unannotated
     def __init__(self, checker: StreamOrderChecker) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]  # pyright: ignore[reportUnknownMemberType]
         self.checker = checker
 
     def __torch_dispatch__(
@@ -206,6 +216,8 @@ class StreamOrderChecker:
         clock[sid] += 1
         seq = clock[sid]
         op = str(func)
+        if func.is_view or func in _NO_DATA:
+            return  # a new view or metadata of its input: no element is read or written
         where = self._labels[-1] if self._labels else "outside the schedule's nodes"
         schema = func._schema
         inputs: set[int] = set()
@@ -239,7 +251,7 @@ class StreamOrderChecker:
         if rec is None and create:
             stream = self.current()
             rec = _Record(
-                ref=StorageWeakRef(t.untyped_storage()),
+                ref=_weak_storage(t.untyped_storage()),
                 owner=self._sid(stream),
                 made_by=self._labels[-1] if self._labels else "outside the schedule's nodes",
                 shape=tuple(t.shape),
@@ -330,6 +342,22 @@ class StreamOrderChecker:
         )
 
 
+_aten = torch.ops.aten
+_NO_DATA: frozenset[object] = frozenset(
+    {
+        _aten.detach.default,
+        _aten.alias.default,
+        _aten.lift_fresh.default,
+        _aten.sym_size.int,
+        _aten.sym_stride.int,
+        _aten.sym_numel.default,
+        _aten.sym_storage_offset.default,
+        _aten.is_same_size.default,
+    }
+)
+"""Operators that read no element (``is_view`` covers the views)."""
+
+
 def _key(t: torch.Tensor) -> int | None:
     if t.device.type != "cpu" or t.is_sparse:
         return None
@@ -360,7 +388,7 @@ def active_checker() -> StreamOrderChecker | None:
 
 
 @contextmanager
-def stream_order_check() -> Iterator[StreamOrderChecker]:
+def stream_order_check() -> Generator[StreamOrderChecker]:
     """Check every tensor access on CPU streams inside the block (see the module)."""
     from ._streams import cpu_default_stream
 
@@ -378,3 +406,21 @@ def stream_order_check() -> Iterator[StreamOrderChecker]:
 def env_enabled() -> bool:
     """Whether ``MOE_OVERLAP_STREAM_CHECK`` asks for the checker."""
     return os.environ.get(STREAM_CHECK_ENV, "").strip().lower() in {"1", "true", "yes", "on"}
+
+
+_PROCESS: list[object] = []
+
+
+def start_from_env() -> None:
+    """``MOE_OVERLAP_STREAM_CHECK=1``: check the whole process (from the engine's import on,
+    on the importing thread; subprocesses inherit the variable)."""
+    if _PROCESS or not env_enabled():
+        return
+    from ._streams import cpu_default_stream
+
+    checker = StreamOrderChecker()
+    checker.set_default(cpu_default_stream())
+    mode = _Mode(checker)
+    mode.__enter__()  # type: ignore[no-untyped-call]  # torch: unannotated
+    _ACTIVE.append(checker)
+    _PROCESS.append(mode)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Union, cast
@@ -49,6 +49,7 @@ __all__ = [
     "synchronize",
     "use_stream",
     "wait_event",
+    "wait_stream",
 ]
 
 
@@ -278,6 +279,18 @@ def wait_event(event: AnyEvent, stream: AnyStream) -> None:
     raise StreamError(f"wait_event: {stream!r} cannot wait for {event!r}")
 
 
+def wait_stream(stream: AnyStream, other: AnyStream) -> None:
+    """Make ``stream`` wait for everything queued on ``other`` so far (one device kind)."""
+    if isinstance(stream, CpuStream):
+        if isinstance(other, CpuStream):
+            stream.wait_stream(other)
+            return
+    elif not isinstance(other, CpuStream):
+        stream.wait_stream(other)
+        return
+    raise StreamError(f"wait_stream: {stream!r} cannot wait for {other!r}")
+
+
 class use_stream:  # lower case: used like a function, as torch.cuda.stream
     """Wait for ``event`` on ``stream``, run the body on ``stream``, then record ``event``.
 
@@ -287,7 +300,7 @@ class use_stream:  # lower case: used like a function, as torch.cuda.stream
     it runs twice per node, on the schedule's hot path.
     """
 
-    __slots__ = ("_cpu", "_event", "_stream", "_switch")
+    __slots__ = ("_event", "_stream", "_switch")
 
     def __init__(self, stream: AnyStream, event: AnyEvent) -> None:
         cpu = isinstance(stream, CpuStream)
@@ -299,9 +312,8 @@ class use_stream:  # lower case: used like a function, as torch.cuda.stream
             )
         self._stream = stream
         self._event = event
-        self._cpu = cpu
         self._switch: contextlib.AbstractContextManager[object] | None = (
-            None if cpu else torch.cuda.stream(stream)
+            None if isinstance(stream, CpuStream) else torch.cuda.stream(stream)
         )
 
     def __enter__(self) -> None:
@@ -342,7 +354,7 @@ class Shaker:
         self._cycles_per_us = 2000.0
         self._sleep = cast(
             "Callable[[int], None]",
-            torch.cuda._sleep,  # pyright: ignore[reportPrivateUsage]  # torch's test helper
+            torch.cuda._sleep,  # pyright: ignore[reportPrivateUsage, reportUnknownMemberType]  # torch's test helper, unannotated
         )
 
     def delay(self) -> None:
@@ -357,7 +369,7 @@ _SHAKING: list[Shaker] = []
 
 
 @contextlib.contextmanager
-def shake(seed: int = 0, *, max_us: float = 2000.0, probability: float = 0.5) -> Iterator[Shaker]:
+def shake(seed: int = 0, *, max_us: float = 2000.0, probability: float = 0.5) -> Generator[Shaker]:
     """Race-shaking mode: on CUDA, every node (``use_stream``) and every stream switch
     (``stream_context``) first queues, with ``probability``, a spin of up to ``max_us``
     microseconds on its stream (seeded: a failing run can be replayed).
@@ -388,7 +400,7 @@ def stream_context(stream: AnyStream) -> contextlib.AbstractContextManager[objec
 
 
 @contextlib.contextmanager
-def _shaken(stream: torch.cuda.Stream) -> Iterator[None]:
+def _shaken(stream: torch.cuda.Stream) -> Generator[None]:
     with torch.cuda.stream(stream):
         if _SHAKING:
             _SHAKING[-1].delay()
