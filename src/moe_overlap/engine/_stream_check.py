@@ -119,6 +119,7 @@ class StreamOrderChecker:
         self._names: dict[int, str] = {}
         self._keep: dict[int, object] = {}  # streams stay alive: their ids name them
         self._clocks: dict[int, Clock] = {}
+        self._host: Clock = {}  # what the host has waited for: before anything it queues later
         self._current: object | None = None
         self._stack: list[object] = []
         self._labels: list[str] = []
@@ -136,7 +137,7 @@ class StreamOrderChecker:
         sid = id(stream)
         if sid not in self._clocks:
             self._keep[sid] = stream
-            self._clocks[sid] = {sid: 0}
+            self._clocks[sid] = {**self._host, sid: 0}  # after what the host waited for
             self._names[sid] = repr(stream)
         return sid
 
@@ -188,6 +189,9 @@ class StreamOrderChecker:
             for c in self._clocks.values():
                 for sid, seq in c.items():
                     clock[sid] = max(clock.get(sid, 0), seq)
+        for sid, seq in clock.items():
+            if self._host.get(sid, 0) < seq:
+                self._host[sid] = seq
         for stream in list(self._keep.values()):
             self.join(stream, clock)
 
@@ -218,7 +222,7 @@ class StreamOrderChecker:
         op = str(func)
         if func.is_view or func in _NO_DATA:
             return  # a new view or metadata of its input: no element is read or written
-        where = self._labels[-1] if self._labels else "outside the schedule's nodes"
+        where = self._labels[-1] if self._labels else "code outside the schedule's nodes"
         schema = func._schema
         inputs: set[int] = set()
         for i, arg in enumerate(schema.arguments):
@@ -253,7 +257,7 @@ class StreamOrderChecker:
             rec = _Record(
                 ref=_weak_storage(t.untyped_storage()),
                 owner=self._sid(stream),
-                made_by=self._labels[-1] if self._labels else "outside the schedule's nodes",
+                made_by=self._labels[-1] if self._labels else "code outside the schedule's nodes",
                 shape=tuple(t.shape),
                 dtype=t.dtype,
             )
