@@ -911,6 +911,54 @@ def b_grads_not_a_pair(ctx: Ctx) -> None:
     run_pair(p0, p1, b_grads=bad([torch.ones(()), torch.ones(())]))
 
 
+# --- issue 37, part 7: a hand-off without node.detach always, mark_non_differentiable's
+# arguments ----------------------------------------------------------------------------------
+
+
+def intermediate_kept_without_node_detach(ctx: Ctx) -> None:
+    # pre_dispatch keeps its attention output in layer_state as it is; combine adds it.
+    residual_without_node_detach(ctx)
+
+
+def intermediate_handed_on_outside_layer_state(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+    held: dict[str, Tensor] = {}
+
+    def pre_dispatch(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        (x,) = inputs
+        a = layer._attention(x, node.chunk_state.rotary_pos_emb)
+        rows, probs, route, _ = layer._route(a)
+        node.layer_state.residual = node.detach(a)
+        node.layer_state.stash("route", route)
+        held["a"] = a * 0.5  # in a closure, not through node.detach
+        return rows, probs
+
+    def combine(node: TransformerLayerNode, inputs: tuple[Tensor, ...]) -> Tensor:
+        out = ToyLayer.slot_combine(layer, node, inputs)
+        assert isinstance(out, Tensor)
+        return out + held.pop("a").sin()
+
+    patch(layer, "slot_pre_dispatch", pre_dispatch)
+    patch(layer, "slot_combine", combine)
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+def mark_non_differentiable_given_a_tuple(ctx: Ctx) -> None:
+    layer = moe_layer(ctx)
+
+    def dispatch(
+        node: TransformerLayerNode, inputs: tuple[Tensor, ...]
+    ) -> Tensor | tuple[Tensor, ...]:
+        rows = ToyLayer.slot_dispatch(layer, node, inputs)
+        assert isinstance(rows, Tensor)
+        mask, weight = torch.ones(rows.shape[0]), torch.ones(rows.shape[0])
+        node.mark_non_differentiable(bad((mask, weight)))  # not (mask, weight) unpacked
+        return rows, mask, weight
+
+    patch(layer, "slot_dispatch", dispatch)
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
 @dataclass(frozen=True)
 class Case:
     fn: Callable[[Ctx], None]
@@ -1414,6 +1462,34 @@ CASES = [
         IntegrationError,
     ),
     Case(
+        intermediate_kept_without_node_detach,
+        ScheduleError,
+        r"layer 1, slot combine, forward.*node 'moe_combine': its outputs depend on "
+        r"layer_state\.residual \(float32\[2, 8, 16\]\), which node 'pre_dispatch_computation' "
+        r"\(an earlier slot of the layer\) kept with its autograd graph, not through "
+        r"node\.detach.*Expected node 'pre_dispatch_computation' to keep node\.detach\(t\) "
+        r"for what a later slot reads: layer_state\.residual = node\.detach\(t\)",
+        IntegrationError,
+    ),
+    Case(
+        intermediate_handed_on_outside_layer_state,
+        ScheduleError,
+        r"layer 1, slot pre_dispatch, backward.*node 'pre_dispatch_computation': its backward "
+        r"ran into autograd graph that another backward already ran through and freed "
+        r"\(torch: Trying to backward through the graph a second time\): most likely a tensor "
+        r"was handed between this slot and another slot \(or another microbatch\) without "
+        r"node\.detach",
+        IntegrationError,
+    ),
+    Case(
+        mark_non_differentiable_given_a_tuple,
+        ScheduleError,
+        r"node 'moe_dispatch': mark_non_differentiable: expected tensors as separate "
+        r"arguments, received a tuple of 2 items \(Tensor\) as argument 0; call "
+        r"mark_non_differentiable\(\*tensors\)",
+        IntegrationError,
+    ),
+    Case(
         b_grad_of_the_wrong_shape,
         ConfigError,
         r"ModelChunkSchedulePlan\.run: b_grad: expected the gradient of the backward plan's "
@@ -1528,6 +1604,38 @@ def test_keyboard_interrupt_in_run_releases_and_propagates_unchanged() -> None:
     plain_step(ref, mbs)
     combined_1f1b(model, mbs)
     assert_same(grads(model), grads(ref))
+
+
+def test_mark_non_differentiable_takes_tensors_as_separate_arguments() -> None:
+    """The node's and the plain path's PlainContext's: a tuple or a list of tensors, or
+    anything but a tensor, is named; tensors (or none) are accepted."""
+    from moe_overlap.blocks import PlainContext
+
+    node = ScheduleNode(lambda x: x, cpu, CpuEvent(), name="n")
+    plain = PlainContext(mo.ChunkState(Microbatch()))
+    a, b = torch.ones(2), torch.zeros(2)
+    for mark, who in (
+        (node.mark_non_differentiable, "node 'n'"),
+        (plain.mark_non_differentiable, "PlainContext"),
+    ):
+        mark(a, b)
+        mark()
+        with pytest.raises(
+            IntegrationError,
+            match=rf"^{who}: mark_non_differentiable: expected tensors as separate arguments, "
+            r"received a tuple of 2 items \(Tensor\) as argument 0; call "
+            r"mark_non_differentiable\(\*tensors\)$",
+        ):
+            mark(bad((a, b)))
+        with pytest.raises(
+            IntegrationError, match=r"received a list of 1 items \(Tensor\) as argument 1"
+        ):
+            mark(a, bad([b]))
+        with pytest.raises(
+            IntegrationError, match=r"expected tensors .*received float as argument 0"
+        ):
+            mark(bad(1.0))
+    assert node.non_differentiable == (a, b)
 
 
 def test_marked_non_differentiable_output_is_accepted() -> None:

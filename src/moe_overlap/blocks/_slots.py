@@ -9,6 +9,7 @@ from typing import cast
 from torch import Tensor
 
 from moe_overlap import ChunkState, IntegrationError, LayerState, SlotContext
+from moe_overlap.engine import check_marked
 from moe_overlap.engine.args import Instance, check_arg, refuse
 
 __all__ = [
@@ -38,7 +39,8 @@ class PlainContext:
         return t
 
     def mark_non_differentiable(self, *tensors: Tensor) -> None:
-        del tensors  # nothing is checked on the plain path
+        # Nothing else is checked on the plain path: the arguments, as the node checks them.
+        check_marked(tensors, where="PlainContext")
 
 
 def single_input(inputs: tuple[Tensor, ...], where: str) -> Tensor:

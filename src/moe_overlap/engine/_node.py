@@ -21,6 +21,7 @@ from ._debug import DEBUG
 from ._errors import IntegrationError, NodeStateError
 from ._node_checks import (
     check_in_graph,
+    check_marked,
     check_no_alias,
     check_release,
     storage_use_count,
@@ -315,8 +316,10 @@ class ScheduleNode:
         that does not require grad while an input does is otherwise an error: it usually
         means the graph was cut by mistake (``detach()``, ``torch.no_grad()``, ``.data``)
         and backward would silently skip it. Integer tensors (routing indices) never need
-        marking.
+        marking. Each tensor is its own argument: a tuple or list of them is an
+        :class:`~moe_overlap.IntegrationError` (``mark_non_differentiable(*tensors)``).
         """
+        check_marked(tensors, node=self.name)
         self.non_differentiable = (*self.non_differentiable, *tensors)
 
     def handed_on(self) -> list[tuple[str, Tensor | None]]:

@@ -23,15 +23,19 @@ from ._state import LayerState
 __all__ = [
     "FREED_MEMORY_HINT",
     "METADATA_ONLY_SAVES",
+    "SECOND_BACKWARD",
     "check_copies_unused",
     "check_handoffs",
     "check_in_graph",
+    "check_marked",
     "check_no_alias",
     "check_not_saved",
     "check_own_leaves",
     "check_release",
+    "check_undetached_reads",
     "freed_memory_hint",
     "graph_saves",
+    "second_backward_error",
     "storage_use_count",
     "tensor_use_count",
     "walk_graph",
@@ -99,6 +103,28 @@ def check_in_graph(
             "expected it to stay in the autograd graph (was it made under torch.no_grad(), "
             "with .detach() or .data?). If it carries no gradient on purpose, call "
             "node.mark_non_differentiable(t) on it in the slot"
+        )
+
+
+def check_marked(tensors: tuple[object, ...], *, node: str = "", where: str = "") -> None:
+    """``mark_non_differentiable``'s arguments: tensors, each its own argument (one
+    ``isinstance`` per argument). A tuple or list of them is named as such. The message
+    names ``node`` (a node's name) or ``where``."""
+    for i, t in enumerate(tensors):
+        if isinstance(t, Tensor):
+            continue
+        who = f"node {node!r}" if node else where
+        if isinstance(t, (tuple, list)):
+            items = cast("tuple[object, ...] | list[object]", t)
+            kinds = ", ".join(sorted({type(v).__name__ for v in items})) or "empty"
+            raise IntegrationError(
+                f"{who}: mark_non_differentiable: expected tensors as separate arguments, "
+                f"received a {type(items).__name__} of {len(items)} items ({kinds}) as "
+                f"argument {i}; call mark_non_differentiable(*tensors)"
+            )
+        raise IntegrationError(
+            f"{who}: mark_non_differentiable: expected tensors (the ones that carry no "
+            f"gradient on purpose), received {type(t).__name__} as argument {i}"
         )
 
 
@@ -183,6 +209,11 @@ def check_handoffs(
                             "the graph a second time'). Expected node.detach(t) for what a "
                             "later slot reads"
                         )
+                # Computed here from the slot's inputs, not cut with node.detach (shipped
+                # layers keep only copies, leaves: this walk runs for the misuse alone, or
+                # a view of a copy). A later slot whose outputs depend on it is refused.
+                if _reaches_leaf(t.grad_fn, inputs):
+                    state.undetached.append((_kept_label(key, stashed), t, t.grad_fn, name))
             continue
         if (t.is_floating_point() or t.is_complex()) and not any(t is a for a in allowed):
             if grad_in is None:
@@ -198,6 +229,73 @@ def check_handoffs(
                 )
         if any(t is x for x in inputs) or any(t is o for o in outputs):
             state.kept_as_is.append(t)
+
+
+def _reaches_leaf(root: object, leaves: Sequence[Tensor]) -> bool:
+    """Whether the autograd graph below ``root`` accumulates into one of ``leaves``."""
+    wanted = [t for t in leaves if t.requires_grad]
+    if not wanted:
+        return False
+    for fn in walk_graph([root]):
+        leaf: object = getattr(fn, "variable", None)
+        if isinstance(leaf, Tensor) and any(leaf is t for t in wanted):
+            return True
+    return False
+
+
+def check_undetached_reads(
+    name: str, roots: Sequence[object], undetached: Sequence[tuple[str, Tensor, object, str]]
+) -> None:
+    """Always on, after a layer slot's forward, when an earlier slot of the layer kept a
+    tensor computed from its inputs without ``node.detach`` (``layer_state.undetached``,
+    rare: a misuse): raise if this slot's outputs (``roots``: their ``grad_fn`` and those of
+    the tensors it detached) depend on one. Walks this slot's graph only then."""
+    wanted = {id(fn): (label, t, producer) for label, t, fn, producer in undetached}
+    for fn in walk_graph(roots):
+        hit = wanted.get(id(fn))
+        if hit is None:
+            continue
+        label, t, producer = hit
+        stash = "layer_state.stash("
+        fix = (
+            f"{label[:-1]}, node.detach(t))"
+            if label.startswith(stash)
+            else f"{label} = node.detach(t)"
+        )
+        raise IntegrationError(
+            f"node {name!r}: its outputs depend on {label} ({_describe(t)}), which node "
+            f"{producer!r} (an earlier slot of the layer) kept with its autograd graph, not "
+            "through node.detach: this node's backward would run through that slot's graph, "
+            "and that slot's backward through it again (torch's 'Trying to backward through "
+            "the graph a second time', or gradients counted twice, in another order than "
+            f"plain backward()). Expected node {producer!r} to keep node.detach(t) for what a "
+            f"later slot reads: {fix}"
+        )
+
+
+SECOND_BACKWARD = "Trying to backward through the graph a second time"
+"""The start of torch's message when a backward runs into graph an earlier one freed."""
+
+
+def second_backward_error(
+    name: str, exc: BaseException, undetached: Sequence[tuple[str, Tensor, object, str]]
+) -> IntegrationError | None:
+    """The library's error for torch's "backward through the graph a second time" raised
+    in node ``name``'s backward (``None`` for any other exception): two nodes' backward
+    passes shared one graph, a tensor handed between slots without ``node.detach``."""
+    if not isinstance(exc, RuntimeError) or SECOND_BACKWARD not in str(exc):
+        return None
+    mine = [f"{label} ({_describe(t)})" for label, t, _, producer in undetached if producer == name]
+    known = f" This slot kept {', '.join(mine)} with its autograd graph." if mine else ""
+    return IntegrationError(
+        f"node {name!r}: its backward ran into autograd graph that another backward already "
+        f"ran through and freed (torch: {SECOND_BACKWARD}): most likely a tensor was handed "
+        "between this slot and another slot (or another microbatch) without node.detach "
+        "(kept on a module, in a closure or in a container), so the two slots' backward "
+        f"passes share one graph.{known} Expected every tensor a later slot reads to be kept "
+        "in layer_state as node.detach(t) by the slot that computed it; MOE_OVERLAP_DEBUG=1 "
+        "names the slot that reads it, at its forward"
+    )
 
 
 def check_copies_unused(name: str, copies: Sequence[Tensor]) -> None:

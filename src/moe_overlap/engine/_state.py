@@ -194,6 +194,7 @@ class LayerState:
         "residual",
         "shared_expert_output",
         "tokens_per_expert",
+        "undetached",
     )
 
     residual: Tensor | None
@@ -213,6 +214,10 @@ class LayerState:
     kept_as_is: list[Tensor]
     """Tensors kept as they are (the same object) that are also an input or an output of
     the slot that kept them: a slot that frees its inputs checks that none lives there."""
+    undetached: list[tuple[str, Tensor, object, str]]
+    """Tensors a slot kept computed from its own inputs, not through ``node.detach``: the
+    field or stash label, the tensor, its ``grad_fn`` and the name of the node that kept it.
+    Each later slot's node checks that its outputs do not depend on one."""
 
     def __init__(self) -> None:
         # Through object.__setattr__: these fields exist, and a plan builds one per layer.
@@ -225,6 +230,7 @@ class LayerState:
         _set(self, "fresh", [])
         _set(self, "kept_as_is", [])
         _set(self, "detached_leaves", [])
+        _set(self, "undetached", [])
 
     if not TYPE_CHECKING:  # hidden from type checkers: an unknown field stays a type error
 
@@ -282,3 +288,4 @@ class LayerState:
         self.fresh.clear()
         self.kept_as_is.clear()
         self.detached_leaves.clear()
+        self.undetached.clear()

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moe_overlap import (
+    ChunkState,
     ConfigError,
     IntegrationError,
     Microbatch,
@@ -107,7 +108,12 @@ def prepare_schedule(
     ``ScheduleGPipe``: no action runtime), a schedule prepared twice, a stage module that is
     not a ``PreprocessableModel`` or whose ``pre_process`` / ``post_process`` disagree with
     the stage's place, one wrapped by DDP or FSDP, a stage with a ``dw_builder``, and an
-    ``OVERLAP_F_B`` whose parts are not one ``FORWARD`` and one ``FULL_BACKWARD``.
+    ``OVERLAP_F_B`` whose parts are not one ``FORWARD`` and one ``FULL_BACKWARD``. Each
+    ``step`` checks every microbatch's inputs of this rank's stages before anything runs
+    (torch's shape inference included): the first stage's one tensor of token ids (int64 or
+    int32), and only the stage keywords a plan takes (``position_ids``, ``attention_mask``,
+    ``padding_mask``), each a tensor or ``None`` that the stage module's ``forward`` takes
+    and the model reads.
 
     A failure inside a plan raises :class:`~moe_overlap.ScheduleError` naming the pipeline
     rank, the action (stage, microbatch) and the plan step. After every step, failed or
@@ -282,6 +288,9 @@ class PipelineOverlap:
             self._return_outputs = bool(bound.arguments.get("return_outputs", True))
             loss_kwargs = bound.arguments.get("loss_kwargs")
             self._loss_kwargs = cast("dict[str, Any] | None", loss_kwargs)
+            self._check_step_inputs(
+                bound.arguments.get("arg_mbs"), bound.arguments.get("kwarg_mbs")
+            )
             self._begin_step()
             self._phase = Phase.DURING
             try:
@@ -394,6 +403,30 @@ class PipelineOverlap:
 
     def _me(self) -> str:
         return f"pipeline rank {self.rank} (global rank {_global_rank()})"
+
+    def _check_step_inputs(self, arg_mbs: object, kwarg_mbs: object) -> None:
+        """Every microbatch's inputs of every stage of this rank, before the step runs or
+        communicates anything (torch's shape inference included, which runs the stage
+        modules' plain forward): what a plan of the stage would refuse, the first stage's
+        token ids and every stage keyword (the same on every rank that is given the same
+        keywords, so every rank fails before communicating)."""
+        args_mbs = cast("list[object]", arg_mbs) if isinstance(arg_mbs, list) else []
+        kwargs_mbs = cast("list[object]", kwarg_mbs) if isinstance(kwarg_mbs, list) else []
+        for stage in self._stages.values():
+            where = _where(stage)
+            checked: set[frozenset[str]] = set()  # torch gives every microbatch the same names
+            for mb in range(max(len(args_mbs), len(kwargs_mbs))):
+                args: tuple[object, ...] | None = None
+                if stage.is_first and mb < len(args_mbs):
+                    args = tuple(cast("tuple[object, ...]", args_mbs[mb]))
+                given = kwargs_mbs[mb] if mb < len(kwargs_mbs) else None
+                kwargs = dict(cast("Mapping[str, object]", given or {}))
+                names = frozenset(kwargs)
+                microbatch = _stage_microbatch(
+                    stage, args, kwargs, where, names_checked=names in checked
+                )
+                checked.add(names)
+                check_inputs(stage.submod, ChunkState(microbatch), where=where, what="stage input")
 
     def _begin_step(self) -> None:
         for index, stage in self._stages.items():
@@ -567,41 +600,11 @@ class PipelineOverlap:
         args: tuple[object, ...],
         kwargs: Mapping[str, object],
     ) -> ModelChunkSchedulePlan:
-        where = f"pipeline stage {stage.stage_index} ({type(stage.submod).__name__})"
-        if len(args) != 1 or not isinstance(args[0], Tensor):
-            shown = ", ".join(type(a).__name__ for a in args)
-            raise IntegrationError(
-                f"{where}: expected one tensor input (token ids on the first stage, hidden "
-                f"states after it), received ({shown})"
-            )
-        unknown = sorted(set(kwargs) - set(_PLAN_KWARGS))
-        if unknown:
-            raise ConfigError(
-                f"{where}: a plan takes the stage keyword arguments {_PLAN_KWARGS}, received "
-                f"also {unknown}; pass what the layers read through those, or through the "
-                "stage's inputs"
-            )
-        x = args[0]
-        model = check_model(stage.submod)
-        _check_stage_keywords(stage.submod, kwargs, where)
-
-        def tensor_kwarg(name: str) -> Tensor | None:
-            value = kwargs.get(name)
-            if value is None or isinstance(value, Tensor):
-                return value
-            raise ConfigError(
-                f"{where}: keyword {name} must be a Tensor or None, received {type(value).__name__}"
-            )
-
+        where = _where(stage)
+        microbatch = _stage_microbatch(stage, args, kwargs, where)
         plan = ModelChunkSchedulePlan(
-            model,
-            Microbatch(
-                input_ids=x if stage.is_first else None,
-                position_ids=tensor_kwarg("position_ids"),
-                attention_mask=tensor_kwarg("attention_mask"),
-                decoder_input=None if stage.is_first else x,
-                padding_mask=tensor_kwarg("padding_mask"),
-            ),
+            check_model(stage.submod),
+            microbatch,
             options=self._options[stage.stage_index],
             index=mb,
             vp_stage=stage.stage_index,
@@ -846,6 +849,71 @@ def _longest_timeout(stages: Iterable[Stage]) -> timedelta:
     found = [_torch.group_timeout(g) for g in groups if g is not None]
     known = [t for t in found if t is not None]
     return max(known) if known else dist.default_pg_timeout
+
+
+def _where(stage: Stage) -> str:
+    return f"pipeline stage {stage.stage_index} ({type(stage.submod).__name__})"
+
+
+_TOKEN_DTYPES = (torch.int64, torch.int32)
+"""What an embedding takes as indices (``nn.Embedding``: Long or Int)."""
+
+
+def _stage_microbatch(
+    stage: Stage,
+    args: tuple[object, ...] | None,
+    kwargs: Mapping[str, object],
+    where: str,
+    *,
+    names_checked: bool = False,
+) -> Microbatch:
+    """The :class:`~moe_overlap.Microbatch` a plan of ``stage`` is built from, its inputs
+    checked: one tensor (``args``; ``None`` before a later stage received it), integer
+    token ids on the first stage, and only the keywords a plan takes (:data:`_PLAN_KWARGS`),
+    each a tensor or ``None``, each a parameter of the stage module's ``forward`` and read by
+    the model (``names_checked``: these names were, for another microbatch)."""
+    x: Tensor | None = None
+    if args is not None:
+        if len(args) != 1 or not isinstance(args[0], Tensor):
+            shown = ", ".join(type(a).__name__ for a in args)
+            raise IntegrationError(
+                f"{where}: expected one tensor input (token ids on the first stage, hidden "
+                f"states after it), received ({shown})"
+            )
+        x = args[0]
+        if stage.is_first and x.dtype not in _TOKEN_DTYPES:
+            raise ConfigError(
+                f"{where}: the first stage's input (schedule.step's positional argument): "
+                "expected token ids as an integer tensor (int64 or int32), received "
+                f"{str(x.dtype).removeprefix('torch.')}{list(x.shape)}; pass the token ids "
+                "(e.g. ids.long()), not embeddings or float values"
+            )
+    if not names_checked:
+        unknown = sorted(set(kwargs) - set(_PLAN_KWARGS))
+        if unknown:
+            raise ConfigError(
+                f"{where}: stage keyword argument {unknown[0]!r} (schedule.step(..., "
+                f"{unknown[0]}=...)): expected only the keyword arguments a plan takes, "
+                f"{list(_PLAN_KWARGS)}, received also {unknown}; leave it out, or pass what "
+                "the layers read through those or through the stage's inputs"
+            )
+        _check_stage_keywords(stage.submod, kwargs, where)
+
+    def tensor_kwarg(name: str) -> Tensor | None:
+        value = kwargs.get(name)
+        if value is None or isinstance(value, Tensor):
+            return value
+        raise ConfigError(
+            f"{where}: keyword {name} must be a Tensor or None, received {type(value).__name__}"
+        )
+
+    return Microbatch(
+        input_ids=x if stage.is_first else None,
+        position_ids=tensor_kwarg("position_ids"),
+        attention_mask=tensor_kwarg("attention_mask"),
+        decoder_input=None if stage.is_first else x,
+        padding_mask=tensor_kwarg("padding_mask"),
+    )
 
 
 def _check_stage_keywords(module: nn.Module, kwargs: Mapping[str, object], where: str) -> None:
