@@ -29,7 +29,15 @@ from ._node_checks import (
 )
 from ._protocols import NodeTimer, StreamProvider
 from ._recompute_hold import held_for_recompute
-from ._streams import AnyEvent, CpuEvent, CpuStream, record_tensor_on, use_stream
+from ._stream_check import _ACTIVE as _CHECKING  # pyright: ignore[reportPrivateUsage]
+from ._streams import (
+    AnyEvent,
+    CpuEvent,
+    CpuStream,
+    record_tensor_on,
+    release_storage,
+    use_stream,
+)
 
 __all__ = [
     "BackwardFunc",
@@ -166,6 +174,8 @@ class ScheduleNode:
     """
 
     timer: NodeTimer | None
+    where: str = ""
+    """Where the node sits (``microbatch 3, layer 1``), set by its plan for messages."""
     detached: tuple[Tensor, ...] = ()
     """Tensors the node handed to later nodes itself (layer slots, through ``detach``)."""
     kept_as_is: Sequence[Tensor] = ()
@@ -219,17 +229,23 @@ class ScheduleNode:
                 "nodes are one-shot: build a new plan per microbatch"
             )
         stream = self.stream()
-        with use_stream(stream, self.event):
-            detached = tuple(_detach_keep_grad(t) for t in inputs)
-            self.inputs = detached
-            timer = self.timer
-            if timer is not None:
-                timer.start(stream)
-            result = self.forward_func(*detached)
-            if timer is not None:
-                timer.stop(stream)
-            outputs = _as_tuple(self.name, result)
-            self.outputs = outputs
+        if _CHECKING:
+            _CHECKING[-1].push_label(self.describe("forward"))
+        try:
+            with use_stream(stream, self.event):
+                detached = tuple(_detach_keep_grad(t) for t in inputs)
+                self.inputs = detached
+                timer = self.timer
+                if timer is not None:
+                    timer.start(stream)
+                result = self.forward_func(*detached)
+                if timer is not None:
+                    timer.stop(stream)
+                outputs = _as_tuple(self.name, result)
+                self.outputs = outputs
+        finally:
+            if _CHECKING:
+                _CHECKING[-1].pop_label()
         for out in outputs:
             if not out.requires_grad:
                 check_in_graph(self.name, detached, outputs, self.non_differentiable)
@@ -301,13 +317,16 @@ class ScheduleNode:
                 count_copies=count_copies,
                 walk=DEBUG,
             )
-        cuda = not isinstance(stream, CpuStream)
         for tensor in inputs:
             if tensor is not None:
-                if cuda:
-                    record_tensor_on(tensor, stream)
-                tensor.untyped_storage().resize_(0)
+                record_tensor_on(tensor, stream)
+                release_storage(tensor)
         return outputs
+
+    def describe(self, direction: str) -> str:
+        """This node's place, for the stream-order checker's messages."""
+        where = f"{self.where} " if self.where else ""
+        return f"node {where}{self.name!r} {direction}"
 
     def mark_non_differentiable(self, *tensors: Tensor) -> None:
         """Declare tensors that carry no gradient on purpose (masks, counts as floats).
@@ -345,14 +364,20 @@ class ScheduleNode:
                 f"(one per forward output), received {len(output_grad)}"
             )
         stream = self.stream()
-        with use_stream(stream, self.event):
-            timer = self.timer
-            if timer is not None:
-                timer.start(stream)
-            self.backward_impl(self.outputs, output_grad)
-            if timer is not None:
-                timer.stop(stream)
-        if not isinstance(stream, CpuStream):
+        if _CHECKING:
+            _CHECKING[-1].push_label(self.describe("backward"))
+        try:
+            with use_stream(stream, self.event):
+                timer = self.timer
+                if timer is not None:
+                    timer.start(stream)
+                self.backward_impl(self.outputs, output_grad)
+                if timer is not None:
+                    timer.stop(stream)
+        finally:
+            if _CHECKING:
+                _CHECKING[-1].pop_label()
+        if not isinstance(stream, CpuStream) or _CHECKING:
             for grad in output_grad:
                 # The grads may come from the other stream: keep their memory until this
                 # node's backward kernels are done with it.
