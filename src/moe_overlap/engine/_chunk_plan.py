@@ -190,9 +190,9 @@ class ModelChunkSchedulePlan:
         chunk = f"microbatch {self.microbatch_index}"
         if self.vp_stage is not None:
             chunk += f" of stage {self.vp_stage}"
-        for node in (self.pre_process, self.post_process):
-            if node is not None:
-                node.where = chunk
+        for process in (self.pre_process, self.post_process):
+            if process is not None:
+                process.where = chunk
         for i, lp in enumerate(self.layers):
             for node in lp.nodes.values():
                 node.where = f"{chunk}, layer {i}"
