@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import pytest
@@ -134,20 +134,29 @@ def test_checker_leaves_no_state() -> None:
 # -- the library's own orderings, removed one at a time ----------------------------------
 
 
-def _run(dispatcher: str = "alltoall", chunks: int = 1) -> None:
+def _run(dispatcher: str = "alltoall", chunks: int = 1, user_stream: bool = False) -> None:
+    """A step; ``user_stream``: inputs made, the step run and its losses read on a stream of
+    the caller's, not the compute stream (the plan's own boundary waits then matter)."""
     kind: Any = dispatcher  # a DispatcherKind, checked by the config
     config = dataclasses.replace(SMALL, dispatcher=kind, moe_a2a_chunks=chunks)
     model = GPTMoEModel(config)
-    g = torch.Generator().manual_seed(0)
-    xs = [torch.randint(0, 64, (2, 8), generator=g) for _ in range(3)]
-    mbs = [Microbatch(input_ids=x, labels=x.roll(-1, 1)) for x in xs]
-    combined_1f1b(model, mbs, options=model.schedule_options())
+    with stream_context(CpuStream("user")) if user_stream else nullcontext():
+        g = torch.Generator().manual_seed(0)
+        xs = [torch.randint(0, 64, (2, 8), generator=g) for _ in range(3)]
+        mbs = [Microbatch(input_ids=x.clone(), labels=x.roll(-1, 1)) for x in xs]
+        losses = combined_1f1b(model, mbs, options=model.schedule_options())
+        assert all(bool(torch.isfinite(loss)) for loss in losses)
 
 
 def test_the_library_runs_clean_under_the_checker() -> None:
-    for dispatcher, chunks in (("alltoall", 1), ("loopback", 1), ("loopback", 2)):
+    for dispatcher, chunks, user in (
+        ("alltoall", 1, False),
+        ("loopback", 1, False),
+        ("loopback", 2, False),
+        ("alltoall", 1, True),
+    ):
         with stream_order_check() as checker:
-            _run(dispatcher, chunks)
+            _run(dispatcher, chunks, user)
         assert checker.cross_stream_storages > 0
 
 
@@ -208,6 +217,30 @@ MUTATIONS: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {
         ),
         {},
     ),
+    "plan: its first nodes wait for the caller's stream": (
+        lambda: _patched(
+            _module("moe_overlap.engine._chunk_plan").ModelChunkSchedulePlan,
+            "record_current_stream",
+            _skip_wait,
+        ),
+        {"user_stream": True},
+    ),
+    "plan: the caller's stream waits for its last nodes": (
+        lambda: _patched(
+            _module("moe_overlap.engine._chunk_plan").ModelChunkSchedulePlan,
+            "wait_current_stream",
+            _skip_wait,
+        ),
+        {"user_stream": True},
+    ),
+    "plan: outputs kept from reuse until the caller's stream used them": (
+        lambda: _patched(
+            _module("moe_overlap.engine._chunk_plan").ModelChunkSchedulePlan,
+            "hand_to_caller",
+            _skip_wait,
+        ),
+        {"user_stream": True},
+    ),
     "HostLoopback: side stream waits for the caller": (
         lambda: _patched(_module("moe_overlap.blocks._loopback"), "wait_stream", _first_only()),
         {"dispatcher": "loopback"},
@@ -260,7 +293,8 @@ def _lane_waits() -> Callable[[Any, Any], None]:
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_each_ordering_removed_is_caught(mutation: str) -> None:
     make, run_args = MUTATIONS[mutation]
-    with make(), stream_order_check(), pytest.raises((ScheduleError, StreamOrderError)) as info:
+    # Outermost: a release is also checked when the checked block ends.
+    with pytest.raises((ScheduleError, StreamOrderError)) as info, make(), stream_order_check():
         _run(**run_args)
     chain: list[BaseException] = []
     e: BaseException | None = info.value

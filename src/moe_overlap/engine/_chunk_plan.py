@@ -39,6 +39,7 @@ from ._streams import (
     cpu_default_stream,
     current_stream,
     make_event,
+    record_tensor_on,
     record_event,
     set_streams,
     stream_context,
@@ -264,6 +265,15 @@ class ModelChunkSchedulePlan:
         """Make the current stream wait for this chunk's last node."""
         wait_event(self.event, current_stream(self.streams.comp))
 
+    def hand_to_caller(self, output: Tensor | None) -> None:
+        """``output`` (made on the schedule's streams) goes to the caller: when the caller
+        runs on another stream, its memory waits for that stream's use before reuse."""
+        if output is None:
+            return
+        caller = current_stream(self.streams.comp)
+        if caller != self.streams.comp:
+            record_tensor_on(output, caller)
+
     def release_state(self) -> None:
         """Drop every node, layer plan and the chunk state's model reference."""
         for lp in self.layers:
@@ -365,7 +375,9 @@ class ModelChunkSchedulePlan:
             b.release_state()
         if f is None:
             return None
-        return f_value[0] if f_value else None
+        out = f_value[0] if f_value else None
+        f.hand_to_caller(out)
+        return out
 
 
 def run_pair(
@@ -420,7 +432,10 @@ def run_pair(
         second.release_state()
         return None, None
     outs = (values[roles[0]], values[roles[1]])
-    return (outs[0][0] if outs[0] else None), (outs[1][0] if outs[1] else None)
+    out0, out1 = (outs[0][0] if outs[0] else None), (outs[1][0] if outs[1] else None)
+    first.hand_to_caller(out0)
+    second.hand_to_caller(out1)
+    return out0, out1
 
 
 def _pair_of_grads(value: object) -> tuple[object, object]:
