@@ -7,10 +7,20 @@ layer MoE, the all-to-all emulated by the one-device loopback: every dispatched 
 device -> pinned host -> device) with ``moe_a2a_chunks=K`` for each K, one model per K
 with the same weights. Every variant (K x serial / overlapped / fill-drain) runs one step
 per round, the variants interleaved and rotated round by round; warm-up rounds, then
-timed rounds; figure = median, spread = (max - min) / min. Also checks, under
-deterministic algorithms, that each K's overlapped step is bit-identical to its own serial
-step (losses and gradients), next to the serial step against itself. Writes
-``DIR/a2a_chunks.json``. ``--tiny``: a CPU smoke run.
+timed rounds; figure = median, spread = (max - min) / min. Writes ``DIR/a2a_chunks.json``.
+``--tiny``: a CPU smoke run.
+
+Exactness first, under deterministic kernels only (``bench_overlap.deterministic_kernels``:
+``torch.use_deterministic_algorithms(True)``, not warn-only; ``CUBLAS_WORKSPACE_CONFIG``;
+SDPA off cuDNN attention, or with ``--exact-attention math`` its math backend only): for
+each K, its serial step twice and its overlapped and fill/drain steps, from zero gradients;
+every one must be bit-identical to K's first serial step (losses and gradients). The chunked
+all-to-all changes the experts' matrix shapes, so each K is compared with its own serial
+step, not with K=1. A step that is not bit-identical fails the benchmark: the exactness
+results are written, the differences printed to stderr, and the process exits 1 without
+timing, or with ``--continue-after-inexact`` after timing. ``MOE_OVERLAP_BENCH_PERTURB``
+(``K2_overlapped``, ``1`` = the first checked) adds one ulp to a step's first gradient: the
+failure path's test.
 """
 
 from __future__ import annotations
@@ -18,16 +28,33 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import cast
+
+# Deterministic cuBLAS for the exactness pass (read when CUDA starts; :4096:8 is Hopper's
+# default workspace size, so the timed steps are unchanged).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
+from torch import Tensor
 
 from moe_overlap import Microbatch, StreamPair, combined_1f1b, make_streams
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_overlap import (
+    add_ulp,
+    compare,
+    describe,
+    deterministic_kernels,
+    perturb_target,
+    snapshot,
+)
 
 JsonDict = dict[str, object]
 
@@ -47,8 +74,7 @@ def _microbatches(
     return [Microbatch(input_ids=x, labels=x.roll(-1, 1)) for x in xs]
 
 
-def _grads(model: GPTMoEModel) -> list[torch.Tensor]:
-    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+MODES = ("serial", "overlapped", "fill_drain")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,6 +93,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--iters", type=int, default=5)
+    p.add_argument(
+        "--exact-attention",
+        choices=("sdpa", "math"),
+        default="sdpa",
+        help="attention kernels of the exactness pass: sdpa = SDPA's deterministic backends "
+        "(never cuDNN); math = SDPA's math backend only",
+    )
+    p.add_argument(
+        "--continue-after-inexact",
+        action="store_true",
+        help="time the steps even when the exactness pass failed (still exits 1)",
+    )
     args = p.parse_args(argv)
     device = torch.device(args.device)
     if args.tiny:
@@ -98,7 +136,7 @@ def main(argv: list[str] | None = None) -> None:
     pair = make_streams(device)
     serial = StreamPair(comp=pair.comp, comm=pair.comp)
 
-    def step(model: GPTMoEModel, mode: str) -> list[torch.Tensor]:
+    def step(model: GPTMoEModel, mode: str) -> list[Tensor]:
         overlap = mode != "serial"
         return combined_1f1b(
             model,
@@ -112,10 +150,43 @@ def main(argv: list[str] | None = None) -> None:
         return lambda: step(model, mode)
 
     variants: dict[str, Callable[[], object]] = {
-        f"K{k}_{mode}": bound(m, mode)
-        for k, m in models.items()
-        for mode in ("serial", "overlapped", "fill_drain")
+        f"K{k}_{mode}": bound(m, mode) for k, m in models.items() for mode in MODES
     }
+    checked = [f"K{k}_{mode}" for k in args.chunks for mode in MODES[1:]]
+    perturb = perturb_target(checked)
+    env: JsonDict = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "argv": sys.argv,
+    }
+    res: JsonDict = {
+        "env": env,
+        "config": {k: str(v) for k, v in dataclasses.asdict(base).items()},
+        "tokens_per_microbatch": args.batch * args.seq,
+        "microbatches": args.microbatches,
+    }
+    path = out / "a2a_chunks.json"
+    exact = exactness(models, step, device, attention=args.exact_attention, perturb=perturb)
+    res["exactness"] = exact
+    failed = cast("list[str]", exact["failed"])
+    rows = cast("dict[str, JsonDict]", exact["variants"])
+    for name in failed:
+        ref = f"{name.split('_')[0]}_serial"
+        print(
+            f"bench_a2a_chunks: EXACTNESS FAILED ({exact['kernels']}): "
+            + describe(name, ref, rows[name]),
+            file=sys.stderr,
+            flush=True,
+        )
+    if failed and not args.continue_after_inexact:
+        path.write_text(json.dumps(res, indent=1))
+        raise SystemExit(
+            f"bench_a2a_chunks: {', '.join(failed)} not bit-identical to their serial steps "
+            f"under deterministic kernels; not timed (--continue-after-inexact); wrote {path}"
+        )
+    if not failed:
+        print(f"exact: {len(rows)} of {len(rows)} steps bit-identical ({exact['kernels']})")
     names = list(variants)
     samples: dict[str, list[float]] = {n: [] for n in names}
     t0 = time.perf_counter()
@@ -134,54 +205,71 @@ def main(argv: list[str] | None = None) -> None:
             f"round {r + 1}/{args.warmup + args.iters} ({time.perf_counter() - t0:.0f} s)",
             flush=True,
         )
-    # Exactness under deterministic algorithms (warn-only): the default mode's atomics
-    # (index_add, attention backward) differ run to run. The serial step runs twice: the floor.
-    exact: dict[str, bool] = {}
-    floor: dict[str, bool] = {}
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    try:
-        for k, m in models.items():
-            got: list[list[torch.Tensor]] = []
-            for mode in ("serial", "serial", "overlapped"):
-                m.zero_grad(set_to_none=True)
-                losses = step(m, mode)
-                _sync(device)
-                got.append([*(x.detach().float() for x in losses), *_grads(m)])
-            floor[f"K{k}"] = all(torch.equal(a, b) for a, b in zip(got[0], got[1], strict=True))
-            exact[f"K{k}"] = all(torch.equal(a, b) for a, b in zip(got[0], got[2], strict=True))
-    finally:
-        torch.use_deterministic_algorithms(was)
     med = {n: statistics.median(v) for n, v in samples.items()}
     spread = {n: (max(v) - min(v)) / min(v) for n, v in samples.items()}
-    res: JsonDict = {
-        "env": {
-            "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-            "torch": torch.__version__,
-            "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-            "argv": sys.argv,
-        },
-        "config": {k: str(v) for k, v in dataclasses.asdict(base).items()},
-        "tokens_per_microbatch": args.batch * args.seq,
-        "microbatches": args.microbatches,
+    res |= {
         "warmup": args.warmup,
         "iters": args.iters,
         "step_ms": med,
         "samples": samples,
         "spread": spread,
-        "overlapped_bit_identical_to_serial": exact,
-        "serial_bit_identical_run_to_run": floor,
     }
-    path = out / "a2a_chunks.json"
     path.write_text(json.dumps(res, indent=1))
     print(f"{'K':>3} {'serial':>9} {'overlapped':>11} {'fill/drain':>11} {'spread%':>8} exact")
     for k in args.chunks:
-        row = [med[f"K{k}_{mode}"] for mode in ("serial", "overlapped", "fill_drain")]
-        sp = max(spread[f"K{k}_{mode}"] for mode in ("serial", "overlapped", "fill_drain"))
-        print(
-            f"{k:>3} {row[0]:9.1f} {row[1]:11.1f} {row[2]:11.1f} {100 * sp:8.1f} {exact[f'K{k}']}"
-        )
+        row = [med[f"K{k}_{mode}"] for mode in MODES]
+        sp = max(spread[f"K{k}_{mode}"] for mode in MODES)
+        ok = not any(name.startswith(f"K{k}_") for name in failed)
+        print(f"{k:>3} {row[0]:9.1f} {row[1]:11.1f} {row[2]:11.1f} {100 * sp:8.1f} {ok}")
     print(f"wrote {path}", flush=True)
+    if failed:
+        raise SystemExit(
+            f"bench_a2a_chunks: {', '.join(failed)} not bit-identical to their serial steps "
+            "under deterministic kernels (timed anyway: --continue-after-inexact)"
+        )
+
+
+def exactness(
+    models: dict[int, GPTMoEModel],
+    step: Callable[[GPTMoEModel, str], list[Tensor]],
+    device: torch.device,
+    *,
+    attention: str,
+    perturb: str | None,
+) -> JsonDict:
+    """For each K: its serial step twice, its overlapped and fill/drain steps, from zero
+    gradients under deterministic kernels, each compared with K's first serial step.
+    ``failed``: the steps not bit-identical (``K<k>_serial (run to run)``: the second serial
+    step)."""
+    rows: dict[str, JsonDict] = {}
+    first = True
+    with deterministic_kernels(device, attention) as kernels:
+        for k, m in models.items():
+
+            def run(mode: str, model: GPTMoEModel = m) -> tuple[list[Tensor], dict[str, Tensor]]:
+                model.zero_grad(set_to_none=True)
+                losses = step(model, mode)
+                _sync(device)
+                return snapshot(model, losses)
+
+            want = run("serial")
+            rows[f"K{k}_serial (run to run)"] = compare(run("serial"), want)
+            for mode in MODES[1:]:
+                name = f"K{k}_{mode}"
+                got = run(mode)
+                if perturb == name or (perturb == "1" and first):
+                    add_ulp(next(iter(got[1].values())))
+                first = False
+                rows[name] = compare(got, want)
+            m.zero_grad(set_to_none=True)
+    return {
+        "kernels": kernels,
+        "attention": attention,
+        "reference": "each K's first serial step",
+        "perturbed": perturb,
+        "variants": rows,
+        "failed": [k for k, r in rows.items() if not r["bit_identical"]],
+    }
 
 
 if __name__ == "__main__":

@@ -30,6 +30,25 @@ the budget, and says so.
 Then, for the first configuration: peak memory of every variant with and without
 free-input, the timeline (PNG + Chrome trace) of one overlapped step, and host time per
 layer pair, eager and graphed; and host time and step time at a host-bound size (H=256).
+
+Exactness (every row, before its timed steps): one step of every variant that computes
+gradients (all but ``comm_only``) from zero gradients, and of ``serial`` twice, under
+deterministic kernels only (:func:`deterministic_kernels`:
+``torch.use_deterministic_algorithms(True)``, not warn-only, so an operation without a
+deterministic implementation raises instead of running; ``CUBLAS_WORKSPACE_CONFIG=:4096:8``;
+SDPA kept off cuDNN attention, whose backward has no deterministic mode, and with
+``--exact-attention math`` on its math backend only), the graphed variants with graphs
+captured under those kernels. Every variant's losses and gradients must be bit-identical to
+the first serial step's, and the second serial step too; anything else fails the benchmark:
+the row's results are written (``exactness`` in ``results.json``: per variant what differed,
+the largest difference, whether a value is not finite), the differences printed to stderr,
+and the process exits 1, or with ``--continue-after-inexact`` times the rest of the sweep
+first and exits 1 at the end. The timed steps run as before, in PyTorch's default mode (the
+graphs recaptured in it).
+
+``MOE_OVERLAP_BENCH_PERTURB=<variant>`` (``1``: the first variant checked) adds one ulp to
+the first element of that variant's first gradient in the exactness pass: the failure path's
+test.
 """
 
 from __future__ import annotations
@@ -38,14 +57,23 @@ import argparse
 import dataclasses
 import json
 import math
+import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import cast
 
+# cuBLAS is deterministic only with a fixed workspace per stream, and deterministic mode
+# refuses cuBLAS calls without this setting (read when CUDA starts). :4096:8 (32 MiB) is
+# the default size on Hopper, so the timed steps run as they did without it.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
 import torch
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moe_overlap import (
     Microbatch,
@@ -138,8 +166,9 @@ def step(
     options: ScheduleOptions | None = None,
     fill_drain: bool = False,
     on_plan: NodeRecorder | None = None,
-) -> None:
-    combined_1f1b(
+) -> list[Tensor]:
+    """One step of the schedule; its losses."""
+    return combined_1f1b(
         b.model,
         b.mbs,
         overlap=overlap,
@@ -207,13 +236,14 @@ def median(xs: list[float]) -> float:
 
 def _switched(
     enter: Callable[[], None], leave: Callable[[], None], fn: Callable[[], object]
-) -> Callable[[], None]:
-    """``fn`` run between ``enter`` and ``leave`` (a model setting switched for one call)."""
+) -> Callable[[], object]:
+    """``fn`` run between ``enter`` and ``leave`` (a model setting switched for one call);
+    returns what ``fn`` returns."""
 
-    def run() -> None:
+    def run() -> object:
         enter()
         try:
-            fn()
+            return fn()
         finally:
             leave()
 
@@ -229,7 +259,7 @@ def row_variants(b: Bench, *, main: bool) -> dict[str, Callable[[], object]]:
     """
     model = b.model
 
-    def graphed(fn: Callable[[], object]) -> Callable[[], None]:
+    def graphed(fn: Callable[[], object]) -> Callable[[], object]:
         return _switched(lambda: model.set_graphs(True), lambda: model.set_graphs(False), fn)
 
     fns: dict[str, Callable[[], object]] = {
@@ -281,7 +311,7 @@ def measure(
         "warmup": b.warmup,
         "iters": b.iters,
     }
-    captured = _capture_graphs(b)
+    _capture_graphs(b)
     fns = row_variants(b, main=main)
     search = _search_order(b)
     found = search.order
@@ -291,6 +321,14 @@ def measure(
         fns["fill_drain_searched"] = lambda: step(
             b, overlap=True, options=_ordered(found), fill_drain=True
         )
+    exact = exactness(b, fns, attention=args.exact_attention, perturb=args.perturb)
+    res["exactness"] = exact
+    if exact["failed"] and not args.continue_after_inexact:
+        res["stopped"] = "not timed: the exactness pass failed (see --continue-after-inexact)"
+        return res
+    # The exactness pass dropped its graphs (captured under deterministic kernels): the timed
+    # steps get graphs captured in the default mode, before anything is timed.
+    captured = _capture_graphs(b)
     t = time_interleaved(b, fns)
     res["order"] = list(t)
     if model.graph_captures() != captured:
@@ -330,7 +368,6 @@ def measure(
         critical_path_ms(fill_drain_runs(n), rc_rec.shapes, rc_rec.durations()),
         m,
     )
-    rc_row["grads_vs_serial"] = _grads_vs(b, fns["serial"], fns["fill_drain_recompute"])
     res["fill_drain_recompute"] = rc_row
     g_durations = graph_rec.durations()
     res["graphs"] = {
@@ -359,38 +396,204 @@ def measure(
     return res
 
 
-def _grads_vs(b: Bench, reference: Callable[[], object], fn: Callable[[], object]) -> JsonDict:
-    """One step of each from zero gradients under ``torch.use_deterministic_algorithms``
-    (warn-only): are ``fn``'s gradients bit-identical to ``reference``'s; the largest
-    difference, and the run-to-run floor (``reference`` run twice)."""
-    params = [p for p in b.model.parameters() if p.requires_grad]
-    got: list[list[torch.Tensor]] = []
-    was = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
+#: The environment variable of the exactness pass's failure test (see the module doc).
+PERTURB_ENV = "MOE_OVERLAP_BENCH_PERTURB"
+#: The cuBLAS workspace settings under which cuBLAS is deterministic (its documentation).
+DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")
+#: Every variant the exactness pass may check (``serial`` is the reference).
+CHECKED = (
+    "overlapped",
+    "fill_drain",
+    "graphs_overlapped",
+    "graphs_fill_drain",
+    "compute_only",
+    "fill_drain_recompute",
+    "high_priority_comm",
+    "delay_wgrad_compute",
+    "overlapped_searched",
+    "fill_drain_searched",
+)
+#: A step's losses and its gradients by parameter name.
+Run = tuple[list[Tensor], dict[str, Tensor]]
+
+
+def perturb_target(known: Sequence[str]) -> str | None:
+    """The variant ``MOE_OVERLAP_BENCH_PERTURB`` names (``"1"``: the first one checked);
+    ``None`` when it is unset, empty or ``0``."""
+    value = os.environ.get(PERTURB_ENV, "")
+    if value in ("", "0"):
+        return None
+    if value != "1" and value not in known:
+        raise SystemExit(f"{PERTURB_ENV}={value!r}: expected 1 or one of {', '.join(known)}")
+    return value
+
+
+def add_ulp(t: Tensor) -> None:
+    """One ulp more on ``t``'s first element, in place (its bits as an integer, plus one)."""
+    ints = {
+        torch.float64: torch.int64,
+        torch.float32: torch.int32,
+        torch.bfloat16: torch.int16,
+        torch.float16: torch.int16,
+    }
+    t.detach()[(0,) * t.dim()].view(ints[t.dtype]).add_(1)
+
+
+@contextmanager
+def deterministic_kernels(device: torch.device, attention: str) -> Generator[str, None, None]:
+    """The exactness pass's kernels; yields their description.
+
+    ``torch.use_deterministic_algorithms(True)`` (not warn-only: an operation without a
+    deterministic implementation raises instead of running) with a deterministic cuBLAS
+    workspace; SDPA restricted to backends that are deterministic in that mode: flash and
+    memory-efficient attention run their deterministic backward there, the math backend is
+    plain matrix products and softmax; cuDNN attention (PyTorch's first choice on Hopper) has
+    no deterministic backward and is left out. ``attention="math"``: the math backend only.
+    """
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    if device.type == "cuda" and config not in DETERMINISTIC_CUBLAS:
+        raise SystemExit(
+            f"exactness pass: CUBLAS_WORKSPACE_CONFIG={config!r} is not deterministic; "
+            f"set one of {DETERMINISTIC_CUBLAS} before CUDA starts"
+        )
+    backends = (
+        [SDPBackend.MATH]
+        if attention == "math"
+        else [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    )
+    found = (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+    )
+    torch.use_deterministic_algorithms(True)
     try:
-        for run in (reference, reference, fn):
-            b.model.zero_grad(set_to_none=False)
-            run()
-            _sync(b.device)
-            got.append(
-                [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in params]
+        with sdpa_kernel(backends):
+            yield (
+                f"torch.use_deterministic_algorithms(True), CUBLAS_WORKSPACE_CONFIG={config}, "
+                f"SDPA backends {[x.name for x in backends]}"
             )
     finally:
-        torch.use_deterministic_algorithms(was)
-    b.model.zero_grad(set_to_none=False)
+        torch.use_deterministic_algorithms(found[0], warn_only=found[1])
 
-    def diff(xs: list[torch.Tensor], ys: list[torch.Tensor]) -> float:
-        return max(
-            ((x.float() - y.float()).abs().max().item() for x, y in zip(xs, ys, strict=True)),
-            default=0.0,
+
+def snapshot(model: torch.nn.Module, losses: list[Tensor], *, copy: bool = True) -> Run:
+    """A step's losses and every gradient by parameter name: copies (the model's next step
+    overwrites them), or with ``copy=False`` the tensors themselves."""
+    grads = {
+        n: p.grad.detach().clone() if copy else p.grad.detach()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
+    return [x.detach().clone() if copy else x.detach() for x in losses], grads
+
+
+def _abs_diff(got: Tensor, want: Tensor) -> tuple[float, list[str]]:
+    """The largest finite absolute difference, and the sides holding a NaN or an inf."""
+    bad = [
+        side
+        for side, t in (("variant", got), ("reference", want))
+        if not bool(torch.isfinite(t).all())
+    ]
+    d = (got.double() - want.double()).abs()
+    d = d[torch.isfinite(d)]
+    return (float(d.max()) if d.numel() else 0.0), bad
+
+
+def compare(got: Run, want: Run) -> JsonDict:
+    """Is ``got`` bit-identical to ``want``: losses, then every gradient; what differs."""
+    (got_losses, got_grads), (want_losses, want_grads) = got, want
+    details: list[str] = []
+    if len(got_losses) != len(want_losses):
+        details.append(f"{len(got_losses)} losses against {len(want_losses)}")
+    else:
+        for i, (g, w) in enumerate(zip(got_losses, want_losses, strict=True)):
+            if not torch.equal(g, w):
+                details.append(f"loss {i}: {g.item()!r} against {w.item()!r}")
+    losses_equal = not details
+    details += [
+        f"{n}: a gradient on one side only" for n in sorted(set(got_grads) ^ set(want_grads))
+    ]
+    differing: list[str] = []
+    largest, not_finite = 0.0, False
+    for name, want_grad in want_grads.items():
+        got_grad = got_grads.get(name)
+        if got_grad is None or torch.equal(got_grad, want_grad):
+            continue
+        differing.append(name)
+        if got_grad.shape != want_grad.shape:
+            details.append(
+                f"{name}: shape {tuple(got_grad.shape)} against {tuple(want_grad.shape)}"
+            )
+            continue
+        d, bad = _abs_diff(got_grad, want_grad)
+        largest, not_finite = max(largest, d), not_finite or bool(bad)
+        details.append(
+            f"{name}: max abs diff {d:.3e}"
+            + (f" (not finite in {' and '.join(bad)})" if bad else "")
         )
-
     return {
-        "deterministic_algorithms": True,
-        "bit_identical": all(torch.equal(x, y) for x, y in zip(got[0], got[2], strict=True)),
-        "max_abs_diff": diff(got[0], got[2]),
-        "reference_run_to_run_max_abs_diff": diff(got[0], got[1]),
-        "tensors": len(params),
+        "bit_identical": not details,
+        "losses_equal": losses_equal,
+        "tensors": len(want_grads),
+        "tensors_differing": len(differing),
+        "max_abs_diff": largest,
+        "not_finite": not_finite,
+        "differences": details[:20],
+    }
+
+
+def describe(variant: str, reference: str, cmp: JsonDict) -> str:
+    """One line: what made ``variant`` differ from ``reference``."""
+    head = (
+        f"{variant} is not bit-identical to {reference}: "
+        f"losses {'equal' if cmp['losses_equal'] else 'differ'}, "
+        f"{cmp['tensors_differing']} of {cmp['tensors']} gradients differ, largest abs diff "
+        f"{cast(float, cmp['max_abs_diff']):.3e}, "
+        f"{'NaN/inf present' if cmp['not_finite'] else 'all finite'}"
+    )
+    return f"{head}; " + "; ".join(cast("list[str]", cmp["differences"])[:6])
+
+
+def exactness(
+    b: Bench, fns: dict[str, Callable[[], object]], *, attention: str, perturb: str | None
+) -> JsonDict:
+    """The row's exactness pass (see the module doc): every variant of ``fns`` that computes
+    gradients against the first of two serial steps, from zero gradients, under
+    :func:`deterministic_kernels`; the graphed variants on graphs captured under those
+    kernels (the row's graphs are dropped first and these after). ``failed``: the variants
+    not bit-identical (``serial (run to run)``: the second serial step)."""
+    names = [k for k in fns if k not in ("serial", "comm_only")]
+    graphed = any(k.startswith("graphs_") for k in names)
+
+    def run(name: str) -> Run:
+        b.model.zero_grad(set_to_none=False)
+        out = fns[name]()
+        _sync(b.device)
+        return snapshot(b.model, cast("list[Tensor]", out) if isinstance(out, list) else [])
+
+    rows: dict[str, JsonDict] = {}
+    if graphed:
+        b.model.drop_graphs()
+    with deterministic_kernels(b.device, attention) as kernels:
+        want = run("serial")
+        rows["serial (run to run)"] = compare(run("serial"), want)
+        if graphed:
+            _capture_graphs(b)
+        for name in names:
+            got = run(name)
+            if perturb == name or (perturb == "1" and name == names[0]):
+                add_ulp(next(iter(got[1].values())))
+            rows[name] = compare(got, want)
+    b.model.zero_grad(set_to_none=False)
+    if graphed:
+        b.model.drop_graphs()
+    return {
+        "kernels": kernels,
+        "attention": attention,
+        "reference": "serial",
+        "perturbed": perturb,
+        "variants": rows,
+        "failed": [k for k, r in rows.items() if not r["bit_identical"]],
     }
 
 
@@ -798,7 +1001,22 @@ def main(argv: list[str] | None = None) -> None:
         help="skip a configuration when the seconds used so far plus its predicted time "
         "(from the rows already run) would pass this",
     )
+    p.add_argument(
+        "--exact-attention",
+        choices=("sdpa", "math"),
+        default="sdpa",
+        help="attention kernels of the exactness pass: sdpa = SDPA's deterministic backends "
+        "(flash / memory-efficient with their deterministic backward, never cuDNN); math = "
+        "SDPA's math backend only (more memory: the S x S scores)",
+    )
+    p.add_argument(
+        "--continue-after-inexact",
+        action="store_true",
+        help="a row whose exactness pass fails is still timed, and the sweep goes on; the "
+        "process still exits 1 at the end",
+    )
     args = p.parse_args(argv)
+    args.perturb = perturb_target(CHECKED)
     if args.warmup is None:
         args.warmup = 1 if args.tiny else MIN_WARMUP
     if args.first_warmup is None:
@@ -818,6 +1036,7 @@ def main(argv: list[str] | None = None) -> None:
         "warmup": args.warmup,
         "first_warmup": args.first_warmup,
         "iters": args.iters,
+        "exact_attention": args.exact_attention,
         "method": (
             "per row: warm-up rounds then timed rounds, each round runs every variant once "
             "(order rotated by one per round), each step synchronized and timed alone; "
@@ -827,6 +1046,8 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps(env), flush=True)
     results: list[JsonDict] = []
     skipped: list[str] = []
+    inexact: list[str] = []
+    env["exactness_failed"] = inexact
 
     def run(cfg: SliceConfig, n: int, *, main: bool = False) -> None:
         label = f"H={cfg.hidden} F={cfg.ffn} T={cfg.tokens} N={n}"
@@ -849,6 +1070,32 @@ def main(argv: list[str] | None = None) -> None:
         r["wall_s"] = time.perf_counter() - t0
         r["predicted_s"] = predicted
         print(json.dumps(r), flush=True)
+        exact = cast(JsonDict, r["exactness"])
+        failed = cast("list[str]", exact["failed"])
+        variants = cast("dict[str, JsonDict]", exact["variants"])
+        if failed:
+            inexact.extend(f"{label}: {name}" for name in failed)
+            for name in failed:
+                print(
+                    f"bench_overlap: EXACTNESS FAILED at {label} ({exact['kernels']}): "
+                    + describe(name, "serial", variants[name]),
+                    file=sys.stderr,
+                    flush=True,
+                )
+        else:
+            print(
+                f"{label}: exact, {len(variants)} of {len(variants)} comparisons with serial "
+                f"bit-identical ({exact['kernels']})",
+                flush=True,
+            )
+        if "stopped" in r:
+            r["slice_config"] = cfg
+            results.append(r)
+            _save(args.out, env, results, skipped)
+            raise SystemExit(
+                f"bench_overlap: stopped at {label}: {', '.join(failed)} not bit-identical "
+                f"to serial under deterministic kernels; results in {args.out / 'results.json'}"
+            )
         print(
             f"{label}: {r['wall_s']:.1f} s (predicted {predicted:.1f}); spread of "
             + ", ".join(
@@ -887,6 +1134,11 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
     print(f"skipped: {skipped}; wall {env['wall_s']:.1f} s", flush=True)
+    if inexact:
+        raise SystemExit(
+            f"bench_overlap: not bit-identical to serial under deterministic kernels: "
+            f"{'; '.join(inexact)} (timed anyway: --continue-after-inexact)"
+        )
 
 
 def _host_small(args: argparse.Namespace) -> JsonDict:

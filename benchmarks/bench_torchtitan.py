@@ -2,15 +2,22 @@
 
 Two parts, one run (issue 26, part 4):
 
-1. **Exactness** (torchtitan's registry ``debugmodel``, all 6 layers, bf16 parameters,
-   torchtitan's real flex attention on a GPU): the adapter's plain path (forward and
-   backward per microbatch) against ``combined_1f1b`` serial, overlapped and fill/drain,
-   with and without ``delay_wgrad_compute``; losses, every gradient and the
-   ``tokens_per_expert_E`` buffers. Each comparison reports bit-identity and the largest
-   relative difference, beside the run-to-run spread of plain against plain, in PyTorch's
-   default mode and under ``torch.use_deterministic_algorithms``. torchtitan's own forward
-   and backward (``model(...)``, its ``cross_entropy_loss``) against the plain path is
-   reported too (not bit-identical by design: the slots sum gradients in another order).
+1. **Exactness**, first (torchtitan's registry ``debugmodel``, all 6 layers, bf16
+   parameters, torchtitan's real flex attention on a GPU), under deterministic kernels only
+   (``bench_overlap.deterministic_kernels``: ``torch.use_deterministic_algorithms(True)``,
+   not warn-only, which also puts inductor's flex kernels in its deterministic mode;
+   ``CUBLAS_WORKSPACE_CONFIG=:4096:8``; SDPA, where any, off cuDNN attention): the adapter's
+   plain path (forward and backward per microbatch, run twice: run to run) against
+   ``combined_1f1b`` serial, overlapped and fill/drain, with and without
+   ``delay_wgrad_compute`` (each against the plain path with the same setting); losses,
+   every gradient and the ``tokens_per_expert_E`` buffers must be bit-identical. torchtitan's
+   own forward and backward (``model(...)``, its ``cross_entropy_loss``) sums the blocks'
+   gradients in another order than the adapter's slots, so it is compared like with like:
+   with itself, run to run. Any comparison that is not bit-identical, or an error in the
+   pass, fails the benchmark: the results are written, the differences logged, and the
+   process exits 1 without timing (``--continue-after-inexact``: after timing).
+   ``MOE_OVERLAP_BENCH_PERTURB=<row>`` (e.g. ``overlapped (wgrad)``; ``1``: the first
+   checked) adds one ulp to that run's first gradient: the failure path's test.
 2. **Timing** (the registry's ``16B`` flavour cut to ``--layers`` MoE blocks: hidden 2048,
    64 routed experts top-6, 2 shared experts, expert hidden 1408, MLA attention with flex;
    vocabulary cut to ``--vocab``): the token dispatcher of every block is wrapped so that
@@ -44,9 +51,7 @@ import statistics
 import sys
 import time
 import traceback
-import warnings
-from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
@@ -58,6 +63,14 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_overlap import (
+    Run,
+    add_ulp,
+    compare,
+    describe,
+    deterministic_kernels,
+    perturb_target,
+)
 from titan_compat import compile_flex, import_torchtitan
 
 from moe_overlap import Microbatch, StreamPair, combined_1f1b, make_streams
@@ -244,59 +257,18 @@ def _grads(model: nn.Module) -> dict[str, Tensor]:
     return out
 
 
-def compare(
-    a: tuple[list[Tensor], dict[str, Tensor]], b: tuple[list[Tensor], dict[str, Tensor]]
-) -> JsonDict:
-    (la, ga), (lb, gb) = a, b
-    assert ga.keys() == gb.keys(), sorted(set(ga) ^ set(gb))
-    differ = [k for k in gb if not torch.equal(ga[k], gb[k])]
-    rel = 0.0
-    for k in differ:
-        d = float((ga[k].double() - gb[k].double()).pow(2).sum().sqrt())
-        rel = max(rel, d / max(float(gb[k].double().pow(2).sum().sqrt()), 1e-30))
-    loss_rel = max(
-        float((x.double() - y.double()).abs() / max(float(y.double().abs()), 1e-30))
-        for x, y in zip(la, lb, strict=True)
-    )
-    return {
-        "bit_identical": not differ and all(torch.equal(x, y) for x, y in zip(la, lb, strict=True)),
-        "losses_equal": all(torch.equal(x, y) for x, y in zip(la, lb, strict=True)),
-        "tensors": len(gb),
-        "tensors_differing": len(differ),
-        "max_rel_grad_diff": rel,
-        "max_rel_loss_diff": loss_rel,
-        "first_differing": differ[:5],
-    }
-
-
-@contextmanager
-def deterministic(on: bool) -> Generator[list[str], None, None]:
-    """``torch.use_deterministic_algorithms(on, warn_only=True)``; yields the warnings."""
-    before = torch.are_deterministic_algorithms_enabled()
-    caught: list[str] = []
-    with warnings.catch_warnings(record=True) as records:
-        warnings.simplefilter("always")
-        torch.use_deterministic_algorithms(on, warn_only=True)
-        try:
-            yield caught
-        finally:
-            torch.use_deterministic_algorithms(before)
-            caught.extend(
-                sorted(
-                    {
-                        str(r.message).splitlines()[0][:200]
-                        for r in records
-                        if "determin" in str(r.message)
-                    }
-                )
-            )
+#: The exactness rows a failure test may perturb: each scheduled step, per wgrad setting.
+CHECKED = tuple(
+    f"{kind} ({tag})"
+    for tag in ("wgrad", "delayed_wgrad")
+    for kind in ("serial", "overlapped", "fill_drain")
+)
 
 
 def exactness(
-    args: argparse.Namespace, device: torch.device, dtype: torch.dtype, mode: str
+    args: argparse.Namespace, device: torch.device, dtype: torch.dtype, perturb: str | None
 ) -> JsonDict:
-    """The comparisons of the module docstring in ``mode`` (``default`` or
-    ``deterministic``)."""
+    """The comparisons of the module docstring, under deterministic kernels."""
     from moe_overlap.adapters.torchtitan import TorchtitanMoEAdapter
 
     layers = slice(0, 3) if args.tiny else slice(None)
@@ -311,6 +283,7 @@ def exactness(
         "batch": b,
         "seq": s,
         "attention": "flex" if _uses_flex(base) else "causal stand-in (CPU)",
+        "perturbed": perturb,
     }
     if _uses_flex(base):  # torch < 2.13 has no separate_full_blocks: check it still does
         pos = mbs[0].position_ids
@@ -323,7 +296,7 @@ def exactness(
         )
     self_check: JsonDict = {}
 
-    def run(kind: str, delay: bool = False) -> tuple[list[Tensor], dict[str, Tensor]]:
+    def run(kind: str, delay: bool = False) -> Run:
         model = copy.deepcopy(base)
         if kind == "titan":
             losses = titan_step(model, mbs)
@@ -340,25 +313,35 @@ def exactness(
                     adapter, mbs, streams, overlap=kind != "serial", fill_drain=kind == "fill_drain"
                 )
         _sync(device)
-        return losses, _grads(model)
+        return [x.detach().clone() for x in losses], _grads(model)
 
-    with deterministic(mode == "deterministic") as warned:
-        rows: JsonDict = {}
+    rows: dict[str, JsonDict] = {}
+    with deterministic_kernels(device, "sdpa") as kernels:
         for delay in (False, True):
             tag = "delayed_wgrad" if delay else "wgrad"
             ref = run("plain", delay)
-            rows[f"plain vs plain ({tag})"] = compare(run("plain", delay), ref)
+            rows[f"plain ({tag}) run to run"] = {
+                "reference": f"plain ({tag})",
+                **compare(run("plain", delay), ref),
+            }
             for kind in ("serial", "overlapped", "fill_drain"):
-                rows[f"{kind} vs plain ({tag})"] = compare(run(kind, delay), ref)
+                name = f"{kind} ({tag})"
+                got = run(kind, delay)
+                if perturb == name or (perturb == "1" and name == CHECKED[0]):
+                    add_ulp(next(iter(got[1].values())))
+                rows[name] = {"reference": f"plain ({tag})", **compare(got, ref)}
             if not delay:
-                rows["torchtitan own step vs plain"] = compare(run("titan"), ref)
-        out["rows"] = rows
-    out["deterministic_warnings"] = warned
+                rows["torchtitan own step run to run"] = {
+                    "reference": "torchtitan own step",
+                    **compare(run("titan"), run("titan")),
+                }
+    out["kernels"] = kernels
+    out["rows"] = rows
+    out["failed"] = [k for k, r in rows.items() if not r["bit_identical"]]
     for name, r in rows.items():
         log(
-            f"[exact:{mode}] {name:38s} bit_identical={r['bit_identical']!s:5s} "
-            f"differing={r['tensors_differing']}/{r['tensors']} "
-            f"max_rel_grad={r['max_rel_grad_diff']:.3g} max_rel_loss={r['max_rel_loss_diff']:.3g}"
+            f"[exact] {name:32s} vs {r['reference']:20s} bit_identical={r['bit_identical']!s:5s} "
+            f"differing={r['tensors_differing']}/{r['tensors']} max_abs={r['max_abs_diff']:.3g}"
         )
     out["self_check"] = self_check
     return out
@@ -540,7 +523,13 @@ def main() -> int:
     p.add_argument("--skip-exact", action="store_true")
     p.add_argument("--skip-timing", action="store_true")
     p.add_argument("--budget-s", type=float, default=1e9, help="skip later timing configs")
+    p.add_argument(
+        "--continue-after-inexact",
+        action="store_true",
+        help="time the steps even when the exactness pass failed (still exits 1)",
+    )
     args = p.parse_args()
+    perturb = perturb_target(CHECKED)
     t_start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
@@ -568,22 +557,40 @@ def main() -> int:
         (args.out / "bench_torchtitan_log.txt").write_text("\n".join(LOG) + "\n")
 
     status = 0
-
-    def exact(mode: str) -> int:
+    if not args.skip_exact:
         t0 = time.perf_counter()
         try:
-            result.setdefault("exactness", {})[mode] = exactness(args, device, dtype, mode)
-            code = 0
+            exact = exactness(args, device, dtype, perturb)
+            result["exactness"] = exact
+            rows = cast(dict[str, JsonDict], exact["rows"])
+            for name in cast(list[str], exact["failed"]):
+                status = 1
+                msg = f"bench_torchtitan: EXACTNESS FAILED ({exact['kernels']}): " + describe(
+                    name, rows[name]["reference"], rows[name]
+                )
+                log(msg)
+                print(msg, file=sys.stderr, flush=True)
         except Exception:
-            code = 1
-            result[f"exactness_error_{mode}"] = traceback.format_exc()
-            log(result[f"exactness_error_{mode}"])
-        result[f"exactness_{mode}_s"] = time.perf_counter() - t0
+            status = 1
+            result["exactness_error"] = traceback.format_exc()
+            log(result["exactness_error"])
+            print(
+                "bench_torchtitan: EXACTNESS FAILED: the pass raised (for one, an operation without a "
+                "deterministic implementation raises under deterministic kernels):\n"
+                + result["exactness_error"],
+                file=sys.stderr,
+                flush=True,
+            )
+        result["exactness_s"] = time.perf_counter() - t0
         save()
-        return code
-
-    if not args.skip_exact:
-        status |= exact("default")
+        if status and not args.continue_after_inexact:
+            print(
+                f"bench_torchtitan: stopped: the exactness pass failed, not timed "
+                f"(--continue-after-inexact); wrote {path}",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 1
     if not args.skip_timing:
         timings: list[JsonDict] = []
         result["timing"] = timings
@@ -604,11 +611,6 @@ def main() -> int:
             save()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-    if not args.skip_exact:  # after the timing: its own compiles (dynamo guards on the mode)
-        if time.perf_counter() - t_start > args.budget_s:
-            log("[exact:deterministic] skipped: over --budget-s")
-        else:
-            status |= exact("deterministic")
     save()
     _table(result)
     return status
@@ -631,11 +633,11 @@ def _table(result: JsonDict) -> None:
                 f"{name:14s} {r['median_ms']:10.1f} {r['min_ms']:8.1f} {r['max_ms']:8.1f} "
                 f"{r['spread']:7.3f} {peak:8.2f}"
             )
-    for mode, exact in result.get("exactness", {}).items():
-        for name, r in exact.get("rows", {}).items():
-            log(
-                f"exact[{mode}] {name}: bit_identical={r['bit_identical']} rel={r['max_rel_grad_diff']:.3g}"
-            )
+    for name, r in result.get("exactness", {}).get("rows", {}).items():
+        log(
+            f"exact {name} vs {r['reference']}: bit_identical={r['bit_identical']} "
+            f"max_abs={r['max_abs_diff']:.3g}"
+        )
 
 
 if __name__ == "__main__":

@@ -6,10 +6,19 @@ forwards and backwards paired (``OVERLAP_F_B``), one process per GPU, ranks ``p 
 (pipeline rank ``p``, expert-parallel rank ``e``; two stages per pipeline rank). On every
 rank it
 
-1. runs one step of torch's own execution of the schedule and one of the same schedule
-   prepared by :func:`moe_overlap.integrations.pipelining.prepare_schedule`, on two
-   identical models, and checks losses and every gradient bit-identical (bf16 on CUDA,
-   deterministic algorithms);
+1. runs one step of torch's own execution of the schedule, one of the same schedule prepared
+   by :func:`moe_overlap.integrations.pipelining.prepare_schedule` (``prepared``) and one of
+   it prepared with every pair run one after the other (``prepared_serial``), on identical
+   models, and checks losses and every gradient of both bit-identical to torch's (bf16 on
+   CUDA, deterministic kernels only: ``torch.use_deterministic_algorithms(True)``, not
+   warn-only, for the whole run as before; ``CUBLAS_WORKSPACE_CONFIG=:4096:8``; for this
+   step SDPA kept off cuDNN attention, which has no deterministic backward, or with
+   ``--exact-attention math`` on its math backend only). A step that is not bit-identical
+   on some rank fails the run: rank 0 writes ``pp_results.json`` with every rank's
+   differences and prints them to stderr, and every rank exits 1 without timing (with
+   ``--continue-after-inexact``: after timing). ``MOE_OVERLAP_BENCH_PERTURB=prepared``
+   (``prepared_serial``; ``1``: ``prepared``) adds one ulp to the first gradient of that
+   step on rank 0: the failure path's test;
 2. times steps of both (median of ``--iters`` after ``--warmup``);
 3. records the prepared schedule's timeline (one Chrome trace per rank) and the share of
    the step its compute stream was busy: the rest is pipeline bubble plus waiting;
@@ -35,10 +44,14 @@ import dataclasses
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
+
+# Deterministic cuBLAS (read when CUDA starts; :4096:8 is Hopper's default workspace size).
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
 import torch.distributed as dist
@@ -50,6 +63,18 @@ from moe_overlap.integrations.pipelining import prepare_schedule
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel, GPTMoEStage, masked_cross_entropy
 from moe_overlap.steps import StreamKind
 from moe_overlap.timeline import Span, Timeline
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_overlap import (
+    JsonDict,
+    Run,
+    add_ulp,
+    compare,
+    describe,
+    deterministic_kernels,
+    perturb_target,
+    snapshot,
+)
 
 _SAFE_ENV = {
     "NCCL_NVLS_ENABLE": "0",
@@ -137,29 +162,14 @@ def run_step(schedule: Any, x: Tensor, y: Tensor, pp_rank: int) -> list[Tensor]:
     return losses
 
 
-def differences(a: nn.Module, b: nn.Module, got: list[Tensor], want: list[Tensor]) -> list[str]:
-    """What differs between two runs: the losses, then each parameter's gradient (name and
-    largest absolute difference); empty when bit-identical."""
-    out: list[str] = []
-    if len(got) != len(want):
-        out.append(f"losses: {len(got)} against {len(want)}")
-    else:
-        for i, (g, w) in enumerate(zip(got, want, strict=True)):
-            if not torch.equal(g, w):
-                out.append(f"loss {i}: {g.item()!r} against {w.item()!r}")
-    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
-        if (p.grad is None) != (q.grad is None):
-            out.append(f"{name}: gradient on one side only")
-        elif p.grad is not None and q.grad is not None and not torch.equal(p.grad, q.grad):
-            diff = (p.grad.float() - q.grad.float()).abs().max().item()
-            bad = [
-                side
-                for side, g in (("prepared", p.grad), ("torch's", q.grad))
-                if not bool(torch.isfinite(g).all())
-            ]
-            where = f" (not finite in {' and '.join(bad)})" if bad else ""
-            out.append(f"{name}: max abs diff {diff:.3e}{where}")
-    return out
+#: The steps checked against torch's execution of the schedule.
+CHECKED = ("prepared", "prepared_serial")
+
+
+def grads_of(net: nn.Module, losses: list[Tensor]) -> Run:
+    """A step's losses and gradients by parameter name (not copied: each model is its
+    own)."""
+    return snapshot(net, losses, copy=False)
 
 
 def busy_ms(spans: list[Span], stream: StreamKind) -> float:
@@ -204,7 +214,20 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument(
+        "--exact-attention",
+        choices=("sdpa", "math"),
+        default="sdpa",
+        help="attention kernels of the exactness step: sdpa = SDPA's deterministic backends "
+        "(never cuDNN); math = SDPA's math backend only",
+    )
+    p.add_argument(
+        "--continue-after-inexact",
+        action="store_true",
+        help="time the steps even when the exactness step failed (every rank still exits 1)",
+    )
     args = p.parse_args()
+    perturb = perturb_target(CHECKED)
     if args.tiny:
         args.batch, args.seq = 2, 16
     os.environ.update(_SAFE_ENV)
@@ -219,7 +242,6 @@ def main() -> None:
     device = device or torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     ep_groups = [_new_group([q * ep + e for e in range(ep)]) for q in range(args.pp)]
     pp_groups = [_new_group([q * ep + e for q in range(args.pp)]) for e in range(ep)]
@@ -247,12 +269,59 @@ def main() -> None:
     )
     x, y = tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
-    want = run_step(torch_schedule, x, y, pp_rank)
-    got = run_step(ours, x, y, pp_rank)
-    mismatch = differences(model, reference, got, want)
+    checked = {"prepared": (ours, model), "prepared_serial": (serial, profiled)}
+    rows: dict[str, JsonDict] = {}
+    with deterministic_kernels(device, args.exact_attention) as kernels:
+        want = grads_of(reference, run_step(torch_schedule, x, y, pp_rank))
+        for name, (schedule, net) in checked.items():
+            got = grads_of(net, run_step(schedule, x, y, pp_rank))
+            if rank == 0 and (perturb == name or (perturb == "1" and name == CHECKED[0])):
+                add_ulp(next(iter(got[1].values())))
+            rows[name] = compare(got, want)
+    mismatch = {name: r["differences"] for name, r in rows.items() if not r["bit_identical"]}
     flag = torch.tensor([float(not mismatch)], device=device)
     _all_reduce(flag, op=dist.ReduceOp.MIN)
     exact = bool(flag.item())
+    every: list[object] = [None] * world
+    _gather_object(every, {"rank": rank, "exactness": rows})
+    summary: JsonDict = {
+        "pp": args.pp,
+        "ep": ep,
+        "schedule": args.schedule,
+        "microbatches": args.microbatches,
+        "device": torch.cuda.get_device_name(device) if cuda else "cpu",
+        "torch": torch.__version__,
+        "bit_identical": exact,
+        "exactness": {
+            "kernels": kernels,
+            "attention": args.exact_attention,
+            "reference": "torch's execution of the schedule",
+            "perturbed": perturb,
+            "ranks": every,
+        },
+    }
+    if not exact and rank == 0:
+        for entry in every:
+            r_rows = cast("dict[str, JsonDict]", cast(JsonDict, entry)["exactness"])
+            for name, r in r_rows.items():
+                if not r["bit_identical"]:
+                    print(
+                        f"pp_nccl: EXACTNESS FAILED on rank {cast(JsonDict, entry)['rank']} "
+                        f"({kernels}): " + describe(name, "torch's execution", r),
+                        file=sys.stderr,
+                        flush=True,
+                    )
+    if not exact and not args.continue_after_inexact:
+        if rank == 0:
+            print(f"matches torch's schedule on every rank: {exact}", flush=True)
+            _write(args.out, summary)
+        _barrier()
+        dist.destroy_process_group()
+        raise SystemExit(
+            f"pp_nccl rank {rank}: a prepared step is not bit-identical to torch's execution "
+            "under deterministic kernels (see rank 0's stderr); not timed "
+            "(--continue-after-inexact)"
+        )
 
     def step(schedule: Any, net: nn.Module) -> None:
         net.zero_grad(set_to_none=True)
@@ -276,7 +345,7 @@ def main() -> None:
     last = ours_ms[-1] if ours_ms else float("nan")
     row: dict[str, object] = {
         "rank": rank,
-        "mismatch": mismatch[:20],
+        "mismatch": mismatch,
         "pp_rank": pp_rank,
         "ep_rank": ep_rank,
         "torch_step_ms": statistics.median(torch_ms) if torch_ms else None,
@@ -289,29 +358,29 @@ def main() -> None:
         "comm_busy_ms": busy_ms(spans, StreamKind.COMM),
         "last_step_ms": last,
     }
-    rows: list[object] = [None] * world
-    _gather_object(rows, row)
+    ranks: list[object] = [None] * world
+    _gather_object(ranks, row)
     if rank == 0:
-        summary = {
-            "pp": args.pp,
-            "ep": ep,
-            "schedule": args.schedule,
-            "microbatches": args.microbatches,
-            "device": torch.cuda.get_device_name(device) if cuda else "cpu",
-            "torch": torch.__version__,
-            "bit_identical": exact,
-            "ranks": rows,
-        }
+        summary["ranks"] = ranks
         print(json.dumps(summary), flush=True)
         print(f"matches torch's schedule on every rank: {exact}", flush=True)
-        if args.out is not None:
-            args.out.mkdir(parents=True, exist_ok=True)
-            (args.out / "pp_results.json").write_text(json.dumps(summary, indent=1))
+        _write(args.out, summary)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         timeline.to_chrome_trace(args.out / f"pp_rank{rank}.json")
     _barrier()
     dist.destroy_process_group()
+    if not exact:
+        raise SystemExit(
+            f"pp_nccl rank {rank}: a prepared step is not bit-identical to torch's execution "
+            "under deterministic kernels (timed anyway: --continue-after-inexact)"
+        )
+
+
+def _write(out: Path | None, summary: JsonDict) -> None:
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "pp_results.json").write_text(json.dumps(summary, indent=1))
 
 
 if __name__ == "__main__":

@@ -12,19 +12,40 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _bench(script: str, *args: str) -> str:
-    """Run ``benchmarks/<script>`` on the CPU with a tiny model; its stdout."""
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), "--device", "cpu", "--tiny", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        cwd=ROOT,
-        env={"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+#: The environment variable that makes a benchmark's exactness pass see one ulp of
+#: difference in one variant (the failure path's test).
+PERTURB = "MOE_OVERLAP_BENCH_PERTURB"
+
+
+def _run(argv: list[str], perturb: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    if perturb is not None:
+        env[PERTURB] = perturb
+    return subprocess.run(
+        argv, capture_output=True, text=True, timeout=300, check=False, cwd=ROOT, env=env
     )
+
+
+def _bench_run(
+    script: str, *args: str, perturb: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run ``benchmarks/<script>`` on the CPU with a tiny model."""
+    script_path = str(ROOT / "benchmarks" / script)
+    return _run([sys.executable, script_path, "--device", "cpu", "--tiny", *args], perturb)
+
+
+def _bench(script: str, *args: str) -> str:
+    """Run ``benchmarks/<script>`` on the CPU with a tiny model; its stdout (it must pass)."""
+    done = _bench_run(script, *args)
     assert done.returncode == 0, done.stderr
     return done.stdout
+
+
+def _fails(done: subprocess.CompletedProcess[str], *expected: str) -> None:
+    """The run failed (exit 1) and its stderr says each of ``expected``."""
+    assert done.returncode == 1, (done.returncode, done.stderr[-3000:])
+    for text in expected:
+        assert text in done.stderr, (text, done.stderr[-3000:])
 
 
 def test_bench_overlap_smoke(tmp_path: Path) -> None:
@@ -34,6 +55,97 @@ def test_bench_overlap_smoke(tmp_path: Path) -> None:
     results = json.loads((tmp_path / "results.json").read_text())
     rows = results["results"] if isinstance(results, dict) else results
     assert rows and all(r["fill_drain"]["overlapped_ms"] > 0 for r in rows)
+    assert results["env"]["exactness_failed"] == []
+    for r in rows:  # every variant that computes gradients, checked before the timing
+        exact = r["exactness"]
+        assert exact["failed"] == [] and "deterministic" in exact["kernels"]
+        assert {"serial (run to run)", "overlapped", "fill_drain_recompute"} <= set(
+            exact["variants"]
+        )
+    assert {"graphs_fill_drain", "high_priority_comm", "delay_wgrad_compute"} <= set(
+        rows[0]["exactness"]["variants"]
+    )
+
+
+def test_bench_overlap_fails_when_a_variant_is_not_bit_identical(tmp_path: Path) -> None:
+    """One ulp in fill/drain + recompute's gradients: the first row's exactness pass fails,
+    the row is written without timing, and the process exits 1 naming the variant."""
+    done = _bench_run(
+        "bench_overlap.py",
+        *("--warmup", "0", "--iters", "1", "--out", str(tmp_path)),
+        perturb="fill_drain_recompute",
+    )
+    _fails(
+        done,
+        "EXACTNESS FAILED",
+        "fill_drain_recompute is not bit-identical to serial",
+        "embed_scale: max abs diff",
+        "all finite",
+    )
+    results = json.loads((tmp_path / "results.json").read_text())
+    (row,) = results["results"]
+    assert row["exactness"]["failed"] == ["fill_drain_recompute"]
+    assert "stopped" in row and "step_ms" not in row
+    assert results["env"]["exactness_failed"] == ["H=64 F=32 T=64 N=4: fill_drain_recompute"]
+
+
+@pytest.mark.slow  # the whole tiny sweep and the host-bound row, timed
+def test_bench_overlap_continue_after_inexact_times_and_still_fails(tmp_path: Path) -> None:
+    done = _bench_run(
+        "bench_overlap.py",
+        *("--warmup", "0", "--iters", "1", "--more-microbatches", "--out", str(tmp_path)),
+        "--continue-after-inexact",
+        perturb="1",
+    )
+    _fails(done, "overlapped is not bit-identical to serial", "timed anyway")
+    results = json.loads((tmp_path / "results.json").read_text())
+    rows = results["results"]
+    assert len(rows) == 2 and all(r["step_ms"]["overlapped"] > 0 for r in rows)
+    assert all(r["exactness"]["failed"] == ["overlapped"] for r in rows)
+
+
+def test_bench_a2a_chunks_smoke(tmp_path: Path) -> None:
+    stdout = _bench("bench_a2a_chunks.py", "--chunks", "1", "2", "--out", str(tmp_path))
+    assert "exact: 6 of 6 steps bit-identical" in stdout
+    result = json.loads((tmp_path / "a2a_chunks.json").read_text())
+    assert result["exactness"]["failed"] == []
+    assert set(result["exactness"]["variants"]) == {
+        f"K{k}_{m}" for k in (1, 2) for m in ("serial (run to run)", "overlapped", "fill_drain")
+    }
+    assert all(v > 0 for v in result["step_ms"].values())
+
+
+def test_bench_a2a_chunks_fails_when_a_step_is_not_bit_identical(tmp_path: Path) -> None:
+    done = _bench_run(
+        "bench_a2a_chunks.py", "--chunks", "1", "2", "--out", str(tmp_path), perturb="K2_fill_drain"
+    )
+    _fails(done, "K2_fill_drain is not bit-identical to K2_serial", "gradients differ")
+    result = json.loads((tmp_path / "a2a_chunks.json").read_text())
+    assert result["exactness"]["failed"] == ["K2_fill_drain"]
+    assert "step_ms" not in result  # stopped before the timing
+
+
+def test_pp_nccl_fails_when_a_prepared_step_is_not_bit_identical(tmp_path: Path) -> None:
+    """One rank over gloo (the two-stage interleaved schedule on one rank); the prepared
+    step's gradient one ulp off: every rank exits 1, rank 0 names the step."""
+    done = _run(
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"),
+            str(ROOT / "benchmarks" / "pp_nccl.py"),
+            *("--device", "cpu", "--tiny", "--microbatches", "4", "--iters", "1"),
+            *("--schedule", "interleaved", "--loopback", "--out", str(tmp_path)),
+        ],
+        perturb="prepared",
+    )
+    assert done.returncode != 0, done.stderr[-3000:]
+    assert "matches torch's schedule on every rank: False" in done.stdout
+    assert "EXACTNESS FAILED on rank 0" in done.stderr, done.stderr[-3000:]
+    assert "prepared is not bit-identical to torch's execution" in done.stderr
+    summary = json.loads((tmp_path / "pp_results.json").read_text())
+    assert summary["bit_identical"] is False and "ranks" not in summary  # not timed
+    (rank0,) = summary["exactness"]["ranks"]
+    rows = rank0["exactness"]
+    assert not rows["prepared"]["bit_identical"] and rows["prepared_serial"]["bit_identical"]
 
 
 def test_bench_compose_smoke(tmp_path: Path) -> None:
@@ -83,11 +195,30 @@ def test_bench_torchtitan_smoke(tmp_path: Path) -> None:
         *("--exact-microbatches", "2", "--out", str(tmp_path)),
     )
     result = json.loads((tmp_path / "bench_torchtitan.json").read_text())
-    for mode in ("default", "deterministic"):
-        rows = result["exactness"][mode]["rows"]
-        assert all(r["bit_identical"] for name, r in rows.items() if "torchtitan" not in name)
+    exact = result["exactness"]
+    assert exact["failed"] == [] and "deterministic" in exact["kernels"]
+    assert all(r["bit_identical"] for r in exact["rows"].values())
+    assert exact["rows"]["torchtitan own step run to run"]["reference"] == "torchtitan own step"
     (timing,) = result["timing"]
     assert all(timing["rows"][v]["median_ms"] > 0 for v in ("torchtitan", "overlapped"))
+
+
+def test_bench_torchtitan_fails_when_a_step_is_not_bit_identical(tmp_path: Path) -> None:
+    pytest.importorskip("torchtitan")
+    done = _bench_run(
+        "bench_torchtitan.py",
+        *("--exact-microbatches", "1", "--microbatches", "2", "--out", str(tmp_path)),
+        perturb="overlapped (delayed_wgrad)",
+    )
+    _fails(
+        done,
+        "overlapped (delayed_wgrad) is not bit-identical to plain (delayed_wgrad)",
+        "tok_embeddings.weight: max abs diff",
+        "not timed",
+    )
+    result = json.loads((tmp_path / "bench_torchtitan.json").read_text())
+    assert result["exactness"]["failed"] == ["overlapped (delayed_wgrad)"]
+    assert "timing" not in result
 
 
 def _readme_table(*args: str) -> subprocess.CompletedProcess[str]:
