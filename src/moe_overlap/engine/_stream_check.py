@@ -36,7 +36,7 @@ import os
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast, runtime_checkable
+from typing import Any, cast
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef as _StorageWeakRef
@@ -63,13 +63,12 @@ class StreamOrderError(StreamError):
 Clock = dict[int, int]
 
 
-@runtime_checkable
-class _WeakStorage(Protocol):
-    def expired(self) -> bool: ...
-
-
-# torch leaves it unannotated; give it its type once, here.
-_weak_storage = cast("Callable[[torch.UntypedStorage], _WeakStorage]", _StorageWeakRef)
+def _expired(storage: torch.UntypedStorage) -> Callable[[], bool]:
+    """Whether ``storage`` has been freed since (a weak reference to it; torch's class is
+    unannotated, so only its bound ``expired`` is kept, typed)."""
+    ref: Any = _StorageWeakRef(storage)  # type: ignore[no-untyped-call]
+    expired: Callable[[], bool] = ref.expired
+    return expired
 
 
 @dataclass(slots=True)
@@ -82,7 +81,7 @@ class _Access:
 
 @dataclass(slots=True)
 class _Record:
-    ref: _WeakStorage
+    expired: Callable[[], bool]
     owner: int
     made_by: str
     shape: tuple[int, ...]
@@ -249,13 +248,13 @@ class StreamOrderChecker:
         if key is None:
             return None
         rec = self._records.get(key)
-        if rec is not None and rec.ref.expired():
+        if rec is not None and rec.expired():
             self._retire(key, rec)
             rec = None
         if rec is None and create:
             stream = self.current()
             rec = _Record(
-                ref=_weak_storage(t.untyped_storage()),
+                expired=_expired(t.untyped_storage()),
                 owner=self._sid(stream),
                 made_by=self._labels[-1] if self._labels else "code outside the schedule's nodes",
                 shape=tuple(t.shape),
@@ -309,12 +308,12 @@ class StreamOrderChecker:
     def _poll(self) -> None:
         """Check the releases of storages used across streams (before any clock moves)."""
         for key, rec in list(self._watch.items()):
-            if rec.ref.expired():
+            if rec.expired():
                 self._retire(key, rec)
 
     def _prune(self) -> None:
         for key, rec in list(self._records.items()):
-            if rec.ref.expired():
+            if rec.expired():
                 self._retire(key, rec)
 
     def finish(self) -> None:
