@@ -56,7 +56,7 @@ from moe_overlap.models import (
     masked_cross_entropy,
 )
 from moe_overlap.steps import ChunkHooks, Step
-from moe_overlap.streams import CpuEvent, CpuStream
+from moe_overlap.streams import CpuEvent, CpuStream, shake
 from moe_overlap.wgrad import check_wgrad_done, owed_wgrad
 
 from .engine.toy_model import ToyConfig, ToyModel, make_microbatches
@@ -797,6 +797,16 @@ def _entries() -> Iterator[Entry]:
         make_streams,
         lambda: dict(device="cpu", high_priority_comm=False),
         (Arg("device", not_device()), Arg("high_priority_comm", not_bool())),
+    )
+    yield Entry(
+        "shake",
+        shake,
+        lambda: dict(seed=0, max_us=10.0, probability=0.5),
+        (
+            Arg("seed", not_int(0)),
+            Arg("max_us", not_real(lo=0)),
+            Arg("probability", not_real(lo=0)),
+        ),
     )
     yield Entry(
         "make_event", make_event, lambda: dict(device="cpu"), (Arg("device", not_device()),)

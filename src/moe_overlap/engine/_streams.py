@@ -23,7 +23,17 @@ import torch
 
 from ._errors import StreamError
 from ._stream_check import _ACTIVE as _CHECKING  # pyright: ignore[reportPrivateUsage]
-from .args import BOOL, Instance, Opt, Real, Spec, check_arg, check_fields, refuse
+from .args import (
+    BOOL,
+    NON_NEGATIVE,
+    Instance,
+    Opt,
+    Real,
+    Spec,
+    check_arg,
+    check_fields,
+    refuse,
+)
 
 __all__ = [
     "AnyEvent",
@@ -368,8 +378,9 @@ class Shaker:
 _SHAKING: list[Shaker] = []
 
 
-@contextlib.contextmanager
-def shake(seed: int = 0, *, max_us: float = 2000.0, probability: float = 0.5) -> Generator[Shaker]:
+def shake(
+    seed: int = 0, *, max_us: float = 2000.0, probability: float = 0.5
+) -> contextlib.AbstractContextManager[Shaker]:
     """Race-shaking mode: on CUDA, every node (``use_stream``) and every stream switch
     (``stream_context``) first queues, with ``probability``, a spin of up to ``max_us``
     microseconds on its stream (seeded: a failing run can be replayed).
@@ -379,9 +390,16 @@ def shake(seed: int = 0, *, max_us: float = 2000.0, probability: float = 0.5) ->
     unchanged: a run that differs under shaking has a race. No effect on CPU streams (use
     the stream-order checker there).
     """
+    check_arg("shake", "seed", seed, NON_NEGATIVE)
     check_arg("shake", "max_us", max_us, _NON_NEG)
     check_arg("shake", "probability", probability, _NON_NEG)
-    shaker = Shaker(seed, float(max_us), float(probability))
+    if probability > 1:
+        raise refuse("shake: probability", "a probability (0 to 1)", probability)
+    return _shaking(Shaker(seed, float(max_us), float(probability)))
+
+
+@contextlib.contextmanager
+def _shaking(shaker: Shaker) -> Generator[Shaker]:
     _SHAKING.append(shaker)
     try:
         yield shaker
