@@ -17,8 +17,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PERTURB = "MOE_OVERLAP_BENCH_PERTURB"
 
 
+_ENV = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+
+
 def _run(argv: list[str], perturb: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+    env = dict(_ENV)
     if perturb is not None:
         env[PERTURB] = perturb
     return subprocess.run(
@@ -336,3 +339,39 @@ def test_readme_is_generated_from_the_committed_results() -> None:
         )
     done = _readme_table("--check")
     assert done.returncode == 0, done.stderr
+
+
+def test_stress_exact_smoke_under_the_stream_order_checker() -> None:
+    """Every composition of the stress, once, tiny, on CPU with the checker on every access."""
+    script = str(ROOT / "benchmarks" / "stress_exact.py")
+    argv = [sys.executable, script, "--device", "cpu", "--tiny", "--runs", "1", "--shake", "off"]
+    done = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=ROOT,
+        env={**_ENV, "MOE_OVERLAP_STREAM_CHECK": "1"},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "runs not bit-identical: 0 of 9" in done.stdout
+
+
+def test_stress_exact_without_the_fix_is_a_race_the_checker_names() -> None:
+    """Issue 37's race, reproduced by the stress's fault switch, found on CPU in one run."""
+    script = str(ROOT / "benchmarks" / "stress_exact.py")
+    argv = [sys.executable, script, "--device", "cpu", "--tiny", "--runs", "1", "--shake", "off"]
+    argv += ["--compositions", "pp_interleaved", "--without-record-stream-fix"]
+    done = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=ROOT,
+        env={**_ENV, "MOE_OVERLAP_STREAM_CHECK": "1"},
+    )
+    assert done.returncode != 0
+    assert "StreamOrderError" in done.stderr
+    assert "may still use it" in done.stderr and "'moe_dispatch' backward" in done.stderr
