@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -566,3 +566,69 @@ def test_refuses_a_forward_set_on_a_split_module() -> None:
         ConfigError, match=r"layers\.1\.moe: expected the class's own forward, received a forward"
     ):
         TorchtitanMoEAdapter(model, self_check=False)
+
+
+# --- a model changed after the adapter was built ---------------------------------------------
+def _add_block(model: nn.Module) -> None:
+    layers: Any = model.layers
+    last = list(layers.keys())[-1]
+    layers[str(int(last) + 1)] = copy.deepcopy(layers[last])
+
+
+def _moe_block(model: nn.Module) -> Any:
+    layers: Any = model.layers
+    return next(b for b in layers.values() if getattr(b, "moe_enabled", False))
+
+
+def _replace_moe(model: nn.Module) -> None:
+    block = _moe_block(model)
+    block.moe = copy.deepcopy(block.moe)
+
+
+def _replace_routed_experts(model: nn.Module) -> None:
+    moe = _moe_block(model).moe
+    moe.routed_experts = copy.deepcopy(moe.routed_experts)
+
+
+def _replace_router(model: nn.Module) -> None:
+    moe = _moe_block(model).moe
+    moe.router = copy.deepcopy(moe.router)
+
+
+def _replace_attention(model: nn.Module) -> None:
+    block = _moe_block(model)
+    block.attention = copy.deepcopy(block.attention)
+
+
+def _remove_block(model: nn.Module) -> None:
+    layers: Any = model.layers
+    del layers[list(layers.keys())[-1]]
+
+
+@pytest.mark.parametrize(
+    ("change", "says"),
+    [
+        (_add_block, "blocks added ["),
+        (_remove_block, "removed ["),
+        (_replace_moe, "submodule(s) ['moe'] replaced"),
+        (_replace_routed_experts, "submodule(s) ['routed_experts'] replaced"),
+        (_replace_router, "submodule(s) ['router'] replaced"),
+        (_replace_attention, "submodule(s) ['attention'] replaced"),
+    ],
+)
+def test_a_model_changed_after_the_adapter_is_refused(
+    change: Callable[[nn.Module], None], says: str
+) -> None:
+    """Changed after wrapping, the model would be trained as it was (the new modules without
+    gradient, torchtitan's token counts left at 0): the next plan refuses it; a new adapter
+    trains the changed model."""
+    model = model_of("qwen3")
+    adapter = TorchtitanMoEAdapter(model, self_check=False)
+    change(model)
+    with pytest.raises(ConfigError, match="build a new TorchtitanMoEAdapter") as info:
+        combined_1f1b(adapter, microbatches("qwen3")[:2], options=adapter.schedule_options())
+    assert says in str(info.value)
+    assert not [n for n, p in model.named_parameters() if p.grad is not None]
+    rebuilt = TorchtitanMoEAdapter(model, self_check=False)
+    combined_1f1b(rebuilt, microbatches("qwen3")[:2], options=rebuilt.schedule_options())
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

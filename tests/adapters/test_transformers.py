@@ -382,3 +382,38 @@ def test_with_the_models_activation_checkpointing(delay: bool) -> None:
     model.train()
     result = compare(model, microbatches(2), delay=delay)
     assert result.ok, result
+
+
+def _moe_block(model: torch.nn.Module) -> Any:
+    layer = model.get_submodule("model.layers.0")
+    return layer, layer.mlp
+
+
+@pytest.mark.parametrize(
+    ("part", "says"),
+    [
+        ("moe", "submodule(s) ['mlp'] replaced"),
+        ("experts", "submodule(s) ['experts'] replaced"),
+        ("gate", "submodule(s) ['gate'] replaced"),
+        ("self_attn", "submodule(s) ['self_attn'] replaced"),
+    ],
+)
+def test_a_layer_changed_after_the_adapter_is_refused(part: str, says: str) -> None:
+    """A layer's MoE block, experts, router or attention replaced after wrapping would be
+    trained as it was: the next plan refuses it; a new adapter trains the changed model."""
+    model = mixtral()
+    adapter = TransformersMoEAdapter(model)
+    layer, moe = _moe_block(model)
+    if part == "moe":
+        layer.mlp = copy.deepcopy(moe)
+    elif part == "self_attn":
+        layer.self_attn = copy.deepcopy(layer.self_attn)
+    else:
+        setattr(moe, part, copy.deepcopy(getattr(moe, part)))
+    with pytest.raises(ConfigError, match="build a new TransformersMoEAdapter") as info:
+        combined_1f1b(adapter, microbatches(2))
+    assert says in str(info.value)
+    assert not [n for n, p in model.named_parameters() if p.grad is not None]
+    rebuilt = TransformersMoEAdapter(model)
+    combined_1f1b(rebuilt, microbatches(2))
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from moe_overlap import ConfigError, CudaGraphModule, IntegrationError, WgradError
+from moe_overlap.adapters._built_on import BuiltOn
 from moe_overlap.adapters._hf_aux import (
     RouterAuxLoss,
     aux_top_k,
@@ -262,6 +263,7 @@ class TransformersMoEAdapter(MegatronHooks):
         self._layer_list = decoder_layers(self.base)
         self.hf_config = _hf_config(model)
         self.config = AdapterConfig(delay_wgrad_compute=delay_wgrad_compute)
+        self._built_on: BuiltOn | None = None  # what it was built on, once built
         self.hidden_size = self._int("hidden_size")
         self._built_layers = tuple(self._layer_list)
         # Wrappers, compile and hooks the slots would skip, before anything runs the layers.
@@ -289,6 +291,18 @@ class TransformersMoEAdapter(MegatronHooks):
         self.decoder = AdapterDecoder(self._adapt(plans, router_logits))
         self._recompute(parts)
         self._label_delayed_modules()
+        # (The layers themselves: check_layers_unchanged, at every plan build.)
+        layers = [(str(i), layer) for i, layer in enumerate(self._built_layers)]
+        self._built_on = BuiltOn("TransformersMoEAdapter", layers, self._watched())
+
+    def _watched(self) -> Iterator[tuple[str, nn.Module]]:
+        """The modules whose children the slots call: every decoder layer and its MoE
+        block (router and experts)."""
+        for i, layer in enumerate(self._built_layers):
+            yield f"layers[{i}]", layer
+            found = block_of(layer)
+            if found is not None:
+                yield f"layers[{i}].{found[0]}", found[1]
 
     # --- construction --------------------------------------------------------------------
     def _int(self, key: str) -> int:
@@ -497,6 +511,8 @@ class TransformersMoEAdapter(MegatronHooks):
         mode while it is in training mode (:mod:`._hf_random`)."""
         check_quiet(self._random, self._random_hint)
         yield from check_layers_unchanged(self.model, self._layer_list, self._built_layers, layers)
+        if self._built_on is not None:  # a changed layer is refused (not while building)
+            self._built_on.check_children(type(self.model).__name__)
         yield from self._bypassed.outside
         for i in layers:
             yield from self._bypassed.layers[i]

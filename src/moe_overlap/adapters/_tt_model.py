@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from moe_overlap import ConfigError, IntegrationError, Microbatch, ScheduleOptions
+from moe_overlap.adapters._built_on import BuiltOn
 from moe_overlap.adapters._hf_model import AdapterConfig
 from moe_overlap.adapters._hf_probe import (
     PROBE_TOLERANCE,
@@ -264,6 +265,7 @@ class TorchtitanMoEAdapter(MegatronHooks):
         self.model = model
         self.loss_fn = loss_fn
         self.config = AdapterConfig(delay_wgrad_compute=delay_wgrad_compute)
+        self._built_on: BuiltOn | None = None  # what it was built on, once built
         # The blocks inside torchtitan's activation-checkpoint wrappers (kept in the model:
         # its load-balancing hook looks for them), and the wrappers by name.
         self._blocks, self._checkpoints = unwrap_blocks(_blocks(model), type(model).__name__)
@@ -283,6 +285,18 @@ class TorchtitanMoEAdapter(MegatronHooks):
             self._self_check()
         self.decoder = TitanDecoder(self._adapt(delay_wgrad_compute))
         self._label_delayed_modules()
+        self._built_on = BuiltOn("TorchtitanMoEAdapter", _blocks(model), self._watched())
+
+    def _watched(self) -> Iterator[tuple[str, nn.Module]]:
+        """The modules whose children the slots call: every block, each MoE and its
+        routed experts."""
+        moe = set(self._moe)
+        for name, block in self._blocks:
+            yield f"layers.{name}", block
+            if name in moe:
+                m = block.get_submodule("moe")
+                yield f"layers.{name}.moe", m
+                yield f"layers.{name}.moe.routed_experts", m.get_submodule("routed_experts")
 
     # --- construction --------------------------------------------------------------------
     def _adapt(self, delay: bool) -> tuple[TitanLayer, ...]:
@@ -432,6 +446,8 @@ class TorchtitanMoEAdapter(MegatronHooks):
         torchtitan's activation-checkpoint wrappers around blocks (the slots recompute
         with their settings: checked unchanged; hooks on them are refused)."""
         cls = type(self.model).__name__
+        if self._built_on is not None:  # a changed model is refused (not while building)
+            self._built_on.check_blocks(_blocks(self.model), cls)
         # A forward torchtitan's parallelize set is honoured where it does nothing.
         noop = honoured_forward
         yield BypassedModule(cls, self.model, Bypass.CALLS, _OUTSIDE, noop(self.model, cls))
@@ -460,6 +476,8 @@ class TorchtitanMoEAdapter(MegatronHooks):
             yield BypassedModule(w, m, Bypass.OUTPUT, _MOE, noop(m, w))
             w = f"{where}.moe.routed_experts"
             yield BypassedModule(w, routed, Bypass.FORWARD, _ROUTED, noop(routed, w))
+        if self._built_on is not None:
+            self._built_on.check_children(cls)
 
     @property
     def pre_process(self) -> bool:

@@ -1,0 +1,79 @@
+"""What an adapter was built on: the modules its slots call, by identity.
+
+An adapter reads a model's structure once, at construction (its blocks, each block's
+attention and MoE, the MoE's router and experts) and keeps references to what it found.
+A model changed afterwards (a block added, removed or replaced; a block's MoE, experts,
+router or attention replaced) would be trained as it was:
+the new modules get no gradient, silently. :class:`BuiltOn` records the identities at
+construction; :meth:`BuiltOn.check_blocks` and :meth:`BuiltOn.check_children` compare them
+at every plan build (a few dictionary reads per module), refusing a changed model with the
+library's error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from torch import nn
+
+from moe_overlap import ConfigError
+
+__all__ = ["BuiltOn"]
+
+
+def _children(module: nn.Module) -> dict[str, int]:
+    return {name: id(child) for name, child in module.named_children()}
+
+
+class BuiltOn:
+    """The identities of ``blocks`` (their names and modules, in order) and of the direct
+    children of every module in ``watched`` (name, module) pairs. Parameters are not
+    compared: FSDP2 and torchtitan's parallelisms replace them with sharded ones in place,
+    on the modules the adapter calls."""
+
+    __slots__ = ("_adapter", "_blocks", "_watched")
+
+    def __init__(
+        self,
+        adapter: str,
+        blocks: Iterable[tuple[str, nn.Module]],
+        watched: Iterable[tuple[str, nn.Module]],
+    ) -> None:
+        self._adapter = adapter
+        self._blocks = [(name, id(block)) for name, block in blocks]
+        self._watched = [(name, module, _children(module)) for name, module in watched]
+
+    def check_blocks(self, blocks: Iterable[tuple[str, nn.Module]], owner: str) -> None:
+        """Raise :class:`~moe_overlap.ConfigError` when blocks were added, removed or
+        reordered (``blocks``: the model's blocks now; ``owner``: its name). A block replaced
+        in its place is left to the adapter's own check, which names a torch wrapper."""
+        was = [name for name, _ in self._blocks]
+        names = [name for name, _ in blocks]
+        if names == was:
+            return
+        added = [n for n in names if n not in was]
+        removed = [n for n in was if n not in names]
+        what = f"blocks added {added}, removed {removed}" + (
+            "" if added or removed else ", reordered"
+        )
+        raise self._changed(f"{owner}'s blocks", what)
+
+    def check_children(self, owner: str) -> None:
+        """Raise :class:`~moe_overlap.ConfigError` when a child of a watched module (a
+        block's attention or MoE, the MoE's router or experts) was replaced, added or
+        removed."""
+        for name, module, children in self._watched:
+            found = _children(module)
+            if found != children:
+                changed = sorted(
+                    n for n in set(children) | set(found) if children.get(n) != found.get(n)
+                )
+                raise self._changed(f"{owner}.{name}", f"submodule(s) {changed} replaced")
+
+    def _changed(self, where: str, what: str) -> ConfigError:
+        return ConfigError(
+            f"{self._adapter}: {where}: expected the modules the adapter was built on, received "
+            f"a changed model ({what} after the adapter was built); the adapter would keep "
+            f"training what it saw at construction, leaving the new modules without gradient: "
+            f"build a new {self._adapter} after changing the model"
+        )
