@@ -341,12 +341,12 @@ def test_readme_is_generated_from_the_committed_results() -> None:
     assert done.returncode == 0, done.stderr
 
 
-def test_stress_exact_smoke_under_the_stream_order_checker() -> None:
-    """Every composition of the stress, once, tiny, on CPU with the checker on every access."""
+def _stress_checked(*args: str) -> subprocess.CompletedProcess[str]:
+    """``stress_exact.py`` once per composition, tiny, on CPU, under the stream-order checker."""
     script = str(ROOT / "benchmarks" / "stress_exact.py")
     argv = [sys.executable, script, "--device", "cpu", "--tiny", "--runs", "1", "--shake", "off"]
-    done = subprocess.run(
-        argv,
+    return subprocess.run(
+        [*argv, *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -354,24 +354,18 @@ def test_stress_exact_smoke_under_the_stream_order_checker() -> None:
         cwd=ROOT,
         env={**_ENV, "MOE_OVERLAP_STREAM_CHECK": "1"},
     )
+
+
+def test_stress_exact_smoke_under_the_stream_order_checker() -> None:
+    """Every composition of the stress, once, tiny, on CPU with the checker on every access."""
+    done = _stress_checked()
     assert done.returncode == 0, done.stderr[-3000:]
     assert "runs not bit-identical: 0 of 9" in done.stdout
 
 
 def test_stress_exact_without_the_fix_is_a_race_the_checker_names() -> None:
     """Issue 37's race, reproduced by the stress's fault switch, found on CPU in one run."""
-    script = str(ROOT / "benchmarks" / "stress_exact.py")
-    argv = [sys.executable, script, "--device", "cpu", "--tiny", "--runs", "1", "--shake", "off"]
-    argv += ["--compositions", "pp_interleaved", "--without-record-stream-fix"]
-    done = subprocess.run(
-        argv,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        cwd=ROOT,
-        env={**_ENV, "MOE_OVERLAP_STREAM_CHECK": "1"},
-    )
+    done = _stress_checked("--compositions", "pp_interleaved", "--without-record-stream-fix")
     assert done.returncode != 0
     assert "StreamOrderError" in done.stderr
     assert "may still use it" in done.stderr and "'moe_dispatch' backward" in done.stderr

@@ -31,6 +31,7 @@ from moe_overlap.engine._conformance import check_model as check_model
 from moe_overlap.engine._consensus import Phase as Phase
 from moe_overlap.engine._consensus import StepConsensus as StepConsensus
 from moe_overlap.engine._consensus import Verdict as Verdict
+from moe_overlap.engine._consensus import verdict_error as verdict_error
 from moe_overlap.engine._debug import DEBUG as DEBUG
 from moe_overlap.engine._driver import combined_1f1b as combined_1f1b
 from moe_overlap.engine._errors import ConfigError as ConfigError
@@ -266,6 +267,7 @@ __all__ = [
     "should_free_input",
     "stream_context",
     "stream_order_check",
+    "verdict_error",
     "wait_event",
     "wait_stream",
     "weak_method",

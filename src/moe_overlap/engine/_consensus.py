@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ._errors import ConfigError, ScheduleError
 from .args import GROUP, check_arg
 
-__all__ = ["Phase", "StepConsensus", "Verdict", "VotedStep"]
+__all__ = ["Phase", "StepConsensus", "Verdict", "VotedStep", "verdict_error"]
 
 T = TypeVar("T")
 
@@ -211,33 +211,20 @@ class VotedStep:
         if not verdict.failed:
             return done[0]
         me = self._me()
-        if verdict.consistent:
-            if failure is not None:
-                raise failure
-            raise ScheduleError(
-                f"{me}: this rank's step completed, but the step failed on "
-                f"{verdict.describe()}; nothing of it is in flight. Zero the gradients and "
-                "drop pending delayed weight gradients (discard_wgrad) on every rank; the "
-                "next step is exact",
-                position=f"{me}, after the step",
-            )
-        self._poison(f"step {self.step} failed on {verdict.describe()}")
+        if not verdict.consistent:
+            self._poison(f"step {self.step} failed on {verdict.describe()}")
         consequence = (
             f"{me}: the step failed on {verdict.describe()}; all-to-all messages of the "
             "failed step may still be in flight between the expert-parallel ranks, so every "
             "rank refuses later steps of this model and of this consensus_group. "
             f"{_RECOVER}"
         )
-        if isinstance(failure, ScheduleError):
-            raise ScheduleError(f"{failure}\n{consequence}", position=failure.position) from failure
-        if failure is not None:
-            raise ScheduleError(
-                f"{me}: the step failed here: {type(failure).__name__}: {failure}\n{consequence}",
-                position=me,
-            ) from failure
-        raise ScheduleError(
-            f"{me}: this rank's step completed, but not every rank's.\n{consequence}",
-            position=f"{me}, after the step",
+        raise verdict_error(
+            verdict,
+            failure,
+            me,
+            consequence=consequence,
+            incomplete=f"{me}: this rank's step completed, but not every rank's.\n{consequence}",
         )
 
     def _agree(self, consensus: StepConsensus, phase: Phase, failure: Exception | None) -> Verdict:
@@ -285,3 +272,33 @@ class VotedStep:
                 f"{_RECOVER}",
                 position=f"global rank {rank}, {self.where}, refused",
             )
+
+
+def verdict_error(
+    verdict: Verdict, failure: Exception | None, me: str, *, consequence: str, incomplete: str
+) -> Exception:
+    """What a rank raises after a failed ``verdict`` (its own ``failure`` or ``None``; ``me``
+    names the rank): consistent, the failure itself, or a :class:`~moe_overlap.ScheduleError`
+    saying nothing is in flight; inconsistent (the caller poisons first), the failure
+    completed with ``consequence``, or ``incomplete`` where this rank did not fail."""
+    if verdict.consistent:
+        if failure is not None:
+            return failure
+        return ScheduleError(
+            f"{me}: this rank's step completed, but the step failed on "
+            f"{verdict.describe()}; nothing of it is in flight. Zero the gradients and "
+            "drop pending delayed weight gradients (discard_wgrad) on every rank; the "
+            "next step is exact",
+            position=f"{me}, after the step",
+        )
+    if isinstance(failure, ScheduleError):
+        error = ScheduleError(f"{failure}\n{consequence}", position=failure.position)
+    elif failure is not None:
+        error = ScheduleError(
+            f"{me}: the step failed here: {type(failure).__name__}: {failure}\n{consequence}",
+            position=me,
+        )
+    else:
+        return ScheduleError(incomplete, position=f"{me}, after the step")
+    error.__cause__ = failure
+    return error

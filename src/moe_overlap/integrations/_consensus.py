@@ -7,6 +7,6 @@ pipelining runtime takes it from here. Only public ``torch.distributed`` API is 
 
 from __future__ import annotations
 
-from moe_overlap.engine import Phase, StepConsensus, Verdict
+from moe_overlap.engine import Phase, StepConsensus, Verdict, verdict_error
 
-__all__ = ["Phase", "StepConsensus", "Verdict"]
+__all__ = ["Phase", "StepConsensus", "Verdict", "verdict_error"]

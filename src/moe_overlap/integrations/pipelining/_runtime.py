@@ -40,7 +40,7 @@ from moe_overlap.engine import (
 from moe_overlap.engine.args import BOOL, Instance, Opt, check_arg
 from moe_overlap.engine.contracts import OPT_STEP_OBSERVER
 from moe_overlap.inputs import check_inputs
-from moe_overlap.integrations._consensus import Phase, StepConsensus, Verdict
+from moe_overlap.integrations._consensus import Phase, StepConsensus, Verdict, verdict_error
 from moe_overlap.integrations.pipelining import _torch
 from moe_overlap.integrations.pipelining._lowering import check_actions, describe, pair_overlap_f_b
 from moe_overlap.integrations.pipelining._torch import Action, Context, Stage, check_torch
@@ -335,33 +335,20 @@ class PipelineOverlap:
         verdict = self._agree(Phase.OK if failure is None else self._phase, failure)
         if not verdict.failed:
             return result
-        if verdict.consistent:
-            if failure is not None:
-                raise failure
-            raise ScheduleError(
-                f"{self._me()}: this rank's step completed, but the step failed on "
-                f"{verdict.describe()}; nothing of it is in flight. Zero the gradients and "
-                "drop pending delayed weight gradients (discard_wgrad) on every rank; the "
-                "next step is exact",
-                position=f"{self._me()}, after the step",
-            )
-        self._poison(f"it failed on {verdict.describe()}")
+        me = self._me()
+        if not verdict.consistent:
+            self._poison(f"it failed on {verdict.describe()}")
         consequence = (
             f"The step failed on {verdict.describe()}; messages of the failed step may "
             "still be in flight between the ranks, so every rank refuses this schedule's "
             f"later steps. {_RECOVER}"
         )
-        if isinstance(failure, ScheduleError):
-            raise ScheduleError(f"{failure}\n{consequence}", position=failure.position) from failure
-        if failure is not None:
-            raise ScheduleError(
-                f"{self._me()}: the step failed here: {type(failure).__name__}: {failure}\n"
-                f"{consequence}",
-                position=self._me(),
-            ) from failure
-        raise ScheduleError(
-            f"{self._me()}: this rank's step completed, but not the pipeline's. {consequence}",
-            position=f"{self._me()}, after the step",
+        raise verdict_error(
+            verdict,
+            failure,
+            me,
+            consequence=consequence,
+            incomplete=f"{me}: this rank's step completed, but not the pipeline's. {consequence}",
         )
 
     def _agree(self, phase: Phase, failure: Exception | None) -> Verdict:
