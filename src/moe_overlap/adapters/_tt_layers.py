@@ -112,6 +112,60 @@ class _Keep(nn.Module):
         return args
 
 
+class _RoutedCall(NamedTuple):
+    """What the MoE handed its routed experts, as their forward first views it."""
+
+    x_TD: Tensor
+    scores_TK: Tensor
+    ids_TK: Tensor
+    counts_E: Tensor
+    shape: torch.Size  # (B, L, D)
+
+
+class _KeepRouted(_Keep):
+    """Stands in for the MoE's ``routed_experts``: takes the token-major views of its
+    input, scores and expert ids at the point of the call, as torchtitan's
+    ``RoutedExperts.forward`` does first. The views are then created where the original's
+    are (before the shared experts run), so backward sums the MoE input's gradient from
+    the router, the routed experts and the shared experts in the original's order: the
+    gradients are bit-identical to the model's own, not only equal up to rounding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.call: _RoutedCall | None = None
+
+    def forward(self, *args: object) -> Tensor:
+        out = super().forward(*args)
+        self.call = None
+        if len(args) == 4 and all(isinstance(a, Tensor) for a in args):
+            x_BLD, scores_BLK, ids_BLK, counts_E = cast("tuple[Tensor, ...]", args)
+            if x_BLD.dim() == 3 and scores_BLK.dim() == 3 and ids_BLK.shape == scores_BLK.shape:
+                B, L, D = x_BLD.shape
+                T, K = B * L, scores_BLK.size(-1)
+                self.call = _RoutedCall(
+                    x_BLD.view(T, D),
+                    scores_BLK.view(T, K),
+                    ids_BLK.view(T, K),
+                    counts_E,
+                    x_BLD.shape,
+                )
+        return out
+
+    def take_call(self, where: str) -> _RoutedCall:
+        args = self.take(where, 4)
+        call, self.call = self.call, None
+        if call is None:
+            got = ", ".join(
+                f"{tuple(a.shape)}" if isinstance(a, Tensor) else type(a).__name__ for a in args
+            )
+            raise IntegrationError(
+                f"{where}: expected the routed experts to be called with the tokens (B, L, D), "
+                f"the top-k scores and expert ids (B, L, K) and the token counts (E,), as "
+                f"torchtitan's MoE calls them, received {got}"
+            )
+        return call
+
+
 def _tensor(value: object, where: str) -> Tensor:
     if not isinstance(value, Tensor):
         raise IntegrationError(f"{where}: expected a tensor, received {type(value).__name__}")
@@ -292,7 +346,7 @@ class TitanMoELayer(_BlockBase, MoESlots):
         self.attention_group = WgradGroup(attention_delayed)
         self.moe_group = WgradGroup(moe_delayed)
         self._moe_stand_in = _Keep()
-        self._routed_stand_in = _Keep()
+        self._routed_stand_in = _KeepRouted()
 
     @property
     def num_local_experts(self) -> int:
@@ -307,7 +361,7 @@ class TitanMoELayer(_BlockBase, MoESlots):
     # --- the math, once, for the slots and the plain path --------------------------------
     def _pre_dispatch_region(
         self, x_BLD: Tensor, masks: object, positions: Tensor | None
-    ) -> tuple[Tensor, Tensor | None, Tensor, Tensor, Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor | None, _RoutedCall]:
         """The block's and the MoE's own code up to the routed experts (one checkpointed
         region when the block is wrapped: run again, whole, in backward): the block's
         output without the MoE, the MoE's other output (``None``: nothing besides the
@@ -320,26 +374,14 @@ class TitanMoELayer(_BlockBase, MoESlots):
         with swap(self.moe, "routed_experts", keep_routed):
             rest: object = self.moe(u_BLD)
             stood_in_out = keep_routed.out
-        x_in, scores, ids, counts = keep_routed.take(
-            self.where("pre_dispatch: the MoE's routed_experts"), 4
-        )
-        return (
-            h,
-            None if rest is stood_in_out else _tensor(rest, self.where("moe output")),
-            _tensor(x_in, self.where("routed input")),
-            _tensor(scores, self.where("routing scores")),
-            _tensor(ids, self.where("expert ids")),
-            _tensor(counts, self.where("token counts")),
-        )
+        routed = keep_routed.take_call(self.where("pre_dispatch: the MoE's routed_experts"))
+        return h, None if rest is stood_in_out else _tensor(rest, self.where("moe output")), routed
 
     def pre_dispatch(self, ctx: SlotContext, x_BLD: Tensor) -> tuple[Tensor, Tensor]:
         call = self.calls(ctx.chunk_state)
-        h, rest, x_BLD_in, scores_BLK, ids_BLK, counts_E = self._run(
+        h, rest, routed = self._run(
             self._pre_dispatch_region, x_BLD, call.attention_masks, call.positions
         )
-        B, L, D = x_BLD_in.shape
-        T, K = B * L, scores_BLK.shape[-1]
-        x_TD = x_BLD_in.reshape(T, D)
         state = ctx.layer_state
         state.residual = ctx.detach(h)
         # What the MoE adds to its routed experts' output (shared experts); nothing when
@@ -351,13 +393,13 @@ class TitanMoELayer(_BlockBase, MoESlots):
         state.stash(
             _ROUTED,
             _Routed(
-                ids_BLK.reshape(T, K).detach(),
-                counts_E.detach(),
-                x_TD.detach(),
-                x_BLD_in.shape,
+                routed.ids_TK.detach(),
+                routed.counts_E.detach(),
+                routed.x_TD.detach(),
+                routed.shape,
             ),
         )
-        return x_TD, scores_BLK.reshape(T, K)
+        return routed.x_TD, routed.scores_TK
 
     def dispatch(self, ctx: SlotContext, x_TD: Tensor, scores_TK: Tensor) -> Tensor:
         where = self.where("dispatch")
