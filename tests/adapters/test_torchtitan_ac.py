@@ -24,7 +24,6 @@ from tests.adapters.test_torchtitan import (
     assert_bit_identical,
     assert_matches_torchtitan,
     grads,
-    in_float64,
     microbatches,
     model_of,
     moe_buffers,
@@ -49,12 +48,10 @@ def _policy(name: str) -> Any:
     return cls(cls.Config())
 
 
-def wrapped(family: str, policy: str, *, float64: bool = False) -> nn.Module:
+def wrapped(family: str, policy: str) -> nn.Module:
     """``family``'s test model with torchtitan's activation checkpointing applied by its
     own ``apply`` (every block in a ``CheckpointWrapper``)."""
     model = model_of(family)
-    if float64:
-        model = in_float64(model)
     _policy(policy).apply(model)
     layers = model.get_submodule("layers")
     assert all(type(b).__name__ == "CheckpointWrapper" for b in layers.children())
@@ -87,16 +84,16 @@ POLICIES = ["selective", "full"]
 @pytest.mark.parametrize("family", FAMILIES_AC)
 def test_plain_path_matches_torchtitan_under_ac(family: str, policy: str) -> None:
     """The adapter on the wrapped model against torchtitan's own forward and backward of the
-    same wrapped model (float64): losses, gradients, and the token counts, which both
+    same wrapped model, bit for bit: losses, gradients, and the token counts, which both
     count twice (forward and recompute) for the wrapped blocks."""
-    model = wrapped(family, policy, float64=True)
+    model = wrapped(family, policy)
     mbs = microbatches(family)
     ours = TorchtitanMoEAdapter(copy.deepcopy(model), self_check=False)
     wrapper: Any = ours.model.get_submodule("layers.1")
     assert ours.decoder.layers[1].layer is wrapper._checkpoint_wrapped_module
     ref_losses = torchtitan_step(model, mbs)
     losses = plain_step(ours, mbs)
-    assert_matches_torchtitan(family, torch.float64, ours.model, losses, model, ref_losses)
+    assert_matches_torchtitan(family, ours.model, losses, model, ref_losses)
 
 
 @pytest.mark.parametrize("delay", [False, True], ids=["wgrad", "delayed_wgrad"])
@@ -141,23 +138,10 @@ def test_schedule_is_bit_identical_under_ac(family: str, policy: str, delay: boo
 @pytest.mark.parametrize("policy", POLICIES)
 def test_load_balancing_steps_under_ac_equal_torchtitan(policy: str) -> None:
     """Three AdamW steps with torchtitan's load-balancing hook (which halves the counts of
-    wrapped blocks): the schedule's counts and expert biases equal torchtitan's own steps
-    on the same wrapped model after every step.
-
-    Each step starts both models from the same weights: after the optimizers step, the
-    schedule's parameters are copied into torchtitan's model. The adapter's float32
-    gradients are not torchtitan's bit for bit (gradients meeting at a slot boundary are
-    summed in another order; see ``PARITY_DTYPES``), and AdamW divides each gradient by its
-    own running magnitude, so rounding differences become weight differences of the order of
-    the learning rate (5.7e-5 after step 0 at lr 1e-3). A nearly tied top-k then routes a
-    token otherwise: without the copy the counts differed by 2 at step 2 at one intra-op
-    thread and agreed at two, i.e. the test passed or failed by the thread count (and the
-    CPU's kernels). From equal weights the comparison is exact whatever the thread count:
-    the schedule under AC counts each token as torchtitan's forward and recompute do, and
-    the hook moves the biases identically. Where the gradients are bit-identical the copy
-    changes nothing. The schedule against the adapter's own plain path, whose gradients and
-    parameters are bit-identical, is checked over free-running steps by
-    ``test_training_steps_with_load_balancing_hook_are_bit_identical``."""
+    wrapped blocks), free-running: the schedule's counts, expert biases and parameters equal
+    torchtitan's own steps on the same wrapped model, bit for bit, after every step (the
+    gradients are torchtitan's own, so AdamW moves both models identically and no nearly
+    tied top-k can route a token otherwise)."""
     family = "deepseek_v3"
     sched = TorchtitanMoEAdapter(wrapped(family, policy), self_check=False)
     ref = wrapped(family, policy)
@@ -182,9 +166,12 @@ def test_load_balancing_steps_under_ac_equal_torchtitan(policy: str) -> None:
             opt.zero_grad()
         bias = moe_buffers(ref, "expert_bias_E")
         assert_bit_identical(moe_buffers(sched.model, "expert_bias_E"), bias, "bias", where)
-        with torch.no_grad():
-            for name, p in ref_params.items():
-                p.copy_(sched_params[name])
+        assert_bit_identical(
+            {n: p.detach() for n, p in sched_params.items()},
+            {n: p.detach() for n, p in ref_params.items()},
+            "parameters",
+            where,
+        )
     assert any(not torch.equal(bias[n], bias0[n]) for n in bias0), "no expert bias moved"
 
 

@@ -6,6 +6,7 @@ Skipped without a GPU (run on the lent H200).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Iterator
 from typing import Any
@@ -131,6 +132,36 @@ def test_moved_parameters_are_refused_until_reset() -> None:
     _step(graphed, _microbatches(2), "1f1b")
     weight = graphed.layer_list[1].attn_block.attention.qkv.weight
     weight.data = weight.data.clone()  # new storage: the graph would read the old one
+    _refused(graphed, _microbatches(2, seed=1), "reset_graphs")
+    eager.zero_grad(set_to_none=True)
+    graphed.reset_graphs()
+    mbs = _microbatches(2, seed=2)
+    for g, w in zip(_step(graphed, mbs, "1f1b"), _step(eager, mbs, "1f1b"), strict=True):
+        assert torch.equal(g, w)
+    assert_same_grads(graphed, eager)
+
+
+@pytest.mark.parametrize("part", ["qkv", "attention", "router", "shared_expert", "pre_mlp_norm"])
+def test_a_submodule_replaced_after_the_capture_is_refused_until_reset(part: str) -> None:
+    """Outside debug mode too: a replaced module's parameters are other objects, found by
+    the walk that any registration since the last one triggers."""
+    eager = _model((), delay=True)
+    graphed = _model(ALL, delay=True)
+    _step(eager, _microbatches(2), "1f1b")
+    _step(graphed, _microbatches(2), "1f1b")
+    for model in (eager, graphed):  # a copy of the module, as a new object, in both
+        moe: Any = model.layer_list[1]
+        if part == "qkv":
+            old = moe.attn_block.attention.qkv
+            moe.attn_block.attention.qkv = copy.deepcopy(old)
+        elif part == "attention":
+            moe.attn_block.attention = copy.deepcopy(moe.attn_block.attention)
+        elif part == "router":
+            moe.router = copy.deepcopy(moe.router)
+        elif part == "shared_expert":
+            moe.shared_expert = copy.deepcopy(moe.shared_expert)
+        else:
+            moe.pre_mlp_norm = copy.deepcopy(moe.pre_mlp_norm)
     _refused(graphed, _microbatches(2, seed=1), "reset_graphs")
     eager.zero_grad(set_to_none=True)
     graphed.reset_graphs()

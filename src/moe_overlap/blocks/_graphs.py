@@ -28,8 +28,11 @@ What :func:`~torch.cuda.make_graphed_callables` leaves to its caller, the block 
   ``load_state_dict(assign=True)``) or were frozen or unfrozen, or a Python-side value the
   capture froze (``frozen``) that changed raise :class:`~moe_overlap.ConfigError`;
   :meth:`GraphedBlock.reset` drops the graphs so the next call captures again. The
-  parameters are walked once; a parameter *replaced* by another object is caught in debug
-  mode (``MOE_OVERLAP_DEBUG=1``), which walks them at every call.
+  parameters are walked again whenever a module, parameter or buffer was registered
+  anywhere since the last walk (torch's global registration hooks count them: one integer
+  compared per call), so a submodule or parameter *replaced* after the capture is refused
+  too; debug mode (``MOE_OVERLAP_DEBUG=1``) walks them at every call, which also catches a
+  submodule deleted (torch has no hook for deletion).
 
 Without CUDA, or with autograd off, the function runs eagerly: the same values, no graphs.
 Capture synchronizes the device (once per copy, on the first steps).
@@ -162,6 +165,25 @@ def _differentiable(t: Tensor) -> bool:
 
 _FN = Func("a callable of tensors", error=IntegrationError)
 _MODULES = Items(Instance(nn.Module, "an nn.Module", error=IntegrationError))
+
+
+class _Registrations:
+    """How many modules, parameters and buffers were registered in the process so far (by
+    torch's global registration hooks): unchanged means no submodule or parameter was
+    set or replaced anywhere, so a block need not walk its modules again."""
+
+    count = 0
+
+    @classmethod
+    def bump(cls, *_: object) -> None:
+        cls.count += 1
+
+
+_HOOKS = (
+    nn.modules.module.register_module_module_registration_hook(_Registrations.bump),
+    nn.modules.module.register_module_parameter_registration_hook(_Registrations.bump),
+    nn.modules.module.register_module_buffer_registration_hook(_Registrations.bump),
+)
 _SCOPE = Instance(
     CudaGraphModule,
     "a CudaGraphModule (it names the scope in errors and wgrad coverage)",
@@ -176,7 +198,10 @@ class GraphedBlock:
 
     ``fn`` returns a tensor or a (nested) tuple of tensors; :meth:`__call__` returns them
     flattened to a tuple. ``modules`` are exactly the modules ``fn`` runs (their delayed
-    linears are the block's). ``scope`` and ``label`` name the block in errors. ``frozen``
+    linears are the block's), or a callable returning them: pass a bound method of their
+    owner (``lambda``-free, so a copied model's block reads the copy) when ``fn`` reads
+    them as the owner's attributes, so a submodule replaced on the owner is seen and
+    refused rather than replayed stale. ``scope`` and ``label`` name the block in errors. ``frozen``
     returns the Python-side values the capture bakes in (a router's loss scale); pass a
     bound method of one of ``modules`` so a copied model's block reads the copy. A call
     where it returns something else raises instead of replaying a stale graph. Not an
@@ -186,7 +211,7 @@ class GraphedBlock:
     def __init__(
         self,
         fn: Callable[..., object],
-        modules: Sequence[nn.Module],
+        modules: Sequence[nn.Module] | Callable[[], Sequence[nn.Module]],
         scope: CudaGraphModule,
         *,
         label: str,
@@ -195,7 +220,12 @@ class GraphedBlock:
     ) -> None:
         w = "GraphedBlock"
         self.fn = check_arg(w, "fn", fn, _FN)
-        self.modules = check_arg(w, "modules", modules, _MODULES)
+        self._modules_of: Callable[[], Sequence[nn.Module]] | None = None
+        self._fixed: tuple[nn.Module, ...] = ()
+        if callable(modules) and not isinstance(modules, nn.Module):
+            self._modules_of = modules  # its result is checked at every walk
+        else:
+            self._fixed = check_arg(w, "modules", modules, _MODULES)
         self.scope = check_arg(w, "scope", scope, _SCOPE)
         self.label = check_arg(w, "label", label, _LABEL)
         self.frozen = check_arg(w, "frozen", frozen, Opt(CALLABLE))
@@ -205,13 +235,19 @@ class GraphedBlock:
         self._signature: _Signature | None = None
         self._key: tuple[object, ...] | None = None
         self._all: tuple[nn.Parameter, ...] | None = None
+        self._walked = -1  # _Registrations.count when the parameters were last walked
         self._delayed_modules: list[DelayedWgradModule] | None = None
+
+    @property
+    def modules(self) -> tuple[nn.Module, ...]:
+        """The modules ``fn`` runs, now."""
+        return self._fixed if self._modules_of is None else tuple(self._modules_of())
 
     def __deepcopy__(self, memo: dict[int, object]) -> GraphedBlock:
         """A copy of the model gets its own block, uncaptured (graphs are not copyable)."""
         return GraphedBlock(
             deepcopy(self.fn, memo),
-            deepcopy(self.modules, memo),
+            deepcopy(self._fixed if self._modules_of is None else self._modules_of, memo),
             self.scope,
             label=self.label,
             frozen=deepcopy(self.frozen, memo),
@@ -236,6 +272,7 @@ class GraphedBlock:
         self._signature = None
         self._key = None
         self._all = None
+        self._walked = -1
         self._delayed_modules = None
 
     def __call__(self, *args: Tensor) -> tuple[Tensor, ...]:
@@ -286,7 +323,10 @@ class GraphedBlock:
     def _named(self) -> list[tuple[str, nn.Parameter]]:
         seen: set[int] = set()
         named: list[tuple[str, nn.Parameter]] = []
-        for i, module in enumerate(self.modules):
+        modules = self.modules
+        if self._modules_of is not None:
+            modules = check_arg(self.label, "modules()", modules, _MODULES)
+        for i, module in enumerate(modules):
             for name, p in module.named_parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
@@ -294,9 +334,11 @@ class GraphedBlock:
         return named
 
     def _surface(self) -> tuple[nn.Parameter, ...]:
-        """Every parameter of the modules, walked once (in debug mode at every call, which
-        also catches a parameter replaced by another object since the capture)."""
-        if self._all is None or DEBUG:
+        """Every parameter of the modules, walked again when anything was registered since
+        the last walk (in debug mode at every call), which catches a submodule or parameter
+        replaced by another object since the capture."""
+        if self._all is None or DEBUG or self._walked != _Registrations.count:
+            walked = _Registrations.count
             found = tuple(p for _, p in self._named())
             if self._all is not None and (
                 len(found) != len(self._all)
@@ -305,10 +347,11 @@ class GraphedBlock:
                 raise ConfigError(
                     f"{self.label}: the CUDA graph of scope '{self.scope.name}' was captured "
                     f"with other parameter objects ({len(self._all)}), received "
-                    f"{len(found)} parameters of which some were replaced; call "
-                    "reset_graphs() on the model after replacing parameters"
+                    f"{len(found)} parameters of which some were replaced (a parameter or "
+                    "submodule set since the capture); call reset_graphs() on the model after "
+                    "replacing parameters or submodules"
                 )
-            self._all = found
+            self._all, self._walked, self._delayed_modules = found, walked, None
         return self._all
 
     def _state_key(self, every: Sequence[nn.Parameter]) -> tuple[object, ...]:

@@ -135,7 +135,6 @@ class GPTMoEModel(MegatronHooks, nn.Module):
             MoELayer(c, i, self.dispatcher, dev) if c.is_moe_layer(i) else DenseLayer(c, i, dev)
             for i in range(c.num_layers)
         ]
-        self.layer_list: tuple[GPTLayer, ...] = tuple(layers)
         self.decoder = Decoder(layers)
         self.final_norm = RMSNorm(
             c.hidden_size,
@@ -153,6 +152,12 @@ class GPTMoEModel(MegatronHooks, nn.Module):
             if isinstance(module, DelayedWgradModule):
                 module.label = name
         self.reset_parameters()
+
+    @property
+    def layer_list(self) -> tuple[GPTLayer, ...]:
+        """The layers now (``decoder.layers``: a layer added, removed or replaced after
+        construction is the model's, and the schedule's, from the next step on)."""
+        return cast("tuple[GPTLayer, ...]", tuple(self.decoder.layers))
 
     @property
     def pre_process(self) -> bool:

@@ -109,14 +109,15 @@ def _graphed(
     config: GPTMoEConfig,
     scope: CudaGraphModule,
     fn: Callable[..., object],
-    modules: Sequence[nn.Module | None],
+    modules: Callable[[], Sequence[nn.Module]],
     label: str,
     frozen: Callable[[], Hashable] | None = None,
 ) -> GraphedBlock | None:
+    """A graphed ``fn`` when ``scope`` is graphed; ``modules`` and ``frozen`` are bound
+    methods of the layer, read at every walk, so a submodule replaced later is seen."""
     if scope not in config.cuda_graph_modules:
         return None
-    parts = [m for m in modules if m is not None]
-    return GraphedBlock(fn, parts, scope, label=label, frozen=frozen)
+    return GraphedBlock(fn, modules, scope, label=label, frozen=frozen)
 
 
 class _AttentionBlock(nn.Module):
@@ -141,7 +142,12 @@ class _AttentionBlock(nn.Module):
             dtype=c.dtype,
             device=device,
         )
-        self.graph = _graphed(c, CudaGraphModule.attn, self._block, [self], f"{label} attention")
+        self.graph = _graphed(
+            c, CudaGraphModule.attn, self._block, self._graphed_modules, f"{label} attention"
+        )
+
+    def _graphed_modules(self) -> tuple[nn.Module, ...]:
+        return (self,)
 
     def forward(self, x_BSD: Tensor, cos: Tensor, sin: Tensor, *masks: Tensor) -> Tensor:
         """``masks``: none (causal), or ``blocked`` and ``dead`` of
@@ -184,9 +190,13 @@ class DenseLayer(DenseSlots, nn.Module):
             c,
             CudaGraphModule.mlp,
             self._mlp_block,
-            [self.pre_mlp_norm, self.mlp],
+            self._graphed_modules,
             f"DenseLayer {index} mlp",
         )
+
+    def _graphed_modules(self) -> tuple[nn.Module, ...]:
+        """What the graphed mlp runs (read at each walk: a replaced module is seen)."""
+        return (self.pre_mlp_norm, self.mlp)
 
     def pre_dispatch(self, ctx: SlotContext, x_BSD: Tensor) -> Tensor:
         where = f"DenseLayer {self.index} pre_dispatch"
@@ -338,10 +348,18 @@ class MoELayer(MoESlots, nn.Module):
             c,
             CudaGraphModule.moe_router,
             self._route,
-            [self.pre_mlp_norm, self.router, self.shared_expert],
+            self._graphed_modules,
             f"MoELayer {index} router",
-            frozen=self.router.graph_key,
+            frozen=self._graph_key,
         )
+
+    def _graphed_modules(self) -> tuple[nn.Module, ...]:
+        """What the graphed router runs (read at each walk: a replaced module is seen)."""
+        parts = (self.pre_mlp_norm, self.router, self.shared_expert)
+        return tuple(m for m in parts if m is not None)
+
+    def _graph_key(self) -> Hashable:
+        return self.router.graph_key()
 
     @property
     def num_local_experts(self) -> int:

@@ -17,6 +17,7 @@ from moe_overlap.models._gpt import (
     check_reference_inputs,
     masked_cross_entropy,
 )
+from moe_overlap.models._layers import GPTLayer
 
 __all__ = ["GPTMoEStage"]
 
@@ -48,11 +49,17 @@ class GPTMoEStage(StageRange, MegatronHooks, nn.Module):
         self.set_range(layers, model.config.num_layers, "GPTMoEStage")
         self.config = model.config
         self.embedding = model.embedding if self.pre_process else None
-        self.layer_list = model.layer_list[layers.start : layers.stop]
-        self.decoder = Decoder(list(self.layer_list), start=layers.start)
+        self.decoder = Decoder(
+            list(model.layer_list[layers.start : layers.stop]), start=layers.start
+        )
         self.final_norm = model.final_norm if self.post_process else None
         self.output_layer = model.output_layer if self.post_process else None
         self._rotary = model.rotary
+
+    @property
+    def layer_list(self) -> tuple[GPTLayer, ...]:
+        """The stage's layers now (``decoder.layers``)."""
+        return cast("tuple[GPTLayer, ...]", tuple(self.decoder.layers))
 
     def embed(self, input_ids: Tensor) -> Tensor:
         if self.embedding is None:
