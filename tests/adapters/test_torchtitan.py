@@ -442,6 +442,46 @@ def test_refuses_loss_mask() -> None:
         combined_1f1b(adapter, [bad], options=adapter.schedule_options())
 
 
+_POSITIONS = r"positions: torchtitan's name .*; pass position_ids=positions"
+_MASKS = r"attention_masks: expected none \(the adapter builds the attention masks itself.*get_attention_masks\(position_ids\)"
+
+
+@pytest.mark.parametrize(
+    ("entry", "keyword", "match"),
+    [
+        ("forward", "positions", r"TorchtitanMoEAdapter\.forward: " + _POSITIONS),
+        ("forward", "attention_masks", r"TorchtitanMoEAdapter\.forward: " + _MASKS),
+        ("plain_forward", "positions", r"TorchtitanMoEAdapter\.plain_forward: " + _POSITIONS),
+        ("plain_forward", "attention_masks", _MASKS),
+        ("stage", "positions", r"TorchtitanMoEStage\.forward: " + _POSITIONS),
+        ("stage", "attention_masks", r"TorchtitanMoEStage\.forward: " + _MASKS),
+        ("stage.plain_forward", "positions", r"TorchtitanMoEStage\.plain_forward: " + _POSITIONS),
+    ],
+)
+def test_torchtitans_keyword_names_are_the_librarys_error(
+    entry: str, keyword: str, match: str
+) -> None:
+    """torchtitan's ``positions`` / ``attention_masks`` (what its model's forward and its
+    trainer's ``schedule.step`` take) name ``position_ids`` and how the masks are built,
+    not Python's bare ``TypeError``; ``None`` is refused too (the name is wrong, not the
+    value)."""
+    from moe_overlap.adapters.torchtitan import TorchtitanMoEStage
+
+    model = model_of("deepseek_v3")
+    adapter = TorchtitanMoEAdapter(model, self_check=False)
+    mb = _batches("deepseek_v3")[0]
+    value = None if keyword == "attention_masks" else mb["position_ids"]
+    calls: dict[str, Callable[..., object]] = {
+        "forward": adapter.forward,
+        "plain_forward": adapter.plain_forward,
+        "stage": TorchtitanMoEStage(adapter),
+        "stage.plain_forward": TorchtitanMoEStage(adapter).plain_forward,
+    }
+    with pytest.raises(ConfigError, match=match):
+        calls[entry](mb["input_ids"], **{keyword: value})
+    assert all(p.grad is None for p in model.parameters())
+
+
 # --- torchtitan's parallelize forward wrappers ----------------------------------------------
 class _Dims:
     """Stands in for torchtitan's ``ParallelDims`` in the closure: every boundary resolves

@@ -202,6 +202,40 @@ def test_first_step_check_raises_no_false_alarm_and_leaves_no_trace() -> None:
     assert out.stdout.strip() == "ok"
 
 
+def test_first_step_check_compares_a_torchtitan_model() -> None:
+    """The torchtitan adapter builds and trains under beartype; the first-step check calls
+    its ``forward`` with the microbatch's fields (torchtitan's names there are keyword-only
+    parameters it never passes) and compares; the step equals torchtitan's own model's
+    forward and backward bit for bit."""
+    pytest.importorskip("torchtitan")
+    out = run(
+        """
+        import copy, warnings, torch
+        import moe_overlap as mo
+        from moe_overlap.engine._plain_check import first_step_outcome
+        from moe_overlap.adapters.torchtitan import TorchtitanMoEAdapter
+        from tests.adapters._titan import build, causal_stand_in
+        from tests.adapters.test_torchtitan import grads, microbatches, torchtitan_step
+
+        warnings.filterwarnings("ignore", message="In CPU autocast")  # torchtitan's router
+        model = causal_stand_in(build("deepseek_v3", layers=2))
+        own = copy.deepcopy(model)
+        adapter = TorchtitanMoEAdapter(model)
+        mbs = microbatches("deepseek_v3")[:2]
+        losses = mo.combined_1f1b(adapter, mbs, options=adapter.schedule_options())
+        assert first_step_outcome(adapter) == "compared", first_step_outcome(adapter)
+        own_losses = torchtitan_step(own, mbs)
+        assert all(torch.equal(a.detach(), b) for a, b in zip(losses, own_losses))
+        g, w = grads(model), grads(own)
+        assert all((g[k] is None and w[k] is None) or torch.equal(g[k], w[k]) for k in w)
+        print("ok")
+        """,
+        debug=True,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip() == "ok"
+
+
 @pytest.mark.slow
 def test_first_step_check_skips_what_it_cannot_compare() -> None:
     """No plain forward that takes the microbatch, or not a whole model: skipped, the step

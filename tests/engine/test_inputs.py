@@ -246,3 +246,41 @@ def test_prepared_stage_keywords() -> None:
                 r"set, but _NoPaddingStage does not read it",
             ):
                 build(first, 0, (ids,), {"padding_mask": MASK})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"positions": None}, r"Microbatch: positions: .*torchtitan's name for position_ids"),
+        ({"attention_masks": None}, r"attention_masks: .*builds them from position_ids"),
+        ({"tokens": None}, r"tokens: .*torchtitan's name for input_ids"),
+        ({"label": None}, r"label: expected one of its fields .*did you mean labels\?"),
+        ({"xyz": None}, r"xyz: .*; leave it out"),
+    ],
+)
+def test_a_name_that_is_not_a_field_is_the_librarys_error(
+    kwargs: dict[str, object], match: str
+) -> None:
+    """Not Python's bare ``TypeError``: the error names the field meant (torchtitan's names
+    among them) and lists the fields."""
+    make: Any = Microbatch  # names no type checker accepts
+    with pytest.raises(ConfigError, match=match):
+        make(input_ids=torch.zeros(2, 8, dtype=torch.long), **kwargs)
+
+
+def test_fields_are_keywords_only() -> None:
+    make: Any = Microbatch  # positionally: what the type checkers refuse too
+    with pytest.raises(ConfigError, match=r"Microbatch: expected its fields by keyword"):
+        make(torch.zeros(2, 8, dtype=torch.long))
+
+
+def test_a_microbatch_copies_and_pickles() -> None:
+    """``Microbatch.__new__`` checks names only: copies, pickles and ``replace`` work."""
+    import dataclasses
+    import pickle
+
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    mb = Microbatch(input_ids=ids)
+    for other in (copy.copy(mb), pickle.loads(pickle.dumps(mb))):
+        assert other.input_ids is not None and torch.equal(other.input_ids, ids)
+    assert dataclasses.replace(mb, labels=mb.input_ids).labels is mb.input_ids

@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, Protocol, TypeVar, cast
+from typing import Protocol, TypeVar, cast
 
 import torch
 from torch import Tensor, nn
@@ -64,8 +64,12 @@ __all__ = [
 ]
 
 
-class BlockCall(NamedTuple):
-    """What torchtitan's decoder hands every block: its attention masks and positions."""
+@dataclass(frozen=True, slots=True)
+class BlockCall:
+    """What torchtitan's decoder hands every block: its attention masks and positions.
+
+    A dataclass, not a NamedTuple: debug mode's beartype cannot resolve a NamedTuple's
+    generated ``__new__`` hints (``Tensor``) in this module."""
 
     attention_masks: object
     positions: Tensor | None
@@ -112,8 +116,10 @@ class _Keep(nn.Module):
         return args
 
 
-class _RoutedCall(NamedTuple):
-    """What the MoE handed its routed experts, as their forward first views it."""
+@dataclass(frozen=True, slots=True)
+class _RoutedCall:
+    """What the MoE handed its routed experts, as their forward first views it (a
+    dataclass: see :class:`BlockCall`)."""
 
     x_TD: Tensor
     scores_TK: Tensor

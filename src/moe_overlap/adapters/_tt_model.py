@@ -35,9 +35,9 @@ from moe_overlap.adapters._tt_layers import (
     delay_titan_linears,
     swap,
 )
+from moe_overlap.adapters._tt_names import NOT_GIVEN, TitanHooks, refuse_titan_names
 from moe_overlap.adapters._tt_parallel import honoured_forward
 from moe_overlap.adapters._tt_recompute import unwrap_blocks
-from moe_overlap.blocks import MegatronHooks
 from moe_overlap.engine import Bypass, BypassedModule, ChunkState, check_wgrad_done
 from moe_overlap.engine.args import BOOL, MODULE, check_arg
 
@@ -214,7 +214,7 @@ def _structure(block: nn.Module) -> tuple[object, ...]:
     return (type(block).__qualname__, mods, kind)
 
 
-class TorchtitanMoEAdapter(MegatronHooks):
+class TorchtitanMoEAdapter(TitanHooks):
     """A torchtitan MoE decoder model for :func:`~moe_overlap.combined_1f1b`.
 
     The adapter holds no weights: it runs and trains ``model``'s own modules, so the
@@ -518,11 +518,24 @@ class TorchtitanMoEAdapter(MegatronHooks):
         )
 
     def forward(
-        self, input_ids: Tensor, position_ids: Tensor | None = None, labels: Tensor | None = None
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        labels: Tensor | None = None,
+        *,
+        positions: object = NOT_GIVEN,
+        attention_masks: object = NOT_GIVEN,
     ) -> Tensor:
         """The plain path: the adapter's blocks without a schedule (each one's
         ``run_plain``) between the model's own embedding and head; the loss with
-        ``labels``, else the logits. Bit-identical to :func:`~moe_overlap.combined_1f1b`."""
+        ``labels``, else the logits. Bit-identical to :func:`~moe_overlap.combined_1f1b`.
+
+        torchtitan's names are refused with a :class:`~moe_overlap.ConfigError` naming what
+        to pass: ``positions`` is ``position_ids`` here, and the adapter builds the
+        ``attention_masks`` itself from ``position_ids``."""
+        refuse_titan_names(
+            "TorchtitanMoEAdapter.forward", positions=positions, attention_masks=attention_masks
+        )
         return self.plain_forward(input_ids, position_ids, labels=labels)
 
     @property

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from moe_overlap import ConfigError, IntegrationError, ScheduleOptions
 from moe_overlap.adapters._tt_model import TitanDecoder, TorchtitanMoEAdapter
-from moe_overlap.blocks import MegatronHooks
+from moe_overlap.adapters._tt_names import NOT_GIVEN, TitanHooks, refuse_titan_names
 from moe_overlap.engine import BypassedModule
 from moe_overlap.engine.args import Instance, check_arg
 
@@ -18,7 +18,7 @@ __all__ = ["TorchtitanMoEStage"]
 _ADAPTER = Instance(TorchtitanMoEAdapter, "a TorchtitanMoEAdapter", error=IntegrationError)
 
 
-class TorchtitanMoEStage(MegatronHooks, nn.Module):
+class TorchtitanMoEStage(TitanHooks, nn.Module):
     """One model chunk of torchtitan's pipeline split, adapted, as a pipeline stage module.
 
     ``adapter`` is a :class:`TorchtitanMoEAdapter` built on a chunk that torchtitan's
@@ -114,8 +114,20 @@ class TorchtitanMoEStage(MegatronHooks, nn.Module):
     ) -> Tensor:
         return self.adapter.output(hidden_states, labels, loss_mask)
 
-    def forward(self, x: Tensor, position_ids: Tensor | None = None) -> Tensor:
-        """The plain path: token ids or hidden states in, hidden states or logits out."""
+    def forward(
+        self,
+        x: Tensor,
+        position_ids: Tensor | None = None,
+        *,
+        positions: object = NOT_GIVEN,
+        attention_masks: object = NOT_GIVEN,
+    ) -> Tensor:
+        """The plain path: token ids or hidden states in, hidden states or logits out.
+        torchtitan's ``positions`` and ``attention_masks`` (``schedule.step``'s keywords in
+        its trainer) are refused, naming ``position_ids``."""
+        refuse_titan_names(
+            f"{type(self).__name__}.forward", positions=positions, attention_masks=attention_masks
+        )
         return self.plain_forward(x, position_ids)
 
     @property

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
 
+from ._errors import ConfigError
 from .args import ANY, BOOL, TENSOR, Instance, Opt, Spec, check_fields
 
 __all__ = ["EMPTY_MICROBATCH", "Microbatch"]
@@ -58,6 +60,12 @@ class Microbatch:
     extra_block_kwargs: Mapping[str, object] | None = None
     runtime_gather_output: bool | None = None
 
+    def __new__(cls, *args: object, **fields: object) -> Microbatch:
+        # Python's own TypeError for a wrong keyword names neither the field meant nor,
+        # for another library's name (torchtitan's positions), this library's.
+        _check_names(args, fields)
+        return object.__new__(cls)
+
     def __post_init__(self) -> None:
         check_fields(self, _MICROBATCH)
 
@@ -75,6 +83,37 @@ _MICROBATCH: dict[str, Spec[object]] = {
     "extra_block_kwargs": Opt(Instance(Mapping, "a mapping")),
     "runtime_gather_output": Opt(BOOL),
 }
+
+_OTHER_NAMES = {
+    "positions": "torchtitan's name for position_ids: pass position_ids=positions",
+    "attention_masks": (
+        "torchtitan's attention masks: the torchtitan adapter builds them from "
+        "position_ids (the model's own get_attention_masks), so pass position_ids only; "
+        "attention_mask is a mask for the models that read one"
+    ),
+    "tokens": "torchtitan's name for input_ids: pass input_ids=tokens",
+}
+"""Other libraries' names for the fields, and what to pass instead."""
+
+
+def _check_names(args: tuple[object, ...], fields: Mapping[str, object]) -> None:
+    if args:
+        raise ConfigError(
+            f"Microbatch: expected its fields by keyword (Microbatch(input_ids=..., "
+            f"position_ids=..., labels=...)), received {len(args)} positional argument(s)"
+        )
+    unknown = [name for name in fields if name not in _MICROBATCH]
+    if not unknown:
+        return
+    name = unknown[0]
+    hint = _OTHER_NAMES.get(name)
+    if hint is None:
+        close = difflib.get_close_matches(name, list(_MICROBATCH), n=1)
+        hint = f"did you mean {close[0]}?" if close else "leave it out"
+    raise ConfigError(
+        f"Microbatch: {name}: expected one of its fields {list(_MICROBATCH)}, received "
+        f"{name}=...; {hint}"
+    )
 
 
 EMPTY_MICROBATCH = Microbatch()

@@ -1,0 +1,47 @@
+"""``examples/torchtitan_ep.py`` (EP=2) and ``examples/torchtitan_pp_ep.py`` (PP=2 x EP=2)
+run under torchrun on gloo, one intra-op thread per rank, and find the schedule
+bit-identical to torchtitan's own run (their self-check); ``docs/torchtitan.md`` includes
+them."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.gloo_ranks import torchrun
+
+pytest.importorskip("torchtitan")
+
+ROOT = Path(__file__).resolve().parents[2]
+EP, PP_EP = ROOT / "examples" / "torchtitan_ep.py", ROOT / "examples" / "torchtitan_pp_ep.py"
+
+
+@pytest.mark.slow
+def test_ep_example_is_bit_identical_to_torchtitan() -> None:
+    out = torchrun(EP, 2, "--layers", "2", "--steps", "2")
+    lines = re.findall(r"rank (\d): step (\d): loss [0-9.]+, bit-identical to torchtitan", out)
+    assert sorted(lines) == [("0", "0"), ("0", "1"), ("1", "0"), ("1", "1")], out
+    assert "EP=2: layers.1 experts DTensor [8, 256, 256], [4, 256, 256] on each rank" in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("schedule", ["DualPipeV", "Interleaved1F1B"])
+def test_pp_ep_example_is_bit_identical_to_torchtitan(schedule: str) -> None:
+    out = torchrun(PP_EP, 4, "--schedule", schedule, timeout=300)
+    done = re.findall(
+        r"rank (\d): stages \[(\d), (\d)\], (\d+) overlapped pairs, .*bit-identical", out
+    )
+    assert sorted(r for r, *_ in done) == ["0", "1", "2", "3"], out
+    assert all(int(pairs) > 0 for *_, pairs in done), out
+
+
+def test_docs_show_the_examples_with_their_launch_commands() -> None:
+    """The page includes each example file itself (Sphinx ``literalinclude``: never a stale
+    copy) and shows its launch command."""
+    page = (ROOT / "docs" / "torchtitan.md").read_text(encoding="utf-8")
+    for script, procs in ((EP, 2), (PP_EP, 4)):
+        name = script.relative_to(ROOT).as_posix()
+        assert f"torchrun --nproc-per-node {procs} {name}" in page, name
+        assert f"```{{literalinclude}} ../{name}\n:language: python\n```" in page, name
