@@ -141,3 +141,46 @@ def test_bf16_flex_schedule_is_bit_identical_to_plain(base: nn.Module, delay: bo
             assert not differ, f"{where}: {len(differ)} of {len(plain)} differ: {differ[:5]}"
     finally:
         torch.use_deterministic_algorithms(found)  # as found: the suite's fixture turns it on
+
+
+def _own(base: nn.Module) -> tuple[list[Tensor], dict[str, Tensor]]:
+    """torchtitan's own forward and ``backward()`` per microbatch (no adapter), with the
+    adapter's default loss (torchtitan's ``cross_entropy_loss`` over the labelled tokens)."""
+    from torchtitan.components.loss import cross_entropy_loss
+
+    model = copy.deepcopy(base)
+    losses = []
+    for mb in _microbatches(model):
+        assert mb.labels is not None
+        logits = model(mb.input_ids, positions=mb.position_ids)
+        loss = cross_entropy_loss(logits, mb.labels) / (mb.labels != -100).sum()
+        torch.autograd.backward(loss)
+        losses.append(loss.detach())
+    torch.cuda.synchronize()
+    return losses, _state(model)
+
+
+def test_bf16_flex_schedule_is_bit_identical_to_torchtitans_own(base: nn.Module) -> None:
+    """The overlapped schedule against torchtitan's own model (not the adapter's plain
+    path), bf16 and flex attention on the GPU, deterministic algorithms: losses, gradients
+    and token counts bit for bit (MTP: its own loss is ``MTPLoss``, compared on CPU by
+    ``tests/adapters/test_torchtitan_mtp.py``)."""
+    if any(n.startswith("mtp_layers.") for n, _ in base.named_parameters()):
+        pytest.skip("MTP trains with MTPLoss, not the plain cross-entropy")
+    found = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        own_losses, own = _own(base)
+        losses, got = _run(base, "overlapped", False)
+        assert all(torch.equal(a, b) for a, b in zip(losses, own_losses, strict=True)), (
+            f"losses {losses} vs torchtitan's {own_losses}"
+        )
+        assert got.keys() == own.keys()
+        differ = {
+            k: float((got[k].float() - own[k].float()).abs().max())
+            for k in own
+            if not torch.equal(got[k], own[k])
+        }
+        assert not differ, f"{len(differ)} of {len(own)} differ from torchtitan's: {differ}"
+    finally:
+        torch.use_deterministic_algorithms(found)
