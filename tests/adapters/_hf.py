@@ -179,6 +179,8 @@ class Outcome:
     pending_after: int
     loss_atol: float = LOSS_ATOL
     grad_rtol: float = GRAD_RTOL
+    exact: bool = False
+    """The adapter's losses and gradients equal the model's own bit for bit."""
 
     @property
     def ok(self) -> bool:
@@ -222,9 +224,12 @@ def compare(
         torch.equal(gp[k], go[k]) for k in gp
     )
     loss_diff = max((x - y).abs().item() for x, y in zip(lp, ref_losses, strict=True))
+    assert set(gp) == set(ref_grads)
     rel = {k: max_rel_diff(gp[k], ref_grads[k]) for k in gp}
     worst = max(rel, key=lambda k: rel[k])
-    assert set(gp) == set(ref_grads)
+    exact = all(torch.equal(x, y) for x, y in zip(lp, ref_losses, strict=True)) and all(
+        torch.equal(gp[k], ref_grads[k]) for k in gp
+    )
     return Outcome(
         loss_diff=loss_diff,
         grad_rel_diff=rel[worst],
@@ -233,6 +238,7 @@ def compare(
         pending_after=plain.pending_wgrad + over.pending_wgrad,
         loss_atol=loss_atol,
         grad_rtol=grad_rtol,
+        exact=exact,
     )
 
 

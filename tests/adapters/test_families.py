@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("transformers")
 
 from tests.adapters._hf import ON_OLD_TORCH
-from tests.adapters.families import Row, run_all, table
+from tests.adapters.families import KNOWN_BOUNDS, Row, run_all, table
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "families.md"
 
@@ -46,6 +46,20 @@ def test_no_family_is_accepted_and_wrong(rows: list[Row]) -> None:
 def test_required_families_are_supported(rows: list[Row]) -> None:
     status = {r.family: r.status for r in rows}
     assert {f: status.get(f) for f in REQUIRED} == dict.fromkeys(REQUIRED, "supported")
+
+
+def test_supported_families_say_how_they_compare_with_the_model(rows: list[Row]) -> None:
+    """Each supported family is bit-identical to the model's own forward and backward, or
+    within its stated bound (a difference without one makes it *wrong*, above)."""
+    vs = {r.family: r.vs_original for r in rows if r.status == "supported"}
+    assert all(v == "bit-identical" or v.startswith("within ") for v in vs.values()), vs
+
+
+def test_known_bounds_are_needed(rows: list[Row]) -> None:
+    """A family listed in KNOWN_BOUNDS that is now bit-identical makes the list stale."""
+    vs = {r.family: r.vs_original for r in rows}
+    stale = [f for f in KNOWN_BOUNDS if vs.get(f) == "bit-identical"]
+    assert stale == [], f"remove {stale} from KNOWN_BOUNDS (tests/adapters/families.py)"
 
 
 def test_refusals_give_a_reason(rows: list[Row]) -> None:

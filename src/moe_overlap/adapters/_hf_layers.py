@@ -44,7 +44,9 @@ from moe_overlap.adapters._hf_experts import (
     WgradGroup,
     delay_linears_in,
 )
+from moe_overlap.adapters._hf_order import row_order
 from moe_overlap.adapters._hf_structure import (
+    ArgSlot,
     ExpertsKind,
     ExpertsStandIn,
     MoESplit,
@@ -79,6 +81,30 @@ def _hand_on(ctx: SlotContext, t: Tensor) -> Tensor:
         return ctx.detach(t)
     ctx.mark_non_differentiable(t)
     return t
+
+
+class _RoutedStandIn(ExpertsStandIn):
+    """Stands in for a block's routed experts; takes the token-major view ``[T, D]`` of the
+    hidden rows at the point of the call, where the experts' own first operation on them
+    is. Backward then sums the block input's gradient from the router, the routed experts
+    and the shared experts in the original's order (autograd runs the ready node created
+    last first): bit-identical to the model's own, not only equal up to rounding."""
+
+    def __init__(self, experts: nn.Module, rows_at: ArgSlot | None) -> None:
+        super().__init__(experts)
+        self.rows_at = rows_at
+        self.rows_TD: Tensor | None = None
+
+    def forward(self, *args: object, **kwargs: object) -> Tensor:
+        out = super().forward(*args, **kwargs)
+        if self.rows_at is not None:
+            rows = self.get(self.rows_at)
+            self.rows_TD = rows.view(-1, rows.shape[-1])
+        return out
+
+    def forget(self) -> None:
+        super().forget()
+        self.rows_TD = None
 
 
 class _LayerBase:
@@ -191,7 +217,10 @@ class HFMoELayer(_LayerBase, MoESlots):
         self.aux = aux
         self.block = layer.get_submodule(split.block)
         self.experts_module = self.block.get_submodule("experts")
-        self.stand_in = ExpertsStandIn(self.experts_module)
+        self.stand_in = _RoutedStandIn(
+            self.experts_module,
+            split.experts.hidden if split.experts.kind is ExpertsKind.ROUTED else None,
+        )
         where = f"{type(layer).__name__}.{split.block}.experts"
         self.layout = ExpertLayout.of(self.experts_module, hidden_size, where)
         self.weights = (
@@ -280,7 +309,9 @@ class HFMoELayer(_LayerBase, MoESlots):
         # extras beside it go to combine; a frozen shared expert's carries no gradient.
         state.stash(_REST, _hand_on(ctx, rest) if s.block_adds else None)
         state.stash(_EXTRA, _hand_on(ctx, extra) if extra is not None else None)
-        return self.dispatcher.slot_permute(ctx, hidden_TD, weights_TK, index_TK)
+        # The experts' rows grouped as the model's own experts group them (_hf_order).
+        order = row_order(self.experts_module).copies if self.routed_slots is not None else None
+        return self.dispatcher.slot_permute(ctx, hidden_TD, weights_TK, index_TK, order=order)
 
     def _block(
         self, u: Tensor, call: LayerCall
@@ -317,7 +348,9 @@ class HFMoELayer(_LayerBase, MoESlots):
         if self.routed_slots is not None:
             hidden_at, index_at, weights_at = self.routed_slots
             get = self.stand_in.get
-            hidden, index, weights = get(hidden_at), get(index_at), get(weights_at)
+            index, weights = get(index_at), get(weights_at)
+            taken = self.stand_in.rows_TD
+            hidden = taken if taken is not None else get(hidden_at)
         else:
             scores = seen.get("scores")
             assert isinstance(scores, Tensor)
@@ -342,10 +375,24 @@ class HFMoELayer(_LayerBase, MoESlots):
                 return weights((x_MD * p_M.unsqueeze(-1)).to(x_MD.dtype), sizes)
             if weights is not None:  # delayed wgrad: the same products, grouped
                 return (weights(x_MD, sizes) * p_M.unsqueeze(-1)).to(x_MD.dtype)
-            ids = sizes.group_ids(x_MD.device).unsqueeze(-1)
-            args, kwargs = experts_arguments(ex, x_MD, ids, p_M.unsqueeze(-1))
-            out: Tensor = self.experts_module(*args, **kwargs)
-            return out
+            ids = sizes.group_ids(x_MD.device)
+            regroup = row_order(self.experts_module).regroup
+            if regroup is None:
+                args, kwargs = experts_arguments(ex, x_MD, ids.unsqueeze(-1), p_M.unsqueeze(-1))
+                out: Tensor = self.experts_module(*args, **kwargs)
+                return out
+            # The module moves the rows it is given (perm_M) before its GEMMs: hand them
+            # over so moved, each expert's rows reach its GEMM in x_MD's order.
+            perm_M = regroup(ids)
+            inv_M = torch.argsort(perm_M)
+            args, kwargs = experts_arguments(
+                ex,
+                x_MD.index_select(0, inv_M),
+                ids.unsqueeze(-1),
+                p_M.index_select(0, inv_M).unsqueeze(-1),
+            )
+            moved: Tensor = self.experts_module(*args, **kwargs)
+            return moved.index_select(0, perm_M)
 
         return self.dispatcher.slot_routed_experts(ctx, recv_MD, run)
 

@@ -38,6 +38,7 @@ from moe_overlap.adapters._hf_plan import LayerPlan, SelfCheck, plan_layers, pro
 from moe_overlap.adapters._hf_probe import failing_module, probe_ids
 from moe_overlap.adapters._hf_random import RandomModule, check_quiet, config_hint, outside_draws
 from moe_overlap.adapters._hf_structure import block_of
+from moe_overlap.adapters._hf_tied import TiedGradients, tied_embeddings
 from moe_overlap.blocks import MegatronHooks, TokenDispatcher, check_recompute, recompute_module
 from moe_overlap.engine import BypassedModule, ChunkState, check_module
 from moe_overlap.engine.args import (
@@ -288,6 +289,7 @@ class TransformersMoEAdapter(MegatronHooks):
         # Every refusal above; only now is the model changed (a refused model stays whole).
         self._shard(experts, ep_group)
         self._calls: dict[int, tuple[LayerCall, ...]] = {}
+        self._tied = TiedGradients(model, tied_embeddings(model))
         self.decoder = AdapterDecoder(self._adapt(plans, router_logits))
         self._recompute(parts)
         self._label_delayed_modules()
@@ -577,8 +579,11 @@ class TransformersMoEAdapter(MegatronHooks):
         return self.embed_at(input_ids, None)
 
     def embed_at(self, input_ids: Tensor, position_ids: Tensor | None) -> Tensor:
-        """The first layer's input for these positions, by the model's own ``forward``."""
-        return decoder_input(self.base, input_ids=input_ids, position_ids=position_ids)
+        """The first layer's input for these positions, by the model's own ``forward``
+        (tied embeddings: their gradient summed with the head's, :mod:`._hf_tied`)."""
+        with self._tied.embedding() as result:
+            result.append(decoder_input(self.base, input_ids=input_ids, position_ids=position_ids))
+        return result[0]
 
     def on_microbatch(self, decoder_input: Tensor) -> None:
         """Refuse pending weight gradients; open the aux-loss microbatch."""
@@ -606,13 +611,14 @@ class TransformersMoEAdapter(MegatronHooks):
                 "TransformersMoEAdapter: transformers models take no loss_mask; expected None "
                 "(set ignored label positions to -100), received a tensor"
             )
-        out = causal_lm_output(
-            self.model,
-            self.base,
-            hidden_states,
-            labels=labels,
-            accepts_router_flag=self._accepts_router_flag,
-        )
+        with self._tied.head():
+            out = causal_lm_output(
+                self.model,
+                self.base,
+                hidden_states,
+                labels=labels,
+                accepts_router_flag=self._accepts_router_flag,
+            )
         if labels is None or aux is None:
             return out
         assert self.aux is not None

@@ -54,6 +54,7 @@ from moe_overlap.blocks._delayed_linear import PendingItem as PendingItem
 from moe_overlap.blocks._delayed_linear import accumulate_grad as accumulate_grad
 from moe_overlap.blocks._delayed_linear import discard_wgrad as discard_wgrad
 from moe_overlap.blocks._delayed_linear import finish_wgrad as finish_wgrad
+from moe_overlap.blocks._dispatcher import CopyOrder as CopyOrder
 from moe_overlap.blocks._dispatcher import DispatcherKind as DispatcherKind
 from moe_overlap.blocks._dispatcher import DispatchMeta as DispatchMeta
 from moe_overlap.blocks._dispatcher import HostCounts as HostCounts
@@ -101,6 +102,7 @@ from moe_overlap.blocks._transformer import swiglu as swiglu
 
 __all__ = [
     "BlockedKeys",
+    "CopyOrder",
     "DelayedWgradGroupedLinear",
     "DelayedWgradLinear",
     "DelayedWgradModule",

@@ -48,7 +48,7 @@ from moe_overlap.blocks._delayed_linear import GroupSizes
 # dispatcher, which takes this module (already in sys.modules) for its chunked slots and
 # reads it only when they run. The names stay importable here at run time: debug mode's
 # beartype resolves these annotations.
-from moe_overlap.blocks._dispatcher import DispatchMeta, PermuteMeta, TokenDispatcher
+from moe_overlap.blocks._dispatcher import CopyOrder, DispatchMeta, PermuteMeta, TokenDispatcher
 from moe_overlap.blocks._slots import SlotContext
 from moe_overlap.engine import (
     AnyEvent,
@@ -208,8 +208,10 @@ def slot_permute(
     hidden_TD: Tensor,
     probs_TK: Tensor,
     experts_TK: Tensor,
+    order: CopyOrder | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Pre-dispatch in chunks: permute and plan each chunk; chunk 0's tokens and probs."""
+    """Pre-dispatch in chunks: permute (``order`` within each chunk) and plan each chunk;
+    chunk 0's tokens and probs."""
     sizes = _sizes(hidden_TD.shape[0], d.chunks)
     state = ctx.layer_state
     pmeta: list[PermuteMeta] = []
@@ -223,7 +225,7 @@ def slot_permute(
             strict=True,
         )
     ):
-        tokens_ND, probs_N, meta = d.permute(h, p, e)
+        tokens_ND, probs_N, meta = d.permute(h, p, e, order=order)
         pmeta.append(meta)
         dmeta.append(d.plan(meta))
         if j == 0:

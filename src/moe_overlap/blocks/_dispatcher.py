@@ -59,7 +59,19 @@ from moe_overlap.engine.args import GROUP, POSITIVE, Int, OneOf, Opt, check_arg
 _PERMUTE = "moe_overlap.permute"
 _DISPATCH = "moe_overlap.dispatch"
 
-__all__ = ["DispatchMeta", "DispatcherKind", "HostCounts", "PermuteMeta", "TokenDispatcher"]
+__all__ = [
+    "CopyOrder",
+    "DispatchMeta",
+    "DispatcherKind",
+    "HostCounts",
+    "PermuteMeta",
+    "TokenDispatcher",
+]
+
+CopyOrder = Callable[[Tensor], Tensor]
+"""``order(experts_TK) -> order_N``: the flat ``(token, k)`` indices of the copies, grouped
+by expert in ascending order, and within an expert in the order the experts should see
+them (:meth:`TokenDispatcher.permute`; default: token order, a stable sort)."""
 
 DispatcherKind = Literal["alltoall", "loopback"]
 """``alltoall``: a real expert-parallel all-to-all over the EP group (skipped at EP=1);
@@ -393,13 +405,21 @@ class TokenDispatcher:
         return self.ep_rank * self.local_experts
 
     def permute(
-        self, hidden_TD: Tensor, probs_TK: Tensor, experts_TK: Tensor
+        self,
+        hidden_TD: Tensor,
+        probs_TK: Tensor,
+        experts_TK: Tensor,
+        *,
+        order: CopyOrder | None = None,
     ) -> tuple[Tensor, Tensor, PermuteMeta]:
-        """Copy each token ``K`` times and group the copies by expert (stable order)."""
+        """Copy each token ``K`` times and group the copies by expert: in token order
+        within an expert (a stable sort), or as ``order`` says (a :data:`CopyOrder`: the
+        order a model's own experts take their rows in, so that each expert's weight
+        gradient sums its rows in the same order)."""
         T, D = hidden_TD.shape
         K = experts_TK.shape[1]
         experts_N = experts_TK.reshape(-1)
-        order_N = torch.argsort(experts_N, stable=True)
+        order_N = order(experts_TK) if order is not None else torch.argsort(experts_N, stable=True)
         # Expand-then-select (not index_select with repeated indices): the backward is a
         # permutation plus a sum over K, deterministic on every device.
         copies_ND = hidden_TD.unsqueeze(1).expand(T, K, D).reshape(T * K, D)
@@ -463,13 +483,19 @@ class TokenDispatcher:
 
     # --- slot-level: the four steps as a layer's slots call them ---------------------------
     def slot_permute(
-        self, ctx: SlotContext, hidden_TD: Tensor, probs_TK: Tensor, experts_TK: Tensor
+        self,
+        ctx: SlotContext,
+        hidden_TD: Tensor,
+        probs_TK: Tensor,
+        experts_TK: Tensor,
+        *,
+        order: CopyOrder | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Pre-dispatch: :meth:`permute` and :meth:`plan`, keeping both metadata values in the
-        layer state for the later slots."""
+        """Pre-dispatch: :meth:`permute` (``order`` as there) and :meth:`plan`, keeping both
+        metadata values in the layer state for the later slots."""
         if self.chunks > 1:
-            return _chunked.slot_permute(self, ctx, hidden_TD, probs_TK, experts_TK)
-        tokens_ND, probs_N, meta = self.permute(hidden_TD, probs_TK, experts_TK)
+            return _chunked.slot_permute(self, ctx, hidden_TD, probs_TK, experts_TK, order)
+        tokens_ND, probs_N, meta = self.permute(hidden_TD, probs_TK, experts_TK, order=order)
         state = ctx.layer_state
         state.stash(_PERMUTE, meta)
         state.stash(_DISPATCH, self.plan(meta))
