@@ -85,7 +85,8 @@ def test_tied_embeddings_bit_identical() -> None:
     reach ``.grad``, as the model's own backward sums them (from the second microbatch on
     the schedule's separate steps would round otherwise)."""
     model = qwen2_moe(tie_word_embeddings=True)
-    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    hf: Any = model
+    assert hf.get_output_embeddings().weight is hf.get_input_embeddings().weight
     for delay in (False, True):
         result = compare(model, microbatches(3), delay=delay)
         assert result.ok and result.exact, result
@@ -453,3 +454,17 @@ def test_a_layer_changed_after_the_adapter_is_refused(part: str, says: str) -> N
     rebuilt = TransformersMoEAdapter(model)
     combined_1f1b(rebuilt, microbatches(2))
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_forward_takes_no_mask_or_positions_by_position() -> None:
+    """transformers' models take ``(input_ids, attention_mask, position_ids)``; the adapter's
+    order was ``(input_ids, position_ids, attention_mask)``, so a call in transformers'
+    order swapped them silently. Everything after the token ids is keyword-only."""
+    adapter = TransformersMoEAdapter(mixtral())
+    ids = torch.randint(0, 60, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    with pytest.raises(TypeError, match="positional argument"):
+        adapter.forward(ids, mask)  # type: ignore[call-arg]  # pyright: ignore[reportCallIssue]
+    with torch.no_grad():
+        by_name = adapter.forward(ids, attention_mask=mask)
+        assert torch.equal(by_name, adapter.forward(ids))  # an all-ones mask changes nothing

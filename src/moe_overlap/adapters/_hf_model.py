@@ -538,6 +538,7 @@ class TransformersMoEAdapter(MegatronHooks):
     def forward(
         self,
         input_ids: Tensor,
+        *,
         position_ids: Tensor | None = None,
         attention_mask: Tensor | None = None,
         labels: Tensor | None = None,
@@ -545,6 +546,10 @@ class TransformersMoEAdapter(MegatronHooks):
         """The plain path: the adapter's layers without a schedule (each one's
         ``run_plain``, as the self-check compared it with the layer's own forward) between
         the model's own embedding and head; the loss with ``labels``, else the logits.
+
+        Everything after ``input_ids`` is keyword-only: transformers' models take
+        ``(input_ids, attention_mask, position_ids)`` in that order, so a positional call
+        in their order would silently swap the mask and the positions.
 
         Bit-identical to :func:`~moe_overlap.combined_1f1b` (the same operations); debug
         mode's first-step check compares the two.
