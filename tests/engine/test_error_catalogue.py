@@ -40,6 +40,7 @@ from moe_overlap.engine._streams import use_stream
 from moe_overlap.megatron import layer_args
 from moe_overlap.steps import Step, run_pair
 from moe_overlap.streams import CpuEvent, CpuStream
+from moe_overlap.wgrad import claim_wgrad
 
 from .test_debug_mode import run as run_python
 from .test_parity import assert_same
@@ -772,7 +773,8 @@ def owing_module_is_named_by_its_path(ctx: Ctx) -> None:
     lin.weight = attn.weight
     layer.attn = bad(lin)
     try:
-        ctx.model(ctx.mbs[0]).backward()  # the plain backward leaves its wgrad pending
+        with claim_wgrad(lin):  # a claimed backward whose wgrad nothing runs leaves it pending
+            ctx.model(ctx.mbs[0]).backward()
         combined_1f1b(ctx.model, ctx.mbs)
     finally:
         layer.attn = attn

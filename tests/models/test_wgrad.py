@@ -16,7 +16,7 @@ from moe_overlap.blocks import (
     finish_wgrad,
 )
 from moe_overlap.models import GPTMoEModel
-from moe_overlap.wgrad import check_wgrad_done, owed_wgrad
+from moe_overlap.wgrad import check_wgrad_done, claim_wgrad, owed_wgrad
 from tests.models._helpers import SMALL, microbatches
 
 
@@ -45,7 +45,8 @@ def test_linear_matches_autograd_float64(delay: bool) -> None:
     lin = _linear(delay)
     x = torch.randn(4, 2, 5, dtype=torch.float64, requires_grad=True)
     gy = torch.randn(4, 2, 3, dtype=torch.float64)
-    lin(x).backward(gy)
+    with claim_wgrad(lin):
+        lin(x).backward(gy)
     if delay:
         assert lin.weight.grad is None and lin.pending_wgrad == 1
         lin.backward_dw()
@@ -67,7 +68,9 @@ def test_gradcheck_through_delay() -> None:
         out: torch.Tensor = lin(a)
         return out
 
-    assert torch.autograd.gradcheck(f, (x,))
+    with claim_wgrad(lin):
+        assert torch.autograd.gradcheck(f, (x,))
+    assert lin.pending_wgrad > 0
     finish_wgrad(lin)  # gradcheck ran backward several times
     assert lin.pending_wgrad == 0
 
@@ -79,7 +82,9 @@ def test_grouped_matches_per_group_autograd() -> None:
     torch.nn.init.normal_(g.weight)
     x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
     gy = torch.randn(6, 3, dtype=torch.float64)
-    g(x, sizes).backward(gy)
+    with claim_wgrad(g):
+        g(x, sizes).backward(gy)
+    assert g.weight.grad is None
     g.backward_dw()
     w = g.weight.detach().clone().requires_grad_(True)
     xr = x.detach().clone().requires_grad_(True)
@@ -98,7 +103,9 @@ def test_delayed_bit_identical_to_immediate() -> None:
         x = torch.randn(7, 5)
         gy = torch.randn(7, 3)
         now(x.requires_grad_()).backward(gy)
-        later(x.detach().requires_grad_()).backward(gy)
+        with claim_wgrad(later):
+            later(x.detach().requires_grad_()).backward(gy)
+        assert later.pending_wgrad == 1
         later.backward_dw()
     assert now.weight.grad is not None and later.weight.grad is not None
     assert torch.equal(now.weight.grad, later.weight.grad)
@@ -106,7 +113,8 @@ def test_delayed_bit_identical_to_immediate() -> None:
 
 def test_double_backward_dw_raises() -> None:
     lin = _linear(True)
-    lin(torch.randn(2, 5, dtype=torch.float64, requires_grad=True)).sum().backward()
+    with claim_wgrad(lin):
+        lin(torch.randn(2, 5, dtype=torch.float64, requires_grad=True)).sum().backward()
     lin.backward_dw()
     with pytest.raises(WgradError, match="expected a pending weight gradient"):
         lin.backward_dw()
@@ -122,10 +130,12 @@ def _delayed_model() -> GPTMoEModel:
 
 
 def test_pending_wgrad_detected_at_next_forward() -> None:
+    """A backward a claim made queue (a custom schedule) and nothing computed is owed."""
     model = _delayed_model()
     mb = microbatches(1, vocab=SMALL.vocab_size)[0]
     assert mb.input_ids is not None
-    model(mb.input_ids, mb.position_ids, mb.labels, mb.loss_mask).backward()
+    with claim_wgrad(model):
+        model(mb.input_ids, mb.position_ids, mb.labels, mb.loss_mask).backward()
     assert owed_wgrad(model)
     with pytest.raises(WgradError, match="pending"):
         check_wgrad_done(model)
@@ -149,12 +159,13 @@ def test_schedule_option_that_contradicts_the_model_is_refused(delay: bool) -> N
     check_wgrad_done(model)
 
 
-def test_pending_wgrad_from_a_plain_backward_blocks_the_step() -> None:
-    """A plain backward of a delayed model leaves wgrad pending: the step refuses to start."""
+def test_pending_wgrad_left_by_a_claimed_backward_blocks_the_step() -> None:
+    """A claimed backward whose wgrad nothing ran leaves it pending: the step refuses to start."""
     model = _delayed_model()
     data = microbatches(2, vocab=SMALL.vocab_size)
     mb = data[0]
-    model(mb.input_ids, labels=mb.labels).backward()
+    with claim_wgrad(model):
+        model(mb.input_ids, labels=mb.labels).backward()
     with pytest.raises(WgradError, match="before the step"):
         combined_1f1b(model, data)
     model.zero_grad(set_to_none=True)
