@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import gc
+from typing import Any
 
 import pytest
 import torch
 
-from moe_overlap import ConfigError, ScheduleOptions, WgradError, combined_1f1b
+from moe_overlap import (
+    ConfigError,
+    ModelChunkSchedulePlan,
+    ScheduleError,
+    ScheduleOptions,
+    WgradError,
+    combined_1f1b,
+)
 from moe_overlap.blocks import (
     DelayedWgradGroupedLinear,
     DelayedWgradLinear,
@@ -16,7 +26,7 @@ from moe_overlap.blocks import (
     finish_wgrad,
 )
 from moe_overlap.models import GPTMoEModel
-from moe_overlap.wgrad import check_wgrad_done, claim_wgrad, owed_wgrad
+from moe_overlap.wgrad import check_wgrad_done, claim_wgrad, owed_wgrad, wgrad_claimed
 from tests.models._helpers import SMALL, microbatches
 
 
@@ -218,3 +228,109 @@ def test_schedule_with_frozen_attention_and_delayed_wgrad() -> None:
         else:
             assert p.grad is not None and q.grad is not None, name
             assert torch.equal(p.grad, q.grad), name
+
+
+# --- issue 42: a delayed module computes its weight gradient at once unless claimed ------------
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is b if a is None or b is None else torch.equal(a, b)
+
+
+def _assert_same_grads(got: torch.nn.Module, want: torch.nn.Module, what: str) -> None:
+    g, w = _grads(got), _grads(want)
+    assert list(g) == list(w), what
+    differ = [n for n in w if not _same(g[n], w[n])]
+    assert not differ, f"{what}: {len(differ)} gradients differ, e.g. {differ[:3]}"
+
+
+@pytest.mark.parametrize("recompute", [(), ("attention", "activation")])
+def test_plain_backward_of_a_delayed_model_and_of_its_copy_is_exact(
+    recompute: tuple[str, ...],
+) -> None:
+    """Nothing claims the delayed linears of a plain ``loss.backward()`` (recomputed parts
+    included): every weight gradient is computed at once, bit-identical to the model built
+    without delay; so is a deep copy's, taken after the original ran the schedule."""
+    parts: Any = recompute
+    config = dataclasses.replace(SMALL, delay_wgrad_compute=True, recompute=parts)
+    delayed = GPTMoEModel(config)
+    undelayed = GPTMoEModel(dataclasses.replace(config, delay_wgrad_compute=False))
+    undelayed.load_state_dict(delayed.state_dict())
+    data = microbatches(2, vocab=SMALL.vocab_size)
+    combined_1f1b(delayed, data, options=delayed.schedule_options())
+    delayed.zero_grad(set_to_none=True)
+    copied = copy.deepcopy(delayed)
+    for model in (undelayed, delayed, copied):
+        for mb in data:
+            assert mb.input_ids is not None
+            model(mb.input_ids, mb.position_ids, mb.labels, mb.loss_mask).backward()
+    for model, what in ((delayed, "the delayed model"), (copied, "its deep copy")):
+        assert not owed_wgrad(model), what
+        _assert_same_grads(model, undelayed, what)
+
+
+def test_claims_last_from_plan_build_to_release_and_end_with_the_step() -> None:
+    """A layer plan claims its listed modules until release_state, or until it is collected
+    unreleased; a failed step's plans release theirs; claims nest."""
+    model = _delayed_model()
+    delayed = [m for m in model.modules() if isinstance(m, DelayedWgradModule)]
+    data = microbatches(2, vocab=SMALL.vocab_size)
+    plan = ModelChunkSchedulePlan(model, data[0])
+    assert all(wgrad_claimed(m) for m in delayed)
+    plan.release_state()
+    assert not any(wgrad_claimed(m) for m in delayed)
+    plan = ModelChunkSchedulePlan(model, data[0])
+    del plan
+    gc.collect()
+    assert not any(wgrad_claimed(m) for m in delayed)
+    combined_1f1b(model, data)
+    assert not any(wgrad_claimed(m) for m in delayed)
+    with claim_wgrad(model):
+        with claim_wgrad(delayed[0]):
+            assert wgrad_claimed(delayed[0])
+        assert all(wgrad_claimed(m) for m in delayed)
+        assert not any(wgrad_claimed(m) for m in copy.deepcopy(model).modules())
+    assert not any(wgrad_claimed(m) for m in delayed)
+
+
+def test_a_failed_step_releases_its_claims() -> None:
+    model = _delayed_model()
+    data = microbatches(2, vocab=SMALL.vocab_size)
+    layer = model.layer_list[1]
+    original = layer.slot_mlp
+    calls: list[int] = []
+
+    def flaky(node: Any, inputs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("expert kernel failed")
+        return original(node, inputs)
+
+    vars(layer)["slot_mlp"] = flaky
+    try:
+        with pytest.raises(ScheduleError, match="expert kernel failed"):
+            combined_1f1b(model, data)
+    finally:
+        del vars(layer)["slot_mlp"]
+    assert not any(wgrad_claimed(m) for m in model.modules())
+    discard_wgrad(model)
+    model.zero_grad(set_to_none=True)
+    mb = data[0]
+    assert mb.input_ids is not None
+    model(mb.input_ids, mb.position_ids, mb.labels, mb.loss_mask).backward()
+    assert not owed_wgrad(model)
+
+
+def test_a_copy_of_a_module_owing_weight_gradients_is_refused() -> None:
+    lin = _linear(True)
+    with claim_wgrad(lin):
+        lin(torch.randn(2, 5, dtype=torch.float64, requires_grad=True)).sum().backward()
+    with pytest.raises(WgradError, match=r"deepcopy expected no delayed weight gradient pending"):
+        copy.deepcopy(lin)
+    lin.backward_dw()
+    dup = copy.deepcopy(lin)
+    assert dup.pending_wgrad == 0 and dup._pending is not lin._pending

@@ -52,7 +52,8 @@ class DelayedLinear(DelayedWgradLinear):
     """An ``nn.Linear`` replacement sharing its ``weight`` (and ``bias``) parameters.
 
     Same ``state_dict`` keys as the ``nn.Linear`` it replaces. The bias gradient is
-    computed in backward as usual; only the weight gradient is delayed.
+    computed in backward as usual; only the weight gradient is delayed. :attr:`replaced`
+    is the linear it stands for (an adapter built before the swap saw that one).
     """
 
     bias: nn.Parameter | None
@@ -69,6 +70,12 @@ class DelayedLinear(DelayedWgradLinear):
         assert bias is None or isinstance(bias, nn.Parameter)
         self.weight = weight
         self.register_parameter("bias", bias)
+        self._replaced = (linear,)  # in a tuple: not a submodule (no state_dict keys)
+
+    @property
+    def replaced(self) -> nn.Linear:
+        """The ``nn.Linear`` this module replaced (sharing its parameters)."""
+        return self._replaced[0]
 
     def forward(self, x: Tensor) -> Tensor:
         y = super().forward(x)

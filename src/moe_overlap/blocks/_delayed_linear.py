@@ -16,6 +16,7 @@ schedule, a deep copy), backward computes the weight gradient at once, as with
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from typing import Any, Protocol, cast, overload, runtime_checkable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from typing_extensions import Self
 
 from moe_overlap import ConfigError, IntegrationError, WgradError
 from moe_overlap.engine import wgrad_claimed
@@ -418,7 +420,10 @@ class DelayedWgradModule(nn.Module):
         if not self._pending:
             raise WgradError(
                 f"{self.label}: backward_dw expected a pending weight gradient (one per "
-                "backward), received none: called twice, or before backward"
+                "backward), received none: called twice, before backward, or after a "
+                "backward no schedule claimed the module for (that one computed the weight "
+                "gradient at once); run the backward inside moe_overlap.wgrad.claim_wgrad("
+                "module) to delay it"
             )
         calls = self._calls
         if calls > 1:
@@ -451,6 +456,23 @@ class DelayedWgradModule(nn.Module):
     def discard_wgrad(self) -> None:
         """Drop pending weight gradients (after a failed step)."""
         self._pending.clear()
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Self:
+        """A copy with its own empty queue, claimed by nothing (a claim names objects).
+
+        Raises :class:`~moe_overlap.WgradError` while weight gradients are pending: the copy
+        would not owe them and its ``.grad`` would lack them.
+        """
+        if self._pending:
+            raise WgradError(
+                f"{self.label}: deepcopy expected no delayed weight gradient pending, received "
+                f"{len(self._pending)}: the copy's .grad would lack them; run backward_dw() "
+                "(moe_overlap.blocks.finish_wgrad(model)) or discard_wgrad() before copying"
+            )
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
 
 
 def accumulate_grad(param: nn.Parameter, grad: Tensor) -> None:
