@@ -780,6 +780,22 @@ def owing_module_is_named_by_its_path(ctx: Ctx) -> None:
         layer.attn = attn
 
 
+def copy_of_a_module_owing_wgrad(ctx: Ctx) -> None:
+    from moe_overlap.blocks import DelayedWgradLinear
+
+    layer = layer0(ctx)
+    attn = layer.attn
+    lin = DelayedWgradLinear(16, 16, delay_wgrad=True)
+    lin.weight = attn.weight
+    layer.attn = bad(lin)
+    try:
+        with claim_wgrad(lin):  # a custom driver's backward, its backward_dw not run yet
+            ctx.model(ctx.mbs[0]).backward()
+        copy.deepcopy(ctx.model)
+    finally:
+        layer.attn = attn
+
+
 # --- issue 24, the slot rules always on: node.detach hand-offs, what still holds a freed
 # input, the upstream gradient's shape ------------------------------------------------------
 
@@ -1410,6 +1426,12 @@ CASES = [
         WgradError,
         r"before the step \(left from an earlier one\), received modules still owing some: "
         r"\{'decoder\.layers\.0\.attn \(DelayedWgradLinear\)': 1\}",
+    ),
+    Case(
+        copy_of_a_module_owing_wgrad,
+        WgradError,
+        r"^DelayedWgradLinear: deepcopy expected no delayed weight gradient pending, received "
+        r"1: the copy's \.grad would lack them; run backward_dw\(\).*discard_wgrad\(\)",
     ),
     Case(
         detach_copy_returned_as_output,

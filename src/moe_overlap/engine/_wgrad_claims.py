@@ -17,7 +17,7 @@ is released (or its owner is garbage-collected).
 from __future__ import annotations
 
 import threading
-from collections.abc import Generator, Iterable
+from collections.abc import Generator, Iterable, Sequence
 from contextlib import contextmanager
 from types import TracebackType
 from typing import cast
@@ -41,21 +41,37 @@ def wgrad_claimed(module: object) -> bool:
 
 def claimed_members(parts: Iterable[object]) -> dict[int, object]:
     """What claiming ``parts`` names, by ``id``: each part, every submodule of an
-    ``nn.Module`` part, and what a :class:`~moe_overlap.wgrad.HoldsDelayedModules` part
-    holds (walked the same way)."""
+    ``nn.Module`` part, and what a part that is not one holds when it is a
+    :class:`~moe_overlap.wgrad.HoldsDelayedModules` (walked the same way); a list or tuple
+    stands for its items."""
     found: dict[int, object] = {}
     stack = list(parts)
     while stack:
         part = stack.pop()
-        if id(part) in found:
+        if isinstance(part, (list, tuple)):
+            stack.extend(cast("Sequence[object]", part))
+        elif id(part) in found:
             continue
-        found[id(part)] = part
-        if isinstance(part, nn.Module):
-            for module in part.modules():
-                found.setdefault(id(module), module)
-        if HOLDS_DELAYED_MODULES.conforms(part):
-            stack.extend(cast(HoldsDelayedModules, part).delayed_modules())
+        elif isinstance(part, nn.Module):
+            found[id(part)] = part
+            stack.extend(part.children())  # (cheaper than modules(): no names built)
+        else:
+            found[id(part)] = part
+            if _holds_delayed_modules(part):
+                stack.extend(cast(HoldsDelayedModules, part).delayed_modules())
     return found
+
+
+_HOLDS: dict[type, bool] = {}
+"""Per class: whether its instances are :class:`HoldsDelayedModules` (asked once per class:
+this runs for every layer of every microbatch)."""
+
+
+def _holds_delayed_modules(part: object) -> bool:
+    known = _HOLDS.get(type(part))
+    if known is None:
+        known = _HOLDS[type(part)] = HOLDS_DELAYED_MODULES.conforms(part)
+    return known
 
 
 class WgradClaim:
