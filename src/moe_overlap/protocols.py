@@ -8,6 +8,7 @@ from moe_overlap.engine import DeclaresInputs as DeclaresInputs
 from moe_overlap.engine import DecoderLike as DecoderLike
 from moe_overlap.engine import FreeInputConfig as FreeInputConfig
 from moe_overlap.engine import GraphedWgradLayer as GraphedWgradLayer
+from moe_overlap.engine import HoldsDelayedModules as HoldsDelayedModules
 from moe_overlap.engine import LayerListLike as LayerListLike
 from moe_overlap.engine import ModelConfigLike as ModelConfigLike
 from moe_overlap.engine import MtpSchedulableLayer as MtpSchedulableLayer
@@ -31,6 +32,7 @@ __all__ = [
     "DecoderLike",
     "FreeInputConfig",
     "GraphedWgradLayer",
+    "HoldsDelayedModules",
     "LayerListLike",
     "ModelConfigLike",
     "MtpSchedulableLayer",

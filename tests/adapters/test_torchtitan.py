@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,6 @@ pytest.importorskip("torchtitan")
 
 from moe_overlap import ConfigError, Microbatch, combined_1f1b
 from moe_overlap.adapters.torchtitan import TorchtitanMoEAdapter
-from moe_overlap.blocks import finish_wgrad
 from tests.adapters._titan import FAMILIES, CausalAttention, batch, build, causal_stand_in
 
 pytestmark = pytest.mark.filterwarnings(
@@ -110,16 +110,14 @@ def assert_bit_identical(
 def plain_step(
     adapter: TorchtitanMoEAdapter, mbs: Sequence[Microbatch], *, delay: bool = False
 ) -> list[Tensor]:
-    """The adapter's plain path: forward and backward per microbatch (delayed weight
-    gradients finished after each backward)."""
+    """The adapter's plain path: forward and backward per microbatch (no schedule claims
+    the delayed linears: their weight gradients are computed in backward)."""
     losses = []
     for mb in mbs:
         assert mb.input_ids is not None
         loss = adapter.forward(mb.input_ids, mb.position_ids, labels=mb.labels)
         torch.autograd.backward(loss)
-        if delay:
-            assert adapter.pending_wgrad > 0, "delayed wgrad: nothing pending after backward"
-            finish_wgrad(adapter.model)
+        assert adapter.pending_wgrad == 0, f"delay={delay}: a plain backward left wgrad owed"
         losses.append(loss.detach())
     return losses
 
@@ -306,6 +304,69 @@ def test_schedule_is_bit_identical_to_plain_path(family: str, delay: bool) -> No
         "tokens_per_expert_E",
         where,
     )
+
+
+# --- delayed linears outside their adapter's schedule (issue 42) -----------------------------
+def test_a_second_adapter_on_the_same_model_is_exact_in_every_delay_combination() -> None:
+    """Two adapters on one model, delayed wgrad on or off in each: the second's schedule,
+    the first's, then torchtitan's own forward and backward, each bit-identical to
+    torchtitan's own step on the untouched model, nothing owed (a linear one adapter
+    swapped in computes its weight gradient at once for the other and for torchtitan)."""
+    family = "deepseek_v3"
+    mbs = microbatches(family)
+    untouched = model_of(family)
+    want_losses, want = torchtitan_step(untouched, mbs), grads(untouched)
+    failures: list[str] = []
+    for first, second in itertools.product((False, True), repeat=2):
+        model = model_of(family)
+        a = TorchtitanMoEAdapter(model, delay_wgrad_compute=first, self_check=False)
+        b = TorchtitanMoEAdapter(model, delay_wgrad_compute=second, self_check=False)
+        steps: list[tuple[str, Callable[[], list[Tensor]]]] = [
+            ("the second adapter's schedule", functools.partial(schedule, b, mbs)),
+            ("the first adapter's schedule", functools.partial(schedule, a, mbs)),
+            ("torchtitan's own step", functools.partial(torchtitan_step, model, mbs)),
+        ]
+        for what, step in steps:
+            where = f"delay {first}, then {second}: {what}"
+            model.zero_grad(set_to_none=True)
+            try:
+                losses = step()
+                got = grads(model)
+            except Exception as e:  # reported with the others below
+                failures.append(f"{where} raised {type(e).__name__}: {e}")
+                continue
+            if a.pending_wgrad or b.pending_wgrad:
+                failures.append(f"{where} left {a.pending_wgrad} + {b.pending_wgrad} owed")
+            if not all(torch.equal(x, y) for x, y in zip(losses, want_losses, strict=True)):
+                failures.append(f"{where}: losses differ")
+            differ = [n for n in want if _differ(got[n], want[n]) is not None]
+            if differ:
+                failures.append(f"{where}: {len(differ)} gradients differ, e.g. {differ[:3]}")
+    assert not failures, "\n".join(failures)
+
+
+def test_plain_backward_of_a_delayed_model_and_of_its_copy_is_exact() -> None:
+    """No schedule claims the linears a delayed adapter swapped in: torchtitan's own
+    forward and backward of the model and of a deep copy taken after a step, and the
+    adapter's plain path, compute every weight gradient at once, bit-identical to
+    torchtitan's own step on the untouched model."""
+    family = "deepseek_v3"
+    mbs = microbatches(family)
+    untouched = model_of(family)
+    want_losses, want = torchtitan_step(untouched, mbs), grads(untouched)
+    model = model_of(family)
+    adapter = TorchtitanMoEAdapter(model, delay_wgrad_compute=True, self_check=False)
+    schedule(adapter, mbs)
+    model.zero_grad(set_to_none=True)
+    dup = copy.deepcopy(model)
+    for where, m in (("a deep copy", dup), ("the delayed model", model)):
+        losses = torchtitan_step(m, mbs)
+        assert all(torch.equal(x, y) for x, y in zip(losses, want_losses, strict=True)), where
+        assert_bit_identical(grads(m), want, "gradients", f"torchtitan's own step on {where}")
+    model.zero_grad(set_to_none=True)
+    plain_step(adapter, mbs, delay=True)
+    assert_bit_identical(grads(model), want, "gradients", "the adapter's plain path")
+    assert adapter.pending_wgrad == 0
 
 
 # --- optimizer steps with torchtitan's load balancing ---------------------------------------

@@ -4,6 +4,7 @@ bit-identical to plain mode, mixed dense/MoE stacks, sharding round trip, errors
 from __future__ import annotations
 
 import copy
+import itertools
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 pytest.importorskip("transformers")
 
@@ -326,23 +327,89 @@ def test_frozen_shared_expert_still_adds_its_output() -> None:
         assert max(abs(float(a - b)) for a, b in zip(losses, ref, strict=True)) <= 1e-6
 
 
-def test_adapting_again_follows_the_new_delay_setting() -> None:
-    """A second adapter without delayed wgrad on a model an earlier one made delayable:
-    every gradient is computed, none left pending."""
-    model = mixtral()
-    TransformersMoEAdapter(model, delay_wgrad_compute=True)
-    reference = copy.deepcopy(model)
-    adapter = TransformersMoEAdapter(model, delay_wgrad_compute=False)
+def _grads_of(model: nn.Module) -> dict[str, Tensor | None]:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _same(a: Tensor | None, b: Tensor | None) -> bool:
+    return a is b if a is None or b is None else torch.equal(a, b)
+
+
+def _differ(got: dict[str, Tensor | None], want: dict[str, Tensor | None]) -> list[str]:
+    """The parameters whose gradients are not bit-identical (or one side has none)."""
+    return [n for n, w in want.items() if not _same(got[n], w)]
+
+
+def test_a_second_adapter_on_the_same_model_is_exact_in_every_delay_combination() -> None:
+    """Two adapters on one model, delayed wgrad on or off in each: the second's schedule,
+    then the first's, bit-identical to a lone adapter's with the same setting, nothing owed
+    (a linear one adapter swapped in computes its weight gradient at once for the other;
+    qwen2_moe's MoE block holds a linear directly, its shared expert's gate)."""
+    base = qwen2_moe()
     mbs = microbatches(2)
-    combined_1f1b(adapter, mbs)
+
+    def step(adapter: TransformersMoEAdapter) -> list[Tensor]:
+        return combined_1f1b(adapter, mbs, options=adapter.schedule_options())
+
+    want: dict[bool, tuple[list[Tensor], dict[str, Tensor | None]]] = {}
+    for delay in (False, True):
+        lone = copy.deepcopy(base)
+        want[delay] = step(TransformersMoEAdapter(lone, delay_wgrad_compute=delay)), _grads_of(lone)
+    failures: list[str] = []
+    for first, second in itertools.product((False, True), repeat=2):
+        model = copy.deepcopy(base)
+        a = TransformersMoEAdapter(model, delay_wgrad_compute=first)
+        b = TransformersMoEAdapter(model, delay_wgrad_compute=second)
+        for which, adapter, delay in (("second", b, second), ("first", a, first)):
+            where = f"delay {first}, then {second}: the {which} adapter's step"
+            model.zero_grad(set_to_none=True)
+            try:
+                losses = step(adapter)
+            except Exception as e:  # reported with the others below
+                failures.append(f"{where} raised {type(e).__name__}: {e}")
+                continue
+            want_losses, want_grads = want[delay]
+            if a.pending_wgrad or b.pending_wgrad:
+                failures.append(f"{where} left {a.pending_wgrad} + {b.pending_wgrad} owed")
+            if not all(torch.equal(x, y) for x, y in zip(losses, want_losses, strict=True)):
+                failures.append(f"{where}: losses differ")
+            differ = _differ(_grads_of(model), want_grads)
+            if differ:
+                failures.append(f"{where}: {len(differ)} gradients differ, e.g. {differ[:3]}")
+    assert not failures, "\n".join(failures)
+
+
+def test_plain_backward_of_a_delayed_model_and_of_its_copy_is_exact() -> None:
+    """No schedule claims the linears a delayed adapter swapped in: transformers' own
+    forward and backward (of the model, and of a deep copy taken after a step) compute
+    every weight gradient at once, bit-identical to the untouched model's; the adapter's
+    plain path, bit-identical to its schedule's."""
+    base = qwen2_moe()
+    mbs = microbatches(2)
+    untouched = copy.deepcopy(base)
+    want_losses, want = reference_step(untouched, mbs), _grads_of(untouched)
+    model = copy.deepcopy(base)
+    adapter = TransformersMoEAdapter(model, delay_wgrad_compute=True)
+    combined_1f1b(adapter, mbs, options=adapter.schedule_options())
+    model.zero_grad(set_to_none=True)
+    dup = copy.deepcopy(model)
+    for what, m in (("the model's own", model), ("a deep copy's own", dup)):
+        losses = reference_step(m, mbs)
+        assert all(torch.equal(x, y) for x, y in zip(losses, want_losses, strict=True)), what
+        differ = _differ(_grads_of(m), want)
+        assert not differ, f"{what} backward: {len(differ)} gradients differ, e.g. {differ[:3]}"
     assert adapter.pending_wgrad == 0
-    TransformersMoEAdapter(reference, delay_wgrad_compute=False)
-    reference_step(reference, mbs)
-    ours, theirs = dict(model.named_parameters()), dict(reference.named_parameters())
-    for name, p in ours.items():
-        q = theirs[name]
-        assert p.grad is not None and q.grad is not None, name
-        assert float((p.grad - q.grad).abs().max()) <= 1e-5 * float(q.grad.abs().max()), name
+    scheduled = copy.deepcopy(base)
+    delayed = TransformersMoEAdapter(scheduled, delay_wgrad_compute=True)
+    combined_1f1b(delayed, mbs, overlap=False, options=delayed.schedule_options())
+    model.zero_grad(set_to_none=True)
+    for mb in mbs:
+        assert mb.input_ids is not None
+        loss = adapter.forward(mb.input_ids, attention_mask=mb.attention_mask, labels=mb.labels)
+        torch.autograd.backward(loss)
+    assert adapter.pending_wgrad == 0
+    differ = _differ(_grads_of(model), _grads_of(scheduled))
+    assert not differ, f"the adapter's plain path: {len(differ)} gradients differ, {differ[:3]}"
 
 
 def test_router_noise_in_eval_mode_is_exact_and_refused_after_train() -> None:

@@ -17,6 +17,7 @@ import torch
 from moe_overlap import ChunkState, ConfigError, IntegrationError, Microbatch, WgradError
 from moe_overlap.blocks import GroupedExperts, PlainContext, TokenDispatcher, chunk_sizes
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel, MoELayer
+from moe_overlap.wgrad import claim_wgrad
 from tests.gloo_ranks import run_ranks
 from tests.models._helpers import SMALL, check_parity, microbatches
 
@@ -161,7 +162,8 @@ def test_delayed_wgrad_of_experts_called_per_chunk_equals_immediate() -> None:
         for experts in (immediate, delayed):
             out = sum(experts(x, s).square().sum() for x, s in zip(xs, sizes, strict=True))
             assert isinstance(out, torch.Tensor)
-            torch.autograd.backward(out)
+            with claim_wgrad(delayed):
+                torch.autograd.backward(out)
         assert delayed.fc1.pending_wgrad == 2
         delayed.backward_dw()
         assert delayed.fc1.pending_wgrad == 0
@@ -172,7 +174,8 @@ def test_delayed_wgrad_of_experts_called_per_chunk_equals_immediate() -> None:
 
 def test_delayed_wgrad_refuses_fewer_calls_than_declared() -> None:
     experts = _experts_twice(True, 3)
-    experts(torch.randn(4, 8), [1, 3]).sum().backward()
+    with claim_wgrad(experts):
+        experts(torch.randn(4, 8), [1, 3]).sum().backward()
     with pytest.raises(WgradError, match=r"expected 3 pending weight gradients.*received 1"):
         experts.backward_dw()
 

@@ -28,6 +28,7 @@ from moe_overlap.blocks import (
     TokenDispatcher,
     _delayed_linear,
 )
+from moe_overlap.wgrad import claim_wgrad
 
 
 def _offsets(sizes: list[int]) -> Tensor:
@@ -90,7 +91,8 @@ def test_the_grouped_weight_grad_matches_one_product_per_group(
     x = torch.randn(7, 8, requires_grad=True)
     sizes = GroupSizes.on_device(_offsets([3, 0, 4, 0]), total=7)
     y = layer(x, sizes)
-    y.square().sum().backward()
+    with claim_wgrad(layer):
+        y.square().sum().backward()
     if delay:
         layer.backward_dw()
     assert not sizes.has_host_sizes
@@ -143,7 +145,8 @@ def _moe_step(
     received = dispatcher.slot_dispatch(ctx, tokens, p)
     out = dispatcher.slot_routed_experts(ctx, received, run)
     moe = dispatcher.slot_combine(ctx, out)
-    torch.autograd.backward(moe.square().sum())
+    with claim_wgrad(experts):
+        torch.autograd.backward(moe.square().sum())
     if delay:
         experts.backward_dw()
     grads = [hidden.grad, *(w.grad for w in experts.parameters())]

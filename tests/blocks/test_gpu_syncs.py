@@ -15,6 +15,7 @@ import torch
 
 from moe_overlap import ChunkState, Microbatch
 from moe_overlap.blocks import DispatcherKind, GroupedExperts, PlainContext, TokenDispatcher
+from moe_overlap.wgrad import claim_wgrad
 
 pytestmark = [
     pytest.mark.gpu,
@@ -52,6 +53,7 @@ def test_dispatch_experts_combine_issue_no_host_sync(
         received = dispatcher.slot_dispatch(ctx, tokens, p)
         out = dispatcher.slot_experts(ctx, received, experts, weigh_in_float32=True)
         moe = dispatcher.slot_combine(ctx, out)
-        torch.autograd.backward(moe.float().square().sum())
+        with claim_wgrad(experts):
+            torch.autograd.backward(moe.float().square().sum())
         experts.backward_dw()
     assert hidden.grad is not None and experts.fc1.weight.grad is not None

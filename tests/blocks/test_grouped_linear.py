@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from moe_overlap import ConfigError
 from moe_overlap.blocks import DelayedWgradGroupedLinear, GroupSizes
+from moe_overlap.wgrad import claim_wgrad
 
 
 def _linear(delay: bool) -> DelayedWgradGroupedLinear:
@@ -31,7 +32,8 @@ def test_ragged_groups_match_one_linear_per_group(delay: bool) -> None:
     y = layer(x, sizes)
     parts = [F.linear(x[:2], layer.weight[0]), F.linear(x[2:], layer.weight[2])]
     torch.testing.assert_close(y, torch.cat(parts), rtol=0, atol=0)
-    y.square().sum().backward()
+    with claim_wgrad(layer):  # what a schedule that runs backward_dw does
+        y.square().sum().backward()
     if delay:
         assert layer.weight.grad is None and layer.pending_wgrad == 1
         layer.backward_dw()
@@ -48,7 +50,8 @@ def test_padded_input_is_one_batched_product_and_delay_is_exact() -> None:
         y = layer(xi, ())
         expected = torch.stack([F.linear(x[g], layer.weight[g]) for g in range(3)])
         torch.testing.assert_close(y, expected)
-        y.square().sum().backward()
+        with claim_wgrad(layer):
+            y.square().sum().backward()
         if delay:
             layer.backward_dw()
         assert layer.weight.grad is not None and xi.grad is not None

@@ -40,6 +40,7 @@ from moe_overlap.engine._streams import use_stream
 from moe_overlap.megatron import layer_args
 from moe_overlap.steps import Step, run_pair
 from moe_overlap.streams import CpuEvent, CpuStream
+from moe_overlap.wgrad import claim_wgrad
 
 from .test_debug_mode import run as run_python
 from .test_parity import assert_same
@@ -772,8 +773,25 @@ def owing_module_is_named_by_its_path(ctx: Ctx) -> None:
     lin.weight = attn.weight
     layer.attn = bad(lin)
     try:
-        ctx.model(ctx.mbs[0]).backward()  # the plain backward leaves its wgrad pending
+        with claim_wgrad(lin):  # a claimed backward whose wgrad nothing runs leaves it pending
+            ctx.model(ctx.mbs[0]).backward()
         combined_1f1b(ctx.model, ctx.mbs)
+    finally:
+        layer.attn = attn
+
+
+def copy_of_a_module_owing_wgrad(ctx: Ctx) -> None:
+    from moe_overlap.blocks import DelayedWgradLinear
+
+    layer = layer0(ctx)
+    attn = layer.attn
+    lin = DelayedWgradLinear(16, 16, delay_wgrad=True)
+    lin.weight = attn.weight
+    layer.attn = bad(lin)
+    try:
+        with claim_wgrad(lin):  # a custom driver's backward, its backward_dw not run yet
+            ctx.model(ctx.mbs[0]).backward()
+        copy.deepcopy(ctx.model)
     finally:
         layer.attn = attn
 
@@ -1408,6 +1426,12 @@ CASES = [
         WgradError,
         r"before the step \(left from an earlier one\), received modules still owing some: "
         r"\{'decoder\.layers\.0\.attn \(DelayedWgradLinear\)': 1\}",
+    ),
+    Case(
+        copy_of_a_module_owing_wgrad,
+        WgradError,
+        r"^DelayedWgradLinear: deepcopy expected no delayed weight gradient pending, received "
+        r"1: the copy's \.grad would lack them; run backward_dw\(\).*discard_wgrad\(\)",
     ),
     Case(
         detach_copy_returned_as_output,

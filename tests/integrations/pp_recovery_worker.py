@@ -7,8 +7,8 @@ one, then runs three steps of the prepared one: step 0 (must be exact), step 1 w
 case's fault on the case's ranks, step 2 after the documented recovery (zero the gradients,
 ``discard_wgrad``). A case is ``schedule``, ``microbatches``, ``delay`` and a ``fault``:
 ``kind`` (``forward``, ``backward``, ``overlap`` (the forward half of an ``OVERLAP_F_B``
-fails), ``input``, ``weight`` (the ``k``-th action of that kind fails), ``before`` (a plain
-backward left delayed weight gradients pending: the library's check refuses the step
+fails), ``input``, ``weight`` (the ``k``-th action of that kind fails), ``before`` (a backward
+inside ``claim_wgrad`` left delayed weight gradients pending: the library's check refuses the step
 before it communicates), ``after`` (torch's output merge fails, after the communication),
 ``interrupt`` (a ``KeyboardInterrupt`` inside a forward)), ``at`` (one for every rank, or by
 rank: which ranks reach their own failure depends on the schedule) and ``ranks``. Prints one
@@ -39,6 +39,7 @@ from moe_overlap.blocks import discard_wgrad
 from moe_overlap.blocks._slots import PlainContext
 from moe_overlap.integrations.pipelining import prepare_schedule
 from moe_overlap.models import GPTMoEModel
+from moe_overlap.wgrad import claim_wgrad
 from tests.gloo_ranks import exit_worker
 from tests.integrations.pp_worker import batch, build, make_schedule
 
@@ -104,9 +105,10 @@ class Fault:
 
     def install(self) -> None:
         self.active = True
-        if self.kind == "before":  # a plain backward leaves delayed weight gradients pending
+        if self.kind == "before":  # a claimed backward leaves delayed weight gradients pending
             x, _ = batch({"microbatches": 1, "device": "cpu"}, 7)
-            self.model(x, None).float().mean().backward()
+            with claim_wgrad(self.model):
+                self.model(x, None).float().mean().backward()
             return
         if self.kind == "after":
             merge = self.schedule._merge_outputs

@@ -24,6 +24,7 @@ from moe_overlap import (
 )
 from moe_overlap.blocks import discard_wgrad, finish_wgrad
 from moe_overlap.models import GPTMoEModel
+from moe_overlap.wgrad import owed_wgrad
 from tests.models._helpers import GPU_BF16, assert_same_grads, deterministic_cuda
 
 pytestmark = [
@@ -115,8 +116,26 @@ def test_graphed_scopes_are_bit_identical_to_eager(
     # A copy per microbatch of a layer alive at once: one plainly, two in 1F1B, three when
     # the fill is overlapped (the second forward starts before the first backward).
     assert max(b.copies for b in blocks) == {"plain": 1, "1f1b": 2, "fill_drain": 3}[how]
+    # Delayed: the schedule replays the wgrad graph in backward_dw; a plain backward (no
+    # schedule claims the modules) replays it at once, in backward.
     replays = sum(b.stats.wgrad_replays for b in blocks)
-    assert (replays > 0) == (delay and how != "plain")
+    assert (replays > 0) == delay
+
+
+def test_copies_captured_by_a_schedule_replay_exactly_in_a_plain_backward() -> None:
+    """The same graphed, delayed model trained by the schedule, then by a plain backward
+    (its captured copies replayed unclaimed: weight gradients at once), then by the
+    schedule again: bit-identical to the eager model without delay, nothing owed."""
+    eager = _model((), delay=False)
+    graphed = _model(ALL, delay=True)
+    for step, how in enumerate(("1f1b", "plain", "1f1b", "plain")):
+        mbs = _microbatches(2, seed=step)
+        want = _step(eager, mbs, how)
+        got = _step(graphed, mbs, how)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), (step, how)
+        assert not owed_wgrad(graphed), (step, how)
+        assert_same_grads(graphed, eager)
+    assert all(b.stats.eager_calls == 0 for b in graphed.graphed_blocks())
 
 
 def test_a_shape_change_is_refused() -> None:

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import gc
+from typing import Any
 
 import pytest
 import torch
 
-from moe_overlap import ConfigError, ScheduleOptions, WgradError, combined_1f1b
+from moe_overlap import (
+    ConfigError,
+    ModelChunkSchedulePlan,
+    ScheduleError,
+    ScheduleOptions,
+    WgradError,
+    combined_1f1b,
+)
 from moe_overlap.blocks import (
     DelayedWgradGroupedLinear,
     DelayedWgradLinear,
@@ -16,7 +26,7 @@ from moe_overlap.blocks import (
     finish_wgrad,
 )
 from moe_overlap.models import GPTMoEModel
-from moe_overlap.wgrad import check_wgrad_done, owed_wgrad
+from moe_overlap.wgrad import check_wgrad_done, claim_wgrad, owed_wgrad, wgrad_claimed
 from tests.models._helpers import SMALL, microbatches
 
 
@@ -45,7 +55,8 @@ def test_linear_matches_autograd_float64(delay: bool) -> None:
     lin = _linear(delay)
     x = torch.randn(4, 2, 5, dtype=torch.float64, requires_grad=True)
     gy = torch.randn(4, 2, 3, dtype=torch.float64)
-    lin(x).backward(gy)
+    with claim_wgrad(lin):
+        lin(x).backward(gy)
     if delay:
         assert lin.weight.grad is None and lin.pending_wgrad == 1
         lin.backward_dw()
@@ -67,7 +78,9 @@ def test_gradcheck_through_delay() -> None:
         out: torch.Tensor = lin(a)
         return out
 
-    assert torch.autograd.gradcheck(f, (x,))
+    with claim_wgrad(lin):
+        assert torch.autograd.gradcheck(f, (x,))
+    assert lin.pending_wgrad > 0
     finish_wgrad(lin)  # gradcheck ran backward several times
     assert lin.pending_wgrad == 0
 
@@ -79,7 +92,9 @@ def test_grouped_matches_per_group_autograd() -> None:
     torch.nn.init.normal_(g.weight)
     x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
     gy = torch.randn(6, 3, dtype=torch.float64)
-    g(x, sizes).backward(gy)
+    with claim_wgrad(g):
+        g(x, sizes).backward(gy)
+    assert g.weight.grad is None
     g.backward_dw()
     w = g.weight.detach().clone().requires_grad_(True)
     xr = x.detach().clone().requires_grad_(True)
@@ -98,7 +113,9 @@ def test_delayed_bit_identical_to_immediate() -> None:
         x = torch.randn(7, 5)
         gy = torch.randn(7, 3)
         now(x.requires_grad_()).backward(gy)
-        later(x.detach().requires_grad_()).backward(gy)
+        with claim_wgrad(later):
+            later(x.detach().requires_grad_()).backward(gy)
+        assert later.pending_wgrad == 1
         later.backward_dw()
     assert now.weight.grad is not None and later.weight.grad is not None
     assert torch.equal(now.weight.grad, later.weight.grad)
@@ -106,7 +123,8 @@ def test_delayed_bit_identical_to_immediate() -> None:
 
 def test_double_backward_dw_raises() -> None:
     lin = _linear(True)
-    lin(torch.randn(2, 5, dtype=torch.float64, requires_grad=True)).sum().backward()
+    with claim_wgrad(lin):
+        lin(torch.randn(2, 5, dtype=torch.float64, requires_grad=True)).sum().backward()
     lin.backward_dw()
     with pytest.raises(WgradError, match="expected a pending weight gradient"):
         lin.backward_dw()
@@ -122,10 +140,12 @@ def _delayed_model() -> GPTMoEModel:
 
 
 def test_pending_wgrad_detected_at_next_forward() -> None:
+    """A backward a claim made queue (a custom schedule) and nothing computed is owed."""
     model = _delayed_model()
     mb = microbatches(1, vocab=SMALL.vocab_size)[0]
     assert mb.input_ids is not None
-    model(mb.input_ids, mb.position_ids, mb.labels, mb.loss_mask).backward()
+    with claim_wgrad(model):
+        model(mb.input_ids, mb.position_ids, mb.labels, mb.loss_mask).backward()
     assert owed_wgrad(model)
     with pytest.raises(WgradError, match="pending"):
         check_wgrad_done(model)
@@ -149,12 +169,13 @@ def test_schedule_option_that_contradicts_the_model_is_refused(delay: bool) -> N
     check_wgrad_done(model)
 
 
-def test_pending_wgrad_from_a_plain_backward_blocks_the_step() -> None:
-    """A plain backward of a delayed model leaves wgrad pending: the step refuses to start."""
+def test_pending_wgrad_left_by_a_claimed_backward_blocks_the_step() -> None:
+    """A claimed backward whose wgrad nothing ran leaves it pending: the step refuses to start."""
     model = _delayed_model()
     data = microbatches(2, vocab=SMALL.vocab_size)
     mb = data[0]
-    model(mb.input_ids, labels=mb.labels).backward()
+    with claim_wgrad(model):
+        model(mb.input_ids, labels=mb.labels).backward()
     with pytest.raises(WgradError, match="before the step"):
         combined_1f1b(model, data)
     model.zero_grad(set_to_none=True)
@@ -207,3 +228,109 @@ def test_schedule_with_frozen_attention_and_delayed_wgrad() -> None:
         else:
             assert p.grad is not None and q.grad is not None, name
             assert torch.equal(p.grad, q.grad), name
+
+
+# --- issue 42: a delayed module computes its weight gradient at once unless claimed ------------
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is b if a is None or b is None else torch.equal(a, b)
+
+
+def _assert_same_grads(got: torch.nn.Module, want: torch.nn.Module, what: str) -> None:
+    g, w = _grads(got), _grads(want)
+    assert list(g) == list(w), what
+    differ = [n for n in w if not _same(g[n], w[n])]
+    assert not differ, f"{what}: {len(differ)} gradients differ, e.g. {differ[:3]}"
+
+
+@pytest.mark.parametrize("recompute", [(), ("attention", "activation")])
+def test_plain_backward_of_a_delayed_model_and_of_its_copy_is_exact(
+    recompute: tuple[str, ...],
+) -> None:
+    """Nothing claims the delayed linears of a plain ``loss.backward()`` (recomputed parts
+    included): every weight gradient is computed at once, bit-identical to the model built
+    without delay; so is a deep copy's, taken after the original ran the schedule."""
+    parts: Any = recompute
+    config = dataclasses.replace(SMALL, delay_wgrad_compute=True, recompute=parts)
+    delayed = GPTMoEModel(config)
+    undelayed = GPTMoEModel(dataclasses.replace(config, delay_wgrad_compute=False))
+    undelayed.load_state_dict(delayed.state_dict())
+    data = microbatches(2, vocab=SMALL.vocab_size)
+    combined_1f1b(delayed, data, options=delayed.schedule_options())
+    delayed.zero_grad(set_to_none=True)
+    copied = copy.deepcopy(delayed)
+    for model in (undelayed, delayed, copied):
+        for mb in data:
+            assert mb.input_ids is not None
+            model(mb.input_ids, mb.position_ids, mb.labels, mb.loss_mask).backward()
+    for model, what in ((delayed, "the delayed model"), (copied, "its deep copy")):
+        assert not owed_wgrad(model), what
+        _assert_same_grads(model, undelayed, what)
+
+
+def test_claims_last_from_plan_build_to_release_and_end_with_the_step() -> None:
+    """A layer plan claims its listed modules until release_state, or until it is collected
+    unreleased; a failed step's plans release theirs; claims nest."""
+    model = _delayed_model()
+    delayed = [m for m in model.modules() if isinstance(m, DelayedWgradModule)]
+    data = microbatches(2, vocab=SMALL.vocab_size)
+    plan = ModelChunkSchedulePlan(model, data[0])
+    assert all(wgrad_claimed(m) for m in delayed)
+    plan.release_state()
+    assert not any(wgrad_claimed(m) for m in delayed)
+    plan = ModelChunkSchedulePlan(model, data[0])
+    del plan
+    gc.collect()
+    assert not any(wgrad_claimed(m) for m in delayed)
+    combined_1f1b(model, data)
+    assert not any(wgrad_claimed(m) for m in delayed)
+    with claim_wgrad(model):
+        with claim_wgrad(delayed[0]):
+            assert wgrad_claimed(delayed[0])
+        assert all(wgrad_claimed(m) for m in delayed)
+        assert not any(wgrad_claimed(m) for m in copy.deepcopy(model).modules())
+    assert not any(wgrad_claimed(m) for m in delayed)
+
+
+def test_a_failed_step_releases_its_claims() -> None:
+    model = _delayed_model()
+    data = microbatches(2, vocab=SMALL.vocab_size)
+    layer = model.layer_list[1]
+    original = layer.slot_mlp
+    calls: list[int] = []
+
+    def flaky(node: Any, inputs: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("expert kernel failed")
+        return original(node, inputs)
+
+    vars(layer)["slot_mlp"] = flaky
+    try:
+        with pytest.raises(ScheduleError, match="expert kernel failed"):
+            combined_1f1b(model, data)
+    finally:
+        del vars(layer)["slot_mlp"]
+    assert not any(wgrad_claimed(m) for m in model.modules())
+    discard_wgrad(model)
+    model.zero_grad(set_to_none=True)
+    mb = data[0]
+    assert mb.input_ids is not None
+    model(mb.input_ids, mb.position_ids, mb.labels, mb.loss_mask).backward()
+    assert not owed_wgrad(model)
+
+
+def test_a_copy_of_a_module_owing_weight_gradients_is_refused() -> None:
+    lin = _linear(True)
+    with claim_wgrad(lin):
+        lin(torch.randn(2, 5, dtype=torch.float64, requires_grad=True)).sum().backward()
+    with pytest.raises(WgradError, match=r"deepcopy expected no delayed weight gradient pending"):
+        copy.deepcopy(lin)
+    lin.backward_dw()
+    dup = copy.deepcopy(lin)
+    assert dup.pending_wgrad == 0 and dup._pending is not lin._pending

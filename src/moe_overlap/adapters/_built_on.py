@@ -17,12 +17,18 @@ from collections.abc import Iterable
 from torch import nn
 
 from moe_overlap import ConfigError
+from moe_overlap.adapters._hf_experts import DelayedLinear
 
 __all__ = ["BuiltOn"]
 
 
 def _children(module: nn.Module) -> dict[str, int]:
-    return {name: id(child) for name, child in module.named_children()}
+    """Each child's identity; a :class:`DelayedLinear` another adapter swapped in has the
+    identity of the linear it replaced (same parameters, same product: nothing changed)."""
+    return {
+        name: id(child.replaced if isinstance(child, DelayedLinear) else child)
+        for name, child in module.named_children()
+    }
 
 
 class BuiltOn:

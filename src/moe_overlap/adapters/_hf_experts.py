@@ -52,7 +52,8 @@ class DelayedLinear(DelayedWgradLinear):
     """An ``nn.Linear`` replacement sharing its ``weight`` (and ``bias``) parameters.
 
     Same ``state_dict`` keys as the ``nn.Linear`` it replaces. The bias gradient is
-    computed in backward as usual; only the weight gradient is delayed.
+    computed in backward as usual; only the weight gradient is delayed. :attr:`replaced`
+    is the linear it stands for (an adapter built before the swap saw that one).
     """
 
     bias: nn.Parameter | None
@@ -69,6 +70,12 @@ class DelayedLinear(DelayedWgradLinear):
         assert bias is None or isinstance(bias, nn.Parameter)
         self.weight = weight
         self.register_parameter("bias", bias)
+        self._replaced = (linear,)  # in a tuple: not a submodule (no state_dict keys)
+
+    @property
+    def replaced(self) -> nn.Linear:
+        """The ``nn.Linear`` this module replaced (sharing its parameters)."""
+        return self._replaced[0]
 
     def forward(self, x: Tensor) -> Tensor:
         y = super().forward(x)
@@ -78,12 +85,13 @@ class DelayedLinear(DelayedWgradLinear):
 def delay_linears(parent: nn.Module, name: str, *, delay_wgrad: bool) -> list[DelayedLinear]:
     """Swap every ``nn.Linear`` at or under ``parent.name`` for a :class:`DelayedLinear`.
 
-    With ``delay_wgrad`` false nothing is swapped; linears swapped by an earlier adapter
-    get the new setting. Returns the delayed linears found or made.
+    With ``delay_wgrad`` false nothing is swapped. A linear swapped by an earlier adapter is
+    kept as it is: it delays only for a schedule that claims it (its own adapter's), and
+    computes its weight gradient at once for any other (this adapter's, without delay).
+    Returns the delayed linears found or made.
     """
     module: object = getattr(parent, name)
     if isinstance(module, DelayedLinear):
-        module.delay_wgrad = delay_wgrad
         return [module]
     if type(module) is nn.Linear:
         if not delay_wgrad:
@@ -112,8 +120,6 @@ def delay_linears_in(
         if type(child) is nn.Linear or isinstance(child, DelayedLinear):
             if only is None or id(child) in only:
                 found += delay_linears(module, child_name, delay_wgrad=delay_wgrad)
-            elif isinstance(child, DelayedLinear):
-                child.delay_wgrad = False  # swapped by an earlier adapter, not delayed now
         else:
             found += delay_linears_in(child, delay_wgrad=delay_wgrad, skip=skip, only=only)
     return found
@@ -139,6 +145,11 @@ class WgradGroup:
         """Each module's oldest pending weight gradient, last module first."""
         for module in reversed(self.modules):
             module.backward_dw()
+
+    def delayed_modules(self) -> tuple[DelayedWgradModule, ...]:
+        """The modules (a :class:`~moe_overlap.wgrad.HoldsDelayedModules`: a schedule
+        listing the group claims them)."""
+        return self.modules
 
     def parameters(self) -> Iterator[nn.Parameter]:
         for module in self.modules:
@@ -299,4 +310,9 @@ class ExpertWeights:
 
     def modules(self) -> tuple[DelayedWgradModule, ...]:
         """The two delayable grouped linears (``down_proj`` first, as wgrad runs)."""
+        return (self.down, self.gate_up)
+
+    def delayed_modules(self) -> tuple[DelayedWgradModule, ...]:
+        """:meth:`modules` (a :class:`~moe_overlap.wgrad.HoldsDelayedModules`: a schedule
+        listing the experts claims them)."""
         return (self.down, self.gate_up)

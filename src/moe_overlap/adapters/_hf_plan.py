@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from typing import cast
@@ -52,7 +53,7 @@ from moe_overlap.adapters._hf_structure import (
     trace_layer,
 )
 from moe_overlap.blocks import TokenDispatcher
-from moe_overlap.engine import ChunkState
+from moe_overlap.engine import ChunkState, claim_wgrad
 from moe_overlap.protocols import FreeInputConfig
 
 __all__ = ["LayerPlan", "Probe", "SelfCheck", "plan_layers", "probe_calls"]
@@ -119,11 +120,16 @@ def plan_layers(
     return planner.plan(layers, probe), planner.random
 
 
-def finish_wgrad(layer: HFLayer) -> None:
-    """The delayed weight gradients of one backward, as the schedule's wgrad steps run them."""
-    for scope in layer.pre_dispatch_wgrad():
+@contextmanager
+def delayed_wgrad(layer: HFLayer) -> Generator[None]:
+    """One backward inside, with the layer's listed modules claimed as a schedule claims
+    them; after it, their delayed weight gradients, as the schedule's wgrad steps run them."""
+    scopes, parts = layer.pre_dispatch_wgrad(), layer.mlp_wgrad()
+    with claim_wgrad(*(scope.module for scope in scopes), *parts):
+        yield
+    for scope in scopes:
         scope.module.backward_dw()
-    for part in layer.mlp_wgrad():
+    for part in parts:
         part.backward_dw()
 
 
@@ -273,7 +279,7 @@ class _Planner:
                     cand, index, self.config, calls, delay_wgrad=True, delayable=delayable
                 )
                 mismatch = compare_layer(
-                    ref, dense.run_plain, cand, lambda: finish_wgrad(dense), x, call, seed=index
+                    ref, dense.run_plain, cand, partial(delayed_wgrad, dense), x, call, seed=index
                 )
                 if mismatch is not None:
                     raise ConfigError(
@@ -315,7 +321,7 @@ class _Planner:
                     ref,
                     adapted.run_plain,
                     cand,
-                    partial(finish_wgrad, adapted),
+                    partial(delayed_wgrad, adapted),
                     x,
                     call,
                     seed=index,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import cast
 
@@ -143,7 +144,7 @@ def compare_layer(
     reference: nn.Module,
     run: Callable[[Tensor, ChunkState], Tensor],
     candidate: nn.Module,
-    finish: Callable[[], None],
+    delayed: Callable[[], AbstractContextManager[None]],
     hidden: Tensor,
     call: LayerCall,
     *,
@@ -151,7 +152,8 @@ def compare_layer(
 ) -> Mismatch | None:
     """Run ``reference(x, **call)`` and ``run(x, ...)`` (built on ``candidate``) on one probe.
 
-    ``finish`` runs the candidate's delayed weight gradients after its backward. Returns
+    The candidate's backward runs inside ``delayed()`` (which claims its delayed modules
+    and computes their weight gradients on exit, as the schedule would). Returns
     the largest mismatch over output, input gradient and parameter gradients, or ``None``.
     """
     g = torch.Generator().manual_seed(seed)
@@ -169,8 +171,8 @@ def compare_layer(
         return worst
     grad_out = torch.randn(out_r.shape, generator=g, dtype=out_r.dtype).to(out_r.device)
     torch.autograd.backward(out_r, grad_out)
-    torch.autograd.backward(out_c, grad_out)
-    finish()
+    with delayed():
+        torch.autograd.backward(out_c, grad_out)
     pairs: list[tuple[str, Tensor | None, Tensor | None]] = [
         ("input gradient", x_cand.grad, x_ref.grad)
     ]

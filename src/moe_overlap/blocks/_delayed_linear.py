@@ -4,14 +4,19 @@ Legend: ``N`` rows (tokens), ``I`` input features, ``O`` output features, ``G`` 
 (local experts).
 
 With ``delay_wgrad`` off, backward computes both gradients, like ``nn.Linear``. With it on,
-backward computes only the input gradient and queues ``(input, grad_output)``;
-:meth:`DelayedWgradModule.backward_dw` later computes the weight gradient with *the same
-expression* and accumulates it as autograd would (assign when ``grad`` is ``None``, else
-add in place), so delayed and immediate results are bit-identical.
+backward computes only the input gradient and queues ``(input, grad_output)`` when a
+schedule claims the module (:mod:`moe_overlap.wgrad`: a plan whose layer lists it, or
+:func:`~moe_overlap.wgrad.claim_wgrad`); :meth:`DelayedWgradModule.backward_dw` later
+computes the weight gradient with *the same expression* and accumulates it as autograd
+would (assign when ``grad`` is ``None``, else add in place), so delayed and immediate
+results are bit-identical. Unclaimed (a plain ``loss.backward()``, another adapter's
+schedule, a deep copy), backward computes the weight gradient at once, as with
+``delay_wgrad`` off: nothing is ever queued that nothing would compute.
 """
 
 from __future__ import annotations
 
+import copy
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -20,8 +25,10 @@ from typing import Any, Protocol, cast, overload, runtime_checkable
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from typing_extensions import Self
 
 from moe_overlap import ConfigError, IntegrationError, WgradError
+from moe_overlap.engine import wgrad_claimed
 from moe_overlap.engine.args import (
     BOOL,
     FLOAT_DTYPE,
@@ -334,7 +341,9 @@ class DelayedWgradModule(nn.Module):
 
     A :class:`~moe_overlap.WgradLayer`. ``label`` names the module in error messages (the
     model sets it to the module's qualified name). :attr:`calls_per_backward` (default 1):
-    how many times the module runs per forward pass.
+    how many times the module runs per forward pass. ``delay_wgrad`` says the module may
+    delay; it does only while claimed (see the module doc), so every backward outside a
+    schedule that runs its ``backward_dw()`` leaves its gradient in ``.grad``.
     """
 
     weight: nn.Parameter
@@ -411,7 +420,10 @@ class DelayedWgradModule(nn.Module):
         if not self._pending:
             raise WgradError(
                 f"{self.label}: backward_dw expected a pending weight gradient (one per "
-                "backward), received none: called twice, or before backward"
+                "backward), received none: called twice, before backward, or after a "
+                "backward no schedule claimed the module for (that one computed the weight "
+                "gradient at once); run the backward inside moe_overlap.wgrad.claim_wgrad("
+                "module) to delay it"
             )
         calls = self._calls
         if calls > 1:
@@ -444,6 +456,23 @@ class DelayedWgradModule(nn.Module):
     def discard_wgrad(self) -> None:
         """Drop pending weight gradients (after a failed step)."""
         self._pending.clear()
+
+    def __deepcopy__(self, memo: dict[int, object]) -> Self:
+        """A copy with its own empty queue, claimed by nothing (a claim names objects).
+
+        Raises :class:`~moe_overlap.WgradError` while weight gradients are pending: the copy
+        would not owe them and its ``.grad`` would lack them.
+        """
+        if self._pending:
+            raise WgradError(
+                f"{self.label}: deepcopy expected no delayed weight gradient pending, received "
+                f"{len(self._pending)}: the copy's .grad would lack them; run backward_dw() "
+                "(moe_overlap.blocks.finish_wgrad(model)) or discard_wgrad() before copying"
+            )
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return copied
 
 
 def accumulate_grad(param: nn.Parameter, grad: Tensor) -> None:
@@ -497,9 +526,9 @@ class _DelayableMatmul(torch.autograd.Function):
         grad_x = kernel.dgrad(grad_y, weight) if needs_x else None
         grad_w: Tensor | None = None
         if needs_w:
-            if owner.delay_wgrad:
+            if owner.delay_wgrad and wgrad_claimed(owner):
                 owner.defer_wgrad(x, grad_y, kernel)
-            else:
+            else:  # nothing will run backward_dw for it: now, as autograd accumulates it
                 grad_w = kernel.wgrad(x, grad_y)
         return grad_x, grad_w, None, None
 
@@ -606,7 +635,8 @@ def _delayed(model: nn.Module) -> Iterator[DelayedWgradModule]:
 
 
 def finish_wgrad(model: nn.Module) -> None:
-    """Run every pending ``backward_dw`` of ``model`` (e.g. after a plain ``backward()``)."""
+    """Run every pending ``backward_dw`` of ``model`` (e.g. after a backward run inside
+    :func:`~moe_overlap.wgrad.claim_wgrad`; a plain ``backward()`` leaves none)."""
     for module in _delayed(model):
         while module.pending_wgrad:
             module.backward_dw()

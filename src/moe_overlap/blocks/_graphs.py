@@ -19,10 +19,13 @@ What :func:`~torch.cuda.make_graphed_callables` leaves to its caller, the block 
   never the graph's static buffers: ``AccumulateGrad`` may keep a gradient as ``.grad``,
   and the schedule's free-input policy may release an output's storage.
 - **Delayed weight gradients.** The backward capture queues the linears' ``(x, grad_y)``
-  on static buffers; each backward replay queues them again, holding the copy, so
+  on static buffers (it claims them while it captures); a backward replay that a schedule
+  claims (:mod:`moe_overlap.wgrad`) queues them again, holding the copy, so
   :func:`~moe_overlap.blocks.finish_wgrad` and ``backward_dw`` work as in eager mode, and
   :meth:`GraphedBlock.backward_dw` replays their captured weight-gradient graph instead
   (the layer plugs it into :meth:`~moe_overlap.BackwardDWWrapper.set_graphed_backward_dw_callable`).
+  An unclaimed replay (a plain ``loss.backward()``) replays that graph at once and hands
+  the gradients to autograd, as an undelayed block does.
 - **Refusals instead of silent staleness.** A call whose tensor shapes, dtypes, devices or
   ``requires_grad`` differ from the capture's, parameters that moved (``model.to``, FSDP,
   ``load_state_dict(assign=True)``) or were frozen or unfrozen, or a Python-side value the
@@ -53,7 +56,7 @@ from torch.utils import _pytree as pytree
 
 from moe_overlap import ConfigError, CudaGraphModule, IntegrationError, WgradError
 from moe_overlap.blocks._delayed_linear import DelayedWgradModule, PendingItem, accumulate_grad
-from moe_overlap.engine import DEBUG
+from moe_overlap.engine import DEBUG, WgradClaim, wgrad_claimed
 from moe_overlap.engine.args import CALLABLE, POSITIVE, Func, Instance, Items, Opt, check_arg
 
 __all__ = ["GraphedBlock"]
@@ -118,6 +121,7 @@ class _GraphedFn(torch.autograd.Function):
         ctx.mark_non_differentiable(*(o for o in outputs if not _differentiable(o)))
         ctx.block = block
         ctx.lease = lease
+        ctx.params = tuple(id(p) for p in tensors[len(copy.inputs) :])
         return outputs
 
     @staticmethod
@@ -143,9 +147,36 @@ class _GraphedFn(torch.autograd.Function):
             if static is not None and static.data_ptr() != grad.data_ptr():
                 static.copy_(grad)
         copy.bwd.replay()
-        for module, item in copy.deferred:
-            module.defer_wgrad(item.x, item.grad_y, item.kernel, keep=lease)
-        return (None, None, None, *(g.clone() if g is not None else None for g in copy.grad_inputs))
+        grad_inputs = [g.clone() if g is not None else None for g in copy.grad_inputs]
+        if _claimed(block, copy):
+            for module, item in copy.deferred:
+                module.defer_wgrad(item.x, item.grad_y, item.kernel, keep=lease)
+        elif copy.deferred:  # no schedule will run backward_dw: the weight gradients now
+            assert copy.wgrad is not None
+            copy.wgrad.replay()
+            block.stats.wgrad_replays += 1
+            at = {p: len(copy.inputs) + i for i, p in enumerate(ctx.params)}
+            for (module, _), grad in zip(copy.deferred, copy.wgrad_out, strict=True):
+                i = at[id(module.weight)]
+                g = grad_inputs[i]
+                grad_inputs[i] = grad.clone() if g is None else g + grad
+        return (None, None, None, *grad_inputs)
+
+
+def _claimed(block: GraphedBlock, copy: _Copy) -> bool:
+    """Whether a schedule claims the modules whose weight gradients ``copy`` defers (it
+    will run their ``backward_dw()``); all or none, else :class:`~moe_overlap.WgradError`."""
+    claimed = [wgrad_claimed(module) for module, _ in copy.deferred]
+    if all(claimed):
+        return True
+    if any(claimed):
+        split = [m.label for (m, _), c in zip(copy.deferred, claimed, strict=True) if not c]
+        raise WgradError(
+            f"{block.label}: expected a schedule to claim every delayed module of the graphed "
+            f"block or none (one weight-gradient graph computes them all), received "
+            f"{split} unclaimed: list the block's modules together (one WgradScope)"
+        )
+    return False
 
 
 # Function.apply is untyped; give it its signature once, here.
@@ -418,6 +449,17 @@ class GraphedBlock:
 
     def _capture(self, args: Sequence[Tensor], params: Sequence[nn.Parameter]) -> _Copy:
         delayed = self._delayed()
+        # Captured delayed whoever calls: each backward replay then queues the weight
+        # gradients for a schedule that claims the modules, or replays them at once.
+        with WgradClaim([m for m in delayed if m.delay_wgrad]):
+            return self._capture_claimed(delayed, args, params)
+
+    def _capture_claimed(
+        self,
+        delayed: Sequence[DelayedWgradModule],
+        args: Sequence[Tensor],
+        params: Sequence[nn.Parameter],
+    ) -> _Copy:
         queued = [m.pending_wgrad for m in delayed]
         inputs = tuple(a.detach().clone().requires_grad_(a.requires_grad) for a in args)
         surface = tuple(t for t in (*inputs, *params) if t.requires_grad)

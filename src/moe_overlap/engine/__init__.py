@@ -90,6 +90,7 @@ from moe_overlap.engine._protocols import DeclaresInputs as DeclaresInputs
 from moe_overlap.engine._protocols import DecoderLike as DecoderLike
 from moe_overlap.engine._protocols import FreeInputConfig as FreeInputConfig
 from moe_overlap.engine._protocols import GraphedWgradLayer as GraphedWgradLayer
+from moe_overlap.engine._protocols import HoldsDelayedModules as HoldsDelayedModules
 from moe_overlap.engine._protocols import LayerListLike as LayerListLike
 from moe_overlap.engine._protocols import ModelConfigLike as ModelConfigLike
 from moe_overlap.engine._protocols import MtpSchedulableLayer as MtpSchedulableLayer
@@ -145,6 +146,9 @@ from moe_overlap.engine._streams import shake as shake
 from moe_overlap.engine._streams import stream_context as stream_context
 from moe_overlap.engine._streams import wait_event as wait_event
 from moe_overlap.engine._streams import wait_stream as wait_stream
+from moe_overlap.engine._wgrad_claims import WgradClaim as WgradClaim
+from moe_overlap.engine._wgrad_claims import claim_wgrad as claim_wgrad
+from moe_overlap.engine._wgrad_claims import wgrad_claimed as wgrad_claimed
 
 _start_from_env()  # MOE_OVERLAP_STREAM_CHECK=1: the stream-order checker for the whole process
 
@@ -169,6 +173,7 @@ __all__ = [
     "Direction",
     "FreeInputConfig",
     "GraphedWgradLayer",
+    "HoldsDelayedModules",
     "Hook",
     "IntegrationError",
     "LayerArgs",
@@ -222,6 +227,7 @@ __all__ = [
     "TypeHintError",
     "ValidatesInputs",
     "Verdict",
+    "WgradClaim",
     "WgradError",
     "WgradLayer",
     "WgradScope",
@@ -234,6 +240,7 @@ __all__ = [
     "check_module",
     "check_wgrad_done",
     "chunk_steps",
+    "claim_wgrad",
     "combined_1f1b",
     "cpu_default_stream",
     "current_stream",
@@ -271,4 +278,5 @@ __all__ = [
     "wait_event",
     "wait_stream",
     "weak_method",
+    "wgrad_claimed",
 ]

@@ -163,21 +163,26 @@ class ModelChunkSchedulePlan:
             )
             for i, layer in enumerate(layers)
         ]
-        delayed = any(lp.shape.delay_wgrad for lp in self.layers)
-        if delayed:
-            check_wgrad_listed(model, list(layers), [lp.wgrad_parts for lp in self.layers])
-        check_fsdp(model, layers, delayed=delayed)
-        self.post_process: PostProcessNode | None = (
-            PostProcessNode(
-                model,
-                self.state,
-                self.event,
-                streams.comp_provider,
-                float32_output=float32_output,
+        try:
+            delayed = any(lp.shape.delay_wgrad for lp in self.layers)
+            if delayed:
+                check_wgrad_listed(model, list(layers), [lp.wgrad_parts for lp in self.layers])
+            check_fsdp(model, layers, delayed=delayed)
+            self.post_process: PostProcessNode | None = (
+                PostProcessNode(
+                    model,
+                    self.state,
+                    self.event,
+                    streams.comp_provider,
+                    float32_output=float32_output,
+                )
+                if model.post_process
+                else None
             )
-            if model.post_process
-            else None
-        )
+        except BaseException:
+            for lp in self.layers:  # refused: the layer plans' claims end here
+                lp.release_state()
+            raise
         self.shape = ChunkShape(
             layers=tuple(lp.shape for lp in self.layers),
             has_post_process=self.post_process is not None,

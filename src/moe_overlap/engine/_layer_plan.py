@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import NoReturn
 
@@ -19,6 +20,7 @@ from ._protocols import SchedulableLayer, SlotFn, StepObserver, StreamProvider, 
 from ._state import ChunkState, LayerState
 from ._steps import LayerShape, Slot, Step, layer_pair_steps
 from ._streams import AnyEvent, StreamPair
+from ._wgrad_claims import WgradClaim
 
 __all__ = ["TransformerLayerSchedulePlan"]
 
@@ -41,7 +43,9 @@ class TransformerLayerSchedulePlan:
     it in errors as ``owner.decoder.layers[index]``). It delays
     its weight gradients exactly when ``pre_dispatch_wgrad()`` or ``mlp_wgrad()`` lists a
     module; ``options.delay_wgrad_compute``, when not ``None``, must agree
-    (:class:`~moe_overlap.ConfigError` otherwise).
+    (:class:`~moe_overlap.ConfigError` otherwise). From construction to
+    :meth:`release_state` the plan claims the listed modules (:mod:`moe_overlap.wgrad`):
+    their backward queues the weight gradients its wgrad steps compute.
     """
 
     def __init__(
@@ -138,6 +142,12 @@ class TransformerLayerSchedulePlan:
             self.nodes[Slot.MTP_POST] = node(Slot.MTP_POST, comp_stream, mtp.slot_mtp_post_process)
         else:
             self.nodes[Slot.MTP_POST] = NoopScheduleNode("mtp_post_process")
+        # Last, after every check: the listed modules queue their weight gradients for this
+        # plan's wgrad steps from here until release (or until the plan is collected).
+        self._unclaim: Callable[[], object] | None = None
+        if delay:
+            claim = WgradClaim(self.wgrad_parts)
+            self._unclaim = weakref.finalize(self, claim.release)
 
     def node_for(self, step: Step) -> ScheduleNode:
         """The node that runs ``step`` (its slot)."""
@@ -173,6 +183,9 @@ class TransformerLayerSchedulePlan:
         self.nodes = {}
         self.layer_state.clear()
         self.layer = None
+        if self._unclaim is not None:
+            self._unclaim()
+            self._unclaim = None
 
     @staticmethod
     def run(

@@ -32,6 +32,7 @@ from ._errors import IntegrationError
 from ._owed_wgrad import check_wgrad_done, declared_wgrad, owed_wgrad, pending_count
 from ._protocols import SchedulableLayer
 from ._torch_wrappers import has_grad_hooks
+from ._wgrad_claims import WgradClaim
 
 __all__ = [
     "GRAD_ATOL",
@@ -273,7 +274,10 @@ def check_first_step(
         if not (isinstance(loss_p, Tensor) and loss_p.numel() == 1 and loss_p.requires_grad):
             _mark(model, f"skipped: {how} returned other than a scalar loss that needs grad")
             return
-        torch.autograd.backward(loss_p, torch.full_like(loss_p, loss_scale))
+        # Claimed as the schedule claims them, so the listed parts' backward_dw() computes
+        # what they queue (a part that delays whoever calls needs it as much).
+        with WgradClaim(part for _, part in declared_wgrad(model)):
+            torch.autograd.backward(loss_p, torch.full_like(loss_p, loss_scale))
         _finish_listed_wgrad(model)
         g_p = [p.grad for p in params.params]
         difference = _first_difference(loss_s, loss_p.detach(), g_s, g_p, params.names)

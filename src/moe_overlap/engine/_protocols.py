@@ -41,6 +41,7 @@ __all__ = [
     "DeclaresInputs",
     "DecoderLike",
     "FreeInputConfig",
+    "HoldsDelayedModules",
     "LayerListLike",
     "ModelConfigLike",
     "MtpSchedulableLayer",
@@ -80,6 +81,21 @@ class WgradLayer(Protocol):
 
     def backward_dw(self) -> None: ...
     def parameters(self) -> Iterator[Parameter]: ...
+
+
+@runtime_checkable
+class HoldsDelayedModules(Protocol):
+    """A :class:`WgradLayer` that computes the delayed weight gradients of modules it holds
+    without being an ``nn.Module`` that contains them (a group of linears, an experts'
+    weights): ``delayed_modules()`` names them.
+
+    A schedule claims what its layers list, and the submodules of what is an
+    ``nn.Module``; a delayed module claimed by nothing computes its weight gradient in
+    backward (:mod:`moe_overlap.wgrad`). A listed part that is neither must name its
+    modules here, or they would compute at once and its ``backward_dw()`` find nothing.
+    """
+
+    def delayed_modules(self) -> Sequence[object]: ...
 
 
 class WgradScope(NamedTuple):

@@ -32,6 +32,7 @@ from ._protocols import (
     DecoderLike,
     FreeInputConfig,
     GraphedWgradLayer,
+    HoldsDelayedModules,
     LayerListLike,
     ModelConfigLike,
     MtpSchedulableLayer,
@@ -66,6 +67,7 @@ __all__ = [
     "DISPATCHER_BACKENDS",
     "DISPATCHER_TYPES",
     "FREE_INPUT_CONFIG",
+    "HOLDS_DELAYED_MODULES",
     "LAYER",
     "MODEL",
     "MTP_LAYER",
@@ -432,6 +434,12 @@ WGRAD_LAYER: Contract[WgradLayer] = Contract(
     method("backward_dw"),
     method("parameters"),
     help="list only modules that delay their weight gradients (blocks.DelayedWgradModule is one)",
+)
+
+HOLDS_DELAYED_MODULES: Contract[HoldsDelayedModules] = Contract(
+    HoldsDelayedModules,
+    "a HoldsDelayedModules (delayed_modules() names the modules whose weight gradients it computes)",
+    method("delayed_modules"),
 )
 
 PENDING_WGRAD: Contract[PendingWgrad] = Contract(

@@ -425,7 +425,8 @@ class PipelineOverlap:
 
     def _after_shape_inference(self) -> None:
         """torch's shape inference (first step, 2.13) runs the plain backward: weight
-        gradients a delayed-wgrad stage queued there are not the step's; drop them."""
+        gradients a delayed-wgrad stage queued there (a module that delays whoever calls;
+        no plan claims the library's there) are not the step's; drop them."""
         self._first_action = False
         for index, stage in self._stages.items():
             if not owed_wgrad(stage.submod):
