@@ -309,9 +309,17 @@ class HFMoELayer(_LayerBase, MoESlots):
         # extras beside it go to combine; a frozen shared expert's carries no gradient.
         state.stash(_REST, _hand_on(ctx, rest) if s.block_adds else None)
         state.stash(_EXTRA, _hand_on(ctx, extra) if extra is not None else None)
-        # The experts' rows grouped as the model's own experts group them (_hf_order).
-        order = row_order(self.experts_module).copies if self.routed_slots is not None else None
-        return self.dispatcher.slot_permute(ctx, hidden_TD, weights_TK, index_TK, order=order)
+        # The experts' rows grouped, and their gradients summed, as the model's own experts
+        # do (_hf_order).
+        rows = row_order(self.experts_module) if self.routed_slots is not None else None
+        return self.dispatcher.slot_permute(
+            ctx,
+            hidden_TD,
+            weights_TK,
+            index_TK,
+            order=rows.copies if rows is not None else None,
+            sum_order=rows.sums if rows is not None else None,
+        )
 
     def _block(
         self, u: Tensor, call: LayerCall

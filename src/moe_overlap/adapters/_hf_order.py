@@ -17,10 +17,19 @@ implementations (``config._experts_implementation``, the classes decorated with
 - ``batched_mm``, or an experts module without the decorator: token order (the
   dispatcher's default), and the order given.
 
-:func:`row_order` gives both for a module, read when called (the implementation can be
-switched on a built model). The dispatcher groups the copies as :attr:`RowOrder.copies`
-says; the mlp slot hands the experts their rows so that :attr:`RowOrder.regroup` puts them
-back in that order.
+Backward sums the gradients of a token's ``K`` copies into the token's; from ``K = 3`` on
+the order of those additions changes the rounding. ``grouped_mm`` gathers the copies by
+indexing the tokens in its sorted order, so it adds a token's copies one by one by
+ascending expert; ``eager`` indexes the tokens once per expert, and autograd adds those
+gradients as they arrive, the expert run last first: by descending expert; ``batched_mm``
+repeats each token ``K`` times, whose gradient is a sum over ``K`` (the dispatcher's
+default).
+
+:func:`row_order` gives all three for a module, read when called (the implementation can
+be switched on a built model). The dispatcher groups the copies as
+:attr:`RowOrder.copies` says and gathers them as :attr:`RowOrder.sums` says; the mlp slot
+hands the experts their rows so that :attr:`RowOrder.regroup` puts them back in that
+order.
 """
 
 from __future__ import annotations
@@ -46,6 +55,9 @@ class RowOrder:
     regroup: Callable[[Tensor], Tensor] | None
     """The adapter's call (``[M]`` ids, grouped): the permutation the module applies to the
     rows before its GEMMs (``None``: it keeps their order)."""
+    sums: CopyOrder | None
+    """The block's call: the flat ``(token, k)`` indices in the order the module adds each
+    token's copy gradients (``None``: a sum over ``K``, the dispatcher's default)."""
 
 
 def _sorted(ids: Tensor) -> Tensor:
@@ -60,9 +72,15 @@ def _by_k_then_token(experts_TK: Tensor) -> Tensor:
     return torch.argsort(experts_TK.reshape(-1) * K + slot_N, stable=True)
 
 
-_GROUPED = RowOrder(copies=_sorted, regroup=_sorted)
-_EAGER = RowOrder(copies=_by_k_then_token, regroup=None)
-_GIVEN = RowOrder(copies=None, regroup=None)
+def _by_expert_descending(experts_TK: Tensor) -> Tensor:
+    """Flat ``(token, k)`` indices by descending expert (a token's copies have distinct
+    experts, so ties never decide a token's order)."""
+    return torch.argsort(experts_TK.reshape(-1), descending=True, stable=True)
+
+
+_GROUPED = RowOrder(copies=_sorted, regroup=_sorted, sums=_sorted)
+_EAGER = RowOrder(copies=_by_k_then_token, regroup=None, sums=_by_expert_descending)
+_GIVEN = RowOrder(copies=None, regroup=None, sums=None)
 
 
 def implementation(experts: nn.Module) -> str | None:

@@ -209,9 +209,10 @@ def slot_permute(
     probs_TK: Tensor,
     experts_TK: Tensor,
     order: CopyOrder | None = None,
+    sum_order: CopyOrder | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Pre-dispatch in chunks: permute (``order`` within each chunk) and plan each chunk;
-    chunk 0's tokens and probs."""
+    """Pre-dispatch in chunks: permute (``order`` and ``sum_order`` within each chunk) and
+    plan each chunk; chunk 0's tokens and probs."""
     sizes = _sizes(hidden_TD.shape[0], d.chunks)
     state = ctx.layer_state
     pmeta: list[PermuteMeta] = []
@@ -225,7 +226,7 @@ def slot_permute(
             strict=True,
         )
     ):
-        tokens_ND, probs_N, meta = d.permute(h, p, e, order=order)
+        tokens_ND, probs_N, meta = d.permute(h, p, e, order=order, sum_order=sum_order)
         pmeta.append(meta)
         dmeta.append(d.plan(meta))
         if j == 0:

@@ -312,6 +312,16 @@ def _counts(sorted_ids: Tensor, n: int) -> Tensor:
     return torch.searchsorted(sorted_ids, bounds).diff()
 
 
+def _gathered(hidden_TD: Tensor, order_N: Tensor, sum_N: Tensor | None, K: int) -> Tensor:
+    """The copies ``order_N`` of the tokens' rows, gathered by indexing ``hidden_TD`` in
+    ``sum_N``'s order (``None``: ``order_N``'s), whose backward adds each token's copies
+    one by one in that order; then moved to ``order_N``'s order (a permutation)."""
+    if sum_N is None:
+        return hidden_TD[order_N // K]
+    position_N = _inverse(sum_N).index_select(0, order_N)
+    return hidden_TD[sum_N // K].index_select(0, position_N)
+
+
 def _routed(
     recv_MD: Tensor,
     probs_M: Tensor,
@@ -411,19 +421,31 @@ class TokenDispatcher:
         experts_TK: Tensor,
         *,
         order: CopyOrder | None = None,
+        sum_order: CopyOrder | None = None,
     ) -> tuple[Tensor, Tensor, PermuteMeta]:
         """Copy each token ``K`` times and group the copies by expert: in token order
         within an expert (a stable sort), or as ``order`` says (a :data:`CopyOrder`: the
         order a model's own experts take their rows in, so that each expert's weight
-        gradient sums its rows in the same order)."""
+        gradient sums its rows in the same order).
+
+        Backward sums each token's ``K`` copy gradients. By default, as the gradient of an
+        expand (a sum over ``K``, deterministic on every device). With ``sum_order`` (a
+        :data:`CopyOrder`; the callable ``order`` itself means the same indices): the
+        copies are gathered by indexing the tokens in that order, as a model's own experts
+        may gather them, so that backward adds each token's copies one by one in that order
+        (from ``K = 3`` the order changes the rounding)."""
         T, D = hidden_TD.shape
         K = experts_TK.shape[1]
         experts_N = experts_TK.reshape(-1)
         order_N = order(experts_TK) if order is not None else torch.argsort(experts_N, stable=True)
-        # Expand-then-select (not index_select with repeated indices): the backward is a
-        # permutation plus a sum over K, deterministic on every device.
-        copies_ND = hidden_TD.unsqueeze(1).expand(T, K, D).reshape(T * K, D)
-        tokens_ND = copies_ND.index_select(0, order_N)
+        if sum_order is not None:
+            sum_N = None if sum_order is order else sum_order(experts_TK)
+            tokens_ND = _gathered(hidden_TD, order_N, sum_N, K)
+        else:
+            # Expand-then-select (not index_select with repeated indices): the backward is a
+            # permutation plus a sum over K, deterministic on every device.
+            copies_ND = hidden_TD.unsqueeze(1).expand(T, K, D).reshape(T * K, D)
+            tokens_ND = copies_ND.index_select(0, order_N)
         probs_N = probs_TK.reshape(-1).index_select(0, order_N)
         counts_X = _counts(experts_N.index_select(0, order_N), self.num_experts)
         meta = PermuteMeta(
@@ -490,12 +512,17 @@ class TokenDispatcher:
         experts_TK: Tensor,
         *,
         order: CopyOrder | None = None,
+        sum_order: CopyOrder | None = None,
     ) -> tuple[Tensor, Tensor]:
-        """Pre-dispatch: :meth:`permute` (``order`` as there) and :meth:`plan`, keeping both
-        metadata values in the layer state for the later slots."""
+        """Pre-dispatch: :meth:`permute` (``order`` and ``sum_order`` as there) and
+        :meth:`plan`, keeping both metadata values in the layer state for the later slots."""
         if self.chunks > 1:
-            return _chunked.slot_permute(self, ctx, hidden_TD, probs_TK, experts_TK, order)
-        tokens_ND, probs_N, meta = self.permute(hidden_TD, probs_TK, experts_TK, order=order)
+            return _chunked.slot_permute(
+                self, ctx, hidden_TD, probs_TK, experts_TK, order, sum_order
+            )
+        tokens_ND, probs_N, meta = self.permute(
+            hidden_TD, probs_TK, experts_TK, order=order, sum_order=sum_order
+        )
         state = ctx.layer_state
         state.stash(_PERMUTE, meta)
         state.stash(_DISPATCH, self.plan(meta))
