@@ -17,19 +17,26 @@ implementations (``config._experts_implementation``, the classes decorated with
 - ``batched_mm``, or an experts module without the decorator: token order (the
   dispatcher's default), and the order given.
 
-Backward sums the gradients of a token's ``K`` copies into the token's; from ``K = 3`` on
-the order of those additions changes the rounding. ``grouped_mm`` gathers the copies by
-indexing the tokens in its sorted order, so it adds a token's copies one by one by
-ascending expert; ``eager`` indexes the tokens once per expert, and autograd adds those
-gradients as they arrive, the expert run last first: by descending expert; ``batched_mm``
-repeats each token ``K`` times, whose gradient is a sum over ``K`` (the dispatcher's
-default).
+A token's ``K`` outputs are added into its output (forward), and the gradients of its
+``K`` copies into its gradient (backward); from ``K = 3`` on the order of those additions
+changes the rounding:
 
-:func:`row_order` gives all three for a module, read when called (the implementation can
-be switched on a built model). The dispatcher groups the copies as
-:attr:`RowOrder.copies` says and gathers them as :attr:`RowOrder.sums` says; the mlp slot
-hands the experts their rows so that :attr:`RowOrder.regroup` puts them back in that
-order.
+- ``grouped_mm``: forward, a sum over ``K`` (the dispatcher's default); backward, its one
+  gather (indexing the tokens in its sorted order) adds a token's copies one by one by
+  ascending expert;
+- ``eager``: forward, an ``index_add`` per expert, by ascending expert (the grouped order:
+  ``combine="grouped"``); backward, it indexes the tokens once per expert, and autograd
+  adds each expert's gradient into the block input's as it arrives, the expert run last
+  first, between the gradients of the block's other parts that reach the input;
+- ``batched_mm``: a sum over ``K`` both ways (it repeats each token ``K`` times).
+
+So, for ``grouped_mm`` and ``eager``, the adapter gathers the copies at the point of the
+block's call, with the same operations (:attr:`RowOrder.gather`), and hands them to the
+dispatcher (:class:`~moe_overlap.blocks.Gathered`).
+
+:func:`row_order` gives all of it for a module, read when called (the implementation can
+be switched on a built model). The mlp slot hands the experts their rows so that
+:attr:`RowOrder.regroup` puts them back in the grouped order.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from moe_overlap.blocks import CopyOrder
+from moe_overlap.blocks import Combine, CopyOrder
 
 __all__ = ["RowOrder", "implementation", "row_order"]
 
@@ -55,9 +62,12 @@ class RowOrder:
     regroup: Callable[[Tensor], Tensor] | None
     """The adapter's call (``[M]`` ids, grouped): the permutation the module applies to the
     rows before its GEMMs (``None``: it keeps their order)."""
-    sums: CopyOrder | None
-    """The block's call: the flat ``(token, k)`` indices in the order the module adds each
-    token's copy gradients (``None``: a sum over ``K``, the dispatcher's default)."""
+    gather: Callable[[Tensor, Tensor, Tensor], Tensor] | None
+    """The block's call: ``gather(hidden_TD, experts_TK, order_N)``, the copies ``order_N``
+    (from :attr:`copies`) gathered with the module's own indexing (``None``: the
+    dispatcher's expand, whose gradient is a sum over ``K``)."""
+    combine: Combine
+    """How the module adds each token's outputs (:data:`~moe_overlap.blocks.Combine`)."""
 
 
 def _sorted(ids: Tensor) -> Tensor:
@@ -72,15 +82,26 @@ def _by_k_then_token(experts_TK: Tensor) -> Tensor:
     return torch.argsort(experts_TK.reshape(-1) * K + slot_N, stable=True)
 
 
-def _by_expert_descending(experts_TK: Tensor) -> Tensor:
-    """Flat ``(token, k)`` indices by descending expert (a token's copies have distinct
-    experts, so ties never decide a token's order)."""
-    return torch.argsort(experts_TK.reshape(-1), descending=True, stable=True)
+def _gather_sorted(hidden_TD: Tensor, experts_TK: Tensor, order_N: Tensor) -> Tensor:
+    """``grouped_mm``'s gather: the tokens indexed once, in the grouped order."""
+    return hidden_TD[order_N // experts_TK.shape[1]]
 
 
-_GROUPED = RowOrder(copies=_sorted, regroup=_sorted, sums=_sorted)
-_EAGER = RowOrder(copies=_by_k_then_token, regroup=None, sums=_by_expert_descending)
-_GIVEN = RowOrder(copies=None, regroup=None, sums=None)
+def _gather_per_expert(hidden_TD: Tensor, experts_TK: Tensor, order_N: Tensor) -> Tensor:
+    """``eager``'s gather: the tokens indexed once per expert hit, by ascending expert."""
+    K = experts_TK.shape[1]
+    _, counts = torch.unique_consecutive(
+        experts_TK.reshape(-1).index_select(0, order_N), return_counts=True
+    )
+    sizes: list[int] = [int(c) for c in counts]  # a host read, as the module's own loop
+    return torch.cat([hidden_TD[part // K] for part in order_N.split(sizes)])
+
+
+_GROUPED = RowOrder(copies=_sorted, regroup=_sorted, gather=_gather_sorted, combine="sum")
+_EAGER = RowOrder(
+    copies=_by_k_then_token, regroup=None, gather=_gather_per_expert, combine="grouped"
+)
+_GIVEN = RowOrder(copies=None, regroup=None, gather=None, combine="sum")
 
 
 def implementation(experts: nn.Module) -> str | None:
