@@ -43,6 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -90,11 +91,11 @@ def _gather_sorted(hidden_TD: Tensor, experts_TK: Tensor, order_N: Tensor) -> Te
 def _gather_per_expert(hidden_TD: Tensor, experts_TK: Tensor, order_N: Tensor) -> Tensor:
     """``eager``'s gather: the tokens indexed once per expert hit, by ascending expert."""
     K = experts_TK.shape[1]
-    _, counts = torch.unique_consecutive(
-        experts_TK.reshape(-1).index_select(0, order_N), return_counts=True
-    )
-    sizes: list[int] = [int(c) for c in counts]  # a host read, as the module's own loop
-    return torch.cat([hidden_TD[part // K] for part in order_N.split(sizes)])
+    counts_X = torch.bincount(experts_TK.reshape(-1))
+    # A host read, as the module's own loop over the experts hit.
+    sizes = [n for n in cast("list[int]", counts_X.tolist()) if n]  # pyright: ignore[reportUnknownMemberType]
+    parts: tuple[Tensor, ...] = torch.split(order_N, sizes)
+    return torch.cat([hidden_TD[part // K] for part in parts])
 
 
 _GROUPED = RowOrder(copies=_sorted, regroup=_sorted, gather=_gather_sorted, combine="sum")
