@@ -32,6 +32,9 @@ from tests.torch_state import num_threads
 
 LAYERS = 4
 VOCAB = 128
+TOPK = 4
+"""Experts per token: from 3 on, the order in which a token's outputs and gradients are
+added changes the rounding, so top-4 checks what top-2 cannot."""
 IDS_BELOW = 100
 """Token ids of the probe batches (a few families mask logits past an unpadded vocabulary)."""
 
@@ -117,10 +120,10 @@ RULES: tuple[_Rule, ...] = (
     ("n_routed_experts", 8),
     ("num_local_experts", 8),
     ("moe_num_experts", 8),
-    ("num_experts_per_tok", 2),
-    ("moe_topk", 2),
-    ("moe_k", 2),
-    ("top_k_experts", 2),
+    ("num_experts_per_tok", TOPK),
+    ("moe_topk", TOPK),
+    ("moe_k", TOPK),
+    ("top_k_experts", TOPK),
     ("n_shared_experts", 1),
     ("num_shared_experts", 1),
     ("moe_num_shared_experts", 1),
@@ -145,13 +148,13 @@ RULES: tuple[_Rule, ...] = (
 )
 
 OVERRIDES: dict[str, dict[str, object]] = {
-    "hunyuan_v1_moe": {"num_experts": 8, "moe_topk": 2},  # defaults: one expert, top-1
-    "gemma4": {"enable_moe_block": True, "num_experts": 8, "top_k_experts": 2},
+    "hunyuan_v1_moe": {"num_experts": 8, "moe_topk": TOPK},  # defaults: one expert, top-1
+    "gemma4": {"enable_moe_block": True, "num_experts": 8, "top_k_experts": TOPK},
     "doge": {"is_moe": True, "num_experts": 16},
     "zaya": {"num_experts_per_tok": 1},  # its config accepts top-1 only
     "dbrx": {
         "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
-        "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2},
+        "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": TOPK},
     },
     "lfm2_moe": {"layer_types": ["conv", "full_attention", "conv", "full_attention"]},
     "granitemoehybrid": {
@@ -398,7 +401,7 @@ def table(rows: Sequence[Row]) -> str:
         "`tests/adapters/test_families.py` fails when it is stale.",
         "",
         "Each family is built tiny from its own config class (4 layers, hidden 64, 8 experts, "
-        "top-2, float32) and trained one step of two microbatches: *supported* means the "
+        f"top-{TOPK}, float32) and trained one step of two microbatches: *supported* means the "
         "schedule's losses and gradients equal the model's own `forward` + `backward()` "
         "(transformers' model, not the adapter's plain path) and the overlapped schedule is "
         "bit-identical to the plain one, with and without `delay_wgrad_compute`, and again "

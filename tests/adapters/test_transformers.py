@@ -81,6 +81,31 @@ def test_bit_identical_whatever_the_experts_implementation(
     assert result.ok and result.exact, result
 
 
+_TOPK_FAMILIES = {
+    "mixtral": lambda k: mixtral(num_experts_per_tok=k, num_local_experts=8),
+    "qwen2_moe": lambda k: qwen2_moe(num_experts_per_tok=k, num_experts=8),
+}
+
+
+@pytest.mark.parametrize("delay", [False, True])
+@pytest.mark.parametrize("implementation", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("topk", [4, 8])
+@pytest.mark.parametrize("family", sorted(_TOPK_FAMILIES))
+def test_bit_identical_beyond_top2(
+    family: str, topk: int, implementation: str, delay: bool
+) -> None:
+    """From top-3 on, the order in which a token's outputs and copy gradients are added
+    changes the rounding: the copies are gathered at the block's call as the model's own
+    experts gather them (grouped_mm: one gather in its sorted order; eager: one per expert,
+    whose gradients autograd adds between the shared expert's gate's and the router's) and
+    combined as they combine them (grouped_mm: a sum over the top-k slots; eager: by
+    ascending expert). Qwen2-MoE's shared expert gate makes eager differ even at top-2."""
+    model = _TOPK_FAMILIES[family](topk)
+    setattr(model.config, "_experts_implementation", implementation)  # noqa: B010 - transformers' switch
+    result = compare(model, microbatches(2), delay=delay)
+    assert result.ok and result.exact, result
+
+
 def test_tied_embeddings_bit_identical() -> None:
     """The LM head's and the embedding's gradients of a tied weight are summed before they
     reach ``.grad``, as the model's own backward sums them (from the second microbatch on

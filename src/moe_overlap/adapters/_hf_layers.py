@@ -57,6 +57,7 @@ from moe_overlap.adapters._hf_structure import (
 from moe_overlap.blocks import (
     DelayedWgradModule,
     DenseSlots,
+    Gathered,
     GroupSizes,
     MoESlots,
     SlotContext,
@@ -84,27 +85,38 @@ def _hand_on(ctx: SlotContext, t: Tensor) -> Tensor:
 
 
 class _RoutedStandIn(ExpertsStandIn):
-    """Stands in for a block's routed experts; takes the token-major view ``[T, D]`` of the
-    hidden rows at the point of the call, where the experts' own first operation on them
-    is. Backward then sums the block input's gradient from the router, the routed experts
-    and the shared experts in the original's order (autograd runs the ready node created
-    last first): bit-identical to the model's own, not only equal up to rounding."""
+    """Stands in for a block's routed experts; at the point of the call, where the experts'
+    own first operation on the hidden rows is, either gathers their copies as the model's
+    experts implementation gathers them (:attr:`gathered`, :mod:`._hf_order`) or takes the
+    token-major view ``[T, D]`` of the rows (:attr:`rows_TD`). Backward then sums the block
+    input's gradient from the router, each routed expert and the shared experts in the
+    original's order (autograd runs the ready node created last first): bit-identical to
+    the model's own, not only equal up to rounding."""
 
-    def __init__(self, experts: nn.Module, rows_at: ArgSlot | None) -> None:
+    def __init__(self, experts: nn.Module, slots: tuple[ArgSlot, ArgSlot, ArgSlot] | None) -> None:
         super().__init__(experts)
-        self.rows_at = rows_at
+        self.slots = slots
         self.rows_TD: Tensor | None = None
+        self.gathered: Gathered | None = None
 
     def forward(self, *args: object, **kwargs: object) -> Tensor:
         out = super().forward(*args, **kwargs)
-        if self.rows_at is not None:
-            rows = self.get(self.rows_at)
-            self.rows_TD = rows.view(-1, rows.shape[-1])
+        if self.slots is not None:
+            rows_at, index_at, _ = self.slots
+            rows = self.get(rows_at)
+            rows_TD = rows if rows.dim() == 2 else rows.view(-1, rows.shape[-1])
+            order = row_order(cast(nn.Module, object.__getattribute__(self, "_experts")))
+            if order.gather is not None and order.copies is not None:
+                index_TK = self.get(index_at)
+                order_N = order.copies(index_TK)
+                self.gathered = Gathered(order_N, order.gather(rows_TD, index_TK, order_N))
+            self.rows_TD = rows_TD
         return out
 
     def forget(self) -> None:
         super().forget()
         self.rows_TD = None
+        self.gathered = None
 
 
 class _LayerBase:
@@ -219,7 +231,7 @@ class HFMoELayer(_LayerBase, MoESlots):
         self.experts_module = self.block.get_submodule("experts")
         self.stand_in = _RoutedStandIn(
             self.experts_module,
-            split.experts.hidden if split.experts.kind is ExpertsKind.ROUTED else None,
+            split.experts.routed_slots() if split.experts.kind is ExpertsKind.ROUTED else None,
         )
         where = f"{type(layer).__name__}.{split.block}.experts"
         self.layout = ExpertLayout.of(self.experts_module, hidden_size, where)
@@ -289,7 +301,7 @@ class HFMoELayer(_LayerBase, MoESlots):
         h = x_BSD + self._scaled(a)
         pre = self.pre_mlp_norm
         u = xa if s.parallel else (pre(h) if pre is not None else h)
-        rest, hidden_TD, index_TK, weights_TK, logits = self._block(u, call)
+        rest, hidden_TD, index_TK, weights_TK, logits, gathered = self._block(u, call)
         extra: Tensor | None = None
         for part, spec in self.extras:
             out = first_tensor(spec.call(part, u, call))
@@ -309,14 +321,26 @@ class HFMoELayer(_LayerBase, MoESlots):
         # extras beside it go to combine; a frozen shared expert's carries no gradient.
         state.stash(_REST, _hand_on(ctx, rest) if s.block_adds else None)
         state.stash(_EXTRA, _hand_on(ctx, extra) if extra is not None else None)
-        # The experts' rows grouped as the model's own experts group them (_hf_order).
-        order = row_order(self.experts_module).copies if self.routed_slots is not None else None
-        return self.dispatcher.slot_permute(ctx, hidden_TD, weights_TK, index_TK, order=order)
+        # The experts' rows grouped, gathered and combined as the model's own experts
+        # do (_hf_order).
+        if self.routed_slots is None:
+            return self.dispatcher.slot_permute(ctx, hidden_TD, weights_TK, index_TK)
+        rows = row_order(self.experts_module)
+        return self.dispatcher.slot_permute(
+            ctx,
+            hidden_TD,
+            weights_TK,
+            index_TK,
+            order=rows.copies if gathered is None else None,
+            gathered=gathered,
+            combine=rows.combine,
+        )
 
     def _block(
         self, u: Tensor, call: LayerCall
-    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]:
-        """The block's own forward with the experts stood in for; what it handed them."""
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Gathered | None]:
+        """The block's own forward with the experts stood in for; what it handed them (and
+        their copies, if the stand-in gathered them)."""
         s, ex = self.split, self.split.experts
         seen: dict[str, object] = {}
         hooks: list[RemovableHandle] = []
@@ -356,9 +380,11 @@ class HFMoELayer(_LayerBase, MoESlots):
             assert isinstance(scores, Tensor)
             hidden = u.reshape(-1, u.shape[-1])
             weights, index = torch.topk(scores, ex.top_k, dim=-1)
+        gathered = self.stand_in.gathered
         self.stand_in.forget()
         hidden_TD = hidden.reshape(-1, hidden.shape[-1])
-        return rest, hidden_TD, index, weights, logits if isinstance(logits, Tensor) else None
+        logits_out = logits if isinstance(logits, Tensor) else None
+        return rest, hidden_TD, index, weights, logits_out, gathered
 
     def dispatch(self, ctx: SlotContext, tokens_ND: Tensor, probs_N: Tensor) -> Tensor:
         return self.dispatcher.slot_dispatch(ctx, tokens_ND, probs_N)

@@ -54,9 +54,11 @@ from moe_overlap.blocks._delayed_linear import PendingItem as PendingItem
 from moe_overlap.blocks._delayed_linear import accumulate_grad as accumulate_grad
 from moe_overlap.blocks._delayed_linear import discard_wgrad as discard_wgrad
 from moe_overlap.blocks._delayed_linear import finish_wgrad as finish_wgrad
+from moe_overlap.blocks._dispatcher import Combine as Combine
 from moe_overlap.blocks._dispatcher import CopyOrder as CopyOrder
 from moe_overlap.blocks._dispatcher import DispatcherKind as DispatcherKind
 from moe_overlap.blocks._dispatcher import DispatchMeta as DispatchMeta
+from moe_overlap.blocks._dispatcher import Gathered as Gathered
 from moe_overlap.blocks._dispatcher import HostCounts as HostCounts
 from moe_overlap.blocks._dispatcher import PermuteMeta as PermuteMeta
 from moe_overlap.blocks._dispatcher import TokenDispatcher as TokenDispatcher
@@ -102,6 +104,7 @@ from moe_overlap.blocks._transformer import swiglu as swiglu
 
 __all__ = [
     "BlockedKeys",
+    "Combine",
     "CopyOrder",
     "DelayedWgradGroupedLinear",
     "DelayedWgradLinear",
@@ -110,6 +113,7 @@ __all__ = [
     "DenseSlots",
     "DispatchMeta",
     "DispatcherKind",
+    "Gathered",
     "GraphedBlock",
     "GroupSizes",
     "GroupedExperts",

@@ -48,7 +48,13 @@ from moe_overlap.blocks._delayed_linear import GroupSizes
 # dispatcher, which takes this module (already in sys.modules) for its chunked slots and
 # reads it only when they run. The names stay importable here at run time: debug mode's
 # beartype resolves these annotations.
-from moe_overlap.blocks._dispatcher import CopyOrder, DispatchMeta, PermuteMeta, TokenDispatcher
+from moe_overlap.blocks._dispatcher import (
+    Combine,
+    CopyOrder,
+    DispatchMeta,
+    PermuteMeta,
+    TokenDispatcher,
+)
 from moe_overlap.blocks._slots import SlotContext
 from moe_overlap.engine import (
     AnyEvent,
@@ -208,10 +214,13 @@ def slot_permute(
     hidden_TD: Tensor,
     probs_TK: Tensor,
     experts_TK: Tensor,
+    *,
     order: CopyOrder | None = None,
+    combine: Combine = "sum",
 ) -> tuple[Tensor, Tensor]:
-    """Pre-dispatch in chunks: permute (``order`` within each chunk) and plan each chunk;
-    chunk 0's tokens and probs."""
+    """Pre-dispatch in chunks: permute (``order`` within each chunk, ``combine`` as
+    :meth:`TokenDispatcher.permute` takes it) and plan each chunk; chunk 0's tokens and
+    probs."""
     sizes = _sizes(hidden_TD.shape[0], d.chunks)
     state = ctx.layer_state
     pmeta: list[PermuteMeta] = []
@@ -225,7 +234,7 @@ def slot_permute(
             strict=True,
         )
     ):
-        tokens_ND, probs_N, meta = d.permute(h, p, e, order=order)
+        tokens_ND, probs_N, meta = d.permute(h, p, e, order=order, combine=combine)
         pmeta.append(meta)
         dmeta.append(d.plan(meta))
         if j == 0:
@@ -279,7 +288,7 @@ def slot_routed_experts(
 
     def back(j: int, y_MD: Tensor) -> None:
         pm = plan.permute[j]
-        side.enter(side.BACK, y_MD, pm.inverse_N)
+        side.enter(side.BACK, y_MD, *pm.tensors)
         with side.context(side.BACK):
             out_TD = d.unpermute(d.combine(y_MD, plan.dispatch[j]), pm)
         state.stash(_OUT.format(j), ctx.detach(out_TD))

@@ -60,9 +60,11 @@ _PERMUTE = "moe_overlap.permute"
 _DISPATCH = "moe_overlap.dispatch"
 
 __all__ = [
+    "Combine",
     "CopyOrder",
     "DispatchMeta",
     "DispatcherKind",
+    "Gathered",
     "HostCounts",
     "PermuteMeta",
     "TokenDispatcher",
@@ -72,6 +74,25 @@ CopyOrder = Callable[[Tensor], Tensor]
 """``order(experts_TK) -> order_N``: the flat ``(token, k)`` indices of the copies, grouped
 by expert in ascending order, and within an expert in the order the experts should see
 them (:meth:`TokenDispatcher.permute`; default: token order, a stable sort)."""
+
+Combine = Literal["sum", "grouped"]
+"""How :meth:`TokenDispatcher.unpermute` adds each token's ``K`` outputs: ``sum``, a sum
+over ``K`` (the default); ``grouped``, one by one into zeros in the order the copies were
+grouped (an ``index_add``, as a model's own experts may add them). From ``K = 3`` the order
+changes the rounding."""
+
+
+@dataclass(frozen=True, slots=True)
+class Gathered:
+    """Copies a caller gathered itself (:meth:`TokenDispatcher.permute`): ``order_N[i]`` is
+    the flat ``(token, k)`` index of row ``i`` of ``copies_ND``, grouped by expert in
+    ascending order. Gathered where and as a model's own experts gather them, backward adds
+    each token's copy gradients as the model's does (from ``K = 3`` the order changes the
+    rounding)."""
+
+    order_N: Tensor
+    copies_ND: Tensor
+
 
 DispatcherKind = Literal["alltoall", "loopback"]
 """``alltoall``: a real expert-parallel all-to-all over the EP group (skipped at EP=1);
@@ -105,6 +126,16 @@ class PermuteMeta:
     tokens_per_expert_X: Tensor
     num_tokens: int
     topk: int
+    add_tokens_N: Tensor | None = None
+    """With ``combine="grouped"``: each sorted copy's token (:meth:`TokenDispatcher.
+    unpermute` adds the copies one by one in sorted order); ``None``: a sum over ``K``."""
+
+    @property
+    def tensors(self) -> tuple[Tensor, ...]:
+        """The index tensors :meth:`TokenDispatcher.unpermute` reads."""
+        return (
+            (self.inverse_N,) if self.add_tokens_N is None else (self.inverse_N, self.add_tokens_N)
+        )
 
 
 class HostCounts:
@@ -411,19 +442,35 @@ class TokenDispatcher:
         experts_TK: Tensor,
         *,
         order: CopyOrder | None = None,
+        gathered: Gathered | None = None,
+        combine: Combine = "sum",
     ) -> tuple[Tensor, Tensor, PermuteMeta]:
         """Copy each token ``K`` times and group the copies by expert: in token order
         within an expert (a stable sort), or as ``order`` says (a :data:`CopyOrder`: the
         order a model's own experts take their rows in, so that each expert's weight
-        gradient sums its rows in the same order)."""
+        gradient sums its rows in the same order), or take the copies a caller gathered
+        (``gathered``; then ``hidden_TD`` gives only the number of tokens). Without
+        ``gathered``, backward sums each token's ``K`` copy gradients as the gradient of an
+        expand (a sum over ``K``, deterministic on every device). ``combine``: how
+        :meth:`unpermute` adds each token's outputs (:data:`Combine`)."""
         T, D = hidden_TD.shape
         K = experts_TK.shape[1]
         experts_N = experts_TK.reshape(-1)
-        order_N = order(experts_TK) if order is not None else torch.argsort(experts_N, stable=True)
-        # Expand-then-select (not index_select with repeated indices): the backward is a
-        # permutation plus a sum over K, deterministic on every device.
-        copies_ND = hidden_TD.unsqueeze(1).expand(T, K, D).reshape(T * K, D)
-        tokens_ND = copies_ND.index_select(0, order_N)
+        if gathered is not None:
+            if order is not None:
+                raise IntegrationError(
+                    "TokenDispatcher.permute: expected the copies' order from `order` or "
+                    "from `gathered`, received both; pass one"
+                )
+            order_N, tokens_ND = gathered.order_N, gathered.copies_ND
+        else:
+            order_N = (
+                order(experts_TK) if order is not None else torch.argsort(experts_N, stable=True)
+            )
+            # Expand-then-select (not index_select with repeated indices): the backward is a
+            # permutation plus a sum over K, deterministic on every device.
+            copies_ND = hidden_TD.unsqueeze(1).expand(T, K, D).reshape(T * K, D)
+            tokens_ND = copies_ND.index_select(0, order_N)
         probs_N = probs_TK.reshape(-1).index_select(0, order_N)
         counts_X = _counts(experts_N.index_select(0, order_N), self.num_experts)
         meta = PermuteMeta(
@@ -432,6 +479,7 @@ class TokenDispatcher:
             tokens_per_expert_X=counts_X,
             num_tokens=T,
             topk=K,
+            add_tokens_N=order_N // K if combine == "grouped" else None,
         )
         return tokens_ND, probs_N, meta
 
@@ -476,8 +524,12 @@ class TokenDispatcher:
         return _all_to_all(out_MD, self.group, list(meta.send_splits), list(meta.recv_splits))
 
     def unpermute(self, back_ND: Tensor, meta: PermuteMeta) -> Tensor:
-        """Undo :meth:`permute`: each token's output is the sum of its ``K`` copies."""
+        """Undo :meth:`permute`: each token's output is the sum of its ``K`` copies (added
+        as the ``combine`` given there says)."""
         T, K = meta.num_tokens, meta.topk
+        if meta.add_tokens_N is not None:
+            zeros_TD = back_ND.new_zeros(T, back_ND.shape[-1])
+            return zeros_TD.index_add(0, meta.add_tokens_N, back_ND)
         copies_ND = back_ND.index_select(0, meta.inverse_N)
         return copies_ND.view(T, K, back_ND.shape[-1]).sum(dim=1)
 
@@ -490,12 +542,25 @@ class TokenDispatcher:
         experts_TK: Tensor,
         *,
         order: CopyOrder | None = None,
+        gathered: Gathered | None = None,
+        combine: Combine = "sum",
     ) -> tuple[Tensor, Tensor]:
-        """Pre-dispatch: :meth:`permute` (``order`` as there) and :meth:`plan`, keeping both
-        metadata values in the layer state for the later slots."""
+        """Pre-dispatch: :meth:`permute` (the keywords as there; ``gathered`` only with
+        ``chunks=1``) and :meth:`plan`, keeping both metadata values in the layer state for
+        the later slots."""
         if self.chunks > 1:
-            return _chunked.slot_permute(self, ctx, hidden_TD, probs_TK, experts_TK, order)
-        tokens_ND, probs_N, meta = self.permute(hidden_TD, probs_TK, experts_TK, order=order)
+            if gathered is not None:
+                raise IntegrationError(
+                    f"TokenDispatcher.slot_permute: expected copies gathered per chunk, "
+                    f"received `gathered` for the whole microbatch with chunks={self.chunks}; "
+                    "pass `order` instead, or build the dispatcher with chunks=1"
+                )
+            return _chunked.slot_permute(
+                self, ctx, hidden_TD, probs_TK, experts_TK, order=order, combine=combine
+            )
+        tokens_ND, probs_N, meta = self.permute(
+            hidden_TD, probs_TK, experts_TK, order=order, gathered=gathered, combine=combine
+        )
         state = ctx.layer_state
         state.stash(_PERMUTE, meta)
         state.stash(_DISPATCH, self.plan(meta))
