@@ -3,7 +3,7 @@
 A module that can delay its weight gradient (:class:`~moe_overlap.blocks.DelayedWgradModule`)
 queues it in backward only while a claim names it, and otherwise computes it at once, as
 ``nn.Linear`` does. A claim names the modules a schedule will run ``backward_dw()`` for:
-every chunk plan claims what its layers list (``pre_dispatch_wgrad()`` / ``mlp_wgrad()``)
+every layer plan claims what its layer lists (``pre_dispatch_wgrad()`` / ``mlp_wgrad()``)
 from construction to release, so a plain ``loss.backward()``, another adapter's schedule
 or a deep copy of the model (other objects) never leaves a weight gradient waiting for a
 ``backward_dw()`` nothing runs.
@@ -86,11 +86,6 @@ class WgradClaim:
             for key in held:
                 _CLAIMED[key] = _CLAIMED.get(key, 0) + 1
         self._held = held
-
-    @property
-    def released(self) -> bool:
-        """Whether the claim names nothing (released, or made on nothing)."""
-        return not self._held
 
     def release(self) -> None:
         """Stop claiming (the modules' next backward computes at once unless claimed again)."""
