@@ -152,7 +152,9 @@ def _own(base: nn.Module) -> tuple[list[Tensor], dict[str, Tensor]]:
     losses = []
     for mb in _microbatches(model):
         assert mb.labels is not None
-        logits = model(mb.input_ids, positions=mb.position_ids)
+        # As torchtitan's trainer: the flex attention masks built from the positions.
+        masks = cast(Any, model).get_attention_masks(mb.position_ids)
+        logits = model(mb.input_ids, attention_masks=masks, positions=mb.position_ids)
         loss = cross_entropy_loss(logits, mb.labels) / (mb.labels != -100).sum()
         torch.autograd.backward(loss)
         losses.append(loss.detach())

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor
 
-from moe_overlap import ChunkState, IntegrationError, Microbatch
-from moe_overlap.blocks import DispatcherKind, PlainContext, TokenDispatcher
+from moe_overlap import ChunkState, ConfigError, IntegrationError, Microbatch
+from moe_overlap.blocks import DispatcherKind, Gathered, PlainContext, TokenDispatcher
 
 
 @pytest.mark.parametrize("kind", ["alltoall", "loopback"])
@@ -42,3 +43,27 @@ def test_experts_step_needs_the_dispatch_step() -> None:
     ctx = PlainContext(ChunkState(Microbatch()))
     with pytest.raises(IntegrationError, match="nothing stashed"):
         dispatcher.slot_experts(ctx, torch.ones(1, 1), lambda r, s: r, weigh_in_float32=False)
+
+
+@pytest.mark.parametrize(
+    ("keywords", "message"),
+    [
+        ({"combine": "mean"}, r"combine must be one of \['sum', 'grouped'\], received str 'mean'"),
+        ({"order": lambda e: e.reshape(-1).float()}, r"order\(experts_TK\): expected .*int64"),
+        ({"order": lambda e: e.reshape(-1)[:3].long()}, r"int64 tensor \[8\]"),
+        ({"gathered": (torch.arange(8), torch.zeros(8, 4))}, r"gathered: expected a Gathered"),
+        (
+            {"gathered": Gathered(torch.arange(8), torch.zeros(7, 4))},
+            r"gathered copies as \[N, D\] with N = T\*K = 8, received \[7, 4\]",
+        ),
+    ],
+)
+def test_permute_refuses_a_malformed_order_or_gathered_copies(
+    keywords: dict[str, object], message: str
+) -> None:
+    dispatcher = TokenDispatcher(4, 2)
+    hidden, probs = torch.randn(4, 4), torch.rand(4, 2)
+    experts = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2]])
+    call: Any = dispatcher.permute
+    with pytest.raises((IntegrationError, ConfigError), match=message):
+        call(hidden, probs, experts, **keywords)

@@ -53,6 +53,7 @@ from moe_overlap.blocks import _a2a_chunks as _chunked
 from moe_overlap.blocks._delayed_linear import GroupSizes
 from moe_overlap.blocks._loopback import HostLoopback, loopback
 from moe_overlap.blocks._slots import SlotContext
+from moe_overlap.engine import DEBUG
 from moe_overlap.engine.args import GROUP, POSITIVE, Int, OneOf, Opt, check_arg
 
 # Layer-state keys of the metadata handed between slots.
@@ -101,6 +102,52 @@ memory (a :class:`~moe_overlap.blocks.HostLoopback`) so the bytes moved equal an
 all-to-all's (benchmarks without a peer)."""
 
 _KIND: OneOf[DispatcherKind] = OneOf(("alltoall", "loopback"))
+_COMBINE: OneOf[Combine] = OneOf(("sum", "grouped"))
+
+
+def _check_order(
+    order_N: object, experts_N: Tensor, where: str, copies: Tensor | None = None
+) -> Tensor:
+    """The copies' order (a :data:`CopyOrder`'s result or :class:`Gathered`'s): a 1-D
+    int64 tensor of ``N = T*K`` indices on the experts' device (and, for gathered copies,
+    ``N`` rows). In debug mode also a permutation grouped by expert in ascending order
+    (reading values: a device sync); otherwise the grouping is trusted."""
+    n = experts_N.numel()
+    if (
+        not isinstance(order_N, Tensor)
+        or order_N.dtype != torch.int64
+        or tuple(order_N.shape) != (n,)
+        or order_N.device != experts_N.device
+    ):
+        got = (
+            f"a {str(order_N.dtype).removeprefix('torch.')} tensor {list(order_N.shape)} on "
+            f"{order_N.device}"
+            if isinstance(order_N, Tensor)
+            else type(order_N).__name__
+        )
+        raise IntegrationError(
+            f"{where}: expected the copies' order as an int64 tensor [{n}] (T*K flat "
+            f"(token, k) indices) on {experts_N.device}, received {got}"
+        )
+    if copies is not None and (copies.dim() != 2 or copies.shape[0] != n):
+        raise IntegrationError(
+            f"{where}: expected the gathered copies as [N, D] with N = T*K = {n}, received "
+            f"{list(copies.shape)}"
+        )
+    if DEBUG:
+        grouped = experts_N.index_select(0, order_N)
+        if not (
+            bool((torch.sort(order_N).values == torch.arange(n, device=order_N.device)).all())
+            and bool((grouped[1:] >= grouped[:-1]).all())
+        ):
+            raise IntegrationError(
+                f"{where}: expected the copies' order to be a permutation of 0..{n - 1} "
+                "grouped by expert in ascending order, received one that is not "
+                "(debug mode's check)"
+            )
+    return order_N
+
+
 _GROUP = Opt(GROUP)
 
 # torch.distributed leaves these unannotated; give them types once, here.
@@ -453,19 +500,28 @@ class TokenDispatcher:
         ``gathered``, backward sums each token's ``K`` copy gradients as the gradient of an
         expand (a sum over ``K``, deterministic on every device). ``combine``: how
         :meth:`unpermute` adds each token's outputs (:data:`Combine`)."""
+        w = "TokenDispatcher.permute"
         T, D = hidden_TD.shape
         K = experts_TK.shape[1]
         experts_N = experts_TK.reshape(-1)
+        combine = check_arg(w, "combine", combine, _COMBINE)
         if gathered is not None:
             if order is not None:
                 raise IntegrationError(
-                    "TokenDispatcher.permute: expected the copies' order from `order` or "
-                    "from `gathered`, received both; pass one"
+                    f"{w}: expected the copies' order from `order` or from `gathered`, "
+                    "received both; pass one"
                 )
-            order_N, tokens_ND = gathered.order_N, gathered.copies_ND
+            if not isinstance(cast(object, gathered), Gathered):
+                raise IntegrationError(
+                    f"{w}: gathered: expected a Gathered, received {type(gathered).__name__}"
+                )
+            tokens_ND = gathered.copies_ND
+            order_N = _check_order(gathered.order_N, experts_N, f"{w}: gathered", tokens_ND)
         else:
             order_N = (
-                order(experts_TK) if order is not None else torch.argsort(experts_N, stable=True)
+                _check_order(order(experts_TK), experts_N, f"{w}: order(experts_TK)")
+                if order is not None
+                else torch.argsort(experts_N, stable=True)
             )
             # Expand-then-select (not index_select with repeated indices): the backward is a
             # permutation plus a sum over K, deterministic on every device.
