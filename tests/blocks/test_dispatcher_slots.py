@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -67,3 +70,35 @@ def test_permute_refuses_a_malformed_order_or_gathered_copies(
     call: Any = dispatcher.permute
     with pytest.raises((IntegrationError, ConfigError), match=message):
         call(hidden, probs, experts, **keywords)
+
+
+def test_gathered_copies_are_refused_with_chunks() -> None:
+    """Copies gathered for the whole microbatch cannot be split into all-to-all chunks."""
+    dispatcher = TokenDispatcher(4, 2, chunks=2)
+    ctx = PlainContext(ChunkState(Microbatch()))
+    experts = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2]])
+    gathered = Gathered(torch.argsort(experts.reshape(-1), stable=True), torch.zeros(8, 4))
+    with pytest.raises(IntegrationError, match=r"gathered per chunk.*chunks=2"):
+        dispatcher.slot_permute(
+            ctx, torch.randn(4, 4), torch.rand(4, 2), experts, gathered=gathered
+        )
+
+
+def test_debug_mode_refuses_an_order_that_is_not_grouped_by_expert() -> None:
+    """Outside debug mode the grouping is trusted (reading it would sync the device)."""
+    code = (
+        "import torch\n"
+        "from moe_overlap import IntegrationError\n"
+        "from moe_overlap.blocks import TokenDispatcher\n"
+        "experts = torch.tensor([[0, 1], [2, 3], [1, 0], [3, 2]])\n"
+        "try:\n"
+        "    TokenDispatcher(4, 2).permute(torch.randn(4, 4), torch.rand(4, 2), experts,\n"
+        "                                  order=lambda e: torch.arange(8))\n"
+        "except IntegrationError as exc:\n"
+        "    print(exc)\n"
+    )
+    env = {**os.environ, "MOE_OVERLAP_DEBUG": "1", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert "permutation of 0..7 grouped by expert in ascending order" in out, out
