@@ -135,6 +135,18 @@ def average_dense_gradients(model: nn.Module) -> None:
             p.grad.div_(world)
 
 
+def init_ranks() -> tuple[int, int, torch.device]:
+    """The process group (NCCL on GPU, gloo on CPU), this rank's device, deterministic
+    algorithms (on GPU too: bit for bit needs them); returns rank, world size, device."""
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    torch.use_deterministic_algorithms(True)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="torchtitan's EP with combined 1F1B")
     parser.add_argument("--layers", type=int, default=3)
@@ -142,13 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--microbatches", type=int, default=2)
     args = parser.parse_args(argv)
 
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    torch.use_deterministic_algorithms(True)  # on GPU too: bit for bit needs it
+    rank, world, device = init_ranks()
     dims = parallel_dims(device, ep=world)
 
     # 1. The model, parallelized by torchtitan; the adapter takes it as it is.

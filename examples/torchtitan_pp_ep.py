@@ -21,7 +21,6 @@ bit. Helpers (meshes, model, data) are :mod:`torchtitan_ep`'s.
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any, cast
 
 import torch
@@ -30,6 +29,7 @@ from torch import Tensor, nn
 from torchtitan_ep import (  # the EP example next to this file (it puts src/ on the path)
     build_model,
     differences,
+    init_ranks,
     local,
     microbatches,
     parallel_dims,
@@ -108,13 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4)
     args = parser.parse_args(argv)
 
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
-    torch.use_deterministic_algorithms(True)
+    rank, world, device = init_ranks()
     dims = parallel_dims(device, ep=2, pp=world // 2)  # torchtitan's mesh: pp outermost
 
     model = build_model(args.layers, device)

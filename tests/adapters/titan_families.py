@@ -105,6 +105,10 @@ def check_family(model: nn.Module, family: str = "") -> Check:
     dtype = next(model.parameters()).dtype
     batches = _titan.batch(model, MICROBATCHES)
     worst, worst_at = 0.0, ""
+
+    def found(problem: str) -> Check:
+        return Check(problem, worst, worst_at)
+
     for delay in (False, True):
         own, plain, sched = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
         a_plain = TorchtitanMoEAdapter(plain, delay_wgrad_compute=delay, self_check=False)
@@ -117,11 +121,7 @@ def check_family(model: nn.Module, family: str = "") -> Check:
             plain_loss = a_plain.forward(mb["input_ids"], mb["position_ids"], labels=mb["labels"])
             torch.autograd.backward(plain_loss)
             if not torch.equal(plain_loss.detach(), own_loss.detach()):
-                return Check(
-                    f"delay={delay}: the plain path's loss differs from the model's own",
-                    worst,
-                    worst_at,
-                )
+                return found(f"delay={delay}: the plain path's loss differs from the model's own")
             for layer in a_plain.decoder.layers:
                 for m in layer.delayed_modules():
                     while m.pending_wgrad:
@@ -130,22 +130,16 @@ def check_family(model: nn.Module, family: str = "") -> Check:
             a_sched, [_microbatch(mb) for mb in batches], options=a_sched.schedule_options()
         )
         if not all(torch.equal(a.detach(), b) for a, b in zip(losses, own_losses, strict=True)):
-            return Check(
-                f"delay={delay}: the schedule's losses differ from the model's own", worst, worst_at
-            )
+            return found(f"delay={delay}: the schedule's losses differ from the model's own")
         g_own, g_plain, g_sched = _grads(own), _grads(plain), _grads(sched)
         if g_plain.keys() != g_own.keys() or g_sched.keys() != g_own.keys():
-            return Check(
-                f"delay={delay}: other parameters get gradients than in the model's own run",
-                worst,
-                worst_at,
+            return found(
+                f"delay={delay}: other parameters get gradients than in the model's own run"
             )
         for name, want in g_own.items():
             if not torch.equal(g_sched[name], g_plain[name]):
-                return Check(
-                    f"delay={delay}: the schedule's gradient of {name} differs from the plain path's",
-                    worst,
-                    worst_at,
+                return found(
+                    f"delay={delay}: the schedule's gradient of {name} differs from the plain path's"
                 )
             if torch.equal(g_plain[name], want):
                 continue
@@ -155,22 +149,18 @@ def check_family(model: nn.Module, family: str = "") -> Check:
                 worst, worst_at = diff, name
             rtol = GRAD_RTOL[torch.bfloat16 if ".routed_experts." in name else dtype]
             if family not in KNOWN_BOUNDS or diff > rtol:
-                return Check(
+                return found(
                     f"delay={delay}: gradient of {name} differs from the model's own by "
-                    f"{diff:.2g} (relative)",
-                    worst,
-                    worst_at,
+                    f"{diff:.2g} (relative)"
                 )
         for (name, b_plain), (_, b_sched), (_, b_own) in zip(
             plain.named_buffers(), sched.named_buffers(), own.named_buffers(), strict=True
         ):
             if not (torch.equal(b_plain, b_own) and torch.equal(b_sched, b_own)):
-                return Check(
-                    f"delay={delay}: buffer {name} ends the step otherwise than in the model's own run",
-                    worst,
-                    worst_at,
+                return found(
+                    f"delay={delay}: buffer {name} ends the step otherwise than in the model's own run"
                 )
-    return Check("", worst, worst_at)
+    return found("")
 
 
 def _build(family: str, registry: object, flavor: str) -> nn.Module:

@@ -94,6 +94,18 @@ def _refused(model: GPTMoEModel, mbs: list[Microbatch], match: str) -> None:
     model.zero_grad(set_to_none=True)
 
 
+def _refused_until_reset(graphed: GPTMoEModel, eager: GPTMoEModel) -> None:
+    """The next step is refused (the graphs would read what was replaced); after
+    ``reset_graphs()`` the graphed model's step equals the eager one's, bit for bit."""
+    _refused(graphed, _microbatches(2, seed=1), "reset_graphs")
+    eager.zero_grad(set_to_none=True)
+    graphed.reset_graphs()
+    mbs = _microbatches(2, seed=2)
+    for g, w in zip(_step(graphed, mbs, "1f1b"), _step(eager, mbs, "1f1b"), strict=True):
+        assert torch.equal(g, w)
+    assert_same_grads(graphed, eager)
+
+
 @pytest.mark.parametrize("how", ["plain", "1f1b", "fill_drain"])
 @pytest.mark.parametrize("delay", [False, True])
 @pytest.mark.parametrize(
@@ -151,13 +163,7 @@ def test_moved_parameters_are_refused_until_reset() -> None:
     _step(graphed, _microbatches(2), "1f1b")
     weight = graphed.layer_list[1].attn_block.attention.qkv.weight
     weight.data = weight.data.clone()  # new storage: the graph would read the old one
-    _refused(graphed, _microbatches(2, seed=1), "reset_graphs")
-    eager.zero_grad(set_to_none=True)
-    graphed.reset_graphs()
-    mbs = _microbatches(2, seed=2)
-    for g, w in zip(_step(graphed, mbs, "1f1b"), _step(eager, mbs, "1f1b"), strict=True):
-        assert torch.equal(g, w)
-    assert_same_grads(graphed, eager)
+    _refused_until_reset(graphed, eager)
 
 
 @pytest.mark.parametrize("part", ["qkv", "attention", "router", "shared_expert", "pre_mlp_norm"])
@@ -181,13 +187,7 @@ def test_a_submodule_replaced_after_the_capture_is_refused_until_reset(part: str
             moe.shared_expert = copy.deepcopy(moe.shared_expert)
         else:
             moe.pre_mlp_norm = copy.deepcopy(moe.pre_mlp_norm)
-    _refused(graphed, _microbatches(2, seed=1), "reset_graphs")
-    eager.zero_grad(set_to_none=True)
-    graphed.reset_graphs()
-    mbs = _microbatches(2, seed=2)
-    for g, w in zip(_step(graphed, mbs, "1f1b"), _step(eager, mbs, "1f1b"), strict=True):
-        assert torch.equal(g, w)
-    assert_same_grads(graphed, eager)
+    _refused_until_reset(graphed, eager)
 
 
 def test_a_changed_aux_loss_scale_is_refused() -> None:
