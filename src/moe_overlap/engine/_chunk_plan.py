@@ -10,8 +10,7 @@ from torch import Tensor
 
 from ._bypass_check import check_bypassed
 from ._conformance import check_model
-from ._errors import ConfigError, IntegrationError, PlanReleasedError, StreamError
-from ._executor import BValue, FValue, execute, execute_roles
+from ._errors import ConfigError, PlanReleasedError, StreamError
 from ._fsdp_check import check_fsdp
 from ._inputs import check_inputs
 from ._layer_node import refresh_collectives
@@ -22,15 +21,12 @@ from ._options import ChunkHooks, PostBackwardHook, PostForwardHook, PreHook, Sc
 from ._owed_wgrad import check_wgrad_listed
 from ._process_nodes import PostProcessNode, PreProcessNode
 from ._protocols import PreprocessableModel, SchedulableLayer, StepObserver
+from ._runner import check_grad_mode, check_grads, run_step
 from ._state import ChunkState
 from ._steps import (
     ChunkShape,
-    Role,
     Slot,
     Step,
-    backward_pair_steps,
-    chunk_steps,
-    forward_pair_steps,
 )
 from ._stream_check import _ACTIVE as _CHECKING  # pyright: ignore[reportPrivateUsage]
 from ._streams import (
@@ -42,8 +38,6 @@ from ._streams import (
     record_event,
     record_tensor_on,
     set_streams,
-    stream_context,
-    synchronize,
     wait_event,
 )
 from .args import Instance, check_arg
@@ -316,73 +310,24 @@ class ModelChunkSchedulePlan:
         Returns f's output (the loss when f has a post-process), ``None`` without f. The
         b plan is released at the end; on failure both are, after synchronizing streams.
         ``observer`` (a :class:`~moe_overlap.steps.StepObserver`) is asked for a timer for every
-        non-hook step, in order.
+        non-hook step, in order. One :func:`run_step` of the runner.
         """
         f, b = f_schedule_plan, b_schedule_plan
-        for plan in (f, b):
-            if plan is not None and plan.released:
-                raise PlanReleasedError(
-                    f"ModelChunkSchedulePlan.run: the plan of microbatch {plan.microbatch_index} "
-                    "was released; build a new plan for every microbatch"
-                )
-        if b is not None and b_grad is None:
-            raise IntegrationError("ModelChunkSchedulePlan.run: a backward plan needs b_grad")
-        if b is not None:
-            b.check_output_grad("ModelChunkSchedulePlan.run: b_grad", b_grad)
-        elif b_grad is not None:
-            raise ConfigError(
-                "ModelChunkSchedulePlan.run: b_grad is given but there is no backward plan "
-                "(b_schedule_plan is None); expected b_grad only with a backward plan"
-            )
-        check_grad_mode("ModelChunkSchedulePlan.run")
         hooks = ChunkHooks(
             pre_forward=pre_forward,
             pre_backward=pre_backward,
             post_forward=post_forward,
             post_backward=post_backward,
         )
-        steps = chunk_steps(
-            f.shape if f is not None else None,
-            b.shape if b is not None else None,
-            pre_forward=pre_forward is not None,
-            pre_backward=pre_backward is not None,
-            post_forward=post_forward is not None,
-            post_backward=post_backward is not None,
-        )
-        if f is not None:
-            f.record_current_stream()
-        if b is not None:
-            b.record_current_stream()
-
-        def run_hook(step: Step, f_value: FValue, b_value: BValue) -> None:
-            _run_hook(hooks, step, f, b, f_value, b_value)
-
-        def on_error() -> None:
-            for plan in (f, b):
-                if plan is not None:
-                    synchronize(plan.streams.comp)  # the whole device: both streams
-                    plan.release_state()
-
-        f_value, _ = execute(
-            steps,
-            f,
-            b,
-            (),
-            (b_grad,),
-            run_hook=run_hook,
-            on_error=on_error,
+        outputs = run_step(
+            [f] if f is not None else [],
+            [b] if b is not None else [],
+            [b_grad] if b_grad is not None or b is not None else [],
+            where="ModelChunkSchedulePlan.run",
+            hooks=hooks,
             observer=observer,
         )
-        if f is not None:
-            f.wait_current_stream()
-        if b is not None:
-            b.wait_current_stream()
-            b.release_state()
-        if f is None:
-            return None
-        out = f_value[0] if f_value else None
-        f.hand_to_caller(out)
-        return out
+        return outputs[0] if outputs else None
 
 
 def run_pair(
@@ -398,102 +343,15 @@ def run_pair(
     :func:`~moe_overlap.steps.backward_pair_steps`): each microbatch's all-to-all runs under the
     other's compute, ``first`` one slot ahead. Returns both forwards' outputs (the losses),
     or ``(None, None)`` after the backwards, which release both plans; on failure both are
-    released, after synchronizing streams.
+    released, after synchronizing streams. One :func:`run_step` of the runner.
     """
-    for plan in (first, second):
-        if plan.released:
-            raise PlanReleasedError(
-                f"run_pair: the plan of microbatch {plan.microbatch_index} was released; build a "
-                "new plan for every microbatch"
-            )
-    if b_grads is not None:
-        grad0, grad1 = _pair_of_grads(b_grads)
-        first.check_output_grad("run_pair: b_grads[0]", grad0)
-        second.check_output_grad("run_pair: b_grads[1]", grad1)
-    check_grad_mode("run_pair")
     if b_grads is None:
-        roles = (Role.F, Role.F2)
-        steps = forward_pair_steps(first.shape, second.shape)
-        values: dict[Role, tuple[Tensor | None, ...]] = {roles[0]: (), roles[1]: ()}
-    else:
-        roles = (Role.B, Role.B2)
-        steps = backward_pair_steps(first.shape, second.shape)
-        values = {roles[0]: (b_grads[0],), roles[1]: (b_grads[1],)}
-    for plan in (first, second):
-        plan.record_current_stream()
-
-    def on_error() -> None:
-        for plan in (first, second):
-            synchronize(plan.streams.comp)
-            plan.release_state()
-
-    execute_roles(
-        steps, {roles[0]: first, roles[1]: second}, values, on_error=on_error, observer=observer
-    )
-    for plan in (first, second):
-        plan.wait_current_stream()
-    if b_grads is not None:
-        first.release_state()
-        second.release_state()
-        return None, None
-    outs = (values[roles[0]], values[roles[1]])
-    out0, out1 = (outs[0][0] if outs[0] else None), (outs[1][0] if outs[1] else None)
-    first.hand_to_caller(out0)
-    second.hand_to_caller(out1)
-    return out0, out1
-
-
-def _pair_of_grads(value: object) -> tuple[object, object]:
-    """``run_pair``'s ``b_grads`` as two values, or a :class:`~moe_overlap.ConfigError`."""
-    if isinstance(value, tuple):
-        items = cast("tuple[object, ...]", value)
-        if len(items) == 2:
-            return items[0], items[1]
-        received = f"a tuple of length {len(items)}"
-    else:
-        received = type(value).__name__
-    raise ConfigError(
-        "run_pair: expected b_grads as a tuple of two tensors (the gradients of the two "
-        f"plans' outputs) or None, received {received}"
-    )
+        out0, out1 = run_step([first, second], [], [], where="run_pair", observer=observer)
+        return out0, out1
+    grads = check_grads("run_pair", b_grads)
+    run_step([], [first, second], grads, where="run_pair", observer=observer)
+    return None, None
 
 
 def _dtype(t: Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
-
-
-def check_grad_mode(where: str) -> None:
-    """Raise :class:`~moe_overlap.ConfigError` unless autograd records (a training step)."""
-    if torch.is_grad_enabled():
-        return
-    mode = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
-    raise ConfigError(
-        f"{where}: expected autograd enabled (the schedule runs forward and backward), "
-        f"received grad mode off ({mode}); call it outside {mode}, and evaluate with the "
-        "model's own forward"
-    )
-
-
-def _run_hook(
-    hooks: ChunkHooks,
-    step: Step,
-    f: ModelChunkSchedulePlan | None,
-    b: ModelChunkSchedulePlan | None,
-    f_value: FValue,
-    b_value: BValue,
-) -> None:
-    plan = f if step.role is Role.F else b
-    assert plan is not None
-    if step.slot is Slot.PRE_FORWARD and hooks.pre_forward is not None:
-        hooks.pre_forward(plan.vp_stage)
-    elif step.slot is Slot.PRE_BACKWARD and hooks.pre_backward is not None:
-        hooks.pre_backward(plan.vp_stage)
-        plan.record_current_stream()
-    elif step.slot is Slot.POST_FORWARD and hooks.post_forward is not None:
-        # On the comm stream, so the send overlaps the last pre-dispatch backward.
-        with stream_context(plan.streams.comm):
-            plan.wait_current_stream()
-            hooks.post_forward(f_value[0], plan.vp_stage)
-    elif step.slot is Slot.POST_BACKWARD and hooks.post_backward is not None:
-        plan.wait_current_stream()
-        hooks.post_backward(b_value[0] if b_value else None, plan.vp_stage)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ._bypass_check import check_bypassed
-from ._chunk_plan import ModelChunkSchedulePlan, check_grad_mode, run_pair
+from ._chunk_plan import ModelChunkSchedulePlan
 from ._conformance import check_model, checks_memoized
 from ._consensus import Phase, VotedStep
 from ._debug import DEBUG
@@ -22,6 +22,7 @@ from ._options import ScheduleOptions
 from ._owed_wgrad import check_wgrad_done, declared_wgrad
 from ._plain_check import check_first_step
 from ._protocols import PreprocessableModel, StepObserver
+from ._runner import check_grad_mode, run_step
 from ._state import ChunkState
 from ._streams import StreamPair
 from .args import BOOL, CALLABLE, Instance, Opt, Real, check_arg
@@ -171,14 +172,10 @@ def _run(
     observer: StepObserver | None,
 ) -> list[Tensor]:
     """The schedule itself: walk :func:`macro_steps`, building each microbatch's plan at
-    its forward and releasing it after its backward; the losses, in order."""
+    its forward, running each step with the one runner (:func:`run_step`), which releases
+    a plan after its backward; the losses, in order."""
     losses: list[Tensor] = []
     live: dict[int, ModelChunkSchedulePlan] = {}
-
-    def grad_of(plan: ModelChunkSchedulePlan) -> Tensor:
-        assert plan.microbatch_index is not None
-        return torch.full_like(losses[plan.microbatch_index], loss_scale)
-
     try:
         for step in macro_steps(len(microbatches), mode):
             for i in step.forward:
@@ -188,21 +185,15 @@ def _run(
                 if on_plan is not None:
                     on_plan(plan)
                 live[i] = plan
-            fs = [live[i] for i in step.forward]
-            bs = [live[i] for i in step.backward]
-            if len(fs) == 2:  # the fill: two forwards
-                first, second = run_pair(fs[0], fs[1], observer=observer)
-                losses += [_check_loss(model, first), _check_loss(model, second)]
-            elif len(bs) == 2:  # the drain: two backwards
-                grads = (grad_of(bs[0]), grad_of(bs[1]))
-                run_pair(bs[0], bs[1], b_grads=grads, observer=observer)
-            else:
-                f = fs[0] if fs else None
-                b = bs[0] if bs else None
-                grad = grad_of(b) if b is not None else None
-                out = ModelChunkSchedulePlan.run(f, b, b_grad=grad, observer=observer)
-                if f is not None:
-                    losses.append(_check_loss(model, out))
+            grads = [torch.full_like(losses[i], loss_scale) for i in step.backward]
+            outputs = run_step(
+                [live[i] for i in step.forward],
+                [live[i] for i in step.backward],
+                grads,
+                where="combined_1f1b",
+                observer=observer,
+            )
+            losses += [_check_loss(model, out) for out in outputs]
             for i in step.backward:
                 del live[i]
     finally:

@@ -1,5 +1,8 @@
 """Walk a list of :class:`~moe_overlap.steps.Step` s, threading each microbatch's values through.
 
+The walker under :func:`~moe_overlap.engine._runner.run_step` (a macro step of chunk plans)
+and :meth:`TransformerLayerSchedulePlan.run` (two layers).
+
 The forward microbatch's value is the tuple of tensors flowing forward (its last node's
 outputs); the backward microbatch's value is the tuple of grads flowing backward. A failing
 step is re-raised as :class:`~moe_overlap.ScheduleError` naming the step, the microbatches
@@ -10,7 +13,7 @@ and the steps around it, after the caller's cleanup ran; a ``BaseException`` tha
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol, cast, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
@@ -23,10 +26,7 @@ from ._steps import Direction, Role, Step, format_steps
 from .args import Int, Opt
 from .contracts import Contract, attribute, method
 
-__all__ = ["NodeSource", "execute", "execute_roles"]
-
-FValue = tuple[Tensor, ...]
-BValue = tuple["Tensor | None", ...]
+__all__ = ["NodeSource", "Value", "execute_roles"]
 
 
 @runtime_checkable
@@ -45,37 +45,6 @@ NODE_SOURCE: Contract[NodeSource] = Contract(
     method("node_for"),
 )
 
-HookRunner = Callable[[Step, FValue, BValue], None]
-
-
-def execute(
-    steps: Sequence[Step],
-    f: NodeSource | None,
-    b: NodeSource | None,
-    f_value: FValue,
-    b_value: BValue,
-    *,
-    run_hook: HookRunner | None = None,
-    on_error: Callable[[], None] | None = None,
-    observer: StepObserver | None = None,
-) -> tuple[FValue, BValue]:
-    """Run ``steps`` in order; return the final forward and backward values.
-
-    With an ``observer``, each non-hook step's node holds the observer's timer for
-    ``step`` while it runs (``node.timer``), and ``None`` again afterwards, also on failure.
-    """
-    values: dict[Role, Value] = {Role.F: f_value, Role.B: b_value}
-
-    def hook(step: Step) -> None:
-        assert run_hook is not None, "hook step without a hook runner"
-        run_hook(step, cast(FValue, values[Role.F]), values[Role.B])
-
-    execute_roles(
-        steps, {Role.F: f, Role.B: b}, values, run_hook=hook, on_error=on_error, observer=observer
-    )
-    return cast(FValue, values[Role.F]), values[Role.B]
-
-
 Value = tuple["Tensor | None", ...]
 
 
@@ -89,7 +58,11 @@ def execute_roles(
     observer: StepObserver | None = None,
 ) -> None:
     """Run ``steps`` in order, each on the plan of its role, threading ``values[role]``
-    (the tensors flowing forward, or the grads flowing backward) through its nodes."""
+    (the tensors flowing forward, or the grads flowing backward) through its nodes.
+
+    With an ``observer``, each non-hook step's node holds the observer's timer for
+    ``step`` while it runs (``node.timer``), and ``None`` again afterwards, also on failure.
+    """
     for index, step in enumerate(steps):
         try:
             if step.direction is Direction.HOOK:

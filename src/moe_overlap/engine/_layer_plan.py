@@ -4,21 +4,21 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import NoReturn
+from typing import NoReturn, cast
 
 from torch import Tensor
 
 from ._backward_dw import BackwardDWWrapper
 from ._conformance import as_mtp_layer, check_layer, check_wgrad_layers
 from ._errors import ConfigError, PlanReleasedError
-from ._executor import execute
+from ._executor import Value, execute_roles
 from ._layer_args import LayerArgs
 from ._layer_node import TransformerLayerNode
 from ._node import NoopScheduleNode, ScheduleNode
 from ._options import ScheduleOptions
 from ._protocols import SchedulableLayer, SlotFn, StepObserver, StreamProvider, WgradLayer
 from ._state import ChunkState, LayerState
-from ._steps import LayerShape, Slot, Step, layer_pair_steps
+from ._steps import LayerShape, Role, Slot, Step, layer_pair_steps
 from ._streams import AnyEvent, StreamPair
 from ._wgrad_claims import WgradClaim
 
@@ -212,7 +212,9 @@ class TransformerLayerSchedulePlan:
             b_layer.shape if b_layer is not None else None,
             is_last_layer_in_bwd=is_last_layer_in_bwd,
         )
-        return execute(steps, f_layer, b_layer, f_input, b_grad, observer=observer)
+        values: dict[Role, Value] = {Role.F: f_input, Role.B: b_grad}
+        execute_roles(steps, {Role.F: f_layer, Role.B: b_layer}, values, observer=observer)
+        return cast("tuple[Tensor, ...]", values[Role.F]), values[Role.B]
 
 
 def _delay_option_error(

@@ -32,6 +32,7 @@ __all__ = [
     "format_steps",
     "forward_pair_steps",
     "layer_pair_steps",
+    "macro_node_steps",
 ]
 
 
@@ -339,6 +340,44 @@ def backward_pair_steps(b1: ChunkShape, b2: ChunkShape) -> list[Step]:
     out.append(_chunk_step(P, Slot.PRE_PROCESS, bwd))
     out.append(_chunk_step(Q, Slot.PRE_PROCESS, bwd))
     return out
+
+
+def macro_node_steps(
+    forward: Sequence[ChunkShape],
+    backward: Sequence[ChunkShape],
+    *,
+    pre_forward: bool = False,
+    pre_backward: bool = False,
+    post_forward: bool = False,
+    post_backward: bool = False,
+) -> list[Step]:
+    """The node steps of one macro step: ``forward`` chunks' forwards with ``backward``'s.
+
+    One forward and/or one backward: :func:`chunk_steps` (roles ``f``, ``b``; the p2p
+    hooks' steps where asked for); two forwards: :func:`forward_pair_steps` (``f``, ``g``);
+    two backwards: :func:`backward_pair_steps` (``b``, ``c``). Anything else is a
+    :class:`~moe_overlap.ConfigError`.
+    """
+    hooks = pre_forward or pre_backward or post_forward or post_backward
+    kind = (len(forward), len(backward))
+    if kind[0] <= 1 and kind[1] <= 1:
+        return chunk_steps(
+            forward[0] if forward else None,
+            backward[0] if backward else None,
+            pre_forward=pre_forward,
+            pre_backward=pre_backward,
+            post_forward=post_forward,
+            post_backward=post_backward,
+        )
+    if kind in ((2, 0), (0, 2)) and not hooks:
+        if kind == (2, 0):
+            return forward_pair_steps(forward[0], forward[1])
+        return backward_pair_steps(backward[0], backward[1])
+    raise ConfigError(
+        f"macro_node_steps: expected at most one forward and one backward, or two forwards, "
+        f"or two backwards (p2p hooks only with the first), received {kind[0]} forwards and "
+        f"{kind[1]} backwards{' with hooks' if hooks else ''}"
+    )
 
 
 def format_steps(

@@ -1,0 +1,208 @@
+"""The one runner: any macro step (F, B, F+B, F+F, B+B) of model-chunk plans, from its steps.
+
+:func:`run_step` is what :func:`~moe_overlap.combined_1f1b`, :meth:`ModelChunkSchedulePlan.run
+<moe_overlap.ModelChunkSchedulePlan.run>` and :func:`~moe_overlap.steps.run_pair` run::
+
+    1. refuse released plans and misshaped output gradients
+    2. list the steps of the macro step        (chunk_steps, forward/backward_pair_steps)
+    3. every plan waits for the caller's stream
+    4. walk the steps, each on its role's plan  (execute_roles)
+    5. the caller's stream waits for every plan
+    6. release the backward plans; hand the forward outputs to the caller
+
+On failure (step 4) every plan is released after the device is synchronized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, cast, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from ._errors import ConfigError, IntegrationError, PlanReleasedError
+from ._executor import Value, execute_roles
+from ._node import ScheduleNode
+from ._options import ChunkHooks
+from ._protocols import StepObserver
+from ._steps import ChunkShape, Role, Slot, Step, macro_node_steps
+from ._streams import StreamPair, stream_context, synchronize
+from .args import BOOL, Instance, Int, Opt
+from .contracts import Contract, attribute, method
+
+__all__ = ["ChunkRun", "check_grad_mode", "check_grads", "run_step"]
+
+
+@runtime_checkable
+class ChunkRun(Protocol):
+    """A model-chunk plan of one microbatch, as the runner uses it
+    (:class:`~moe_overlap.ModelChunkSchedulePlan`)."""
+
+    @property
+    def microbatch_index(self) -> int | None: ...
+    @property
+    def released(self) -> bool: ...
+    @property
+    def shape(self) -> ChunkShape: ...
+    @property
+    def streams(self) -> StreamPair: ...
+    @property
+    def vp_stage(self) -> int | None: ...
+    def node_for(self, step: Step) -> ScheduleNode: ...
+    def check_output_grad(self, where: str, grad: object) -> None: ...
+    def record_current_stream(self) -> None: ...
+    def wait_current_stream(self) -> None: ...
+    def hand_to_caller(self, output: Tensor | None) -> None: ...
+    def release_state(self) -> None: ...
+
+
+CHUNK_RUN: Contract[ChunkRun] = Contract(
+    ChunkRun,
+    "a model-chunk plan (ModelChunkSchedulePlan)",
+    attribute("microbatch_index", Opt(Int(0), expects="None or an int >= 0")),
+    attribute("released", BOOL),
+    attribute("shape", Instance(ChunkShape, "a ChunkShape")),
+    attribute("streams", Instance(StreamPair, "a StreamPair")),
+    attribute("vp_stage", Opt(Int(0), expects="None or an int >= 0")),
+    method("node_for"),
+    method("check_output_grad"),
+    method("record_current_stream"),
+    method("wait_current_stream"),
+    method("hand_to_caller"),
+    method("release_state"),
+)
+
+
+_NO_HOOKS = ChunkHooks()
+_FORWARD_ROLES = (Role.F, Role.F2)
+_BACKWARD_ROLES = (Role.B, Role.B2)
+
+
+def run_step(
+    forward: Sequence[ChunkRun],
+    backward: Sequence[ChunkRun],
+    grads: Sequence[object],
+    *,
+    where: str,
+    hooks: ChunkHooks = _NO_HOOKS,
+    observer: StepObserver | None = None,
+) -> list[Tensor | None]:
+    """Run one macro step: ``forward`` plans' forwards with ``backward`` plans' backwards.
+
+    At most two plans in all (one of each, or two of one kind); ``grads[i]`` is the
+    gradient of ``backward[i]``'s output (checked: a tensor of that output's shape, dtype
+    and device). Returns the forward plans' outputs (the losses
+    when they have a post-process), in order. ``hooks`` (the p2p hooks of a pipeline
+    stage) apply to a one-forward/one-backward step. ``where`` names the caller in errors.
+    """
+    plans = (*forward, *backward)
+    # 1. refuse what cannot run
+    for plan in plans:
+        if plan.released:
+            raise PlanReleasedError(
+                f"{where}: the plan of microbatch {plan.microbatch_index} was released; "
+                "build a new plan for every microbatch"
+            )
+    if len(grads) > len(backward):
+        raise ConfigError(
+            f"{where}: b_grad is given but there is no backward plan (b_schedule_plan is "
+            "None); expected b_grad only with a backward plan"
+        )
+    for i, plan in enumerate(backward):
+        grad = grads[i] if i < len(grads) else None
+        if grad is None:
+            raise IntegrationError(f"{where}: a backward plan needs b_grad")
+        label = f"{where}: b_grad" if len(backward) == 1 else f"{where}: b_grads[{i}]"
+        plan.check_output_grad(label, grad)
+    check_grad_mode(where)
+    # 2. the steps
+    steps = macro_node_steps(
+        [p.shape for p in forward],
+        [p.shape for p in backward],
+        pre_forward=hooks.pre_forward is not None,
+        pre_backward=hooks.pre_backward is not None,
+        post_forward=hooks.post_forward is not None,
+        post_backward=hooks.post_backward is not None,
+    )
+    roles = {
+        **dict(zip(_FORWARD_ROLES[: len(forward)], forward, strict=True)),
+        **dict(zip(_BACKWARD_ROLES[: len(backward)], backward, strict=True)),
+    }
+    values: dict[Role, Value] = {role: () for role in roles}
+    for role, grad in zip(_BACKWARD_ROLES[: len(grads)], grads, strict=True):
+        values[role] = (cast(Tensor, grad),)  # checked in 1.
+    # 3. every plan waits for the caller's stream
+    for plan in plans:
+        plan.record_current_stream()
+
+    def on_error() -> None:
+        for plan in plans:
+            synchronize(plan.streams.comp)  # the whole device: both streams
+            plan.release_state()
+
+    def run_hook(step: Step) -> None:
+        _run_hook(hooks, step, roles[step.role], values)
+
+    # 4. walk the steps
+    execute_roles(steps, roles, values, run_hook=run_hook, on_error=on_error, observer=observer)
+    # 5. the caller's stream waits for every plan
+    for plan in plans:
+        plan.wait_current_stream()
+    # 6. release the backwards; hand the forwards' outputs to the caller
+    for plan in backward:
+        plan.release_state()
+    outputs: list[Tensor | None] = []
+    for role, plan in zip(_FORWARD_ROLES[: len(forward)], forward, strict=True):
+        value = values[role]
+        out = value[0] if value else None
+        plan.hand_to_caller(out)
+        outputs.append(out)
+    return outputs
+
+
+def check_grads(where: str, value: object) -> tuple[object, object]:
+    """``run_pair``'s ``b_grads`` as two values, or a :class:`~moe_overlap.ConfigError`."""
+    if isinstance(value, tuple):
+        items: tuple[object, ...] = value  # pyright: ignore[reportUnknownVariableType]
+        if len(items) == 2:
+            return items[0], items[1]
+        received = f"a tuple of length {len(items)}"
+    else:
+        received = type(value).__name__
+    raise ConfigError(
+        f"{where}: expected b_grads as a tuple of two tensors (the gradients of the two "
+        f"plans' outputs) or None, received {received}"
+    )
+
+
+def check_grad_mode(where: str) -> None:
+    """Raise :class:`~moe_overlap.ConfigError` unless autograd records (a training step)."""
+    if torch.is_grad_enabled():
+        return
+    mode = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
+    raise ConfigError(
+        f"{where}: expected autograd enabled (the schedule runs forward and backward), "
+        f"received grad mode off ({mode}); call it outside {mode}, and evaluate with the "
+        "model's own forward"
+    )
+
+
+def _run_hook(hooks: ChunkHooks, step: Step, plan: ChunkRun, values: dict[Role, Value]) -> None:
+    """A p2p hook step of a one-forward/one-backward step, on the plan of its role."""
+    if step.slot is Slot.PRE_FORWARD and hooks.pre_forward is not None:
+        hooks.pre_forward(plan.vp_stage)
+    elif step.slot is Slot.PRE_BACKWARD and hooks.pre_backward is not None:
+        hooks.pre_backward(plan.vp_stage)
+        plan.record_current_stream()
+    elif step.slot is Slot.POST_FORWARD and hooks.post_forward is not None:
+        # On the comm stream, so the send overlaps the last pre-dispatch backward.
+        with stream_context(plan.streams.comm):
+            plan.wait_current_stream()
+            out = values[Role.F][0]
+            assert out is not None
+            hooks.post_forward(out, plan.vp_stage)
+    elif step.slot is Slot.POST_BACKWARD and hooks.post_backward is not None:
+        plan.wait_current_stream()
+        grads = values[Role.B]
+        hooks.post_backward(grads[0] if grads else None, plan.vp_stage)
