@@ -20,6 +20,7 @@ if _debug_enabled():  # before any other module of the package is imported
 
     _install_beartype()
 
+from moe_overlap.engine import _attached_checks  # noqa: F401  # pyright: ignore[reportUnusedImport]  # attaches the checks as guards
 from moe_overlap.engine._backward_dw import BackwardDWWrapper as BackwardDWWrapper
 from moe_overlap.engine._bypass_check import Bypass as Bypass
 from moe_overlap.engine._bypass_check import BypassedModule as BypassedModule

@@ -8,17 +8,13 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from ._bypass_check import check_bypassed
-from ._conformance import check_model
 from ._errors import ConfigError, PlanReleasedError, StreamError
-from ._fsdp_check import check_fsdp
-from ._inputs import check_inputs
+from ._guards import INPUTS_READ, PLAN_BUILT, PLAN_STARTED
 from ._layer_node import refresh_collectives
 from ._layer_plan import TransformerLayerSchedulePlan
 from ._microbatch import EMPTY_MICROBATCH, Microbatch
 from ._node import ScheduleNode
 from ._options import ChunkHooks, PostBackwardHook, PostForwardHook, PreHook, ScheduleOptions
-from ._owed_wgrad import check_wgrad_listed
 from ._process_nodes import PostProcessNode, PreProcessNode
 from ._protocols import PreprocessableModel, SchedulableLayer, StepObserver
 from ._runner import check_grad_mode, check_grads, run_step
@@ -28,7 +24,6 @@ from ._steps import (
     Slot,
     Step,
 )
-from ._stream_check import _ACTIVE as _CHECKING  # pyright: ignore[reportPrivateUsage]
 from ._streams import (
     CpuStream,
     StreamPair,
@@ -40,16 +35,10 @@ from ._streams import (
     set_streams,
     wait_event,
 )
-from .args import Instance, check_arg
 
 __all__ = ["ModelChunkSchedulePlan", "check_grad_mode", "default_streams", "run_pair"]
 
 _DEFAULT_OPTIONS = ScheduleOptions()
-_MICROBATCH = Instance(
-    Microbatch,
-    "a Microbatch",
-    hint="Megatron-Core's positional inputs: moe_overlap.megatron.build_schedule_plan",
-)
 _CPU_STREAMS = StreamPair(comp=cpu_default_stream(), comm=CpuStream("comm"))
 
 
@@ -110,9 +99,9 @@ class ModelChunkSchedulePlan:
         output_processor: Callable[..., object] | None = None,
         output_processor_context: object | None = None,
     ) -> None:
-        check_bypassed(model)  # every plan: a hook added since the last one is found too
-        model = check_model(model)
-        check_arg("ModelChunkSchedulePlan", "microbatch", microbatch, _MICROBATCH)
+        where = f"ModelChunkSchedulePlan (microbatch {index})"
+        for guard in PLAN_STARTED:  # the model, the microbatch (moe_overlap.engine._guards)
+            guard.plan_started(model, microbatch, where)
         state = ChunkState(
             microbatch,
             output_processor=output_processor,
@@ -133,8 +122,8 @@ class ModelChunkSchedulePlan:
         self.vp_stage = vp_stage
         self.event = make_event(streams.device)
         self.state = state
-        where = f"ModelChunkSchedulePlan (microbatch {index})"
-        check_inputs(model, self.state, where=where)
+        for guard in INPUTS_READ:  # the fields the model reads
+            guard.inputs_read(model, microbatch, state, where)
         refresh_collectives()
         self.pre_process: PreProcessNode | None = PreProcessNode(
             model, self.state, self.event, streams.comp_provider
@@ -158,10 +147,6 @@ class ModelChunkSchedulePlan:
             for i, layer in enumerate(layers)
         ]
         try:
-            delayed = any(lp.shape.delay_wgrad for lp in self.layers)
-            if delayed:
-                check_wgrad_listed(model, list(layers), [lp.wgrad_parts for lp in self.layers])
-            check_fsdp(model, layers, delayed=delayed)
             self.post_process: PostProcessNode | None = (
                 PostProcessNode(
                     model,
@@ -173,19 +158,19 @@ class ModelChunkSchedulePlan:
                 if model.post_process
                 else None
             )
+            self.shape = ChunkShape(
+                layers=tuple(lp.shape for lp in self.layers),
+                has_post_process=self.post_process is not None,
+            )
+            self.released = False
+            for guard in PLAN_BUILT:  # delayed-wgrad modules, FSDP units, node names
+                guard.plan_built(model, self)
         except BaseException:
             for lp in self.layers:  # refused: the layer plans' claims end here
                 lp.release_state()
             raise
-        self.shape = ChunkShape(
-            layers=tuple(lp.shape for lp in self.layers),
-            has_post_process=self.post_process is not None,
-        )
-        self.released = False
-        if _CHECKING:
-            self._name_nodes()
 
-    def _name_nodes(self) -> None:
+    def name_nodes(self) -> None:
         """Give every node its place, for the stream-order checker's messages."""
         chunk = f"microbatch {self.microbatch_index}"
         if self.vp_stage is not None:

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ._attached_checks import inputs_checked
 from ._bypass_check import check_bypassed
 from ._chunk_plan import ModelChunkSchedulePlan
 from ._conformance import check_model, checks_memoized
@@ -155,7 +156,10 @@ def _step(
                 lambda: _run(model, first, mode, options, streams, loss_scale, None, None),
                 loss_scale,
             )
-        losses = _run(model, microbatches, mode, options, streams, loss_scale, on_plan, observer)
+        with inputs_checked(microbatches):  # above: once per microbatch, not again per plan
+            losses = _run(
+                model, microbatches, mode, options, streams, loss_scale, on_plan, observer
+            )
     vote.phase = Phase.AFTER  # every all-to-all of the step completed
     check_wgrad_done(model, when="when combined_1f1b returns", declared=declared)
     return [loss.detach() for loss in losses]

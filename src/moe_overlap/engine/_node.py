@@ -17,19 +17,10 @@ from typing import ParamSpec, TypeVar, cast
 import torch
 from torch import Tensor
 
-from ._debug import DEBUG
 from ._errors import IntegrationError, NodeStateError
-from ._node_checks import (
-    check_in_graph,
-    check_marked,
-    check_no_alias,
-    check_release,
-    storage_use_count,
-    tensor_use_count,
-)
+from ._guards import BEFORE_RELEASE, NODE_ENTERED, NODE_FORWARDED, NODE_LEFT
+from ._node_checks import check_marked
 from ._protocols import NodeTimer, StreamProvider
-from ._recompute_hold import held_for_recompute
-from ._stream_check import _ACTIVE as _CHECKING  # pyright: ignore[reportPrivateUsage]
 from ._streams import (
     AnyEvent,
     CpuEvent,
@@ -229,8 +220,8 @@ class ScheduleNode:
                 "nodes are one-shot: build a new plan per microbatch"
             )
         stream = self.stream()
-        if _CHECKING:
-            _CHECKING[-1].push_label(self.describe("forward"))
+        for guard in NODE_ENTERED:
+            guard.node_entered(self, "forward")
         try:
             with use_stream(stream, self.event):
                 detached = tuple(_detach_keep_grad(t) for t in inputs)
@@ -244,79 +235,15 @@ class ScheduleNode:
                 outputs = _as_tuple(self.name, result)
                 self.outputs = outputs
         finally:
-            if _CHECKING:
-                _CHECKING[-1].pop_label()
-        for out in outputs:
-            if not out.requires_grad:
-                check_in_graph(self.name, detached, outputs, self.non_differentiable)
-                break
+            for guard in NODE_LEFT:
+                guard.node_left(self)
+        for guard in NODE_FORWARDED:
+            guard.node_forwarded(self, detached, outputs)
         self.phase = NodePhase.FORWARDED
         if not self.free_input:
             return outputs
-        # Release the inputs' storage, unless something still in use lives in it (checked
-        # for every input before any is released; no allocation on this per-node path).
-        # Anything else that holds an input (a view or copy over its storage, autograd's
-        # saves, a checkpoint) shows in the reference counts of its storage and tensors:
-        # the schedule's own are the input (one tensor), this node's detached copy (one
-        # tensor, plus its grad accumulator when it requires grad) and the storage object
-        # read here. More sends the node to check_release, which names what holds it.
-        kept = self.detached
-        also = self.kept_as_is
-        count_inputs = self.count_input_refs
-        count_copies = self.count_copy_refs
-        suspect = DEBUG
-        storage: torch.UntypedStorage | None = None
-        i = -1
-        for tensor in inputs:
-            i += 1  # no zip or enumerate object on this path: they cost more than the checks
-            if tensor is None:
-                continue
-            storage = tensor.untyped_storage()
-            ptr = storage.data_ptr()
-            if not ptr:  # an empty storage: no memory to lose
-                continue
-            for out in outputs:
-                if out.untyped_storage().data_ptr() == ptr:
-                    check_no_alias(self.name, _storages(inputs), outputs, ())
-            for t in (*kept, *also) if also else kept:
-                if t.untyped_storage().data_ptr() == ptr:
-                    named = self.handed_on()
-                    tensors = [k for _, k in named]
-                    labels = [label for label, _ in named]
-                    check_no_alias(self.name, _storages(inputs), (), tensors, labels)
-            if held_for_recompute(ptr):
-                raise IntegrationError(
-                    f"node {self.name!r}: the free-input policy releases this node's inputs "
-                    "after forward, but a recomputed region (activation checkpointing) "
-                    "holds one of them to rerun on in backward, which would read freed "
-                    "memory; expected recomputed regions to take tensors no freeing slot "
-                    "receives (recompute inside the slot that produces them, or on a copy), "
-                    "or ScheduleOptions(free_input=False)"
-                )
-            if suspect:
-                continue
-            cdata: int = storage._cdata  # pyright: ignore[reportPrivateUsage]
-            if storage_use_count(cdata) > 3 or (count_inputs and tensor_use_count(tensor) > 1):
-                suspect = True
-            elif count_copies:
-                leaf = detached[i]
-                if leaf is not None:
-                    n = tensor_use_count(leaf)
-                    suspect = n > 2 or (n == 2 and not leaf.requires_grad)
-        storage = None  # one reference less: check_release counts them
-        if suspect:
-            roots = [t.grad_fn for t in (*outputs, *self.graph_tails())]
-            check_release(
-                self.name,
-                inputs,
-                detached,
-                outputs,
-                self.handed_on(),
-                roots,
-                count_inputs=count_inputs,
-                count_copies=count_copies,
-                walk=DEBUG,
-            )
+        for guard in BEFORE_RELEASE:  # nothing still in use lives in an input's storage
+            guard.before_release(self, inputs, detached, outputs)
         for tensor in inputs:
             if tensor is not None:
                 record_tensor_on(tensor, stream)
@@ -364,8 +291,8 @@ class ScheduleNode:
                 f"(one per forward output), received {len(output_grad)}"
             )
         stream = self.stream()
-        if _CHECKING:
-            _CHECKING[-1].push_label(self.describe("backward"))
+        for guard in NODE_ENTERED:
+            guard.node_entered(self, "backward")
         try:
             with use_stream(stream, self.event):
                 timer = self.timer
@@ -375,9 +302,9 @@ class ScheduleNode:
                 if timer is not None:
                     timer.stop(stream)
         finally:
-            if _CHECKING:
-                _CHECKING[-1].pop_label()
-        if not isinstance(stream, CpuStream) or _CHECKING:
+            for guard in NODE_LEFT:
+                guard.node_left(self)
+        if not isinstance(stream, CpuStream) or NODE_ENTERED:  # a watcher sees CPU streams
             for grad in output_grad:
                 # The grads may come from the other stream: keep their memory until this
                 # node's backward kernels are done with it.
@@ -425,10 +352,6 @@ class NoopScheduleNode(ScheduleNode):
 
     def backward(self, *output_grad: Tensor | None) -> tuple[Tensor | None, ...]:
         return output_grad
-
-
-def _storages(inputs: tuple[Tensor | None, ...]) -> list[torch.UntypedStorage]:
-    return [t.untyped_storage() for t in inputs if t is not None]
 
 
 def _detach_keep_grad(tensor: Tensor | None) -> Tensor | None:

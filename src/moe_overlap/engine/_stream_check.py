@@ -36,13 +36,14 @@ import os
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef as _StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._errors import StreamError
+from ._guards import BaseGuard, attach
 
 __all__ = [
     "STREAM_CHECK_ENV",
@@ -385,6 +386,51 @@ def _tensors(value: object) -> Iterator[torch.Tensor]:
 _ACTIVE: list[StreamOrderChecker] = []
 
 
+class _Described(Protocol):
+    def describe(self, direction: str) -> str: ...
+
+
+class _Named(Protocol):
+    def name_nodes(self) -> None: ...
+
+
+class _NodeLabels(BaseGuard):
+    """The checker's guard on the schedule core: each node's place, for its messages."""
+
+    def plan_built(self, model: object, plan: object) -> None:
+        del model
+        if _ACTIVE:
+            cast(_Named, plan).name_nodes()
+
+    def node_entered(self, node: object, direction: str) -> None:
+        if _ACTIVE:
+            _ACTIVE[-1].push_label(cast(_Described, node).describe(direction))
+
+    def node_left(self, node: object) -> None:
+        del node
+        if _ACTIVE:
+            _ACTIVE[-1].pop_label()
+
+
+_LABELS = _NodeLabels()
+
+
+def _activate(checker: StreamOrderChecker) -> Callable[[], None]:
+    """Make ``checker`` the one in force and attach its guard; returns the undo."""
+    _ACTIVE.append(checker)
+    detach = attach(_LABELS, debug=False) if len(_ACTIVE) == 1 else _keep
+
+    def undo() -> None:
+        _ACTIVE.remove(checker)
+        detach()
+
+    return undo
+
+
+def _keep() -> None:
+    return None
+
+
 def active_checker() -> StreamOrderChecker | None:
     """The checker in force, if any."""
     return _ACTIVE[-1] if _ACTIVE else None
@@ -397,13 +443,13 @@ def stream_order_check() -> Generator[StreamOrderChecker]:
 
     checker = StreamOrderChecker()
     checker.set_default(cpu_default_stream())
-    _ACTIVE.append(checker)
+    undo = _activate(checker)
     try:
         with _Mode(checker):
             yield checker
             checker.finish()
     finally:
-        _ACTIVE.remove(checker)
+        undo()
 
 
 def env_enabled() -> bool:
@@ -425,5 +471,5 @@ def start_from_env() -> None:
     checker.set_default(cpu_default_stream())
     mode = _Mode(checker)
     mode.__enter__()  # type: ignore[no-untyped-call]  # torch: unannotated
-    _ACTIVE.append(checker)
+    _activate(checker)
     _PROCESS.append(mode)

@@ -1,0 +1,186 @@
+"""The library's own checks, as guards on the schedule core, attached at import.
+
+Always on: a plan's model and microbatch (wrappers the schedule would skip, the Protocol
+members, the input fields), its delayed-wgrad modules and FSDP units, a node's outputs still
+in the graph, and nothing in use living in a freed input (debug mode walks the references
+every time). The CPU stream-order checker attaches its own guard while it is active.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
+from typing import cast
+
+import torch
+from torch import Tensor
+
+from ._bypass_check import check_bypassed
+from ._chunk_plan import ModelChunkSchedulePlan
+from ._conformance import check_model
+from ._debug import DEBUG
+from ._errors import IntegrationError
+from ._fsdp_check import check_fsdp
+from ._guards import BaseGuard, attach
+from ._inputs import check_inputs
+from ._microbatch import Microbatch
+from ._node import ScheduleNode
+from ._node_checks import (
+    check_in_graph,
+    check_no_alias,
+    check_release,
+    storage_use_count,
+    tensor_use_count,
+)
+from ._owed_wgrad import check_wgrad_listed
+from ._protocols import PreprocessableModel
+from ._recompute_hold import held_for_recompute
+from ._state import ChunkState
+from .args import Instance, check_arg
+
+__all__ = ["inputs_checked"]
+
+_MICROBATCH = Instance(
+    Microbatch,
+    "a Microbatch",
+    hint="Megatron-Core's positional inputs: moe_overlap.megatron.build_schedule_plan",
+)
+
+
+class _PlanChecks(BaseGuard):
+    """A plan's model and microbatch, before anything is built; its inputs once read."""
+
+    def plan_started(self, model: object, microbatch: object, where: str) -> None:
+        del where
+        check_bypassed(model)  # every plan: a hook added since the last one is found too
+        check_model(model)  # memoized inside one combined_1f1b call
+        check_arg("ModelChunkSchedulePlan", "microbatch", microbatch, _MICROBATCH)
+
+    def inputs_read(self, model: object, microbatch: object, state: object, where: str) -> None:
+        if id(microbatch) in _CHECKED:  # the step checked every microbatch before the first plan
+            return
+        check_inputs(model, cast(ChunkState, state), where=where)
+
+    def plan_built(self, model: object, plan: object) -> None:
+        p = cast(ModelChunkSchedulePlan, plan)
+        m = cast(PreprocessableModel, model)
+        layers = m.decoder.layers
+        delayed = any(lp.shape.delay_wgrad for lp in p.layers)
+        if delayed:
+            check_wgrad_listed(m, list(layers), [lp.wgrad_parts for lp in p.layers])
+        check_fsdp(m, layers, delayed=delayed)
+
+
+_CHECKED: set[int] = set()
+
+
+@contextmanager
+def inputs_checked(microbatches: Sequence[Microbatch]) -> Generator[None]:
+    """Inside the block, plans of these microbatches skip the input check (the caller ran
+    it for all of them already: each input is checked once per microbatch)."""
+    ids = {id(mb) for mb in microbatches} - _CHECKED
+    _CHECKED.update(ids)
+    try:
+        yield
+    finally:
+        _CHECKED.difference_update(ids)
+
+
+class _InGraph(BaseGuard):
+    """A floating-point output that does not require grad although an input does: the
+    graph was cut (see :meth:`ScheduleNode.mark_non_differentiable`)."""
+
+    def node_forwarded(
+        self, node: object, detached: tuple[Tensor | None, ...], outputs: tuple[Tensor, ...]
+    ) -> None:
+        for out in outputs:
+            if not out.requires_grad:
+                n = cast(ScheduleNode, node)
+                check_in_graph(n.name, detached, outputs, n.non_differentiable)
+                break
+
+
+class _FreeInput(BaseGuard):
+    """Nothing still in use lives in the storage a freeing node is about to release.
+
+    Checked for every input before any is released, with no allocation on this per-node
+    path. Anything else that holds an input (a view or copy over its storage, autograd's
+    saves, a checkpoint) shows in the reference counts of its storage and tensors: the
+    schedule's own are the input (one tensor), the node's detached copy (one tensor, plus
+    its grad accumulator when it requires grad) and the storage object read here. More
+    sends the node to ``check_release``, which names what holds it (debug mode: always).
+    """
+
+    def before_release(
+        self,
+        node: object,
+        inputs: tuple[Tensor | None, ...],
+        detached: tuple[Tensor | None, ...],
+        outputs: tuple[Tensor, ...],
+    ) -> None:
+        n = cast(ScheduleNode, node)
+        kept = n.detached
+        also = n.kept_as_is
+        count_inputs = n.count_input_refs
+        count_copies = n.count_copy_refs
+        suspect = DEBUG
+        storage: torch.UntypedStorage | None = None
+        i = -1
+        for tensor in inputs:
+            i += 1  # no zip or enumerate object on this path: they cost more than the checks
+            if tensor is None:
+                continue
+            storage = tensor.untyped_storage()
+            ptr = storage.data_ptr()
+            if not ptr:  # an empty storage: no memory to lose
+                continue
+            for out in outputs:
+                if out.untyped_storage().data_ptr() == ptr:
+                    check_no_alias(n.name, _storages(inputs), outputs, ())
+            for t in (*kept, *also) if also else kept:
+                if t.untyped_storage().data_ptr() == ptr:
+                    named = n.handed_on()
+                    tensors = [k for _, k in named]
+                    labels = [label for label, _ in named]
+                    check_no_alias(n.name, _storages(inputs), (), tensors, labels)
+            if held_for_recompute(ptr):
+                raise IntegrationError(
+                    f"node {n.name!r}: the free-input policy releases this node's inputs "
+                    "after forward, but a recomputed region (activation checkpointing) "
+                    "holds one of them to rerun on in backward, which would read freed "
+                    "memory; expected recomputed regions to take tensors no freeing slot "
+                    "receives (recompute inside the slot that produces them, or on a copy), "
+                    "or ScheduleOptions(free_input=False)"
+                )
+            if suspect:
+                continue
+            cdata: int = storage._cdata  # pyright: ignore[reportPrivateUsage]
+            if storage_use_count(cdata) > 3 or (count_inputs and tensor_use_count(tensor) > 1):
+                suspect = True
+            elif count_copies:
+                leaf = detached[i]
+                if leaf is not None:
+                    count = tensor_use_count(leaf)
+                    suspect = count > 2 or (count == 2 and not leaf.requires_grad)
+        storage = None  # one reference less: check_release counts them
+        if suspect:
+            roots = [t.grad_fn for t in (*outputs, *n.graph_tails())]
+            check_release(
+                n.name,
+                inputs,
+                detached,
+                outputs,
+                n.handed_on(),
+                roots,
+                count_inputs=count_inputs,
+                count_copies=count_copies,
+                walk=DEBUG,
+            )
+
+
+def _storages(inputs: tuple[Tensor | None, ...]) -> list[torch.UntypedStorage]:
+    return [t.untyped_storage() for t in inputs if t is not None]
+
+
+for _guard in (_PlanChecks(), _InGraph(), _FreeInput()):
+    attach(_guard, debug=DEBUG)
