@@ -8,6 +8,7 @@ internal invariants.
 from __future__ import annotations
 
 __all__ = [
+    "FREED_MEMORY_HINT",
     "ConfigError",
     "IntegrationError",
     "LayerStateAttributeError",
@@ -18,6 +19,7 @@ __all__ = [
     "StreamError",
     "TypeHintError",
     "WgradError",
+    "freed_memory_hint",
 ]
 
 
@@ -72,3 +74,20 @@ class ScheduleError(MoeOverlapError, RuntimeError):
     def __init__(self, message: str, *, position: str) -> None:
         super().__init__(message)
         self.position = position
+
+
+FREED_MEMORY_HINT = (
+    "hint: a tensor released by the free-input policy was read again (a slot returned or "
+    "kept its input, or autograd saved it for backward); rerun with MOE_OVERLAP_DEBUG=1 to "
+    "find the slot at forward, see the free-input rules in docs/integrate.md, or pass "
+    "ScheduleOptions(free_input=False)"
+)
+
+# What torch says when a kernel touches a storage that ``resize_(0)`` emptied.
+_FREED_MESSAGES = ("data is not allocated yet", "setStorage", "out of bounds for storage")
+
+
+def freed_memory_hint(exc: BaseException) -> str:
+    """:data:`FREED_MEMORY_HINT` when ``exc`` looks like a read of freed input memory."""
+    text = str(exc)
+    return FREED_MEMORY_HINT if any(m in text for m in _FREED_MESSAGES) else ""

@@ -13,37 +13,16 @@ and the steps around it, after the caller's cleanup ran; a ``BaseException`` tha
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
-from ._errors import ScheduleError
+from ._errors import ScheduleError, freed_memory_hint
 from ._layer_node import TransformerLayerNode
-from ._node import ScheduleNode
-from ._node_checks import freed_memory_hint
-from ._protocols import StepObserver
+from ._protocols import NodeSource, StepObserver
 from ._steps import Direction, Role, Step, format_steps
-from .args import Int, Opt
-from .contracts import Contract, attribute, method
 
-__all__ = ["NodeSource", "Value", "execute_roles"]
+__all__ = ["Value", "execute_roles"]
 
-
-@runtime_checkable
-class NodeSource(Protocol):
-    """A plan, as the executor sees it: the node behind a step and the microbatch it runs."""
-
-    @property
-    def microbatch_index(self) -> int | None: ...
-    def node_for(self, step: Step) -> ScheduleNode: ...
-
-
-NODE_SOURCE: Contract[NodeSource] = Contract(
-    NodeSource,
-    "a NodeSource (a plan: microbatch_index and node_for(step))",
-    attribute("microbatch_index", Opt(Int(0), expects="None or an int >= 0")),
-    method("node_for"),
-)
 
 Value = tuple["Tensor | None", ...]
 

@@ -21,7 +21,6 @@ from ._errors import IntegrationError
 from ._state import LayerState
 
 __all__ = [
-    "FREED_MEMORY_HINT",
     "METADATA_ONLY_SAVES",
     "SECOND_BACKWARD",
     "check_copies_unused",
@@ -33,7 +32,6 @@ __all__ = [
     "check_own_leaves",
     "check_release",
     "check_undetached_reads",
-    "freed_memory_hint",
     "graph_saves",
     "second_backward_error",
     "storage_use_count",
@@ -57,22 +55,6 @@ def _no_count(t: Tensor) -> int:
 tensor_use_count = cast("Callable[[Tensor], int]", getattr(Tensor, "_use_count", _no_count))
 """How many references a tensor's ``TensorImpl`` has (its Python object, views' bases,
 autograd's saved tensors and grad accumulator); ``0`` where torch has no such method."""
-
-FREED_MEMORY_HINT = (
-    "hint: a tensor released by the free-input policy was read again (a slot returned or "
-    "kept its input, or autograd saved it for backward); rerun with MOE_OVERLAP_DEBUG=1 to "
-    "find the slot at forward, see the free-input rules in docs/integrate.md, or pass "
-    "ScheduleOptions(free_input=False)"
-)
-
-# What torch says when a kernel touches a storage that ``resize_(0)`` emptied.
-_FREED_MESSAGES = ("data is not allocated yet", "setStorage", "out of bounds for storage")
-
-
-def freed_memory_hint(exc: BaseException) -> str:
-    """:data:`FREED_MEMORY_HINT` when ``exc`` looks like a read of freed input memory."""
-    text = str(exc)
-    return FREED_MEMORY_HINT if any(m in text for m in _FREED_MESSAGES) else ""
 
 
 def _describe(t: Tensor) -> str:
