@@ -220,7 +220,7 @@ def test_prepared_stage_keywords() -> None:
         stages: list[Any] = [_Stage(i, m) for i, m in zip((0, 2), pair, strict=True)]
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=4, loss_fn=lambda a, b: a)
         overlap = prepare_schedule(schedule, pair=True)
-        build = overlap._plan  # the plan/keyword step
+        build = overlap._runner.plan  # the plan/keyword step
         first, later = stages
         hidden = torch.randn(2, 8, config.hidden_size)
         if name == "plain":

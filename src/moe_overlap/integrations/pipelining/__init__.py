@@ -11,11 +11,14 @@ and backwards, as Megatron-Core's combined 1F1B does with virtual pipeline stage
 Communication actions (``SEND_*`` / ``RECV_*``), ``REDUCE_GRAD`` (gradient scaling) and
 the loss function stay torch's own.
 
-The package has three private modules: ``_torch`` holds every private torch name it uses
-(listed there), the torch 2.11 / 2.13 shims and :data:`TESTED_TORCH`; ``_lowering`` the
-pure functions over schedule data (:func:`pair_overlap_f_b`, tested without a process
-group); ``_runtime`` :func:`prepare_schedule` and :class:`PipelineOverlap`. Tested with
-torch 2.11 and 2.13; on another release every function raises
+Its private modules: ``_torch`` holds every private torch name it uses (listed there), the
+torch 2.11 / 2.13 shims and :data:`TESTED_TORCH`; ``_lowering`` the pure functions over
+schedule data (:func:`pair_overlap_f_b`, tested without a process group); ``_runtime``
+:func:`prepare_schedule` and :class:`PipelineOverlap`, which composes the others:
+``_stage_checks`` (what a stage and its inputs must be), ``_actions`` (the custom functions
+of the compute actions) over ``_plan_runner`` (the plans between actions),
+``_wrapped_step`` (the schedule's ``step``) and ``_agreement`` (the consensus after it).
+Tested with torch 2.11 and 2.13; on another release every function raises
 :class:`~moe_overlap.ConfigError` before touching torch's internals (:func:`check_torch`).
 """
 
