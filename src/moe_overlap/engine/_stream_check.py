@@ -385,6 +385,10 @@ def _tensors(value: object) -> Iterator[torch.Tensor]:
 
 _ACTIVE: list[StreamOrderChecker] = []
 
+_CPU_DEFAULT: list[object] = []
+"""The CPU's default stream, which :mod:`._streams` gives when it makes it (it imports this
+module: the checker's hooks sit in its streams)."""
+
 
 class _Described(Protocol):
     def describe(self, direction: str) -> str: ...
@@ -439,10 +443,8 @@ def active_checker() -> StreamOrderChecker | None:
 @contextmanager
 def stream_order_check() -> Generator[StreamOrderChecker]:
     """Check every tensor access on CPU streams inside the block (see the module)."""
-    from ._streams import cpu_default_stream
-
     checker = StreamOrderChecker()
-    checker.set_default(cpu_default_stream())
+    checker.set_default(_CPU_DEFAULT[0])
     undo = _activate(checker)
     try:
         with _Mode(checker):
@@ -465,10 +467,8 @@ def start_from_env() -> None:
     on the importing thread; subprocesses inherit the variable)."""
     if _PROCESS or not env_enabled():
         return
-    from ._streams import cpu_default_stream
-
     checker = StreamOrderChecker()
-    checker.set_default(cpu_default_stream())
+    checker.set_default(_CPU_DEFAULT[0])
     mode = _Mode(checker)
     mode.__enter__()  # type: ignore[no-untyped-call]  # torch: unannotated
     _activate(checker)

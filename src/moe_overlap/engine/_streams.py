@@ -23,6 +23,7 @@ import torch
 
 from ._errors import StreamError
 from ._stream_check import _ACTIVE as _CHECKING  # pyright: ignore[reportPrivateUsage]
+from ._stream_check import _CPU_DEFAULT as _CHECKER_DEFAULT  # pyright: ignore[reportPrivateUsage]
 from .args import (
     BOOL,
     NON_NEGATIVE,
@@ -217,6 +218,7 @@ def make_streams(
 
 
 _CPU_DEFAULT = CpuStream("comp")
+_CHECKER_DEFAULT.append(_CPU_DEFAULT)  # the checker's default stream
 
 
 def cpu_default_stream() -> CpuStream:
