@@ -8,7 +8,7 @@ import pytest
 from torch import Tensor
 
 from moe_overlap import ConfigError, combined_1f1b
-from moe_overlap.engine import _guards
+from moe_overlap.engine import _hooks
 from moe_overlap.engine._guards import BaseGuard, Guard, attach
 
 from .toy_model import ToyConfig, ToyModel, grads, make_microbatches, plain_step
@@ -58,7 +58,7 @@ def recorder() -> Iterator[_Recorder]:
         yield guard
     finally:
         detach()
-    assert all(guard not in hooks for hooks in _guards._LISTS.values())
+    assert all(guard not in hooks for hooks in _hooks.by_hook.values())
 
 
 def test_a_guard_is_a_guard() -> None:
@@ -119,10 +119,10 @@ def test_only_overridden_hooks_are_attached_and_debug_only_is_chosen_once() -> N
 
     guard = Release()
     attach(guard, debug=False)()  # not attached outside debug mode: detaching is a no-op
-    assert all(guard not in hooks for hooks in _guards._LISTS.values())
+    assert all(guard not in hooks for hooks in _hooks.by_hook.values())
     detach = attach(guard, debug=True)
     try:
-        assert [n for n, hooks in _guards._LISTS.items() if guard in hooks] == ["before_release"]
+        assert [n for n, hooks in _hooks.by_hook.items() if guard in hooks] == ["before_release"]
     finally:
         detach()
-    assert guard not in _guards.BEFORE_RELEASE
+    assert guard not in _hooks.on_before_release

@@ -8,9 +8,8 @@ every time). The CPU stream-order checker attaches its own guard while it is act
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
-from typing import cast
 
 import torch
 from torch import Tensor
@@ -36,6 +35,8 @@ from ._owed_wgrad import check_wgrad_listed
 from ._protocols import PreprocessableModel
 from ._recompute_hold import held_for_recompute
 from ._state import ChunkState
+from ._stream_check import _ACTIVE as _CHECKERS  # pyright: ignore[reportPrivateUsage]
+from ._stream_check import _ON_ACTIVATE  # pyright: ignore[reportPrivateUsage]
 from .args import Instance, check_arg
 
 __all__ = ["inputs_checked"]
@@ -56,19 +57,19 @@ class _PlanChecks(BaseGuard):
         check_model(model)  # memoized inside one combined_1f1b call
         check_arg("ModelChunkSchedulePlan", "microbatch", microbatch, _MICROBATCH)
 
-    def inputs_read(self, model: object, microbatch: object, state: object, where: str) -> None:
+    def inputs_read(
+        self, model: PreprocessableModel, microbatch: Microbatch, state: ChunkState, where: str
+    ) -> None:
         if id(microbatch) in _CHECKED:  # the step checked every microbatch before the first plan
             return
-        check_inputs(model, cast(ChunkState, state), where=where)
+        check_inputs(model, state, where=where)
 
-    def plan_built(self, model: object, plan: object) -> None:
-        p = cast(ModelChunkSchedulePlan, plan)
-        m = cast(PreprocessableModel, model)
-        layers = m.decoder.layers
-        delayed = any(lp.shape.delay_wgrad for lp in p.layers)
+    def plan_built(self, model: PreprocessableModel, plan: ModelChunkSchedulePlan) -> None:
+        layers = model.decoder.layers
+        delayed = any(lp.shape.delay_wgrad for lp in plan.layers)
         if delayed:
-            check_wgrad_listed(m, list(layers), [lp.wgrad_parts for lp in p.layers])
-        check_fsdp(m, layers, delayed=delayed)
+            check_wgrad_listed(model, list(layers), [lp.wgrad_parts for lp in plan.layers])
+        check_fsdp(model, layers, delayed=delayed)
 
 
 _CHECKED: set[int] = set()
@@ -91,12 +92,11 @@ class _InGraph(BaseGuard):
     graph was cut (see :meth:`ScheduleNode.mark_non_differentiable`)."""
 
     def node_forwarded(
-        self, node: object, detached: tuple[Tensor | None, ...], outputs: tuple[Tensor, ...]
+        self, node: ScheduleNode, detached: tuple[Tensor | None, ...], outputs: tuple[Tensor, ...]
     ) -> None:
         for out in outputs:
             if not out.requires_grad:
-                n = cast(ScheduleNode, node)
-                check_in_graph(n.name, detached, outputs, n.non_differentiable)
+                check_in_graph(node.name, detached, outputs, node.non_differentiable)
                 break
 
 
@@ -113,12 +113,12 @@ class _FreeInput(BaseGuard):
 
     def before_release(
         self,
-        node: object,
+        node: ScheduleNode,
         inputs: tuple[Tensor | None, ...],
         detached: tuple[Tensor | None, ...],
         outputs: tuple[Tensor, ...],
     ) -> None:
-        n = cast(ScheduleNode, node)
+        n = node
         kept = n.detached
         also = n.kept_as_is
         count_inputs = n.count_input_refs
@@ -182,5 +182,28 @@ def _storages(inputs: tuple[Tensor | None, ...]) -> list[torch.UntypedStorage]:
     return [t.untyped_storage() for t in inputs if t is not None]
 
 
+class _NodeLabels(BaseGuard):
+    """The CPU stream-order checker's guard, attached while one is active: each node's
+    place, for its messages."""
+
+    def plan_built(self, model: PreprocessableModel, plan: ModelChunkSchedulePlan) -> None:
+        del model
+        plan.name_nodes()
+
+    def node_entered(self, node: ScheduleNode, direction: str) -> None:
+        if _CHECKERS:
+            _CHECKERS[-1].push_label(node.describe(direction))
+
+    def node_left(self, node: ScheduleNode) -> None:
+        del node
+        if _CHECKERS:
+            _CHECKERS[-1].pop_label()
+
+
+def _attach_labels() -> Callable[[], None]:
+    return attach(_NodeLabels(), debug=DEBUG)
+
+
+_ON_ACTIVATE.append(_attach_labels)
 for _guard in (_PlanChecks(), _InGraph(), _FreeInput()):
     attach(_guard, debug=DEBUG)

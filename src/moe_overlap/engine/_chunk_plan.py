@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from ._errors import ConfigError, PlanReleasedError, StreamError
-from ._guards import INPUTS_READ, PLAN_BUILT, PLAN_STARTED
+from ._hooks import on_inputs_read, on_plan_built, on_plan_started
 from ._layer_node import refresh_collectives
 from ._layer_plan import TransformerLayerSchedulePlan
 from ._microbatch import EMPTY_MICROBATCH, Microbatch
@@ -100,7 +100,7 @@ class ModelChunkSchedulePlan:
         output_processor_context: object | None = None,
     ) -> None:
         where = f"ModelChunkSchedulePlan (microbatch {index})"
-        for guard in PLAN_STARTED:  # the model, the microbatch (moe_overlap.engine._guards)
+        for guard in on_plan_started:  # the model, the microbatch (moe_overlap.engine._guards)
             guard.plan_started(model, microbatch, where)
         state = ChunkState(
             microbatch,
@@ -122,7 +122,7 @@ class ModelChunkSchedulePlan:
         self.vp_stage = vp_stage
         self.event = make_event(streams.device)
         self.state = state
-        for guard in INPUTS_READ:  # the fields the model reads
+        for guard in on_inputs_read:  # the fields the model reads
             guard.inputs_read(model, microbatch, state, where)
         refresh_collectives()
         self.pre_process: PreProcessNode | None = PreProcessNode(
@@ -163,7 +163,7 @@ class ModelChunkSchedulePlan:
                 has_post_process=self.post_process is not None,
             )
             self.released = False
-            for guard in PLAN_BUILT:  # delayed-wgrad modules, FSDP units, node names
+            for guard in on_plan_built:  # delayed-wgrad modules, FSDP units, node names
                 guard.plan_built(model, self)
         except BaseException:
             for lp in self.layers:  # refused: the layer plans' claims end here

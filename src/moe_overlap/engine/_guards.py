@@ -1,8 +1,8 @@
 """Checks attached to the schedule core from outside: the guard Protocol and its registry.
 
-The core (plans, nodes, the runner) calls a few hooks at fixed points and holds no check
-itself; each check is a :class:`Guard` attached once (:func:`attach`). A hook with no guard
-attached costs one empty-list test. The hooks, in the order a plan meets them::
+The core (plans, nodes, the runner) calls a few hooks at fixed points (:mod:`._hooks`) and
+holds no check itself; each check is a :class:`Guard` attached once (:func:`attach`). A hook
+with no guard attached costs one empty-list test. The hooks, in the order a plan meets them::
 
     plan_started(model, microbatch, where)      a plan is asked for: before anything is built
     inputs_read(model, microbatch, state, where) its inputs are read into the chunk state
@@ -24,45 +24,60 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
-__all__ = [
-    "BEFORE_RELEASE",
-    "INPUTS_READ",
-    "NODE_ENTERED",
-    "NODE_FORWARDED",
-    "NODE_LEFT",
-    "PLAN_BUILT",
-    "PLAN_STARTED",
-    "BaseGuard",
-    "Guard",
-    "attach",
-]
+from ._chunk_plan import ModelChunkSchedulePlan
+from ._hooks import by_hook
+from ._microbatch import Microbatch
+from ._node import ScheduleNode
+from ._protocols import PreprocessableModel
+from ._state import ChunkState
+from .args import BOOL
+from .contracts import Contract, attribute, method
+
+__all__ = ["GUARD", "BaseGuard", "Guard", "attach"]
 
 
 @runtime_checkable
 class Guard(Protocol):
     """A check attached to the schedule core (see the module for when each hook runs).
 
-    Arguments are typed ``object`` where the core's own types would import the core into
-    this module; a guard narrows them. Raise the library's error to refuse.
+    ``model`` and ``microbatch`` at ``plan_started`` are what the caller passed (not yet
+    checked); later hooks see them checked. Raise the library's error to refuse.
     """
 
     @property
     def debug_only(self) -> bool: ...
     def plan_started(self, model: object, microbatch: object, where: str) -> None: ...
-    def inputs_read(self, model: object, microbatch: object, state: object, where: str) -> None: ...
-    def plan_built(self, model: object, plan: object) -> None: ...
-    def node_entered(self, node: object, direction: str) -> None: ...
-    def node_left(self, node: object) -> None: ...
+    def inputs_read(
+        self, model: PreprocessableModel, microbatch: Microbatch, state: ChunkState, where: str
+    ) -> None: ...
+    def plan_built(self, model: PreprocessableModel, plan: ModelChunkSchedulePlan) -> None: ...
+    def node_entered(self, node: ScheduleNode, direction: str) -> None: ...
+    def node_left(self, node: ScheduleNode) -> None: ...
     def node_forwarded(
-        self, node: object, detached: tuple[Tensor | None, ...], outputs: tuple[Tensor, ...]
+        self, node: ScheduleNode, detached: tuple[Tensor | None, ...], outputs: tuple[Tensor, ...]
     ) -> None: ...
     def before_release(
         self,
-        node: object,
+        node: ScheduleNode,
         inputs: tuple[Tensor | None, ...],
         detached: tuple[Tensor | None, ...],
         outputs: tuple[Tensor, ...],
     ) -> None: ...
+
+
+GUARD: Contract[Guard] = Contract(
+    Guard,
+    "a Guard (moe_overlap.engine._guards.BaseGuard's hooks)",
+    attribute("debug_only", BOOL),
+    method("plan_started"),
+    method("inputs_read"),
+    method("plan_built"),
+    method("node_entered"),
+    method("node_left"),
+    method("node_forwarded"),
+    method("before_release"),
+)
+"""Its rule table: :func:`attach` refuses what does not conform."""
 
 
 class BaseGuard:
@@ -74,26 +89,28 @@ class BaseGuard:
     def plan_started(self, model: object, microbatch: object, where: str) -> None:
         del model, microbatch, where
 
-    def inputs_read(self, model: object, microbatch: object, state: object, where: str) -> None:
+    def inputs_read(
+        self, model: PreprocessableModel, microbatch: Microbatch, state: ChunkState, where: str
+    ) -> None:
         del model, microbatch, state, where
 
-    def plan_built(self, model: object, plan: object) -> None:
+    def plan_built(self, model: PreprocessableModel, plan: ModelChunkSchedulePlan) -> None:
         del model, plan
 
-    def node_entered(self, node: object, direction: str) -> None:
+    def node_entered(self, node: ScheduleNode, direction: str) -> None:
         del node, direction
 
-    def node_left(self, node: object) -> None:
+    def node_left(self, node: ScheduleNode) -> None:
         del node
 
     def node_forwarded(
-        self, node: object, detached: tuple[Tensor | None, ...], outputs: tuple[Tensor, ...]
+        self, node: ScheduleNode, detached: tuple[Tensor | None, ...], outputs: tuple[Tensor, ...]
     ) -> None:
         del node, detached, outputs
 
     def before_release(
         self,
-        node: object,
+        node: ScheduleNode,
         inputs: tuple[Tensor | None, ...],
         detached: tuple[Tensor | None, ...],
         outputs: tuple[Tensor, ...],
@@ -101,41 +118,22 @@ class BaseGuard:
         del node, inputs, detached, outputs
 
 
-# One list per hook, read by the core on its path (mutated in place, never rebound).
-PLAN_STARTED: list[Guard] = []
-INPUTS_READ: list[Guard] = []
-PLAN_BUILT: list[Guard] = []
-NODE_ENTERED: list[Guard] = []
-NODE_LEFT: list[Guard] = []
-NODE_FORWARDED: list[Guard] = []
-BEFORE_RELEASE: list[Guard] = []
-
-_LISTS: dict[str, list[Guard]] = {
-    "plan_started": PLAN_STARTED,
-    "inputs_read": INPUTS_READ,
-    "plan_built": PLAN_BUILT,
-    "node_entered": NODE_ENTERED,
-    "node_left": NODE_LEFT,
-    "node_forwarded": NODE_FORWARDED,
-    "before_release": BEFORE_RELEASE,
-}
-
-
 def attach(guard: Guard, *, debug: bool) -> Callable[[], None]:
     """Attach ``guard`` to the hooks it overrides (after the guards attached before it);
     a ``debug_only`` guard only when ``debug``. Returns what detaches it again."""
+    guard = GUARD.check(guard)
     if guard.debug_only and not debug:
         return _nothing
     hooks = [
-        name for name in _LISTS if getattr(type(guard), name, None) is not getattr(BaseGuard, name)
+        name for name in by_hook if getattr(type(guard), name, None) is not getattr(BaseGuard, name)
     ]
     for name in hooks:
-        _LISTS[name].append(guard)
+        by_hook[name].append(guard)
 
     def detach() -> None:
         for name in hooks:
-            if guard in _LISTS[name]:
-                _LISTS[name].remove(guard)
+            if guard in by_hook[name]:
+                by_hook[name].remove(guard)
 
     return detach
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from ._errors import IntegrationError, NodeStateError
-from ._guards import BEFORE_RELEASE, NODE_ENTERED, NODE_FORWARDED, NODE_LEFT
+from ._hooks import on_before_release, on_node_entered, on_node_forwarded, on_node_left
 from ._node_checks import check_marked
 from ._protocols import NodeTimer, StreamProvider
 from ._streams import (
@@ -220,7 +220,7 @@ class ScheduleNode:
                 "nodes are one-shot: build a new plan per microbatch"
             )
         stream = self.stream()
-        for guard in NODE_ENTERED:
+        for guard in on_node_entered:
             guard.node_entered(self, "forward")
         try:
             with use_stream(stream, self.event):
@@ -235,14 +235,14 @@ class ScheduleNode:
                 outputs = _as_tuple(self.name, result)
                 self.outputs = outputs
         finally:
-            for guard in NODE_LEFT:
+            for guard in on_node_left:
                 guard.node_left(self)
-        for guard in NODE_FORWARDED:
+        for guard in on_node_forwarded:
             guard.node_forwarded(self, detached, outputs)
         self.phase = NodePhase.FORWARDED
         if not self.free_input:
             return outputs
-        for guard in BEFORE_RELEASE:  # nothing still in use lives in an input's storage
+        for guard in on_before_release:  # nothing still in use lives in an input's storage
             guard.before_release(self, inputs, detached, outputs)
         for tensor in inputs:
             if tensor is not None:
@@ -291,7 +291,7 @@ class ScheduleNode:
                 f"(one per forward output), received {len(output_grad)}"
             )
         stream = self.stream()
-        for guard in NODE_ENTERED:
+        for guard in on_node_entered:
             guard.node_entered(self, "backward")
         try:
             with use_stream(stream, self.event):
@@ -302,9 +302,9 @@ class ScheduleNode:
                 if timer is not None:
                     timer.stop(stream)
         finally:
-            for guard in NODE_LEFT:
+            for guard in on_node_left:
                 guard.node_left(self)
-        if not isinstance(stream, CpuStream) or NODE_ENTERED:  # a watcher sees CPU streams
+        if not isinstance(stream, CpuStream) or on_node_entered:  # a watcher sees CPU streams
             for grad in output_grad:
                 # The grads may come from the other stream: keep their memory until this
                 # node's backward kernels are done with it.

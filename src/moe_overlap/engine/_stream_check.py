@@ -36,14 +36,13 @@ import os
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef as _StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ._errors import StreamError
-from ._guards import BaseGuard, attach
 
 __all__ = [
     "STREAM_CHECK_ENV",
@@ -390,49 +389,22 @@ _CPU_DEFAULT: list[object] = []
 module: the checker's hooks sit in its streams)."""
 
 
-class _Described(Protocol):
-    def describe(self, direction: str) -> str: ...
-
-
-class _Named(Protocol):
-    def name_nodes(self) -> None: ...
-
-
-class _NodeLabels(BaseGuard):
-    """The checker's guard on the schedule core: each node's place, for its messages."""
-
-    def plan_built(self, model: object, plan: object) -> None:
-        del model
-        if _ACTIVE:
-            cast(_Named, plan).name_nodes()
-
-    def node_entered(self, node: object, direction: str) -> None:
-        if _ACTIVE:
-            _ACTIVE[-1].push_label(cast(_Described, node).describe(direction))
-
-    def node_left(self, node: object) -> None:
-        del node
-        if _ACTIVE:
-            _ACTIVE[-1].pop_label()
-
-
-_LABELS = _NodeLabels()
+_ON_ACTIVATE: list[Callable[[], Callable[[], None]]] = []
+"""Called when a first checker becomes active; each returns its undo. The checks module
+(:mod:`._attached_checks`) registers attaching the checker's guard (node labels) here."""
 
 
 def _activate(checker: StreamOrderChecker) -> Callable[[], None]:
-    """Make ``checker`` the one in force and attach its guard; returns the undo."""
+    """Make ``checker`` the one in force (the first attaches the guards); returns the undo."""
     _ACTIVE.append(checker)
-    detach = attach(_LABELS, debug=False) if len(_ACTIVE) == 1 else _keep
+    undos = [on() for on in _ON_ACTIVATE] if len(_ACTIVE) == 1 else []
 
     def undo() -> None:
         _ACTIVE.remove(checker)
-        detach()
+        for u in undos:
+            u()
 
     return undo
-
-
-def _keep() -> None:
-    return None
 
 
 def active_checker() -> StreamOrderChecker | None:

@@ -27,7 +27,6 @@ from enum import Enum
 from typing import Any, Generic, TypeVar, cast
 
 from ._errors import ConfigError, IntegrationError, MoeOverlapError
-from ._guards import Guard
 from ._protocols import (
     ChunkRun,
     DeclaresInputs,
@@ -73,7 +72,6 @@ __all__ = [
     "DISPATCHER_BACKENDS",
     "DISPATCHER_TYPES",
     "FREE_INPUT_CONFIG",
-    "GUARD",
     "HOLDS_DELAYED_MODULES",
     "LAYER",
     "MODEL",
@@ -593,19 +591,6 @@ STEP_OBSERVER: Contract[StepObserver] = Contract(
 OPT_STEP_OBSERVER: Spec[object | None] = Opt(STEP_OBSERVER.arg())
 """An ``observer=`` argument: ``None`` or a :class:`~moe_overlap.steps.StepObserver` (a
 :class:`~moe_overlap.ConfigError` otherwise)."""
-
-GUARD: Contract[Guard] = Contract(
-    Guard,
-    "a Guard (moe_overlap.engine._guards.BaseGuard's hooks)",
-    attribute("debug_only", BOOL),
-    method("plan_started"),
-    method("inputs_read"),
-    method("plan_built"),
-    method("node_entered"),
-    method("node_left"),
-    method("node_forwarded"),
-    method("before_release"),
-)
 
 
 NODE_SOURCE: Contract[NodeSource] = Contract(

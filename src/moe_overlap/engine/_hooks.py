@@ -1,0 +1,51 @@
+"""The core's hook points: one list of attached guards per hook (see :mod:`._guards`).
+
+The core (plans, nodes) reads these lists on its path and calls each guard in them; it
+imports nothing else of the checks. The lists are mutated in place, never rebound.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # annotations only: the guards module imports the core
+    from ._guards import Guard
+
+__all__ = [
+    "by_hook",
+    "on_before_release",
+    "on_inputs_read",
+    "on_node_entered",
+    "on_node_forwarded",
+    "on_node_left",
+    "on_plan_built",
+    "on_plan_started",
+]
+
+if TYPE_CHECKING:  # declared apart: debug mode's beartype checks annotated assignments
+    on_plan_started: list[Guard]
+    on_inputs_read: list[Guard]
+    on_plan_built: list[Guard]
+    on_node_entered: list[Guard]
+    on_node_left: list[Guard]
+    on_node_forwarded: list[Guard]
+    on_before_release: list[Guard]
+    by_hook: dict[str, list[Guard]]
+
+on_plan_started = []
+on_inputs_read = []
+on_plan_built = []
+on_node_entered = []
+on_node_left = []
+on_node_forwarded = []
+on_before_release = []
+
+by_hook = {
+    "plan_started": on_plan_started,
+    "inputs_read": on_inputs_read,
+    "plan_built": on_plan_built,
+    "node_entered": on_node_entered,
+    "node_left": on_node_left,
+    "node_forwarded": on_node_forwarded,
+    "before_release": on_before_release,
+}
