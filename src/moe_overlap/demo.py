@@ -33,9 +33,9 @@ from moe_overlap.wgrad import check_wgrad_done
 __all__ = ["DemoArgs", "demo_config", "run_demo"]
 
 #: What installs the demo's optional packages (tqdm, matplotlib).
-DEMO_EXTRA = "pip install 'moe-overlap[demo]'"
+_DEMO_EXTRA = "pip install 'moe-overlap[demo]'"
 #: The GPU timeline of the schedule that the README shows, in the source repository.
-GPU_TIMELINE = "benchmarks/results/timeline.png"
+_GPU_TIMELINE = "benchmarks/results/timeline.png"
 
 # torch.distributed leaves these unannotated; give them types once, here.
 _all_reduce = cast(
@@ -181,7 +181,7 @@ class _Bar(Protocol):
     def close(self) -> None: ...
 
 
-def on_terminal() -> bool:
+def _on_terminal() -> bool:
     """Whether a person watches: stdout and stderr (where a bar is drawn) are terminals."""
     return sys.stdout.isatty() and sys.stderr.isatty()
 
@@ -191,7 +191,7 @@ def _progress_bar(steps: int) -> _Bar | None:
     try:
         tqdm = importlib.import_module("tqdm")
     except ImportError:
-        print(f"(no progress bar: tqdm is not installed; {DEMO_EXTRA})", flush=True)
+        print(f"(no progress bar: tqdm is not installed; {_DEMO_EXTRA})", flush=True)
         return None
     return cast(_Bar, tqdm.tqdm(total=steps, desc="steps", unit="step"))
 
@@ -229,7 +229,7 @@ def run_demo(args: DemoArgs) -> int:
         model.set_aux_loss_scale(scale)
     lead = rank == 0
     # A bar only where a person watches; piped or logged output gets plain lines.
-    bar = _progress_bar(args.steps) if lead and args.progress and on_terminal() else None
+    bar = _progress_bar(args.steps) if lead and args.progress and _on_terminal() else None
 
     def say(line: str) -> None:
         if bar is not None:
@@ -334,7 +334,7 @@ def _overlap_lines(timeline: Timeline, device: torch.device, step: int) -> list[
     if device.type == "cpu":
         lines.append(
             "  (on CPU the two streams are stand-ins that run one after another, so 0 us is "
-            f"expected; the overlap on a GPU is the README's timeline picture, {GPU_TIMELINE} "
+            f"expected; the overlap on a GPU is the README's timeline picture, {_GPU_TIMELINE} "
             "in the source repository)"
         )
     return lines

@@ -65,10 +65,10 @@ def test_demo_on_cpu_says_zero_overlap_is_expected(
     out = capsys.readouterr().out
     assert "comm hidden under compute in step 1: 0 us of the" in out
     assert (
-        f"so 0 us is expected; the overlap on a GPU is the README's timeline picture, {demo_module.GPU_TIMELINE}"
+        f"so 0 us is expected; the overlap on a GPU is the README's timeline picture, {demo_module._GPU_TIMELINE}"
         in out
     )
-    assert (Path(__file__).resolve().parents[2] / demo_module.GPU_TIMELINE).is_file()
+    assert (Path(__file__).resolve().parents[2] / demo_module._GPU_TIMELINE).is_file()
 
 
 class _Tripwire(importlib.abc.MetaPathFinder):
@@ -108,7 +108,7 @@ def test_no_tqdm_import_when_not_on_a_terminal(
     assert "step 1: loss" in captured.out and "steps" not in captured.err
 
 
-def _on_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+def _pretend_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
     for stream in (sys.stdout, sys.stderr):
         monkeypatch.setattr(stream, "isatty", lambda: True)
 
@@ -117,7 +117,7 @@ def test_progress_bar_on_a_terminal(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pytest.importorskip("tqdm")
-    _on_terminal(monkeypatch)
+    _pretend_terminal(monkeypatch)
     assert main(["demo", "--steps", "2", "--microbatches", "1", "--out", str(tmp_path)]) == 0
     captured = capsys.readouterr()
     assert "2/2" in captured.err and "step 2: loss" in captured.out
@@ -131,7 +131,7 @@ def test_demo_without_tqdm_and_matplotlib_says_what_to_install(
     monkeypatch: pytest.MonkeyPatch,
     tqdm_tripwire: _Tripwire,
 ) -> None:
-    _on_terminal(monkeypatch)
+    _pretend_terminal(monkeypatch)
     for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(sys, "meta_path", [_Tripwire("matplotlib"), *sys.meta_path])
