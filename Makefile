@@ -3,6 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-dev
+DEMO_STAMP := $(VENV)/.installed-demo
 DOCS_STAMP := $(VENV)/.installed-docs
 EXTRAS ?= dev
 
@@ -10,22 +11,34 @@ EXTRAS ?= dev
 
 venv: $(STAMP)
 
-$(STAMP): pyproject.toml
+# torch first: take the CPU wheel (2.13.0) unless a torch is already present, so that the
+# package's `torch>=2.6` is met and no resolver picks a multi-GB CUDA build.
+define install_torch
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	# torch: take the CPU wheel on disk (2.13.0) unless a torch is already present;
-	# never let a resolver pick a multi-GB CUDA build.
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --progress-bar on torch==2.13.0
+endef
+
+# What the tests, `make check` and the wheel test need: the dev extra (every other extra's
+# packages pinned) and torchtitan.
+$(STAMP): pyproject.toml
+	$(install_torch)
 	$(BIN)/pip install --progress-bar on -e '.[$(EXTRAS)]'
 	# torchtitan without its declared deps (datasets, wandb, tensorboard, torchdata): what
 	# it imports on CPU is pinned in the torchtitan extra (in dev too).
 	$(BIN)/pip install --progress-bar on --no-deps torchtitan==0.3.0
 	touch $(STAMP)
 
+# The demo needs the package and its demo extra only (tqdm, matplotlib).
+$(DEMO_STAMP): pyproject.toml
+	$(install_torch)
+	$(BIN)/pip install --progress-bar on -e '.[demo]'
+	touch $(DEMO_STAMP)
+
 $(DOCS_STAMP): $(STAMP)
 	$(BIN)/pip install --progress-bar on -e '.[$(EXTRAS),docs]'
 	touch $(DOCS_STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/python -m moe_overlap demo
 
 test: $(STAMP)

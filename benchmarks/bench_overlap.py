@@ -914,8 +914,9 @@ def _table(results: list[JsonDict]) -> str:
     return "\n".join(lines)
 
 
-def write_sweep_png(results: list[JsonDict], path: Path) -> None:
-    """Speed-up and efficiency against the comm:compute ratio."""
+def write_sweep_png(results: list[JsonDict], path: Path, *, where: str) -> None:
+    """Speed-up and efficiency against the comm:compute ratio, at 4 microbatches, titled
+    with ``where`` they were measured (device, torch)."""
     plt = pyplot()
     pts = sorted(
         (float(str(r["comm_to_compute"])), float(str(r["speedup"])), float(str(r["efficiency"])))
@@ -927,7 +928,12 @@ def write_sweep_png(results: list[JsonDict], path: Path) -> None:
     ax.plot([p[0] for p in pts], [p[2] for p in pts], "s--", label="efficiency bound/overlapped")
     ax.axvline(1.0, color="grey", lw=0.5)
     ax.set_xscale("log")
-    ax.set_xlabel("comm-only / compute-only")
+    ax.set_xlabel("comm-only step time / compute-only step time (ratio, log scale)")
+    ax.set_ylabel("ratio (x)")
+    ax.set_title(
+        f"bench_overlap.py sweep, {len(pts)} configurations at 4 microbatches\n{where}",
+        fontsize=9,
+    )
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -1126,7 +1132,7 @@ def main(argv: list[str] | None = None) -> None:
     print(json.dumps({"host_small": host_small}), flush=True)
     env["wall_s"] = time.perf_counter() - t_start
     _save(args.out, env, results, skipped, host_small)
-    write_sweep_png(results, args.out / "sweep.png")
+    write_sweep_png(results, args.out / "sweep.png", where=f"{env['device']}, torch {env['torch']}")
     print(_table(results), flush=True)
     if balanced is not None:
         print(

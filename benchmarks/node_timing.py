@@ -291,7 +291,8 @@ def write_chrome_trace(spans: Sequence[NodeSpan], path: Path, *, title: str) -> 
 
 
 def write_gantt_png(spans: Sequence[NodeSpan], path: Path, *, title: str) -> None:
-    """A per-stream Gantt chart: forward slots blue, backward orange, one row per stream."""
+    """A per-stream Gantt chart titled ``title``: forward slots blue, backward orange, weight
+    gradients green (a legend says so), one row per stream."""
     plt = pyplot()
     colors = {
         Direction.FORWARD: "#4C78A8",
@@ -318,8 +319,15 @@ def write_gantt_png(spans: Sequence[NodeSpan], path: Path, *, title: str) -> Non
                 fontsize=6,
             )
     ax.set_yticks([0, 1], ["comm stream", "comp stream"])
-    ax.set_xlabel("ms from step start (labels: microbatch, slot, F/B)")
+    ax.set_xlabel("time from the step's start (ms); bars: microbatch, slot, F/B/W")
     ax.set_title(title)
+    patches: Any = importlib.import_module("matplotlib.patches")
+    names = {Direction.FORWARD: "forward", Direction.BACKWARD: "backward"}
+    names[Direction.WGRAD] = "weight gradient"
+    handles = [
+        patches.Patch(facecolor=colors[d], edgecolor="black", label=n) for d, n in names.items()
+    ]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
     plt.close(fig)

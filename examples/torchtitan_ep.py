@@ -27,6 +27,7 @@ import dataclasses
 import importlib
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Any, cast
 
@@ -143,8 +144,21 @@ def init_ranks() -> tuple[int, int, torch.device]:
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
+    else:
+        quiet_cpu_autocast()
     torch.use_deterministic_algorithms(True)
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def quiet_cpu_autocast() -> None:
+    """torchtitan's router computes its gate under ``autocast(dtype=float32)``; CPU autocast
+    has no float32, so torch warns once per process and runs the gate unchanged, in the
+    model's float32 all the same. Nothing differs: the warning is silenced."""
+    warnings.filterwarnings(
+        "ignore",
+        message="In CPU autocast, but the target dtype is not supported",
+        category=UserWarning,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         same = all(torch.equal(a.detach(), b) for a, b in zip(losses, own_losses, strict=True))
         if differ or not same:
             print(
-                f"rank {rank}: step {step}: NOT equal to torchtitan's own run: "
+                f"rank {rank}: step {step + 1}: NOT equal to torchtitan's own run: "
                 f"losses {'equal' if same else 'differ'}, {differ[:3]}",
                 flush=True,
             )
@@ -199,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
             opt.zero_grad()
         loss = torch.stack([x.detach() for x in losses]).mean()
         print(
-            f"rank {rank}: step {step}: loss {float(loss):.4f}, bit-identical to "
+            f"rank {rank}: step {step + 1}: loss {float(loss):.4f}, bit-identical to "
             f"torchtitan's own forward and backward (loss, "
             f"{len(compared)} gradients and token counts)",
             flush=True,

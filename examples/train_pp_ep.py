@@ -209,7 +209,8 @@ def main() -> None:
         _all_reduce(same, op=dist.ReduceOp.MIN)
         if last and ep_rank == 0:
             shown = " ".join(f"{v:.4f}" for v in got)
-            print(f"step {step}: losses {shown} | matches torch's schedule: {bool(same.item())}")
+            same_text = bool(same.item())
+            print(f"step {step + 1}: losses {shown} | matches torch's schedule: {same_text}")
     if args.timeline is not None:
         args.timeline.mkdir(parents=True, exist_ok=True)
         timeline.to_chrome_trace(args.timeline / f"rank{rank}.json")

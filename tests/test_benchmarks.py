@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from moe_overlap.steps import Direction, Slot, StreamKind
+from tests.figures import check_figure, saved_figures
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -369,3 +375,59 @@ def test_stress_exact_without_the_fix_is_a_race_the_checker_names() -> None:
     assert done.returncode != 0
     assert "StreamOrderError" in done.stderr
     assert "may still use it" in done.stderr and "'moe_dispatch' backward" in done.stderr
+
+
+def _benchmark_module(name: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``benchmarks/<name>.py`` imported as its scripts import each other (their folder on
+    the path); the path, the environment and the benchmark modules it brought in are put
+    back after the test."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # sys.path restored whole
+    # bench_overlap.py sets it with setdefault at import; undone with the test.
+    monkeypatch.setenv(
+        "CUBLAS_WORKSPACE_CONFIG", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    )
+    before = set(sys.modules)
+    module = importlib.import_module(name)
+    for added in set(sys.modules) - before:
+        where = getattr(sys.modules[added], "__file__", None)
+        if where is not None and Path(where).parent == ROOT / "benchmarks":
+            monkeypatch.delitem(sys.modules, added)
+    return module
+
+
+def test_gantt_png_says_what_it_shows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    figures = saved_figures(monkeypatch)
+    nt = _benchmark_module("node_timing", monkeypatch)
+    spans = [
+        nt.NodeSpan(nt.NodeKey(0, 0, Slot.MLP, d), StreamKind.COMP, i, i + 1.0)
+        for i, d in enumerate((Direction.FORWARD, Direction.BACKWARD, Direction.WGRAD))
+    ]
+    spans.append(
+        nt.NodeSpan(nt.NodeKey(1, 0, Slot.DISPATCH, Direction.FORWARD), StreamKind.COMM, 0.5, 1.5)
+    )
+    nt.write_gantt_png(spans, tmp_path / "t.png", title="overlapped step, H=64")
+    (fig,) = figures
+    check_figure(
+        fig,
+        title=["overlapped step, H=64"],
+        x_unit="(ms)",
+        legend={"forward", "backward", "weight gradient"},
+    )
+
+
+def test_sweep_png_says_what_it_shows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    figures = saved_figures(monkeypatch)
+    bench = _benchmark_module("bench_overlap", monkeypatch)
+    rows = [
+        {"comm_to_compute": c, "speedup": 1.2, "efficiency": 0.9, "microbatches": 4}
+        for c in (0.5, 1.0, 2.0)
+    ]
+    bench.write_sweep_png(rows, tmp_path / "sweep.png", where="NVIDIA H200, torch 2.11.0")
+    (fig,) = figures
+    check_figure(
+        fig,
+        title=["bench_overlap.py sweep", "3 configurations at 4 microbatches", "NVIDIA H200"],
+        x_unit="ratio",
+        legend={"speed-up serial/overlapped", "efficiency bound/overlapped"},
+    )
+    assert fig.axes[0].get_ylabel()

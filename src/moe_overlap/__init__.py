@@ -64,7 +64,7 @@ from moe_overlap.engine import set_streams as set_streams
 from moe_overlap.engine import should_free_input as should_free_input
 from moe_overlap.engine import weak_method as weak_method
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place: pyproject.toml reads it (hatch dynamic version)
 
 __all__ = [
     "BackwardDWWrapper",

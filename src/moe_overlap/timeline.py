@@ -21,6 +21,7 @@ from typing import Protocol, cast
 
 import torch
 
+from moe_overlap.errors import ConfigError
 from moe_overlap.steps import Direction, NodeTimer, Role, Slot, SlotKey, Step, StreamKind
 from moe_overlap.streams import CpuStream
 
@@ -237,13 +238,44 @@ class Timeline:
             )
         Path(path).write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
+    def overlap_ms(self) -> float:
+        """Milliseconds during which both streams ran a step: the time the comm stream's
+        steps were hidden under the compute stream's. 0 on CPU, where the stand-in
+        streams run one step after another."""
+        spans = self.spans()
+        comp = _union([(s.start_ms, s.end_ms) for s in spans if s.stream is StreamKind.COMP])
+        comm = _union([(s.start_ms, s.end_ms) for s in spans if s.stream is StreamKind.COMM])
+        total, i, j = 0.0, 0, 0
+        while i < len(comp) and j < len(comm):
+            total += max(0.0, min(comp[i][1], comm[j][1]) - max(comp[i][0], comm[j][0]))
+            if comp[i][1] < comm[j][1]:
+                i += 1
+            else:
+                j += 1
+        return total
+
     def to_png(self, path: str | os.PathLike[str], *, title: str = "combined 1F1B") -> None:
-        """Draw the spans as a Gantt chart, one row per stream (needs matplotlib)."""
-        import matplotlib
+        """Draw the spans as a Gantt chart, one row per stream, with ``title`` above it and
+        a legend of the directions (needs matplotlib: ``pip install 'moe-overlap[demo]'``;
+        without it :class:`~moe_overlap.ConfigError`, before anything is written)."""
+        try:
+            import matplotlib
+            from matplotlib.patches import Patch
+        except ImportError:
+            raise ConfigError(
+                f"Timeline.to_png({str(path)!r}): needs matplotlib, which is not installed; "
+                "pip install 'moe-overlap[demo]', or write Timeline.to_chrome_trace and open "
+                "it in Perfetto"
+            ) from None
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
+        names = {
+            Direction.FORWARD: "forward",
+            Direction.BACKWARD: "backward",
+            Direction.WGRAD: "weight gradient",
+        }
         colors = {Direction.FORWARD: "#4c78a8", Direction.BACKWARD: "#f58518"}
         colors[Direction.WGRAD] = "#54a24b"
         rows = {StreamKind.COMP: 1, StreamKind.COMM: 0}
@@ -272,12 +304,25 @@ class Timeline:
                     fontsize=5,
                     rotation=90,
                 )
-        ax.set_yticks([0, 1], ["comm", "comp"])
-        ax.set_xlabel("ms")
-        ax.set_title(f"{title}: forward (blue), backward (orange), wgrad (green)")
+        ax.set_yticks([0, 1], ["comm stream", "compute stream"])
+        ax.set_xlabel("time from the first step's start (ms); bars: microbatch.layer.slot.F/B/W")
+        ax.set_title(title)
+        handles = [Patch(facecolor=colors[d], edgecolor="black", label=n) for d, n in names.items()]
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
         fig.tight_layout()
         fig.savefig(path, dpi=150)
         plt.close(fig_any)
+
+
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``intervals`` merged where they touch or overlap, in order."""
+    merged: list[tuple[float, float]] = []
+    for lo, hi in sorted(intervals):
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
 
 
 class _Axes(Protocol):
@@ -298,6 +343,14 @@ class _Axes(Protocol):
     def set_yticks(self, ticks: Sequence[float], labels: Sequence[str]) -> object: ...
     def set_xlabel(self, xlabel: str) -> object: ...
     def set_title(self, label: str) -> object: ...
+    def legend(
+        self,
+        *,
+        handles: Sequence[object],
+        loc: str,
+        bbox_to_anchor: tuple[float, float],
+        fontsize: float,
+    ) -> object: ...
 
 
 class _Figure(Protocol):

@@ -28,4 +28,11 @@ def test_train_torchtitan(argv: list[str]) -> None:
     assert done.returncode == 0, done.stderr
     losses = [float(x) for x in re.findall(r"step +\d+: loss ([0-9.]+)", done.stdout)]
     assert len(losses) == 3 and losses[-1] < losses[0], done.stdout
-    assert "self-check" in done.stdout
+    steps = [int(x) for x in re.findall(r"step +(\d+): loss", done.stdout)]
+    assert steps == [1, 2, 3], done.stdout
+    # the self-check as a table: a header row, then a row per block structure
+    assert re.search(
+        r"\n  block class +blocks +largest rel\. difference +probe dtype\n", done.stdout
+    )
+    assert re.search(r"\n  \w+Block +[0-9, ]+ +[0-9.e+-]+ +float32\n", done.stdout), done.stdout
+    assert "autocast" not in done.stderr, done.stderr

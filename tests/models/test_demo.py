@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import importlib.abc
 import json
+import sys
 import weakref
+from collections.abc import Sequence
+from importlib.machinery import ModuleSpec
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -15,9 +20,12 @@ import moe_overlap.demo as demo_module
 from moe_overlap import ConfigError, ModelChunkSchedulePlan, combined_1f1b
 from moe_overlap.__main__ import main
 from moe_overlap.models import GPTMoEModel
-from moe_overlap.steps import Direction
-from moe_overlap.timeline import Timeline
+from moe_overlap.steps import Direction, Step
+from moe_overlap.timeline import Span, Timeline
+from tests.figures import check_figure, saved_figures
 from tests.models._helpers import SMALL, microbatches
+
+ONE_STEP = ["demo", "--steps", "1", "--microbatches", "1"]
 
 
 def test_demo_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -36,6 +44,130 @@ def test_demo_runs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert "mb0.L1.dispatch.F" in names and "mb1.L3.mlp.W" in names
     comm = {e["name"].split(".", 2)[2] for e in spans if e["tid"] == 1}
     assert comm <= {"dispatch.F", "dispatch.B", "combine.F", "combine.B"}
+
+
+def test_demo_timeline_png_says_what_ran(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    figures = saved_figures(monkeypatch)
+    assert main([*ONE_STEP, "--out", str(tmp_path)]) == 0
+    (fig,) = figures
+    check_figure(
+        fig,
+        title=["moe_overlap demo", "combined_1f1b", "1 microbatches", "cpu float32"],
+        x_unit="(ms)",
+        legend={"forward", "backward", "weight gradient"},
+    )
+
+
+def test_demo_on_cpu_says_zero_overlap_is_expected(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([*ONE_STEP, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "comm hidden under compute in step 1: 0 us of the" in out
+    assert (
+        f"so 0 us is expected; the overlap on a GPU is the README's timeline picture, {demo_module._GPU_TIMELINE}"
+        in out
+    )
+    assert (Path(__file__).resolve().parents[2] / demo_module._GPU_TIMELINE).is_file()
+
+
+class _Tripwire(importlib.abc.MetaPathFinder):
+    """Records every attempt to import ``name`` (and refuses it)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.attempts = 0
+
+    def find_spec(
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> ModuleSpec | None:
+        if fullname.split(".")[0] == self.name:
+            self.attempts += 1
+            raise ImportError(f"{fullname} is refused by the test")
+        return None
+
+
+@pytest.fixture
+def tqdm_tripwire(monkeypatch: pytest.MonkeyPatch) -> _Tripwire:
+    """tqdm out of ``sys.modules`` (torch.hub imports it when installed) and every import
+    of it counted and refused until the test ends."""
+    for name in [m for m in sys.modules if m == "tqdm" or m.startswith("tqdm.")]:
+        monkeypatch.delitem(sys.modules, name)
+    wire = _Tripwire("tqdm")
+    monkeypatch.setattr(sys, "meta_path", [wire, *sys.meta_path])
+    return wire
+
+
+def test_no_tqdm_import_when_not_on_a_terminal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], tqdm_tripwire: _Tripwire
+) -> None:
+    assert not sys.stdout.isatty()
+    assert main([*ONE_STEP, "--out", str(tmp_path)]) == 0
+    assert tqdm_tripwire.attempts == 0
+    captured = capsys.readouterr()
+    assert "step 1: loss" in captured.out and "steps" not in captured.err
+
+
+def _pretend_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        monkeypatch.setattr(stream, "isatty", lambda: True)
+
+
+def test_progress_bar_on_a_terminal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("tqdm")
+    _pretend_terminal(monkeypatch)
+    assert main(["demo", "--steps", "2", "--microbatches", "1", "--out", str(tmp_path)]) == 0
+    captured = capsys.readouterr()
+    assert "2/2" in captured.err and "step 2: loss" in captured.out
+    assert main([*ONE_STEP, "--out", str(tmp_path), "--no-progress"]) == 0
+    assert "steps" not in capsys.readouterr().err
+
+
+def test_demo_without_tqdm_and_matplotlib_says_what_to_install(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tqdm_tripwire: _Tripwire,
+) -> None:
+    _pretend_terminal(monkeypatch)
+    for name in [m for m in sys.modules if m == "matplotlib" or m.startswith("matplotlib.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [_Tripwire("matplotlib"), *sys.meta_path])
+    assert main([*ONE_STEP, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert tqdm_tripwire.attempts == 1
+    assert "(no progress bar: tqdm is not installed; pip install 'moe-overlap[demo]')" in out
+    assert "no PNG: Timeline.to_png(" in out and "pip install 'moe-overlap[demo]'" in out
+    assert "all steps bit-identical: True" in out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["timeline.json"]
+
+
+def test_timeline_overlap_ms(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The time both streams ran a step: comm spans against the union of compute spans."""
+
+    def span(text: str, start: float, end: float) -> Span:
+        return Span(
+            step=Step.parse(text),
+            microbatch=0,
+            start_ms=start,
+            end_ms=end,
+            host_start_ms=start,
+            host_end_ms=end,
+        )
+
+    spans = [
+        span("f.L0.pre_dispatch.F@comp", 0.0, 2.0),
+        span("f.L0.mlp.F@comp", 1.5, 3.0),  # overlaps the span before it: counted once
+        span("f.L0.dispatch.F@comm", 2.5, 4.0),  # 0.5 under compute
+        span("b.L0.combine.B@comm", 5.0, 6.0),
+        span("b.L0.mlp.B@comp", 5.5, 7.0),  # 0.5 under the combine
+    ]
+    timeline = Timeline()
+    assert timeline.overlap_ms() == 0.0
+    monkeypatch.setattr(timeline, "spans", lambda: spans)
+    assert timeline.overlap_ms() == pytest.approx(1.0)
 
 
 def test_demo_no_delay_sgd(tmp_path: Path) -> None:

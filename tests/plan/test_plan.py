@@ -23,6 +23,7 @@ from moe_overlap.steps import (
     SlotKey,
     predict_ms,
 )
+from tests.figures import check_figure, saved_figures
 
 ROOT = Path(__file__).resolve().parents[2]
 F_, B_, W_ = Direction.FORWARD, Direction.BACKWARD, Direction.WGRAD
@@ -266,10 +267,68 @@ def test_command_line(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "dualpipev vs serial" in done.stdout
+    # The serial reference is the schedule without overlap, not torch's class by that name.
+    assert (
+        "serial: EP=8 PP=2 DP=1 VPP=2 microbatches=8 (16 GPUs), no overlap, torch "
+        "ScheduleInterleaved1F1B's order\n"
+    ) in done.stdout
+    assert "combined_1f1b: EP=8 PP=2 DP=1 VPP=2 microbatches=8 (16 GPUs), a forward " in done.stdout
     data = json.loads((tmp_path / "plan.json").read_text())
     assert [p["schedule"] for p in data["plans"]] == ["serial", "combined_1f1b", "dualpipev"]
     assert (tmp_path / "plan_dualpipev_trace.json").exists()
     assert f"wrote {tmp_path / 'plan.json'}" in done.stdout
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pp", "origin"),
+    [
+        ("serial", 1, "no overlap, the engine's macro steps"),
+        ("serial", 2, "no overlap, torch ScheduleInterleaved1F1B's order"),
+        (
+            "combined_1f1b",
+            1,
+            "a forward overlapped with another microbatch's backward, the engine's macro steps",
+        ),
+        (
+            "combined_1f1b",
+            2,
+            "a forward overlapped with another microbatch's backward, paired in torch "
+            "ScheduleInterleaved1F1B's order",
+        ),
+        ("fill_drain", 1, "combined 1F1B with the fill and the drain overlapped too"),
+        ("interleaved_1f1b", 2, "torch ScheduleInterleaved1F1B"),
+        ("dualpipev", 2, "torch ScheduleDualPipeV"),
+    ],
+)
+def test_summary_says_what_ran(schedule: str, pp: int, origin: str) -> None:
+    vpp = 2 if pp > 1 else 1
+    p = plan(_reference_costs(2 * pp * vpp), Layout(pp=pp, vpp=vpp, microbatches=4), schedule)
+    assert p.origin.startswith(origin), p.origin
+    assert p.summary().splitlines()[0].endswith(f"GPUs), {p.origin}")
+
+
+def test_gantt_png_says_what_it_shows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    figures = saved_figures(monkeypatch)
+    costs = _stage_costs(4, f=1.0, b_in=1.0, w=1.0, moe=True, comm=0.3)
+    p = plan(costs, Layout(pp=2, vpp=2, microbatches=4), "zero_bubble")
+    assert p.gantt_png(tmp_path / "g.png").stat().st_size > 0
+    (fig,) = figures
+    check_figure(
+        fig,
+        title=["predicted zero_bubble step", "PP=2", f"{p.step_ms:.1f} ms", p.origin],
+        x_unit="(ms)",
+        legend={"forward", "backward", "weight gradient"},
+    )
+
+
+def test_gantt_png_without_matplotlib_names_the_extra(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib: ImportError
+    p = plan(_reference_costs(), Layout(microbatches=2), "serial")
+    with pytest.raises(ConfigError, match=r"pip install 'moe-overlap\[demo\]'"):
+        p.gantt_png(tmp_path / "g.png")
+    assert not (tmp_path / "g.png").exists()
 
 
 def test_planning_page_tables_are_current() -> None:

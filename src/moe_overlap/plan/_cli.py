@@ -34,38 +34,95 @@ def add_plan_parser(
         ),
     )
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--model", choices=PRESETS, default="deepseek-v3-671b")
-    src.add_argument("--hf-config", type=Path, help="a transformers config.json of an MoE model")
+    src.add_argument(
+        "--model",
+        choices=PRESETS,
+        default="deepseek-v3-671b",
+        help="a model preset; with --hf-config or --profile it is not used (default: %(default)s)",
+    )
+    src.add_argument(
+        "--hf-config",
+        type=Path,
+        help="a transformers config.json of an MoE model, instead of --model (default: none)",
+    )
     src.add_argument(
         "--profile",
         type=Path,
-        help="serial node durations (JSON rows, e.g. a bench's serial_slot_durations)",
+        help="serial node durations in ms (JSON rows, e.g. a bench's serial_slot_durations), "
+        "instead of a roofline of --model on --machine (default: none)",
     )
-    p.add_argument("--layers", type=int, help="with --profile: the model's layers")
-    p.add_argument("--seq-len", type=int, default=4096)
-    p.add_argument("--micro-batch-size", type=int, default=1)
-    p.add_argument("--machine", choices=MACHINES, default="h800")
-    p.add_argument("--mfu", type=float, help="share of peak a GEMM reaches (default: preset)")
+    p.add_argument(
+        "--layers",
+        type=int,
+        help="the model's layer count; needed with --profile, unused otherwise (default: none)",
+    )
+    p.add_argument(
+        "--seq-len", type=int, default=4096, help="tokens per sequence (default: %(default)s)"
+    )
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=1,
+        help="sequences per microbatch (default: %(default)s)",
+    )
+    p.add_argument(
+        "--machine",
+        choices=MACHINES,
+        default="h800",
+        help="the GPU and links of the roofline (default: %(default)s)",
+    )
+    p.add_argument(
+        "--mfu",
+        type=float,
+        help="share of peak FLOPs a GEMM reaches, 0-1 (default: the --machine preset's)",
+    )
     p.add_argument(
         "--contention",
         type=float,
         default=0.0,
-        help="how much longer a copy runs under kernels (fit_contention; H200 loopback: 0.055)",
+        help="how much longer a copy runs under kernels, as a fraction (fit_contention; H200 "
+        "loopback: 0.055) (default: %(default)s)",
     )
-    p.add_argument("--weight-split", action="store_true", help="W actions run apart (zero bubble)")
-    p.add_argument("--ep", type=int, default=8)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--dp", type=int, default=1)
-    p.add_argument("--vpp", type=int, default=1)
-    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument(
+        "--weight-split",
+        action="store_true",
+        help="weight-gradient (W) actions run apart from their backward, as in zero-bubble "
+        "schedules (default: off)",
+    )
+    p.add_argument("--ep", type=int, default=8, help="expert-parallel size (default: %(default)s)")
+    p.add_argument(
+        "--pp", type=int, default=1, help="pipeline-parallel ranks (default: %(default)s)"
+    )
+    p.add_argument(
+        "--dp", type=int, default=1, help="data-parallel replicas (default: %(default)s)"
+    )
+    p.add_argument(
+        "--vpp",
+        type=int,
+        default=1,
+        help="pipeline stages per rank (virtual pipeline) (default: %(default)s)",
+    )
+    p.add_argument(
+        "--microbatches",
+        type=int,
+        default=8,
+        help="microbatches per training step (default: %(default)s)",
+    )
     p.add_argument(
         "--schedule",
         nargs="+",
         default=list(_DEFAULT_SCHEDULES),
         choices=[s.value for s in Schedule],
-        help="one or more (default: serial combined_1f1b dualpipev); the first is the baseline",
+        metavar="SCHEDULE",
+        help="one or more of %(choices)s; the first is the baseline the others are compared "
+        f"with (default: {' '.join(_DEFAULT_SCHEDULES)})",
     )
-    p.add_argument("--out", type=Path, help="write plan.json, a Chrome trace and a Gantt PNG")
+    p.add_argument(
+        "--out",
+        type=Path,
+        help="folder to write plan.json, a Chrome trace and a Gantt PNG per schedule into, "
+        "created if missing (default: none, print only)",
+    )
 
 
 def _costs(ns: argparse.Namespace, layout: Layout) -> tuple[Costs, str]:

@@ -42,6 +42,21 @@ class Plan:
         """The largest peak of activation memory over the pipeline ranks."""
         return max(r.peak_activation_bytes for r in self.ranks)
 
+    @property
+    def origin(self) -> str:
+        """What ran, in words: overlap or not, and whose order (torch's schedule class or
+        the engine's macro steps at one pipeline rank)."""
+        cls = self.torch_class
+        order = f"torch {cls}'s order" if cls else "the engine's macro steps"
+        if self.schedule is Schedule.SERIAL:
+            return f"no overlap, {order}"
+        if self.schedule is Schedule.COMBINED_1F1B:
+            paired = "paired in " if cls else ""
+            return f"a forward overlapped with another microbatch's backward, {paired}{order}"
+        if self.schedule is Schedule.FILL_DRAIN:
+            return f"combined 1F1B with the fill and the drain overlapped too, {order}"
+        return f"torch {cls}" if cls else order
+
     def to_json(self) -> dict[str, object]:
         """The figures (no spans) as JSON-ready data."""
         return {
@@ -61,11 +76,8 @@ class Plan:
 
     def summary(self) -> str:
         """A few lines for a terminal or a log."""
-        lay = self.layout
         lines = [
-            f"{self.schedule.value}: EP={lay.ep} PP={lay.pp} DP={lay.dp} VPP={lay.vpp} "
-            f"microbatches={lay.microbatches} ({lay.gpus} GPUs)"
-            + (f", torch {self.torch_class}" if self.torch_class else ""),
+            f"{self.schedule.value}: {self._layout_text()}, {self.origin}",
             f"  step {self.step_ms:.1f} ms, bubble up to {100 * self.bubble_fraction:.1f} %",
             "  rank  busy ms  comp ms  comm ms  bubble ms  peak act GB  (stage, mb) alive",
         ]
@@ -76,6 +88,13 @@ class Plan:
                 f"{r.peak_activation_units:6d}"
             )
         return "\n".join(lines)
+
+    def _layout_text(self) -> str:
+        lay = self.layout
+        return (
+            f"EP={lay.ep} PP={lay.pp} DP={lay.dp} VPP={lay.vpp} "
+            f"microbatches={lay.microbatches} ({lay.gpus} GPUs)"
+        )
 
     def to_chrome_trace(self, path: "str | os.PathLike[str]") -> Path:
         """Write the predicted step as Chrome-trace JSON (Perfetto, chrome://tracing): one
@@ -120,21 +139,23 @@ class Plan:
 
     def gantt_png(self, path: "str | os.PathLike[str]", *, title: str | None = None) -> Path:
         """Draw the predicted step (one row per rank and stream; forward blue, backward
-        orange, weight gradients grey) with matplotlib. Returns the path written."""
+        orange, weight gradients grey, with a legend; titled with the schedule, the layout and
+        the predicted step time unless ``title``) with matplotlib (``pip install 'moe-overlap[demo]'``). Returns
+        the path written."""
         try:
             matplotlib: Any = importlib.import_module("matplotlib")
             matplotlib.use("Agg")
             plt: Any = importlib.import_module("matplotlib.pyplot")
         except ImportError:
             raise ConfigError(
-                "Plan.gantt_png: needs matplotlib (pip install matplotlib), or write "
-                "Plan.to_chrome_trace and open it in Perfetto"
+                "Plan.gantt_png: needs matplotlib, which is not installed; pip install "
+                "'moe-overlap[demo]', or write Plan.to_chrome_trace and open it in Perfetto"
             ) from None
         out = Path(path)
         rows = [(r.rank, k) for r in self.ranks for k in (StreamKind.COMP, StreamKind.COMM)]
         index = {row: i for i, row in enumerate(rows)}
         colour = {".F@": "tab:blue", ".B@": "tab:orange", ".W@": "tab:grey"}
-        fig, ax = plt.subplots(figsize=(12, 0.45 * len(rows) + 1.2))
+        fig, ax = plt.subplots(figsize=(12, 0.45 * len(rows) + 1.6))
         bars: dict[tuple[int, str], list[tuple[float, float]]] = {}
         for s in self.spans:
             c = next((v for k, v in colour.items() if k in s.step), "tab:green")
@@ -146,8 +167,18 @@ class Plan:
         ax.set_yticks(range(len(rows)))
         ax.set_yticklabels([f"rank {r} {k.value}" for r, k in rows])
         ax.invert_yaxis()
-        ax.set_xlabel("ms")
-        ax.set_title(title or self.summary().splitlines()[0])
+        ax.set_xlabel("predicted time from the step's start (ms)")
+        default = (
+            f"predicted {self.schedule.value} step: {self._layout_text()}, "
+            f"{self.step_ms:.1f} ms\n{self.origin}"
+        )
+        ax.set_title(title or default, fontsize=10)
+        used = {c for _, c in bars}
+        names = {"tab:blue": "forward", "tab:orange": "backward", "tab:grey": "weight gradient"}
+        names["tab:green"] = "hook"
+        patches: Any = importlib.import_module("matplotlib.patches")
+        handles = [patches.Patch(color=c, label=n) for c, n in names.items() if c in used]
+        ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
         fig.tight_layout()
         fig.savefig(out, dpi=110)
         plt.close(fig)

@@ -1,0 +1,54 @@
+"""``python -m moe_overlap``: every command and every flag explains itself and its default;
+``--version`` prints the package's version."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+import moe_overlap
+from moe_overlap.__main__ import _parser, main
+
+
+def _commands() -> dict[str, argparse.ArgumentParser]:
+    (sub,) = (a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def test_help_lists_every_command_with_a_line() -> None:
+    parser = _parser()
+    (sub,) = (a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    described = {c.dest: c.help for c in sub._choices_actions}
+    assert set(described) == set(_commands()) >= {"demo", "plan"}
+    assert all(described.values()), described
+    text = parser.format_help()
+    for name, line in described.items():
+        assert name in text and str(line)[:30] in " ".join(text.split()), name
+
+
+@pytest.mark.parametrize("command", sorted(_commands()))
+def test_every_flag_has_help_with_its_default(command: str) -> None:
+    parser = _commands()[command]
+    flags = [a for a in parser._actions if not isinstance(a, argparse._HelpAction)]
+    assert flags, command
+    missing = [
+        a.option_strings[0]
+        for a in flags
+        if not a.help or "default" not in a.help or a.help == argparse.SUPPRESS
+    ]
+    assert not missing, f"{command}: flags without help naming their default: {missing}"
+    text = " ".join(parser.format_help().split())  # %(default)s expanded without error
+    for action in flags:
+        if action.help is not None and "%(default)s" in action.help:
+            shown = (
+                action.default if not isinstance(action.default, list) else " ".join(action.default)
+            )
+            assert f"default: {shown}" in text, (action.option_strings, text)
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"moe-overlap {moe_overlap.__version__}"
