@@ -5,8 +5,9 @@ The adapters' other modules reach torch's internals only through the functions h
 (``tests/adapters/test_private_torch.py`` parses them and fails on a private torch name
 elsewhere), so a torch release that moves one breaks this module alone. The private
 names of transformers and torchtitan the adapters read stay beside the code that reads
-them. Checked on torch 2.13 (CI, CPU) and torch 2.11 (the GPU machine, CUDA); each name
-below says what breaks if torch moves or renames it.
+them. Checked on torch 2.13 (CI, CPU) and torch 2.11 (the GPU machine, CUDA: the
+``gpu``-marked tests) by the tests of ``tests/adapters``; each name below says what breaks
+if torch moves or renames it.
 
 - ``nn.Module._modules`` (:func:`children`): a module's children by name, read and
   written in place: a layer's child swapped for a stand-in while the layer's own forward

@@ -4,8 +4,9 @@
 The other modules of ``moe_overlap.blocks`` reach torch's internals only through the names
 here (``tests/blocks/test_private_torch.py`` parses them and fails on a private torch name
 elsewhere), so a torch release that moves one breaks this module alone. Checked on torch
-2.13 (CI, CPU) and torch 2.11 (the GPU machine, CUDA); each name below says what breaks if
-torch moves or renames it.
+2.13 (CI, CPU) and torch 2.11 (the GPU machine, CUDA: the ``gpu``-marked tests) by the
+tests of ``tests/blocks`` and ``tests/models``; each name below says what breaks if torch
+moves or renames it.
 
 - ``torch._grouped_mm`` (:func:`grouped_mm`, :func:`has_grouped_mm`): the grouped GEMM of
   :class:`~moe_overlap.blocks.DelayedWgradGroupedLinear` on Hopper in bf16. Gone or
