@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from moe_overlap import ConfigError
+from moe_overlap.adapters._torch_private import children
 
 __all__ = [
     "ArgFrom",
@@ -395,7 +396,7 @@ def swap_child(
     parent: nn.Module, name: str, stand_in: nn.Module | None
 ) -> Generator[None, None, None]:
     """``parent.name`` is ``stand_in`` inside the block (restored after, even on error)."""
-    modules = parent._modules  # pyright: ignore[reportPrivateUsage]
+    modules = children(parent)
     original = modules[name]
     modules[name] = stand_in
     try:

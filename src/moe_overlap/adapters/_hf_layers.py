@@ -54,15 +54,14 @@ from moe_overlap.adapters._hf_structure import (
     experts_arguments,
     first_tensor,
 )
+from moe_overlap.adapters._wrapped_layer import WrappedDenseLayer, WrappedLayer, wgrad_scopes
 from moe_overlap.blocks import (
     DelayedWgradModule,
-    DenseSlots,
     Gathered,
     GroupSizes,
     MoESlots,
     SlotContext,
     TokenDispatcher,
-    single_input,
 )
 from moe_overlap.engine import ChunkState
 from moe_overlap.protocols import FreeInputConfig
@@ -119,31 +118,18 @@ class _RoutedStandIn(ExpertsStandIn):
         self.gathered = None
 
 
-class _LayerBase:
-    """What dense and MoE layers share: identity, wgrad bookkeeping."""
-
-    is_moe: bool
+class _LayerBase(WrappedLayer):
+    """What dense and MoE layers share here: the microbatch's arguments, how errors name
+    the layer, pending weight gradients by module."""
 
     def __init__(
         self, layer: nn.Module, index: int, config: FreeInputConfig, calls: LayerCalls
     ) -> None:
-        self.layer = layer
-        self.index = index
-        self.config = config
+        super().__init__(layer, index, config)
         self.calls = calls
 
     def where(self, slot: str) -> str:
         return f"{type(self.layer).__name__} {self.index} {slot}"
-
-    def delayed_modules(self) -> tuple[DelayedWgradModule, ...]:
-        """Every delayable module of the layer (what ``pending_wgrad`` counts)."""
-        raise NotImplementedError
-
-    @property
-    def pending_wgrad(self) -> int:
-        """Weight gradients the layer's delayed modules still owe (a
-        :class:`~moe_overlap.PendingWgrad`)."""
-        return sum(m.pending_wgrad for m in self.delayed_modules())
 
     def pending_wgrad_by_module(self) -> dict[str, int]:
         """``{"path (Class)": count}`` of the delayed modules with weight gradients pending
@@ -154,13 +140,8 @@ class _LayerBase:
             if m.pending_wgrad
         }
 
-    def discard_wgrad(self) -> None:
-        """Drop the pending weight gradients of every delayed module (after a failed step)."""
-        for module in self.delayed_modules():
-            module.discard_wgrad()
 
-
-class HFDenseLayer(DenseSlots, _LayerBase):
+class HFDenseLayer(WrappedDenseLayer, _LayerBase):
     """A decoder layer without routed experts: its own ``forward``, whole, in pre-dispatch."""
 
     def __init__(
@@ -182,26 +163,9 @@ class HFDenseLayer(DenseSlots, _LayerBase):
         call = self.calls(chunk_state, self.index)
         return first_tensor(self.layer(x_BSD, *call.args, **dict(call.kwargs)))
 
-    def slot_pre_dispatch(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
-        return self.forward(single_input(inputs, self.where("pre_dispatch")), node.chunk_state)
-
-    def slot_mlp(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> tuple[Tensor, ...]:
-        del node
-        return inputs
-
-    def run_plain(self, x_BSD: Tensor, chunk_state: ChunkState) -> Tensor:
-        return self.forward(x_BSD, chunk_state)
-
     def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
-        if not (self.delay_wgrad and self.group.modules):
-            return []
-        return [WgradScope(CudaGraphModule.attn, self.group)]
-
-    def mlp_wgrad(self) -> Sequence[WgradLayer]:
-        return []
-
-    def delayed_modules(self) -> tuple[DelayedWgradModule, ...]:
-        return self.group.modules
+        # The layer's linears are swapped whether or not they delay.
+        return super().pre_dispatch_wgrad() if self.delay_wgrad else []
 
 
 class HFMoELayer(_LayerBase, MoESlots):
@@ -425,11 +389,7 @@ class HFMoELayer(_LayerBase, MoESlots):
     def combine(self, ctx: SlotContext, out_MD: Tensor) -> Tensor:
         state = ctx.layer_state
         moe_TD = self.dispatcher.slot_combine(ctx, out_MD)
-        residual = state.residual
-        if residual is None:
-            raise IntegrationError(
-                f"{self.where('combine')}: expected the residual from pre_dispatch, received None"
-            )
+        residual = self.take_residual(ctx)
         rest: object = state.extras.get(_REST)
         extra: object = state.extras.get(_EXTRA)
         m = moe_TD.view(residual.shape)
@@ -443,18 +403,15 @@ class HFMoELayer(_LayerBase, MoESlots):
             m = m + extra.view(residual.shape)
         if self.mlp_out_norm is not None:
             m = self.mlp_out_norm(m)
-        state.residual = None
         return residual + self._scaled(m).view(residual.shape)
 
     def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
         if not self.delay_wgrad:
             return []
-        scopes: list[WgradScope] = []
-        if self.attention_group.modules:
-            scopes.append(WgradScope(CudaGraphModule.attn, self.attention_group))
-        if self.block_group.modules:
-            scopes.append(WgradScope(CudaGraphModule.moe_router, self.block_group))
-        return scopes
+        return wgrad_scopes(
+            (CudaGraphModule.attn, self.attention_group),
+            (CudaGraphModule.moe_router, self.block_group),
+        )
 
     def mlp_wgrad(self) -> Sequence[WgradLayer]:
         return [self.weights] if self.delay_wgrad and self.weights is not None else []

@@ -25,6 +25,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
+from moe_overlap.adapters._torch_private import parameters
+
 __all__ = ["TiedGradients", "tied_embeddings"]
 
 
@@ -108,7 +110,7 @@ def _registrations(
     index = {id(p): i for i, p in enumerate(params)}
     found: list[tuple[nn.Module, str, int]] = []
     for module in model.modules():
-        for name, p in module._parameters.items():  # pyright: ignore[reportPrivateUsage]
+        for name, p in parameters(module).items():
             if p is not None and id(p) in index:
                 found.append((module, name, index[id(p)]))
     return found
@@ -145,15 +147,15 @@ class TiedGradients:
         """Every registration of a tied parameter in the model is ``fn``'s output inside
         (read by the module as its parameter); yields the nodes' ids."""
         uses = [fn(p, slot, i) for i, p in enumerate(self.params)]
-        before = [(m, n, m._parameters[n]) for m, n, _ in self._where]  # pyright: ignore[reportPrivateUsage]
+        before = [(m, n, parameters(m)[n]) for m, n, _ in self._where]
         for m, n, i in self._where:
             # A tensor, not a Parameter: what torch.func.functional_call puts there too.
-            m._parameters[n] = cast(nn.Parameter, uses[i])  # pyright: ignore[reportPrivateUsage]
+            parameters(m)[n] = cast(nn.Parameter, uses[i])
         try:
             yield {id(u.grad_fn) for u in uses}
         finally:
             for m, n, p in before:
-                m._parameters[n] = p  # pyright: ignore[reportPrivateUsage]
+                parameters(m)[n] = p
 
     def _active(self) -> bool:
         return bool(self._where) and torch.is_grad_enabled()

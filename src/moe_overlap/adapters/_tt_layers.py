@@ -43,13 +43,8 @@ from moe_overlap.adapters._hf_calls import swap_child as swap
 from moe_overlap.adapters._hf_experts import DelayedLinear, WgradGroup
 from moe_overlap.adapters._tt_imports import titan
 from moe_overlap.adapters._tt_recompute import TitanCheckpoint
-from moe_overlap.blocks import (
-    DelayedWgradModule,
-    DenseSlots,
-    MoESlots,
-    SlotContext,
-    single_input,
-)
+from moe_overlap.adapters._wrapped_layer import WrappedDenseLayer, WrappedLayer, wgrad_scopes
+from moe_overlap.blocks import DelayedWgradModule, MoESlots, SlotContext
 from moe_overlap.engine import ChunkState
 from moe_overlap.protocols import FreeInputConfig
 
@@ -232,10 +227,9 @@ def _detach_metadata(ctx: SlotContext, metadata: object, where: str) -> object:
     return dataclasses.replace(metadata, **changes) if changes else metadata
 
 
-class _BlockBase:
-    """What dense and MoE blocks share: identity, wgrad bookkeeping."""
-
-    is_moe: bool
+class _BlockBase(WrappedLayer):
+    """What dense and MoE blocks share here: the block's name and arguments, its
+    activation-checkpoint wrapper, how errors name it."""
 
     def __init__(
         self,
@@ -246,9 +240,7 @@ class _BlockBase:
         config: FreeInputConfig,
         checkpoint: TitanCheckpoint | None = None,
     ) -> None:
-        self.layer = block
-        self.config = config
-        self.index = index
+        super().__init__(block, index, config)
         self.name = name
         self.calls = calls
         self.checkpoint = checkpoint
@@ -263,21 +255,8 @@ class _BlockBase:
     def where(self, slot: str) -> str:
         return f"{self.name} ({type(self.layer).__name__}) {slot}"
 
-    def delayed_modules(self) -> tuple[DelayedWgradModule, ...]:
-        raise NotImplementedError
 
-    @property
-    def pending_wgrad(self) -> int:
-        """Weight gradients the block's delayed modules still owe."""
-        return sum(m.pending_wgrad for m in self.delayed_modules())
-
-    def discard_wgrad(self) -> None:
-        """Drop the pending weight gradients (after a failed step)."""
-        for module in self.delayed_modules():
-            module.discard_wgrad()
-
-
-class TitanDenseLayer(DenseSlots, _BlockBase):
+class TitanDenseLayer(WrappedDenseLayer, _BlockBase):
     """A block without routed experts: its own ``forward``, whole, in pre-dispatch
     (recomputed whole when torchtitan wrapped it for activation checkpointing)."""
 
@@ -299,27 +278,6 @@ class TitanDenseLayer(DenseSlots, _BlockBase):
         call = self.calls(chunk_state)
         out: object = self._run(self.layer, x_BLD, call.attention_masks, call.positions)
         return _tensor(out, self.where("forward"))
-
-    def slot_pre_dispatch(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> Tensor:
-        return self.forward(single_input(inputs, self.where("pre_dispatch")), node.chunk_state)
-
-    def slot_mlp(self, node: SlotContext, inputs: tuple[Tensor, ...], /) -> tuple[Tensor, ...]:
-        del node
-        return inputs
-
-    def run_plain(self, x_BLD: Tensor, chunk_state: ChunkState) -> Tensor:
-        return self.forward(x_BLD, chunk_state)
-
-    def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
-        if not self.group.modules:
-            return []
-        return [WgradScope(CudaGraphModule.attn, self.group)]
-
-    def mlp_wgrad(self) -> Sequence[WgradLayer]:
-        return []
-
-    def delayed_modules(self) -> tuple[DelayedWgradModule, ...]:
-        return self.group.modules
 
 
 class TitanMoELayer(_BlockBase, MoESlots):
@@ -443,22 +401,14 @@ class TitanMoELayer(_BlockBase, MoESlots):
         rest: object = state.extras.get(_REST)
         if isinstance(rest, Tensor):
             m = m + rest
-        residual = state.residual
-        if residual is None:
-            raise IntegrationError(
-                f"{self.where('combine')}: expected the residual from pre_dispatch, received None"
-            )
-        state.residual = None
-        return residual + m
+        return self.take_residual(ctx) + m
 
     # --- delayed weight gradients ---------------------------------------------------------
     def pre_dispatch_wgrad(self) -> Sequence[WgradScope]:
-        scopes: list[WgradScope] = []
-        if self.attention_group.modules:
-            scopes.append(WgradScope(CudaGraphModule.attn, self.attention_group))
-        if self.moe_group.modules:
-            scopes.append(WgradScope(CudaGraphModule.moe_router, self.moe_group))
-        return scopes
+        return wgrad_scopes(
+            (CudaGraphModule.attn, self.attention_group),
+            (CudaGraphModule.moe_router, self.moe_group),
+        )
 
     def mlp_wgrad(self) -> Sequence[WgradLayer]:
         return []

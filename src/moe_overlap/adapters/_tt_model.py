@@ -26,6 +26,7 @@ from moe_overlap.adapters._hf_probe import (
     rel_difference,
     worst_gradient,
 )
+from moe_overlap.adapters._torch_private import version
 from moe_overlap.adapters._tt_imports import titan
 from moe_overlap.adapters._tt_layers import (
     BlockCall,
@@ -817,7 +818,7 @@ def titan_mtp_loss() -> Callable[..., object]:
 def _state_of(block: nn.Module) -> list[tuple[str, int, int]]:
     """Which gradients exist and the buffers' versions: what a probe must not change."""
     grads = [(n, id(p.grad), -1) for n, p in block.named_parameters()]
-    buffers = [(n, id(b), b._version) for n, b in block.named_buffers()]
+    buffers = [(n, id(b), version(b)) for n, b in block.named_buffers()]
     return grads + buffers
 
 

@@ -30,7 +30,6 @@ binds other arguments, and settings changed after the adapter was built.
 from __future__ import annotations
 
 import functools
-import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TypeVar, cast
@@ -40,13 +39,13 @@ import torch.utils.checkpoint as _checkpoint
 from torch import nn
 
 from moe_overlap import ConfigError
+from moe_overlap.adapters._torch_private import checkpoint_wrapped, checkpoint_wrapper_class
 from moe_overlap.engine import Bypass, BypassedModule, hold_for_recompute
 
 __all__ = ["TitanCheckpoint", "unwrap_blocks"]
 
 _T = TypeVar("_T")
 
-_WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
 _SETTINGS = frozenset(
     {
         "use_reentrant",
@@ -67,14 +66,6 @@ _DO = (
     "apply torchtitan's SelectiveAC or FullAC (a non-reentrant torch CheckpointWrapper), or "
     "none, before building the adapter"
 )
-
-
-def _class(name: str) -> type | None:
-    """A class of torch's checkpoint wrapper module, when that module is imported (a
-    wrapper cannot exist otherwise)."""
-    module = sys.modules.get(_WRAPPER_MODULE)
-    found: object = getattr(module, name, None) if module is not None else None
-    return found if isinstance(found, type) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,16 +148,16 @@ def _settings(wrapper: nn.Module, where: str) -> tuple[object, dict[str, object]
 
 
 def _unwrap(block: nn.Module, where: str) -> tuple[nn.Module, TitanCheckpoint | None]:
-    activation = _class("ActivationWrapper")
+    activation = checkpoint_wrapper_class("ActivationWrapper")
     if activation is None or not isinstance(block, activation):
         return block, None
-    if type(block) is not _class("CheckpointWrapper"):
+    if type(block) is not checkpoint_wrapper_class("CheckpointWrapper"):
         raise ConfigError(
             f"{where}: expected the block itself or torch's CheckpointWrapper around it (what "
             f"torchtitan's SelectiveAC and FullAC put), received {type(block).__name__}; the "
             f"schedule never calls it, so what it does would never run; {_DO}"
         )
-    inner = block._modules.get("_checkpoint_wrapped_module")  # pyright: ignore[reportPrivateUsage]
+    inner = checkpoint_wrapped(block)
     if inner is None:
         raise ConfigError(
             f"{where} (CheckpointWrapper): expected the wrapped block as its "

@@ -8,6 +8,7 @@ from typing import cast
 from torch import Tensor, nn
 
 from moe_overlap import ConfigError, IntegrationError, ScheduleOptions
+from moe_overlap.adapters._torch_private import children
 from moe_overlap.adapters._tt_model import TitanDecoder, TorchtitanMoEAdapter
 from moe_overlap.adapters._tt_names import NOT_GIVEN, TitanHooks, refuse_titan_names
 from moe_overlap.engine import BypassedModule
@@ -50,7 +51,7 @@ class TorchtitanMoEStage(TitanHooks, nn.Module):
         self.decoder: TitanDecoder = adapter.decoder
         self.config = adapter.config
         model = adapter.model
-        for name, child in list(model._modules.items()):
+        for name, child in list(children(model).items()):
             if child is None:
                 continue
             if hasattr(self, name):

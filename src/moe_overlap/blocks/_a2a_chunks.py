@@ -36,25 +36,14 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import cast
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from moe_overlap import IntegrationError
 from moe_overlap.blocks._delayed_linear import GroupSizes
-
-# A cycle, resolved by order: the package imports this module first, which imports the
-# dispatcher, which takes this module (already in sys.modules) for its chunked slots and
-# reads it only when they run. The names stay importable here at run time: debug mode's
-# beartype resolves these annotations.
-from moe_overlap.blocks._dispatcher import (
-    Combine,
-    CopyOrder,
-    DispatchMeta,
-    PermuteMeta,
-    TokenDispatcher,
-)
+from moe_overlap.blocks._dispatch_meta import Combine, CopyOrder, DispatchMeta, PermuteMeta
 from moe_overlap.blocks._slots import SlotContext
 from moe_overlap.engine import (
     AnyEvent,
@@ -72,7 +61,7 @@ from moe_overlap.engine import (
 )
 from moe_overlap.engine.args import NON_NEGATIVE, POSITIVE, check_arg
 
-__all__ = ["chunk_sizes"]
+__all__ = ["ChunkedDispatcher", "SideStreams", "chunk_sizes"]
 
 _PLAN = "moe_overlap.a2a_chunks"
 _TOKENS = "moe_overlap.a2a_chunk_tokens[{}]"
@@ -196,6 +185,36 @@ SideStreams = tuple[AnyStream, AnyStream]
 """A device's two side streams of chunked all-to-alls: sends, returns."""
 
 
+@runtime_checkable
+class ChunkedDispatcher(Protocol):
+    """What the chunked slots call on their :class:`~moe_overlap.blocks.TokenDispatcher`:
+    its per-chunk steps and its side streams (a Protocol: the dispatcher's slots call this
+    module, so this module does not import the dispatcher)."""
+
+    chunks: int
+    side_streams: dict[object, SideStreams]
+
+    def permute(
+        self,
+        hidden_TD: Tensor,
+        probs_TK: Tensor,
+        experts_TK: Tensor,
+        *,
+        order: CopyOrder | None = ...,
+        combine: Combine = ...,
+    ) -> tuple[Tensor, Tensor, PermuteMeta]: ...
+
+    def plan(self, meta: PermuteMeta) -> DispatchMeta: ...
+
+    def dispatch(
+        self, tokens_ND: Tensor, probs_N: Tensor, meta: DispatchMeta
+    ) -> tuple[Tensor, Tensor]: ...
+
+    def combine(self, out_MD: Tensor, meta: DispatchMeta) -> Tensor: ...
+
+    def unpermute(self, back_ND: Tensor, meta: PermuteMeta) -> Tensor: ...
+
+
 _new_stream: Callable[[torch.device], torch.cuda.Stream] = torch.cuda.Stream
 
 
@@ -209,7 +228,7 @@ def _release(t: Tensor) -> None:
 
 
 def slot_permute(
-    d: TokenDispatcher,
+    d: ChunkedDispatcher,
     ctx: SlotContext,
     hidden_TD: Tensor,
     probs_TK: Tensor,
@@ -248,7 +267,7 @@ def slot_permute(
 
 
 def slot_dispatch(
-    d: TokenDispatcher, ctx: SlotContext, tokens_ND: Tensor, probs_N: Tensor
+    d: ChunkedDispatcher, ctx: SlotContext, tokens_ND: Tensor, probs_N: Tensor
 ) -> Tensor:
     """Dispatch in chunks: chunk 0's all-to-all (its probs to ``dispatched_probs``)."""
     plan = _plan(ctx, "TokenDispatcher.slot_dispatch")
@@ -258,7 +277,7 @@ def slot_dispatch(
 
 
 def slot_routed_experts(
-    d: TokenDispatcher,
+    d: ChunkedDispatcher,
     ctx: SlotContext,
     recv_MD: Tensor,
     experts: Experts,
@@ -309,7 +328,7 @@ def slot_routed_experts(
     raise AssertionError("unreachable: the loop returns at its last chunk")
 
 
-def slot_combine(d: TokenDispatcher, ctx: SlotContext, out_MD: Tensor) -> Tensor:
+def slot_combine(d: ChunkedDispatcher, ctx: SlotContext, out_MD: Tensor) -> Tensor:
     """Combine in chunks: chunk K-1's all-to-all back and unpermute, then every chunk's
     output in token order ``[T, D]``."""
     where = "TokenDispatcher.slot_combine"

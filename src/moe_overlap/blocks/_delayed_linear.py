@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from typing_extensions import Self
 
 from moe_overlap import ConfigError, IntegrationError, WgradError
+from moe_overlap.blocks._torch_private import grouped_mm, has_grouped_mm
 from moe_overlap.engine import wgrad_claimed
 from moe_overlap.engine.args import (
     BOOL,
@@ -104,7 +105,7 @@ def _grouped_mm_usable(x: Tensor, weight: Tensor) -> bool:
 
 def _grouped_mm_dims_usable(x: Tensor, out_features: int, in_features: int) -> bool:
     """:func:`_grouped_mm_usable` for a weight of ``[..., out_features, in_features]``."""
-    if not (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")):
+    if not (x.is_cuda and x.dtype == torch.bfloat16 and has_grouped_mm()):
         return False
     if torch.cuda.get_device_capability(x.device) < (9, 0):
         return False
@@ -283,9 +284,7 @@ class GroupedKernel:
         if x.dim() == 3:
             return torch.bmm(x, w_OI.transpose(-2, -1))
         if _grouped_mm_usable(x, w_OI):
-            return torch._grouped_mm(  # pyright: ignore[reportPrivateUsage, reportPrivateImportUsage] - no public grouped GEMM yet
-                x, w_OI.transpose(-2, -1), offs=self.groups.device_offsets(x.device)
-            )
+            return grouped_mm(x, w_OI.transpose(-2, -1), offs=self.groups.device_offsets(x.device))
         parts = torch.split(x, list(self.sizes), dim=0)
         return torch.cat([F.linear(p, w_OI[g]) for g, p in enumerate(parts)], dim=0)
 
@@ -294,7 +293,7 @@ class GroupedKernel:
         if grad_y.dim() == 3:
             return torch.bmm(grad_y, w_OI)
         if _grouped_mm_usable(grad_y, w_OI):
-            return torch._grouped_mm(  # pyright: ignore[reportPrivateUsage, reportPrivateImportUsage] - see forward
+            return grouped_mm(
                 grad_y,
                 w_OI if self.transposed else w_OI.contiguous(),
                 offs=self.groups.device_offsets(grad_y.device),
@@ -313,8 +312,8 @@ class GroupedKernel:
             x_NI, gy_NO = x.contiguous(), grad_y.contiguous()
             offs = self.groups.device_offsets(x.device)
             if self.transposed:
-                return torch._grouped_mm(x_NI.t(), gy_NO, offs=offs)  # pyright: ignore[reportPrivateUsage, reportPrivateImportUsage] - see forward
-            return torch._grouped_mm(gy_NO.t(), x_NI, offs=offs)  # pyright: ignore[reportPrivateUsage, reportPrivateImportUsage] - see forward
+                return grouped_mm(x_NI.t(), gy_NO, offs=offs)
+            return grouped_mm(gy_NO.t(), x_NI, offs=offs)
         xs = torch.split(x, list(self.sizes), dim=0)
         gys = torch.split(grad_y, list(self.sizes), dim=0)
         if self.transposed:

@@ -52,10 +52,10 @@ from typing import Any, cast
 
 import torch
 from torch import Tensor, nn
-from torch.utils import _pytree as pytree
 
 from moe_overlap import ConfigError, CudaGraphModule, IntegrationError, WgradError
 from moe_overlap.blocks._delayed_linear import DelayedWgradModule, PendingItem, accumulate_grad
+from moe_overlap.blocks._torch_private import tree_leaves
 from moe_overlap.engine import DEBUG, WgradClaim, wgrad_claimed
 from moe_overlap.engine.args import CALLABLE, POSITIVE, Func, Instance, Items, Opt, check_arg
 
@@ -310,7 +310,7 @@ class GraphedBlock:
         """Run ``fn(*args)``: graphed on CUDA with autograd on, eagerly otherwise."""
         if not (torch.is_grad_enabled() and args and all(a.is_cuda for a in args)):
             self.stats.eager_calls += 1
-            return tuple(pytree.tree_leaves(self.fn(*args)))
+            return tuple(tree_leaves(self.fn(*args)))
         every = self._surface()
         params = tuple(p for p in every if p.requires_grad)
         copy = self._acquire(args, every, params)
@@ -469,7 +469,7 @@ class GraphedBlock:
         used: set[int] = {id(t) for t in inputs}
         with torch.cuda.stream(side):  # lazy initialisations stay out of the graphs
             for _ in range(self.warmup):
-                outs = [o for o in pytree.tree_leaves(self.fn(*inputs)) if o.requires_grad]
+                outs = [o for o in tree_leaves(self.fn(*inputs)) if o.requires_grad]
                 if outs:
                     # allow_unused: None for an untouched input (torch's stub says Tensor).
                     found = cast(
@@ -492,7 +492,7 @@ class GraphedBlock:
         fwd = torch.cuda.CUDAGraph()
         with torch.cuda.graph(fwd, pool=pool):
             result = self.fn(*inputs)
-        outputs = tuple(cast("list[Tensor]", pytree.tree_leaves(result)))
+        outputs = tuple(cast("list[Tensor]", tree_leaves(result)))
         grad_outputs = tuple(torch.empty_like(o) if o.requires_grad else None for o in outputs)
         needed = [(o, g) for o, g in zip(outputs, grad_outputs, strict=True) if g is not None]
         bwd: torch.cuda.CUDAGraph | None = None

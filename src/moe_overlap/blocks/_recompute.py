@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from moe_overlap import ConfigError, IntegrationError
+from moe_overlap.blocks._torch_private import PRIVATE_MATMUL_OPS
 from moe_overlap.engine import hold_for_recompute
 from moe_overlap.engine.args import BOOL, MODULE, Spec, check_arg, refuse
 
@@ -63,10 +64,7 @@ _MATMULS = frozenset(
             "bmm",
             "addmm",
             "baddbmm",
-            "_grouped_mm",
-            "_scaled_dot_product_flash_attention",
-            "_scaled_dot_product_efficient_attention",
-            "_scaled_dot_product_cudnn_attention",
+            *PRIVATE_MATMUL_OPS,
         )
     )
     if op is not None

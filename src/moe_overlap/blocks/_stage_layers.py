@@ -15,6 +15,7 @@ from torch import nn
 from typing_extensions import Self
 
 from moe_overlap import ConfigError
+from moe_overlap.blocks._torch_private import list_entries
 from moe_overlap.engine.args import MODULE, NON_NEGATIVE, Mismatch, check_arg, refuse, shown
 
 __all__ = ["StageLayers"]
@@ -97,7 +98,7 @@ class StageLayers(nn.ModuleList):
     def __add__(self, other: Iterable[nn.Module]) -> StageLayers:
         mine = list(self._modules.items())
         if isinstance(other, StageLayers):
-            theirs = list(other._modules.items())
+            theirs = list(list_entries(other).items())
         else:
             nxt = self._next()
             theirs = [(str(nxt + i), m) for i, m in enumerate(other)]

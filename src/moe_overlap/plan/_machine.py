@@ -6,7 +6,7 @@ no sparsity); achieved rates are lower, which ``mfu`` and measured links (a
 :class:`Link` of your own) account for.
 """
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from moe_overlap.engine import Direction, Slot, SlotKey
@@ -27,6 +27,7 @@ from moe_overlap.engine.args import (
 )
 
 from ._model import LayerKind, ModelSpec
+from ._presets import MACHINE_PRESETS
 
 __all__ = ["MACHINES", "Link", "Machine", "a2a_ms", "p2p_ms", "roofline_durations"]
 
@@ -112,7 +113,15 @@ class Machine:
         reaches less): give measured :class:`Link` figures for closer estimates.
         """
         name = check_arg("Machine.preset", "name", name, OneOf(MACHINES, hint="or build a Machine"))
-        return _MACHINE_MAKERS[name]()
+        fields = MACHINE_PRESETS[name]
+        return Machine(
+            name=name,
+            peak_tflops=fields["peak_tflops"],
+            hbm_GBps=fields["hbm_GBps"],
+            hbm_GB=fields["hbm_GB"],
+            nvlink=Link(**fields["nvlink"]),
+            network=Link(**fields["network"]),
+        )
 
 
 _MACHINE_FIELDS: dict[str, Spec[object]] = {
@@ -126,32 +135,7 @@ _MACHINE_FIELDS: dict[str, Spec[object]] = {
     "network": Instance(Link, "a Link"),
 }
 
-_NVLINK_ALPHA_US = 3.0
-_NETWORK_ALPHA_US = 8.0
-_IB_400G = Link(name="infiniband-400g", alpha_us=_NETWORK_ALPHA_US, beta_GBps=50.0)
-
-
-def _hopper(name: str, hbm_gbps: float, hbm_gb: float, nvlink_gbps: float) -> Callable[[], Machine]:
-    def make() -> Machine:
-        return Machine(
-            name=name,
-            peak_tflops=989.0,
-            hbm_GBps=hbm_gbps,
-            hbm_GB=hbm_gb,
-            nvlink=Link(name="nvlink", alpha_us=_NVLINK_ALPHA_US, beta_GBps=nvlink_gbps),
-            network=_IB_400G,
-        )
-
-    return make
-
-
-_MACHINE_MAKERS: dict[str, Callable[[], Machine]] = {
-    "h100": _hopper("h100", 3350.0, 80.0, 450.0),
-    "h200": _hopper("h200", 4800.0, 141.0, 450.0),
-    "h800": _hopper("h800", 3350.0, 80.0, 200.0),
-}
-
-MACHINES: tuple[str, ...] = tuple(_MACHINE_MAKERS)
+MACHINES: tuple[str, ...] = tuple(MACHINE_PRESETS)
 """The names :meth:`Machine.preset` knows."""
 
 

@@ -9,7 +9,7 @@ activations, residuals) enters the byte counts only; biases, rotary tables and n
 gradients are left out.
 """
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal, NamedTuple, Protocol, cast
 
@@ -29,6 +29,8 @@ from moe_overlap.engine.args import (
     check_fields,
     refuse,
 )
+
+from ._presets import MODEL_PRESETS
 
 __all__ = ["PRESETS", "LayerKind", "ModelSpec"]
 
@@ -580,7 +582,9 @@ class ModelSpec:
             name,
             OneOf(PRESETS, hint="or build a ModelSpec"),
         )
-        return _PRESET_MAKERS[name](seq_len, micro_batch_size)
+        return ModelSpec(
+            name=name, seq_len=seq_len, micro_batch_size=micro_batch_size, **MODEL_PRESETS[name]
+        )
 
 
 # --------------------------------------------------------------------------- fields
@@ -763,101 +767,5 @@ def _dtype_bytes(where: str, cfg: Mapping[str, object]) -> int:
     )
 
 
-# ------------------------------------------------------------------------ presets
-
-
-def _deepseek_v3(seq_len: int, mbs: int) -> ModelSpec:
-    return ModelSpec(
-        name="deepseek-v3-671b",
-        num_layers=61,
-        hidden_size=7168,
-        num_attention_heads=128,
-        ffn_hidden_size=18432,
-        moe_ffn_hidden_size=2048,
-        num_experts=256,
-        top_k=8,
-        shared_experts=1,
-        first_k_dense=3,
-        vocab_size=129280,
-        seq_len=seq_len,
-        micro_batch_size=mbs,
-        q_lora_rank=1536,
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=128,
-        v_head_dim=128,
-    )
-
-
-def _deepseek_v2_lite(seq_len: int, mbs: int) -> ModelSpec:
-    return ModelSpec(
-        name="deepseek-v2-lite",
-        num_layers=27,
-        hidden_size=2048,
-        num_attention_heads=16,
-        ffn_hidden_size=10944,
-        moe_ffn_hidden_size=1408,
-        num_experts=64,
-        top_k=6,
-        shared_experts=2,
-        first_k_dense=1,
-        vocab_size=102400,
-        seq_len=seq_len,
-        micro_batch_size=mbs,
-        kv_lora_rank=512,
-        qk_rope_head_dim=64,
-        qk_nope_head_dim=128,
-        v_head_dim=128,
-    )
-
-
-def _qwen3(
-    name: str, layers: int, hidden: int, heads: int, ffn: int, moe_ffn: int
-) -> Callable[[int, int], ModelSpec]:
-    def make(seq_len: int, mbs: int) -> ModelSpec:
-        return ModelSpec(
-            name=name,
-            num_layers=layers,
-            hidden_size=hidden,
-            num_attention_heads=heads,
-            num_kv_heads=4,
-            head_dim=128,
-            ffn_hidden_size=ffn,
-            moe_ffn_hidden_size=moe_ffn,
-            num_experts=128,
-            top_k=8,
-            vocab_size=151936,
-            seq_len=seq_len,
-            micro_batch_size=mbs,
-        )
-
-    return make
-
-
-def _mixtral_8x7b(seq_len: int, mbs: int) -> ModelSpec:
-    return ModelSpec(
-        name="mixtral-8x7b",
-        num_layers=32,
-        hidden_size=4096,
-        num_attention_heads=32,
-        num_kv_heads=8,
-        ffn_hidden_size=14336,
-        moe_ffn_hidden_size=14336,
-        num_experts=8,
-        top_k=2,
-        vocab_size=32000,
-        seq_len=seq_len,
-        micro_batch_size=mbs,
-    )
-
-
-_PRESET_MAKERS: dict[str, Callable[[int, int], ModelSpec]] = {
-    "deepseek-v3-671b": _deepseek_v3,
-    "deepseek-v2-lite": _deepseek_v2_lite,
-    "qwen3-235b-a22b": _qwen3("qwen3-235b-a22b", 94, 4096, 64, 12288, 1536),
-    "qwen3-30b-a3b": _qwen3("qwen3-30b-a3b", 48, 2048, 32, 6144, 768),
-    "mixtral-8x7b": _mixtral_8x7b,
-}
-
-PRESETS: tuple[str, ...] = tuple(_PRESET_MAKERS)
+PRESETS: tuple[str, ...] = tuple(MODEL_PRESETS)
 """The names :meth:`ModelSpec.preset` knows."""
