@@ -59,7 +59,8 @@ from moe_overlap.engine import (
     wait_event,
     wait_stream,
 )
-from moe_overlap.engine.args import NON_NEGATIVE, POSITIVE, check_arg
+from moe_overlap.engine.args import NON_NEGATIVE, POSITIVE, Instance, check_arg
+from moe_overlap.engine.contracts import Contract, attribute, method
 
 __all__ = ["ChunkedDispatcher", "SideStreams", "chunk_sizes"]
 
@@ -191,9 +192,10 @@ class ChunkedDispatcher(Protocol):
     its per-chunk steps and its side streams (a Protocol: the dispatcher's slots call this
     module, so this module does not import the dispatcher)."""
 
-    chunks: int
-    side_streams: dict[object, SideStreams]
-
+    @property
+    def chunks(self) -> int: ...
+    @property
+    def side_streams(self) -> dict[object, SideStreams]: ...
     def permute(
         self,
         hidden_TD: Tensor,
@@ -213,6 +215,20 @@ class ChunkedDispatcher(Protocol):
     def combine(self, out_MD: Tensor, meta: DispatchMeta) -> Tensor: ...
 
     def unpermute(self, back_ND: Tensor, meta: PermuteMeta) -> Tensor: ...
+
+
+CHUNKED_DISPATCHER: Contract[ChunkedDispatcher] = Contract(
+    ChunkedDispatcher,
+    "a ChunkedDispatcher (a TokenDispatcher's per-chunk steps and side streams)",
+    attribute("chunks", POSITIVE),
+    attribute("side_streams", Instance(dict, "a dict of side streams by device")),
+    method("permute"),
+    method("plan"),
+    method("dispatch"),
+    method("combine"),
+    method("unpermute"),
+)
+"""Its rule table (the chunked slots take a :class:`~moe_overlap.blocks.TokenDispatcher`)."""
 
 
 _new_stream: Callable[[torch.device], torch.cuda.Stream] = torch.cuda.Stream

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -22,12 +23,17 @@ from ._errors import IntegrationError
 from ._fsdp_check import check_fsdp
 from ._guards import BaseGuard, attach
 from ._inputs import check_inputs
+from ._layer_node import TransformerLayerNode
 from ._microbatch import Microbatch
 from ._node import ScheduleNode
 from ._node_checks import (
+    check_copies_unused,
+    check_handoffs,
     check_in_graph,
     check_no_alias,
+    check_own_leaves,
     check_release,
+    check_undetached_reads,
     storage_use_count,
     tensor_use_count,
 )
@@ -182,6 +188,60 @@ def _storages(inputs: tuple[Tensor | None, ...]) -> list[torch.UntypedStorage]:
     return [t.untyped_storage() for t in inputs if t is not None]
 
 
+class _Handoffs(BaseGuard):
+    """What a layer slot hands on: ``node.detach`` copies and layer-state tensors used as
+    the slot's inputs said, no tensor an earlier slot kept without ``node.detach`` read,
+    and no copy that received a gradient from the slot's own backward."""
+
+    def slot_returned(
+        self,
+        node: TransformerLayerNode,
+        inputs: list[Tensor],
+        output: object,
+    ) -> None:
+        state = node.layer_state
+        copies = node.detached
+        if state.undetached:  # an earlier slot kept a tensor without node.detach (rare)
+            tails = [t for t in (*_items(output), *node.before_detached) if isinstance(t, Tensor)]
+            check_undetached_reads(node.name, [t.grad_fn for t in tails], state.undetached)
+        if copies or state.fresh:  # identity checks, no allocation
+            outs = _items(output)
+            check_handoffs(node.name, inputs, outs, copies, state, node.non_differentiable)
+
+    def copies_backwarded(self, node: TransformerLayerNode, copies: tuple[Tensor, ...]) -> None:
+        check_copies_unused(node.name, copies)
+
+
+def _items(out: object) -> tuple[object, ...]:
+    """A slot's result as a tuple (what the node then checks to be tensors)."""
+    if isinstance(out, tuple):
+        return cast("tuple[object, ...]", out)
+    return (out,)
+
+
+class _OwnLeaves(BaseGuard):
+    """Debug mode: a slot's graph reaches only parameters, its inputs and what earlier
+    slots of the layer handed on with ``node.detach`` (never its own copies)."""
+
+    debug_only = True
+
+    def node_detached(self, node: TransformerLayerNode, copy: Tensor) -> None:
+        node.layer_state.detached_leaves.append(copy)
+
+    def slot_returned(
+        self,
+        node: TransformerLayerNode,
+        inputs: list[Tensor],
+        output: object,
+    ) -> None:
+        copies = node.detached
+        outs = cast("tuple[Tensor, ...]", (output,) if isinstance(output, Tensor) else output)
+        roots = [t.grad_fn for t in (*outs, *node.before_detached)]
+        state = node.layer_state
+        leaves = [d for d in state.detached_leaves if not any(d is c for c in copies)]
+        check_own_leaves(node.name, roots, (*inputs, *leaves), copies)
+
+
 class _NodeLabels(BaseGuard):
     """The CPU stream-order checker's guard, attached while one is active: each node's
     place, for its messages."""
@@ -205,5 +265,5 @@ def _attach_labels() -> Callable[[], None]:
 
 
 _ON_ACTIVATE.append(_attach_labels)
-for _guard in (_PlanChecks(), _InGraph(), _FreeInput()):
+for _guard in (_PlanChecks(), _InGraph(), _FreeInput(), _OwnLeaves(), _Handoffs()):
     attach(_guard, debug=DEBUG)

@@ -11,6 +11,9 @@ with no guard attached costs one empty-list test. The hooks, in the order a plan
     node_left(node)                              ... and ends it (also on failure)
     node_forwarded(node, detached, outputs)      a node's forward returned
     before_release(node, inputs, detached, outputs)  a freeing node is about to release inputs
+    node_detached(node, copy)                    a layer slot handed a tensor on (node.detach)
+    slot_returned(node, inputs, output)          a layer slot's function returned
+    copies_backwarded(node, copies)              a layer slot's backward ran from its copies
 
 Always-on and debug-only guards are the same mechanism: :func:`attach` takes a guard's
 ``debug_only`` once and attaches it or not. A guard subclasses :class:`BaseGuard` (whose
@@ -26,6 +29,7 @@ from torch import Tensor
 
 from ._chunk_plan import ModelChunkSchedulePlan
 from ._hooks import by_hook
+from ._layer_node import TransformerLayerNode
 from ._microbatch import Microbatch
 from ._node import ScheduleNode
 from ._protocols import PreprocessableModel
@@ -63,6 +67,14 @@ class Guard(Protocol):
         detached: tuple[Tensor | None, ...],
         outputs: tuple[Tensor, ...],
     ) -> None: ...
+    def node_detached(self, node: TransformerLayerNode, copy: Tensor) -> None: ...
+    def slot_returned(
+        self,
+        node: TransformerLayerNode,
+        inputs: list[Tensor],
+        output: object,
+    ) -> None: ...
+    def copies_backwarded(self, node: TransformerLayerNode, copies: tuple[Tensor, ...]) -> None: ...
 
 
 GUARD: Contract[Guard] = Contract(
@@ -76,6 +88,9 @@ GUARD: Contract[Guard] = Contract(
     method("node_left"),
     method("node_forwarded"),
     method("before_release"),
+    method("node_detached"),
+    method("slot_returned"),
+    method("copies_backwarded"),
 )
 """Its rule table: :func:`attach` refuses what does not conform."""
 
@@ -116,6 +131,20 @@ class BaseGuard:
         outputs: tuple[Tensor, ...],
     ) -> None:
         del node, inputs, detached, outputs
+
+    def node_detached(self, node: TransformerLayerNode, copy: Tensor) -> None:
+        del node, copy
+
+    def slot_returned(
+        self,
+        node: TransformerLayerNode,
+        inputs: list[Tensor],
+        output: object,
+    ) -> None:
+        del node, inputs, output
+
+    def copies_backwarded(self, node: TransformerLayerNode, copies: tuple[Tensor, ...]) -> None:
+        del node, copies
 
 
 def attach(guard: Guard, *, debug: bool) -> Callable[[], None]:

@@ -14,12 +14,15 @@ if TYPE_CHECKING:  # annotations only: the guards module imports the core
 __all__ = [
     "by_hook",
     "on_before_release",
+    "on_copies_backwarded",
     "on_inputs_read",
+    "on_node_detached",
     "on_node_entered",
     "on_node_forwarded",
     "on_node_left",
     "on_plan_built",
     "on_plan_started",
+    "on_slot_returned",
 ]
 
 if TYPE_CHECKING:  # declared apart: debug mode's beartype checks annotated assignments
@@ -30,6 +33,9 @@ if TYPE_CHECKING:  # declared apart: debug mode's beartype checks annotated assi
     on_node_left: list[Guard]
     on_node_forwarded: list[Guard]
     on_before_release: list[Guard]
+    on_node_detached: list[Guard]
+    on_slot_returned: list[Guard]
+    on_copies_backwarded: list[Guard]
     by_hook: dict[str, list[Guard]]
 
 on_plan_started = []
@@ -39,6 +45,9 @@ on_node_entered = []
 on_node_left = []
 on_node_forwarded = []
 on_before_release = []
+on_node_detached = []
+on_slot_returned = []
+on_copies_backwarded = []
 
 by_hook = {
     "plan_started": on_plan_started,
@@ -48,4 +57,7 @@ by_hook = {
     "node_left": on_node_left,
     "node_forwarded": on_node_forwarded,
     "before_release": on_before_release,
+    "node_detached": on_node_detached,
+    "slot_returned": on_slot_returned,
+    "copies_backwarded": on_copies_backwarded,
 }

@@ -8,19 +8,13 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from ._debug import DEBUG
 from ._errors import IntegrationError, WgradError
 from ._free_input import should_free_input
+from ._hooks import on_copies_backwarded, on_node_detached, on_slot_returned
 from ._layer_args import LayerArgs
 from ._megatron import layer_args
 from ._node import ScheduleNode, default_backward, weak_method
-from ._node_checks import (
-    check_copies_unused,
-    check_handoffs,
-    check_own_leaves,
-    check_undetached_reads,
-    second_backward_error,
-)
+from ._node_checks import second_backward_error
 from ._options import Hook
 from ._protocols import FreeInputConfig, SlotFn, StreamProvider, WgradLayer
 from ._state import ChunkState, LayerState
@@ -112,8 +106,8 @@ class TransformerLayerNode(ScheduleNode):
         d.requires_grad_(t.requires_grad)
         self.before_detached = (*self.before_detached, t)
         self.detached = (*self.detached, d)
-        if DEBUG:
-            self.layer_state.detached_leaves.append(d)
+        for guard in on_node_detached:
+            guard.node_detached(self, d)
         return d
 
     def handed_on(self) -> list[tuple[str, Tensor | None]]:
@@ -150,23 +144,12 @@ class TransformerLayerNode(ScheduleNode):
                 )
             inputs.append(a)
         out = self.submodule(self, tuple(inputs))
-        state = self.layer_state
-        copies = self.detached
-        if DEBUG:
-            outs = (out,) if isinstance(out, Tensor) else out
-            roots = [t.grad_fn for t in (*outs, *self.before_detached)]
-            leaves = [d for d in state.detached_leaves if not any(d is c for c in copies)]
-            check_own_leaves(self.name, roots, (*inputs, *leaves), copies)
-        if state.undetached:  # an earlier slot kept a tensor without node.detach (rare)
-            tails = [t for t in (*_items(out), *self.before_detached) if isinstance(t, Tensor)]
-            check_undetached_reads(self.name, [t.grad_fn for t in tails], state.undetached)
-        fresh = state.fresh
-        if copies or fresh:  # what the slot hands on: identity checks, no allocation
-            try:
-                check_handoffs(
-                    self.name, inputs, _items(out), copies, state, self.non_differentiable
-                )
-            finally:
+        fresh = self.layer_state.fresh
+        try:
+            for guard in on_slot_returned:  # what the slot hands on (moe_overlap.engine._guards)
+                guard.slot_returned(self, inputs, out)
+        finally:
+            if fresh:
                 fresh.clear()
         return out
 
@@ -195,7 +178,8 @@ class TransformerLayerNode(ScheduleNode):
         for grad in detached_grad:
             if grad is not None:
                 record_tensor_on(grad, stream)
-        check_copies_unused(self.name, copies)
+        for guard in on_copies_backwarded:
+            guard.copies_backwarded(self, copies)
 
     def forward(self, *inputs: Tensor | None) -> tuple[Tensor, ...]:
         """Run forward; on the layer's last forward slot, fire the post-forward hook."""
@@ -296,13 +280,6 @@ def refresh_collectives() -> None:
 
 _COLLECTIVES = [False]
 refresh_collectives()
-
-
-def _items(out: object) -> tuple[object, ...]:
-    """A slot's result as a tuple (what the node then checks to be tensors)."""
-    if isinstance(out, tuple):
-        return cast("tuple[object, ...]", out)
-    return (out,)
 
 
 _set_grad_enabled = cast(
