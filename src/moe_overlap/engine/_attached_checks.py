@@ -20,6 +20,7 @@ from ._chunk_plan import ModelChunkSchedulePlan
 from ._conformance import check_model
 from ._debug import DEBUG
 from ._errors import IntegrationError
+from ._executor import NodeSource
 from ._fsdp_check import check_fsdp
 from ._guards import BaseGuard, attach
 from ._inputs import check_inputs
@@ -40,10 +41,14 @@ from ._node_checks import (
 from ._owed_wgrad import check_wgrad_listed
 from ._protocols import PreprocessableModel
 from ._recompute_hold import held_for_recompute
+from ._runner import ChunkRun
 from ._state import ChunkState
+from ._steps import ChunkShape
 from ._stream_check import _ACTIVE as _CHECKERS  # pyright: ignore[reportPrivateUsage]
 from ._stream_check import _ON_ACTIVATE  # pyright: ignore[reportPrivateUsage]
-from .args import Instance, check_arg
+from ._streams import StreamPair
+from .args import BOOL, Instance, Int, Opt, check_arg
+from .contracts import Contract, attribute, method
 
 __all__ = ["inputs_checked"]
 
@@ -267,3 +272,28 @@ def _attach_labels() -> Callable[[], None]:
 _ON_ACTIVATE.append(_attach_labels)
 for _guard in (_PlanChecks(), _InGraph(), _FreeInput(), _OwnLeaves(), _Handoffs()):
     attach(_guard, debug=DEBUG)
+
+
+# The rule tables of the core's own Protocols (the core imports no check module).
+NODE_SOURCE: Contract[NodeSource] = Contract(
+    NodeSource,
+    "a NodeSource (a plan: microbatch_index and node_for(step))",
+    attribute("microbatch_index", Opt(Int(0), expects="None or an int >= 0")),
+    method("node_for"),
+)
+
+CHUNK_RUN: Contract[ChunkRun] = Contract(
+    ChunkRun,
+    "a model-chunk plan (ModelChunkSchedulePlan)",
+    attribute("microbatch_index", Opt(Int(0), expects="None or an int >= 0")),
+    attribute("released", BOOL),
+    attribute("shape", Instance(ChunkShape, "a ChunkShape")),
+    attribute("streams", Instance(StreamPair, "a StreamPair")),
+    attribute("vp_stage", Opt(Int(0), expects="None or an int >= 0")),
+    method("node_for"),
+    method("check_output_grad"),
+    method("record_current_stream"),
+    method("wait_current_stream"),
+    method("hand_to_caller"),
+    method("release_state"),
+)

@@ -13,15 +13,26 @@ and the steps around it, after the caller's cleanup ran; a ``BaseException`` tha
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
 from ._errors import ScheduleError, freed_memory_hint
 from ._layer_node import TransformerLayerNode
-from ._protocols import NodeSource, StepObserver
+from ._node import ScheduleNode
+from ._protocols import StepObserver
 from ._steps import Direction, Role, Step, format_steps
 
-__all__ = ["Value", "execute_roles"]
+__all__ = ["NodeSource", "Value", "execute_roles"]
+
+
+@runtime_checkable
+class NodeSource(Protocol):
+    """A plan, as the step walker sees it: the node behind a step and the microbatch it runs."""
+
+    @property
+    def microbatch_index(self) -> int | None: ...
+    def node_for(self, step: Step) -> ScheduleNode: ...
 
 
 Value = tuple["Tensor | None", ...]

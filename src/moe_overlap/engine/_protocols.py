@@ -32,13 +32,11 @@ from torch import Tensor
 from torch.nn import Parameter
 
 if TYPE_CHECKING:  # annotations only; none of these imports this module
-    from ._node import ScheduleNode
     from ._state import ChunkState, LayerState
-    from ._steps import ChunkShape, Step
-    from ._streams import AnyStream, StreamPair
+    from ._steps import Step
+    from ._streams import AnyStream
 
 __all__ = [
-    "ChunkRun",
     "CudaGraphModule",
     "DeclaresInputs",
     "DecoderLike",
@@ -47,7 +45,6 @@ __all__ = [
     "LayerListLike",
     "ModelConfigLike",
     "MtpSchedulableLayer",
-    "NodeSource",
     "NodeTimer",
     "PendingWgrad",
     "PreprocessableModel",
@@ -392,35 +389,3 @@ class StepObserver(Protocol):
     """
 
     def timer(self, step: Step, microbatch: int | None) -> NodeTimer | None: ...
-
-
-@runtime_checkable
-class NodeSource(Protocol):
-    """A plan, as the step walker sees it: the node behind a step and the microbatch it runs."""
-
-    @property
-    def microbatch_index(self) -> int | None: ...
-    def node_for(self, step: Step) -> ScheduleNode: ...
-
-
-@runtime_checkable
-class ChunkRun(Protocol):
-    """A model-chunk plan of one microbatch, as the runner uses it
-    (:class:`~moe_overlap.ModelChunkSchedulePlan`)."""
-
-    @property
-    def microbatch_index(self) -> int | None: ...
-    @property
-    def released(self) -> bool: ...
-    @property
-    def shape(self) -> ChunkShape: ...
-    @property
-    def streams(self) -> StreamPair: ...
-    @property
-    def vp_stage(self) -> int | None: ...
-    def node_for(self, step: Step) -> ScheduleNode: ...
-    def check_output_grad(self, where: str, grad: object) -> None: ...
-    def record_current_stream(self) -> None: ...
-    def wait_current_stream(self) -> None: ...
-    def hand_to_caller(self, output: Tensor | None) -> None: ...
-    def release_state(self) -> None: ...

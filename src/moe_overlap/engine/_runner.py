@@ -16,19 +16,44 @@ On failure (step 4) every plan is released after the device is synchronized.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import cast
+from typing import Protocol, cast, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from ._errors import ConfigError, IntegrationError, PlanReleasedError
 from ._executor import Value, execute_roles
+from ._node import ScheduleNode
 from ._options import ChunkHooks
-from ._protocols import ChunkRun, StepObserver
-from ._steps import Role, Slot, Step, macro_node_steps
-from ._streams import stream_context, synchronize
+from ._protocols import StepObserver
+from ._steps import ChunkShape, Role, Slot, Step, macro_node_steps
+from ._streams import StreamPair, stream_context, synchronize
 
-__all__ = ["check_grad_mode", "check_grads", "run_step"]
+__all__ = ["ChunkRun", "check_grad_mode", "check_grads", "run_step"]
+
+
+@runtime_checkable
+class ChunkRun(Protocol):
+    """A model-chunk plan of one microbatch, as the runner uses it
+    (:class:`~moe_overlap.ModelChunkSchedulePlan`)."""
+
+    @property
+    def microbatch_index(self) -> int | None: ...
+    @property
+    def released(self) -> bool: ...
+    @property
+    def shape(self) -> ChunkShape: ...
+    @property
+    def streams(self) -> StreamPair: ...
+    @property
+    def vp_stage(self) -> int | None: ...
+    def node_for(self, step: Step) -> ScheduleNode: ...
+    def check_output_grad(self, where: str, grad: object) -> None: ...
+    def record_current_stream(self) -> None: ...
+    def wait_current_stream(self) -> None: ...
+    def hand_to_caller(self, output: Tensor | None) -> None: ...
+    def release_state(self) -> None: ...
+
 
 _NO_HOOKS = ChunkHooks()
 _FORWARD_ROLES = (Role.F, Role.F2)

@@ -28,7 +28,6 @@ from typing import Any, Generic, TypeVar, cast
 
 from ._errors import ConfigError, IntegrationError, MoeOverlapError
 from ._protocols import (
-    ChunkRun,
     DeclaresInputs,
     DecoderLike,
     FreeInputConfig,
@@ -37,7 +36,6 @@ from ._protocols import (
     LayerListLike,
     ModelConfigLike,
     MtpSchedulableLayer,
-    NodeSource,
     NodeTimer,
     PendingWgrad,
     PreprocessableModel,
@@ -50,8 +48,6 @@ from ._protocols import (
     WgradLayer,
 )
 from ._state import ChunkState, LayerState
-from ._steps import ChunkShape
-from ._streams import StreamPair
 from .args import (
     ANY,
     BOOL,
@@ -68,7 +64,6 @@ from .args import (
 )
 
 __all__ = [
-    "CHUNK_RUN",
     "DISPATCHER_BACKENDS",
     "DISPATCHER_TYPES",
     "FREE_INPUT_CONFIG",
@@ -76,7 +71,6 @@ __all__ = [
     "LAYER",
     "MODEL",
     "MTP_LAYER",
-    "NODE_SOURCE",
     "OPT_STEP_OBSERVER",
     "PENDING_WGRAD",
     "STEP_OBSERVER",
@@ -591,27 +585,3 @@ STEP_OBSERVER: Contract[StepObserver] = Contract(
 OPT_STEP_OBSERVER: Spec[object | None] = Opt(STEP_OBSERVER.arg())
 """An ``observer=`` argument: ``None`` or a :class:`~moe_overlap.steps.StepObserver` (a
 :class:`~moe_overlap.ConfigError` otherwise)."""
-
-
-NODE_SOURCE: Contract[NodeSource] = Contract(
-    NodeSource,
-    "a NodeSource (a plan: microbatch_index and node_for(step))",
-    attribute("microbatch_index", Opt(Int(0), expects="None or an int >= 0")),
-    method("node_for"),
-)
-
-CHUNK_RUN: Contract[ChunkRun] = Contract(
-    ChunkRun,
-    "a model-chunk plan (ModelChunkSchedulePlan)",
-    attribute("microbatch_index", Opt(Int(0), expects="None or an int >= 0")),
-    attribute("released", BOOL),
-    attribute("shape", Instance(ChunkShape, "a ChunkShape")),
-    attribute("streams", Instance(StreamPair, "a StreamPair")),
-    attribute("vp_stage", Opt(Int(0), expects="None or an int >= 0")),
-    method("node_for"),
-    method("check_output_grad"),
-    method("record_current_stream"),
-    method("wait_current_stream"),
-    method("hand_to_caller"),
-    method("release_state"),
-)
