@@ -41,6 +41,8 @@ def setup(device_kind: str) -> torch.device:
     """One process per rank (torchrun sets RANK, WORLD_SIZE, LOCAL_RANK): NCCL on a GPU each,
     or gloo on the CPU."""
     if device_kind == "cuda":
+        # Deterministic cuBLAS (for the check below) needs this before CUDA starts.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
         dist.init_process_group("nccl", device_id=device)
