@@ -2,7 +2,7 @@
 of another (combined 1F1B), for any PyTorch mixture-of-experts model.
 
 The top level holds what a user calls and implements: the driver
-(:func:`combined_1f1b`), its inputs and options, the seed's nodes and plans, the layer
+(:func:`combined_1f1b`), its inputs and options, the nodes and plans, the layer
 Protocols, streams and the errors. The rest lives in named modules:
 
 - :mod:`moe_overlap.steps`: the schedule as data (steps, shapes, the microbatch order,

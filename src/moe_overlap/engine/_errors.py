@@ -3,9 +3,15 @@
 Every user error raised by ``moe_overlap`` is a :class:`~moe_overlap.MoeOverlapError`. Messages name
 the object involved, what was expected and what was received. ``assert`` only guards
 internal invariants.
+
+The classes are defined here and shown from their public module: each one's ``__module__``
+is ``moe_overlap.errors``, so tracebacks and reprs name ``moe_overlap.errors.ConfigError``
+and pickles refer to the public path.
 """
 
 from __future__ import annotations
+
+from functools import partial
 
 __all__ = [
     "FREED_MEMORY_HINT",
@@ -75,6 +81,26 @@ class ScheduleError(MoeOverlapError, RuntimeError):
         super().__init__(message)
         self.position = position
 
+    def __reduce__(self) -> tuple[object, ...]:
+        """Pickle with ``position``, which the default exception pickling does not pass."""
+        return (partial(ScheduleError, position=self.position), self.args, self.__dict__)
+
+
+# Shown from the public module that re-exports them (tracebacks, reprs, pickles).
+for _error in (
+    MoeOverlapError,
+    ConfigError,
+    IntegrationError,
+    TypeHintError,
+    LayerStateAttributeError,
+    NodeStateError,
+    PlanReleasedError,
+    StreamError,
+    WgradError,
+    ScheduleError,
+):
+    _error.__module__ = "moe_overlap.errors"
+del _error
 
 FREED_MEMORY_HINT = (
     "hint: a tensor released by the free-input policy was read again (a slot returned or "
