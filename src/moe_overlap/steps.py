@@ -29,6 +29,7 @@ from moe_overlap.engine import format_macro as format_macro
 from moe_overlap.engine import format_steps as format_steps
 from moe_overlap.engine import forward_pair_steps as forward_pair_steps
 from moe_overlap.engine import layer_pair_steps as layer_pair_steps
+from moe_overlap.engine import macro_node_steps as macro_node_steps
 from moe_overlap.engine import macro_run_steps as macro_run_steps
 from moe_overlap.engine import macro_steps as macro_steps
 from moe_overlap.engine import makespan as makespan
@@ -64,6 +65,7 @@ __all__ = [
     "format_steps",
     "forward_pair_steps",
     "layer_pair_steps",
+    "macro_node_steps",
     "macro_run_steps",
     "macro_steps",
     "makespan",

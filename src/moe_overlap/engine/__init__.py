@@ -122,6 +122,7 @@ from moe_overlap.engine._steps import chunk_steps as chunk_steps
 from moe_overlap.engine._steps import format_steps as format_steps
 from moe_overlap.engine._steps import forward_pair_steps as forward_pair_steps
 from moe_overlap.engine._steps import layer_pair_steps as layer_pair_steps
+from moe_overlap.engine._steps import macro_node_steps as macro_node_steps
 from moe_overlap.engine._stream_check import StreamOrderChecker as StreamOrderChecker
 from moe_overlap.engine._stream_check import StreamOrderError as StreamOrderError
 from moe_overlap.engine._stream_check import active_checker as active_checker
@@ -253,6 +254,7 @@ __all__ = [
     "hold_for_recompute",
     "layer_args",
     "layer_pair_steps",
+    "macro_node_steps",
     "macro_run_steps",
     "macro_steps",
     "make_event",
