@@ -269,7 +269,7 @@ def test_readme_examples_show_their_output() -> None:
 # --- words for users ----------------------------------------------------------------------------
 
 #: Pages for the people changing the library, where its process and private paths belong.
-CONTRIBUTOR_PAGES = {"contributing.md", "changelog.md"}
+CONTRIBUTOR_PAGES = {"contributing.md", "architecture.md", "changelog.md"}
 #: Words of the project's own process, meaningless to a user (case-insensitive).
 PROCESS_WORDS = [
     r"\bissue \d+",
