@@ -35,6 +35,7 @@ traceback is printed and our numbers are still reported.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import importlib
@@ -61,6 +62,7 @@ from moe_overlap import (
     SlotContext,
     TransformerLayerNode,
 )
+from moe_overlap.engine import without_guards
 from moe_overlap.megatron import layer_args
 from moe_overlap.streams import AnyEvent, AnyStream, make_event, make_streams
 
@@ -395,6 +397,43 @@ def _cpu_model() -> str:
     return platform.processor() or "?"
 
 
+def _measure_variants(
+    args: argparse.Namespace,
+    env: Env,
+    config: BenchConfig,
+    mcore: types.ModuleType | None,
+    meta: dict[str, object],
+    results: dict[str, dict[str, dict[str, Any]]],
+    n_layers: int,
+    warmup_layers: int,
+    t_start: float,
+) -> None:
+    """Each variant (plain, delayed wgrad): every side measured, in turn."""
+    for variant, delay in (("plain", False), ("delay_wgrad", True)):
+        cfg = BenchConfig(delay_wgrad_compute=delay) if delay else config
+        sides = [ours_side(env, cfg, delay=delay, dict_args=False, n_layers=n_layers)]
+        if not delay:
+            sides.append(ours_side(env, cfg, delay=delay, dict_args=True, n_layers=n_layers))
+        if mcore is not None:
+            try:
+                mg = megatron_side(env, cfg, mcore, delay=delay, n_layers=n_layers)
+                run_repeat(env, mg, 2, delay)  # smoke test before mixing it into the timing
+                sides.append(mg)
+            except Exception:
+                traceback.print_exc()
+                meta["megatron_error"] = traceback.format_exc(limit=5)
+                print(f"megatron-core failed in variant {variant}: skipped", flush=True)
+        results[variant] = measure(
+            env,
+            sides,
+            n_layers=n_layers,
+            warmup_layers=warmup_layers,
+            repeats=args.repeats,
+            delay=delay,
+        )
+        print(f"variant {variant} done ({time.perf_counter() - t_start:.1f} s)", flush=True)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description="host cost per node: moe_overlap vs Megatron-Core")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None)
@@ -402,6 +441,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--warmup-nodes", type=int, default=400)
     p.add_argument("--ours-only", action="store_true")
+    p.add_argument(
+        "--without-guards",
+        action="store_true",
+        help="detach the library's checks (its guards) while measuring: their own cost is "
+        "the difference to a run without this flag",
+    )
     p.add_argument("--out", type=Path, default=None, help="folder for host_megatron.json")
     args = p.parse_args(argv)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -427,6 +472,7 @@ def main(argv: list[str] | None = None) -> None:
         "megatron": None,
         "megatron_stubbed_modules": [],
         "megatron_error": None,
+        "guards": "detached" if args.without_guards else "attached",
     }
     if not args.ours_only:
         try:
@@ -443,29 +489,9 @@ def main(argv: list[str] | None = None) -> None:
 
     config = BenchConfig()
     results: dict[str, dict[str, dict[str, Any]]] = {}
-    for variant, delay in (("plain", False), ("delay_wgrad", True)):
-        cfg = BenchConfig(delay_wgrad_compute=delay) if delay else config
-        sides = [ours_side(env, cfg, delay=delay, dict_args=False, n_layers=n_layers)]
-        if not delay:
-            sides.append(ours_side(env, cfg, delay=delay, dict_args=True, n_layers=n_layers))
-        if mcore is not None:
-            try:
-                mg = megatron_side(env, cfg, mcore, delay=delay, n_layers=n_layers)
-                run_repeat(env, mg, 2, delay)  # smoke test before mixing it into the timing
-                sides.append(mg)
-            except Exception:
-                traceback.print_exc()
-                meta["megatron_error"] = traceback.format_exc(limit=5)
-                print(f"megatron-core failed in variant {variant}: skipped", flush=True)
-        results[variant] = measure(
-            env,
-            sides,
-            n_layers=n_layers,
-            warmup_layers=warmup_layers,
-            repeats=args.repeats,
-            delay=delay,
-        )
-        print(f"variant {variant} done ({time.perf_counter() - t_start:.1f} s)", flush=True)
+    guards = without_guards() if args.without_guards else contextlib.nullcontext()
+    with guards:
+        _measure_variants(args, env, config, mcore, meta, results, n_layers, warmup_layers, t_start)
     meta["wall_s"] = round(time.perf_counter() - t_start, 2)
     report = {**meta, "results": results}
     text = json.dumps(report, indent=1)

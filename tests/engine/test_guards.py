@@ -165,3 +165,21 @@ def test_the_schedule_core_imports_no_check_module_but_those_listed() -> None:
     for module, allowed in CORE_STILL_IMPORTS.items():
         checks = _engine_imports(module) & CHECK_MODULES
         assert checks == allowed, (module, sorted(checks))
+
+
+def test_without_guards_detaches_every_guard_for_the_block_only() -> None:
+    from moe_overlap.engine import without_guards
+
+    before = {name: list(hooks) for name, hooks in _hooks.by_hook.items()}
+    assert _hooks.on_before_release  # the library's checks are attached at import
+    seen: list[bool] = []
+
+    def fail_inside() -> None:
+        with without_guards():
+            seen.append(all(not hooks for hooks in _hooks.by_hook.values()))
+            raise RuntimeError("inside")
+
+    with pytest.raises(RuntimeError, match="inside"):
+        fail_inside()
+    assert seen == [True]
+    assert {name: list(hooks) for name, hooks in _hooks.by_hook.items()} == before

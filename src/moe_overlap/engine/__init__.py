@@ -46,6 +46,7 @@ from moe_overlap.engine._errors import StreamError as StreamError
 from moe_overlap.engine._errors import TypeHintError as TypeHintError
 from moe_overlap.engine._errors import WgradError as WgradError
 from moe_overlap.engine._free_input import should_free_input as should_free_input
+from moe_overlap.engine._guards import without_guards as without_guards
 from moe_overlap.engine._inputs import DEFAULT_INPUTS as DEFAULT_INPUTS
 from moe_overlap.engine._inputs import OPTIONAL_INPUTS as OPTIONAL_INPUTS
 from moe_overlap.engine._inputs import check_inputs as check_inputs
@@ -282,4 +283,5 @@ __all__ = [
     "wait_stream",
     "weak_method",
     "wgrad_claimed",
+    "without_guards",
 ]

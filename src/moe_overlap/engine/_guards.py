@@ -22,7 +22,8 @@ hooks do nothing) and overrides the hooks it needs; only those are called.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
 from typing import Protocol, runtime_checkable
 
 from torch import Tensor
@@ -37,7 +38,7 @@ from ._state import ChunkState
 from .args import BOOL
 from .contracts import Contract, attribute, method
 
-__all__ = ["GUARD", "BaseGuard", "Guard", "attach"]
+__all__ = ["GUARD", "BaseGuard", "Guard", "attach", "without_guards"]
 
 
 @runtime_checkable
@@ -169,3 +170,18 @@ def attach(guard: Guard, *, debug: bool) -> Callable[[], None]:
 
 def _nothing() -> None:
     return None
+
+
+@contextmanager
+def without_guards() -> Generator[None]:
+    """Every attached guard detached inside the block, attached again after it (also on
+    failure). For measuring what the checks cost (``benchmarks/bench_host_megatron.py
+    --without-guards``) only: inside it nothing the schedule runs is checked."""
+    saved = {name: list(hooks) for name, hooks in by_hook.items()}
+    for hooks in by_hook.values():
+        hooks.clear()
+    try:
+        yield
+    finally:
+        for name, hooks in by_hook.items():
+            hooks[:] = saved[name]
