@@ -154,7 +154,9 @@ CORE_STILL_IMPORTS = {
     "_hooks": {"_guards"},  # under TYPE_CHECKING only: the lists' element type
     "_node": {"_node_checks"},  # mark_non_differentiable's own argument check
     "_layer_node": {"_node_checks"},  # the wording of torch's second-backward error
-    "_layer_plan": {"_conformance"},  # the layer's members, checked where they are read
+    "_layer_plan": set[str](),
+    "_backward_dw": {"_conformance", "contracts"},  # its pre-dispatch parts (a public class)
+    "_wgrad_claims": {"contracts"},  # the modules a claim holds
     "_streams": {"_stream_check"},  # the CPU stream model reports to the checker
 }
 

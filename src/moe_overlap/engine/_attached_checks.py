@@ -17,7 +17,7 @@ from torch import Tensor
 
 from ._bypass_check import check_bypassed
 from ._chunk_plan import ModelChunkSchedulePlan
-from ._conformance import check_model
+from ._conformance import as_mtp_layer, check_layer, check_model, check_wgrad_layers
 from ._debug import DEBUG
 from ._errors import IntegrationError
 from ._executor import NodeSource
@@ -39,7 +39,7 @@ from ._node_checks import (
     tensor_use_count,
 )
 from ._owed_wgrad import check_wgrad_listed
-from ._protocols import PreprocessableModel
+from ._protocols import PreprocessableModel, SchedulableLayer
 from ._recompute_hold import held_for_recompute
 from ._runner import ChunkRun
 from ._state import ChunkState
@@ -96,6 +96,20 @@ def inputs_checked(microbatches: Sequence[Microbatch]) -> Generator[None]:
         yield
     finally:
         _CHECKED.difference_update(ids)
+
+
+class _LayerChecks(BaseGuard):
+    """A layer's Protocol members (the MTP slot callable where present) and the modules it
+    lists for delayed mlp weight gradients."""
+
+    def layer_started(self, layer: object, where: Callable[[], str]) -> None:
+        as_mtp_layer(check_layer(layer, where))
+
+    def mlp_wgrad_listed(
+        self, layer: SchedulableLayer, listed: object, where: Callable[[], str]
+    ) -> None:
+        del layer
+        check_wgrad_layers(listed, where, "mlp_wgrad()")
 
 
 class _InGraph(BaseGuard):
@@ -270,7 +284,7 @@ def _attach_labels() -> Callable[[], None]:
 
 
 _ON_ACTIVATE.append(_attach_labels)
-for _guard in (_PlanChecks(), _InGraph(), _FreeInput(), _OwnLeaves(), _Handoffs()):
+for _guard in (_PlanChecks(), _LayerChecks(), _InGraph(), _FreeInput(), _OwnLeaves(), _Handoffs()):
     attach(_guard, debug=DEBUG)
 
 

@@ -33,7 +33,7 @@ from ._hooks import by_hook
 from ._layer_node import TransformerLayerNode
 from ._microbatch import Microbatch
 from ._node import ScheduleNode
-from ._protocols import PreprocessableModel
+from ._protocols import PreprocessableModel, SchedulableLayer
 from ._state import ChunkState
 from .args import BOOL
 from .contracts import Contract, attribute, method
@@ -76,6 +76,10 @@ class Guard(Protocol):
         output: object,
     ) -> None: ...
     def copies_backwarded(self, node: TransformerLayerNode, copies: tuple[Tensor, ...]) -> None: ...
+    def layer_started(self, layer: object, where: Callable[[], str]) -> None: ...
+    def mlp_wgrad_listed(
+        self, layer: SchedulableLayer, listed: object, where: Callable[[], str]
+    ) -> None: ...
 
 
 GUARD: Contract[Guard] = Contract(
@@ -92,6 +96,8 @@ GUARD: Contract[Guard] = Contract(
     method("node_detached"),
     method("slot_returned"),
     method("copies_backwarded"),
+    method("layer_started"),
+    method("mlp_wgrad_listed"),
 )
 """Its rule table: :func:`attach` refuses what does not conform."""
 
@@ -146,6 +152,14 @@ class BaseGuard:
 
     def copies_backwarded(self, node: TransformerLayerNode, copies: tuple[Tensor, ...]) -> None:
         del node, copies
+
+    def layer_started(self, layer: object, where: Callable[[], str]) -> None:
+        del layer, where
+
+    def mlp_wgrad_listed(
+        self, layer: SchedulableLayer, listed: object, where: Callable[[], str]
+    ) -> None:
+        del layer, listed, where
 
 
 def attach(guard: Guard, *, debug: bool) -> Callable[[], None]:

@@ -16,6 +16,8 @@ __all__ = [
     "on_before_release",
     "on_copies_backwarded",
     "on_inputs_read",
+    "on_layer_started",
+    "on_mlp_wgrad_listed",
     "on_node_detached",
     "on_node_entered",
     "on_node_forwarded",
@@ -36,6 +38,8 @@ if TYPE_CHECKING:  # declared apart: debug mode's beartype checks annotated assi
     on_node_detached: list[Guard]
     on_slot_returned: list[Guard]
     on_copies_backwarded: list[Guard]
+    on_layer_started: list[Guard]
+    on_mlp_wgrad_listed: list[Guard]
     by_hook: dict[str, list[Guard]]
 
 on_plan_started = []
@@ -48,6 +52,8 @@ on_before_release = []
 on_node_detached = []
 on_slot_returned = []
 on_copies_backwarded = []
+on_layer_started = []
+on_mlp_wgrad_listed = []
 
 by_hook = {
     "plan_started": on_plan_started,
@@ -60,4 +66,6 @@ by_hook = {
     "node_detached": on_node_detached,
     "slot_returned": on_slot_returned,
     "copies_backwarded": on_copies_backwarded,
+    "layer_started": on_layer_started,
+    "mlp_wgrad_listed": on_mlp_wgrad_listed,
 }

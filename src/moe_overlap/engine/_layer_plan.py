@@ -9,14 +9,21 @@ from typing import NoReturn, cast
 from torch import Tensor
 
 from ._backward_dw import BackwardDWWrapper
-from ._conformance import as_mtp_layer, check_layer, check_wgrad_layers
 from ._errors import ConfigError, PlanReleasedError
 from ._executor import Value, execute_roles
+from ._hooks import on_layer_started, on_mlp_wgrad_listed
 from ._layer_args import LayerArgs
 from ._layer_node import TransformerLayerNode
 from ._node import NoopScheduleNode, ScheduleNode
 from ._options import ScheduleOptions
-from ._protocols import SchedulableLayer, SlotFn, StepObserver, StreamProvider, WgradLayer
+from ._protocols import (
+    MtpSchedulableLayer,
+    SchedulableLayer,
+    SlotFn,
+    StepObserver,
+    StreamProvider,
+    WgradLayer,
+)
 from ._state import ChunkState, LayerState
 from ._steps import LayerShape, Role, Slot, Step, layer_pair_steps
 from ._streams import AnyEvent, StreamPair
@@ -25,6 +32,8 @@ from ._wgrad_claims import WgradClaim
 __all__ = ["TransformerLayerSchedulePlan"]
 
 _DEFAULT_OPTIONS = ScheduleOptions()
+_MTP_SLOT = "slot_mtp_post_process"
+"""The one member an MTP layer adds (:class:`~moe_overlap.protocols.MtpSchedulableLayer`)."""
 
 
 class TransformerLayerSchedulePlan:
@@ -63,14 +72,18 @@ class TransformerLayerSchedulePlan:
         microbatch_index: int | None = None,
     ) -> None:
         where = _layer_name(owner, index)  # formats only for an error message
-        layer = check_layer(layer, where)
+        for guard in on_layer_started:  # the layer's members (moe_overlap.engine._guards)
+            guard.layer_started(layer, where)
         comp_stream, comm_stream = streams.comp_provider, streams.comm_provider
-        mtp = as_mtp_layer(layer)
+        mtp = cast(MtpSchedulableLayer, layer) if hasattr(layer, _MTP_SLOT) else None
         is_mtp = mtp is not None
         # The layer is the one source of truth for delayed wgrad: it delays exactly the
         # modules it lists. ScheduleOptions.delay_wgrad_compute, when given, must agree.
         pre_dw = BackwardDWWrapper(layer)
-        mlp_dw = check_wgrad_layers(layer.mlp_wgrad(), where, "mlp_wgrad()")
+        listed = layer.mlp_wgrad()
+        for guard in on_mlp_wgrad_listed:
+            guard.mlp_wgrad_listed(layer, listed, where)
+        mlp_dw: list[WgradLayer] = list(listed)
         delay = bool(pre_dw.parts) or bool(mlp_dw)
         if options.delay_wgrad_compute is not None and options.delay_wgrad_compute != delay:
             _delay_option_error(where(), options.delay_wgrad_compute, pre_dw.parts, mlp_dw)
