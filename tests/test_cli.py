@@ -52,3 +52,14 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
         main(["--version"])
     assert done.value.code == 0
     assert capsys.readouterr().out.strip() == f"moe-overlap {moe_overlap.__version__}"
+
+
+def test_a_refused_input_is_one_line_and_exit_status_2(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["plan", "--pp", "2", "--vpp", "2", "--schedule", "1f1b"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [
+        "moe-overlap plan: error: plan: 1f1b has 1 stage(s) per pipeline rank, received "
+        "vpp=2; pass vpp=1"
+    ]

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from moe_overlap import __version__
+from moe_overlap import MoeOverlapError, __version__
 from moe_overlap.demo import DemoArgs, run_demo
 from moe_overlap.plan import add_plan_parser, run_plan
 
@@ -122,8 +122,21 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m moe_overlap`` and the ``moe-overlap`` script."""
-    ns = _parser().parse_args(argv)
+    """Entry point of ``python -m moe_overlap`` and the ``moe-overlap`` script.
+
+    A refused input (the library's :class:`~moe_overlap.MoeOverlapError`) is one line on
+    stderr and exit status 2, as argparse reports a bad flag; any other error keeps its
+    traceback."""
+    parser = _parser()
+    ns = parser.parse_args(argv)
+    try:
+        return _run(ns)
+    except MoeOverlapError as e:
+        parser.exit(2, f"{parser.prog} {ns.command}: error: {e}\n")
+
+
+def _run(ns: argparse.Namespace) -> int:
+    """The chosen command."""
     if ns.command == "demo":
         args = DemoArgs(
             steps=ns.steps,

@@ -106,7 +106,7 @@ def lower(schedule: Schedule, layout: Layout) -> Lowered:
     if schedule in _V + _SINGLE and layout.vpp not in (1, per):
         raise ConfigError(
             f"plan: {schedule.value} has {per} stage(s) per pipeline rank, received "
-            f"vpp={layout.vpp}; pass vpp={per} (or 1)"
+            f"vpp={layout.vpp}; pass vpp={per}" + (" (or 1)" if per != 1 else "")
         )
     cls = _TORCH[schedule]
     order = schedule_order(cls, pp=pp, stages_per_rank=per, n_microbatches=n)
