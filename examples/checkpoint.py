@@ -134,10 +134,31 @@ def say(text: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--ep", type=int, default=2, help="expert-parallel size")
-    parser.add_argument("--dir", type=Path, required=True, help="checkpoint folder")
-    parser.add_argument("--steps", type=int, default=2, help="steps before and after saving")
-    parser.add_argument("--resume", action="store_true", help="load DIR/ckpt and go on")
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=2,
+        help="expert-parallel size; must divide the number of processes (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--dir",
+        type=Path,
+        required=True,
+        help="folder of the checkpoint (DIR/ckpt) and the files the resumed run checks "
+        "against (required, no default)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=2,
+        help="training steps before saving, and again after it (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="load DIR/ckpt and check it instead of training and saving; at the saving "
+        "run's EP size, also train on and compare (default: off)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)

@@ -163,9 +163,21 @@ def quiet_cpu_autocast() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="torchtitan's EP with combined 1F1B")
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--microbatches", type=int, default=2)
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=3,
+        help="blocks of the debug model kept (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=3, help="training steps (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=2,
+        help="microbatches per step and rank (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
 
     rank, world, device = init_ranks()

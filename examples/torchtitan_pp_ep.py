@@ -104,8 +104,19 @@ def state(parts: list[nn.Module]) -> dict[str, Tensor]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="torchtitan's PP x EP with combined 1F1B")
-    parser.add_argument("--schedule", choices=["DualPipeV", "Interleaved1F1B"], default="DualPipeV")
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument(
+        "--schedule",
+        choices=["DualPipeV", "Interleaved1F1B"],
+        default="DualPipeV",
+        help="torchtitan's pipeline schedule; Interleaved1F1B gets overlapped pairs inserted "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=4,
+        help="blocks of the debug model kept, split over the stages (default: %(default)s)",
+    )
     args = parser.parse_args(argv)
 
     rank, world, device = init_ranks()

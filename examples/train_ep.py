@@ -108,9 +108,21 @@ def sgd_step(model: GPTMoEModel, lr: float) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: gloo; cuda: one GPU per rank (LOCAL_RANK), NCCL (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=3, help="training steps (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=4,
+        help="microbatches per step and rank (default: %(default)s)",
+    )
     args = parser.parse_args()
     device = setup(args.device)
     world = dist.get_world_size()

@@ -163,10 +163,28 @@ def spawn(world: int) -> int:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description="Train a tiny Mixtral with combined 1F1B.")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size (processes)")
-    parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--delay-wgrad", action="store_true", help="delayed weight gradients")
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size: the number of processes, spawned here unless run under "
+        "torchrun (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=8, help="training steps (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=4,
+        help="microbatches per step and rank (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--delay-wgrad",
+        action="store_true",
+        help="delay the weight gradients of the layers' linears and routed experts to the "
+        "schedule's backward_dw (default: off)",
+    )
     args = parser.parse_args()
     if args.ep > 1 and "RANK" not in os.environ:
         return spawn(args.ep)

@@ -165,13 +165,45 @@ def same_grads(a: nn.Module, b: nn.Module) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--ep", type=int, default=2, help="expert-parallel size")
-    parser.add_argument("--schedule", choices=("dualpipev", "interleaved"), default="dualpipev")
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--lr", type=float, default=0.5)
-    parser.add_argument("--delay-wgrad", action="store_true", help="delayed weight gradients")
-    parser.add_argument("--timeline", type=Path, default=None, help="write Chrome traces here")
+    parser.add_argument(
+        "--ep",
+        type=int,
+        default=2,
+        help="expert-parallel size; the pipeline size is the number of processes divided by it "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
+        "--schedule",
+        choices=("dualpipev", "interleaved"),
+        default="dualpipev",
+        help="torch's ScheduleDualPipeV, or ScheduleInterleaved1F1B with its neighbouring "
+        "forwards and backwards paired (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=4,
+        help="microbatches per step (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=3, help="training steps (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--lr", type=float, default=0.5, help="SGD learning rate (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--delay-wgrad",
+        action="store_true",
+        help="build the prepared model with delayed weight gradients; torch's run keeps "
+        "them in backward (default: off)",
+    )
+    parser.add_argument(
+        "--timeline",
+        type=Path,
+        default=None,
+        help="folder for each rank's Chrome trace of the last step, created if missing "
+        "(default: none written)",
+    )
     args = parser.parse_args()
 
     dist.init_process_group("gloo")

@@ -121,11 +121,33 @@ def self_check_table(adapter: TorchtitanMoEAdapter) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Train a tiny torchtitan MoE with combined 1F1B.")
-    parser.add_argument("--family", choices=sorted(FLAVORS), default="deepseek_v3")
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--delay-wgrad", action="store_true")
+    parser.add_argument(
+        "--family",
+        choices=sorted(FLAVORS),
+        default="deepseek_v3",
+        help="torchtitan model family; its debug model is built (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--layers",
+        type=int,
+        default=3,
+        help="blocks of the debug model kept (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=5, help="training steps (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=int,
+        default=4,
+        help="microbatches per step and rank (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--delay-wgrad",
+        action="store_true",
+        help="delay the weight gradients of the blocks' attention and shared-expert linears "
+        "to the schedule's backward_dw (default: off)",
+    )
     args = parser.parse_args(argv)
 
     cuda = torch.cuda.is_available()

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import ast
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +65,28 @@ def test_a_refused_input_is_one_line_and_exit_status_2(capsys: pytest.CaptureFix
         "moe-overlap plan: error: plan: 1f1b has 1 stage(s) per pipeline rank, received "
         "vpp=2; pass vpp=1"
     ]
+
+
+def test_every_example_flag_has_help_with_its_default() -> None:
+    """Each ``add_argument`` call in ``examples/*.py`` has a ``help=`` that names its default."""
+    scripts = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.py"))
+    assert scripts
+    seen = 0
+    missing: list[str] = []
+    for script in scripts:
+        source = script.read_text()
+        for node in ast.walk(ast.parse(source, filename=str(script))):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "add_argument"
+            ):
+                continue
+            seen += 1
+            help_ = next((k.value for k in node.keywords if k.arg == "help"), None)
+            text = "" if help_ is None else ast.get_source_segment(source, help_) or ""
+            if "default" not in text:
+                flag = ast.get_source_segment(source, node.args[0]) if node.args else "?"
+                missing.append(f"{script.name}:{node.lineno} {flag}")
+    assert seen, "no add_argument calls found in examples/*.py"
+    assert not missing, f"example flags without help naming their default: {missing}"
