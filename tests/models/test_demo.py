@@ -19,6 +19,7 @@ import torch
 import moe_overlap.demo as demo_module
 from moe_overlap import ConfigError, ModelChunkSchedulePlan, combined_1f1b
 from moe_overlap.__main__ import main
+from moe_overlap.demo import DemoArgs, run_demo
 from moe_overlap.models import GPTMoEModel
 from moe_overlap.steps import Direction, Step
 from moe_overlap.timeline import Span, Timeline
@@ -175,9 +176,15 @@ def test_demo_no_delay_sgd(tmp_path: Path) -> None:
     assert main([*args, "--no-delay-wgrad", "--optimizer", "sgd", "--no-progress"]) == 0
 
 
-def test_demo_rejects_ep_without_processes(tmp_path: Path) -> None:
+def test_demo_rejects_ep_without_processes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(ConfigError, match="--ep 2"):
+        run_demo(DemoArgs(ep=2, out=tmp_path))
+    with pytest.raises(SystemExit) as exit_info:  # the command line: one line, status 2
         main(["demo", "--ep", "2", "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "moe-overlap demo: error: demo --ep:" in capsys.readouterr().err
 
 
 def test_timeline_creates_no_reference_cycles() -> None:
