@@ -8,12 +8,17 @@ tests keep torchtitan's real flex attention.
 The registry's debug flavours are cut to three layers and, where their experts are large
 for a CPU test (Qwen3's 64 experts, gpt-oss's 2880-wide ones), to fewer and narrower
 experts (:data:`TINY_MOE`): the same modules and code paths, smaller tensors.
+
+The model still builds its masks (``get_attention_masks``) for the stand-in, which ignores
+them; :func:`eager_block_masks` builds them without ``torch.compile`` (the CPU tests run
+inside it: ``tests/adapters/conftest.py``, the workers, the families table).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -133,6 +138,24 @@ def causal_stand_in(model: nn.Module) -> nn.Module:
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, CausalAttention())
     return model
+
+
+@contextlib.contextmanager
+def eager_block_masks() -> Iterator[None]:
+    """Inside, torchtitan's ``create_attention_mask`` (what ``get_attention_masks`` calls for
+    flex attention) runs torch's ``create_block_mask`` as it is, not ``torch.compile``'d:
+    the same ``BlockMask`` (``test_torchtitan.py`` compares), without a dynamo trace per
+    process and per new batch shape (seconds each; more cold), for masks that
+    :class:`CausalAttention` does not read. Put back after."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torchtitan.models.common import attention
+
+    compiled = attention._compiled_create_block_mask
+    attention._compiled_create_block_mask = create_block_mask
+    try:
+        yield
+    finally:
+        attention._compiled_create_block_mask = compiled
 
 
 def batch(
