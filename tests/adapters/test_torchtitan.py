@@ -149,14 +149,13 @@ def schedule(adapter: TorchtitanMoEAdapter, mbs: Sequence[Microbatch]) -> list[T
 
 
 # --- the stand-in ---------------------------------------------------------------------------
-@pytest.mark.compiled_block_masks
 def test_causal_stand_in_equals_flex_attention_in_forward() -> None:
     """:class:`CausalAttention` (what the CPU tests train with) gives torchtitan's
     FlexAttention's output, on the BlockMask the model builds, with GQA and a scale; its
     ``out_transform`` sees flex's log-sum-exp (compared with eager flex: compiled flex on
     CPU does not return it). The model's BlockMask (torchtitan's compiled
-    ``create_block_mask``) is the one the other tests build eagerly
-    (:func:`~tests.adapters._titan.eager_block_masks`)."""
+    ``create_block_mask``; this model has no stand-in) is the one the stand-in's models
+    build eagerly (:func:`~tests.adapters._titan.eager_block_masks`)."""
     from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
     from torchtitan.models.common.attention import FlexAttention
 

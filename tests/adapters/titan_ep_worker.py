@@ -39,14 +39,7 @@ from torch import Tensor, nn
 
 from moe_overlap import Microbatch, combined_1f1b
 from moe_overlap.adapters.torchtitan import TorchtitanMoEAdapter
-from tests.adapters._titan import (
-    FAMILIES,
-    batch,
-    build,
-    causal_stand_in,
-    eager_block_masks,
-    shrink,
-)
+from tests.adapters._titan import FAMILIES, batch, build, causal_stand_in, shrink
 from tests.gloo_ranks import exit_worker
 
 FAMILY = "deepseek_v3"
@@ -154,11 +147,6 @@ def plain_step(adapter: TorchtitanMoEAdapter, mbs: list[Microbatch]) -> list[Ten
 
 
 def main() -> None:
-    with eager_block_masks():  # the stand-in reads no mask (see tests.adapters._titan)
-        _main()
-
-
-def _main() -> None:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

@@ -191,9 +191,9 @@ def _runs_in_float32(model: nn.Module) -> bool:
 
 
 def rows() -> list[Row]:
-    """One row per family of ``torchtitan.models`` (checked at one thread, the masks built
-    eagerly: ``_titan.eager_block_masks``; both put back after)."""
-    with num_threads(1), _titan.eager_block_masks():
+    """One row per family of ``torchtitan.models`` (checked at one thread; the thread count
+    found is put back after)."""
+    with num_threads(1):
         return _rows()
 
 

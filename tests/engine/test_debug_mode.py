@@ -212,18 +212,17 @@ def test_first_step_check_compares_a_torchtitan_model(debug_python: DebugPython)
         import moe_overlap as mo
         from moe_overlap.engine._plain_check import first_step_outcome
         from moe_overlap.adapters.torchtitan import TorchtitanMoEAdapter
-        from tests.adapters._titan import build, causal_stand_in, eager_block_masks
+        from tests.adapters._titan import build, causal_stand_in
         from tests.adapters.test_torchtitan import grads, microbatches, torchtitan_step
 
         warnings.filterwarnings("ignore", message="In CPU autocast")  # torchtitan's router
         model = causal_stand_in(build("deepseek_v3", layers=2))
         own = copy.deepcopy(model)
-        with eager_block_masks():  # the stand-in reads no mask (tests.adapters._titan)
-            adapter = TorchtitanMoEAdapter(model)
-            mbs = microbatches("deepseek_v3")[:2]
-            losses = mo.combined_1f1b(adapter, mbs, options=adapter.schedule_options())
-            assert first_step_outcome(adapter) == "compared", first_step_outcome(adapter)
-            own_losses = torchtitan_step(own, mbs)
+        adapter = TorchtitanMoEAdapter(model)
+        mbs = microbatches("deepseek_v3")[:2]
+        losses = mo.combined_1f1b(adapter, mbs, options=adapter.schedule_options())
+        assert first_step_outcome(adapter) == "compared", first_step_outcome(adapter)
+        own_losses = torchtitan_step(own, mbs)
         assert all(torch.equal(a.detach(), b) for a, b in zip(losses, own_losses))
         g, w = grads(model), grads(own)
         assert all((g[k] is None and w[k] is None) or torch.equal(g[k], w[k]) for k in w)
