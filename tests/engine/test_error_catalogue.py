@@ -1748,7 +1748,7 @@ DEBUG_CASES = {
         r"\(float32\[2, 8, 16\]\)",
     ),
 }
-"""Debug-mode cases (``MOE_OVERLAP_DEBUG=1``, so in a fresh interpreter): id -> (misuse, message)."""
+"""Debug-mode cases (``MOE_OVERLAP_DEBUG=1``, so in the debug interpreter): id -> (misuse, message)."""
 
 
 def mlp_saves_its_freed_input(ctx: Ctx) -> None:
