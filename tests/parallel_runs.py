@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
+import pytest
+
 T = TypeVar("T")
 
 
@@ -40,3 +42,13 @@ class ParallelRuns(Generic[T]):
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def selected_in(request: pytest.FixtureRequest) -> list[str]:
+    """The names (``test_x[param]``) of the session's selected tests in ``request``'s module,
+    in run order: the runs to start ahead are theirs."""
+    return [
+        item.name
+        for item in request.session.items
+        if getattr(item, "module", None) is request.module
+    ]

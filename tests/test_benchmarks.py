@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.parallel_runs import ParallelRuns
+from tests.parallel_runs import ParallelRuns, selected_in
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,11 +71,7 @@ def _runs(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ParallelRuns[Ran]]:
     """The runs of this module's selected tests, started in test order, two at a time."""
-    selected = [
-        item.name
-        for item in request.session.items
-        if getattr(item, "module", None) is request.module
-    ]
+    selected = selected_in(request)
 
     def job(name: str) -> Callable[[], Ran]:
         out = tmp_path_factory.mktemp(name)
