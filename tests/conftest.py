@@ -1,15 +1,19 @@
 """Shared fixtures: deterministic CPU runs; a test that leaves torch's process state changed
-fails; ``--reverse-files`` (``make test-order``)."""
+fails; ``--reverse-files`` (``make test-order``); ``debug_python``, an interpreter in debug
+mode."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import subprocess
+import textwrap
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from moe_overlap.engine._streams import reset_streams
+from tests.debug_interpreter import DebugInterpreter
 from tests.torch_state import TorchState
 
 
@@ -69,3 +73,24 @@ def _torch_state_guard(_deterministic: None) -> Iterator[None]:
         "tests/torch_state.py has some), or later tests run otherwise than alone.",
         pytrace=False,
     )
+
+
+DebugPython = Callable[..., subprocess.CompletedProcess[str]]
+
+
+@pytest.fixture(scope="session")
+def debug_python() -> Iterator[DebugPython]:
+    """``debug_python(code, warnings_as_errors=True)``: ``code`` (dedented) run as
+    ``MOE_OVERLAP_DEBUG=1 python [-W error::UserWarning] -c code`` would run it, in the
+    session's one interpreter in debug mode (:mod:`tests.debug_interpreter`; started at the
+    first call, and again after a snippet that ended it); its exit status and output."""
+    found: list[DebugInterpreter] = []
+
+    def run(code: str, *, warnings_as_errors: bool = True) -> subprocess.CompletedProcess[str]:
+        if not found or not found[-1].alive:
+            found.append(DebugInterpreter())
+        return found[-1].run(textwrap.dedent(code), warnings_as_errors=warnings_as_errors)
+
+    yield run
+    for interpreter in found:
+        interpreter.close()

@@ -24,8 +24,12 @@ def _free_port() -> int:
         return port
 
 
-def run_ranks(module: str, *, world: int = 2, timeout: float = 180) -> list[dict[str, object]]:
-    """``python -m module`` once per rank (``RANK``, ``WORLD_SIZE``, ``MASTER_*`` set).
+def run_ranks(
+    module: str, *, world: int = 2, timeout: float = 180, env: dict[str, str] | None = None
+) -> list[dict[str, object]]:
+    """``python -m module`` once per rank (``RANK``, ``WORLD_SIZE``, ``MASTER_*`` set), in
+    this process's environment updated by ``env`` (which, unlike ``os.environ``, two
+    launches at once do not share).
 
     Fails with the rank's stderr when one exits non-zero; returns every rank's JSON lines.
     """
@@ -36,6 +40,7 @@ def run_ranks(module: str, *, world: int = 2, timeout: float = 180) -> list[dict
             cwd=ROOT,
             env=dict(
                 os.environ,
+                **(env or {}),
                 RANK=str(rank),
                 WORLD_SIZE=str(world),
                 MASTER_ADDR="127.0.0.1",

@@ -1,12 +1,19 @@
-"""The GPU benchmarks run: tiny CPU smoke runs (the figures come from the H200)."""
+"""The GPU benchmarks run: tiny CPU smoke runs (the figures come from the H200).
+
+Each run is a single-threaded process; they start ahead of their tests, two at a time
+(:class:`~tests.parallel_runs.ParallelRuns`, the ``ran`` fixture), so both cores work.
+"""
 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
+import socket
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +21,7 @@ import pytest
 
 from moe_overlap.steps import Direction, Slot, StreamKind
 from tests.figures import check_figure, saved_figures
+from tests.parallel_runs import ParallelRuns, selected_in
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -24,6 +32,9 @@ PERTURB = "MOE_OVERLAP_BENCH_PERTURB"
 
 
 _ENV = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+HAS_TORCHTITAN = importlib.util.find_spec("torchtitan") is not None
+TORCHTITAN = pytest.mark.skipif(not HAS_TORCHTITAN, reason="torchtitan is not installed")
+COMPOSE_VARIANTS = ["serial", "overlapped +recompute(all)", "overlapped +compile"]
 
 
 def _run(argv: list[str], perturb: str | None = None) -> subprocess.CompletedProcess[str]:
@@ -43,13 +54,6 @@ def _bench_run(
     return _run([sys.executable, script_path, "--device", "cpu", "--tiny", *args], perturb)
 
 
-def _bench(script: str, *args: str) -> str:
-    """Run ``benchmarks/<script>`` on the CPU with a tiny model; its stdout (it must pass)."""
-    done = _bench_run(script, *args)
-    assert done.returncode == 0, done.stderr
-    return done.stdout
-
-
 def _fails(done: subprocess.CompletedProcess[str], *expected: str) -> None:
     """The run failed (exit 1) and its stderr says each of ``expected``."""
     assert done.returncode == 1, (done.returncode, done.stderr[-3000:])
@@ -57,11 +61,45 @@ def _fails(done: subprocess.CompletedProcess[str], *expected: str) -> None:
         assert text in done.stderr, (text, done.stderr[-3000:])
 
 
-def test_bench_overlap_smoke(tmp_path: Path) -> None:
+def _passed(done: subprocess.CompletedProcess[str]) -> str:
+    """The run's stdout (it must pass)."""
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+Ran = tuple[subprocess.CompletedProcess[str], Path]
+"""A test's run (:data:`RUNS`) and the folder it wrote to (its ``--out``)."""
+
+
+@pytest.fixture(scope="module")
+def _runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ParallelRuns[Ran]]:
+    """The runs of this module's selected tests, started in test order, two at a time."""
+    selected = selected_in(request)
+
+    def job(name: str) -> Callable[[], Ran]:
+        out = tmp_path_factory.mktemp(name)
+        return lambda: (RUNS[name](out), out)
+
+    ahead = [n for n in selected if n in RUNS and (HAS_TORCHTITAN or "torchtitan" not in n)]
+    runs = ParallelRuns({name: job(name) for name in RUNS}, ahead)
+    yield runs
+    runs.close()
+
+
+@pytest.fixture
+def ran(request: pytest.FixtureRequest, _runs: ParallelRuns[Ran]) -> Ran:
+    """This test's run (its entry of :data:`RUNS`) and its output folder."""
+    return _runs.result(request.node.name)
+
+
+def test_bench_overlap_smoke(ran: Ran) -> None:
     # One timed iteration and no warm-up: the smoke run checks the script, not the figures.
-    stdout = _bench("bench_overlap.py", "--warmup", "0", "--iters", "1", "--out", str(tmp_path))
+    done, out = ran
+    stdout = _passed(done)
     assert "filldr" in stdout
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = json.loads((out / "results.json").read_text())
     rows = results["results"] if isinstance(results, dict) else results
     assert rows and all(r["fill_drain"]["overlapped_ms"] > 0 for r in rows)
     assert results["env"]["exactness_failed"] == []
@@ -76,14 +114,10 @@ def test_bench_overlap_smoke(tmp_path: Path) -> None:
     )
 
 
-def test_bench_overlap_fails_when_a_variant_is_not_bit_identical(tmp_path: Path) -> None:
+def test_bench_overlap_fails_when_a_variant_is_not_bit_identical(ran: Ran) -> None:
     """One ulp in fill/drain + recompute's gradients: the first row's exactness pass fails,
     the row is written without timing, and the process exits 1 naming the variant."""
-    done = _bench_run(
-        "bench_overlap.py",
-        *("--warmup", "0", "--iters", "1", "--out", str(tmp_path)),
-        perturb="fill_drain_recompute",
-    )
+    done, out = ran
     _fails(
         done,
         "EXACTNESS FAILED",
@@ -91,7 +125,7 @@ def test_bench_overlap_fails_when_a_variant_is_not_bit_identical(tmp_path: Path)
         "embed_scale: max abs diff",
         "all finite",
     )
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = json.loads((out / "results.json").read_text())
     (row,) = results["results"]
     assert row["exactness"]["failed"] == ["fill_drain_recompute"]
     assert "stopped" in row and "step_ms" not in row
@@ -99,24 +133,20 @@ def test_bench_overlap_fails_when_a_variant_is_not_bit_identical(tmp_path: Path)
 
 
 @pytest.mark.slow  # the whole tiny sweep and the host-bound row, timed
-def test_bench_overlap_continue_after_inexact_times_and_still_fails(tmp_path: Path) -> None:
-    done = _bench_run(
-        "bench_overlap.py",
-        *("--warmup", "0", "--iters", "1", "--more-microbatches", "--out", str(tmp_path)),
-        "--continue-after-inexact",
-        perturb="1",
-    )
+def test_bench_overlap_continue_after_inexact_times_and_still_fails(ran: Ran) -> None:
+    done, out = ran
     _fails(done, "overlapped is not bit-identical to serial", "timed anyway")
-    results = json.loads((tmp_path / "results.json").read_text())
+    results = json.loads((out / "results.json").read_text())
     rows = results["results"]
     assert len(rows) == 2 and all(r["step_ms"]["overlapped"] > 0 for r in rows)
     assert all(r["exactness"]["failed"] == ["overlapped"] for r in rows)
 
 
-def test_bench_a2a_chunks_smoke(tmp_path: Path) -> None:
-    stdout = _bench("bench_a2a_chunks.py", "--chunks", "1", "2", "--out", str(tmp_path))
+def test_bench_a2a_chunks_smoke(ran: Ran) -> None:
+    done, out = ran
+    stdout = _passed(done)
     assert "exact: 6 of 6 steps bit-identical" in stdout
-    result = json.loads((tmp_path / "a2a_chunks.json").read_text())
+    result = json.loads((out / "a2a_chunks.json").read_text())
     assert result["exactness"]["failed"] == []
     assert set(result["exactness"]["variants"]) == {
         f"K{k}_{m}" for k in (1, 2) for m in ("serial (run to run)", "overlapped", "fill_drain")
@@ -124,70 +154,48 @@ def test_bench_a2a_chunks_smoke(tmp_path: Path) -> None:
     assert all(v > 0 for v in result["step_ms"].values())
 
 
-def test_bench_a2a_chunks_fails_when_a_step_is_not_bit_identical(tmp_path: Path) -> None:
-    done = _bench_run(
-        "bench_a2a_chunks.py", "--chunks", "1", "2", "--out", str(tmp_path), perturb="K2_fill_drain"
-    )
+def test_bench_a2a_chunks_fails_when_a_step_is_not_bit_identical(ran: Ran) -> None:
+    done, out = ran
     _fails(done, "K2_fill_drain is not bit-identical to K2_serial", "gradients differ")
-    result = json.loads((tmp_path / "a2a_chunks.json").read_text())
+    result = json.loads((out / "a2a_chunks.json").read_text())
     assert result["exactness"]["failed"] == ["K2_fill_drain"]
     assert "step_ms" not in result  # stopped before the timing
 
 
-def test_pp_nccl_fails_when_a_prepared_step_is_not_bit_identical(tmp_path: Path) -> None:
+def test_pp_nccl_fails_when_a_prepared_step_is_not_bit_identical(ran: Ran) -> None:
     """One rank over gloo (the two-stage interleaved schedule on one rank); the prepared
     step's gradient one ulp off: every rank exits 1, rank 0 names the step."""
-    done = _run(
-        [
-            *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"),
-            str(ROOT / "benchmarks" / "pp_nccl.py"),
-            *("--device", "cpu", "--tiny", "--microbatches", "4", "--iters", "1"),
-            *("--schedule", "interleaved", "--loopback", "--out", str(tmp_path)),
-        ],
-        perturb="prepared",
-    )
+    done, out = ran
     assert done.returncode != 0, done.stderr[-3000:]
     assert "matches torch's schedule on every rank: False" in done.stdout
     assert "EXACTNESS FAILED on rank 0" in done.stderr, done.stderr[-3000:]
     assert "prepared is not bit-identical to torch's execution" in done.stderr
-    summary = json.loads((tmp_path / "pp_results.json").read_text())
+    summary = json.loads((out / "pp_results.json").read_text())
     assert summary["bit_identical"] is False and "ranks" not in summary  # not timed
     (rank0,) = summary["exactness"]["ranks"]
     rows = rank0["exactness"]
     assert not rows["prepared"]["bit_identical"] and rows["prepared_serial"]["bit_identical"]
 
 
-def test_bench_compose_smoke(tmp_path: Path) -> None:
-    variants = ["serial", "overlapped +recompute(all)", "overlapped +compile"]
-    _bench(
-        "bench_compose.py",
-        *("--warmup", "0", "--iters", "1", "--only", ",".join(variants)),
-        *("--out", str(tmp_path)),
-    )
-    rows = json.loads((tmp_path / "compose.json").read_text())["rows"]
-    assert [r["variant"] for r in rows] == variants
+def test_bench_compose_smoke(ran: Ran) -> None:
+    done, out = ran
+    _passed(done)
+    rows = json.loads((out / "compose.json").read_text())["rows"]
+    assert [r["variant"] for r in rows] == COMPOSE_VARIANTS
     assert all(r["step_ms"] > 0 for r in rows)
 
 
-def test_bench_slice_graphs_smoke(tmp_path: Path) -> None:
-    _bench("bench_slice_graphs.py", "--iters", "1", "--out", str(tmp_path))
-    report = json.loads((tmp_path / "slice_graphs.json").read_text())
+def test_bench_slice_graphs_smoke(ran: Ran) -> None:
+    done, out = ran
+    _passed(done)
+    report = json.loads((out / "slice_graphs.json").read_text())
     assert [m for m in report if m != "config"] == ["eager", "attn", "attn+router"]
     assert all(report[m].get("bit_identical_to_eager") for m in ("eager", "attn", "attn+router"))
 
 
-def test_ab_calls_counts_the_same_tree_the_same() -> None:
+def test_ab_calls_counts_the_same_tree_the_same(ran: Ran) -> None:
     """Call counts are deterministic: a tree against itself differs by no call."""
-    src = str(ROOT / "src")
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "ab_calls.py"), "--a", src, "--b", src],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        cwd=ROOT,
-        env={"PYTHONPATH": src, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
-    )
+    done, _ = ran
     assert done.returncode == 0, done.stderr
     summary = json.loads(done.stdout)
     for mode in ("serial", "overlapped"):
@@ -196,14 +204,11 @@ def test_ab_calls_counts_the_same_tree_the_same() -> None:
         assert summary[mode]["a_calls_per_node"] > 10
 
 
-def test_bench_torchtitan_smoke(tmp_path: Path) -> None:
-    pytest.importorskip("torchtitan")
-    _bench(
-        "bench_torchtitan.py",
-        *("--warmup", "0", "--iters", "1", "--microbatches", "2", "--layers", "1"),
-        *("--exact-microbatches", "2", "--out", str(tmp_path)),
-    )
-    result = json.loads((tmp_path / "bench_torchtitan.json").read_text())
+@TORCHTITAN
+def test_bench_torchtitan_smoke(ran: Ran) -> None:
+    done, out = ran
+    _passed(done)
+    result = json.loads((out / "bench_torchtitan.json").read_text())
     exact = result["exactness"]
     assert exact["failed"] == [] and "deterministic" in exact["kernels"]
     assert all(r["bit_identical"] for r in exact["rows"].values())
@@ -212,20 +217,16 @@ def test_bench_torchtitan_smoke(tmp_path: Path) -> None:
     assert all(timing["rows"][v]["median_ms"] > 0 for v in ("torchtitan", "overlapped"))
 
 
-def test_bench_torchtitan_fails_when_a_step_is_not_bit_identical(tmp_path: Path) -> None:
-    pytest.importorskip("torchtitan")
-    done = _bench_run(
-        "bench_torchtitan.py",
-        *("--exact-microbatches", "1", "--microbatches", "2", "--out", str(tmp_path)),
-        perturb="overlapped (delayed_wgrad)",
-    )
+@TORCHTITAN
+def test_bench_torchtitan_fails_when_a_step_is_not_bit_identical(ran: Ran) -> None:
+    done, out = ran
     _fails(
         done,
         "overlapped (delayed_wgrad) is not bit-identical to plain (delayed_wgrad)",
         "tok_embeddings.weight: max abs diff",
         "not timed",
     )
-    result = json.loads((tmp_path / "bench_torchtitan.json").read_text())
+    result = json.loads((out / "bench_torchtitan.json").read_text())
     assert result["exactness"]["failed"] == ["overlapped (delayed_wgrad)"]
     assert "timing" not in result
 
@@ -342,9 +343,13 @@ def test_readme_is_generated_from_the_committed_results() -> None:
 
 
 def _stress_checked(*args: str) -> subprocess.CompletedProcess[str]:
-    """``stress_exact.py`` once per composition, tiny, on CPU, under the stream-order checker."""
+    """``stress_exact.py`` once per composition, tiny, on CPU, under the stream-order checker
+    (its one-rank group on a free port: two runs may overlap)."""
     script = str(ROOT / "benchmarks" / "stress_exact.py")
     argv = [sys.executable, script, "--device", "cpu", "--tiny", "--runs", "1", "--shake", "off"]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
     return subprocess.run(
         [*argv, *args],
         capture_output=True,
@@ -352,20 +357,20 @@ def _stress_checked(*args: str) -> subprocess.CompletedProcess[str]:
         timeout=300,
         check=False,
         cwd=ROOT,
-        env={**_ENV, "MOE_OVERLAP_STREAM_CHECK": "1"},
+        env={**_ENV, "MOE_OVERLAP_STREAM_CHECK": "1", "MASTER_PORT": port},
     )
 
 
-def test_stress_exact_smoke_under_the_stream_order_checker() -> None:
+def test_stress_exact_smoke_under_the_stream_order_checker(ran: Ran) -> None:
     """Every composition of the stress, once, tiny, on CPU with the checker on every access."""
-    done = _stress_checked()
+    done, _ = ran
     assert done.returncode == 0, done.stderr[-3000:]
     assert "runs not bit-identical: 0 of 9" in done.stdout
 
 
-def test_stress_exact_without_the_fix_is_a_race_the_checker_names() -> None:
+def test_stress_exact_without_the_fix_is_a_race_the_checker_names(ran: Ran) -> None:
     """Issue 37's race, reproduced by the stress's fault switch, found on CPU in one run."""
-    done = _stress_checked("--compositions", "pp_interleaved", "--without-record-stream-fix")
+    done, _ = ran
     assert done.returncode != 0
     assert "StreamOrderError" in done.stderr
     assert "may still use it" in done.stderr and "'moe_dispatch' backward" in done.stderr
@@ -425,3 +430,71 @@ def test_sweep_png_says_what_it_shows(tmp_path: Path, monkeypatch: pytest.Monkey
         legend={"speed-up serial/overlapped", "efficiency bound/overlapped"},
     )
     assert fig.axes[0].get_ylabel()
+
+
+# --- the runs ---------------------------------------------------------------------------------
+_SRC = str(ROOT / "src")
+RUNS: dict[str, Callable[[Path], subprocess.CompletedProcess[str]]] = {
+    "test_bench_overlap_smoke": lambda out: _bench_run(
+        "bench_overlap.py", "--warmup", "0", "--iters", "1", "--out", str(out)
+    ),
+    "test_bench_overlap_fails_when_a_variant_is_not_bit_identical": lambda out: _bench_run(
+        "bench_overlap.py",
+        *("--warmup", "0", "--iters", "1", "--out", str(out)),
+        perturb="fill_drain_recompute",
+    ),
+    "test_bench_overlap_continue_after_inexact_times_and_still_fails": lambda out: _bench_run(
+        "bench_overlap.py",
+        *("--warmup", "0", "--iters", "1", "--more-microbatches", "--out", str(out)),
+        "--continue-after-inexact",
+        perturb="1",
+    ),
+    "test_bench_a2a_chunks_smoke": lambda out: _bench_run(
+        "bench_a2a_chunks.py", "--chunks", "1", "2", "--out", str(out)
+    ),
+    "test_bench_a2a_chunks_fails_when_a_step_is_not_bit_identical": lambda out: _bench_run(
+        "bench_a2a_chunks.py", "--chunks", "1", "2", "--out", str(out), perturb="K2_fill_drain"
+    ),
+    "test_pp_nccl_fails_when_a_prepared_step_is_not_bit_identical": lambda out: _run(
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1"),
+            str(ROOT / "benchmarks" / "pp_nccl.py"),
+            *("--device", "cpu", "--tiny", "--microbatches", "4", "--iters", "1"),
+            *("--schedule", "interleaved", "--loopback", "--out", str(out)),
+        ],
+        perturb="prepared",
+    ),
+    "test_bench_compose_smoke": lambda out: _bench_run(
+        "bench_compose.py",
+        *("--warmup", "0", "--iters", "1", "--only", ",".join(COMPOSE_VARIANTS)),
+        *("--out", str(out)),
+    ),
+    "test_bench_slice_graphs_smoke": lambda out: _bench_run(
+        "bench_slice_graphs.py", "--iters", "1", "--out", str(out)
+    ),
+    "test_ab_calls_counts_the_same_tree_the_same": lambda out: subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "ab_calls.py"), "--a", _SRC, "--b", _SRC],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=ROOT,
+        env={"PYTHONPATH": _SRC, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+    ),
+    "test_bench_torchtitan_smoke": lambda out: _bench_run(
+        "bench_torchtitan.py",
+        *("--warmup", "0", "--iters", "1", "--microbatches", "2", "--layers", "1"),
+        *("--exact-microbatches", "2", "--out", str(out)),
+    ),
+    "test_bench_torchtitan_fails_when_a_step_is_not_bit_identical": lambda out: _bench_run(
+        "bench_torchtitan.py",
+        *("--exact-microbatches", "1", "--microbatches", "2", "--out", str(out)),
+        perturb="overlapped (delayed_wgrad)",
+    ),
+    "test_stress_exact_smoke_under_the_stream_order_checker": lambda out: _stress_checked(),
+    "test_stress_exact_without_the_fix_is_a_race_the_checker_names": lambda out: _stress_checked(
+        "--compositions", "pp_interleaved", "--without-record-stream-fix"
+    ),
+}
+"""Each test's run by the test's name: the command its assertions read (``out``: the folder
+for ``--out``)."""

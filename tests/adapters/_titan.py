@@ -8,12 +8,17 @@ tests keep torchtitan's real flex attention.
 The registry's debug flavours are cut to three layers and, where their experts are large
 for a CPU test (Qwen3's 64 experts, gpt-oss's 2880-wide ones), to fewer and narrower
 experts (:data:`TINY_MOE`): the same modules and code paths, smaller tensors.
+
+A model with the stand-in still builds its masks (``get_attention_masks``), which the
+stand-in does not read; it builds them without ``torch.compile`` (:func:`eager_block_masks`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable
+import types
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import torch
@@ -125,14 +130,44 @@ class CausalAttention(nn.Module):
 
 
 def causal_stand_in(model: nn.Module) -> nn.Module:
-    """Each FlexAttention in ``model`` replaced by :class:`CausalAttention`."""
+    """Each FlexAttention in ``model`` replaced by :class:`CausalAttention`; the model's
+    ``get_attention_masks`` (its own, called by the adapter and by the model's forward)
+    builds the masks eagerly (:func:`eager_block_masks`: they are the same, and the
+    stand-in reads none). That is an instance attribute: copies of the model keep it."""
     from torchtitan.models.common.attention import FlexAttention
 
     for name, module in list(model.named_modules()):
         if isinstance(module, FlexAttention):
             parent_name, _, child = name.rpartition(".")
             setattr(model.get_submodule(parent_name), child, CausalAttention())
+    if callable(getattr(type(model), "get_attention_masks", None)):
+        eager = types.MethodType(_eager_attention_masks, model)
+        setattr(model, "get_attention_masks", eager)  # noqa: B010 - shadows the method
     return model
+
+
+def _eager_attention_masks(self: nn.Module, positions: Tensor) -> object:
+    """The model class's ``get_attention_masks``, inside :func:`eager_block_masks`."""
+    with eager_block_masks():
+        return cast(Any, type(self)).get_attention_masks(self, positions)
+
+
+@contextlib.contextmanager
+def eager_block_masks() -> Iterator[None]:
+    """Inside, torchtitan's ``create_attention_mask`` (what ``get_attention_masks`` calls for
+    flex attention) runs torch's ``create_block_mask`` as it is, not ``torch.compile``'d:
+    the same ``BlockMask`` (``test_torchtitan.py`` compares), without a dynamo trace per
+    process and per new batch shape (seconds of CPU each; more with a cold inductor
+    cache). Put back after."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    from torchtitan.models.common import attention
+
+    compiled = attention._compiled_create_block_mask
+    attention._compiled_create_block_mask = create_block_mask
+    try:
+        yield
+    finally:
+        attention._compiled_create_block_mask = compiled
 
 
 def batch(

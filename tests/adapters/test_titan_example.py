@@ -1,30 +1,55 @@
 """``examples/train_torchtitan.py`` runs and trains (one process, with and without delayed
-weight gradients)."""
+weight gradients). Each run is one single-threaded process: both start ahead of their
+tests, side by side (:class:`~tests.parallel_runs.ParallelRuns`)."""
 
 from __future__ import annotations
 
 import re
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.parallel_runs import ParallelRuns, selected_in
+
 pytest.importorskip("torchtitan")
 
 SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "train_torchtitan.py"
+ARGVS = {"argv0": [], "argv1": ["--delay-wgrad", "--family", "qwen3"]}
+"""Each run's arguments, by its test's parameter id."""
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("argv", [[], ["--delay-wgrad", "--family", "qwen3"]])
-def test_train_torchtitan(argv: list[str]) -> None:
-    done = subprocess.run(
+def _train(argv: list[str]) -> Callable[[], subprocess.CompletedProcess[str]]:
+    return lambda: subprocess.run(
         [sys.executable, str(SCRIPT), "--steps", "3", *argv],
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
+
+
+@pytest.fixture(scope="module")
+def runs(
+    request: pytest.FixtureRequest,
+) -> Iterator[ParallelRuns[subprocess.CompletedProcess[str]]]:
+    jobs = {f"test_train_torchtitan[{k}]": _train(v) for k, v in ARGVS.items()}
+    started = ParallelRuns(jobs, [n for n in selected_in(request) if n in jobs])
+    yield started
+    started.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv", ARGVS.values(), ids=ARGVS.keys())
+def test_train_torchtitan(
+    request: pytest.FixtureRequest,
+    runs: ParallelRuns[subprocess.CompletedProcess[str]],
+    argv: list[str],
+) -> None:
+    done = runs.result(request.node.name)
+    assert done.args[2:] == ["--steps", "3", *argv]
     assert done.returncode == 0, done.stderr
     losses = [float(x) for x in re.findall(r"step +\d+: loss ([0-9.]+)", done.stdout)]
     assert len(losses) == 3 and losses[-1] < losses[0], done.stdout

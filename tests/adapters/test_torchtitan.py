@@ -20,7 +20,14 @@ pytest.importorskip("torchtitan")
 
 from moe_overlap import ConfigError, Microbatch, combined_1f1b
 from moe_overlap.adapters.torchtitan import TorchtitanMoEAdapter
-from tests.adapters._titan import FAMILIES, CausalAttention, batch, build, causal_stand_in
+from tests.adapters._titan import (
+    FAMILIES,
+    CausalAttention,
+    batch,
+    build,
+    causal_stand_in,
+    eager_block_masks,
+)
 
 pytestmark = pytest.mark.filterwarnings(
     # torchtitan's MoE enters a float32 CPU autocast, which torch disables with a warning.
@@ -146,14 +153,25 @@ def test_causal_stand_in_equals_flex_attention_in_forward() -> None:
     """:class:`CausalAttention` (what the CPU tests train with) gives torchtitan's
     FlexAttention's output, on the BlockMask the model builds, with GQA and a scale; its
     ``out_transform`` sees flex's log-sum-exp (compared with eager flex: compiled flex on
-    CPU does not return it)."""
-    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+    CPU does not return it). The model's BlockMask (torchtitan's compiled
+    ``create_block_mask``; this model has no stand-in) is the one the stand-in's models
+    build eagerly (:func:`~tests.adapters._titan.eager_block_masks`)."""
+    from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
     from torchtitan.models.common.attention import FlexAttention
 
     model: Any = build("deepseek_v3")
     flex: Any = next(m for m in model.modules() if isinstance(m, FlexAttention))
     positions = torch.arange(16).expand(2, 16)
     masks = model.get_attention_masks(positions)
+    with eager_block_masks():
+        eager = model.get_attention_masks(positions)
+    assert isinstance(masks, BlockMask) and isinstance(eager, BlockMask)
+    for name in BlockMask._TENSOR_ATTRS:
+        a, b = getattr(masks, name), getattr(eager, name)
+        assert (a is None and b is None) or (
+            a is not None and b is not None and torch.equal(a, b)
+        ), name
+    assert (masks.seq_lengths, masks.BLOCK_SIZE) == (eager.seq_lengths, eager.BLOCK_SIZE)
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 16, 4, 8, generator=g)
     k, v = torch.randn(2, 16, 2, 8, generator=g), torch.randn(2, 16, 2, 8, generator=g)

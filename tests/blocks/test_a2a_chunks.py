@@ -18,6 +18,7 @@ from moe_overlap import ChunkState, ConfigError, IntegrationError, Microbatch, W
 from moe_overlap.blocks import GroupedExperts, PlainContext, TokenDispatcher, chunk_sizes
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel, MoELayer
 from moe_overlap.wgrad import claim_wgrad
+from tests.conftest import DebugPython
 from tests.gloo_ranks import run_ranks
 from tests.models._helpers import SMALL, check_parity, microbatches
 
@@ -185,12 +186,10 @@ def test_calls_per_backward_refused() -> None:
         GroupedExperts(2, 8, 16, expert_offset=0, delay_wgrad=True, calls_per_backward=0)
 
 
-def test_debug_mode_first_step_check_and_parity() -> None:
+def test_debug_mode_first_step_check_and_parity(debug_python: DebugPython) -> None:
     """Debug mode (beartype on every call, the slot hand-off checks, the first-step plain
     comparison) accepts the chunked slots and the step stays bit-identical."""
-    from tests.engine.test_debug_mode import run
-
-    result = run(
+    result = debug_python(
         """
         import dataclasses, torch
         torch.use_deterministic_algorithms(True)
@@ -200,8 +199,7 @@ def test_debug_mode_first_step_check_and_parity() -> None:
         )
         r = check_parity(config, fill_drain=True, padded=True)
         print(r.ok, r.first_step_check)
-        """,
-        debug=True,
+        """
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.split() == ["True", "compared"], result.stdout

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,6 +11,7 @@ from torch import Tensor
 
 from moe_overlap import ChunkState, ConfigError, IntegrationError, Microbatch
 from moe_overlap.blocks import DispatcherKind, Gathered, PlainContext, TokenDispatcher
+from tests.conftest import DebugPython
 
 
 @pytest.mark.parametrize("kind", ["alltoall", "loopback"])
@@ -84,7 +82,9 @@ def test_gathered_copies_are_refused_with_chunks() -> None:
         )
 
 
-def test_debug_mode_refuses_an_order_that_is_not_grouped_by_expert() -> None:
+def test_debug_mode_refuses_an_order_that_is_not_grouped_by_expert(
+    debug_python: DebugPython,
+) -> None:
     """Outside debug mode the grouping is trusted (reading it would sync the device)."""
     code = (
         "import torch\n"
@@ -97,8 +97,7 @@ def test_debug_mode_refuses_an_order_that_is_not_grouped_by_expert() -> None:
         "except IntegrationError as exc:\n"
         "    print(exc)\n"
     )
-    env = {**os.environ, "MOE_OVERLAP_DEBUG": "1", "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    ).stdout
+    done = debug_python(code, warnings_as_errors=False)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
     assert "permutation of 0..7 grouped by expert in ascending order" in out, out

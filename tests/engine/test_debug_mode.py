@@ -1,6 +1,7 @@
 """Debug mode (``MOE_OVERLAP_DEBUG=1``): beartype on every call; off: beartype never imported.
 
-Each check runs in a fresh interpreter, since the switch is read at import time.
+The switch is read at import time: the check without it runs in a fresh interpreter, those
+with it in the session's interpreter in debug mode (``debug_python``, tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests.conftest import DebugPython
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -48,8 +51,8 @@ def test_off_by_default_imports_no_beartype_and_wraps_nothing() -> None:
     assert out.stdout.strip() == "ok"
 
 
-def test_debug_mode_checks_calls() -> None:
-    out = run(
+def test_debug_mode_checks_calls(debug_python: DebugPython) -> None:
+    out = debug_python(
         """
         import sys, moe_overlap as m
         assert "beartype" in sys.modules
@@ -61,16 +64,15 @@ def test_debug_mode_checks_calls() -> None:
             assert "should_free_input" in str(e)
             print("ok")
         """,
-        debug=True,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
 
 
 @pytest.mark.slow
-def test_debug_mode_step_is_still_exact() -> None:
+def test_debug_mode_step_is_still_exact(debug_python: DebugPython) -> None:
     """A whole overlapped step under beartype: Protocol checks happen once per plan."""
-    out = run(
+    out = debug_python(
         """
         import copy, torch
         from moe_overlap import ScheduleOptions, combined_1f1b
@@ -86,7 +88,6 @@ def test_debug_mode_step_is_still_exact() -> None:
         assert all(torch.equal(g[k], r[k]) for k in g if g[k] is not None)
         print("ok")
         """,
-        debug=True,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
@@ -96,11 +97,13 @@ def test_debug_mode_step_is_still_exact() -> None:
 
 
 @pytest.mark.slow
-def test_first_step_check_raises_no_false_alarm_and_leaves_no_trace() -> None:
+def test_first_step_check_raises_no_false_alarm_and_leaves_no_trace(
+    debug_python: DebugPython,
+) -> None:
     """The toy model, the reference model and a transformers model through the adapter, with
     delayed wgrad on and off: compared on their first step, no alarm, the step exact (also
     over gradients accumulated before it); buffers and the RNG state as without the check."""
-    out = run(
+    out = debug_python(
         """
         import copy, dataclasses, torch
         import moe_overlap as mo
@@ -192,19 +195,18 @@ def test_first_step_check_raises_no_false_alarm_and_leaves_no_trace() -> None:
                 assert (p.grad is None and q.grad is None) or torch.equal(p.grad, q.grad), n
         print("ok")
         """,
-        debug=True,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.strip() == "ok"
 
 
-def test_first_step_check_compares_a_torchtitan_model() -> None:
+def test_first_step_check_compares_a_torchtitan_model(debug_python: DebugPython) -> None:
     """The torchtitan adapter builds and trains under beartype; the first-step check calls
     its ``forward`` with the microbatch's fields (torchtitan's names there are keyword-only
     parameters it never passes) and compares; the step equals torchtitan's own model's
     forward and backward bit for bit."""
     pytest.importorskip("torchtitan")
-    out = run(
+    out = debug_python(
         """
         import copy, warnings, torch
         import moe_overlap as mo
@@ -226,17 +228,16 @@ def test_first_step_check_compares_a_torchtitan_model() -> None:
         assert all((g[k] is None and w[k] is None) or torch.equal(g[k], w[k]) for k in w)
         print("ok")
         """,
-        debug=True,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.strip() == "ok"
 
 
 @pytest.mark.slow
-def test_first_step_check_skips_what_it_cannot_compare() -> None:
+def test_first_step_check_skips_what_it_cannot_compare(debug_python: DebugPython) -> None:
     """No plain forward that takes the microbatch, or not a whole model: skipped, the step
     runs as without debug mode."""
-    out = run(
+    out = debug_python(
         """
         import copy, torch
         import moe_overlap as mo
@@ -272,17 +273,18 @@ def test_first_step_check_skips_what_it_cannot_compare() -> None:
         assert all(p.grad is not None for p in model.parameters())
         print("ok")
         """,
-        debug=True,
     )
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.strip() == "ok"
 
 
-def test_debug_mode_runs_the_pipelining_integration_and_protocol_errors() -> None:
+def test_debug_mode_runs_the_pipelining_integration_and_protocol_errors(
+    debug_python: DebugPython,
+) -> None:
     """Beartype resolves every annotation of the pipelining package (its private torch types
     are opaque at run time) and of the rule tables' error path (a refused stage module is the
     library's own error, not a beartype forward-reference failure)."""
-    out = run(
+    out = debug_python(
         """
         from torch import nn
         from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
@@ -307,7 +309,6 @@ def test_debug_mode_runs_the_pipelining_integration_and_protocol_errors() -> Non
         assert isinstance(error, m.IntegrationError), error
         print("ok")
         """,
-        debug=True,
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"

@@ -41,6 +41,7 @@ from moe_overlap.megatron import layer_args
 from moe_overlap.steps import Step, run_pair
 from moe_overlap.streams import CpuEvent, CpuStream
 from moe_overlap.wgrad import claim_wgrad
+from tests.conftest import DebugPython
 
 from .test_debug_mode import run as run_python
 from .test_parity import assert_same
@@ -1747,7 +1748,7 @@ DEBUG_CASES = {
         r"\(float32\[2, 8, 16\]\)",
     ),
 }
-"""Debug-mode cases (``MOE_OVERLAP_DEBUG=1``, so in a fresh interpreter): id -> (misuse, message)."""
+"""Debug-mode cases (``MOE_OVERLAP_DEBUG=1``, so in the debug interpreter): id -> (misuse, message)."""
 
 
 def mlp_saves_its_freed_input(ctx: Ctx) -> None:
@@ -1799,7 +1800,7 @@ def final_norm_applied_by_the_plain_forward_only(ctx: Ctx) -> None:
 
 
 @pytest.mark.slow
-def test_debug_mode_catalogue() -> None:
+def test_debug_mode_catalogue(debug_python: DebugPython) -> None:
     """In debug mode, free-input hazards are errors at the freeing slot's forward."""
     code = f"""
         import copy, re, sys
@@ -1831,7 +1832,7 @@ def test_debug_mode_catalogue() -> None:
             assert_same(grads(model), plain_grads)
         print("ok")
         """
-    out = run_python(code, debug=True)
+    out = debug_python(code)
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.strip() == "ok"
 

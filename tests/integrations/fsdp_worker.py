@@ -2,7 +2,9 @@
 
 ``FSDP_CASE`` (JSON): ``dp`` x ``ep`` ranks (ranks ``d * ep + e``), ``microbatches``,
 ``layer_level`` (fully_shard the layers instead) or ``delay`` (delayed weight
-gradients): both must be refused. Prints one JSON line:
+gradients): both must be refused; or ``{"cases": {name: case}}``: each case in turn in
+the one process group (every case the same world size; each builds its own models, so it
+runs as it would alone), its rows carrying ``case``. Prints one JSON line per case:
 the losses overlapped, one after the other and with plain ``backward()`` on the same
 sharding, whether every local gradient shard is bit-identical across the three, and
 whether it is within float32 rounding of single-process training of the whole data.
@@ -56,17 +58,39 @@ def local(grad: Tensor | None) -> Tensor | None:
 
 
 def main() -> None:
-    case: dict[str, Any] = json.loads(os.environ["FSDP_CASE"])
+    config: dict[str, Any] = json.loads(os.environ["FSDP_CASE"])
     dist.init_process_group("gloo")
+    if "cases" not in config:
+        run_case("", config, Layout(config["dp"], config["ep"]))
+        return
+    layouts: dict[tuple[int, int], Layout] = {}
+    for name, case in config["cases"].items():
+        key = (case["dp"], case["ep"])
+        layouts.setdefault(key, Layout(*key))
+        run_case(name, case, layouts[key])
+        dist.barrier()  # the next case starts together (a refused one returns early)
+
+
+class Layout:
+    """The groups and meshes of ``dp`` x ``ep`` ranks (ranks ``d * ep + e``)."""
+
+    def __init__(self, dp: int, ep: int) -> None:
+        world = dist.get_world_size()
+        assert world == dp * ep
+        ep_groups = [dist.new_group([dd * ep + ee for ee in range(ep)]) for dd in range(dp)]
+        self.ep_group: Any = ep_groups[dist.get_rank() // ep] if ep > 1 else None
+        self.mesh = init_device_mesh("cpu", (world,))
+        self.expert_mesh = (
+            init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))["dp"] if ep > 1 else None
+        )
+
+
+def run_case(case_name: str, case: dict[str, Any], layout: Layout) -> None:
+    """One case on this rank; prints its JSON line."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    dp, ep, n = case["dp"], case["ep"], case["microbatches"]
-    d, e = divmod(rank, ep)
-    ep_groups = [dist.new_group([dd * ep + ee for ee in range(ep)]) for dd in range(dp)]
-    ep_group: Any = ep_groups[d] if ep > 1 else None
-    mesh = init_device_mesh("cpu", (world,))
-    expert_mesh = (
-        init_device_mesh("cpu", (dp, ep), mesh_dim_names=("dp", "ep"))["dp"] if ep > 1 else None
-    )
+    ep, n = case["ep"], case["microbatches"]
+    e = rank % ep
+    ep_group, mesh, expert_mesh = layout.ep_group, layout.mesh, layout.expert_mesh
 
     config = dataclasses.replace(CONFIG, delay_wgrad_compute=bool(case.get("delay")))
 
@@ -87,7 +111,7 @@ def main() -> None:
         try:
             combined_1f1b(model, mbs, options=model.schedule_options())
         except ConfigError as exc:
-            print(json.dumps({"rank": rank, "refused": str(exc)}), flush=True)
+            print(json.dumps({"case": case_name, "rank": rank, "refused": str(exc)}), flush=True)
             return
         raise AssertionError("the misplaced FSDP was not refused")
 
@@ -119,6 +143,7 @@ def main() -> None:
     print(
         json.dumps(
             {
+                "case": case_name,
                 "rank": rank,
                 "losses": runs["overlap"][0],
                 "plain_losses": runs["plain"][0],

@@ -4,8 +4,12 @@ Configured by ``PP_CASE`` (JSON: ``pp``, ``ep``, ``schedule`` ``"dualpipev"`` or
 ``"interleaved"``, ``microbatches``, ``delay``, ``stages`` (layer boundaries),
 ``starve`` (route no token to the last EP rank's experts), ``masks`` (attention and
 padding masks as stage keywords), ``fail_at`` (a microbatch whose
-forward fails in an overlapped action, on rank 0)). Prints one JSON line per rank: the
-losses of each run and whether every gradient of this rank's stages is bit-identical.
+forward fails in an overlapped action, on rank 0)), or ``{"cases": {name: case}}``: each
+case in turn in the one process group (every case the same world size; each builds its own
+groups and models, seeded, so it runs as it would alone), its rows carrying ``case``: one
+launch for many cases (most of a launch is the ranks' start and imports). Prints one JSON
+line per case and rank: the losses of each run and whether every gradient of this rank's
+stages is bit-identical.
 """
 
 from __future__ import annotations
@@ -225,9 +229,18 @@ def plain_reference(case: dict[str, Any], built: Built, steps: int) -> list[Tens
 
 
 def main() -> None:
-    case: dict[str, Any] = json.loads(os.environ["PP_CASE"])
+    config: dict[str, Any] = json.loads(os.environ["PP_CASE"])
+    cases: dict[str, dict[str, Any]] = config.get("cases", {"": config})
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
-    dist.init_process_group("nccl" if device(case).type == "cuda" else "gloo")
+    first = next(iter(cases.values()))
+    dist.init_process_group("nccl" if device(first).type == "cuda" else "gloo")
+    torch.use_deterministic_algorithms(True)
+    for case_name, case in cases.items():
+        run_case(case_name, case)
+
+
+def run_case(case_name: str, case: dict[str, Any]) -> None:
+    """One case on this rank (new groups; the process group is the launch's)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     pp, ep = case["pp"], case["ep"]
     assert world == pp * ep
@@ -238,9 +251,8 @@ def main() -> None:
     pp_group = pp_groups[ep_rank]
     steps = 2
 
-    torch.use_deterministic_algorithms(True)
     if case.get("eval"):
-        evaluate(case, ep_group, pp_rank, pp_group)
+        evaluate(case, ep_group, pp_rank, pp_group, case_name)
         dist.barrier()
         return
     base_built = build(case, ep_group, delay=False)
@@ -287,6 +299,7 @@ def main() -> None:
     print(
         json.dumps(
             {
+                "case": case_name,
                 "rank": rank,
                 "pairs": overlap.paired,
                 "plan_steps": seen.steps,
@@ -353,7 +366,11 @@ def make_eval_schedule(
 
 
 def evaluate(
-    case: dict[str, Any], ep_group: dist.ProcessGroup | None, pp_rank: int, pp_group: Any
+    case: dict[str, Any],
+    ep_group: dist.ProcessGroup | None,
+    pp_rank: int,
+    pp_group: Any,
+    case_name: str = "",
 ) -> None:
     """``schedule.eval()`` and a schedule without ``loss_fn``, prepared: the plain model's
     outputs and losses (torch's own where torch runs it), no gradient, no pending wgrad;
@@ -367,7 +384,7 @@ def evaluate(
         logits = [plain.logits(xs, None) for xs in x.chunk(n)]
         want_losses = [loss_fn(lg, ys) for lg, ys in zip(logits, y.chunk(n), strict=True)]
     want_out = torch.cat(logits)
-    row: dict[str, Any] = {"rank": dist.get_rank()}
+    row: dict[str, Any] = {"case": case_name, "rank": dist.get_rank()}
 
     built = build(case, ep_group, delay=case["delay"])
     schedule = make_eval_schedule(case, built, pp_rank, pp_group, loss=True)

@@ -1,28 +1,53 @@
-"""FSDP2 with the overlap, on real gloo ranks: fully_shard_slots, exact, and the refusals."""
+"""FSDP2 with the overlap, on real gloo ranks: fully_shard_slots, exact, and the refusals.
+
+The cases of one world size run in one launch (the ``launches`` fixture)."""
 
 from __future__ import annotations
 
 import json
-import os
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 
 from tests.gloo_ranks import run_ranks
 
+CASES: dict[str, dict[str, Any]] = {
+    "dp2-ep1": dict(dp=2, ep=1, microbatches=4),
+    "dp2-ep2": dict(dp=2, ep=2, microbatches=4),
+    "layer_level": dict(dp=2, ep=1, microbatches=2, layer_level=True),
+    "delay": dict(dp=2, ep=1, microbatches=2, delay=True),
+}
 
-def _run(case: dict[str, Any]) -> list[dict[str, Any]]:
-    os.environ["FSDP_CASE"] = json.dumps(case)
-    try:
-        rows = run_ranks("tests.integrations.fsdp_worker", world=case["dp"] * case["ep"])
-    finally:
-        del os.environ["FSDP_CASE"]
-    return [dict(r) for r in rows]
+Launches = Callable[[str], list[dict[str, Any]]]
+
+
+@pytest.fixture(scope="module")
+def launches() -> Launches:
+    """A case's rows, by name. The first case asked for of a world size launches every
+    case of that size in one launch (``fsdp_worker``'s ``cases``: each runs as it would
+    alone; most of a launch's time is its ranks' start)."""
+    found: dict[str, list[dict[str, Any]]] = {}
+
+    def rows(name: str) -> list[dict[str, Any]]:
+        if name not in found:
+            world = CASES[name]["dp"] * CASES[name]["ep"]
+            group = {n: c for n, c in CASES.items() if c["dp"] * c["ep"] == world}
+            with pytest.MonkeyPatch.context() as env:
+                env.setenv("FSDP_CASE", json.dumps({"cases": group}))
+                launched = run_ranks("tests.integrations.fsdp_worker", world=world, timeout=600)
+            for n in group:
+                found[n] = [dict(r) for r in launched if r["case"] == n]
+        return found[name]
+
+    return rows
 
 
 @pytest.mark.parametrize(("dp", "ep"), [(2, 1), (2, 2)])
-def test_fully_sharded_overlap_is_bit_identical_to_plain_fsdp(dp: int, ep: int) -> None:
-    rows = _run(dict(dp=dp, ep=ep, microbatches=4))
+def test_fully_sharded_overlap_is_bit_identical_to_plain_fsdp(
+    launches: Launches, dp: int, ep: int
+) -> None:
+    rows = launches(f"dp{dp}-ep{ep}")
     assert len(rows) == dp * ep
     for row in rows:
         assert row["losses"] == row["plain_losses"]
@@ -31,14 +56,18 @@ def test_fully_sharded_overlap_is_bit_identical_to_plain_fsdp(dp: int, ep: int) 
         assert row["close_to_single_process"], f"rank {row['rank']}"
 
 
-def test_fsdp_on_a_layer_is_refused() -> None:
-    for row in _run(dict(dp=2, ep=1, microbatches=2, layer_level=True)):
+def test_fsdp_on_a_layer_is_refused(launches: Launches) -> None:
+    rows = launches("layer_level")
+    assert len(rows) == 2
+    for row in rows:
         assert str(row["refused"]).startswith(
             "GPTMoEModel.decoder.layers[0] (FSDPDenseLayer): expected a layer that is not an "
             "FSDPModule, received one; the schedule calls _preprocess / _postprocess"
         )
 
 
-def test_fsdp_with_delayed_wgrad_is_refused() -> None:
-    for row in _run(dict(dp=2, ep=1, microbatches=2, delay=True)):
+def test_fsdp_with_delayed_wgrad_is_refused(launches: Launches) -> None:
+    rows = launches("delay")
+    assert len(rows) == 2
+    for row in rows:
         assert "delayed weight gradients with FSDP2 modules are not composed" in row["refused"]

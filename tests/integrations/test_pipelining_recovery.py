@@ -6,18 +6,21 @@ on some or all ranks, step 2 after the documented recovery. A failure while the 
 communicates must raise on every rank in step 1 (a ScheduleError; the failing rank its own
 positioned one), refuse step 2 on every rank before any communication, and refuse a new
 schedule on the same groups. A failure before the step communicates on every rank, or
-after its communication completed, must leave step 2 exact on every rank.
+after its communication completed, must leave step 2 exact on every rank. The two launches
+(PP=2, PP=2 x EP=2) run at once.
 """
 
 from __future__ import annotations
 
 import json
-import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
 import torch
 
 from tests.gloo_ranks import run_ranks
+from tests.parallel_runs import ParallelRuns, selected_in
 
 UNEVEN = [0, 1, 3, 4, 6]  # layer boundaries of 4 stages: dense only, 2 MoE, 1 MoE, 2 MoE
 INJECTED = "injected failure"
@@ -112,11 +115,12 @@ def _launch(pp: int, ep: int, cases: list[dict[str, Any]]) -> dict[str, list[dic
         stages=UNEVEN,
         cases=[{"microbatches": 4, **c} for c in cases],
     )
-    os.environ["PP_RECOVERY"] = json.dumps(config)
-    try:
-        rows = run_ranks("tests.integrations.pp_recovery_worker", world=pp * ep, timeout=300)
-    finally:
-        del os.environ["PP_RECOVERY"]
+    rows = run_ranks(
+        "tests.integrations.pp_recovery_worker",
+        world=pp * ep,
+        timeout=300,
+        env={"PP_RECOVERY": json.dumps(config)},
+    )
     by_case: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
         by_case.setdefault(str(row["case"]), []).append(dict(row))
@@ -174,8 +178,31 @@ def _check_consistent(case: dict[str, Any], rows: list[dict[str, Any]]) -> None:
         assert "rebuilt_on_old_groups" not in row
 
 
-def test_pp2_failures_poison_or_recover_on_every_rank() -> None:
-    by_case = _launch(2, 1, PP2)
+Launched = dict[str, list[dict[str, Any]]]
+LAUNCHES: dict[str, Callable[[], Launched]] = {
+    "test_pp2_failures_poison_or_recover_on_every_rank": lambda: _launch(2, 1, PP2),
+    "test_pp2_ep2_failures_poison_every_rank": lambda: _launch(2, 2, PP2_EP2),
+}
+"""Each test's launch, by test name."""
+
+
+@pytest.fixture(scope="module")
+def _launches(request: pytest.FixtureRequest) -> Iterator[ParallelRuns[Launched]]:
+    """The selected tests' launches, started together: most of a launch's time is a rank
+    waiting out a failed peer's timeout, which leaves a core to the other launch."""
+    runs = ParallelRuns(LAUNCHES, [n for n in selected_in(request) if n in LAUNCHES])
+    yield runs
+    runs.close()
+
+
+@pytest.fixture
+def launched(request: pytest.FixtureRequest, _launches: ParallelRuns[Launched]) -> Launched:
+    """This test's launch: its rows by case name."""
+    return _launches.result(request.node.name)
+
+
+def test_pp2_failures_poison_or_recover_on_every_rank(launched: Launched) -> None:
+    by_case = launched
     for case in PP2:
         rows = by_case[case["name"]]
         if case["name"] in CONSISTENT:
@@ -193,7 +220,7 @@ def test_pp2_failures_poison_or_recover_on_every_rank() -> None:
     assert "did not all report this step's outcome" in interrupted[1]["step1"]["message"]
 
 
-def test_pp2_ep2_failures_poison_every_rank() -> None:
-    by_case = _launch(2, 2, PP2_EP2)
+def test_pp2_ep2_failures_poison_every_rank(launched: Launched) -> None:
+    by_case = launched
     for case in PP2_EP2:
         _check_poisoned(case, by_case[case["name"]])

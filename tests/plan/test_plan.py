@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -24,8 +25,55 @@ from moe_overlap.steps import (
     predict_ms,
 )
 from tests.figures import check_figure, saved_figures
+from tests.parallel_runs import ParallelRuns, selected_in
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _python(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, check=False)
+
+
+RUNS: dict[str, Callable[[Path], subprocess.CompletedProcess[str]]] = {
+    "test_validation_points_are_within_5_percent": lambda out: _python(
+        str(ROOT / "benchmarks" / "plan_validate.py"), "--out", str(out / "v.json")
+    ),
+    "test_command_line": lambda out: _python(
+        *("-m", "moe_overlap", "plan", "--model", "qwen3-30b-a3b", "--machine", "h100"),
+        *("--ep", "8", "--pp", "2", "--vpp", "2", "--microbatches", "8", "--seq-len", "1024"),
+        *("--out", str(out)),
+    ),
+    "test_planning_page_tables_are_current": lambda out: _python(
+        str(ROOT / "benchmarks" / "plan_tables.py"), "--check"
+    ),
+}
+"""The subprocess runs of this module's tests, by test name (``out``: a folder of the
+test's own). Each is one single-threaded process: they start ahead of their tests, two at
+a time (:class:`~tests.parallel_runs.ParallelRuns`)."""
+Ran = tuple[subprocess.CompletedProcess[str], Path]
+
+
+@pytest.fixture(scope="module")
+def _runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ParallelRuns[Ran]]:
+    def job(name: str) -> Callable[[], Ran]:
+        out = tmp_path_factory.mktemp(name)
+        return lambda: (RUNS[name](out), out)
+
+    runs = ParallelRuns(
+        {name: job(name) for name in RUNS}, [n for n in selected_in(request) if n in RUNS]
+    )
+    yield runs
+    runs.close()
+
+
+@pytest.fixture
+def ran(request: pytest.FixtureRequest, _runs: ParallelRuns[Ran]) -> Ran:
+    """This test's run (its entry of :data:`RUNS`) and its folder."""
+    return _runs.result(request.node.name)
+
+
 F_, B_, W_ = Direction.FORWARD, Direction.BACKWARD, Direction.WGRAD
 
 
@@ -158,16 +206,11 @@ def test_serial_is_the_sum_of_the_nodes() -> None:
     assert p.ranks[0].bubble_ms == pytest.approx(0.0)
 
 
-def test_validation_points_are_within_5_percent(tmp_path: Path) -> None:
+def test_validation_points_are_within_5_percent(ran: Ran) -> None:
     """``benchmarks/plan_validate.py`` on the committed H200 profiles: every predicted
     point within 5 % of its measured step, and the committed JSON is what it writes."""
+    done, tmp_path = ran
     out = tmp_path / "v.json"
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "plan_validate.py"), "--out", str(out)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
     assert done.returncode == 0, done.stderr
     got = json.loads(out.read_text())
     points = got["points"]
@@ -237,34 +280,8 @@ def test_schedule_names() -> None:
     assert {s.value for s in Schedule} >= {"serial", "combined_1f1b", "fill_drain", "zero_bubble"}
 
 
-def test_command_line(tmp_path: Path) -> None:
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "moe_overlap",
-            "plan",
-            "--model",
-            "qwen3-30b-a3b",
-            "--machine",
-            "h100",
-            "--ep",
-            "8",
-            "--pp",
-            "2",
-            "--vpp",
-            "2",
-            "--microbatches",
-            "8",
-            "--seq-len",
-            "1024",
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+def test_command_line(ran: Ran) -> None:
+    done, tmp_path = ran
     assert done.returncode == 0, done.stderr
     assert "dualpipev vs serial" in done.stdout
     # The serial reference is the schedule without overlap, not torch's class by that name.
@@ -331,13 +348,8 @@ def test_gantt_png_without_matplotlib_names_the_extra(
     assert not (tmp_path / "g.png").exists()
 
 
-def test_planning_page_tables_are_current() -> None:
+def test_planning_page_tables_are_current(ran: Ran) -> None:
     """``docs/planning.md``'s tables are the saved JSON's, and the first layout of each model
     still predicts what the JSON holds (``benchmarks/plan_tables.py --check``)."""
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "plan_tables.py"), "--check"],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
+    done, _ = ran
     assert done.returncode == 0, done.stdout + done.stderr
