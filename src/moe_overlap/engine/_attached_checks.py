@@ -143,11 +143,10 @@ class _FreeInput(BaseGuard):
         detached: tuple[Tensor | None, ...],
         outputs: tuple[Tensor, ...],
     ) -> None:
-        n = node
-        kept = n.detached
-        also = n.kept_as_is
-        count_inputs = n.count_input_refs
-        count_copies = n.count_copy_refs
+        kept = node.detached
+        also = node.kept_as_is
+        count_inputs = node.count_input_refs
+        count_copies = node.count_copy_refs
         suspect = DEBUG
         storage: torch.UntypedStorage | None = None
         i = -1
@@ -161,16 +160,16 @@ class _FreeInput(BaseGuard):
                 continue
             for out in outputs:
                 if out.untyped_storage().data_ptr() == ptr:
-                    check_no_alias(n.name, _storages(inputs), outputs, ())
+                    check_no_alias(node.name, _storages(inputs), outputs, ())
             for t in (*kept, *also) if also else kept:
                 if t.untyped_storage().data_ptr() == ptr:
-                    named = n.handed_on()
+                    named = node.handed_on()
                     tensors = [k for _, k in named]
                     labels = [label for label, _ in named]
-                    check_no_alias(n.name, _storages(inputs), (), tensors, labels)
+                    check_no_alias(node.name, _storages(inputs), (), tensors, labels)
             if held_for_recompute(ptr):
                 raise IntegrationError(
-                    f"node {n.name!r}: the free-input policy releases this node's inputs "
+                    f"node {node.name!r}: the free-input policy releases this node's inputs "
                     "after forward, but a recomputed region (activation checkpointing) "
                     "holds one of them to rerun on in backward, which would read freed "
                     "memory; expected recomputed regions to take tensors no freeing slot "
@@ -189,13 +188,13 @@ class _FreeInput(BaseGuard):
                     suspect = count > 2 or (count == 2 and not leaf.requires_grad)
         storage = None  # one reference less: check_release counts them
         if suspect:
-            roots = [t.grad_fn for t in (*outputs, *n.graph_tails())]
+            roots = [t.grad_fn for t in (*outputs, *node.graph_tails())]
             check_release(
-                n.name,
+                node.name,
                 inputs,
                 detached,
                 outputs,
-                n.handed_on(),
+                node.handed_on(),
                 roots,
                 count_inputs=count_inputs,
                 count_copies=count_copies,
