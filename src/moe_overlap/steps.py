@@ -19,14 +19,15 @@ from moe_overlap.engine import ScheduleMode as ScheduleMode
 from moe_overlap.engine import ScheduleOrder as ScheduleOrder
 from moe_overlap.engine import Slot as Slot
 from moe_overlap.engine import SlotKey as SlotKey
-from moe_overlap.engine import SlotStep as SlotStep
 from moe_overlap.engine import Step as Step
 from moe_overlap.engine import StepObserver as StepObserver
 from moe_overlap.engine import StreamKind as StreamKind
+from moe_overlap.engine import backward_microbatches as backward_microbatches
 from moe_overlap.engine import backward_pair_steps as backward_pair_steps
 from moe_overlap.engine import chunk_steps as chunk_steps
 from moe_overlap.engine import format_macro as format_macro
 from moe_overlap.engine import format_steps as format_steps
+from moe_overlap.engine import forward_microbatches as forward_microbatches
 from moe_overlap.engine import forward_pair_steps as forward_pair_steps
 from moe_overlap.engine import layer_pair_steps as layer_pair_steps
 from moe_overlap.engine import macro_node_steps as macro_node_steps
@@ -55,14 +56,15 @@ __all__ = [
     "ScheduleOrder",
     "Slot",
     "SlotKey",
-    "SlotStep",
     "Step",
     "StepObserver",
     "StreamKind",
+    "backward_microbatches",
     "backward_pair_steps",
     "chunk_steps",
     "format_macro",
     "format_steps",
+    "forward_microbatches",
     "forward_pair_steps",
     "layer_pair_steps",
     "macro_node_steps",

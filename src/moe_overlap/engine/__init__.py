@@ -58,7 +58,9 @@ from moe_overlap.engine._layer_plan import (
 )
 from moe_overlap.engine._macro import MacroStep as MacroStep
 from moe_overlap.engine._macro import ScheduleMode as ScheduleMode
+from moe_overlap.engine._macro import backward_microbatches as backward_microbatches
 from moe_overlap.engine._macro import format_macro as format_macro
+from moe_overlap.engine._macro import forward_microbatches as forward_microbatches
 from moe_overlap.engine._macro import macro_steps as macro_steps
 from moe_overlap.engine._macro import parse_macro as parse_macro
 from moe_overlap.engine._megatron import layer_args as layer_args
@@ -73,7 +75,6 @@ from moe_overlap.engine._options import ScheduleOptions as ScheduleOptions
 from moe_overlap.engine._order import PairKind as PairKind
 from moe_overlap.engine._order import PairOrder as PairOrder
 from moe_overlap.engine._order import ScheduleOrder as ScheduleOrder
-from moe_overlap.engine._order import SlotStep as SlotStep
 from moe_overlap.engine._order_search import OrderSearch as OrderSearch
 from moe_overlap.engine._order_search import ReplayedStep as ReplayedStep
 from moe_overlap.engine._order_search import SlotKey as SlotKey
@@ -111,12 +112,12 @@ from moe_overlap.engine._recompute_hold import hold_for_recompute as hold_for_re
 from moe_overlap.engine._state import ChunkState as ChunkState
 from moe_overlap.engine._state import LayerState as LayerState
 from moe_overlap.engine._state import PreprocessOutput as PreprocessOutput
+from moe_overlap.engine._step import Step as Step
 from moe_overlap.engine._steps import ChunkShape as ChunkShape
 from moe_overlap.engine._steps import Direction as Direction
 from moe_overlap.engine._steps import LayerShape as LayerShape
 from moe_overlap.engine._steps import Role as Role
 from moe_overlap.engine._steps import Slot as Slot
-from moe_overlap.engine._steps import Step as Step
 from moe_overlap.engine._steps import StreamKind as StreamKind
 from moe_overlap.engine._steps import backward_pair_steps as backward_pair_steps
 from moe_overlap.engine._steps import chunk_steps as chunk_steps
@@ -215,7 +216,6 @@ __all__ = [
     "SlotContext",
     "SlotFn",
     "SlotKey",
-    "SlotStep",
     "Step",
     "StepConsensus",
     "StepObserver",
@@ -235,6 +235,7 @@ __all__ = [
     "WgradLayer",
     "WgradScope",
     "active_checker",
+    "backward_microbatches",
     "backward_pair_steps",
     "check_bypassed",
     "check_inputs",
@@ -249,6 +250,7 @@ __all__ = [
     "current_stream",
     "format_macro",
     "format_steps",
+    "forward_microbatches",
     "forward_pair_steps",
     "get_comm_stream",
     "get_comp_stream",

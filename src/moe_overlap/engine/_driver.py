@@ -17,7 +17,7 @@ from ._consensus import Phase, VotedStep
 from ._debug import DEBUG
 from ._errors import ConfigError, IntegrationError
 from ._inputs import check_inputs
-from ._macro import ScheduleMode, macro_steps
+from ._macro import ScheduleMode, backward_microbatches, forward_microbatches, macro_steps
 from ._microbatch import Microbatch
 from ._options import ScheduleOptions
 from ._owed_wgrad import check_wgrad_done, declared_wgrad
@@ -182,16 +182,17 @@ def _run(
     live: dict[int, ModelChunkSchedulePlan] = {}
     try:
         for step in macro_steps(len(microbatches), mode):
-            for i in step.forward:
+            forward, backward = forward_microbatches(step), backward_microbatches(step)
+            for i in forward:
                 plan = ModelChunkSchedulePlan(
                     model, microbatches[i], options=options, streams=streams, index=i
                 )
                 if on_plan is not None:
                     on_plan(plan)
                 live[i] = plan
-            fs = [live[i] for i in step.forward]
-            bs = [live[i] for i in step.backward]
-            grads = [torch.full_like(losses[i], loss_scale) for i in step.backward]
+            fs = [live[i] for i in forward]
+            bs = [live[i] for i in backward]
+            grads = [torch.full_like(losses[i], loss_scale) for i in backward]
             if len(fs) <= 1 and len(bs) <= 1:  # one public chunk run (benchmarks time that unit)
                 out = ModelChunkSchedulePlan.run(
                     fs[0] if fs else None,
@@ -203,7 +204,7 @@ def _run(
             else:  # the fill or the drain
                 outputs = run_step(fs, bs, grads, where="combined_1f1b", observer=observer)
             losses += [_check_loss(model, out) for out in outputs]
-            for i in step.backward:
+            for i in backward:
                 del live[i]
     finally:
         for plan in live.values():
