@@ -246,7 +246,12 @@ def critical_path_ms(
     run's steps with the given durations."""
     total = 0.0
     for run in runs:
-        which = {Role.F: run.f, Role.B: run.b, Role.F2: run.f2, Role.B2: run.b2}
+        which: dict[Role | None, int | None] = {
+            Role.F: run.f,
+            Role.B: run.b,
+            Role.F2: run.f2,
+            Role.B2: run.b2,
+        }
 
         def duration(step: Step, which: dict[Role | None, int | None] = which) -> float:
             mb, slot = which[step.role], step.slot

@@ -68,12 +68,12 @@ def _macro_step(forward: Sequence[int] = (), backward: Sequence[int] = ()) -> Ma
 
 def forward_microbatches(step: Sequence[Step]) -> tuple[int, ...]:
     """The microbatches ``step`` runs forward, in order (``F1+B0``: ``(1,)``)."""
-    return tuple(s.microbatch for s in step if s.direction is _F and s.microbatch is not None)
+    return tuple([s.microbatch for s in step if s.direction is _F and s.microbatch is not None])
 
 
 def backward_microbatches(step: Sequence[Step]) -> tuple[int, ...]:
     """The microbatches ``step`` runs backward, in order (``F1+B0``: ``(0,)``)."""
-    return tuple(s.microbatch for s in step if s.direction is _B and s.microbatch is not None)
+    return tuple([s.microbatch for s in step if s.direction is _B and s.microbatch is not None])
 
 
 _MODE = OneOf(tuple(ScheduleMode))
@@ -84,17 +84,17 @@ def macro_steps(n: int, mode: ScheduleMode) -> tuple[MacroStep, ...]:
     microbatch it is the overlapped order)."""
     n = check_arg("macro_steps", "n", n, NON_NEGATIVE)
     mode = check_arg("macro_steps", "mode", mode, _MODE)
-    step = _macro_step
+    F, B = _F, _B
     if mode is ScheduleMode.SERIAL:
-        return tuple(s for i in range(n) for s in (step((i,)), step((), (i,))))
+        return tuple(s for i in range(n) for s in ((Step(F, i),), (Step(B, i),)))
     if n == 0:
         return ()
     if mode is ScheduleMode.FILL_DRAIN and n >= 2:
-        first = step((0, 1))
-        middle = tuple(step((i,), (i - 2,)) for i in range(2, n))
-        return (first, *middle, step((), (n - 2, n - 1)))
-    middle = tuple(step((i,), (i - 1,)) for i in range(1, n))
-    return (step((0,)), *middle, step((), (n - 1,)))
+        first = (Step(F, 0), Step(F, 1))
+        middle = tuple((Step(F, i), Step(B, i - 2)) for i in range(2, n))
+        return (first, *middle, (Step(B, n - 2), Step(B, n - 1)))
+    middle = tuple((Step(F, i), Step(B, i - 1)) for i in range(1, n))
+    return ((Step(F, 0),), *middle, (Step(B, n - 1),))
 
 
 def format_macro(steps: Sequence[MacroStep]) -> str:
