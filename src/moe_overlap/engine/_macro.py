@@ -15,7 +15,7 @@ A macro step prints as its steps ``+``-joined (``F1+B0``) and a list of them ``"
 
 import enum
 from collections.abc import Sequence
-from typing import TypeAlias, cast
+from typing import cast
 
 from ._errors import ConfigError
 from ._kinds import Direction
@@ -51,7 +51,7 @@ class ScheduleMode(str, enum.Enum):
         return cls.FILL_DRAIN if fill_drain else cls.OVERLAPPED
 
 
-MacroStep: TypeAlias = tuple[Step, ...]
+MacroStep = tuple[Step, ...]
 """One run of the schedule: microbatch steps (``Step(Direction.FORWARD, 1)``, ``F1``) run together.
 
 Forwards first, at most two microbatches in all: one forward, one backward, a forward and a
