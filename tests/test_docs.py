@@ -287,7 +287,7 @@ PROCESS_WORDS = [
 #: A private module of the package, by import path or file path.
 PRIVATE_PATHS = [
     r"\bmoe_overlap(?:\.[a-z]\w*)*\._[a-z]\w*",
-    r"\b(?:engine|blocks|models|adapters|integrations|plan|pipelining)\._[a-z]\w*",
+    r"\b(?:engine|core|blocks|models|adapters|integrations|plan|pipelining)\._[a-z]\w*",
     r"\bsrc/moe_overlap/(?:[\w/]*/)?_[a-z]\w*\.py\b",
 ]
 

@@ -83,7 +83,7 @@ def test_the_rule_finds_a_cross_package_import() -> None:
     ruff = Path(sys.executable).with_name("ruff")
     if not ruff.exists():
         pytest.skip("ruff is not installed beside this Python")
-    probe = "from moe_overlap.engine._state import ChunkState\n\n__all__ = ['ChunkState']\n"
+    probe = "from moe_overlap.engine.core._state import ChunkState\n\n__all__ = ['ChunkState']\n"
     out = subprocess.run(
         [
             str(ruff),
@@ -100,7 +100,7 @@ def test_the_rule_finds_a_cross_package_import() -> None:
         text=True,
         cwd=ROOT,
     )
-    assert out.returncode == 1 and "moe_overlap.engine._state" in out.stdout, out.stdout
+    assert out.returncode == 1 and "moe_overlap.engine.core._state" in out.stdout, out.stdout
 
 
 if __name__ == "__main__":  # regenerate the nested configs; print the root table

@@ -8,8 +8,8 @@ import pytest
 from torch import Tensor
 
 from moe_overlap import ConfigError, combined_1f1b
-from moe_overlap.engine import _hooks
 from moe_overlap.engine._guards import BaseGuard, Guard, attach
+from moe_overlap.engine.core import _hooks
 
 from .toy_model import ToyConfig, ToyModel, grads, make_microbatches, plain_step
 

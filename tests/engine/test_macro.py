@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from moe_overlap import ConfigError
-from moe_overlap.engine._macro import format_macro, parse_macro
+from moe_overlap.engine.core._macro import format_macro, parse_macro
 from moe_overlap.steps import MacroStep, ScheduleMode, macro_steps
 
 MODES = tuple(ScheduleMode)
@@ -74,12 +74,13 @@ ENGINE = Path(__file__).resolve().parents[2] / "src" / "moe_overlap" / "engine"
 def _engine_imports(module: str) -> set[str]:
     """The engine modules ``module`` imports, statically (``TYPE_CHECKING`` and function
     bodies included)."""
-    tree = ast.parse((ENGINE / f"{module}.py").read_text())
+    path = ENGINE / f"{module}.py"
+    tree = ast.parse((path if path.exists() else ENGINE / "core" / f"{module}.py").read_text())
     found: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom):
             if node.level == 1 and node.module:
-                found.add(node.module)
+                found.add(node.module.rsplit(".", 1)[-1])
             elif node.module and node.module.startswith("moe_overlap.engine."):
                 found.add(node.module.rsplit(".", 1)[1])
     return found

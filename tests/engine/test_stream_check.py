@@ -185,8 +185,8 @@ def _skip_wait(*args: object) -> None:
 @contextmanager
 def _no_node_event_wait(direction: str) -> Iterator[None]:
     """The microbatch event's wait at the start of every node's forward (or backward)."""
-    node = _module("moe_overlap.engine._node")
-    streams = _module("moe_overlap.engine._streams")
+    node = _module("moe_overlap.engine.core._node")
+    streams = _module("moe_overlap.engine.core._streams")
     original = node.use_stream
 
     class without_wait(original):  # type: ignore[misc, valid-type]
@@ -208,18 +208,20 @@ MUTATIONS: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {
     "node forward: microbatch event wait": (lambda: _no_node_event_wait("forward"), {}),
     "node backward: microbatch event wait": (lambda: _no_node_event_wait("backward"), {}),
     "node backward: record_stream of output grads": (
-        lambda: _patched(_module("moe_overlap.engine._node"), "record_tensor_on", _skip_record),
+        lambda: _patched(
+            _module("moe_overlap.engine.core._node"), "record_tensor_on", _skip_record
+        ),
         {},
     ),
     "layer node backward: record_stream of node.detach grads": (
         lambda: _patched(
-            _module("moe_overlap.engine._layer_node"), "record_tensor_on", _skip_record
+            _module("moe_overlap.engine.core._layer_node"), "record_tensor_on", _skip_record
         ),
         {},
     ),
     "plan: its first nodes wait for the caller's stream": (
         lambda: _patched(
-            _module("moe_overlap.engine._chunk_plan").ModelChunkSchedulePlan,
+            _module("moe_overlap.engine.core._chunk_plan").ModelChunkSchedulePlan,
             "record_current_stream",
             _skip_wait,
         ),
@@ -227,7 +229,7 @@ MUTATIONS: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {
     ),
     "plan: the caller's stream waits for its last nodes": (
         lambda: _patched(
-            _module("moe_overlap.engine._chunk_plan").ModelChunkSchedulePlan,
+            _module("moe_overlap.engine.core._chunk_plan").ModelChunkSchedulePlan,
             "wait_current_stream",
             _skip_wait,
         ),
@@ -235,7 +237,7 @@ MUTATIONS: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {
     ),
     "plan: outputs kept from reuse until the caller's stream used them": (
         lambda: _patched(
-            _module("moe_overlap.engine._chunk_plan").ModelChunkSchedulePlan,
+            _module("moe_overlap.engine.core._chunk_plan").ModelChunkSchedulePlan,
             "hand_to_caller",
             _skip_wait,
         ),
@@ -269,7 +271,7 @@ MUTATIONS: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {
 def _first_only(keep_first: bool = False) -> Callable[[Any, Any], None]:
     """HostLoopback's wait_stream calls alternate (side waits caller, caller waits side):
     skip the caller's (``keep_first``) or the side stream's."""
-    streams = _module("moe_overlap.engine._streams")
+    streams = _module("moe_overlap.engine.core._streams")
 
     def wait(stream: Any, other: Any) -> None:
         side = stream.name == "loopback side"
@@ -281,7 +283,7 @@ def _first_only(keep_first: bool = False) -> Callable[[Any, Any], None]:
 
 def _lane_waits() -> Callable[[Any, Any], None]:
     """Skip the main stream's waits for a lane's event (keep the lanes' own waits)."""
-    streams = _module("moe_overlap.engine._streams")
+    streams = _module("moe_overlap.engine.core._streams")
 
     def wait(event: Any, stream: Any) -> None:
         if "lane" in getattr(stream, "name", ""):

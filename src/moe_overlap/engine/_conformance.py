@@ -11,14 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import cast
 
-from ._errors import IntegrationError
-from ._protocols import (
-    FreeInputConfig,
-    MtpSchedulableLayer,
-    PreprocessableModel,
-    SchedulableLayer,
-    WgradLayer,
-)
 from .contracts import (
     DISPATCHER_BACKENDS,
     DISPATCHER_TYPES,
@@ -30,6 +22,14 @@ from .contracts import (
     already_checked,
     checks_memoized,
     named,
+)
+from .core._errors import IntegrationError
+from .core._protocols import (
+    FreeInputConfig,
+    MtpSchedulableLayer,
+    PreprocessableModel,
+    SchedulableLayer,
+    WgradLayer,
 )
 
 __all__ = [

@@ -28,15 +28,15 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
-from ._chunk_plan import ModelChunkSchedulePlan
-from ._hooks import by_hook
-from ._layer_node import TransformerLayerNode
-from ._microbatch import Microbatch
-from ._node import ScheduleNode
-from ._protocols import PreprocessableModel, SchedulableLayer
-from ._state import ChunkState
-from .args import BOOL
 from .contracts import Contract, attribute, method
+from .core._chunk_plan import ModelChunkSchedulePlan
+from .core._hooks import by_hook
+from .core._layer_node import TransformerLayerNode
+from .core._microbatch import Microbatch
+from .core._node import ScheduleNode
+from .core._protocols import PreprocessableModel, SchedulableLayer
+from .core._state import ChunkState
+from .core.args import BOOL
 
 __all__ = ["GUARD", "BaseGuard", "Guard", "attach", "without_guards"]
 

@@ -17,8 +17,8 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from ._errors import IntegrationError
-from ._state import LayerState
+from .core._errors import IntegrationError
+from .core._state import LayerState
 
 __all__ = [
     "METADATA_ONLY_SAVES",

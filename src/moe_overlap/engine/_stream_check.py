@@ -19,7 +19,7 @@ checks every tensor access against it:
   it, and once released (its last reference gone, or ``resize_(0)`` by the free-input
   policy) that stream may reuse it at once. Releasing a storage that another stream used
   without that use being ordered before the owner's current position (a wait) or
-  declared with ``record_stream`` (:func:`~moe_overlap.engine._streams.record_tensor_on`)
+  declared with ``record_stream`` (:func:`~moe_overlap.engine.core._streams.record_tensor_on`)
   raises :class:`StreamOrderError`: the reuse could overwrite it while the other stream
   still reads it, or the other stream's write could land in the new tensor.
 
@@ -42,7 +42,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef as _StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._errors import StreamError
+from .core._errors import StreamError
 
 __all__ = [
     "STREAM_CHECK_ENV",

@@ -6,12 +6,13 @@ from typing import cast
 
 from torch.nn import Parameter
 
-from ._conformance import Indexed, already_checked, check_wgrad_layer, named
+from moe_overlap.engine._conformance import Indexed, already_checked, check_wgrad_layer, named
+from moe_overlap.engine.contracts import WGRAD_LAYER
+
 from ._errors import IntegrationError
 from ._free_input import graph_module_names
 from ._options import Hook
 from ._protocols import CudaGraphModule, GraphedWgradLayer, SchedulableLayer, WgradScope
-from .contracts import WGRAD_LAYER
 
 __all__ = ["BackwardDWWrapper", "_BackwardDWWrapper", "check_wgrad_scopes"]
 

@@ -24,8 +24,9 @@ from typing import cast
 
 from torch import nn
 
+from moe_overlap.engine.contracts import HOLDS_DELAYED_MODULES
+
 from ._protocols import HoldsDelayedModules
-from .contracts import HOLDS_DELAYED_MODULES
 
 __all__ = ["WgradClaim", "claim_wgrad", "claimed_members", "wgrad_claimed"]
 

@@ -9,11 +9,12 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import cast
 
+from moe_overlap.engine.contracts import FREE_INPUT_CONFIG
+
 from ._errors import ConfigError
 from ._layer_args import LayerArgs
 from ._protocols import FreeInputConfig
 from .args import BOOL, POSITIVE, Opt, check_arg
-from .contracts import FREE_INPUT_CONFIG
 
 __all__ = ["layer_args"]
 

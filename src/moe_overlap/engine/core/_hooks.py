@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # annotations only: the guards module imports the core
-    from ._guards import Guard
+    from moe_overlap.engine._guards import Guard
 
 __all__ = [
     "by_hook",

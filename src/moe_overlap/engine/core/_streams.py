@@ -21,9 +21,10 @@ from typing import Union, cast
 
 import torch
 
+from moe_overlap.engine._stream_check import _ACTIVE as _CHECKING  # pyright: ignore[reportPrivateUsage]
+from moe_overlap.engine._stream_check import _CPU_DEFAULT as _CHECKER_DEFAULT  # pyright: ignore[reportPrivateUsage]
+
 from ._errors import StreamError
-from ._stream_check import _ACTIVE as _CHECKING  # pyright: ignore[reportPrivateUsage]
-from ._stream_check import _CPU_DEFAULT as _CHECKER_DEFAULT  # pyright: ignore[reportPrivateUsage]
 from .args import (
     BOOL,
     NON_NEGATIVE,

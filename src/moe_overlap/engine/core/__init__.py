@@ -1,0 +1,1 @@
+"""The schedule core: step data, the runner, nodes, plans, streams and state."""
