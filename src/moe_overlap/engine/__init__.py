@@ -37,7 +37,6 @@ from moe_overlap.engine._inputs import DEFAULT_INPUTS as DEFAULT_INPUTS
 from moe_overlap.engine._inputs import OPTIONAL_INPUTS as OPTIONAL_INPUTS
 from moe_overlap.engine._inputs import check_inputs as check_inputs
 from moe_overlap.engine._inputs import read_inputs as read_inputs
-from moe_overlap.engine._node_checks import check_marked as check_marked
 from moe_overlap.engine._order_search import OrderSearch as OrderSearch
 from moe_overlap.engine._order_search import ReplayedStep as ReplayedStep
 from moe_overlap.engine._order_search import SlotKey as SlotKey
@@ -83,6 +82,7 @@ from moe_overlap.engine.core._microbatch import Microbatch as Microbatch
 from moe_overlap.engine.core._node import NoopScheduleNode as NoopScheduleNode
 from moe_overlap.engine.core._node import ScheduleNode as ScheduleNode
 from moe_overlap.engine.core._node import weak_method as weak_method
+from moe_overlap.engine.core._node_errors import check_marked as check_marked
 from moe_overlap.engine.core._options import ChunkHooks as ChunkHooks
 from moe_overlap.engine.core._options import Hook as Hook
 from moe_overlap.engine.core._options import ScheduleOptions as ScheduleOptions

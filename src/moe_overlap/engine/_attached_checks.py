@@ -16,7 +16,13 @@ import torch
 from torch import Tensor
 
 from ._bypass_check import check_bypassed
-from ._conformance import as_mtp_layer, check_layer, check_model, check_wgrad_layers
+from ._conformance import (
+    as_mtp_layer,
+    check_layer,
+    check_model,
+    check_wgrad_layers,
+    check_wgrad_scopes,
+)
 from ._debug import DEBUG
 from ._fsdp_check import check_fsdp
 from ._guards import BaseGuard, attach
@@ -100,10 +106,16 @@ def inputs_checked(microbatches: Sequence[Microbatch]) -> Generator[None]:
 
 class _LayerChecks(BaseGuard):
     """A layer's Protocol members (the MTP slot callable where present) and the modules it
-    lists for delayed mlp weight gradients."""
+    lists for delayed pre-dispatch and mlp weight gradients."""
 
     def layer_started(self, layer: object, where: Callable[[], str]) -> None:
         as_mtp_layer(check_layer(layer, where))
+
+    def pre_dispatch_wgrad_listed(
+        self, layer: SchedulableLayer, listed: object, where: Callable[[], str]
+    ) -> None:
+        del layer
+        check_wgrad_scopes(listed, where)
 
     def mlp_wgrad_listed(
         self, layer: SchedulableLayer, listed: object, where: Callable[[], str]

@@ -1,20 +1,16 @@
 """Delayed weight gradients of the pre-dispatch slot (its parts are
 :class:`~moe_overlap.WgradScope` s, defined with the Protocols)."""
 
-from collections.abc import Callable, Iterator, Sequence
-from typing import cast
+from collections.abc import Iterator
 
 from torch.nn import Parameter
 
-from moe_overlap.engine._conformance import Indexed, already_checked, check_wgrad_layer, named
-from moe_overlap.engine.contracts import WGRAD_LAYER
-
-from ._errors import IntegrationError
 from ._free_input import graph_module_names
+from ._hooks import on_pre_dispatch_wgrad_listed
 from ._options import Hook
-from ._protocols import CudaGraphModule, GraphedWgradLayer, SchedulableLayer, WgradScope
+from ._protocols import GraphedWgradLayer, SchedulableLayer, WgradScope
 
-__all__ = ["BackwardDWWrapper", "_BackwardDWWrapper", "check_wgrad_scopes"]
+__all__ = ["BackwardDWWrapper", "_BackwardDWWrapper"]
 
 
 class BackwardDWWrapper:
@@ -27,11 +23,12 @@ class BackwardDWWrapper:
 
     def __init__(self, layer: SchedulableLayer) -> None:
         parts = layer.pre_dispatch_wgrad()
-        self.parts: tuple[WgradScope, ...] = (
-            ()
-            if isinstance(parts, (list, tuple)) and not parts  # nothing delayed: nothing to check
-            else check_wgrad_scopes(parts, lambda: f"{type(layer).__name__}.pre_dispatch_wgrad()")
-        )
+        if not isinstance(parts, (list, tuple)) or parts:  # nothing delayed: nothing to check
+            for guard in on_pre_dispatch_wgrad_listed:  # WgradScopes (moe_overlap.engine._guards)
+                guard.pre_dispatch_wgrad_listed(
+                    layer, parts, lambda: f"{type(layer).__name__}.pre_dispatch_wgrad()"
+                )
+        self.parts: tuple[WgradScope, ...] = tuple(parts)
         self.graphed_modules = graph_module_names(layer.config.cuda_graph_modules)
         self.graphed_backward_dw_callable: Hook | None = None
         if self.parts and isinstance(layer, GraphedWgradLayer):
@@ -56,37 +53,6 @@ class BackwardDWWrapper:
         """The parameters of every part (so post-wgrad hooks can be collected)."""
         for part in self.parts:
             yield from part.module.parameters()
-
-
-def check_wgrad_scopes(parts: object, where: str | Callable[[], str]) -> tuple[WgradScope, ...]:
-    """``parts`` as a tuple of :class:`~moe_overlap.WgradScope` s, or raise naming the bad one.
-
-    ``where`` names the list in errors (a callable is called only then).
-    """
-    if isinstance(parts, (list, tuple)) or (
-        isinstance(parts, Sequence) and not isinstance(parts, (str, bytes))
-    ):
-        items = tuple(cast("Sequence[object]", parts))
-    else:
-        raise IntegrationError(
-            f"{named(where)}: expected a sequence of WgradScope(scope, module), "
-            f"received {type(parts).__name__}"
-        )
-    for i, part in enumerate(items):
-        if not isinstance(part, WgradScope):
-            raise IntegrationError(
-                f"{named(where)}[{i}]: expected a WgradScope(scope, module) naming the "
-                f"CUDA-graph scope that covers the module, received {type(part).__name__}; "
-                "wrap it: WgradScope(CudaGraphModule.attn, module)"
-            )
-        if not isinstance(part.scope, CudaGraphModule):  # pyright: ignore[reportUnnecessaryIsInstance]
-            raise IntegrationError(
-                f"{named(where)}[{i}].scope: expected a CudaGraphModule, "
-                f"received {type(part.scope).__name__} {part.scope!r}"
-            )
-        if not already_checked(part.module, WGRAD_LAYER):
-            check_wgrad_layer(part.module, Indexed(lambda: named(where), i, ".module"))
-    return cast("tuple[WgradScope, ...]", items)
 
 
 _BackwardDWWrapper = BackwardDWWrapper

@@ -8,14 +8,13 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from moe_overlap.engine._node_checks import second_backward_error
-
 from ._errors import IntegrationError, WgradError
 from ._free_input import should_free_input
 from ._hooks import on_copies_backwarded, on_node_detached, on_slot_returned
 from ._layer_args import LayerArgs
 from ._megatron import layer_args
 from ._node import ScheduleNode, default_backward, weak_method
+from ._node_errors import second_backward_error
 from ._options import Hook
 from ._protocols import FreeInputConfig, SlotFn, StreamProvider, WgradLayer
 from ._state import ChunkState, LayerState

@@ -21,10 +21,8 @@ from typing import Union, cast
 
 import torch
 
-from moe_overlap.engine._stream_check import _ACTIVE as _CHECKING  # pyright: ignore[reportPrivateUsage]
-from moe_overlap.engine._stream_check import _CPU_DEFAULT as _CHECKER_DEFAULT  # pyright: ignore[reportPrivateUsage]
-
 from ._errors import StreamError
+from ._stream_observer import observers as _CHECKING
 from .args import (
     BOOL,
     NON_NEGATIVE,
@@ -219,7 +217,6 @@ def make_streams(
 
 
 _CPU_DEFAULT = CpuStream("comp")
-_CHECKER_DEFAULT.append(_CPU_DEFAULT)  # the checker's default stream
 
 
 def cpu_default_stream() -> CpuStream:
