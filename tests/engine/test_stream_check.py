@@ -18,16 +18,10 @@ import pytest
 import torch
 
 from moe_overlap import Microbatch, ScheduleError, combined_1f1b
-from moe_overlap.engine import (
-    CpuEvent,
-    CpuStream,
-    StreamOrderError,
-    cpu_default_stream,
-    record_tensor_on,
-    stream_context,
-    stream_order_check,
-)
+from moe_overlap.engine import cpu_default_stream, record_tensor_on, stream_context
+from moe_overlap.engine._stream_check import active_checker
 from moe_overlap.models import GPTMoEModel
+from moe_overlap.streams import CpuEvent, CpuStream, StreamOrderError, stream_order_check
 from tests.models._helpers import SMALL
 
 
@@ -124,8 +118,6 @@ def test_host_synchronize_orders_everything() -> None:
 
 
 def test_checker_leaves_no_state() -> None:
-    from moe_overlap.engine import active_checker
-
     with stream_order_check():
         assert active_checker() is not None
     assert active_checker() is None
