@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_overlap.engine._streams import reset_streams
+from moe_overlap.engine.core._streams import reset_streams
 from tests.debug_interpreter import DebugInterpreter
 from tests.torch_state import TorchState
 

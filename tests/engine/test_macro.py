@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import ast
 import re
-from pathlib import Path
 
 import pytest
 
@@ -96,33 +94,3 @@ def test_arguments_are_checked() -> None:
         macro_steps(-1, ScheduleMode.SERIAL)
     with pytest.raises(ConfigError, match="macro_steps: mode"):
         macro_steps(2, "serial")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
-
-
-ENGINE = Path(__file__).resolve().parents[2] / "src" / "moe_overlap" / "engine"
-
-
-def _engine_imports(module: str) -> set[str]:
-    """The engine modules ``module`` imports, statically (``TYPE_CHECKING`` and function
-    bodies included)."""
-    tree = ast.parse((ENGINE / f"{module}.py").read_text())
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            if node.level == 1 and node.module:
-                found.add(node.module)
-            elif node.module and node.module.startswith("moe_overlap.engine."):
-                found.add(node.module.rsplit(".", 1)[1])
-    return found
-
-
-def test_the_protocols_import_nothing_that_imports_them_back() -> None:
-    """engine/_protocols.py's imports (annotations included) never reach it again."""
-    seen: set[str] = set()
-    todo = list(_engine_imports("_protocols"))
-    while todo:
-        module = todo.pop()
-        if module in seen:
-            continue
-        seen.add(module)
-        todo += _engine_imports(module)
-    assert "_protocols" not in seen, sorted(seen)

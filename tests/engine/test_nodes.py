@@ -33,7 +33,7 @@ from moe_overlap import (
     set_streams,
     weak_method,
 )
-from moe_overlap.engine._streams import reset_streams, use_stream
+from moe_overlap.engine.core._streams import reset_streams, use_stream
 from moe_overlap.megatron import layer_args, layer_schedule_plan
 from moe_overlap.streams import CpuEvent, CpuStream
 

@@ -18,7 +18,7 @@ from moe_overlap import (
     TransformerLayerSchedulePlan,
     combined_1f1b,
 )
-from moe_overlap.engine._streams import AnyStream
+from moe_overlap.engine.core._streams import AnyStream
 from moe_overlap.steps import Direction, NodeTimer, Role, Slot, Step, StepObserver, chunk_steps
 from moe_overlap.streams import CpuStream
 from moe_overlap.timeline import Timeline

@@ -18,16 +18,10 @@ import pytest
 import torch
 
 from moe_overlap import Microbatch, ScheduleError, combined_1f1b
-from moe_overlap.engine import (
-    CpuEvent,
-    CpuStream,
-    StreamOrderError,
-    cpu_default_stream,
-    record_tensor_on,
-    stream_context,
-    stream_order_check,
-)
+from moe_overlap.engine import cpu_default_stream, record_tensor_on, stream_context
+from moe_overlap.engine._stream_check import active_checker
 from moe_overlap.models import GPTMoEModel
+from moe_overlap.streams import CpuEvent, CpuStream, StreamOrderError, stream_order_check
 from tests.models._helpers import SMALL
 
 
@@ -124,8 +118,6 @@ def test_host_synchronize_orders_everything() -> None:
 
 
 def test_checker_leaves_no_state() -> None:
-    from moe_overlap.engine import active_checker
-
     with stream_order_check():
         assert active_checker() is not None
     assert active_checker() is None
@@ -185,8 +177,8 @@ def _skip_wait(*args: object) -> None:
 @contextmanager
 def _no_node_event_wait(direction: str) -> Iterator[None]:
     """The microbatch event's wait at the start of every node's forward (or backward)."""
-    node = _module("moe_overlap.engine._node")
-    streams = _module("moe_overlap.engine._streams")
+    node = _module("moe_overlap.engine.core._node")
+    streams = _module("moe_overlap.engine.core._streams")
     original = node.use_stream
 
     class without_wait(original):  # type: ignore[misc, valid-type]
@@ -208,18 +200,20 @@ MUTATIONS: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {
     "node forward: microbatch event wait": (lambda: _no_node_event_wait("forward"), {}),
     "node backward: microbatch event wait": (lambda: _no_node_event_wait("backward"), {}),
     "node backward: record_stream of output grads": (
-        lambda: _patched(_module("moe_overlap.engine._node"), "record_tensor_on", _skip_record),
+        lambda: _patched(
+            _module("moe_overlap.engine.core._node"), "record_tensor_on", _skip_record
+        ),
         {},
     ),
     "layer node backward: record_stream of node.detach grads": (
         lambda: _patched(
-            _module("moe_overlap.engine._layer_node"), "record_tensor_on", _skip_record
+            _module("moe_overlap.engine.core._layer_node"), "record_tensor_on", _skip_record
         ),
         {},
     ),
     "plan: its first nodes wait for the caller's stream": (
         lambda: _patched(
-            _module("moe_overlap.engine._chunk_plan").ModelChunkSchedulePlan,
+            _module("moe_overlap.engine.core._chunk_plan").ModelChunkSchedulePlan,
             "record_current_stream",
             _skip_wait,
         ),
@@ -227,7 +221,7 @@ MUTATIONS: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {
     ),
     "plan: the caller's stream waits for its last nodes": (
         lambda: _patched(
-            _module("moe_overlap.engine._chunk_plan").ModelChunkSchedulePlan,
+            _module("moe_overlap.engine.core._chunk_plan").ModelChunkSchedulePlan,
             "wait_current_stream",
             _skip_wait,
         ),
@@ -235,7 +229,7 @@ MUTATIONS: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {
     ),
     "plan: outputs kept from reuse until the caller's stream used them": (
         lambda: _patched(
-            _module("moe_overlap.engine._chunk_plan").ModelChunkSchedulePlan,
+            _module("moe_overlap.engine.core._chunk_plan").ModelChunkSchedulePlan,
             "hand_to_caller",
             _skip_wait,
         ),
@@ -269,7 +263,7 @@ MUTATIONS: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {
 def _first_only(keep_first: bool = False) -> Callable[[Any, Any], None]:
     """HostLoopback's wait_stream calls alternate (side waits caller, caller waits side):
     skip the caller's (``keep_first``) or the side stream's."""
-    streams = _module("moe_overlap.engine._streams")
+    streams = _module("moe_overlap.engine.core._streams")
 
     def wait(stream: Any, other: Any) -> None:
         side = stream.name == "loopback side"
@@ -281,7 +275,7 @@ def _first_only(keep_first: bool = False) -> Callable[[Any, Any], None]:
 
 def _lane_waits() -> Callable[[Any, Any], None]:
     """Skip the main stream's waits for a lane's event (keep the lanes' own waits)."""
-    streams = _module("moe_overlap.engine._streams")
+    streams = _module("moe_overlap.engine.core._streams")
 
     def wait(event: Any, stream: Any) -> None:
         if "lane" in getattr(stream, "name", ""):

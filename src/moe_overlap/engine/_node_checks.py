@@ -17,23 +17,21 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from ._errors import IntegrationError
-from ._state import LayerState
+from .core._errors import IntegrationError
+from .core._node_errors import describe_tensor as _describe
+from .core._state import LayerState
 
 __all__ = [
     "METADATA_ONLY_SAVES",
-    "SECOND_BACKWARD",
     "check_copies_unused",
     "check_handoffs",
     "check_in_graph",
-    "check_marked",
     "check_no_alias",
     "check_not_saved",
     "check_own_leaves",
     "check_release",
     "check_undetached_reads",
     "graph_saves",
-    "second_backward_error",
     "storage_use_count",
     "tensor_use_count",
     "walk_graph",
@@ -55,10 +53,6 @@ def _no_count(t: Tensor) -> int:
 tensor_use_count = cast("Callable[[Tensor], int]", getattr(Tensor, "_use_count", _no_count))
 """How many references a tensor's ``TensorImpl`` has (its Python object, views' bases,
 autograd's saved tensors and grad accumulator); ``0`` where torch has no such method."""
-
-
-def _describe(t: Tensor) -> str:
-    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
 
 def check_in_graph(
@@ -85,28 +79,6 @@ def check_in_graph(
             "expected it to stay in the autograd graph (was it made under torch.no_grad(), "
             "with .detach() or .data?). If it carries no gradient on purpose, call "
             "node.mark_non_differentiable(t) on it in the slot"
-        )
-
-
-def check_marked(tensors: tuple[object, ...], *, node: str = "", where: str = "") -> None:
-    """``mark_non_differentiable``'s arguments: tensors, each its own argument (one
-    ``isinstance`` per argument). A tuple or list of them is named as such. The message
-    names ``node`` (a node's name) or ``where``."""
-    for i, t in enumerate(tensors):
-        if isinstance(t, Tensor):
-            continue
-        who = f"node {node!r}" if node else where
-        if isinstance(t, (tuple, list)):
-            items = cast("tuple[object, ...] | list[object]", t)
-            kinds = ", ".join(sorted({type(v).__name__ for v in items})) or "empty"
-            raise IntegrationError(
-                f"{who}: mark_non_differentiable: expected tensors as separate arguments, "
-                f"received a {type(items).__name__} of {len(items)} items ({kinds}) as "
-                f"argument {i}; call mark_non_differentiable(*tensors)"
-            )
-        raise IntegrationError(
-            f"{who}: mark_non_differentiable: expected tensors (the ones that carry no "
-            f"gradient on purpose), received {type(t).__name__} as argument {i}"
         )
 
 
@@ -253,31 +225,6 @@ def check_undetached_reads(
             f"plain backward()). Expected node {producer!r} to keep node.detach(t) for what a "
             f"later slot reads: {fix}"
         )
-
-
-SECOND_BACKWARD = "Trying to backward through the graph a second time"
-"""The start of torch's message when a backward runs into graph an earlier one freed."""
-
-
-def second_backward_error(
-    name: str, exc: BaseException, undetached: Sequence[tuple[str, Tensor, object, str]]
-) -> IntegrationError | None:
-    """The library's error for torch's "backward through the graph a second time" raised
-    in node ``name``'s backward (``None`` for any other exception): two nodes' backward
-    passes shared one graph, a tensor handed between slots without ``node.detach``."""
-    if not isinstance(exc, RuntimeError) or SECOND_BACKWARD not in str(exc):
-        return None
-    mine = [f"{label} ({_describe(t)})" for label, t, _, producer in undetached if producer == name]
-    known = f" This slot kept {', '.join(mine)} with its autograd graph." if mine else ""
-    return IntegrationError(
-        f"node {name!r}: its backward ran into autograd graph that another backward already "
-        f"ran through and freed (torch: {SECOND_BACKWARD}): most likely a tensor was handed "
-        "between this slot and another slot (or another microbatch) without node.detach "
-        "(kept on a module, in a closure or in a container), so the two slots' backward "
-        f"passes share one graph.{known} Expected every tensor a later slot reads to be kept "
-        "in layer_state as node.detach(t) by the slot that computed it; MOE_OVERLAP_DEBUG=1 "
-        "names the slot that reads it, at its forward"
-    )
 
 
 def check_copies_unused(name: str, copies: Sequence[Tensor]) -> None:

@@ -14,8 +14,8 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import NamedTuple, cast
 
-from ._errors import ConfigError
-from ._macro import (
+from .core._errors import ConfigError
+from .core._macro import (
     MacroStep,
     ScheduleMode,
     backward_microbatches,
@@ -23,8 +23,8 @@ from ._macro import (
     forward_microbatches,
     macro_steps,
 )
-from ._order import PairKind, PairOrder, ScheduleOrder, complete, valid_orders
-from ._steps import (
+from .core._order import PairKind, PairOrder, ScheduleOrder, complete, valid_orders
+from .core._steps import (
     ChunkShape,
     Direction,
     Role,
@@ -35,7 +35,7 @@ from ._steps import (
     chunk_steps,
     forward_pair_steps,
 )
-from .args import NON_NEGATIVE, Instance, Real, check_arg, refuse
+from .core.args import NON_NEGATIVE, Instance, Real, check_arg, refuse
 
 __all__ = [
     "OrderSearch",

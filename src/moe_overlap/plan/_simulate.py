@@ -32,7 +32,15 @@ from moe_overlap.engine import (
     macro_run_steps,
     replay,
 )
-from moe_overlap.engine.args import BOOL, POSITIVE, Instance, Items, Real, check_arg, check_fields
+from moe_overlap.engine.core.args import (
+    BOOL,
+    POSITIVE,
+    Instance,
+    Items,
+    Real,
+    check_arg,
+    check_fields,
+)
 from moe_overlap.plan._actions import Act, Action, Lowered
 from moe_overlap.plan._layout import Layout
 

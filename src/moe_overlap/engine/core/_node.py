@@ -19,7 +19,7 @@ from torch import Tensor
 
 from ._errors import IntegrationError, NodeStateError
 from ._hooks import on_before_release, on_node_entered, on_node_forwarded, on_node_left
-from ._node_checks import check_marked
+from ._node_errors import check_marked
 from ._protocols import NodeTimer, StreamProvider
 from ._streams import (
     AnyEvent,

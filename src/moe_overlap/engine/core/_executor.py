@@ -1,6 +1,6 @@
 """Walk a list of :class:`~moe_overlap.steps.Step` s, threading each microbatch's values through.
 
-The walker under :func:`~moe_overlap.engine._runner.run_step` (a macro step of chunk plans)
+The walker under :func:`~moe_overlap.engine.core._runner.run_step` (a macro step of chunk plans)
 and :meth:`TransformerLayerSchedulePlan.run` (two layers).
 
 The forward microbatch's value is the tuple of tensors flowing forward (its last node's

@@ -22,8 +22,7 @@ from typing import Union, cast
 import torch
 
 from ._errors import StreamError
-from ._stream_check import _ACTIVE as _CHECKING  # pyright: ignore[reportPrivateUsage]
-from ._stream_check import _CPU_DEFAULT as _CHECKER_DEFAULT  # pyright: ignore[reportPrivateUsage]
+from ._stream_observer import observers as _CHECKING
 from .args import (
     BOOL,
     NON_NEGATIVE,
@@ -218,7 +217,6 @@ def make_streams(
 
 
 _CPU_DEFAULT = CpuStream("comp")
-_CHECKER_DEFAULT.append(_CPU_DEFAULT)  # the checker's default stream
 
 
 def cpu_default_stream() -> CpuStream:

@@ -14,7 +14,7 @@ from ._hooks import on_copies_backwarded, on_node_detached, on_slot_returned
 from ._layer_args import LayerArgs
 from ._megatron import layer_args
 from ._node import ScheduleNode, default_backward, weak_method
-from ._node_checks import second_backward_error
+from ._node_errors import second_backward_error
 from ._options import Hook
 from ._protocols import FreeInputConfig, SlotFn, StreamProvider, WgradLayer
 from ._state import ChunkState, LayerState
