@@ -45,6 +45,8 @@ from moe_overlap.engine.core._errors import ConfigError as ConfigError
 from moe_overlap.engine.core._errors import MoeOverlapError as MoeOverlapError
 from moe_overlap.engine.core._macro import MacroStep as MacroStep
 from moe_overlap.engine.core._macro import ScheduleMode as ScheduleMode
+from moe_overlap.engine.core._macro import backward_microbatches as backward_microbatches
+from moe_overlap.engine.core._macro import forward_microbatches as forward_microbatches
 from moe_overlap.engine.core._macro import macro_steps as macro_steps
 from moe_overlap.engine.core._node_errors import check_marked as check_marked
 from moe_overlap.engine.core._options import Hook as Hook
@@ -101,6 +103,7 @@ __all__ = [
     "StreamKind",  # plan: a step's stream in its simulation
     "Verdict",  # integrations: what the vote concluded
     "WgradClaim",  # blocks: CUDA graphs claim the delayed modules they replay
+    "backward_microbatches",  # plan: which microbatches a macro step runs backward
     "check_bypassed",  # integrations: a pipeline stage refuses the wrappers a plan would skip
     "check_marked",  # blocks: PlainContext.mark_non_differentiable checks as a node does
     "check_model",  # integrations: a pipeline stage's model is checked as a plan's
@@ -110,6 +113,7 @@ __all__ = [
     "claim_wgrad",  # adapters: the plain path claims the delayed modules it runs
     "cpu_default_stream",  # blocks: the CPU stand-in for CUDA's default stream
     "current_stream",  # blocks: the stream current on a tensor's device
+    "forward_microbatches",  # plan: which microbatches a macro step runs forward
     "hold_for_recompute",  # blocks, adapters: recomputed regions hold their inputs
     "macro_run_steps",  # plan: the step lists of a whole run
     "macro_steps",  # plan: the driver's microbatch order
