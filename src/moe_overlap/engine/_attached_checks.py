@@ -40,6 +40,7 @@ from ._node_checks import (
 )
 from ._owed_wgrad import check_wgrad_listed
 from ._protocols import PreprocessableModel, SchedulableLayer
+from ._recompute_hold import _HELD as _RECOMPUTE_HELD  # pyright: ignore[reportPrivateUsage]
 from ._recompute_hold import held_for_recompute
 from ._runner import ChunkRun
 from ._state import ChunkState
@@ -167,7 +168,7 @@ class _FreeInput(BaseGuard):
                     tensors = [k for _, k in named]
                     labels = [label for label, _ in named]
                     check_no_alias(node.name, _storages(inputs), (), tensors, labels)
-            if held_for_recompute(ptr):
+            if _RECOMPUTE_HELD and held_for_recompute(ptr):
                 raise IntegrationError(
                     f"node {node.name!r}: the free-input policy releases this node's inputs "
                     "after forward, but a recomputed region (activation checkpointing) "
@@ -214,7 +215,7 @@ class _Handoffs(BaseGuard):
     def slot_returned(
         self,
         node: TransformerLayerNode,
-        inputs: list[Tensor],
+        inputs: tuple[Tensor, ...],
         output: object,
     ) -> None:
         state = node.layer_state
@@ -249,7 +250,7 @@ class _OwnLeaves(BaseGuard):
     def slot_returned(
         self,
         node: TransformerLayerNode,
-        inputs: list[Tensor],
+        inputs: tuple[Tensor, ...],
         output: object,
     ) -> None:
         copies = node.detached
