@@ -364,7 +364,7 @@ def enter_stream(
         return None
     if isinstance(event, CpuEvent):
         raise _pair_error(stream, event)
-    switch: contextlib.AbstractContextManager[object] = torch.cuda.stream(stream)
+    switch = _cuda_switch(stream)
     event.wait(stream)
     switch.__enter__()
     if _SHAKING:
@@ -469,7 +469,59 @@ def stream_context(stream: AnyStream) -> contextlib.AbstractContextManager[objec
         return _CpuSwitch(stream) if _CHECKING else contextlib.nullcontext()
     if _SHAKING:
         return _shaken(stream)
+    return _cuda_switch(stream)
+
+
+def _cuda_switch(stream: torch.cuda.Stream) -> contextlib.AbstractContextManager[object]:
+    """``torch.cuda.stream(stream)``, or, when ``stream`` is already the current stream of
+    the current device (a compute node's usual case), the same in effect without its
+    Python work (:class:`_AlreadyCurrent`)."""
+    if _cuda_current_stream is not None and _cuda_current_device is not None:
+        current = _cuda_current_stream(_cuda_current_device())
+        if (
+            current[0] == stream.stream_id
+            and current[1] == stream.device_index
+            and current[2] == stream.device_type
+        ):
+            return _AlreadyCurrent(stream)
     return torch.cuda.stream(stream)
+
+
+class _AlreadyCurrent:
+    """``torch.cuda.stream(stream)`` for a ``stream`` that is current on the current device.
+
+    Entering would set the current stream to itself: nothing to do. Leaving sets ``stream``
+    current again exactly as ``torch.cuda.stream``'s exit does (one ``_cuda_setStream``
+    with the stream it found current, which is ``stream``), so a body that switched the
+    stream or the device without switching back is undone the same way.
+    """
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self._stream = stream
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        stream = self._stream
+        _cuda_set_stream(stream.stream_id, stream.device_index, stream.device_type)
+
+
+# torch's own calls under torch.cuda.current_stream / set_stream; absent from CPU-only
+# builds, where no CUDA stream can exist.
+_C: object = torch._C  # pyright: ignore[reportPrivateUsage]
+_cuda_current_device = cast("Callable[[], int] | None", getattr(_C, "_cuda_getDevice", None))
+_cuda_current_stream = cast(
+    "Callable[[int], tuple[int, int, int]] | None", getattr(_C, "_cuda_getCurrentStream", None)
+)
+_cuda_set_stream = cast("Callable[[int, int, int], None]", getattr(_C, "_cuda_setStream", None))
 
 
 @contextlib.contextmanager
