@@ -114,7 +114,8 @@ def _describe(value: object) -> str:
 # The autograd engine's entry point, called directly as Megatron-Core does:
 # ``torch.autograd.backward``'s Python wrapper re-validates what ``default_backward`` has
 # already filtered and costs ~5 us per node (benchmarks/bench_host_megatron.py). The engine
-# still checks each grad's shape against its output.
+# still checks each grad's shape against its output. Positional arguments: tensors,
+# grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad.
 _run_backward = cast(
     "Callable[..., object]",
     torch.autograd.Variable._execution_engine.run_backward,  # pyright: ignore[reportPrivateUsage]
@@ -125,7 +126,8 @@ def default_backward(outputs: tuple[Tensor, ...], output_grads: tuple[Tensor | N
     """Run autograd from ``outputs``, skipping outputs without grad or given a ``None`` grad.
 
     Gradients accumulate into the leaves (parameters and the nodes' detached inputs)
-    exactly as ``torch.autograd.backward(outputs, output_grads)`` would.
+    exactly as ``torch.autograd.backward(outputs, output_grads)`` would. From CUDA tensors
+    the engine runs on the calling thread (:func:`_engine_backward`).
     """
     if (
         len(outputs) == 1
@@ -135,7 +137,7 @@ def default_backward(outputs: tuple[Tensor, ...], output_grads: tuple[Tensor | N
     ):
         # One output (most nodes): no lists to filter through.
         if output_grads[0] is not None and outputs[0].requires_grad:
-            _run_backward(outputs, output_grads, False, False, (), True, True)
+            _engine_backward(outputs, output_grads)
         return
     tensors: list[Tensor] = []
     grads: list[Tensor] = []
@@ -144,15 +146,31 @@ def default_backward(outputs: tuple[Tensor, ...], output_grads: tuple[Tensor | N
             tensors.append(out)
             grads.append(grad)
     if tensors:
-        _run_backward(
-            tuple(tensors),
-            tuple(grads),
-            keep_graph=False,
-            create_graph=False,
-            inputs=(),
-            allow_unreachable=True,
-            accumulate_grad=True,
-        )
+        _engine_backward(tuple(tensors), tuple(grads))
+
+
+def _engine_backward(tensors: tuple[Tensor, ...], grads: tuple[Tensor | None, ...]) -> None:
+    """One engine call; from CUDA tensors with autograd's worker threads off (this thread).
+
+    Ordinarily the engine hands CUDA work to its per-device worker thread and the calling
+    thread sleeps until it is done: two thread wake-ups per call, about half the host time
+    of a small node's backward on an H100 (``benchmarks/bench_host_megatron.py``). With
+    them off (``torch.autograd.set_multithreading_enabled(False)``, thread-local, restored
+    after) the calling thread runs the same functions, in the same order, each on its
+    forward's stream: the same kernels on the same streams, so the same gradients.
+    """
+    if tensors[0].is_cuda and _multithreading_enabled():
+        _set_multithreading_enabled(False)
+        try:
+            _run_backward(tensors, grads, False, False, (), True, True)
+        finally:
+            _set_multithreading_enabled(True)
+        return
+    _run_backward(tensors, grads, False, False, (), True, True)
+
+
+_multithreading_enabled = torch._C._is_multithreading_enabled  # pyright: ignore[reportPrivateUsage]
+_set_multithreading_enabled = torch._C._set_multithreading_enabled  # pyright: ignore[reportPrivateUsage]
 
 
 class ScheduleNode:
