@@ -127,7 +127,7 @@ def default_backward(outputs: tuple[Tensor, ...], output_grads: tuple[Tensor | N
 
     Gradients accumulate into the leaves (parameters and the nodes' detached inputs)
     exactly as ``torch.autograd.backward(outputs, output_grads)`` would. From CUDA tensors
-    the engine runs on the calling thread (:func:`_engine_backward`).
+    the engine runs on the calling thread (:func:`_backward_on_this_thread`).
     """
     if (
         len(outputs) == 1
@@ -136,8 +136,12 @@ def default_backward(outputs: tuple[Tensor, ...], output_grads: tuple[Tensor | N
         and output_grads.__class__ is tuple
     ):
         # One output (most nodes): no lists to filter through.
-        if output_grads[0] is not None and outputs[0].requires_grad:
-            _engine_backward(outputs, output_grads)
+        out = outputs[0]
+        if output_grads[0] is not None and out.requires_grad:
+            if out.is_cuda:
+                _backward_on_this_thread(outputs, output_grads)
+            else:
+                _run_backward(outputs, output_grads, False, False, (), True, True)
         return
     tensors: list[Tensor] = []
     grads: list[Tensor] = []
@@ -145,28 +149,29 @@ def default_backward(outputs: tuple[Tensor, ...], output_grads: tuple[Tensor | N
         if grad is not None and out.requires_grad:
             tensors.append(out)
             grads.append(grad)
-    if tensors:
-        _engine_backward(tuple(tensors), tuple(grads))
+    if tensors and tensors[0].is_cuda:
+        _backward_on_this_thread(tuple(tensors), tuple(grads))
+    elif tensors:
+        _run_backward(tuple(tensors), tuple(grads), False, False, (), True, True)
 
 
-def _engine_backward(tensors: tuple[Tensor, ...], grads: tuple[Tensor | None, ...]) -> None:
-    """One engine call; from CUDA tensors with autograd's worker threads off (this thread).
+def _backward_on_this_thread(tensors: tuple[Tensor, ...], grads: tuple[Tensor | None, ...]) -> None:
+    """The engine call from CUDA tensors, with autograd's worker threads off (this thread).
 
     Ordinarily the engine hands CUDA work to its per-device worker thread and the calling
-    thread sleeps until it is done: two thread wake-ups per call, about half the host time
-    of a small node's backward on an H100 (``benchmarks/bench_host_megatron.py``). With
-    them off (``torch.autograd.set_multithreading_enabled(False)``, thread-local, restored
+    thread sleeps until it is done: two thread wake-ups per call, which on an H100 were
+    about half the host time of a small node's backward. With them off (``torch.autograd.set_multithreading_enabled(False)``, thread-local, restored
     after) the calling thread runs the same functions, in the same order, each on its
     forward's stream: the same kernels on the same streams, so the same gradients.
     """
-    if tensors[0].is_cuda and _multithreading_enabled():
-        _set_multithreading_enabled(False)
-        try:
-            _run_backward(tensors, grads, False, False, (), True, True)
-        finally:
-            _set_multithreading_enabled(True)
+    if not _multithreading_enabled():  # already off (the caller's choice)
+        _run_backward(tensors, grads, False, False, (), True, True)
         return
-    _run_backward(tensors, grads, False, False, (), True, True)
+    _set_multithreading_enabled(False)
+    try:
+        _run_backward(tensors, grads, False, False, (), True, True)
+    finally:
+        _set_multithreading_enabled(True)
 
 
 _multithreading_enabled = torch._C._is_multithreading_enabled  # pyright: ignore[reportPrivateUsage]
