@@ -6,11 +6,13 @@ Skipped without a GPU. Run on the lent H200 with ``pytest tests/engine/test_gpu.
 from __future__ import annotations
 
 import copy
+import threading
+from typing import Any
 
 import pytest
 import torch
 
-from moe_overlap import Microbatch, ScheduleOptions, combined_1f1b, make_streams
+from moe_overlap import Microbatch, ScheduleOptions, combined_1f1b, make_event, make_streams
 from moe_overlap.steps import Direction, ScheduleOrder
 
 from .test_order import sample_orders
@@ -109,3 +111,61 @@ def test_cuda_timeline_observes_without_changing_anything(delay: bool) -> None:
     kinds = {s.stream.value for s in spans}
     assert kinds == {"comp", "comm"}
     assert (Direction.WGRAD in {s.direction for s in spans}) == delay
+
+
+def test_node_stream_switch_leaves_the_state_torch_cuda_stream_leaves() -> None:
+    """A node on the current stream skips ``torch.cuda.stream``'s work (a compute node's
+    usual case), one on another stream does not; both leave the caller's stream current
+    after, also when the body switched streams without switching back."""
+    from moe_overlap.engine._streams import _AlreadyCurrent, enter_stream, leave_stream
+
+    main = torch.cuda.current_stream()
+    side = make_streams("cuda").comm
+    event = make_event("cuda")
+    assert isinstance(side, torch.cuda.Stream)
+    for stream, elided in ((main, True), (side, False)):
+        switch = enter_stream(stream, event)
+        assert isinstance(switch, _AlreadyCurrent) == elided
+        assert torch.cuda.current_stream() == stream
+        torch.cuda.set_stream(side if stream == main else main)  # a body that switches away
+        leave_stream(stream, event, switch)
+        assert torch.cuda.current_stream() == main
+    torch.cuda.synchronize()
+
+
+class _Fails(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor) -> torch.Tensor:
+        return t * 2
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise ValueError("backward failed on purpose")
+
+
+def test_node_backward_runs_on_the_calling_thread_and_restores_the_flag() -> None:
+    """A node's backward from CUDA tensors runs the engine on the calling thread (its
+    worker threads off for the call only, also when it fails): same gradients."""
+    from moe_overlap import ScheduleNode
+
+    seen: list[int] = []
+
+    def forward(t: torch.Tensor) -> torch.Tensor:
+        out = t * 2
+        out.register_hook(lambda g: seen.append(threading.get_ident()))  # type: ignore[no-untyped-call]
+        return out
+
+    streams = make_streams("cuda")
+    x = torch.randn(8, device="cuda", requires_grad=True)
+    node = ScheduleNode(forward, streams.comp_provider, make_event("cuda"))
+    (out,) = node.forward(x)
+    (grad,) = node.backward(torch.ones_like(out))
+    assert seen == [threading.get_ident()]
+    assert grad is not None and torch.equal(grad, torch.full_like(x, 2.0))
+    assert torch._C._is_multithreading_enabled()
+    failing = ScheduleNode(_Fails.apply, streams.comp_provider, make_event("cuda"))
+    (out,) = failing.forward(x)
+    with pytest.raises(ValueError, match="on purpose"):
+        failing.backward(torch.ones_like(out))
+    assert torch._C._is_multithreading_enabled()
+    torch.cuda.synchronize()

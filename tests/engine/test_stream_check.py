@@ -174,22 +174,27 @@ def _skip_wait(*args: object) -> None:
     del args
 
 
+class _NoWait(CpuEvent):
+    """An event whose wait does nothing (what a node without its event wait would do)."""
+
+    def wait(self, stream: CpuStream | None = None) -> None:
+        del stream
+
+
 @contextmanager
 def _no_node_event_wait(direction: str) -> Iterator[None]:
     """The microbatch event's wait at the start of every node's forward (or backward)."""
     node = _module("moe_overlap.engine.core._node")
-    streams = _module("moe_overlap.engine.core._streams")
-    original = node.use_stream
+    original = node.enter_stream
 
-    class without_wait(original):  # type: ignore[misc, valid-type]
-        def __enter__(self) -> None:
-            with _patched(streams, "wait_event", _skip_wait):
-                super().__enter__()
+    def without_wait(stream: Any, event: Any) -> Any:
+        del event
+        return original(stream, _NoWait())
 
     phase = node.ScheduleNode.forward if direction == "forward" else node.ScheduleNode.backward
 
     def run(self: Any, *args: Any) -> Any:
-        with _patched(node, "use_stream", without_wait):
+        with _patched(node, "enter_stream", without_wait):
             return phase(self, *args)
 
     with _patched(node.ScheduleNode, direction, run):

@@ -49,6 +49,7 @@ from .core._layer_node import TransformerLayerNode
 from .core._microbatch import Microbatch
 from .core._node import ScheduleNode
 from .core._protocols import PreprocessableModel, SchedulableLayer
+from .core._recompute_hold import _HELD as _RECOMPUTE_HELD  # pyright: ignore[reportPrivateUsage]
 from .core._recompute_hold import held_for_recompute
 from .core._runner import ChunkRun
 from .core._state import ChunkState
@@ -179,7 +180,7 @@ class _FreeInput(BaseGuard):
                     tensors = [k for _, k in named]
                     labels = [label for label, _ in named]
                     check_no_alias(node.name, _storages(inputs), (), tensors, labels)
-            if held_for_recompute(ptr):
+            if _RECOMPUTE_HELD and held_for_recompute(ptr):
                 raise IntegrationError(
                     f"node {node.name!r}: the free-input policy releases this node's inputs "
                     "after forward, but a recomputed region (activation checkpointing) "
@@ -226,7 +227,7 @@ class _Handoffs(BaseGuard):
     def slot_returned(
         self,
         node: TransformerLayerNode,
-        inputs: list[Tensor],
+        inputs: tuple[Tensor, ...],
         output: object,
     ) -> None:
         state = node.layer_state
@@ -261,7 +262,7 @@ class _OwnLeaves(BaseGuard):
     def slot_returned(
         self,
         node: TransformerLayerNode,
-        inputs: list[Tensor],
+        inputs: tuple[Tensor, ...],
         output: object,
     ) -> None:
         copies = node.detached

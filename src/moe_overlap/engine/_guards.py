@@ -95,7 +95,7 @@ class BaseGuard:
     def slot_returned(
         self,
         node: TransformerLayerNode,
-        inputs: list[Tensor],
+        inputs: tuple[Tensor, ...],
         output: object,
     ) -> None:
         del node, inputs, output

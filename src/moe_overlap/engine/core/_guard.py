@@ -70,7 +70,7 @@ class Guard(Protocol):
     def slot_returned(
         self,
         node: TransformerLayerNode,
-        inputs: list[Tensor],
+        inputs: tuple[Tensor, ...],
         output: object,
     ) -> None: ...
     def copies_backwarded(self, node: TransformerLayerNode, copies: tuple[Tensor, ...]) -> None: ...
