@@ -117,7 +117,7 @@ def test_node_stream_switch_leaves_the_state_torch_cuda_stream_leaves() -> None:
     """A node on the current stream skips ``torch.cuda.stream``'s work (a compute node's
     usual case), one on another stream does not; both leave the caller's stream current
     after, also when the body switched streams without switching back."""
-    from moe_overlap.engine._streams import _AlreadyCurrent, enter_stream, leave_stream
+    from moe_overlap.engine.core._streams import _AlreadyCurrent, enter_stream, leave_stream
 
     main = torch.cuda.current_stream()
     side = make_streams("cuda").comm

@@ -355,7 +355,7 @@ def test_cuda_switch_skips_only_a_stream_already_current(monkeypatch: pytest.Mon
     ones run in ``test_gpu.py``): a stream current on the current device is not switched
     to, and leaving sets it current again, as ``torch.cuda.stream``'s exit does; any other
     stream goes through ``torch.cuda.stream``."""
-    from moe_overlap.engine import _streams
+    from moe_overlap.engine.core import _streams
 
     set_calls: list[tuple[int, int, int]] = []
     made: list[object] = []

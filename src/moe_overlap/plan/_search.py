@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from moe_overlap.engine import ConfigError
-from moe_overlap.engine.args import (
+from moe_overlap.engine.core.args import (
     BOOL,
     NON_NEGATIVE,
     POSITIVE,

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import NamedTuple, cast
 
 from moe_overlap.engine import ConfigError
-from moe_overlap.engine.args import (
+from moe_overlap.engine.core.args import (
     BOOL,
     POSITIVE,
     Instance,
