@@ -35,12 +35,11 @@ from ._node_checks import (
     check_own_leaves,
     check_release,
     check_undetached_reads,
-    storage_use_count,
-    tensor_use_count,
 )
 from ._owed_wgrad import check_wgrad_listed
 from ._stream_check import _ACTIVE as _CHECKERS  # pyright: ignore[reportPrivateUsage]
 from ._stream_check import _ON_ACTIVATE  # pyright: ignore[reportPrivateUsage]
+from ._torch_private import storage_cdata, storage_use_count, tensor_use_count
 from .contracts import Contract, attribute, method
 from .core._chunk_plan import ModelChunkSchedulePlan
 from .core._errors import IntegrationError
@@ -191,7 +190,7 @@ class _FreeInput(BaseGuard):
                 )
             if suspect:
                 continue
-            cdata: int = storage._cdata  # pyright: ignore[reportPrivateUsage]
+            cdata = storage_cdata(storage)
             if storage_use_count(cdata) > 3 or (count_inputs and tensor_use_count(tensor) > 1):
                 suspect = True
             elif count_copies:

@@ -17,6 +17,8 @@ from typing import cast
 import torch
 from torch import Tensor
 
+from ._torch_private import storage_cdata, storage_use_count, tensor_use_count
+from ._torch_private import tensor_base as _base
 from .core._errors import IntegrationError
 from .core._node_errors import describe_tensor as _describe
 from .core._state import LayerState
@@ -36,23 +38,6 @@ __all__ = [
     "tensor_use_count",
     "walk_graph",
 ]
-
-storage_use_count = cast(
-    "Callable[[int], int]",
-    torch._C._storage_Use_Count,  # pyright: ignore[reportPrivateUsage]
-)
-"""How many references the ``StorageImpl`` at a ``storage._cdata`` has (tensors over it,
-Python storage objects)."""
-
-
-def _no_count(t: Tensor) -> int:
-    del t
-    return 0
-
-
-tensor_use_count = cast("Callable[[Tensor], int]", getattr(Tensor, "_use_count", _no_count))
-"""How many references a tensor's ``TensorImpl`` has (its Python object, views' bases,
-autograd's saved tensors and grad accumulator); ``0`` where torch has no such method."""
 
 
 def check_in_graph(
@@ -109,7 +94,7 @@ def check_handoffs(
         for i, out in enumerate(outputs):
             if not isinstance(out, Tensor):
                 continue  # the node refuses it right after
-            base = out._base
+            base = _base(out)
             for d in copies:
                 if out is d or base is d:
                     raise IntegrationError(
@@ -132,7 +117,7 @@ def check_handoffs(
         if current is not t:
             continue  # replaced (or dropped) before the slot ended: not handed on
         if t.requires_grad:
-            base = t._base
+            base = _base(t)
             for j, x in enumerate(inputs):
                 if t is x or base is x:
                     label = _kept_label(key, stashed)
@@ -153,7 +138,7 @@ def check_handoffs(
                 for i, out in enumerate(outputs):
                     if not isinstance(out, Tensor):
                         continue
-                    if t is out or base is out or out._base is t:
+                    if t is out or base is out or _base(out) is t:
                         raise IntegrationError(
                             f"node {name!r}: {_kept_label(key, stashed)} ({_describe(t)}) is "
                             f"also the slot's output {i} (or a view of it), kept without "
@@ -519,7 +504,7 @@ def _know(known: dict[int, Tensor], tensors: Sequence[Tensor | None]) -> None:
         if t is None:
             continue
         known[id(t)] = t
-        base = t._base
+        base = _base(t)
         if base is not None:
             known[id(base)] = base
 
@@ -529,14 +514,14 @@ def _storage_excess(t: Tensor, known: dict[int, Tensor]) -> int:
     ptr = t.untyped_storage().data_ptr()
     on_it = sum(1 for k in known.values() if k.untyped_storage().data_ptr() == ptr)
     storage = t.untyped_storage()
-    return storage_use_count(storage._cdata) - 1 - on_it  # pyright: ignore[reportPrivateUsage]
+    return storage_use_count(storage_cdata(storage)) - 1 - on_it
 
 
 def _tensor_excess(t: Tensor, known: dict[int, Tensor], owners: set[int]) -> int:
     """References to ``t``'s tensor beyond its Python object, its accumulator (held) and
     the views of it the schedule knows."""
     expected = 1 + (id(t) in owners)
-    expected += sum(1 for k in known.values() if k._base is t)
+    expected += sum(1 for k in known.values() if _base(k) is t)
     return tensor_use_count(t) - expected
 
 

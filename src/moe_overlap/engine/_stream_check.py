@@ -40,8 +40,8 @@ from typing import Any, cast
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef as _StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from ._torch_private import TorchDispatchMode, op_schema, storage_cdata
 from .contracts import Contract, method
 from .core._errors import StreamError
 from .core._stream_observer import CpuStreamObserver
@@ -227,7 +227,7 @@ class StreamOrderChecker:
         if func.is_view or func in _NO_DATA:
             return  # a new view or metadata of its input: no element is read or written
         where = self._labels[-1] if self._labels else "code outside the schedule's nodes"
-        schema = func._schema
+        schema = op_schema(func)
         inputs: set[int] = set()
         for i, arg in enumerate(schema.arguments):
             value = args[i] if i < len(args) else kwargs.get(arg.name)
@@ -375,7 +375,7 @@ def _key(t: torch.Tensor) -> int | None:
         return None
     if storage.nbytes() == 0:
         return None
-    return cast(int, storage._cdata)  # pyright: ignore[reportPrivateUsage]
+    return storage_cdata(storage)
 
 
 def _tensors(value: object) -> Iterator[torch.Tensor]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import cast
 
 import torch
 from torch import Tensor
@@ -19,6 +18,7 @@ from ._options import Hook
 from ._protocols import FreeInputConfig, SlotFn, StreamProvider, WgradLayer
 from ._state import ChunkState, LayerState
 from ._streams import AnyEvent, record_tensor_on, stream_context
+from ._torch_private import set_grad_enabled as _set_grad_enabled
 
 __all__ = ["TransformerLayerNode", "refresh_collectives"]
 
@@ -280,12 +280,6 @@ def refresh_collectives() -> None:
 
 _COLLECTIVES = [False]
 refresh_collectives()
-
-
-_set_grad_enabled = cast(
-    "Callable[[bool], None]",
-    torch._C._set_grad_enabled,  # pyright: ignore[reportPrivateUsage] - what torch.no_grad calls
-)
 
 
 def _collect_wgrad_hooks(callables: Sequence[WgradLayer]) -> list[Callable[[], object]]:

@@ -14,7 +14,6 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import ParamSpec, TypeVar, cast
 
-import torch
 from torch import Tensor
 
 from ._errors import IntegrationError, NodeStateError
@@ -31,6 +30,15 @@ from ._streams import (
     record_tensor_on,
     release_storage,
 )
+from ._torch_private import multithreading_enabled as _multithreading_enabled
+
+# The autograd engine's entry point, called directly as Megatron-Core does:
+# ``torch.autograd.backward``'s Python wrapper re-validates what ``default_backward`` has
+# already filtered and costs ~5 us per node (benchmarks/bench_host_megatron.py). The engine
+# still checks each grad's shape against its output. Positional arguments: tensors,
+# grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad.
+from ._torch_private import run_backward as _run_backward
+from ._torch_private import set_multithreading_enabled as _set_multithreading_enabled
 
 __all__ = [
     "BackwardFunc",
@@ -111,17 +119,6 @@ def _describe(value: object) -> str:
     return type(value).__name__
 
 
-# The autograd engine's entry point, called directly as Megatron-Core does:
-# ``torch.autograd.backward``'s Python wrapper re-validates what ``default_backward`` has
-# already filtered and costs ~5 us per node (benchmarks/bench_host_megatron.py). The engine
-# still checks each grad's shape against its output. Positional arguments: tensors,
-# grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad.
-_run_backward = cast(
-    "Callable[..., object]",
-    torch.autograd.Variable._execution_engine.run_backward,  # pyright: ignore[reportPrivateUsage]
-)
-
-
 def default_backward(outputs: tuple[Tensor, ...], output_grads: tuple[Tensor | None, ...]) -> None:
     """Run autograd from ``outputs``, skipping outputs without grad or given a ``None`` grad.
 
@@ -172,10 +169,6 @@ def _backward_on_this_thread(tensors: tuple[Tensor, ...], grads: tuple[Tensor | 
         _run_backward(tensors, grads, False, False, (), True, True)
     finally:
         _set_multithreading_enabled(True)
-
-
-_multithreading_enabled = torch._C._is_multithreading_enabled  # pyright: ignore[reportPrivateUsage]
-_set_multithreading_enabled = torch._C._set_multithreading_enabled  # pyright: ignore[reportPrivateUsage]
 
 
 class ScheduleNode:

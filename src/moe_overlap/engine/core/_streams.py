@@ -23,6 +23,14 @@ import torch
 
 from ._errors import StreamError
 from ._stream_observer import observers as _CHECKING
+
+# torch's own calls under torch.cuda.current_stream / set_stream (None in CPU-only builds,
+# where no CUDA stream can exist), module globals here so the per-node switch reads them
+# as before (and a test can fake them).
+from ._torch_private import cuda_current_device as _cuda_current_device
+from ._torch_private import cuda_current_stream as _cuda_current_stream
+from ._torch_private import cuda_set_stream as _cuda_set_stream
+from ._torch_private import cuda_sleep
 from .args import (
     BOOL,
     NON_NEGATIVE,
@@ -413,12 +421,9 @@ class Shaker:
         self.probability = probability
         self.delays = 0
         """How many delays were queued (a test can tell it ran)."""
-        # torch.cuda._sleep spins for a number of GPU cycles; ~2 per ns on Hopper and Ampere.
+        # cuda_sleep spins for a number of GPU cycles; ~2 per ns on Hopper and Ampere.
         self._cycles_per_us = 2000.0
-        self._sleep = cast(
-            "Callable[[int], None]",
-            torch.cuda._sleep,  # pyright: ignore[reportPrivateUsage, reportUnknownMemberType]  # torch's test helper, unannotated
-        )
+        self._sleep = cuda_sleep
 
     def delay(self) -> None:
         """Queue a random spin (0 to ``max_us``) on the current stream, with the set probability."""
@@ -510,16 +515,6 @@ class _AlreadyCurrent:
     ) -> None:
         stream = self._stream
         _cuda_set_stream(stream.stream_id, stream.device_index, stream.device_type)
-
-
-# torch's own calls under torch.cuda.current_stream / set_stream; absent from CPU-only
-# builds, where no CUDA stream can exist.
-_C: object = torch._C  # pyright: ignore[reportPrivateUsage]
-_cuda_current_device = cast("Callable[[], int] | None", getattr(_C, "_cuda_getDevice", None))
-_cuda_current_stream = cast(
-    "Callable[[int], tuple[int, int, int]] | None", getattr(_C, "_cuda_getCurrentStream", None)
-)
-_cuda_set_stream = cast("Callable[[int, int, int], None]", getattr(_C, "_cuda_setStream", None))
 
 
 @contextlib.contextmanager
