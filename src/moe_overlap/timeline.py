@@ -286,9 +286,11 @@ class Timeline:
             Direction.FORWARD: "forward",
             Direction.BACKWARD: "backward",
             Direction.WGRAD: "weight gradient",
+            Direction.RECOMPUTE: "recompute",
         }
         colors = {Direction.FORWARD: "#4c78a8", Direction.BACKWARD: "#f58518"}
         colors[Direction.WGRAD] = "#54a24b"
+        colors[Direction.RECOMPUTE] = "#b279a2"
         rows = {StreamKind.COMP: 1, StreamKind.COMM: 0}
         spans = self.spans()
         fig_any, ax_any = plt.subplots(figsize=(16, 3.2))

@@ -191,7 +191,7 @@ def test_every_combination_of_levels_round_trips() -> None:
         text = str(step)
         assert Step.parse(text) == step, text
         seen.add(text)
-    assert len(seen) == 4 * 3 * 5 * 3 * (len(Slot) + 1) * 4  # no two steps print alike
+    assert len(seen) == len(Direction) * 3 * 5 * 3 * (len(Slot) + 1) * 4  # no two steps print alike
 
 
 @pytest.mark.parametrize(

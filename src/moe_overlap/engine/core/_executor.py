@@ -71,9 +71,11 @@ def execute_roles(
                     values[step.role] = node.forward(*values[step.role])
                 elif step.direction is Direction.BACKWARD:
                     values[step.role] = node.backward(*values[step.role])
-                else:
+                elif step.direction is Direction.WGRAD:
                     assert isinstance(node, TransformerLayerNode), f"wgrad step {step} on {node!r}"
                     node.backward_dw()
+                else:
+                    node.recompute()
             finally:
                 if observer is not None:
                     node.timer = None
@@ -106,6 +108,7 @@ def _schedule_error(
         Direction.FORWARD: "forward",
         Direction.BACKWARD: "backward",
         Direction.WGRAD: "wgrad",
+        Direction.RECOMPUTE: "recompute",
         Direction.HOOK: "hook",
     }[step.direction]
     layer = "-" if step.layer is None else str(step.layer)

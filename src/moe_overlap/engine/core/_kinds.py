@@ -19,11 +19,14 @@ class Role(str, enum.Enum):
 
 
 class Direction(str, enum.Enum):
-    """Forward, backward (activation grads) or delayed weight-gradient work."""
+    """Forward, backward (activation grads), delayed weight-gradient work, a recomputed
+    forward, or host code between nodes."""
 
     FORWARD = "F"
     BACKWARD = "B"
     WGRAD = "W"
+    RECOMPUTE = "R"
+    """A recomputed slot's forward run again (with autograd recording) before its backward."""
     HOOK = "H"
 
 

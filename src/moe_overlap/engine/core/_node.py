@@ -298,6 +298,18 @@ class ScheduleNode:
         """Tensors besides the outputs whose graph this node's backward runs (none here)."""
         return ()
 
+    def recompute(self) -> None:
+        """Run the forward again, recording autograd, for the backward (an ``R`` step).
+
+        Only a node built to be recomputed can; this one raises
+        :class:`~moe_overlap.NodeStateError`.
+        """
+        raise NodeStateError(
+            f"node {self.name!r}: a recompute step (R) expected a node whose slot is "
+            "recomputed, received one that keeps its activations; list R steps only for "
+            "the slots the schedule recomputes"
+        )
+
     def backward(self, *output_grad: Tensor | None) -> tuple[Tensor | None, ...]:
         """Backpropagate ``output_grad`` (one per output); return the inputs' grads."""
         if self.phase is not NodePhase.FORWARDED:
