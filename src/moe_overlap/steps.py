@@ -20,6 +20,9 @@ from moe_overlap.engine.core._macro import format_macro as format_macro
 from moe_overlap.engine.core._macro import forward_microbatches as forward_microbatches
 from moe_overlap.engine.core._macro import macro_steps as macro_steps
 from moe_overlap.engine.core._macro import parse_macro as parse_macro
+from moe_overlap.engine.core._node_schedule import NodeSchedule as NodeSchedule
+from moe_overlap.engine.core._node_schedule import check_node_order as check_node_order
+from moe_overlap.engine.core._node_schedule import microbatch_node_steps as microbatch_node_steps
 from moe_overlap.engine.core._options import ChunkHooks as ChunkHooks
 from moe_overlap.engine.core._order import PairKind as PairKind
 from moe_overlap.engine.core._order import PairOrder as PairOrder
@@ -46,6 +49,7 @@ __all__ = [
     "Direction",
     "LayerShape",
     "MacroStep",
+    "NodeSchedule",
     "NodeTimer",
     "OrderSearch",
     "PairKind",
@@ -61,6 +65,7 @@ __all__ = [
     "StreamKind",
     "backward_microbatches",
     "backward_pair_steps",
+    "check_node_order",
     "chunk_steps",
     "format_macro",
     "format_steps",
@@ -71,6 +76,7 @@ __all__ = [
     "macro_run_steps",
     "macro_steps",
     "makespan",
+    "microbatch_node_steps",
     "parse_macro",
     "predict_ms",
     "replay",

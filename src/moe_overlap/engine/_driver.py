@@ -22,9 +22,10 @@ from .core._chunk_plan import ModelChunkSchedulePlan
 from .core._errors import ConfigError, IntegrationError
 from .core._macro import ScheduleMode, backward_microbatches, forward_microbatches, macro_steps
 from .core._microbatch import Microbatch
+from .core._node_schedule import NodeSchedule, check_node_order
 from .core._options import ScheduleOptions
 from .core._protocols import PreprocessableModel, StepObserver
-from .core._runner import check_grad_mode, run_step
+from .core._runner import check_grad_mode, run_schedule, run_step
 from .core._state import ChunkState
 from .core._streams import StreamPair
 from .core.args import BOOL, CALLABLE, Instance, Opt, Real, check_arg
@@ -49,6 +50,7 @@ def combined_1f1b(
     observer: StepObserver | None = None,
     fill_drain: bool = False,
     consensus_group: dist.ProcessGroup | None = None,
+    schedule: NodeSchedule | None = None,
 ) -> list[Tensor]:
     """Run forward and backward of every microbatch; return the (detached, fp32) losses.
 
@@ -65,6 +67,14 @@ def combined_1f1b(
         F0+F1 | F2+B0 | F3+B1 | ... | F(N-1)+B(N-3) | B(N-2)+B(N-1)
 
     keeping one more microbatch's activations alive throughout.
+
+    ``schedule`` (a :class:`~moe_overlap.steps.NodeSchedule`, what the planner's
+    :func:`~moe_overlap.plan.search_schedules` returns) replaces those orders with any
+    exact order of every microbatch's node steps, any number of microbatches in flight,
+    ``W`` steps anywhere after their backward and ``R`` steps for the slots
+    ``options.recompute`` recomputes (:func:`~moe_overlap.steps.check_node_order` refuses
+    an order that would not be exact, naming the step and the rule); ``overlap`` and
+    ``fill_drain`` keep their defaults then.
     Either way the losses and the gradients accumulated into the parameters are those of
     ``(loss_i * loss_scale).backward()`` per microbatch, in order.
 
@@ -117,6 +127,7 @@ def combined_1f1b(
             on_plan=on_plan,
             observer=observer,
             fill_drain=fill_drain,
+            schedule=schedule,
         )
     )
 
@@ -133,6 +144,7 @@ def _step(
     on_plan: PlanCallback | None,
     observer: StepObserver | None,
     fill_drain: bool,
+    schedule: NodeSchedule | None = None,
 ) -> list[Tensor]:
     """:func:`combined_1f1b`'s step: the checks, then the schedule; ``vote.phase`` says how
     far it got."""
@@ -140,7 +152,7 @@ def _step(
     with checks_memoized():  # the model and its layers are checked once, not per plan
         model = check_model(model)
         _check_arguments(microbatches, overlap, options, streams, loss_scale, on_plan, observer)
-        mode = _schedule_mode(overlap, fill_drain)
+        mode = _schedule_mode(overlap, fill_drain, schedule, len(microbatches))
         _check_inputs(model, microbatches)
         check_grad_mode("combined_1f1b")
         declared = declared_wgrad(model)
@@ -150,10 +162,11 @@ def _step(
         vote.phase = Phase.DURING  # from here on, the step communicates
         if DEBUG:  # the model's first step: its schedule and its plain forward agree
             first = [microbatches[0]]
+            alone = ScheduleMode.OVERLAPPED if isinstance(mode, NodeSchedule) else mode
             check_first_step(
                 model,
                 microbatches[0],
-                lambda: _run(model, first, mode, options, streams, loss_scale, None, None),
+                lambda: _run(model, first, alone, options, streams, loss_scale, None, None),
                 loss_scale,
             )
         with inputs_checked(microbatches):  # above: once per microbatch, not again per plan
@@ -168,7 +181,7 @@ def _step(
 def _run(
     model: PreprocessableModel,
     microbatches: Sequence[Microbatch],
-    mode: ScheduleMode,
+    mode: ScheduleMode | NodeSchedule,
     options: ScheduleOptions,
     streams: StreamPair | None,
     loss_scale: float,
@@ -177,7 +190,12 @@ def _run(
 ) -> list[Tensor]:
     """The schedule itself: walk :func:`macro_steps`, building each microbatch's plan at
     its forward, running each step with the one runner (:func:`run_step`), which releases
-    a plan after its backward; the losses, in order."""
+    a plan after its backward; the losses, in order. A :class:`NodeSchedule` runs through
+    :func:`run_schedule` instead."""
+    if isinstance(mode, NodeSchedule):
+        return _run_schedule(
+            model, microbatches, mode, options, streams, loss_scale, on_plan, observer
+        )
     losses: list[Tensor] = []
     live: dict[int, ModelChunkSchedulePlan] = {}
     try:
@@ -211,6 +229,52 @@ def _run(
             if not plan.released:
                 plan.release_state()
     return losses
+
+
+def _run_schedule(
+    model: PreprocessableModel,
+    microbatches: Sequence[Microbatch],
+    schedule: NodeSchedule,
+    options: ScheduleOptions,
+    streams: StreamPair | None,
+    loss_scale: float,
+    on_plan: PlanCallback | None,
+    observer: StepObserver | None,
+) -> list[Tensor]:
+    """:func:`_run` for a :class:`NodeSchedule`: the first microbatch's plan is built first,
+    its shape checks the order (:func:`check_node_order`), then :func:`run_schedule`."""
+    losses: dict[int, Tensor] = {}
+    first = cast(int, schedule.steps[0].microbatch)
+
+    def build(mb: int) -> ModelChunkSchedulePlan:
+        plan = ModelChunkSchedulePlan(
+            model, microbatches[mb], options=options, streams=streams, index=mb
+        )
+        if on_plan is not None:
+            on_plan(plan)
+        return plan
+
+    ahead = [build(first)]  # built before the walk; handed to it at its first step
+    try:
+        check_node_order(schedule, [ahead[0].shape] * len(microbatches), recompute=())
+    except BaseException:
+        ahead.pop().release_state()
+        raise
+
+    def plan_of(mb: int) -> ModelChunkSchedulePlan:
+        return ahead.pop() if ahead and mb == first else build(mb)
+
+    def output_grad(mb: int, out: Tensor | None) -> Tensor:
+        loss = _check_loss(model, out)
+        losses[mb] = loss
+        return torch.full_like(loss, loss_scale)
+
+    try:
+        run_schedule(schedule, plan_of, output_grad, observer=observer)
+    finally:
+        for plan in ahead:  # failed before its first step
+            plan.release_state()
+    return [losses[i] for i in range(len(microbatches))]
 
 
 _OBSERVER = OPT_STEP_OBSERVER
@@ -249,6 +313,7 @@ def _check_arguments(
 _MICROBATCH_ITEM = Instance(Microbatch, "a Microbatch")
 _SCHEDULE_OPTIONS = Instance(ScheduleOptions, "a ScheduleOptions")
 _LOSS_SCALE = Real()
+_NODE_SCHEDULE = Instance(NodeSchedule, "a NodeSchedule (moe_overlap.steps.NodeSchedule)")
 
 
 def _check_inputs(model: PreprocessableModel, microbatches: Sequence[Microbatch]) -> None:
@@ -262,9 +327,26 @@ def _check_inputs(model: PreprocessableModel, microbatches: Sequence[Microbatch]
         )
 
 
-def _schedule_mode(overlap: bool, fill_drain: object) -> ScheduleMode:
-    """The mode of ``overlap`` (checked already) and ``fill_drain``, which needs it."""
+def _schedule_mode(
+    overlap: bool, fill_drain: object, schedule: object, n: int
+) -> ScheduleMode | NodeSchedule:
+    """The mode of ``overlap`` (checked already) and ``fill_drain``, which needs it; or
+    ``schedule``, which replaces them."""
     fill_drain = check_arg("combined_1f1b", "fill_drain", fill_drain, BOOL)
+    if schedule is not None:
+        schedule = check_arg("combined_1f1b", "schedule", schedule, _NODE_SCHEDULE)
+        if not overlap or fill_drain:
+            raise ConfigError(
+                "combined_1f1b: schedule gives the whole order; expected overlap and "
+                f"fill_drain left at their defaults with it, received overlap={overlap}, "
+                f"fill_drain={fill_drain}"
+            )
+        if schedule.microbatches != n or not schedule.steps:
+            raise ConfigError(
+                f"combined_1f1b: expected a schedule of the {n} microbatches given, received "
+                f"one of {schedule.microbatches}"
+            )
+        return schedule
     if fill_drain and not overlap:
         raise ConfigError(
             "combined_1f1b: fill_drain overlaps the first two forwards and the last two "

@@ -42,6 +42,7 @@ from moe_overlap.plan._search_steps import (
     SearchStep,
     StepTimes,
     check_exact,
+    node_schedule,
     replay_order,
 )
 from moe_overlap.plan._simulate import Costs, PlanSpan, RankFigures, stage_layers
@@ -75,6 +76,7 @@ __all__ = [
     "fit_activations",
     "fit_contention",
     "load_profile",
+    "node_schedule",
     "p2p_ms",
     "plan",
     "profile_times",

@@ -40,7 +40,7 @@ from moe_overlap.engine.core.args import (
     check_arg,
     check_fields,
 )
-from moe_overlap.steps import Direction, Slot, StreamKind
+from moe_overlap.steps import Direction, NodeSchedule, Slot, StreamKind
 
 __all__ = [
     "ActivationModel",
@@ -49,6 +49,7 @@ __all__ = [
     "SearchStep",
     "StepTimes",
     "check_exact",
+    "node_schedule",
     "replay_order",
 ]
 
@@ -226,6 +227,32 @@ def _fractions(where: str, values: Mapping[Slot, float]) -> None:
             raise ConfigError(
                 f"{where}: expected Slot keys and shares in [0, 1], received {key!r}: {value!r}"
             )
+
+
+def node_schedule(order: Order) -> NodeSchedule:
+    """``order`` as the :class:`~moe_overlap.steps.NodeSchedule` that
+    :func:`~moe_overlap.combined_1f1b` runs (``schedule=``): its joins left out (the engine
+    needs none), recompute steps as ``R``. A chunked order is refused
+    (:class:`~moe_overlap.ConfigError`): the engine runs a chunked all-to-all inside one
+    dispatch, mlp and combine node (``moe_overlap.blocks``), not as steps of its own."""
+    steps: list[str] = []
+    for i, step in enumerate(order):
+        if step is None:
+            continue
+        if not isinstance(cast(object, step), SearchStep):
+            raise ConfigError(
+                f"node_schedule: step {i}: expected a SearchStep or None (a join), received "
+                f"{type(cast(object, step)).__name__}"
+            )
+        if step.chunk is not None:
+            raise ConfigError(
+                f"node_schedule: step {i} ({step}): expected unchunked steps (chunks=1), "
+                "received a chunk; the engine chunks an all-to-all inside its nodes "
+                "(moe_overlap.blocks), so search with SearchSpace(chunks=(1,)) for a "
+                "schedule to run"
+            )
+        steps.append(str(step))
+    return NodeSchedule(steps)
 
 
 def _slot_key(step: SearchStep) -> tuple[int | None, Slot]:

@@ -36,21 +36,23 @@ class NodeSource(Protocol):
 
 
 Value = tuple["Tensor | None", ...]
-# The maps below are keyed by a step's role: ``Role | None`` as the step's field is, so the
-# walk reads them without a check per step (the step lists always give a role).
+# The maps below are keyed by a step's role (a macro step's node steps), or by its
+# microbatch when it has none (a NodeSchedule's steps).
 
 
 def execute_roles(
     steps: Sequence[Step],
-    plans: Mapping[Role | None, NodeSource | None],
-    values: dict[Role | None, Value],
+    plans: Mapping[Role | int | None, NodeSource | None],
+    values: dict[Role | int | None, Value],
     *,
     run_hook: Callable[[Step], None] | None = None,
     on_error: Callable[[], None] | None = None,
     observer: StepObserver | None = None,
 ) -> None:
-    """Run ``steps`` in order, each on the plan of its role, threading ``values[role]``
-    (the tensors flowing forward, or the grads flowing backward) through its nodes.
+    """Run ``steps`` in order, each on the plan of its role (or, without one, of its
+    microbatch), threading ``values[role]`` (the tensors flowing forward, or the grads
+    flowing backward) through its nodes. ``plans`` may gain plans while the walk runs
+    (a hook step builds one).
 
     With an ``observer``, each non-hook step's node holds the observer's timer for
     ``step`` while it runs (``node.timer``), and ``None`` again afterwards, also on failure.
@@ -61,16 +63,17 @@ def execute_roles(
                 assert run_hook is not None, "hook step without a hook runner"
                 run_hook(step)
                 continue
-            source = plans.get(step.role)
+            key = step.role if step.role is not None else step.microbatch
+            source = plans.get(key)
             assert source is not None, f"step {step} has no plan for its role"
             node = source.node_for(step)
             if observer is not None:
                 node.timer = observer.timer(step, source.microbatch_index)
             try:
                 if step.direction is Direction.FORWARD:
-                    values[step.role] = node.forward(*values[step.role])
+                    values[key] = node.forward(*values[key])
                 elif step.direction is Direction.BACKWARD:
-                    values[step.role] = node.backward(*values[step.role])
+                    values[key] = node.backward(*values[key])
                 elif step.direction is Direction.WGRAD:
                     assert isinstance(node, TransformerLayerNode), f"wgrad step {step} on {node!r}"
                     node.backward_dw()
@@ -98,12 +101,12 @@ _ROLE_NAMES: dict[Role | None, str] = {
 def _schedule_error(
     steps: Sequence[Step],
     index: int,
-    plans: Mapping[Role | None, NodeSource | None],
+    plans: Mapping[Role | int | None, NodeSource | None],
     exc: Exception,
 ) -> ScheduleError:
     step = steps[index]
-    source = plans.get(step.role)
-    mb = source.microbatch_index if source is not None else None
+    source = plans.get(step.role if step.role is not None else step.microbatch)
+    mb = source.microbatch_index if source is not None else step.microbatch
     direction = {
         Direction.FORWARD: "forward",
         Direction.BACKWARD: "backward",
@@ -113,14 +116,15 @@ def _schedule_error(
     }[step.direction]
     layer = "-" if step.layer is None else str(step.layer)
     slot = "-" if step.slot is None else step.slot.value
+    role = f"{_ROLE_NAMES[step.role]} " if step.role is not None else ""
     position = (
-        f"step {index} '{step}': {_ROLE_NAMES[step.role]} microbatch {mb}, layer {layer}, "
-        f"slot {slot}, {direction}"
+        f"step {index} '{step}': {role}microbatch {mb}, layer {layer}, slot {slot}, {direction}"
     )
     pair = ", ".join(
-        f"{_ROLE_NAMES[role]} microbatch {p.microbatch_index if p is not None else None}"
-        for role, p in plans.items()
-        if role in (Role.F, Role.B) or p is not None
+        f"{_ROLE_NAMES[key] if isinstance(key, Role) else 'live'} microbatch "
+        f"{p.microbatch_index if p is not None else None}"
+        for key, p in plans.items()
+        if key in (Role.F, Role.B) or p is not None
     )
     hint = freed_memory_hint(exc)
     message = (

@@ -226,7 +226,7 @@ class TransformerLayerSchedulePlan:
             b_layer.shape if b_layer is not None else None,
             is_last_layer_in_bwd=is_last_layer_in_bwd,
         )
-        values: dict[Role | None, Value] = {Role.F: f_input, Role.B: b_grad}
+        values: dict[Role | int | None, Value] = {Role.F: f_input, Role.B: b_grad}
         execute_roles(steps, {Role.F: f_layer, Role.B: b_layer}, values, observer=observer)
         return cast("tuple[Tensor, ...]", values[Role.F]), values[Role.B]
 

@@ -1,4 +1,5 @@
-"""The one runner: any macro step (F, B, F+B, F+F, B+B) of model-chunk plans, from its steps.
+"""The one runner: any macro step (F, B, F+B, F+F, B+B) of model-chunk plans, from its
+steps; or a whole :class:`~moe_overlap.steps.NodeSchedule` (:func:`run_schedule`).
 
 :func:`run_step` is what :func:`~moe_overlap.combined_1f1b`, :meth:`ModelChunkSchedulePlan.run
 <moe_overlap.ModelChunkSchedulePlan.run>` and :func:`~moe_overlap.steps.run_pair` run::
@@ -15,21 +16,22 @@ On failure (step 4) every plan is released after the device is synchronized.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol, cast, runtime_checkable
 
 import torch
 from torch import Tensor
 
 from ._errors import ConfigError, IntegrationError, PlanReleasedError
-from ._executor import Value, execute_roles
+from ._executor import NodeSource, Value, execute_roles
 from ._node import ScheduleNode
+from ._node_schedule import NodeSchedule
 from ._options import ChunkHooks
 from ._protocols import StepObserver
-from ._steps import ChunkShape, Role, Slot, Step, macro_node_steps
+from ._steps import ChunkShape, Direction, Role, Slot, Step, StreamKind, macro_node_steps
 from ._streams import StreamPair, stream_context, synchronize
 
-__all__ = ["ChunkRun", "check_grad_mode", "check_grads", "run_step"]
+__all__ = ["ChunkRun", "check_grad_mode", "check_grads", "run_schedule", "run_step"]
 
 
 @runtime_checkable
@@ -106,11 +108,11 @@ def run_step(
         post_forward=hooks.post_forward is not None,
         post_backward=hooks.post_backward is not None,
     )
-    roles: dict[Role | None, ChunkRun] = {
+    roles: dict[Role | int | None, ChunkRun] = {
         **dict(zip(_FORWARD_ROLES[: len(forward)], forward, strict=True)),
         **dict(zip(_BACKWARD_ROLES[: len(backward)], backward, strict=True)),
     }
-    values: dict[Role | None, Value] = {role: () for role in roles}
+    values: dict[Role | int | None, Value] = {role: () for role in roles}
     for role, grad in zip(_BACKWARD_ROLES[: len(grads)], grads, strict=True):
         values[role] = (cast(Tensor, grad),)  # checked in 1.
     # 3. every plan waits for the caller's stream
@@ -126,7 +128,14 @@ def run_step(
         _run_hook(hooks, step, roles[step.role], values)
 
     # 4. walk the steps
-    execute_roles(steps, roles, values, run_hook=run_hook, on_error=on_error, observer=observer)
+    execute_roles(
+        steps,
+        cast("dict[Role | int | None, NodeSource | None]", roles),
+        values,
+        run_hook=run_hook,
+        on_error=on_error,
+        observer=observer,
+    )
     # 5. the caller's stream waits for every plan
     for plan in plans:
         plan.wait_current_stream()
@@ -170,7 +179,7 @@ def check_grad_mode(where: str) -> None:
 
 
 def _run_hook(
-    hooks: ChunkHooks, step: Step, plan: ChunkRun, values: dict[Role | None, Value]
+    hooks: ChunkHooks, step: Step, plan: ChunkRun, values: dict[Role | int | None, Value]
 ) -> None:
     """A p2p hook step of a one-forward/one-backward step, on the plan of its role."""
     if step.slot is Slot.PRE_FORWARD and hooks.pre_forward is not None:
@@ -189,3 +198,93 @@ def _run_hook(
         plan.wait_current_stream()
         grads = values[Role.B]
         hooks.post_backward(grads[0] if grads else None, plan.vp_stage)
+
+
+def run_schedule(
+    schedule: NodeSchedule,
+    build: Callable[[int], ChunkRun],
+    output_grad: Callable[[int, Tensor | None], Tensor],
+    *,
+    observer: StepObserver | None = None,
+) -> None:
+    """Run a whole :class:`~moe_overlap.steps.NodeSchedule` (checked against the model
+    by the caller: :func:`check_node_order`), any number of microbatches in flight::
+
+        1. before a microbatch's first step: build its plan, which waits for the caller's
+           stream                                         (hook step  pre_forward.H<mb>)
+        2. after its last forward step: its output goes to the caller, and
+           ``output_grad(mb, output)`` (on the caller's stream) becomes the value its
+           backward starts from                           (hook step  post_forward.H<mb>)
+        3. after its last step: its plan is released      (hook step  post_backward.H<mb>)
+        4. at the end, the caller's stream waits for every microbatch
+
+    Each step runs on its microbatch's plan (:func:`execute_roles`). On failure every
+    live plan is released after the device is synchronized.
+    """
+    steps = _with_lifecycle(schedule.steps)
+    plans: dict[Role | int | None, NodeSource | None] = {}
+    values: dict[Role | int | None, Value] = {}
+    live: dict[int, ChunkRun] = {}
+    done: list[ChunkRun] = []
+
+    def run_hook(step: Step) -> None:
+        mb = cast(int, step.microbatch)
+        if step.slot is Slot.PRE_FORWARD:  # 1.
+            plan = build(mb)
+            plan.record_current_stream()
+            live[mb] = plan
+            plans[mb] = plan
+            values[mb] = ()
+        elif step.slot is Slot.POST_FORWARD:  # 2.
+            plan = live[mb]
+            value = values[mb]
+            out = value[0] if value else None
+            plan.hand_to_caller(out)
+            values[mb] = (output_grad(mb, out),)
+            plan.record_current_stream()
+        else:  # 3.
+            plan = live.pop(mb)
+            del plans[mb]
+            del values[mb]
+            plan.release_state()
+            done.append(plan)
+
+    def on_error() -> None:
+        for plan in live.values():
+            synchronize(plan.streams.comp)  # the whole device: both streams
+            plan.release_state()
+
+    execute_roles(steps, plans, values, run_hook=run_hook, on_error=on_error, observer=observer)
+    for plan in done:  # 4.
+        plan.wait_current_stream()
+
+
+def _with_lifecycle(steps: Sequence[Step]) -> list[Step]:
+    """``steps`` with each microbatch's three lifecycle hook steps (see :func:`run_schedule`)."""
+    first: dict[int, int] = {}
+    last_forward: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, step in enumerate(steps):
+        mb = cast(int, step.microbatch)
+        first.setdefault(mb, i)
+        if step.direction is Direction.FORWARD:
+            last_forward[mb] = i
+        last[mb] = i
+    before: dict[int, list[Step]] = {}
+    after: dict[int, list[Step]] = {}
+    for mb, i in first.items():
+        before.setdefault(i, []).append(_hook(Slot.PRE_FORWARD, mb))
+    for mb, i in last_forward.items():
+        after.setdefault(i, []).append(_hook(Slot.POST_FORWARD, mb))
+    for mb, i in last.items():
+        after.setdefault(i, []).append(_hook(Slot.POST_BACKWARD, mb))
+    out: list[Step] = []
+    for i, step in enumerate(steps):
+        out += before.get(i, ())
+        out.append(step)
+        out += after.get(i, ())
+    return out
+
+
+def _hook(slot: Slot, mb: int) -> Step:
+    return Step(Direction.HOOK, mb, None, None, slot, StreamKind.HOST)

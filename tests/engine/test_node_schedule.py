@@ -1,0 +1,258 @@
+"""A whole schedule as node steps (``combined_1f1b(schedule=...)``): the rules as data, then
+bit-identity to plain per-microbatch backward() for today's orders, the planner's and
+random exact ones, any number of microbatches in flight."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+from moe_overlap import ConfigError, ScheduleError, ScheduleOptions, SlotContext, combined_1f1b
+from moe_overlap.plan import ScheduleGraph, node_schedule, today_orders
+from moe_overlap.steps import (
+    ChunkShape,
+    Direction,
+    LayerShape,
+    NodeSchedule,
+    Slot,
+    Step,
+    check_node_order,
+    microbatch_node_steps,
+)
+
+from .test_parity import assert_same
+from .toy_model import ToyConfig, ToyLayer, ToyModel, grads, make_microbatches, plain_step
+
+_W = Direction.WGRAD
+
+
+def _shape(kinds: str, delay: bool = False) -> ChunkShape:
+    return ChunkShape(
+        layers=tuple(
+            LayerShape(index=i, is_moe=k == "m", delay_wgrad=delay) for i, k in enumerate(kinds)
+        )
+    )
+
+
+def random_order(shape: ChunkShape, n: int, seed: int, *, in_flight: int = 3) -> NodeSchedule:
+    """A random exact order of ``n`` microbatches' steps, at most ``in_flight`` started and
+    not finished at once: each pick is a microbatch's next step (or an owed ``W``) that the
+    rules allow; the oldest unfinished microbatch can always go on, so it never sticks."""
+    rng = random.Random(seed)
+    orders = [microbatch_node_steps(shape, mb)[0] for mb in range(n)]
+    plain = [[s for s in o if s.direction is not _W] for o in orders]
+    wgrads = [{(s.layer, s.slot): s for s in o if s.direction is _W} for o in orders]
+    pos = [0] * n
+    owed: list[dict[tuple[int | None, Slot | None], Step]] = [{} for _ in range(n)]
+    fwd_done: dict[tuple[int | None, Slot | None], int] = {}
+    bwd_done: dict[tuple[int | None, Slot | None], int] = {}
+    out: list[Step] = []
+
+    def allowed(mb: int, step: Step) -> bool:
+        key = (step.layer, step.slot)
+        if step.direction is Direction.FORWARD:
+            return fwd_done.get(key, -1) == mb - 1
+        if step.direction is Direction.BACKWARD:  # earlier ones done with the slot, W too
+            return bwd_done.get(key, -1) == mb - 1 and all(key not in owed[m] for m in range(mb))
+        return True
+
+    while any(pos[mb] < len(plain[mb]) or owed[mb] for mb in range(n)):
+        started = [mb for mb in range(n) if 0 < pos[mb] < len(plain[mb]) or owed[mb]]
+        choices: list[tuple[int, Step]] = []
+        for mb in range(n):
+            choices += [(mb, w) for w in owed[mb].values()]
+            if pos[mb] < len(plain[mb]) and (pos[mb] > 0 or len(started) < in_flight):
+                step = plain[mb][pos[mb]]
+                if allowed(mb, step):
+                    choices.append((mb, step))
+        mb, step = rng.choice(choices)
+        key = (step.layer, step.slot)
+        out.append(step)
+        if step.direction is _W:
+            del owed[mb][key]
+            continue
+        pos[mb] += 1
+        if step.direction is Direction.FORWARD:
+            fwd_done[key] = mb
+        else:
+            bwd_done[key] = mb
+            if key in wgrads[mb]:
+                owed[mb][key] = wgrads[mb][key]
+    return NodeSchedule(out)
+
+
+def _run_both(
+    stack: str, schedule: NodeSchedule, *, delay: bool = False, n: int | None = None
+) -> None:
+    config = ToyConfig(shared_expert=True)
+    ref = ToyModel(config, stack)
+    model = copy.deepcopy(ref)
+    mbs = make_microbatches(n or schedule.microbatches, config)
+    want = plain_step(ref, mbs)
+    model.set_delay(delay)
+    options = ScheduleOptions(delay_wgrad_compute=delay)
+    got = combined_1f1b(model, mbs, options=options, schedule=schedule)
+    assert model.pending_wgrad == 0
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert_same(grads(model), grads(ref))
+
+
+def test_a_schedule_round_trips_through_its_text() -> None:
+    steps, _ = microbatch_node_steps(_shape("dm", delay=True), 1)
+    schedule = NodeSchedule(steps)
+    assert NodeSchedule.parse(str(schedule)) == schedule
+    assert str(schedule).split()[:3] == [
+        "pre_process.F1@comp",
+        "L0.pre_dispatch.F1@comp",
+        "L0.mlp.F1@comp",
+    ]
+    assert "L1.dispatch.F1@comm" in str(schedule)
+    assert schedule.microbatches == 2
+    with pytest.raises(AttributeError):
+        schedule.steps = ()
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("b.L0.mlp.F0", "a role"),
+        ("L0.mlp.F", "no microbatch"),
+        ("F0", "no slot"),
+        ("L0.mlp.H0", "direction H"),
+        ("L0.pre_process.F0", "layer on pre/post-process"),
+        ("mlp.F0", "layer slot without a layer"),
+        ("L0.nope.F0", "unknown slot"),
+    ],
+)
+def test_malformed_steps_are_refused(text: str, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        NodeSchedule(text)
+
+
+def _plain_order(shape: ChunkShape, n: int) -> list[Step]:
+    return [s for mb in range(n) for s in microbatch_node_steps(shape, mb)[0]]
+
+
+def _move(
+    steps: list[Step], a: str, *, before: str | None = None, after: str | None = None
+) -> NodeSchedule:
+    """``steps`` with step ``a`` taken out and put back before or after another."""
+    out = [s for s in steps if str(s) != a]
+    moved = next(s for s in steps if str(s) == a)
+    at = next(k for k, s in enumerate(out) if str(s) == (before or after))
+    out.insert(at if before else at + 1, moved)
+    return NodeSchedule(out)
+
+
+def _two_microbatches(shape: ChunkShape) -> list[Step]:
+    """Microbatches 0 and 1 forward step by step side by side, then 0's backward, 1's."""
+    (f0, b0), (f1, b1) = ((_split(microbatch_node_steps(shape, mb)[0])) for mb in range(2))
+    return [s for pair in zip(f0, f1, strict=True) for s in pair] + b0 + b1
+
+
+def _split(steps: list[Step]) -> tuple[list[Step], list[Step]]:
+    k = next(i for i, s in enumerate(steps) if s.direction is not Direction.FORWARD)
+    return steps[:k], steps[k:]
+
+
+@pytest.mark.parametrize(
+    ("edit", "match"),
+    [
+        (lambda s: NodeSchedule(s[:-1]), "received 1 missing"),
+        (lambda s: NodeSchedule([*s, s[0]]), "twice"),
+        (
+            lambda s: _move(s, "L0.mlp.F0@comp", before="L0.pre_dispatch.F0@comp"),
+            "plain backward\\(\\)'s order",
+        ),
+        (
+            lambda s: _move(s, "L0.pre_dispatch.F1@comp", before="L0.pre_dispatch.F0@comp"),
+            "forwards in microbatch order",
+        ),
+        (
+            lambda s: _move(s, "L1.mlp.W0@comp", after="L1.mlp.B1@comp"),
+            "before the next microbatch",
+        ),
+        (lambda s: _move(s, "L1.mlp.W0@comp", before="L1.mlp.B0@comp"), "needs its backward"),
+        (lambda s: NodeSchedule([t._replace(stream=None) for t in s]), None),
+        (lambda s: NodeSchedule(["pre_process.F0@comm", *s[1:]]), "comp stream"),
+        (lambda s: NodeSchedule([*s, Step.parse("L7.mlp.F0")]), "does not have"),
+        (lambda s: NodeSchedule([*s, Step.parse("L1.mlp.R0")]), "R only for recomputed"),
+    ],
+)
+def test_orders_that_are_not_exact_are_refused_naming_the_rule(edit, match) -> None:  # type: ignore[no-untyped-def]
+    shape = _shape("dm", delay=True)
+    schedule = edit(_two_microbatches(shape))
+    if match is None:
+        check_node_order(schedule, [shape, shape])  # steps without their streams are fine
+        return
+    with pytest.raises(ConfigError, match=match):
+        check_node_order(schedule, [shape, shape])
+
+
+def test_the_plain_order_and_the_random_ones_pass_the_rules() -> None:
+    shape = _shape("mdm", delay=True)
+    check_node_order(NodeSchedule(_plain_order(shape, 3)), [shape] * 3)
+    for seed in range(20):
+        check_node_order(random_order(shape, 4, seed), [shape] * 4)
+
+
+@pytest.mark.parametrize("stack", ["dm", "mm", "mdm"])
+@pytest.mark.parametrize("name", ["serial", "overlapped", "fill_drain"])
+def test_today_s_orders_from_the_planner_are_bit_identical(stack: str, name: str) -> None:
+    graph = ScheduleGraph(microbatches=3, moe=tuple(k == "m" for k in stack))
+    _run_both(stack, node_schedule(today_orders(graph)[name]))
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("delay", [False, True])
+def test_random_exact_orders_are_bit_identical(seed: int, delay: bool) -> None:
+    stack = ["mdm", "mm", "dm"][seed % 3]
+    shape = _shape(stack, delay=delay)
+    in_flight = 2 + seed % 3  # 2, 3, 4 microbatches in flight
+    _run_both(stack, random_order(shape, 4, seed, in_flight=in_flight), delay=delay)
+
+
+def test_the_schedule_replaces_overlap_and_fill_drain_and_must_match_the_microbatches() -> None:
+    config = ToyConfig()
+    model = ToyModel(config, "dm")
+    schedule = NodeSchedule(_plain_order(_shape("dm"), 2))
+    mbs = make_microbatches(2, config)
+    with pytest.raises(ConfigError, match="overlap and fill_drain left at their defaults"):
+        combined_1f1b(model, mbs, schedule=schedule, fill_drain=True)
+    with pytest.raises(ConfigError, match="a schedule of the 3 microbatches given"):
+        combined_1f1b(model, make_microbatches(3, config), schedule=schedule)
+    with pytest.raises(ConfigError, match="a NodeSchedule"):
+        combined_1f1b(model, mbs, schedule=str(schedule))  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ConfigError, match="does not have"):  # a dense layer has no dispatch
+        combined_1f1b(model, mbs, schedule=NodeSchedule(_plain_order(_shape("mm"), 2)))
+    assert all(p.grad is None for p in model.parameters())  # refused before any step ran
+
+
+def test_a_failing_step_names_itself_and_the_next_step_is_exact() -> None:
+    config = ToyConfig()
+    ref = ToyModel(config, "mm")
+    model = copy.deepcopy(ref)
+    mbs = make_microbatches(3, config)
+    schedule = random_order(_shape("mm"), 3, seed=5)
+    layer = model.decoder.layers[1]
+    assert isinstance(layer, ToyLayer)
+    original = layer.slot_mlp
+
+    def failing(node: SlotContext, inputs: tuple[torch.Tensor, ...], /) -> object:
+        if node.chunk_state.microbatch is mbs[1]:
+            raise RuntimeError("mlp failed on purpose")
+        return original(node, inputs)
+
+    layer.slot_mlp = failing  # type: ignore[method-assign,assignment]  # pyright: ignore[reportAttributeAccessIssue]
+    with pytest.raises(ScheduleError, match=r"L1\.mlp\.F1") as info:
+        combined_1f1b(model, mbs, schedule=schedule)
+    assert "microbatch 1, layer 1, slot mlp, forward" in str(info.value)
+    del layer.slot_mlp
+    model.zero_grad(set_to_none=True)
+    got = combined_1f1b(model, mbs, schedule=schedule)
+    want = plain_step(ref, mbs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert_same(grads(model), grads(ref))
