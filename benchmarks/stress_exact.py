@@ -7,7 +7,8 @@ with NaN, so a read before a write shows) and checks every run's losses and grad
 bit-identical to a reference computed once:
 
 - ``combined_1f1b`` (overlapped, fill/drain, recompute, delayed wgrad, early release,
-  chunked all-to-all), every one with the loopback all-to-all: against plain
+  chunked all-to-all, fill/drain given as a whole node schedule without joins), every one
+  with the loopback all-to-all: against plain
   per-microbatch ``backward()`` on an identical model;
 - torch pipelining schedules prepared by ``prepare_schedule`` (paired interleaved 1F1B,
   DualPipeV, ZBV zero bubble), two stages on this rank, loopback all-to-all: against
@@ -51,9 +52,19 @@ from moe_overlap import Microbatch, ScheduleOptions, combined_1f1b, make_streams
 from moe_overlap.blocks import finish_wgrad
 from moe_overlap.integrations.pipelining import prepare_schedule
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel, GPTMoEStage, masked_cross_entropy
+from moe_overlap.plan import ScheduleGraph, node_schedule, today_orders
+from moe_overlap.steps import NodeSchedule
 from moe_overlap.streams import shake
 
-C1F1B = ("overlapped", "fill_drain", "recompute", "delay_wgrad", "early_release", "a2a_chunks")
+C1F1B = (
+    "overlapped",
+    "fill_drain",
+    "recompute",
+    "delay_wgrad",
+    "early_release",
+    "a2a_chunks",
+    "node_schedule",
+)
 PIPELINES = ("pp_interleaved", "pp_dualpipev", "pp_zbv")
 COMPOSITIONS = C1F1B + PIPELINES
 
@@ -160,6 +171,10 @@ class C1F1BCase:
             options = dataclasses.replace(options, ep_overlap_early_attn_memory_release=True)
         self.options: ScheduleOptions = options
         self.fill_drain = composition == "fill_drain"
+        self.schedule: NodeSchedule | None = None
+        if composition == "node_schedule":  # fill/drain as node steps, no joins
+            graph = ScheduleGraph(microbatches=len(self.mbs), moe=(True,) * config.num_layers)
+            self.schedule = node_schedule(today_orders(graph)["fill_drain"])
         self.streams = make_streams(device)
 
     def run(self) -> list[str]:
@@ -170,6 +185,7 @@ class C1F1BCase:
             options=self.options,
             streams=self.streams,
             fill_drain=self.fill_drain,
+            schedule=self.schedule,
         )
         return mismatches(self.model, self.want, list(got), self.losses)
 
