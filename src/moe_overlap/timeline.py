@@ -48,8 +48,10 @@ class Span:
     host_end_ms: float
 
     @property
-    def role(self) -> Role:
-        return _given(self.step.role, self.step)
+    def role(self) -> Role | None:
+        """The step's role in a paired run; ``None`` for a node schedule's steps, which
+        name their microbatch instead (:class:`~moe_overlap.steps.NodeSchedule`)."""
+        return self.step.role
 
     @property
     def layer(self) -> int | None:
@@ -79,10 +81,10 @@ class Span:
 
 
 def _given(value: _T | None, step: Step) -> _T:
-    """A node step's role, slot or stream (a span's step always has them)."""
+    """A node step's slot or stream (a span's step always has them)."""
     if value is None:
         raise ConfigError(
-            f"Span: expected a node step with a role, a slot and a stream (e.g. "
+            f"Span: expected a node step with a slot and a stream (e.g. "
             f"'f.L0.mlp.F@comp'), received {step}"
         )
     return value

@@ -256,3 +256,17 @@ def test_a_failing_step_names_itself_and_the_next_step_is_exact() -> None:
     want = plain_step(ref, mbs)
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
     assert_same(grads(model), grads(ref))
+
+
+def test_a_timeline_records_every_step_of_a_schedule() -> None:
+    from moe_overlap.timeline import Timeline
+
+    config = ToyConfig()
+    model = ToyModel(config, "dm")
+    schedule = random_order(_shape("dm"), 3, seed=2)
+    timeline = Timeline()
+    combined_1f1b(model, make_microbatches(3, config), schedule=schedule, observer=timeline)
+    spans = timeline.spans()
+    assert [(s.step, s.microbatch) for s in spans] == [(s, s.microbatch) for s in schedule.steps]
+    assert {s.role for s in spans} == {None}
+    assert spans[0].label == "mb0.pre_process.F"
