@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
+from tests import zygote
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -29,16 +31,16 @@ def run_ranks(
 ) -> list[dict[str, object]]:
     """``python -m module`` once per rank (``RANK``, ``WORLD_SIZE``, ``MASTER_*`` set), in
     this process's environment updated by ``env`` (which, unlike ``os.environ``, two
-    launches at once do not share).
+    launches at once do not share); each rank forked from its zygote (:mod:`tests.zygote`:
+    a fresh interpreter's state without the seconds of importing torch again).
 
     Fails with the rank's stderr when one exits non-zero; returns every rank's JSON lines.
     """
     port = str(_free_port())
     procs = [
-        subprocess.Popen(
+        zygote.start(
             [sys.executable, "-m", module],
-            cwd=ROOT,
-            env=dict(
+            dict(
                 os.environ,
                 **(env or {}),
                 RANK=str(rank),
@@ -47,9 +49,8 @@ def run_ranks(
                 MASTER_PORT=port,
                 OMP_NUM_THREADS="1",
             ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+            cwd=ROOT,
+            index=rank,
         )
         for rank in range(world)
     ]
