@@ -1,6 +1,6 @@
 """Shared fixtures: deterministic CPU runs; a test that leaves torch's process state changed
 fails; ``--reverse-files`` (``make test-order``); ``debug_python``, an interpreter in debug
-mode."""
+mode; ``ep2_rows``, the EP=2 parity launch."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 
 from moe_overlap.engine._streams import reset_streams
 from tests.debug_interpreter import DebugInterpreter
+from tests.gloo_ranks import run_ranks
 from tests.torch_state import TorchState
 
 
@@ -94,3 +95,15 @@ def debug_python() -> Iterator[DebugPython]:
     yield run
     for interpreter in found:
         interpreter.close()
+
+
+@pytest.fixture(scope="session")
+def ep2_rows() -> list[dict[str, object]]:
+    """Every case of ``tests/models/ep_worker.py`` (and its refusals) on two gloo ranks, in
+    one launch: the rows of ``tests/models/test_ep.py`` and of the chunked cases of
+    ``tests/blocks/test_a2a_chunks.py`` (not in debug mode, whatever the session's
+    environment)."""
+    with pytest.MonkeyPatch.context() as env:
+        env.delenv("EP_CASES", raising=False)
+        env.delenv("MOE_OVERLAP_DEBUG", raising=False)
+        return run_ranks("tests.models.ep_worker", timeout=300)

@@ -7,9 +7,10 @@ import pytest
 from tests.gloo_ranks import run_ranks
 
 
-@pytest.fixture(scope="module")
-def ep2_results() -> list[dict[str, object]]:
-    return run_ranks("tests.models.ep_worker")
+@pytest.fixture
+def ep2_results(ep2_rows: list[dict[str, object]]) -> list[dict[str, object]]:
+    """``ep_worker``'s one launch with every case (shared with ``test_a2a_chunks.py``)."""
+    return ep2_rows
 
 
 CASES = [
