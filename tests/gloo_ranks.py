@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -94,15 +93,12 @@ def torchrun(script: Path, procs: int, *argv: str, timeout: float = 240) -> str:
 
     Fails with its stderr when it exits non-zero.
     """
-    done = subprocess.run(
+    done = zygote.run(  # the launcher forked from a zygote; its ranks are its own processes
         [
             *(sys.executable, "-m", "torch.distributed.run"),
             *("--nproc-per-node", str(procs), str(script), *argv),
         ],
-        capture_output=True,
-        text=True,
         timeout=timeout,
-        check=False,
         env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src")},
     )
     assert done.returncode == 0, done.stderr
