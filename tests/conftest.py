@@ -8,13 +8,15 @@ import subprocess
 import textwrap
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
 
 from moe_overlap.engine._streams import reset_streams
+from tests import zygote
 from tests.debug_interpreter import DebugInterpreter
-from tests.gloo_ranks import run_ranks
+from tests.gloo_ranks import SCRIPT_ENV, run_ranks, worker_env
 from tests.torch_state import TorchState
 
 
@@ -25,6 +27,32 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="run the test files in reverse order (each file's tests in their own order): "
         "a test that passes only after another leaks state (`make test-order`)",
     )
+
+
+LAUNCHING = ("tests.gloo_ranks", "tests.zygote")
+"""What a test module imports (a module, or a function of one) when it launches workers."""
+
+
+def _launching(item: pytest.Item) -> bool:
+    """Whether ``item``'s module launches workers (forked from zygotes)."""
+    found = vars(getattr(item, "module", None) or object)
+    named = {
+        getattr(v, "__name__" if isinstance(v, ModuleType) else "__module__", None)
+        for v in found.values()
+    }
+    return bool(named & set(LAUNCHING)) or bool(
+        {"ep2_rows", "checkpoint_layouts"} & set(getattr(item, "fixturenames", ()))
+    )
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """When the selected tests of two modules or more launch workers, the zygotes they
+    fork from (:mod:`tests.zygote`) start now, importing torch beside the first tests
+    instead of ahead of the first launch."""
+    modules = {item.path for item in session.items if _launching(item)}
+    if len(modules) >= 2:
+        zygote.prestart(worker_env(), range(4))  # run_ranks' ranks 0-3
+        zygote.prestart(SCRIPT_ENV, range(1))  # torchrun's launcher, the benchmarks' runs
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -16,6 +16,14 @@ from typing import NoReturn
 from tests import zygote
 
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT_ENV = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src")}
+"""The whole environment of :func:`torchrun` and of the benchmarks' smoke runs."""
+
+
+def worker_env() -> dict[str, str]:
+    """The environment :func:`run_ranks` starts from (before ``env`` and the rank's own),
+    and other test workers forked from the same zygotes."""
+    return dict(os.environ, OMP_NUM_THREADS="1")
 
 
 def _free_port() -> int:
@@ -40,7 +48,7 @@ def run_ranks(
         zygote.start(
             [sys.executable, "-m", module],
             dict(
-                os.environ,
+                worker_env(),
                 **(env or {}),
                 RANK=str(rank),
                 WORLD_SIZE=str(world),
@@ -99,7 +107,7 @@ def torchrun(script: Path, procs: int, *argv: str, timeout: float = 240) -> str:
             *("--nproc-per-node", str(procs), str(script), *argv),
         ],
         timeout=timeout,
-        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src")},
+        env=SCRIPT_ENV,
     )
     assert done.returncode == 0, done.stderr
     return done.stdout

@@ -23,6 +23,7 @@ import pytest
 from moe_overlap.steps import Direction, Slot, StreamKind
 from tests import zygote
 from tests.figures import check_figure, saved_figures
+from tests.gloo_ranks import SCRIPT_ENV
 from tests.parallel_runs import ParallelRuns, selected_in
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -33,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PERTURB = "MOE_OVERLAP_BENCH_PERTURB"
 
 
-_ENV = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+_ENV = SCRIPT_ENV  # PYTHONPATH=src, PATH=/usr/bin:/bin, one intra-op thread
 HAS_TORCHTITAN = importlib.util.find_spec("torchtitan") is not None
 TORCHTITAN = pytest.mark.skipif(not HAS_TORCHTITAN, reason="torchtitan is not installed")
 COMPOSE_VARIANTS = ["serial", "overlapped +recompute(all)", "overlapped +compile"]

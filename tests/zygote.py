@@ -236,6 +236,24 @@ _zygotes: dict[tuple[int, tuple[tuple[str, str], ...]], Zygote] = {}
 _zygotes_lock = threading.Lock()
 
 
+def _zygote(env: dict[str, str], index: int) -> Zygote:
+    """Zygote ``index`` of the interpreters that start as ``env`` says (started if none)."""
+    startup = tuple(sorted((k, v) for k, v in env.items() if k.startswith(STARTUP_PREFIXES)))
+    with _zygotes_lock:
+        zygote = _zygotes.get((index, startup))
+        if zygote is None or not zygote.alive:
+            zygote = _zygotes[index, startup] = Zygote(env)
+    return zygote
+
+
+def prestart(env: dict[str, str], indices: range) -> None:
+    """Start the zygotes ``indices`` for ``env`` now (their imports beside the first
+    tests), unless :data:`FRESH`."""
+    if os.environ.get(FRESH) != "1":
+        for index in indices:
+            _zygote(env, index)
+
+
 def _forkable(argv: list[str]) -> bool:
     """``python -m module ...`` or ``python script.py ...`` with this interpreter."""
     if len(argv) < 2 or argv[0] != sys.executable:
@@ -251,12 +269,7 @@ def start(
     start as ``env`` says (started the first time it is asked for), else (another ``argv``,
     or :data:`FRESH`) a plain subprocess (text output)."""
     if os.environ.get(FRESH) != "1" and _forkable(argv):
-        startup = tuple(sorted((k, v) for k, v in env.items() if k.startswith(STARTUP_PREFIXES)))
-        with _zygotes_lock:
-            zygote = _zygotes.get((index, startup))
-            if zygote is None or not zygote.alive:
-                zygote = _zygotes[index, startup] = Zygote(env)
-        return zygote.start(argv[1:], env, cwd)
+        return _zygote(env, index).start(argv[1:], env, cwd)
     return subprocess.Popen(
         argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
