@@ -52,7 +52,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     modules = {item.path for item in session.items if _launching(item)}
     if len(modules) >= 2:
         zygote.prestart(worker_env(), range(4))  # run_ranks' ranks 0-3
-        zygote.prestart(SCRIPT_ENV, range(1))  # torchrun's launcher, the benchmarks' runs
+        # torchrun's launcher and ranks, the benchmarks' runs (the same zygotes where the
+        # session's environment starts an interpreter as SCRIPT_ENV does)
+        zygote.prestart(SCRIPT_ENV, range(zygote.TORCHRUN_RANKS))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

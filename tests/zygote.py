@@ -14,22 +14,32 @@ own modules (:data:`PRELOAD`).
 
 One zygote per rank index (rank 0's processes fork from one, rank 1's from another, ...),
 so the ranks of a launch keep distinct string-hash seeds, as separate interpreters have.
-A launch whose environment differs from the zygote's in what is read at start-up (``PYTHON*``,
+``PYTHONPATH`` is set as the interpreter would set it (``sys.path``); a launch whose
+environment differs from the zygote's otherwise in what is read at start-up (``PYTHON*``,
 ``TORCH*``, ``OMP_*``, ...) gets a plain subprocess, as does every launch with
-``TESTS_FRESH_PROCESSES=1``. The zygotes end with the session (their input closes).
+``TESTS_FRESH_PROCESSES=1``. torchrun (``python -m torch.distributed.run``) forked so has its
+ranks forked too: its ``SubprocessHandler`` asks the zygotes, over their sockets, for
+``python -u script`` as it would start it (its own session, its standard streams, its
+environment); the launcher's watching, signals and exit statuses are as with its own
+processes. The zygotes end with the session (their input closes).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
+import io
 import json
 import os
 import select
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +58,22 @@ PRELOAD = (
 
 STARTUP_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "LD_", "MALLOC")
 """Environment variables read when the interpreter or torch starts: a launch that sets them
-otherwise than the zygote had them needs a fresh interpreter."""
+otherwise than the zygote had them needs a fresh interpreter..."""
+RUNTIME = ("PYTHONPATH", "PYTHONUNBUFFERED", "TORCHELASTIC_", "TORCH_NCCL_")
+"""... but these: ``PYTHONPATH`` and ``-u`` are set in the forked process as the interpreter
+sets them, torchrun's own variables are read when used."""
+
+
+def startup(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
+    """What of ``env`` an interpreter (with torch) reads when it starts."""
+    return tuple(
+        sorted(
+            (k, v)
+            for k, v in env.items()
+            if k.startswith(STARTUP_PREFIXES) and not k.startswith(RUNTIME)
+        )
+    )
+
 
 FRESH = "TESTS_FRESH_PROCESSES"
 """Set to 1: every worker a plain ``python -m`` subprocess (to compare, or to rule the
@@ -60,15 +85,39 @@ def _send(message: dict[str, int]) -> None:
     os.write(1, (json.dumps(message) + "\n").encode())
 
 
-def _serve() -> dict[str, Any] | None:
-    """Fork one process per request line on stdin and report its pid and exit status on
-    stdout. Returns the request in a forked process; ``None`` in the zygote at the end of
-    its input (the processes still running killed)."""
+def _reported(request_id: int, code: int) -> None:
+    _send({"id": request_id, "code": code})
+
+
+def _report(conn: socket.socket, message: dict[str, int], *, last: bool = False) -> None:
+    with contextlib.suppress(OSError):  # the asking launcher may have gone
+        conn.send(json.dumps(message).encode())
+    if last:
+        conn.close()
+
+
+def _serve(listener: socket.socket) -> dict[str, Any] | None:
+    """Fork one process per request: a line on stdin (its pid and exit status reported on
+    stdout, by the request's ``id``) or a message on ``listener`` with the standard streams'
+    descriptors (reported on that connection). Returns the request in a forked process;
+    ``None`` in the zygote at the end of its input (the processes still running killed)."""
     pending = b""
-    children: dict[int, int] = {}
+    children: dict[int, Callable[[int], None]] = {}
+    conns: set[socket.socket] = set()
+
+    def fork(request: dict[str, Any]) -> int:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:  # nothing of the zygote's stays open in the forked process
+            listener.close()
+            for conn in conns:
+                conn.close()
+        return pid
+
     while True:
-        ready, _, _ = select.select([0], [], [], 0.05)
-        if ready:
+        ready, _, _ = select.select([0, listener.fileno()], [], [], 0.05)
+        if 0 in ready:
             chunk = os.read(0, 1 << 16)
             if not chunk:
                 for pid in children:
@@ -78,16 +127,37 @@ def _serve() -> dict[str, Any] | None:
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
                 request: dict[str, Any] = json.loads(line)
-                pid = os.fork()
+                pid = fork(request)
                 if pid == 0:
                     return request
-                children[pid] = request["id"]
+                children[pid] = functools.partial(_reported, request["id"])
                 _send({"id": request["id"], "pid": pid})
+        if listener.fileno() in ready:
+            conn, _ = listener.accept()
+            message, fds, _, _ = socket.recv_fds(conn, 1 << 22, 2)
+            request = {**json.loads(message), "fds": fds}
+            conns.add(conn)
+            pid = fork(request)
+            if pid == 0:
+                return request
+            for fd in fds:
+                os.close(fd)
+            _report(conn, {"pid": pid})
+
+            def done(code: int, c: socket.socket = conn) -> None:
+                conns.discard(c)
+                _report(c, {"code": code}, last=True)
+
+            children[pid] = done
         while children:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
-            _send({"id": children.pop(pid), "code": os.waitstatus_to_exitcode(status)})
+            children.pop(pid)(os.waitstatus_to_exitcode(status))
+
+
+_BASE_PATH: list[str] = []
+"""``sys.path`` of the zygote after its own ``PYTHONPATH`` entries."""
 
 
 def _become(request: dict[str, Any]) -> None:
@@ -100,24 +170,108 @@ def _become(request: dict[str, Any]) -> None:
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    for fd, path in ((1, request["out"]), (2, request["err"])):
-        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(opened, fd)
-        os.close(opened)
+    if "fds" in request:  # the asking launcher's streams, its own session (as Popen starts it)
+        for fd, given in zip((1, 2), request["fds"], strict=True):
+            os.dup2(given, fd)
+            os.close(given)
+        os.setsid()
+    else:
+        for fd, path in ((1, request["out"]), (2, request["err"])):
+            opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(opened, fd)
+            os.close(opened)
     os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     random.seed()
     torch.seed()
     argv: list[str] = request["argv"]
+    if argv[0] == "-u" or os.environ.get("PYTHONUNBUFFERED"):  # unbuffered standard streams
+        argv = argv[1:] if argv[0] == "-u" else argv
+        for name in ("stdout", "stderr"):
+            found = getattr(sys, name)
+            raw = io.FileIO(found.fileno(), "w", closefd=False)
+            setattr(
+                sys, name, io.TextIOWrapper(raw, found.encoding, found.errors, write_through=True)
+            )
+    entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
+    pythonpath = [os.path.abspath(p) for p in entries] if os.environ.get("PYTHONPATH") else []
     if argv[0] == "-m":  # python -m module args: the module's path set as argv[0] by runpy
         sys.argv = argv[1:]
-        sys.path[0] = os.getcwd()
+        sys.path[:] = [os.getcwd(), *pythonpath, *_BASE_PATH]
+        if argv[1] == "torch.distributed.run" and "workers" in request:
+            _fork_torchrun_ranks(request["workers"], request["startup"])
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
     else:  # python script args
         sys.argv = argv
-        sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+        sys.path[:] = [os.path.dirname(os.path.abspath(argv[0])), *pythonpath, *_BASE_PATH]
         runpy.run_path(argv[0], run_name="__main__")
+
+
+class ForkedPopen:
+    """In a forked torchrun: a rank forked by a zygote, as much of :class:`subprocess.Popen`
+    as torch's ``SubprocessContext`` uses (``pid``, ``poll``, ``wait``, signals)."""
+
+    def __init__(self, address: str, request: dict[str, Any], fds: list[int]) -> None:
+        self.args = request["argv"]
+        self.returncode: int | None = None
+        self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._conn.connect(address)
+        socket.send_fds(self._conn, [json.dumps(request).encode()], fds)
+        self.pid: int = json.loads(self._conn.recv(1 << 16))["pid"]
+
+    def _read(self) -> None:
+        message = self._conn.recv(1 << 16)
+        self.returncode = json.loads(message)["code"] if message else -9
+        self._conn.close()
+
+    def poll(self) -> int | None:
+        if self.returncode is None and select.select([self._conn], [], [], 0)[0]:
+            self._read()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        if self.returncode is None:
+            if not select.select([self._conn], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired(self.args, timeout or 0)
+            self._read()
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+
+def _fork_torchrun_ranks(addresses: list[str], zygote_startup: list[list[str]]) -> None:
+    """Have torchrun's ``SubprocessHandler`` ask the zygotes at ``addresses`` (local rank
+    ``i``: the ``i``-th, modulo) for ``python -u script ...`` where that interpreter would
+    start as they did; anything else it starts itself."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import (
+        subprocess_handler as handler,
+    )
+
+    own = handler.SubprocessHandler._popen
+    expected = tuple(tuple(kv) for kv in zygote_startup)
+
+    def popen(self: Any, args: tuple[str, ...], env: dict[str, str]) -> Any:
+        script = len(args) > 2 and args[:2] == (sys.executable, "-u") and args[2].endswith(".py")
+        if not script or startup(env) != expected:
+            return own(self, args, env)
+        fds = [
+            f.fileno() if f is not None else n for f, n in ((self._stdout, 1), (self._stderr, 2))
+        ]
+        request = {"argv": list(args[1:]), "env": env, "cwd": os.getcwd()}
+        return ForkedPopen(addresses[self.local_rank_id % len(addresses)], request, fds)
+
+    setattr(handler.SubprocessHandler, "_popen", popen)  # noqa: B010 - patched in this process
 
 
 # --- the session's side -----------------------------------------------------------------------
@@ -166,8 +320,10 @@ class Zygote:
 
     def __init__(self, env: dict[str, str]) -> None:
         self.env = env
+        self.address = tempfile.mktemp(prefix="zygote-", suffix=".sock")
+        """Its socket (forked torchruns ask it for their ranks there)."""
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.zygote", *PRELOAD],
+            [sys.executable, "-m", "tests.zygote", self.address, *PRELOAD],
             cwd=ROOT,
             env=env,
             stdin=subprocess.PIPE,
@@ -201,7 +357,7 @@ class Zygote:
         for worker in stranded:
             worker._ran(-9, f"\ntests.zygote: its zygote ended (status {self._proc.wait()}).\n")
 
-    def start(self, argv: list[str], env: dict[str, str], cwd: Path) -> Forked:
+    def start(self, argv: list[str], env: dict[str, str], cwd: Path, **extra: object) -> Forked:
         """Ask for ``python *argv`` (see the module doc); returns at once."""
         worker = Forked(Path(tempfile.mkdtemp(prefix="forked-")))
         request = {
@@ -210,6 +366,7 @@ class Zygote:
             "cwd": str(cwd),
             "out": str(worker._folder / "out"),
             "err": str(worker._folder / "err"),
+            **extra,
         }
         assert self._proc.stdin is not None
         with self._lock:
@@ -230,6 +387,8 @@ class Zygote:
         self._reader.join(timeout=30)
         if self._proc.stdout is not None:
             self._proc.stdout.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.address)
 
 
 _zygotes: dict[tuple[int, tuple[tuple[str, str], ...]], Zygote] = {}
@@ -238,11 +397,11 @@ _zygotes_lock = threading.Lock()
 
 def _zygote(env: dict[str, str], index: int) -> Zygote:
     """Zygote ``index`` of the interpreters that start as ``env`` says (started if none)."""
-    startup = tuple(sorted((k, v) for k, v in env.items() if k.startswith(STARTUP_PREFIXES)))
+    key = (index, startup(env))
     with _zygotes_lock:
-        zygote = _zygotes.get((index, startup))
+        zygote = _zygotes.get(key)
         if zygote is None or not zygote.alive:
-            zygote = _zygotes[index, startup] = Zygote(env)
+            zygote = _zygotes[key] = Zygote(env)
     return zygote
 
 
@@ -252,6 +411,10 @@ def prestart(env: dict[str, str], indices: range) -> None:
     if os.environ.get(FRESH) != "1":
         for index in indices:
             _zygote(env, index)
+
+
+TORCHRUN_RANKS = 4
+"""The zygotes a forked torchrun's ranks fork from (local rank ``i``: the ``i``-th, modulo)."""
 
 
 def _forkable(argv: list[str]) -> bool:
@@ -269,7 +432,11 @@ def start(
     start as ``env`` says (started the first time it is asked for), else (another ``argv``,
     or :data:`FRESH`) a plain subprocess (text output)."""
     if os.environ.get(FRESH) != "1" and _forkable(argv):
-        return _zygote(env, index).start(argv[1:], env, cwd)
+        extra: dict[str, object] = {}
+        if argv[1:3] == ["-m", "torch.distributed.run"]:  # its ranks forked too
+            extra["workers"] = [_zygote(env, i).address for i in range(TORCHRUN_RANKS)]
+            extra["startup"] = startup(env)
+        return _zygote(env, index).start(argv[1:], env, cwd, **extra)
     return subprocess.Popen(
         argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -310,9 +477,14 @@ def _close() -> None:
 if __name__ == "__main__":
     import importlib
 
-    for name in sys.argv[1:]:
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listening.bind(sys.argv[1])  # before the imports: a launcher may connect meanwhile
+    listening.listen(64)
+    for name in sys.argv[2:]:
         importlib.import_module(name)
-    found = _serve()
+    own = os.environ.get("PYTHONPATH")
+    _BASE_PATH[:] = sys.path[1 + (len(own.split(os.pathsep)) if own else 0) :]
+    found = _serve(listening)
     if found is None:
         os._exit(0)  # the zygote: nothing of its own to tear down
     _become(found)
