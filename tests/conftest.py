@@ -1,9 +1,10 @@
 """Shared fixtures: deterministic CPU runs; a test that leaves torch's process state changed
 fails; ``--reverse-files`` (``make test-order``); ``debug_python``, an interpreter in debug
-mode; ``ep2_rows``, the EP=2 parity launch."""
+mode; ``ep2_launches`` and ``ep2_rows``, the EP=2 parity launches."""
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import textwrap
 from collections.abc import Callable, Iterator
@@ -17,6 +18,7 @@ from moe_overlap.engine._streams import reset_streams
 from tests import zygote
 from tests.debug_interpreter import DebugInterpreter
 from tests.gloo_ranks import SCRIPT_ENV, run_ranks, worker_env
+from tests.parallel_runs import ParallelRuns
 from tests.torch_state import TorchState
 
 
@@ -127,13 +129,33 @@ def debug_python() -> Iterator[DebugPython]:
         interpreter.close()
 
 
+EP2_DEBUG_TEST = "test_ep2_debug_first_step_check_compares_on_every_rank"
+"""``tests/models/test_ep.py``'s test of the debug-mode launch."""
+
+
 @pytest.fixture(scope="session")
-def ep2_rows() -> list[dict[str, object]]:
-    """Every case of ``tests/models/ep_worker.py`` (and its refusals) on two gloo ranks, in
-    one launch: the rows of ``tests/models/test_ep.py`` and of the chunked cases of
-    ``tests/blocks/test_a2a_chunks.py`` (not in debug mode, whatever the session's
-    environment)."""
-    with pytest.MonkeyPatch.context() as env:
-        env.delenv("EP_CASES", raising=False)
-        env.delenv("MOE_OVERLAP_DEBUG", raising=False)
-        return run_ranks("tests.models.ep_worker", timeout=300)
+def ep2_launches(request: pytest.FixtureRequest) -> Iterator[ParallelRuns[list[dict[str, object]]]]:
+    """``tests/models/ep_worker.py`` on two gloo ranks: ``"plain"``, every case (and its
+    refusals) in one launch, not in debug mode whatever the session's environment (the
+    rows of ``tests/models/test_ep.py`` and of the chunked cases of
+    ``tests/blocks/test_a2a_chunks.py``); ``"debug"``, two cases in debug mode (``test_ep``'s
+    :data:`EP2_DEBUG_TEST`), started beside it when that test is selected."""
+    plain: dict[str, str | None] = {"EP_CASES": None, "MOE_OVERLAP_DEBUG": None}
+    debug: dict[str, str | None] = {
+        "EP_CASES": "shared_delay,padded_aux_delay",
+        "MOE_OVERLAP_DEBUG": "1",
+    }
+    jobs = {
+        name: functools.partial(run_ranks, "tests.models.ep_worker", timeout=600, env=env)
+        for name, env in (("plain", plain), ("debug", debug))
+    }
+    wanted = any(item.name == EP2_DEBUG_TEST for item in request.session.items)
+    runs = ParallelRuns(jobs, ["plain", "debug"] if wanted else ["plain"])
+    yield runs
+    runs.close()
+
+
+@pytest.fixture(scope="session")
+def ep2_rows(ep2_launches: ParallelRuns[list[dict[str, object]]]) -> list[dict[str, object]]:
+    """The rows of :func:`ep2_launches`' ``"plain"`` launch."""
+    return ep2_launches.result("plain")

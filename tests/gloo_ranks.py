@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NoReturn
 
@@ -34,22 +34,27 @@ def _free_port() -> int:
 
 
 def run_ranks(
-    module: str, *, world: int = 2, timeout: float = 180, env: dict[str, str] | None = None
+    module: str,
+    *,
+    world: int = 2,
+    timeout: float = 180,
+    env: Mapping[str, str | None] | None = None,
 ) -> list[dict[str, object]]:
     """``python -m module`` once per rank (``RANK``, ``WORLD_SIZE``, ``MASTER_*`` set), in
-    this process's environment updated by ``env`` (which, unlike ``os.environ``, two
-    launches at once do not share); each rank forked from its zygote (:mod:`tests.zygote`:
-    a fresh interpreter's state without the seconds of importing torch again).
+    this process's environment updated by ``env`` (a ``None`` value unsets; unlike
+    ``os.environ``, two launches at once do not share it); each rank forked from its zygote
+    (:mod:`tests.zygote`: a fresh interpreter's state without the seconds of importing
+    torch again).
 
     Fails with the rank's stderr when one exits non-zero; returns every rank's JSON lines.
     """
     port = str(_free_port())
+    base = {k: v for k, v in {**worker_env(), **(env or {})}.items() if v is not None}
     procs = [
         zygote.start(
             [sys.executable, "-m", module],
             dict(
-                worker_env(),
-                **(env or {}),
+                base,
                 RANK=str(rank),
                 WORLD_SIZE=str(world),
                 MASTER_ADDR="127.0.0.1",

@@ -4,7 +4,7 @@ one busy core each, which a serial test session would leave the other cores idle
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
@@ -21,7 +21,7 @@ class ParallelRuns(Generic[T]):
 
     def __init__(
         self,
-        jobs: dict[str, Callable[[], T]],
+        jobs: Mapping[str, Callable[[], T]],
         ahead: Iterable[str],
         *,
         workers: int | None = None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.gloo_ranks import run_ranks
+from tests.parallel_runs import ParallelRuns
 
 
 @pytest.fixture
@@ -64,13 +64,12 @@ def test_count_group_must_match_the_ep_group(ep2_results: list[dict[str, object]
 
 @pytest.mark.slow
 def test_ep2_debug_first_step_check_compares_on_every_rank(
-    monkeypatch: pytest.MonkeyPatch,
+    ep2_launches: ParallelRuns[list[dict[str, object]]],
 ) -> None:
-    """Debug mode at EP=2: every rank runs the first-step check (the same all-to-alls, in
-    the same order), finds no difference, and the step stays bit-identical."""
-    monkeypatch.setenv("MOE_OVERLAP_DEBUG", "1")
-    monkeypatch.setenv("EP_CASES", "shared_delay,padded_aux_delay")
-    rows = run_ranks("tests.models.ep_worker", timeout=600)
+    """Debug mode at EP=2 (``MOE_OVERLAP_DEBUG=1``, two cases; the launch started beside the
+    plain one by ``conftest.ep2_launches``): every rank runs the first-step check (the same
+    all-to-alls, in the same order), finds no difference, and the step stays bit-identical."""
+    rows = ep2_launches.result("debug")
     assert sorted((str(r["case"]), int(str(r["rank"]))) for r in rows) == [
         ("padded_aux_delay", 0),
         ("padded_aux_delay", 1),
