@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from moe_overlap.engine._streams import reset_streams
-from tests import zygote
+from tests import forked
 from tests.debug_interpreter import DebugInterpreter
 from tests.gloo_ranks import SCRIPT_ENV, run_ranks, worker_env
 from tests.parallel_runs import ParallelRuns
@@ -31,7 +31,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-LAUNCHING = ("tests.gloo_ranks", "tests.zygote")
+LAUNCHING = ("tests.gloo_ranks", "tests.forked")
 """What a test module imports (a module, or a function of one) when it launches workers."""
 
 
@@ -49,14 +49,14 @@ def _launching(item: pytest.Item) -> bool:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     """When the selected tests of two modules or more launch workers, the zygotes they
-    fork from (:mod:`tests.zygote`) start now, importing torch beside the first tests
+    fork from (:mod:`tests.forked`) start now, importing torch beside the first tests
     instead of ahead of the first launch."""
     modules = {item.path for item in session.items if _launching(item)}
     if len(modules) >= 2:
-        zygote.prestart(worker_env(), range(4))  # run_ranks' ranks 0-3
+        forked.prestart(worker_env(), range(4))  # run_ranks' ranks 0-3
         # torchrun's launcher and ranks, the benchmarks' runs (the same zygotes where the
         # session's environment starts an interpreter as SCRIPT_ENV does)
-        zygote.prestart(SCRIPT_ENV, range(zygote.TORCHRUN_RANKS))
+        forked.prestart(SCRIPT_ENV, range(forked.TORCHRUN_RANKS))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

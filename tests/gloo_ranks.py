@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NoReturn
 
-from tests import zygote
+from tests import forked
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT_ENV = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src")}
@@ -43,7 +43,7 @@ def run_ranks(
     """``python -m module`` once per rank (``RANK``, ``WORLD_SIZE``, ``MASTER_*`` set), in
     this process's environment updated by ``env`` (a ``None`` value unsets; unlike
     ``os.environ``, two launches at once do not share it); each rank forked from its zygote
-    (:mod:`tests.zygote`: a fresh interpreter's state without the seconds of importing
+    (:mod:`tests.forked`: a fresh interpreter's state without the seconds of importing
     torch again).
 
     Fails with the rank's stderr when one exits non-zero; returns every rank's JSON lines.
@@ -51,7 +51,7 @@ def run_ranks(
     port = str(_free_port())
     base = {k: v for k, v in {**worker_env(), **(env or {})}.items() if v is not None}
     procs = [
-        zygote.start(
+        forked.start(
             [sys.executable, "-m", module],
             dict(
                 base,
@@ -106,7 +106,7 @@ def torchrun(script: Path, procs: int, *argv: str, timeout: float = 240) -> str:
 
     Fails with its stderr when it exits non-zero.
     """
-    done = zygote.run(  # the launcher forked from a zygote; its ranks are its own processes
+    done = forked.run(  # torchrun forked from a zygote, and its ranks (tests/forked.py)
         [
             *(sys.executable, "-m", "torch.distributed.run"),
             *("--nproc-per-node", str(procs), str(script), *argv),

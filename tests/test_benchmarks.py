@@ -1,7 +1,7 @@
 """The GPU benchmarks run: tiny CPU smoke runs (the figures come from the H200).
 
 Each run is a single-threaded process (forked from a zygote that imported torch,
-:mod:`tests.zygote`); they start ahead of their tests, two at a time
+:mod:`tests.forked`); they start ahead of their tests, two at a time
 (:class:`~tests.parallel_runs.ParallelRuns`, the ``ran`` fixture), so both cores work.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from moe_overlap.steps import Direction, Slot, StreamKind
-from tests import zygote
+from tests import forked
 from tests.figures import check_figure, saved_figures
 from tests.gloo_ranks import SCRIPT_ENV
 from tests.parallel_runs import ParallelRuns, selected_in
@@ -44,7 +44,7 @@ def _run(argv: list[str], perturb: str | None = None) -> subprocess.CompletedPro
     env = dict(_ENV)
     if perturb is not None:
         env[PERTURB] = perturb
-    return zygote.run(argv, timeout=300, cwd=ROOT, env=env)
+    return forked.run(argv, timeout=300, cwd=ROOT, env=env)
 
 
 def _bench_run(
@@ -354,7 +354,7 @@ def _stress_checked(*args: str) -> subprocess.CompletedProcess[str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
-    return zygote.run(
+    return forked.run(
         [*argv, *args],
         timeout=300,
         cwd=ROOT,

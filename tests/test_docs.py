@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests import zygote
+from tests import forked
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -394,7 +394,7 @@ def test_expert_parallel_example_runs_on_two_gloo_ranks() -> None:
     shown = shown_output(blocks, at)
     assert shown is not None, f"{page.name}: no output shown after {command!r}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    done = zygote.run(  # torchrun and its ranks forked from zygotes (tests/zygote.py)
+    done = forked.run(  # torchrun and its ranks forked from zygotes (tests/forked.py)
         [
             sys.executable,
             "-m",

@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from tests import zygote
+from tests import forked
 from tests.adapters._hf import ON_OLD_TORCH
 from tests.adapters.families import KNOWN_BOUNDS, Row, discover, run_all, table
 from tests.gloo_ranks import worker_env
@@ -48,7 +48,7 @@ def rows() -> list[Row]:
     argv = [sys.executable, "-m", "tests.adapters.families", "--json"]
     argv += [a for family, _ in there for a in ("--family", family)]
     with ThreadPoolExecutor(1) as pool:
-        other = pool.submit(zygote.run, argv, timeout=900, cwd=ROOT, env=worker_env())
+        other = pool.submit(forked.run, argv, timeout=900, cwd=ROOT, env=worker_env())
         here = run_all(families=[family for family, _ in found[0::2]])
         done = other.result()
     assert done.returncode == 0, done.stderr[-3000:]

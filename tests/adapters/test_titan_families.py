@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("torchtitan")
 
-from tests import zygote
+from tests import forked
 from tests.adapters import titan_families
 from tests.gloo_ranks import worker_env
 
@@ -31,7 +31,7 @@ def _rows() -> list[titan_families.Row]:
     argv = [sys.executable, "-m", "tests.adapters.titan_families", "--json"]
     argv += [a for family in names if family in ASIDE for a in ("--family", family)]
     with ThreadPoolExecutor(1) as pool:
-        other = pool.submit(zygote.run, argv, timeout=900, cwd=ROOT, env=worker_env())
+        other = pool.submit(forked.run, argv, timeout=900, cwd=ROOT, env=worker_env())
         here = titan_families.rows([f for f in names if f not in ASIDE])
         done = other.result()
     assert done.returncode == 0, done.stderr[-3000:]
