@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import argparse
 import copy
-import dataclasses
 import importlib
-import json
 import pathlib
 import pkgutil
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -193,24 +190,21 @@ def _runs_in_float32(model: nn.Module) -> bool:
     return True
 
 
-def families() -> list[str]:
-    """The packages of ``torchtitan.models`` that may be families, by name."""
+def rows() -> list[Row]:
+    """One row per family of ``torchtitan.models`` (checked at one thread; the thread count
+    found is put back after)."""
+    with num_threads(1):
+        return _rows()
+
+
+def _rows() -> list[Row]:
     import torchtitan.models as models
 
-    found = sorted(info.name for info in pkgutil.iter_modules(models.__path__))
-    return [f for f in found if f not in _NOT_FAMILIES]
-
-
-def rows(only: Sequence[str] | None = None) -> list[Row]:
-    """One row per family of ``torchtitan.models`` (or of ``only``), checked at one thread
-    (the thread count found is put back after)."""
-    with num_threads(1):
-        return _rows(families() if only is None else [f for f in families() if f in only])
-
-
-def _rows(names: list[str]) -> list[Row]:
     found: list[Row] = []
-    for family in names:
+    for info in sorted(pkgutil.iter_modules(models.__path__), key=lambda m: m.name):
+        family = info.name
+        if family in _NOT_FAMILIES:
+            continue
         try:
             module = importlib.import_module(f"torchtitan.models.{family}")
         except ImportError as exc:
@@ -293,14 +287,8 @@ def render(found: list[Row]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="The torchtitan families table.")
     parser.add_argument("--write", type=pathlib.Path, help="write the table to this file")
-    parser.add_argument("--family", action="append", help="only these families")
-    parser.add_argument("--json", action="store_true", help="print each row as one JSON line")
     args = parser.parse_args(argv)
-    if args.json:
-        for row in rows(args.family):
-            print(json.dumps(dataclasses.asdict(row)))
-        return 0
-    text = render(rows(args.family))
+    text = render(rows())
     if args.write is None:
         sys.stdout.write(text)
     else:
