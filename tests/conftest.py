@@ -31,19 +31,20 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-LAUNCHING = ("tests.gloo_ranks", "tests.forked")
-"""What a test module imports (a module, or a function of one) when it launches workers."""
+LAUNCHING = {"tests.gloo_ranks", "tests.forked"}
+"""What a test module imports (the module, or a function of it) when it launches workers."""
+LAUNCHING_FIXTURES = {"ep2_launches", "ep2_rows", "checkpoint_layouts"}
+"""The shared fixtures that launch workers."""
 
 
 def _launching(item: pytest.Item) -> bool:
-    """Whether ``item``'s module launches workers (forked from zygotes)."""
-    found = vars(getattr(item, "module", None) or object)
-    named = {
-        getattr(v, "__name__" if isinstance(v, ModuleType) else "__module__", None)
-        for v in found.values()
-    }
-    return bool(named & set(LAUNCHING)) or bool(
-        {"ep2_rows", "checkpoint_layouts"} & set(getattr(item, "fixturenames", ()))
+    """Whether ``item`` or its module launches workers (forked from zygotes)."""
+    if LAUNCHING_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    imported = vars(getattr(item, "module", None) or object).values()
+    return any(
+        (v.__name__ if isinstance(v, ModuleType) else getattr(v, "__module__", None)) in LAUNCHING
+        for v in imported
     )
 
 
@@ -51,6 +52,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     """When the selected tests of two modules or more launch workers, the zygotes they
     fork from (:mod:`tests.forked`) start now, importing torch beside the first tests
     instead of ahead of the first launch."""
+    if session.config.option.collectonly:
+        return
     modules = {item.path for item in session.items if _launching(item)}
     if len(modules) >= 2:
         forked.prestart(worker_env(), range(4))  # run_ranks' ranks 0-3
