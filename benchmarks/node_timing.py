@@ -246,12 +246,18 @@ def critical_path_ms(
     run's steps with the given durations."""
     total = 0.0
     for run in runs:
-        which = {Role.F: run.f, Role.B: run.b, Role.F2: run.f2, Role.B2: run.b2}
+        which: dict[Role | None, int | None] = {
+            Role.F: run.f,
+            Role.B: run.b,
+            Role.F2: run.f2,
+            Role.B2: run.b2,
+        }
 
-        def duration(step: Step, which: dict[Role, int | None] = which) -> float:
-            mb = which[step.role]
+        def duration(step: Step, which: dict[Role | None, int | None] = which) -> float:
+            mb, slot = which[step.role], step.slot
             assert mb is not None
-            return durations.get(NodeKey(mb, step.layer, step.slot, step.direction), 0.0)
+            assert slot is not None
+            return durations.get(NodeKey(mb, step.layer, slot, step.direction), 0.0)
 
         total += makespan(run_steps(run, shapes), duration)
     return total

@@ -231,7 +231,7 @@ def _without_record_stream_fix() -> None:
     def skip(tensor: Tensor, stream: object) -> None:
         del tensor, stream
 
-    layer_node = importlib.import_module("moe_overlap.engine._layer_node")
+    layer_node = importlib.import_module("moe_overlap.engine.core._layer_node")
     setattr(layer_node, "record_tensor_on", skip)  # noqa: B010  # a fault, injected
 
 

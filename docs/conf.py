@@ -71,17 +71,25 @@ def _annotation_rewrites() -> list[tuple[str, str]]:
     (``AnyStream``, ``Hook``, ...) are expanded to their definition; anything else private
     keeps only its bare name.
     """
-    public: dict[str, str] = {}
-    for package in _public_packages(PACKAGE_DIR):
-        init = PACKAGE_DIR.parent.joinpath(*package.split("."), "__init__.py")
-        for node in ast.parse(init.read_text()).body:
+    # The package's face (the top level, then its modules: moe_overlap.steps, ...)
+    # re-exports the engine's private modules directly (``import X as X``); a name it holds
+    # is shown there rather than in a subpackage (the engine's own interface is not a user's).
+    public: dict[str, tuple[int, str]] = {}
+    sources = [(2, p) for p in _public_packages(PACKAGE_DIR)[1:] if p not in _INTERNAL]
+    sources += [(1, _module_name(p)) for p in sorted(PACKAGE_DIR.glob("[a-z]*.py"))]
+    for rank, module in [(0, "moe_overlap"), *sources]:
+        path = PACKAGE_DIR.parent.joinpath(*module.split("."))
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        for node in ast.parse(path.read_text()).body:
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 for alias in node.names:
-                    if not (alias.asname or alias.name).startswith("_"):
-                        public[f"{node.module}.{alias.name}"] = (
-                            f"{package}.{alias.asname or alias.name}"
-                        )
-    rewrites = dict(public)
+                    name = alias.asname or alias.name
+                    if name.startswith("_") or (rank < 2 and "._" not in node.module):
+                        continue
+                    key = f"{node.module}.{alias.name}"
+                    if key not in public or rank < public[key][0]:
+                        public[key] = (rank, f"{module}.{name}")
+    rewrites = {key: name for key, (_, name) in public.items()}
     for path in sorted(PACKAGE_DIR.rglob("*.py")):
         module = _module_name(path)
         if not any(part.startswith("_") for part in module.split(".")[1:]):
@@ -110,6 +118,12 @@ def _annotation_rewrites() -> list[tuple[str, str]]:
     return sorted(rewrites.items(), key=lambda kv: len(kv[0]), reverse=True)
 
 
+_INTERNAL = ("moe_overlap.engine", "moe_overlap.engine.core")
+"""Public packages whose ``__all__`` is the interface of the library's own subpackages, not
+a user's: their pages show their docstrings only (every name a user needs is documented in
+the package's face, each once: where a face module re-exports another's name, it imports
+it from that module, which autodoc2 does not document twice)."""
+
 autodoc2_packages = [{"path": "../src/moe_overlap", "module": "moe_overlap"}]
 autodoc2_output_dir = "apidocs"  # generated at build time; gitignored
 autodoc2_render_plugin = "myst"
@@ -117,8 +131,8 @@ autodoc2_render_plugin = "myst"
 # public packages below them (``moe_overlap.integrations.pipelining``).
 autodoc2_module_all_regexes = [
     r"moe_overlap",
-    r"moe_overlap\.[a-z][a-z0-9_]*",
-    *(re.escape(name) for name in _public_packages(PACKAGE_DIR)),
+    r"moe_overlap\.(?!engine$)[a-z][a-z0-9_]*",
+    *(re.escape(name) for name in _public_packages(PACKAGE_DIR) if name not in _INTERNAL),
 ]
 autodoc2_skip_module_regexes = [r"moe_overlap(\.[a-z][a-z0-9_]*)*\._.*"]
 autodoc2_hidden_objects = ["private", "dunder", "inherited"]

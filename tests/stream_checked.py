@@ -24,7 +24,7 @@ import traceback
 from collections.abc import Callable
 from typing import ParamSpec, TypeVar, cast
 
-from moe_overlap.engine import active_checker
+from moe_overlap.engine._stream_check import active_checker
 from moe_overlap.streams import StreamOrderChecker, StreamOrderError
 from tests.gloo_ranks import exit_worker
 

@@ -288,7 +288,7 @@ PROCESS_WORDS = [
 #: A private module of the package, by import path or file path.
 PRIVATE_PATHS = [
     r"\bmoe_overlap(?:\.[a-z]\w*)*\._[a-z]\w*",
-    r"\b(?:engine|blocks|models|adapters|integrations|plan|pipelining)\._[a-z]\w*",
+    r"\b(?:engine|core|blocks|models|adapters|integrations|plan|pipelining)\._[a-z]\w*",
     r"\bsrc/moe_overlap/(?:[\w/]*/)?_[a-z]\w*\.py\b",
 ]
 
@@ -467,3 +467,29 @@ def test_guide_is_the_typed_twin() -> None:
         f"docs/integrate.md and {TWIN.relative_to(ROOT)} differ beyond annotations and "
         f"docstrings in {differ}: change both"
     )
+
+
+# --- docs/concepts.md lists the package's face, module by module -------------------------------
+
+FACE_ROW = re.compile(r"^\| \{py:mod\}`(moe_overlap(?:\.\w+)?)` \| [^|]* \| (.*) \|$", re.M)
+
+
+def face_rows(text: str) -> dict[str, set[str]]:
+    """The modules the table of ``## Where the names live`` names, each with its names."""
+    return {m.group(1): set(re.findall(r"`(\w+)`", m.group(2))) for m in FACE_ROW.finditer(text)}
+
+
+def test_face_rows_are_read() -> None:
+    text = "| {py:mod}`moe_overlap.x` | what | `A`, `b_c` |\n| {py:mod}`moe_overlap` | w | `D` |\n"
+    assert face_rows(text) == {"moe_overlap.x": {"A", "b_c"}, "moe_overlap": {"D"}}
+
+
+def test_concepts_lists_every_public_name_where_it_lives() -> None:
+    import importlib
+
+    rows = face_rows((ROOT / "docs" / "concepts.md").read_text(encoding="utf-8"))
+    face = ["moe_overlap", "steps", "streams", "protocols", "inputs", "wgrad", "errors", "megatron"]
+    modules = [m if m == "moe_overlap" else f"moe_overlap.{m}" for m in face]
+    assert sorted(rows) == sorted(modules)
+    for name in modules:
+        assert rows[name] == set(importlib.import_module(name).__all__), name

@@ -34,7 +34,7 @@ from moe_overlap.inputs import DeclaresInputs, ValidatesInputs, check_inputs
 from moe_overlap.megatron import build_schedule_plan
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel, GPTMoEStage
 from moe_overlap.protocols import FreeInputConfig
-from moe_overlap.steps import NodeTimer, Step, StepObserver
+from moe_overlap.steps import NodeTimer, Step, StepObserver, StreamKind
 from moe_overlap.streams import CpuEvent, CpuStream
 from moe_overlap.timeline import Timeline
 
@@ -129,7 +129,7 @@ class WallTimer:
 
 class CommOnly:
     def timer(self, step: Step, microbatch: int | None) -> WallTimer | None:
-        return WallTimer() if step.stream.value == "comm" else None
+        return WallTimer() if step.stream is StreamKind.COMM else None
 
 
 timeline_observer: StepObserver = Timeline()

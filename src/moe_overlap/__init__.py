@@ -21,48 +21,50 @@ Set ``MOE_OVERLAP_DEBUG=1`` before the first import to check every public call a
 time with beartype; otherwise beartype is not imported and nothing is wrapped.
 """
 
-from moe_overlap.engine import BackwardDWWrapper as BackwardDWWrapper
-from moe_overlap.engine import ChunkState as ChunkState
-from moe_overlap.engine import ConfigError as ConfigError
-from moe_overlap.engine import CudaGraphModule as CudaGraphModule
-from moe_overlap.engine import IntegrationError as IntegrationError
-from moe_overlap.engine import LayerArgs as LayerArgs
-from moe_overlap.engine import LayerState as LayerState
-from moe_overlap.engine import LayerStateAttributeError as LayerStateAttributeError
-from moe_overlap.engine import Microbatch as Microbatch
-from moe_overlap.engine import ModelChunkSchedulePlan as ModelChunkSchedulePlan
-from moe_overlap.engine import MoeOverlapError as MoeOverlapError
-from moe_overlap.engine import MtpSchedulableLayer as MtpSchedulableLayer
-from moe_overlap.engine import NodeStateError as NodeStateError
-from moe_overlap.engine import NoopScheduleNode as NoopScheduleNode
-from moe_overlap.engine import PendingWgrad as PendingWgrad
-from moe_overlap.engine import PlanReleasedError as PlanReleasedError
-from moe_overlap.engine import PostProcessNode as PostProcessNode
-from moe_overlap.engine import PreprocessableModel as PreprocessableModel
-from moe_overlap.engine import PreProcessNode as PreProcessNode
-from moe_overlap.engine import PreprocessOutput as PreprocessOutput
-from moe_overlap.engine import SchedulableLayer as SchedulableLayer
-from moe_overlap.engine import ScheduleError as ScheduleError
-from moe_overlap.engine import ScheduleNode as ScheduleNode
-from moe_overlap.engine import ScheduleOptions as ScheduleOptions
-from moe_overlap.engine import SlotContext as SlotContext
-from moe_overlap.engine import StreamError as StreamError
-from moe_overlap.engine import StreamPair as StreamPair
-from moe_overlap.engine import StreamProvider as StreamProvider
-from moe_overlap.engine import TransformerLayerNode as TransformerLayerNode
-from moe_overlap.engine import TransformerLayerSchedulePlan as TransformerLayerSchedulePlan
-from moe_overlap.engine import TypeHintError as TypeHintError
-from moe_overlap.engine import WgradError as WgradError
-from moe_overlap.engine import WgradLayer as WgradLayer
-from moe_overlap.engine import WgradScope as WgradScope
-from moe_overlap.engine import combined_1f1b as combined_1f1b
-from moe_overlap.engine import get_comm_stream as get_comm_stream
-from moe_overlap.engine import get_comp_stream as get_comp_stream
-from moe_overlap.engine import make_event as make_event
-from moe_overlap.engine import make_streams as make_streams
-from moe_overlap.engine import set_streams as set_streams
-from moe_overlap.engine import should_free_input as should_free_input
-from moe_overlap.engine import weak_method as weak_method
+from moe_overlap.engine._driver import combined_1f1b as combined_1f1b
+from moe_overlap.engine.core._backward_dw import BackwardDWWrapper as BackwardDWWrapper
+from moe_overlap.engine.core._chunk_plan import ModelChunkSchedulePlan as ModelChunkSchedulePlan
+from moe_overlap.engine.core._free_input import should_free_input as should_free_input
+from moe_overlap.engine.core._layer_args import LayerArgs as LayerArgs
+from moe_overlap.engine.core._layer_node import TransformerLayerNode as TransformerLayerNode
+from moe_overlap.engine.core._layer_plan import (
+    TransformerLayerSchedulePlan as TransformerLayerSchedulePlan,
+)
+from moe_overlap.engine.core._microbatch import Microbatch as Microbatch
+from moe_overlap.engine.core._node import NoopScheduleNode as NoopScheduleNode
+from moe_overlap.engine.core._node import ScheduleNode as ScheduleNode
+from moe_overlap.engine.core._node import weak_method as weak_method
+from moe_overlap.engine.core._options import ScheduleOptions as ScheduleOptions
+from moe_overlap.engine.core._process_nodes import PostProcessNode as PostProcessNode
+from moe_overlap.engine.core._process_nodes import PreProcessNode as PreProcessNode
+from moe_overlap.engine.core._protocols import CudaGraphModule as CudaGraphModule
+from moe_overlap.engine.core._protocols import MtpSchedulableLayer as MtpSchedulableLayer
+from moe_overlap.engine.core._protocols import PendingWgrad as PendingWgrad
+from moe_overlap.engine.core._protocols import PreprocessableModel as PreprocessableModel
+from moe_overlap.engine.core._protocols import SchedulableLayer as SchedulableLayer
+from moe_overlap.engine.core._protocols import SlotContext as SlotContext
+from moe_overlap.engine.core._protocols import StreamProvider as StreamProvider
+from moe_overlap.engine.core._protocols import WgradLayer as WgradLayer
+from moe_overlap.engine.core._protocols import WgradScope as WgradScope
+from moe_overlap.engine.core._state import ChunkState as ChunkState
+from moe_overlap.engine.core._state import LayerState as LayerState
+from moe_overlap.engine.core._state import PreprocessOutput as PreprocessOutput
+from moe_overlap.engine.core._streams import StreamPair as StreamPair
+from moe_overlap.engine.core._streams import get_comm_stream as get_comm_stream
+from moe_overlap.engine.core._streams import get_comp_stream as get_comp_stream
+from moe_overlap.engine.core._streams import make_event as make_event
+from moe_overlap.engine.core._streams import make_streams as make_streams
+from moe_overlap.engine.core._streams import set_streams as set_streams
+from moe_overlap.errors import ConfigError as ConfigError
+from moe_overlap.errors import IntegrationError as IntegrationError
+from moe_overlap.errors import LayerStateAttributeError as LayerStateAttributeError
+from moe_overlap.errors import MoeOverlapError as MoeOverlapError
+from moe_overlap.errors import NodeStateError as NodeStateError
+from moe_overlap.errors import PlanReleasedError as PlanReleasedError
+from moe_overlap.errors import ScheduleError as ScheduleError
+from moe_overlap.errors import StreamError as StreamError
+from moe_overlap.errors import TypeHintError as TypeHintError
+from moe_overlap.errors import WgradError as WgradError
 
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it (hatch dynamic version)
 

@@ -38,8 +38,8 @@ from moe_overlap import (
     StreamProvider,
     TransformerLayerSchedulePlan,
 )
-from moe_overlap.engine import AnyEvent
-from moe_overlap.engine import layer_args as layer_args
+from moe_overlap.engine.core._megatron import layer_args as layer_args
+from moe_overlap.engine.core._streams import AnyEvent
 
 __all__ = ["build_schedule_plan", "layer_args", "layer_schedule_plan"]
 

@@ -4,27 +4,27 @@ Each runtime Protocol has one rule table (:mod:`moe_overlap.engine.contracts`):
 ``contract_of(P).error(obj)`` says what ``obj`` lacks, in the words plans use.
 """
 
-from moe_overlap.engine import DeclaresInputs as DeclaresInputs
-from moe_overlap.engine import DecoderLike as DecoderLike
-from moe_overlap.engine import FreeInputConfig as FreeInputConfig
-from moe_overlap.engine import GraphedWgradLayer as GraphedWgradLayer
-from moe_overlap.engine import HoldsDelayedModules as HoldsDelayedModules
-from moe_overlap.engine import LayerListLike as LayerListLike
-from moe_overlap.engine import ModelConfigLike as ModelConfigLike
-from moe_overlap.engine import MtpSchedulableLayer as MtpSchedulableLayer
-from moe_overlap.engine import NodeTimer as NodeTimer
-from moe_overlap.engine import PendingWgrad as PendingWgrad
-from moe_overlap.engine import PreprocessableModel as PreprocessableModel
-from moe_overlap.engine import SchedulableLayer as SchedulableLayer
-from moe_overlap.engine import SlotContext as SlotContext
-from moe_overlap.engine import SlotFn as SlotFn
-from moe_overlap.engine import StepObserver as StepObserver
-from moe_overlap.engine import StreamProvider as StreamProvider
-from moe_overlap.engine import ValidatesInputs as ValidatesInputs
-from moe_overlap.engine import WgradLayer as WgradLayer
-from moe_overlap.engine import WgradScope as WgradScope
+from moe_overlap import MtpSchedulableLayer as MtpSchedulableLayer
+from moe_overlap import PendingWgrad as PendingWgrad
+from moe_overlap import PreprocessableModel as PreprocessableModel
+from moe_overlap import SchedulableLayer as SchedulableLayer
+from moe_overlap import SlotContext as SlotContext
+from moe_overlap import StreamProvider as StreamProvider
+from moe_overlap import WgradLayer as WgradLayer
+from moe_overlap import WgradScope as WgradScope
 from moe_overlap.engine.contracts import Contract as Contract
 from moe_overlap.engine.contracts import contract_of as contract_of
+from moe_overlap.engine.core._protocols import DeclaresInputs as DeclaresInputs
+from moe_overlap.engine.core._protocols import DecoderLike as DecoderLike
+from moe_overlap.engine.core._protocols import FreeInputConfig as FreeInputConfig
+from moe_overlap.engine.core._protocols import GraphedWgradLayer as GraphedWgradLayer
+from moe_overlap.engine.core._protocols import HoldsDelayedModules as HoldsDelayedModules
+from moe_overlap.engine.core._protocols import LayerListLike as LayerListLike
+from moe_overlap.engine.core._protocols import ModelConfigLike as ModelConfigLike
+from moe_overlap.engine.core._protocols import NodeTimer as NodeTimer
+from moe_overlap.engine.core._protocols import SlotFn as SlotFn
+from moe_overlap.engine.core._protocols import StepObserver as StepObserver
+from moe_overlap.engine.core._protocols import ValidatesInputs as ValidatesInputs
 
 __all__ = [
     "Contract",

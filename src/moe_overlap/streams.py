@@ -7,22 +7,22 @@ the streams' events) and :func:`shake` (CUDA: seeded random delays at node bound
 repeated runs that must stay bit-identical). ``docs/correctness.md`` says what each covers.
 """
 
-from moe_overlap.engine import AnyEvent as AnyEvent
-from moe_overlap.engine import AnyStream as AnyStream
-from moe_overlap.engine import CpuEvent as CpuEvent
-from moe_overlap.engine import CpuStream as CpuStream
-from moe_overlap.engine import StreamOrderChecker as StreamOrderChecker
-from moe_overlap.engine import StreamOrderError as StreamOrderError
-from moe_overlap.engine import StreamPair as StreamPair
-from moe_overlap.engine import cpu_default_stream as cpu_default_stream
-from moe_overlap.engine import get_comm_stream as get_comm_stream
-from moe_overlap.engine import get_comp_stream as get_comp_stream
-from moe_overlap.engine import make_event as make_event
-from moe_overlap.engine import make_streams as make_streams
-from moe_overlap.engine import reset_streams as reset_streams
-from moe_overlap.engine import set_streams as set_streams
-from moe_overlap.engine import shake as shake
-from moe_overlap.engine import stream_order_check as stream_order_check
+from moe_overlap import StreamPair as StreamPair
+from moe_overlap import get_comm_stream as get_comm_stream
+from moe_overlap import get_comp_stream as get_comp_stream
+from moe_overlap import make_event as make_event
+from moe_overlap import make_streams as make_streams
+from moe_overlap import set_streams as set_streams
+from moe_overlap.engine._stream_check import StreamOrderChecker as StreamOrderChecker
+from moe_overlap.engine._stream_check import StreamOrderError as StreamOrderError
+from moe_overlap.engine._stream_check import stream_order_check as stream_order_check
+from moe_overlap.engine.core._streams import AnyEvent as AnyEvent
+from moe_overlap.engine.core._streams import AnyStream as AnyStream
+from moe_overlap.engine.core._streams import CpuEvent as CpuEvent
+from moe_overlap.engine.core._streams import CpuStream as CpuStream
+from moe_overlap.engine.core._streams import cpu_default_stream as cpu_default_stream
+from moe_overlap.engine.core._streams import reset_streams as reset_streams
+from moe_overlap.engine.core._streams import shake as shake
 
 __all__ = [
     "AnyEvent",

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, cast
+from typing import Protocol, TypeVar, cast
 
 import torch
 
@@ -29,6 +29,7 @@ __all__ = ["Span", "Timeline"]
 
 _Stream = torch.cuda.Stream | CpuStream
 _Mark = torch.cuda.Event | float
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -48,7 +49,7 @@ class Span:
 
     @property
     def role(self) -> Role:
-        return self.step.role
+        return _given(self.step.role, self.step)
 
     @property
     def layer(self) -> int | None:
@@ -56,7 +57,7 @@ class Span:
 
     @property
     def slot(self) -> Slot:
-        return self.step.slot
+        return _given(self.step.slot, self.step)
 
     @property
     def direction(self) -> Direction:
@@ -64,7 +65,7 @@ class Span:
 
     @property
     def stream(self) -> StreamKind:
-        return self.step.stream
+        return _given(self.step.stream, self.step)
 
     @property
     def duration_ms(self) -> float:
@@ -75,6 +76,16 @@ class Span:
         """E.g. ``mb1.L2.dispatch.F``."""
         layer = "" if self.layer is None else f"L{self.layer}."
         return f"mb{self.microbatch}.{layer}{self.slot.value}.{self.direction.value}"
+
+
+def _given(value: _T | None, step: Step) -> _T:
+    """A node step's role, slot or stream (a span's step always has them)."""
+    if value is None:
+        raise ConfigError(
+            f"Span: expected a node step with a role, a slot and a stream (e.g. "
+            f"'f.L0.mlp.F@comp'), received {step}"
+        )
+    return value
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,15 +9,15 @@ drive plans yourself) over :func:`owed_wgrad`, which reads every module's
 :class:`~moe_overlap.PendingWgrad` count.
 """
 
-from moe_overlap.engine import BackwardDWWrapper as BackwardDWWrapper
-from moe_overlap.engine import HoldsDelayedModules as HoldsDelayedModules
-from moe_overlap.engine import PendingWgrad as PendingWgrad
-from moe_overlap.engine import WgradLayer as WgradLayer
-from moe_overlap.engine import WgradScope as WgradScope
-from moe_overlap.engine import check_wgrad_done as check_wgrad_done
-from moe_overlap.engine import claim_wgrad as claim_wgrad
-from moe_overlap.engine import owed_wgrad as owed_wgrad
-from moe_overlap.engine import wgrad_claimed as wgrad_claimed
+from moe_overlap import BackwardDWWrapper as BackwardDWWrapper
+from moe_overlap import PendingWgrad as PendingWgrad
+from moe_overlap import WgradLayer as WgradLayer
+from moe_overlap import WgradScope as WgradScope
+from moe_overlap.engine._owed_wgrad import check_wgrad_done as check_wgrad_done
+from moe_overlap.engine._owed_wgrad import owed_wgrad as owed_wgrad
+from moe_overlap.engine.core._wgrad_claims import claim_wgrad as claim_wgrad
+from moe_overlap.engine.core._wgrad_claims import wgrad_claimed as wgrad_claimed
+from moe_overlap.protocols import HoldsDelayedModules as HoldsDelayedModules
 
 __all__ = [
     "BackwardDWWrapper",

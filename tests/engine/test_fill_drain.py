@@ -37,7 +37,7 @@ def _shape(kinds: str, delay: bool) -> ChunkShape:
     )
 
 
-def _body(steps: list[Step], role: Role) -> list[tuple[int | None, Slot, Direction]]:
+def _body(steps: list[Step], role: Role) -> list[tuple[int | None, Slot | None, Direction]]:
     return [(s.layer, s.slot, s.direction) for s in steps if s.role is role]
 
 

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 
-from moe_overlap import Microbatch, ScheduleOptions, combined_1f1b, make_streams
+from moe_overlap import Microbatch, ScheduleOptions, combined_1f1b, make_event, make_streams
 from moe_overlap.steps import Direction, ScheduleOrder
 
 from .test_order import sample_orders
@@ -106,6 +106,26 @@ def test_cuda_timeline_observes_without_changing_anything(delay: bool) -> None:
     assert_same(grads(model), grads(ref))
     spans = timeline.spans()
     assert spans and all(0.0 <= s.start_ms <= s.end_ms for s in spans)
-    kinds = {s.step.stream.value for s in spans}
+    kinds = {s.stream.value for s in spans}
     assert kinds == {"comp", "comm"}
     assert (Direction.WGRAD in {s.direction for s in spans}) == delay
+
+
+def test_node_stream_switch_leaves_the_state_torch_cuda_stream_leaves() -> None:
+    """A node on the current stream skips ``torch.cuda.stream``'s work (a compute node's
+    usual case), one on another stream does not; both leave the caller's stream current
+    after, also when the body switched streams without switching back."""
+    from moe_overlap.engine.core._streams import _AlreadyCurrent, enter_stream, leave_stream
+
+    main = torch.cuda.current_stream()
+    side = make_streams("cuda").comm
+    event = make_event("cuda")
+    assert isinstance(side, torch.cuda.Stream)
+    for stream, elided in ((main, True), (side, False)):
+        switch = enter_stream(stream, event)
+        assert isinstance(switch, _AlreadyCurrent) == elided
+        assert torch.cuda.current_stream() == stream
+        torch.cuda.set_stream(side if stream == main else main)  # a body that switches away
+        leave_stream(stream, event, switch)
+        assert torch.cuda.current_stream() == main
+    torch.cuda.synchronize()

@@ -8,8 +8,8 @@ import pytest
 from torch import Tensor
 
 from moe_overlap import ConfigError, combined_1f1b
-from moe_overlap.engine import _hooks
 from moe_overlap.engine._guards import BaseGuard, Guard, attach
+from moe_overlap.engine.core import _hooks
 
 from .toy_model import ToyConfig, ToyModel, grads, make_microbatches, plain_step
 
@@ -126,47 +126,6 @@ def test_only_overridden_hooks_are_attached_and_debug_only_is_chosen_once() -> N
     finally:
         detach()
     assert guard not in _hooks.on_before_release
-
-
-# The schedule core's modules and the check modules the core may not import: checks attach
-# as guards (engine/_attached_checks.py). What a core module still imports of them is listed,
-# with why; a new import of a check module into the core fails here.
-CHECK_MODULES = {
-    "_attached_checks",
-    "_bypass_check",
-    "_conformance",
-    "_consensus",
-    "_debug",
-    "_fsdp_check",
-    "_guards",
-    "_inputs",
-    "_node_checks",
-    "_owed_wgrad",
-    "_plain_check",
-    "_stream_check",
-    "contracts",
-}
-CORE_STILL_IMPORTS = {
-    "_runner": set[str](),
-    "_executor": set[str](),
-    "_chunk_plan": set[str](),
-    "_process_nodes": set[str](),
-    "_hooks": {"_guards"},  # under TYPE_CHECKING only: the lists' element type
-    "_node": {"_node_checks"},  # mark_non_differentiable's own argument check
-    "_layer_node": {"_node_checks"},  # the wording of torch's second-backward error
-    "_layer_plan": set[str](),
-    "_backward_dw": {"_conformance", "contracts"},  # its pre-dispatch parts (a public class)
-    "_wgrad_claims": {"contracts"},  # the modules a claim holds
-    "_streams": {"_stream_check"},  # the CPU stream model reports to the checker
-}
-
-
-def test_the_schedule_core_imports_no_check_module_but_those_listed() -> None:
-    from .test_macro import _engine_imports
-
-    for module, allowed in CORE_STILL_IMPORTS.items():
-        checks = _engine_imports(module) & CHECK_MODULES
-        assert checks == allowed, (module, sorted(checks))
 
 
 def test_without_guards_detaches_every_guard_for_the_block_only() -> None:

@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
-import ast
-from pathlib import Path
+import re
 
 import pytest
 
 from moe_overlap import ConfigError
-from moe_overlap.engine._macro import format_macro, parse_macro
-from moe_overlap.steps import MacroStep, ScheduleMode, macro_steps
+from moe_overlap.steps import (
+    Direction,
+    MacroStep,
+    ScheduleMode,
+    Step,
+    backward_microbatches,
+    format_macro,
+    forward_microbatches,
+    macro_steps,
+    parse_macro,
+)
+
+F, B = Direction.FORWARD, Direction.BACKWARD
 
 MODES = tuple(ScheduleMode)
 
@@ -29,16 +39,17 @@ def _today(n: int, mode: ScheduleMode) -> list[str]:
 @pytest.mark.parametrize("n", range(9))
 def test_every_mode_and_size_is_todays_order(n: int, mode: ScheduleMode) -> None:
     steps = macro_steps(n, mode)
-    assert [str(s) for s in steps] == _today(n, mode)
+    assert [format_macro([s]) for s in steps] == _today(n, mode)
     assert parse_macro(format_macro(steps)) == steps
-    assert all(MacroStep.parse(str(s)) == s for s in steps)
-    forwards = [i for s in steps for i in s.forward]
-    backwards = [i for s in steps for i in s.backward]
+    assert all(parse_macro(format_macro([s])) == (s,) for s in steps)
+    forwards = [i for s in steps for i in forward_microbatches(s)]
+    backwards = [i for s in steps for i in backward_microbatches(s)]
     assert forwards == list(range(n)) and backwards == list(range(n))
     for k, step in enumerate(steps):  # each backward after its forward, two at most
-        assert 1 <= len(step.forward) + len(step.backward) <= 2
-        done = {i for s in steps[:k] for i in s.forward}
-        assert set(step.backward) <= done
+        assert 1 <= len(step) <= 2
+        assert all(s == Step(s.direction, s.microbatch) for s in step)  # microbatch steps
+        done = {i for s in steps[:k] for i in forward_microbatches(s)}
+        assert set(backward_microbatches(step)) <= done
 
 
 def test_the_mode_of_the_driver_flags() -> None:
@@ -50,15 +61,32 @@ def test_the_mode_of_the_driver_flags() -> None:
 def test_string_forms() -> None:
     steps = macro_steps(3, ScheduleMode.OVERLAPPED)
     assert format_macro(steps) == "F0 | F1+B0 | F2+B1 | B2"
-    assert MacroStep.parse("B2+B3") == MacroStep((), (2, 3))
-    assert MacroStep.parse("F0+F1") == MacroStep((0, 1))
+    drain: MacroStep = (Step(B, 2), Step(B, 3))
+    assert parse_macro("B2+B3") == (drain,)
+    assert parse_macro("F0+F1") == ((Step(F, 0), Step(F, 1)),)
+    assert parse_macro(" F1+B0 |B1") == ((Step(F, 1), Step(B, 0)), (Step(B, 1),))
+    assert forward_microbatches(drain) == () and backward_microbatches(drain) == (2, 3)
     assert parse_macro("") == ()
 
 
-@pytest.mark.parametrize("text", ["", "F", "X1", "B0+F1", "F0+F1+F2", "F0,B1", "f0"])
-def test_a_malformed_step_is_refused(text: str) -> None:
-    with pytest.raises(ConfigError, match="MacroStep.parse"):
-        MacroStep.parse(text)
+_JOINED = "'+'-joined F<i> and B<i> (forwards first)"
+_TWO = "at most two parts, forwards before backwards"
+
+
+@pytest.mark.parametrize(
+    ("text", "rule"),
+    [
+        *[
+            (t, _JOINED)
+            for t in (" ", "F", "X1", "F0,B1", "f0", "W1", "F1@comp", "f.F1", "F0 + B1")
+        ],
+        *[(t, _TWO) for t in ("B0+F1", "F0+F1+F2", "F01")],
+    ],
+)
+def test_a_malformed_step_is_refused(text: str, rule: str) -> None:
+    """The same rules and words as before a macro step's parts were steps."""
+    with pytest.raises(ConfigError, match=re.escape(f"parse_macro: expected {rule}")):
+        parse_macro(f"F0 | {text}")
 
 
 def test_arguments_are_checked() -> None:
@@ -66,33 +94,3 @@ def test_arguments_are_checked() -> None:
         macro_steps(-1, ScheduleMode.SERIAL)
     with pytest.raises(ConfigError, match="macro_steps: mode"):
         macro_steps(2, "serial")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
-
-
-ENGINE = Path(__file__).resolve().parents[2] / "src" / "moe_overlap" / "engine"
-
-
-def _engine_imports(module: str) -> set[str]:
-    """The engine modules ``module`` imports, statically (``TYPE_CHECKING`` and function
-    bodies included)."""
-    tree = ast.parse((ENGINE / f"{module}.py").read_text())
-    found: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom):
-            if node.level == 1 and node.module:
-                found.add(node.module)
-            elif node.module and node.module.startswith("moe_overlap.engine."):
-                found.add(node.module.rsplit(".", 1)[1])
-    return found
-
-
-def test_the_protocols_import_nothing_that_imports_them_back() -> None:
-    """engine/_protocols.py's imports (annotations included) never reach it again."""
-    seen: set[str] = set()
-    todo = list(_engine_imports("_protocols"))
-    while todo:
-        module = todo.pop()
-        if module in seen:
-            continue
-        seen.add(module)
-        todo += _engine_imports(module)
-    assert "_protocols" not in seen, sorted(seen)

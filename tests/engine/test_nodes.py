@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import gc
 import weakref
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -33,7 +34,7 @@ from moe_overlap import (
     set_streams,
     weak_method,
 )
-from moe_overlap.engine._streams import reset_streams, use_stream
+from moe_overlap.engine.core._streams import reset_streams, use_stream
 from moe_overlap.megatron import layer_args, layer_schedule_plan
 from moe_overlap.streams import CpuEvent, CpuStream
 
@@ -340,3 +341,40 @@ def test_layer_plan_reads_the_position_from_megatron_style_extra_args() -> None:
         layer_schedule_plan(
             layer, CpuEvent(), ChunkState(Microbatch()), cpu_stream, cpu_stream, {"bogus": 1}
         )
+
+
+@dataclass
+class _FakeCudaStream:
+    stream_id: int
+    device_index: int = 0
+    device_type: int = 1
+
+
+def test_cuda_switch_skips_only_a_stream_already_current(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The branch logic of a node's CUDA stream switch, with torch's calls faked (the real
+    ones run in ``test_gpu.py``): a stream current on the current device is not switched
+    to, and leaving sets it current again, as ``torch.cuda.stream``'s exit does; any other
+    stream goes through ``torch.cuda.stream``."""
+    from moe_overlap.engine.core import _streams
+
+    set_calls: list[tuple[int, int, int]] = []
+    made: list[object] = []
+
+    def set_stream(stream_id: int, device_index: int, device_type: int) -> None:
+        set_calls.append((stream_id, device_index, device_type))
+
+    def cuda_stream(stream: object) -> Any:
+        made.append(stream)
+        return nullcontext()
+
+    monkeypatch.setattr(_streams, "_cuda_current_device", lambda: 0)
+    monkeypatch.setattr(_streams, "_cuda_current_stream", lambda device: (7, device, 1))
+    monkeypatch.setattr(_streams, "_cuda_set_stream", set_stream)
+    monkeypatch.setattr(torch.cuda, "stream", cuda_stream)
+    current: Any = _FakeCudaStream(7)
+    with _streams._cuda_switch(current):
+        assert set_calls == []
+    assert set_calls == [(7, 0, 1)] and made == []
+    for other in (_FakeCudaStream(8), _FakeCudaStream(7, device_index=1), _FakeCudaStream(7, 0, 2)):
+        _streams._cuda_switch(cast(Any, other))
+    assert len(made) == 3 and set_calls == [(7, 0, 1)]

@@ -18,8 +18,8 @@ from moe_overlap import (
     TransformerLayerSchedulePlan,
     combined_1f1b,
 )
-from moe_overlap.engine._streams import AnyStream
-from moe_overlap.steps import Direction, NodeTimer, Slot, Step, StepObserver, chunk_steps
+from moe_overlap.engine.core._streams import AnyStream
+from moe_overlap.steps import Direction, NodeTimer, Role, Slot, Step, StepObserver, chunk_steps
 from moe_overlap.streams import CpuStream
 from moe_overlap.timeline import Timeline
 
@@ -56,6 +56,11 @@ class _Timer:
         self.marks.append(("stop", self.step, stream.name))
 
 
+def _stream_name(step: Step) -> str:
+    assert step.stream is not None, f"node step {step} without a stream"
+    return step.stream.value
+
+
 def plan_nodes(plan: ModelChunkSchedulePlan) -> list[ScheduleNode]:
     nodes: list[ScheduleNode] = [n for lp in plan.layers for n in lp.nodes.values()]
     nodes += [n for n in (plan.pre_process, plan.post_process) if n is not None]
@@ -72,7 +77,7 @@ def expected_steps(
         b_shape = plans[b].shape if b is not None else None
         for step in chunk_steps(f_shape, b_shape):
             assert step.direction is not Direction.HOOK
-            out.append((step, f if step.role.value == "f" else b))
+            out.append((step, f if step.role is Role.F else b))
     return out
 
 
@@ -114,7 +119,7 @@ def test_observer_sees_the_step_lists_in_order(overlap: bool, delay: bool, stack
     assert recorder.seen == expected_steps(plans, runs)
     # every timer starts, then stops, on the stream its step names; none overlap
     pairs = [
-        (("start", step, step.stream.value), ("stop", step, step.stream.value))
+        (("start", step, _stream_name(step)), ("stop", step, _stream_name(step)))
         for step, _ in recorder.seen
     ]
     assert recorder.marks == [m for pair in pairs for m in pair]
@@ -172,7 +177,7 @@ def test_run_with_hooks_shows_only_node_steps() -> None:
     )
     assert any(s.direction is Direction.HOOK for s in hooked)
     expected = [
-        (s, 1 if s.role.value == "f" else 0) for s in hooked if s.direction is not Direction.HOOK
+        (s, 1 if s.role is Role.F else 0) for s in hooked if s.direction is not Direction.HOOK
     ]
     assert recorder.seen == expected
     assert len(recorder.marks) == 2 * len(expected)

@@ -54,7 +54,7 @@ def _shape(
 
 
 def _all_orders(kind: PairKind) -> list[PairOrder]:
-    from moe_overlap.engine._order import template, valid_orders
+    from moe_overlap.engine.core._order import template, valid_orders
 
     full = [s for s in PairOrder.megatron(kind).steps if s in template(kind)]
     return [PairOrder(kind, o) for o in valid_orders(kind, full)]
@@ -92,6 +92,9 @@ def test_schedule_order_round_trips_through_its_text() -> None:
         (PairKind.MIXED, "drop", "expected exactly the steps"),
         (PairKind.MIXED, None, "each step once"),
         (PairKind.FORWARDS, "x.mlp.F", "expected 'role.slot.D'"),
+        (PairKind.MIXED, "f.L0.mlp.F@comp", r"PairOrder\(MIXED\): expected 'role.slot.D'"),
+        (PairKind.MIXED, "F1", r"expected 'role.slot.D' .*received 'F1'"),
+        (PairKind.MIXED, "b.mlp", "expected 'role.slot.D'"),
         (PairKind.MIXED, "swap:b.mlp.B,b.combine.B", r"b.combine.B before b.mlp.B \(a microbatch"),
         (PairKind.MIXED, "swap:b.mlp.W,b.mlp.B", "b.mlp.B before b.mlp.W"),
         (PairKind.FORWARDS, "swap:f.mtp_post.F,g.mtp_post.F", "first forward's step"),
@@ -177,15 +180,20 @@ _FIELD = {PairKind.MIXED: "mixed", PairKind.FORWARDS: "forwards", PairKind.BACKW
 
 def test_makespan_lets_a_weight_gradient_wait_on_its_stream_only() -> None:
     steps = [
-        Step(Role.B, 0, Slot.MLP, B, StreamKind.COMP),
-        Step(Role.B, 0, Slot.MLP, W, StreamKind.COMP),
-        Step(Role.B, 0, Slot.DISPATCH, B, StreamKind.COMM),
+        Step(B, role=Role.B, layer=0, slot=Slot.MLP, stream=StreamKind.COMP),
+        Step(W, role=Role.B, layer=0, slot=Slot.MLP, stream=StreamKind.COMP),
+        Step(B, role=Role.B, layer=0, slot=Slot.DISPATCH, stream=StreamKind.COMM),
     ]
-    ms = {Slot.MLP: {B: 2.0, W: 5.0}, Slot.DISPATCH: {B: 3.0}}
+    ms: dict[Slot | None, dict[Direction, float]] = {
+        Slot.MLP: {B: 2.0, W: 5.0},
+        Slot.DISPATCH: {B: 3.0},
+    }
     # dispatch.B waits for mlp.B (2 ms), not for the weight gradient (ends at 7 ms).
     assert makespan(steps, lambda s: ms[s.slot][s.direction]) == 7.0
     steps[1] = steps[1]._replace(direction=F)  # a node step: the chain waits for it
     assert makespan(steps, lambda s: ms[s.slot].get(s.direction, 5.0)) == 10.0
+    with pytest.raises(ConfigError, match="replay: expected node steps.*received F1"):
+        makespan([Step(F, 1)], lambda s: 1.0)
 
 
 def _random_durations(seed: int, layers: int) -> dict[SlotKey, float]:
@@ -232,7 +240,9 @@ def test_search_brute_force_agrees_on_one_layer() -> None:
         best = min(
             makespan(
                 _RUNS[kind](_shape("m", delay=True, order=ScheduleOrder(**{field: order}))),
-                lambda s: durations.get((s.layer, s.slot, s.direction), 0.0),
+                lambda s: (
+                    0.0 if s.slot is None else durations.get((s.layer, s.slot, s.direction), 0.0)
+                ),
             )
             for order in _all_orders(kind)
         )

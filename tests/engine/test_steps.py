@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from moe_overlap import ConfigError
 from moe_overlap.steps import (
     ChunkShape,
     Direction,
@@ -160,11 +162,12 @@ def test_forward_only_and_backward_only() -> None:
 
 step_strategy = st.builds(
     Step,
-    st.sampled_from(Role),
-    st.one_of(st.none(), st.integers(0, 200)),
-    st.sampled_from(Slot),
     st.sampled_from(Direction),
-    st.sampled_from(StreamKind),
+    microbatch=st.one_of(st.none(), st.integers(0, 10**6)),
+    role=st.one_of(st.none(), st.sampled_from(Role)),
+    layer=st.one_of(st.none(), st.integers(0, 10**6)),
+    slot=st.one_of(st.none(), st.sampled_from(Slot)),
+    stream=st.one_of(st.none(), st.sampled_from(StreamKind)),
 )
 
 
@@ -173,9 +176,63 @@ def test_step_string_round_trips(step: Step) -> None:
     assert Step.parse(str(step)) == step
 
 
-@pytest.mark.parametrize("bad", ["", "x.L0.mlp.F@comp", "f.L0.mlp.Q@comp", "f.L0.nope.F@comp"])
-def test_step_parse_rejects(bad: str) -> None:
-    with pytest.raises(ValueError):  # noqa: PT011 - Step.parse raises ValueError subclasses too
+def test_every_combination_of_levels_round_trips() -> None:
+    """Each field present or absent, every kind's every value: one text each, read back."""
+    seen: set[str] = set()
+    for direction, microbatch, role, layer, slot, stream in itertools.product(
+        Direction,
+        (None, 0, 17),
+        (None, *Role),
+        (None, 0, 3),
+        (None, *Slot),
+        (None, *StreamKind),
+    ):
+        step = Step(direction, microbatch, role, layer, slot, stream)
+        text = str(step)
+        assert Step.parse(text) == step, text
+        seen.add(text)
+    assert len(seen) == 4 * 3 * 5 * 3 * (len(Slot) + 1) * 4  # no two steps print alike
+
+
+@pytest.mark.parametrize(
+    ("text", "step"),
+    [
+        ("F1", Step(Direction.FORWARD, 1)),
+        ("b.combine.B", Step(Direction.BACKWARD, role=Role.B, slot=Slot.COMBINE)),
+        (
+            "b.L3.combine.B@comm",
+            Step(
+                Direction.BACKWARD, role=Role.B, layer=3, slot=Slot.COMBINE, stream=StreamKind.COMM
+            ),
+        ),
+        (
+            "f.L0.mlp.F2@comp",
+            Step(Direction.FORWARD, 2, Role.F, 0, Slot.MLP, StreamKind.COMP),
+        ),
+        (
+            "f.pre_forward.H@host",
+            Step(Direction.HOOK, None, Role.F, None, Slot.PRE_FORWARD, StreamKind.HOST),
+        ),
+    ],
+)
+def test_the_text_forms_of_each_level(text: str, step: Step) -> None:
+    assert Step.parse(text) == step
+    assert str(step) == text
+
+
+@pytest.mark.parametrize(
+    "bad",
+    ["", "x.L0.mlp.F@comp", "f.L0.mlp.Q@comp", "F-1", "f1", "F1+B0", " F1", "L.F", "f.L0.mlp.F@"],
+)
+def test_step_parse_rejects_what_the_grammar_does_not_give(bad: str) -> None:
+    expected = re.escape("Step.parse: expected '[role.][L<layer>.][slot.]D[<microbatch>][@stream]'")
+    with pytest.raises(ConfigError, match=f"{expected}.*received {re.escape(repr(bad))}"):
+        Step.parse(bad)
+
+
+@pytest.mark.parametrize("bad", ["f.L0.nope.F@comp", "f.mlp.F@gpu", "attention.B"])
+def test_step_parse_names_an_unknown_slot_or_stream(bad: str) -> None:
+    with pytest.raises(ConfigError, match=f"unknown slot or stream in {re.escape(repr(bad))}"):
         Step.parse(bad)
 
 

@@ -18,16 +18,10 @@ import pytest
 import torch
 
 from moe_overlap import Microbatch, ScheduleError, combined_1f1b
-from moe_overlap.engine import (
-    CpuEvent,
-    CpuStream,
-    StreamOrderError,
-    cpu_default_stream,
-    record_tensor_on,
-    stream_context,
-    stream_order_check,
-)
+from moe_overlap.engine import cpu_default_stream, record_tensor_on, stream_context
+from moe_overlap.engine._stream_check import active_checker
 from moe_overlap.models import GPTMoEModel
+from moe_overlap.streams import CpuEvent, CpuStream, StreamOrderError, stream_order_check
 from tests.models._helpers import SMALL
 
 
@@ -124,8 +118,6 @@ def test_host_synchronize_orders_everything() -> None:
 
 
 def test_checker_leaves_no_state() -> None:
-    from moe_overlap.engine import active_checker
-
     with stream_order_check():
         assert active_checker() is not None
     assert active_checker() is None
@@ -182,22 +174,27 @@ def _skip_wait(*args: object) -> None:
     del args
 
 
+class _NoWait(CpuEvent):
+    """An event whose wait does nothing (what a node without its event wait would do)."""
+
+    def wait(self, stream: CpuStream | None = None) -> None:
+        del stream
+
+
 @contextmanager
 def _no_node_event_wait(direction: str) -> Iterator[None]:
     """The microbatch event's wait at the start of every node's forward (or backward)."""
-    node = _module("moe_overlap.engine._node")
-    streams = _module("moe_overlap.engine._streams")
-    original = node.use_stream
+    node = _module("moe_overlap.engine.core._node")
+    original = node.enter_stream
 
-    class without_wait(original):  # type: ignore[misc, valid-type]
-        def __enter__(self) -> None:
-            with _patched(streams, "wait_event", _skip_wait):
-                super().__enter__()
+    def without_wait(stream: Any, event: Any) -> Any:
+        del event
+        return original(stream, _NoWait())
 
     phase = node.ScheduleNode.forward if direction == "forward" else node.ScheduleNode.backward
 
     def run(self: Any, *args: Any) -> Any:
-        with _patched(node, "use_stream", without_wait):
+        with _patched(node, "enter_stream", without_wait):
             return phase(self, *args)
 
     with _patched(node.ScheduleNode, direction, run):
@@ -208,18 +205,20 @@ MUTATIONS: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {
     "node forward: microbatch event wait": (lambda: _no_node_event_wait("forward"), {}),
     "node backward: microbatch event wait": (lambda: _no_node_event_wait("backward"), {}),
     "node backward: record_stream of output grads": (
-        lambda: _patched(_module("moe_overlap.engine._node"), "record_tensor_on", _skip_record),
+        lambda: _patched(
+            _module("moe_overlap.engine.core._node"), "record_tensor_on", _skip_record
+        ),
         {},
     ),
     "layer node backward: record_stream of node.detach grads": (
         lambda: _patched(
-            _module("moe_overlap.engine._layer_node"), "record_tensor_on", _skip_record
+            _module("moe_overlap.engine.core._layer_node"), "record_tensor_on", _skip_record
         ),
         {},
     ),
     "plan: its first nodes wait for the caller's stream": (
         lambda: _patched(
-            _module("moe_overlap.engine._chunk_plan").ModelChunkSchedulePlan,
+            _module("moe_overlap.engine.core._chunk_plan").ModelChunkSchedulePlan,
             "record_current_stream",
             _skip_wait,
         ),
@@ -227,7 +226,7 @@ MUTATIONS: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {
     ),
     "plan: the caller's stream waits for its last nodes": (
         lambda: _patched(
-            _module("moe_overlap.engine._chunk_plan").ModelChunkSchedulePlan,
+            _module("moe_overlap.engine.core._chunk_plan").ModelChunkSchedulePlan,
             "wait_current_stream",
             _skip_wait,
         ),
@@ -235,7 +234,7 @@ MUTATIONS: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {
     ),
     "plan: outputs kept from reuse until the caller's stream used them": (
         lambda: _patched(
-            _module("moe_overlap.engine._chunk_plan").ModelChunkSchedulePlan,
+            _module("moe_overlap.engine.core._chunk_plan").ModelChunkSchedulePlan,
             "hand_to_caller",
             _skip_wait,
         ),
@@ -269,7 +268,7 @@ MUTATIONS: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {
 def _first_only(keep_first: bool = False) -> Callable[[Any, Any], None]:
     """HostLoopback's wait_stream calls alternate (side waits caller, caller waits side):
     skip the caller's (``keep_first``) or the side stream's."""
-    streams = _module("moe_overlap.engine._streams")
+    streams = _module("moe_overlap.engine.core._streams")
 
     def wait(stream: Any, other: Any) -> None:
         side = stream.name == "loopback side"
@@ -281,7 +280,7 @@ def _first_only(keep_first: bool = False) -> Callable[[Any, Any], None]:
 
 def _lane_waits() -> Callable[[Any, Any], None]:
     """Skip the main stream's waits for a lane's event (keep the lanes' own waits)."""
-    streams = _module("moe_overlap.engine._streams")
+    streams = _module("moe_overlap.engine.core._streams")
 
     def wait(event: Any, stream: Any) -> None:
         if "lane" in getattr(stream, "name", ""):

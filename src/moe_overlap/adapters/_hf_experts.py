@@ -30,7 +30,7 @@ from moe_overlap.blocks import (
     DelayedWgradModule,
     GroupSizes,
 )
-from moe_overlap.engine.args import Instance, check_arg
+from moe_overlap.engine.core.args import Instance, check_arg
 
 __all__ = [
     "DelayedLinear",

@@ -41,7 +41,7 @@ from moe_overlap.adapters._hf_structure import block_of
 from moe_overlap.adapters._hf_tied import TiedGradients, tied_embeddings
 from moe_overlap.blocks import MegatronHooks, TokenDispatcher, check_recompute, recompute_module
 from moe_overlap.engine import BypassedModule, ChunkState, check_module
-from moe_overlap.engine.args import (
+from moe_overlap.engine.core.args import (
     BOOL,
     GROUP,
     MODULE,

@@ -40,7 +40,7 @@ from moe_overlap.adapters._tt_names import NOT_GIVEN, TitanHooks, refuse_titan_n
 from moe_overlap.adapters._tt_parallel import honoured_forward
 from moe_overlap.adapters._tt_recompute import unwrap_blocks
 from moe_overlap.engine import Bypass, BypassedModule, ChunkState, check_wgrad_done
-from moe_overlap.engine.args import BOOL, MODULE, check_arg
+from moe_overlap.engine.core.args import BOOL, MODULE, check_arg
 
 __all__ = ["LossFn", "SelfCheckReport", "TitanDecoder", "TorchtitanMoEAdapter"]
 

@@ -12,7 +12,7 @@ from moe_overlap.adapters._torch_private import children
 from moe_overlap.adapters._tt_model import TitanDecoder, TorchtitanMoEAdapter
 from moe_overlap.adapters._tt_names import NOT_GIVEN, TitanHooks, refuse_titan_names
 from moe_overlap.engine import BypassedModule
-from moe_overlap.engine.args import Instance, check_arg
+from moe_overlap.engine.core.args import Instance, check_arg
 
 __all__ = ["TorchtitanMoEStage"]
 

@@ -59,8 +59,8 @@ from moe_overlap.engine import (
     wait_event,
     wait_stream,
 )
-from moe_overlap.engine.args import NON_NEGATIVE, POSITIVE, Instance, check_arg
 from moe_overlap.engine.contracts import Contract, attribute, method
+from moe_overlap.engine.core.args import NON_NEGATIVE, POSITIVE, Instance, check_arg
 
 __all__ = ["ChunkedDispatcher", "SideStreams", "chunk_sizes"]
 

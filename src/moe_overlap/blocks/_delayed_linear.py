@@ -30,7 +30,8 @@ from typing_extensions import Self
 from moe_overlap import ConfigError, IntegrationError, WgradError
 from moe_overlap.blocks._torch_private import grouped_mm, has_grouped_mm
 from moe_overlap.engine import wgrad_claimed
-from moe_overlap.engine.args import (
+from moe_overlap.engine.contracts import Contract, method
+from moe_overlap.engine.core.args import (
     BOOL,
     FLOAT_DTYPE,
     NON_NEGATIVE,
@@ -41,7 +42,6 @@ from moe_overlap.engine.args import (
     check_arg,
     refuse,
 )
-from moe_overlap.engine.contracts import Contract, method
 
 __all__ = [
     "DelayedWgradGroupedLinear",

@@ -61,7 +61,7 @@ from moe_overlap.blocks._dispatch_meta import (
 from moe_overlap.blocks._loopback import HostLoopback, loopback
 from moe_overlap.blocks._slots import SlotContext
 from moe_overlap.engine import DEBUG
-from moe_overlap.engine.args import GROUP, POSITIVE, Int, OneOf, Opt, check_arg
+from moe_overlap.engine.core.args import GROUP, POSITIVE, Int, OneOf, Opt, check_arg
 
 # Layer-state keys of the metadata handed between slots.
 _PERMUTE = "moe_overlap.permute"

@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from moe_overlap.blocks._delayed_linear import DelayedWgradGroupedLinear
 from moe_overlap.blocks._recompute import recompute
 from moe_overlap.blocks._transformer import swiglu
-from moe_overlap.engine.args import (
+from moe_overlap.engine.core.args import (
     BOOL,
     FLOAT_DTYPE,
     NON_NEGATIVE,

@@ -57,7 +57,7 @@ from moe_overlap import ConfigError, CudaGraphModule, IntegrationError, WgradErr
 from moe_overlap.blocks._delayed_linear import DelayedWgradModule, PendingItem, accumulate_grad
 from moe_overlap.blocks._torch_private import tree_leaves
 from moe_overlap.engine import DEBUG, WgradClaim, wgrad_claimed
-from moe_overlap.engine.args import CALLABLE, POSITIVE, Func, Instance, Items, Opt, check_arg
+from moe_overlap.engine.core.args import CALLABLE, POSITIVE, Func, Instance, Items, Opt, check_arg
 
 __all__ = ["GraphedBlock"]
 

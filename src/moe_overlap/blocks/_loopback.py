@@ -24,7 +24,15 @@ from moe_overlap.engine import (
     stream_context,
     wait_stream,
 )
-from moe_overlap.engine.args import NON_NEGATIVE, POSITIVE, TENSOR, Instance, OneOf, Opt, check_arg
+from moe_overlap.engine.core.args import (
+    NON_NEGATIVE,
+    POSITIVE,
+    TENSOR,
+    Instance,
+    OneOf,
+    Opt,
+    check_arg,
+)
 
 __all__ = ["HostLoopback", "LoopbackMode", "loopback"]
 

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from moe_overlap import ChunkState, IntegrationError, LayerState, SlotContext
 from moe_overlap.engine import check_marked
-from moe_overlap.engine.args import Instance, check_arg, refuse
+from moe_overlap.engine.core.args import Instance, check_arg, refuse
 
 __all__ = [
     "DenseSlots",

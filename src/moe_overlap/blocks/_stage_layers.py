@@ -16,7 +16,7 @@ from typing_extensions import Self
 
 from moe_overlap import ConfigError
 from moe_overlap.blocks._torch_private import list_entries
-from moe_overlap.engine.args import MODULE, NON_NEGATIVE, Mismatch, check_arg, refuse, shown
+from moe_overlap.engine.core.args import MODULE, NON_NEGATIVE, Mismatch, check_arg, refuse, shown
 
 __all__ = ["StageLayers"]
 

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from moe_overlap.blocks._delayed_linear import DelayedWgradLinear
 from moe_overlap.blocks._recompute import recompute
-from moe_overlap.engine.args import (
+from moe_overlap.engine.core.args import (
     BOOL,
     FLOAT_DTYPE,
     OPT_DEVICE,

@@ -16,17 +16,17 @@ import torch
 from torch import Tensor
 
 from ._bypass_check import check_bypassed
-from ._chunk_plan import ModelChunkSchedulePlan
-from ._conformance import as_mtp_layer, check_layer, check_model, check_wgrad_layers
+from ._conformance import (
+    as_mtp_layer,
+    check_layer,
+    check_model,
+    check_wgrad_layers,
+    check_wgrad_scopes,
+)
 from ._debug import DEBUG
-from ._errors import IntegrationError
-from ._executor import NodeSource
 from ._fsdp_check import check_fsdp
 from ._guards import BaseGuard, attach
 from ._inputs import check_inputs
-from ._layer_node import TransformerLayerNode
-from ._microbatch import Microbatch
-from ._node import ScheduleNode
 from ._node_checks import (
     check_copies_unused,
     check_handoffs,
@@ -35,20 +35,26 @@ from ._node_checks import (
     check_own_leaves,
     check_release,
     check_undetached_reads,
-    storage_use_count,
-    tensor_use_count,
 )
 from ._owed_wgrad import check_wgrad_listed
-from ._protocols import PreprocessableModel, SchedulableLayer
-from ._recompute_hold import held_for_recompute
-from ._runner import ChunkRun
-from ._state import ChunkState
-from ._steps import ChunkShape
 from ._stream_check import _ACTIVE as _CHECKERS  # pyright: ignore[reportPrivateUsage]
 from ._stream_check import _ON_ACTIVATE  # pyright: ignore[reportPrivateUsage]
-from ._streams import StreamPair
-from .args import BOOL, Instance, Int, Opt, check_arg
+from ._torch_private import storage_cdata, storage_use_count, tensor_use_count
 from .contracts import Contract, attribute, method
+from .core._chunk_plan import ModelChunkSchedulePlan
+from .core._errors import IntegrationError
+from .core._executor import NodeSource
+from .core._layer_node import TransformerLayerNode
+from .core._microbatch import Microbatch
+from .core._node import ScheduleNode
+from .core._protocols import PreprocessableModel, SchedulableLayer
+from .core._recompute_hold import _HELD as _RECOMPUTE_HELD  # pyright: ignore[reportPrivateUsage]
+from .core._recompute_hold import held_for_recompute
+from .core._runner import ChunkRun
+from .core._state import ChunkState
+from .core._steps import ChunkShape
+from .core._streams import StreamPair
+from .core.args import BOOL, Instance, Int, Opt, check_arg
 
 __all__ = ["inputs_checked"]
 
@@ -100,10 +106,16 @@ def inputs_checked(microbatches: Sequence[Microbatch]) -> Generator[None]:
 
 class _LayerChecks(BaseGuard):
     """A layer's Protocol members (the MTP slot callable where present) and the modules it
-    lists for delayed mlp weight gradients."""
+    lists for delayed pre-dispatch and mlp weight gradients."""
 
     def layer_started(self, layer: object, where: Callable[[], str]) -> None:
         as_mtp_layer(check_layer(layer, where))
+
+    def pre_dispatch_wgrad_listed(
+        self, layer: SchedulableLayer, listed: object, where: Callable[[], str]
+    ) -> None:
+        del layer
+        check_wgrad_scopes(listed, where)
 
     def mlp_wgrad_listed(
         self, layer: SchedulableLayer, listed: object, where: Callable[[], str]
@@ -167,7 +179,7 @@ class _FreeInput(BaseGuard):
                     tensors = [k for _, k in named]
                     labels = [label for label, _ in named]
                     check_no_alias(node.name, _storages(inputs), (), tensors, labels)
-            if held_for_recompute(ptr):
+            if _RECOMPUTE_HELD and held_for_recompute(ptr):
                 raise IntegrationError(
                     f"node {node.name!r}: the free-input policy releases this node's inputs "
                     "after forward, but a recomputed region (activation checkpointing) "
@@ -178,7 +190,7 @@ class _FreeInput(BaseGuard):
                 )
             if suspect:
                 continue
-            cdata: int = storage._cdata  # pyright: ignore[reportPrivateUsage]
+            cdata = storage_cdata(storage)
             if storage_use_count(cdata) > 3 or (count_inputs and tensor_use_count(tensor) > 1):
                 suspect = True
             elif count_copies:
@@ -214,7 +226,7 @@ class _Handoffs(BaseGuard):
     def slot_returned(
         self,
         node: TransformerLayerNode,
-        inputs: list[Tensor],
+        inputs: tuple[Tensor, ...],
         output: object,
     ) -> None:
         state = node.layer_state
@@ -249,7 +261,7 @@ class _OwnLeaves(BaseGuard):
     def slot_returned(
         self,
         node: TransformerLayerNode,
-        inputs: list[Tensor],
+        inputs: tuple[Tensor, ...],
         output: object,
     ) -> None:
         copies = node.detached

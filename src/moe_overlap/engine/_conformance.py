@@ -11,14 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import cast
 
-from ._errors import IntegrationError
-from ._protocols import (
-    FreeInputConfig,
-    MtpSchedulableLayer,
-    PreprocessableModel,
-    SchedulableLayer,
-    WgradLayer,
-)
 from .contracts import (
     DISPATCHER_BACKENDS,
     DISPATCHER_TYPES,
@@ -30,6 +22,16 @@ from .contracts import (
     already_checked,
     checks_memoized,
     named,
+)
+from .core._errors import IntegrationError
+from .core._protocols import (
+    CudaGraphModule,
+    FreeInputConfig,
+    MtpSchedulableLayer,
+    PreprocessableModel,
+    SchedulableLayer,
+    WgradLayer,
+    WgradScope,
 )
 
 __all__ = [
@@ -43,6 +45,7 @@ __all__ = [
     "check_model",
     "check_wgrad_layer",
     "check_wgrad_layers",
+    "check_wgrad_scopes",
     "checks_memoized",
     "named",
 ]
@@ -123,6 +126,37 @@ class Indexed:
 def check_wgrad_layer(module: object, where: str | Callable[[], str]) -> WgradLayer:
     """``module`` as a :class:`~moe_overlap.WgradLayer` (``backward_dw()`` and ``parameters()``)."""
     return WGRAD_LAYER.check(module, where)
+
+
+def check_wgrad_scopes(parts: object, where: str | Callable[[], str]) -> tuple[WgradScope, ...]:
+    """``parts`` as a tuple of :class:`~moe_overlap.WgradScope` s, or raise naming the bad one.
+
+    ``where`` names the list in errors (a callable is called only then).
+    """
+    if isinstance(parts, (list, tuple)) or (
+        isinstance(parts, Sequence) and not isinstance(parts, (str, bytes))
+    ):
+        items = tuple(cast("Sequence[object]", parts))
+    else:
+        raise IntegrationError(
+            f"{named(where)}: expected a sequence of WgradScope(scope, module), "
+            f"received {type(parts).__name__}"
+        )
+    for i, part in enumerate(items):
+        if not isinstance(part, WgradScope):
+            raise IntegrationError(
+                f"{named(where)}[{i}]: expected a WgradScope(scope, module) naming the "
+                f"CUDA-graph scope that covers the module, received {type(part).__name__}; "
+                "wrap it: WgradScope(CudaGraphModule.attn, module)"
+            )
+        if not isinstance(part.scope, CudaGraphModule):  # pyright: ignore[reportUnnecessaryIsInstance]
+            raise IntegrationError(
+                f"{named(where)}[{i}].scope: expected a CudaGraphModule, "
+                f"received {type(part.scope).__name__} {part.scope!r}"
+            )
+        if not already_checked(part.module, WGRAD_LAYER):
+            check_wgrad_layer(part.module, Indexed(lambda: named(where), i, ".module"))
+    return cast("tuple[WgradScope, ...]", items)
 
 
 def as_mtp_layer(

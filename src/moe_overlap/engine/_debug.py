@@ -62,8 +62,8 @@ def install_beartype() -> None:
     from beartype.claw import beartype_package
     from beartype.vale import Is
 
-    from moe_overlap.engine import _protocols as protocols
-    from moe_overlap.engine._errors import TypeHintError
+    from moe_overlap.engine.core import _protocols as protocols
+    from moe_overlap.engine.core._errors import TypeHintError
 
     overrides: dict[object, object] = {
         kind: Annotated[object, Is[_rules(kind)]]

@@ -11,23 +11,23 @@ from torch import Tensor
 
 from ._attached_checks import inputs_checked
 from ._bypass_check import check_bypassed
-from ._chunk_plan import ModelChunkSchedulePlan
 from ._conformance import check_model, checks_memoized
 from ._consensus import Phase, VotedStep
 from ._debug import DEBUG
-from ._errors import ConfigError, IntegrationError
 from ._inputs import check_inputs
-from ._macro import ScheduleMode, macro_steps
-from ._microbatch import Microbatch
-from ._options import ScheduleOptions
 from ._owed_wgrad import check_wgrad_done, declared_wgrad
 from ._plain_check import check_first_step
-from ._protocols import PreprocessableModel, StepObserver
-from ._runner import check_grad_mode, run_step
-from ._state import ChunkState
-from ._streams import StreamPair
-from .args import BOOL, CALLABLE, Instance, Opt, Real, check_arg
 from .contracts import OPT_STEP_OBSERVER
+from .core._chunk_plan import ModelChunkSchedulePlan
+from .core._errors import ConfigError, IntegrationError
+from .core._macro import ScheduleMode, backward_microbatches, forward_microbatches, macro_steps
+from .core._microbatch import Microbatch
+from .core._options import ScheduleOptions
+from .core._protocols import PreprocessableModel, StepObserver
+from .core._runner import check_grad_mode, run_step
+from .core._state import ChunkState
+from .core._streams import StreamPair
+from .core.args import BOOL, CALLABLE, Instance, Opt, Real, check_arg
 
 __all__ = ["combined_1f1b"]
 
@@ -182,16 +182,17 @@ def _run(
     live: dict[int, ModelChunkSchedulePlan] = {}
     try:
         for step in macro_steps(len(microbatches), mode):
-            for i in step.forward:
+            forward, backward = forward_microbatches(step), backward_microbatches(step)
+            for i in forward:
                 plan = ModelChunkSchedulePlan(
                     model, microbatches[i], options=options, streams=streams, index=i
                 )
                 if on_plan is not None:
                     on_plan(plan)
                 live[i] = plan
-            fs = [live[i] for i in step.forward]
-            bs = [live[i] for i in step.backward]
-            grads = [torch.full_like(losses[i], loss_scale) for i in step.backward]
+            fs = [live[i] for i in forward]
+            bs = [live[i] for i in backward]
+            grads = [torch.full_like(losses[i], loss_scale) for i in backward]
             if len(fs) <= 1 and len(bs) <= 1:  # one public chunk run (benchmarks time that unit)
                 out = ModelChunkSchedulePlan.run(
                     fs[0] if fs else None,
@@ -203,7 +204,7 @@ def _run(
             else:  # the fill or the drain
                 outputs = run_step(fs, bs, grads, where="combined_1f1b", observer=observer)
             losses += [_check_loss(model, out) for out in outputs]
-            for i in step.backward:
+            for i in backward:
                 del live[i]
     finally:
         for plan in live.values():

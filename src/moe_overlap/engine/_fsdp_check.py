@@ -8,7 +8,7 @@ from functools import partial
 from torch import nn
 
 from ._conformance import named
-from ._errors import ConfigError
+from .core._errors import ConfigError
 
 __all__ = ["check_fsdp", "refuse_fsdp"]
 

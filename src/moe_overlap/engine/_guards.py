@@ -1,19 +1,9 @@
-"""Checks attached to the schedule core from outside: the guard Protocol and its registry.
+"""Checks attached to the schedule core from outside: the guard registry.
 
-The core (plans, nodes, the runner) calls a few hooks at fixed points (:mod:`._hooks`) and
-holds no check itself; each check is a :class:`Guard` attached once (:func:`attach`). A hook
-with no guard attached costs one empty-list test. The hooks, in the order a plan meets them::
-
-    plan_started(model, microbatch, where)      a plan is asked for: before anything is built
-    inputs_read(model, microbatch, state, where) its inputs are read into the chunk state
-    plan_built(model, plan)                      every node of it exists; before it runs
-    node_entered(node, direction)                a node starts its forward or backward
-    node_left(node)                              ... and ends it (also on failure)
-    node_forwarded(node, detached, outputs)      a node's forward returned
-    before_release(node, inputs, detached, outputs)  a freeing node is about to release inputs
-    node_detached(node, copy)                    a layer slot handed a tensor on (node.detach)
-    slot_returned(node, inputs, output)          a layer slot's function returned
-    copies_backwarded(node, copies)              a layer slot's backward ran from its copies
+The core calls a few hooks at fixed points, each with the guards attached to it
+(:mod:`.core._hooks`; what each hook is told, and when: the :class:`Guard` Protocol,
+:mod:`.core._guard`), and holds no check itself; each check is a guard attached once
+(:func:`attach`). A hook with no guard attached costs one empty-list test.
 
 Always-on and debug-only guards are the same mechanism: :func:`attach` takes a guard's
 ``debug_only`` once and attaches it or not. A guard subclasses :class:`BaseGuard` (whose
@@ -24,62 +14,21 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
-from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
-from ._chunk_plan import ModelChunkSchedulePlan
-from ._hooks import by_hook
-from ._layer_node import TransformerLayerNode
-from ._microbatch import Microbatch
-from ._node import ScheduleNode
-from ._protocols import PreprocessableModel, SchedulableLayer
-from ._state import ChunkState
-from .args import BOOL
 from .contracts import Contract, attribute, method
+from .core._chunk_plan import ModelChunkSchedulePlan
+from .core._guard import Guard
+from .core._hooks import by_hook
+from .core._layer_node import TransformerLayerNode
+from .core._microbatch import Microbatch
+from .core._node import ScheduleNode
+from .core._protocols import PreprocessableModel, SchedulableLayer
+from .core._state import ChunkState
+from .core.args import BOOL
 
 __all__ = ["GUARD", "BaseGuard", "Guard", "attach", "without_guards"]
-
-
-@runtime_checkable
-class Guard(Protocol):
-    """A check attached to the schedule core (see the module for when each hook runs).
-
-    ``model`` and ``microbatch`` at ``plan_started`` are what the caller passed (not yet
-    checked); later hooks see them checked. Raise the library's error to refuse.
-    """
-
-    @property
-    def debug_only(self) -> bool: ...
-    def plan_started(self, model: object, microbatch: object, where: str) -> None: ...
-    def inputs_read(
-        self, model: PreprocessableModel, microbatch: Microbatch, state: ChunkState, where: str
-    ) -> None: ...
-    def plan_built(self, model: PreprocessableModel, plan: ModelChunkSchedulePlan) -> None: ...
-    def node_entered(self, node: ScheduleNode, direction: str) -> None: ...
-    def node_left(self, node: ScheduleNode) -> None: ...
-    def node_forwarded(
-        self, node: ScheduleNode, detached: tuple[Tensor | None, ...], outputs: tuple[Tensor, ...]
-    ) -> None: ...
-    def before_release(
-        self,
-        node: ScheduleNode,
-        inputs: tuple[Tensor | None, ...],
-        detached: tuple[Tensor | None, ...],
-        outputs: tuple[Tensor, ...],
-    ) -> None: ...
-    def node_detached(self, node: TransformerLayerNode, copy: Tensor) -> None: ...
-    def slot_returned(
-        self,
-        node: TransformerLayerNode,
-        inputs: list[Tensor],
-        output: object,
-    ) -> None: ...
-    def copies_backwarded(self, node: TransformerLayerNode, copies: tuple[Tensor, ...]) -> None: ...
-    def layer_started(self, layer: object, where: Callable[[], str]) -> None: ...
-    def mlp_wgrad_listed(
-        self, layer: SchedulableLayer, listed: object, where: Callable[[], str]
-    ) -> None: ...
 
 
 GUARD: Contract[Guard] = Contract(
@@ -97,6 +46,7 @@ GUARD: Contract[Guard] = Contract(
     method("slot_returned"),
     method("copies_backwarded"),
     method("layer_started"),
+    method("pre_dispatch_wgrad_listed"),
     method("mlp_wgrad_listed"),
 )
 """Its rule table: :func:`attach` refuses what does not conform."""
@@ -145,7 +95,7 @@ class BaseGuard:
     def slot_returned(
         self,
         node: TransformerLayerNode,
-        inputs: list[Tensor],
+        inputs: tuple[Tensor, ...],
         output: object,
     ) -> None:
         del node, inputs, output
@@ -155,6 +105,11 @@ class BaseGuard:
 
     def layer_started(self, layer: object, where: Callable[[], str]) -> None:
         del layer, where
+
+    def pre_dispatch_wgrad_listed(
+        self, layer: SchedulableLayer, listed: object, where: Callable[[], str]
+    ) -> None:
+        del layer, listed, where
 
     def mlp_wgrad_listed(
         self, layer: SchedulableLayer, listed: object, where: Callable[[], str]

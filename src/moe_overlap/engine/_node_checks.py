@@ -17,48 +17,27 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from ._errors import IntegrationError
-from ._state import LayerState
+from ._torch_private import storage_cdata, storage_use_count, tensor_use_count
+from ._torch_private import tensor_base as _base
+from .core._errors import IntegrationError
+from .core._node_errors import describe_tensor as _describe
+from .core._state import LayerState
 
 __all__ = [
     "METADATA_ONLY_SAVES",
-    "SECOND_BACKWARD",
     "check_copies_unused",
     "check_handoffs",
     "check_in_graph",
-    "check_marked",
     "check_no_alias",
     "check_not_saved",
     "check_own_leaves",
     "check_release",
     "check_undetached_reads",
     "graph_saves",
-    "second_backward_error",
     "storage_use_count",
     "tensor_use_count",
     "walk_graph",
 ]
-
-storage_use_count = cast(
-    "Callable[[int], int]",
-    torch._C._storage_Use_Count,  # pyright: ignore[reportPrivateUsage]
-)
-"""How many references the ``StorageImpl`` at a ``storage._cdata`` has (tensors over it,
-Python storage objects)."""
-
-
-def _no_count(t: Tensor) -> int:
-    del t
-    return 0
-
-
-tensor_use_count = cast("Callable[[Tensor], int]", getattr(Tensor, "_use_count", _no_count))
-"""How many references a tensor's ``TensorImpl`` has (its Python object, views' bases,
-autograd's saved tensors and grad accumulator); ``0`` where torch has no such method."""
-
-
-def _describe(t: Tensor) -> str:
-    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
 
 
 def check_in_graph(
@@ -85,28 +64,6 @@ def check_in_graph(
             "expected it to stay in the autograd graph (was it made under torch.no_grad(), "
             "with .detach() or .data?). If it carries no gradient on purpose, call "
             "node.mark_non_differentiable(t) on it in the slot"
-        )
-
-
-def check_marked(tensors: tuple[object, ...], *, node: str = "", where: str = "") -> None:
-    """``mark_non_differentiable``'s arguments: tensors, each its own argument (one
-    ``isinstance`` per argument). A tuple or list of them is named as such. The message
-    names ``node`` (a node's name) or ``where``."""
-    for i, t in enumerate(tensors):
-        if isinstance(t, Tensor):
-            continue
-        who = f"node {node!r}" if node else where
-        if isinstance(t, (tuple, list)):
-            items = cast("tuple[object, ...] | list[object]", t)
-            kinds = ", ".join(sorted({type(v).__name__ for v in items})) or "empty"
-            raise IntegrationError(
-                f"{who}: mark_non_differentiable: expected tensors as separate arguments, "
-                f"received a {type(items).__name__} of {len(items)} items ({kinds}) as "
-                f"argument {i}; call mark_non_differentiable(*tensors)"
-            )
-        raise IntegrationError(
-            f"{who}: mark_non_differentiable: expected tensors (the ones that carry no "
-            f"gradient on purpose), received {type(t).__name__} as argument {i}"
         )
 
 
@@ -137,7 +94,7 @@ def check_handoffs(
         for i, out in enumerate(outputs):
             if not isinstance(out, Tensor):
                 continue  # the node refuses it right after
-            base = out._base
+            base = _base(out)
             for d in copies:
                 if out is d or base is d:
                     raise IntegrationError(
@@ -160,7 +117,7 @@ def check_handoffs(
         if current is not t:
             continue  # replaced (or dropped) before the slot ended: not handed on
         if t.requires_grad:
-            base = t._base
+            base = _base(t)
             for j, x in enumerate(inputs):
                 if t is x or base is x:
                     label = _kept_label(key, stashed)
@@ -181,7 +138,7 @@ def check_handoffs(
                 for i, out in enumerate(outputs):
                     if not isinstance(out, Tensor):
                         continue
-                    if t is out or base is out or out._base is t:
+                    if t is out or base is out or _base(out) is t:
                         raise IntegrationError(
                             f"node {name!r}: {_kept_label(key, stashed)} ({_describe(t)}) is "
                             f"also the slot's output {i} (or a view of it), kept without "
@@ -253,31 +210,6 @@ def check_undetached_reads(
             f"plain backward()). Expected node {producer!r} to keep node.detach(t) for what a "
             f"later slot reads: {fix}"
         )
-
-
-SECOND_BACKWARD = "Trying to backward through the graph a second time"
-"""The start of torch's message when a backward runs into graph an earlier one freed."""
-
-
-def second_backward_error(
-    name: str, exc: BaseException, undetached: Sequence[tuple[str, Tensor, object, str]]
-) -> IntegrationError | None:
-    """The library's error for torch's "backward through the graph a second time" raised
-    in node ``name``'s backward (``None`` for any other exception): two nodes' backward
-    passes shared one graph, a tensor handed between slots without ``node.detach``."""
-    if not isinstance(exc, RuntimeError) or SECOND_BACKWARD not in str(exc):
-        return None
-    mine = [f"{label} ({_describe(t)})" for label, t, _, producer in undetached if producer == name]
-    known = f" This slot kept {', '.join(mine)} with its autograd graph." if mine else ""
-    return IntegrationError(
-        f"node {name!r}: its backward ran into autograd graph that another backward already "
-        f"ran through and freed (torch: {SECOND_BACKWARD}): most likely a tensor was handed "
-        "between this slot and another slot (or another microbatch) without node.detach "
-        "(kept on a module, in a closure or in a container), so the two slots' backward "
-        f"passes share one graph.{known} Expected every tensor a later slot reads to be kept "
-        "in layer_state as node.detach(t) by the slot that computed it; MOE_OVERLAP_DEBUG=1 "
-        "names the slot that reads it, at its forward"
-    )
 
 
 def check_copies_unused(name: str, copies: Sequence[Tensor]) -> None:
@@ -572,7 +504,7 @@ def _know(known: dict[int, Tensor], tensors: Sequence[Tensor | None]) -> None:
         if t is None:
             continue
         known[id(t)] = t
-        base = t._base
+        base = _base(t)
         if base is not None:
             known[id(base)] = base
 
@@ -582,14 +514,14 @@ def _storage_excess(t: Tensor, known: dict[int, Tensor]) -> int:
     ptr = t.untyped_storage().data_ptr()
     on_it = sum(1 for k in known.values() if k.untyped_storage().data_ptr() == ptr)
     storage = t.untyped_storage()
-    return storage_use_count(storage._cdata) - 1 - on_it  # pyright: ignore[reportPrivateUsage]
+    return storage_use_count(storage_cdata(storage)) - 1 - on_it
 
 
 def _tensor_excess(t: Tensor, known: dict[int, Tensor], owners: set[int]) -> int:
     """References to ``t``'s tensor beyond its Python object, its accumulator (held) and
     the views of it the schedule knows."""
     expected = 1 + (id(t) in owners)
-    expected += sum(1 for k in known.values() if k._base is t)
+    expected += sum(1 for k in known.values() if _base(k) is t)
     return tensor_use_count(t) - expected
 
 

@@ -14,10 +14,17 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import NamedTuple, cast
 
-from ._errors import ConfigError
-from ._macro import MacroStep, ScheduleMode, macro_steps
-from ._order import PairKind, PairOrder, ScheduleOrder, SlotStep, complete, valid_orders
-from ._steps import (
+from .core._errors import ConfigError
+from .core._macro import (
+    MacroStep,
+    ScheduleMode,
+    backward_microbatches,
+    format_macro,
+    forward_microbatches,
+    macro_steps,
+)
+from .core._order import PairKind, PairOrder, ScheduleOrder, complete, valid_orders
+from .core._steps import (
     ChunkShape,
     Direction,
     Role,
@@ -28,7 +35,7 @@ from ._steps import (
     chunk_steps,
     forward_pair_steps,
 )
-from .args import NON_NEGATIVE, Instance, Real, check_arg, refuse
+from .core.args import NON_NEGATIVE, Instance, Real, check_arg, refuse
 
 __all__ = [
     "OrderSearch",
@@ -61,15 +68,21 @@ def replay(steps: list[Step], duration: Callable[[Step], float]) -> list[Replaye
     ready = dict.fromkeys(Role, 0.0)
     out: list[ReplayedStep] = []
     for step in steps:
-        if step.stream is StreamKind.HOST:
+        role, stream = step.role, step.stream
+        if stream is StreamKind.HOST:
             continue
-        start = free[step.stream]
+        if role is None or stream is None:
+            raise ConfigError(
+                f"replay: expected node steps, each with a role and a stream (e.g. "
+                f"'f.L0.mlp.F@comp'), received {step}"
+            )
+        start = free[stream]
         if step.direction is not Direction.WGRAD:
-            start = max(start, ready[step.role])
+            start = max(start, ready[role])
         end = start + duration(step)
-        free[step.stream] = end
+        free[stream] = end
         if step.direction is not Direction.WGRAD:
-            ready[step.role] = end
+            ready[role] = end
         out.append(ReplayedStep(step, start, end))
     return out
 
@@ -81,7 +94,8 @@ def makespan(steps: list[Step], duration: Callable[[Step], float]) -> float:
 
 def _lookup(durations: Mapping[SlotKey, float]) -> Callable[[Step], float]:
     def duration(step: Step) -> float:
-        return durations.get((step.layer, step.slot, step.direction), 0.0)
+        slot = step.slot
+        return 0.0 if slot is None else durations.get((step.layer, slot, step.direction), 0.0)
 
     return duration
 
@@ -107,13 +121,13 @@ _KIND_FIELD = {
 }
 
 
-def _present(kind: PairKind, shape: ChunkShape) -> list[SlotStep]:
+def _present(kind: PairKind, shape: ChunkShape) -> list[Step]:
     """The template steps some layer of ``shape`` has, in Megatron-Core's order."""
     moe = any(layer.is_moe for layer in shape.layers)
     mtp = any(layer.has_mtp_post for layer in shape.layers)
     delay = any(layer.delay_wgrad for layer in shape.layers)
 
-    def has(s: SlotStep) -> bool:
+    def has(s: Step) -> bool:
         if s.slot in (Slot.DISPATCH, Slot.COMBINE) and not moe:
             return False
         if s.slot is Slot.MTP_POST and not mtp:
@@ -232,10 +246,13 @@ def predict_ms(
 
 def macro_run_steps(step: MacroStep, shape: ChunkShape) -> list[Step]:
     """The steps of one macro step (one chunk run) of a chunk of ``shape``."""
-    if len(step.forward) == 2:
+    forward, backward = forward_microbatches(step), backward_microbatches(step)
+    if len(forward) == 2:
         return forward_pair_steps(shape, shape)
-    if len(step.backward) == 2:
+    if len(backward) == 2:
         return backward_pair_steps(shape, shape)
-    if len(step.forward) > 2 or len(step.backward) > 2:
-        raise ConfigError(f"macro_run_steps: expected at most two microbatches, received {step}")
-    return chunk_steps(shape if step.forward else None, shape if step.backward else None)
+    if len(forward) > 2 or len(backward) > 2:
+        raise ConfigError(
+            f"macro_run_steps: expected at most two microbatches, received {format_macro([step])}"
+        )
+    return chunk_steps(shape if forward else None, shape if backward else None)

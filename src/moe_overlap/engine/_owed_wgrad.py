@@ -10,9 +10,9 @@ from typing import NoReturn, cast
 
 from torch import nn
 
-from ._errors import IntegrationError, WgradError
-from .args import refuse
 from .contracts import MODEL, PENDING_WGRAD
+from .core._errors import IntegrationError, WgradError
+from .core.args import refuse
 
 __all__ = [
     "check_wgrad_done",

@@ -26,13 +26,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ._backward_dw import BackwardDWWrapper
 from ._conformance import check_wgrad_layers
-from ._errors import IntegrationError
 from ._owed_wgrad import check_wgrad_done, declared_wgrad, owed_wgrad, pending_count
-from ._protocols import SchedulableLayer
 from ._torch_wrappers import has_grad_hooks
-from ._wgrad_claims import WgradClaim
+from .core._backward_dw import BackwardDWWrapper
+from .core._errors import IntegrationError
+from .core._protocols import SchedulableLayer
+from .core._wgrad_claims import WgradClaim
 
 __all__ = [
     "GRAD_ATOL",

@@ -19,7 +19,7 @@ checks every tensor access against it:
   it, and once released (its last reference gone, or ``resize_(0)`` by the free-input
   policy) that stream may reuse it at once. Releasing a storage that another stream used
   without that use being ordered before the owner's current position (a wait) or
-  declared with ``record_stream`` (:func:`~moe_overlap.engine._streams.record_tensor_on`)
+  declared with ``record_stream`` (:func:`~moe_overlap.engine.core._streams.record_tensor_on`)
   raises :class:`StreamOrderError`: the reuse could overwrite it while the other stream
   still reads it, or the other stream's write could land in the new tensor.
 
@@ -40,11 +40,16 @@ from typing import Any, cast
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef as _StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._errors import StreamError
+from ._torch_private import TorchDispatchMode, op_schema, storage_cdata
+from .contracts import Contract, method
+from .core._errors import StreamError
+from .core._stream_observer import CpuStreamObserver
+from .core._stream_observer import observers as _OBSERVERS
+from .core._streams import cpu_default_stream
 
 __all__ = [
+    "CPU_STREAM_OBSERVER",
     "STREAM_CHECK_ENV",
     "StreamOrderChecker",
     "StreamOrderError",
@@ -222,7 +227,7 @@ class StreamOrderChecker:
         if func.is_view or func in _NO_DATA:
             return  # a new view or metadata of its input: no element is read or written
         where = self._labels[-1] if self._labels else "code outside the schedule's nodes"
-        schema = func._schema
+        schema = op_schema(func)
         inputs: set[int] = set()
         for i, arg in enumerate(schema.arguments):
             value = args[i] if i < len(args) else kwargs.get(arg.name)
@@ -370,7 +375,7 @@ def _key(t: torch.Tensor) -> int | None:
         return None
     if storage.nbytes() == 0:
         return None
-    return cast(int, storage._cdata)  # pyright: ignore[reportPrivateUsage]
+    return storage_cdata(storage)
 
 
 def _tensors(value: object) -> Iterator[torch.Tensor]:
@@ -383,10 +388,23 @@ def _tensors(value: object) -> Iterator[torch.Tensor]:
 
 
 _ACTIVE: list[StreamOrderChecker] = []
+"""The active checkers, the one in force last; each is also attached to the CPU stream
+model's hook (:mod:`.core._stream_observer`) while active."""
 
-_CPU_DEFAULT: list[object] = []
-"""The CPU's default stream, which :mod:`._streams` gives when it makes it (it imports this
-module: the checker's hooks sit in its streams)."""
+CPU_STREAM_OBSERVER: Contract[CpuStreamObserver] = Contract(
+    CpuStreamObserver,
+    "a CpuStreamObserver (the stream-order checker)",
+    method("current"),
+    method("enter"),
+    method("exit"),
+    method("snapshot"),
+    method("join"),
+    method("join_stream"),
+    method("host_sync"),
+    method("record_stream"),
+    method("release"),
+)
+"""Its rule table (the checker is the one observer the library attaches)."""
 
 
 _ON_ACTIVATE: list[Callable[[], Callable[[], None]]] = []
@@ -397,10 +415,12 @@ _ON_ACTIVATE: list[Callable[[], Callable[[], None]]] = []
 def _activate(checker: StreamOrderChecker) -> Callable[[], None]:
     """Make ``checker`` the one in force (the first attaches the guards); returns the undo."""
     _ACTIVE.append(checker)
+    _OBSERVERS.append(checker)
     undos = [on() for on in _ON_ACTIVATE] if len(_ACTIVE) == 1 else []
 
     def undo() -> None:
         _ACTIVE.remove(checker)
+        _OBSERVERS.remove(checker)
         for u in undos:
             u()
 
@@ -416,7 +436,7 @@ def active_checker() -> StreamOrderChecker | None:
 def stream_order_check() -> Generator[StreamOrderChecker]:
     """Check every tensor access on CPU streams inside the block (see the module)."""
     checker = StreamOrderChecker()
-    checker.set_default(_CPU_DEFAULT[0])
+    checker.set_default(cpu_default_stream())
     undo = _activate(checker)
     try:
         with _Mode(checker):
@@ -440,7 +460,7 @@ def start_from_env() -> None:
     if _PROCESS or not env_enabled():
         return
     checker = StreamOrderChecker()
-    checker.set_default(_CPU_DEFAULT[0])
+    checker.set_default(cpu_default_stream())
     mode = _Mode(checker)
     mode.__enter__()  # type: ignore[no-untyped-call]  # torch: unannotated
     _activate(checker)

@@ -1,55 +1,39 @@
-# pyright: reportPrivateUsage=false
-# This module is where moe_overlap reads torch's private names for wrapped modules.
 """What torch has put on or around a module: wrappers, compilation, hooks.
 
 The schedule calls the modules inside a layer, never some modules' own ``forward`` (the
 model's, the decoder's, a layer's); whatever torch attaches to that ``forward`` is skipped.
 This module only finds such things; ``_bypass_check`` decides and words the refusals.
 
-Private torch names read, all here (tested with torch 2.11 and 2.13):
-
-- ``torch.distributed.algorithms._checkpoint.checkpoint_wrapper.ActivationWrapper``, the
-  base of ``CheckpointWrapper`` and ``OffloadWrapper`` (``checkpoint_wrapper``,
-  ``offload_wrapper``, ``apply_activation_checkpointing``), and its
-  ``_checkpoint_wrapped_module``;
-- ``torch._dynamo.eval_frame.OptimizedModule`` (``torch.compile(module)``) and its
-  ``_orig_mod``;
-- ``nn.Module._compiled_call_impl`` (``module.compile()``, in place);
-- ``nn.Module._forward_pre_hooks``, ``_forward_hooks`` (the ``with_kwargs``, ``prepend``
-  and ``always_call`` variants are entries of these two), ``_backward_pre_hooks`` and
-  ``_backward_hooks`` (full and non-full backward hooks), read from the instance dict;
-- ``torch.distributed._composable.contract.REGISTRY_KEY``: the composable APIs applied to a
-  module (``checkpoint``, ``replicate``, ``fully_shard``);
-- ``Tensor._backward_hooks`` and ``Tensor._post_accumulate_grad_hooks`` (``register_hook``
-  and ``register_post_accumulate_grad_hook`` on a parameter), for debug mode's first-step
-  check (:func:`has_grad_hooks`).
-
-Public names used: ``torch.nn.parallel.DistributedDataParallel`` and ``DataParallel``
-(their ``module``). A class is looked up only when its module is already imported: an
-instance cannot exist otherwise, and nothing is imported here.
+What it reads of torch's that is private (checkpoint and offload wrappers and the module
+they wrap, ``torch.compile``'s wrapper and its module, ``module.compile()`` in place, a
+module's hook dicts, the composable APIs' registry, a parameter's gradient hooks) comes
+from ``_torch_private``, with the releases each was checked on. Public names used:
+``torch.nn.parallel.DistributedDataParallel`` and ``DataParallel`` (their ``module``).
 """
 
 from __future__ import annotations
 
 import enum
-import sys
 from dataclasses import dataclass
 from typing import cast
 
 from torch import Tensor, nn
 
-__all__ = ["Finding", "Kind", "find_wrapping", "has_grad_hooks", "inner_module"]
-
-_CHECKPOINT_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
-_DYNAMO_MODULE = "torch._dynamo.eval_frame"
-_COMPOSABLE_MODULE = "torch.distributed._composable.contract"
-
-_HOOK_DICTS = (
-    ("_forward_pre_hooks", "forward pre-hook"),
-    ("_forward_hooks", "forward hook"),
-    ("_backward_pre_hooks", "backward pre-hook"),
-    ("_backward_hooks", "backward hook"),
+from ._torch_private import (
+    CHECKPOINT_WRAPPED,
+    COMPILED_CALL,
+    COMPILED_ORIGINAL,
+    COMPOSABLE_APIS,
+    FORWARD_PRE_HOOKS,
+    GRAD_HOOKS,
+    MODULE_CHILDREN,
+    MODULE_HOOK_DICTS,
+    activation_wrapper_class,
+    composable_registry_key,
+    optimized_module_class,
 )
+
+__all__ = ["Finding", "Kind", "find_wrapping", "has_grad_hooks", "inner_module"]
 
 
 class Kind(enum.Enum):
@@ -63,8 +47,8 @@ class Kind(enum.Enum):
 
 
 _COMPOSABLE = {
-    "checkpoint": (Kind.CHECKPOINT, "torch.distributed._composable.checkpoint"),
-    "replicate": (Kind.DATA_PARALLEL, "torch.distributed._composable.replicate"),
+    "checkpoint": (Kind.CHECKPOINT, COMPOSABLE_APIS["checkpoint"]),
+    "replicate": (Kind.DATA_PARALLEL, COMPOSABLE_APIS["replicate"]),
 }
 """Composable APIs by registry name (``fully_shard`` makes an ``FSDPModule``: see ``_fsdp_check``)."""
 
@@ -79,12 +63,6 @@ class Finding:
     wrapper: bool = False
 
 
-def _class(module_name: str, name: str) -> type | None:
-    module = sys.modules.get(module_name)
-    found: object = getattr(module, name, None) if module is not None else None
-    return found if isinstance(found, type) else None
-
-
 def inner_module(obj: object) -> object | None:
     """The module a torch wrapper object wraps, or ``None`` when ``obj`` is no such wrapper."""
     if not isinstance(obj, nn.Module):
@@ -94,19 +72,19 @@ def inner_module(obj: object) -> object | None:
         return None
     attr = found[1]
     attrs = obj.__dict__
-    modules = cast("dict[str, object]", attrs.get("_modules", {}))
+    modules = cast("dict[str, object]", attrs.get(MODULE_CHILDREN, {}))
     inner = modules.get(attr)
     return inner if inner is not None else cast("object | None", attrs.get(attr))
 
 
 def _wrapper_class(obj: nn.Module) -> tuple[Kind, str] | None:
     """``(kind, attribute of the wrapped module)`` when ``obj`` is a torch wrapper object."""
-    activation = _class(_CHECKPOINT_MODULE, "ActivationWrapper")
+    activation = activation_wrapper_class()
     if activation is not None and isinstance(obj, activation):
-        return Kind.CHECKPOINT, "_checkpoint_wrapped_module"
-    optimized = _class(_DYNAMO_MODULE, "OptimizedModule")
+        return Kind.CHECKPOINT, CHECKPOINT_WRAPPED
+    optimized = optimized_module_class()
     if optimized is not None and isinstance(obj, optimized):
-        return Kind.COMPILE, "_orig_mod"
+        return Kind.COMPILE, COMPILED_ORIGINAL
     if isinstance(obj, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
         return Kind.DATA_PARALLEL, "module"
     return None
@@ -139,8 +117,8 @@ def _inert(hook: object) -> bool:
 
 def _hooks(attrs: dict[str, object], *, pre_hooks: bool) -> str | None:
     parts: list[str] = []
-    for attr, noun in _HOOK_DICTS:
-        if not pre_hooks and attr == "_forward_pre_hooks":
+    for attr, noun in MODULE_HOOK_DICTS:
+        if not pre_hooks and attr == FORWARD_PRE_HOOKS:
             continue
         hooks: object = attrs.get(attr)
         if not isinstance(hooks, dict) or not hooks:
@@ -176,15 +154,14 @@ def find_wrapping(
         article = "an" if cls[:1] in "AEIOU" else "a"
         return Finding(found[0], f"{article} {cls}{around}", wrapper=True)
     attrs = obj.__dict__
-    contract = sys.modules.get(_COMPOSABLE_MODULE)
-    key: object = getattr(contract, "REGISTRY_KEY", None) if contract is not None else None
-    registry: object = attrs.get(key) if isinstance(key, str) else None
+    key = composable_registry_key()
+    registry: object = attrs.get(key) if key is not None else None
     if isinstance(registry, dict):
         for api in cast("dict[str, object]", registry):
             if api in _COMPOSABLE:
                 kind, name = _COMPOSABLE[api]
                 return Finding(kind, f"{name}({cls}) applied to it")
-    if attrs.get("_compiled_call_impl") is not None:
+    if attrs.get(COMPILED_CALL) is not None:
         return Finding(Kind.COMPILE, f"{cls}.compile() (compiled in place)")
     if "forward" in attrs and (honoured is None or attrs["forward"] is not honoured):
         forward: object = attrs["forward"]
@@ -198,7 +175,4 @@ def find_wrapping(
 def has_grad_hooks(t: Tensor) -> bool:
     """Whether hooks run on ``t``'s gradient (``register_hook``,
     ``register_post_accumulate_grad_hook``)."""
-    return any(bool(getattr(t, name, None)) for name in _GRAD_HOOKS)
-
-
-_GRAD_HOOKS = ("_backward_hooks", "_post_accumulate_grad_hooks")
+    return any(bool(getattr(t, name, None)) for name in GRAD_HOOKS)

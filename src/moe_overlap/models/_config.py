@@ -9,7 +9,7 @@ import torch
 
 from moe_overlap import ConfigError, CudaGraphModule
 from moe_overlap.blocks import DispatcherKind, RecomputePart, RecomputeParts
-from moe_overlap.engine.args import (
+from moe_overlap.engine.core.args import (
     BOOL,
     NON_NEGATIVE,
     NONE,

@@ -36,7 +36,7 @@ from moe_overlap.blocks import (
     rotary_tables,
 )
 from moe_overlap.engine import check_wgrad_done
-from moe_overlap.engine.args import (
+from moe_overlap.engine.core.args import (
     GROUP,
     OPT_DEVICE,
     TENSOR,

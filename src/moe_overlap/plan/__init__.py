@@ -10,6 +10,9 @@ durations: measured (:func:`load_profile` of a serial step, :func:`costs_from_pr
 estimated (:func:`costs_from_model`: a roofline of the GPU and alpha-beta links,
 :class:`ModelSpec`, :class:`Machine`). ``python -m moe_overlap plan --help`` runs it from
 the command line; ``docs/planning.md`` shows what it predicts and how it was validated.
+:func:`search_schedules` searches exact schedules of one pipeline rank beyond today's
+(chunked all-to-all, several microbatches in flight, delayed weight gradients,
+recomputation) for step time against peak memory (``docs/performance.md``).
 """
 
 from moe_overlap.plan._cli import add_plan_parser, run_plan
@@ -24,11 +27,29 @@ from moe_overlap.plan._plan import (
     plan,
 )
 from moe_overlap.plan._profile import load_profile, profile_times
+from moe_overlap.plan._search import (
+    Recompute,
+    SearchPoint,
+    SearchResult,
+    SearchSpace,
+    fit_activations,
+    search_schedules,
+    today_orders,
+)
+from moe_overlap.plan._search_steps import (
+    ActivationModel,
+    ScheduleGraph,
+    SearchStep,
+    StepTimes,
+    check_exact,
+    replay_order,
+)
 from moe_overlap.plan._simulate import Costs, PlanSpan, RankFigures, stage_layers
 
 __all__ = [
     "MACHINES",
     "PRESETS",
+    "ActivationModel",
     "Costs",
     "LayerKind",
     "Layout",
@@ -38,17 +59,29 @@ __all__ = [
     "Plan",
     "PlanSpan",
     "RankFigures",
+    "Recompute",
     "Schedule",
+    "ScheduleGraph",
+    "SearchPoint",
+    "SearchResult",
+    "SearchSpace",
+    "SearchStep",
+    "StepTimes",
     "a2a_ms",
     "add_plan_parser",
+    "check_exact",
     "costs_from_model",
     "costs_from_profile",
+    "fit_activations",
     "fit_contention",
     "load_profile",
     "p2p_ms",
     "plan",
     "profile_times",
+    "replay_order",
     "roofline_durations",
     "run_plan",
+    "search_schedules",
     "stage_layers",
+    "today_orders",
 ]

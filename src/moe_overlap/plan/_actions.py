@@ -11,7 +11,14 @@ import enum
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple, Protocol, cast
 
-from moe_overlap.engine import ConfigError, MacroStep, ScheduleMode, macro_steps
+from moe_overlap.engine import (
+    ConfigError,
+    MacroStep,
+    ScheduleMode,
+    backward_microbatches,
+    forward_microbatches,
+    macro_steps,
+)
 from moe_overlap.integrations.pipelining import pair_overlap_f_b, schedule_order, stage_rank
 from moe_overlap.plan._layout import Layout, Schedule
 
@@ -51,8 +58,8 @@ class Action(NamedTuple):
             return f"{self.stage}F{self.mb}+{self.b_stage}B{self.b_mb}"
         if self.act is Act.RUN:
             assert self.macro is not None
-            f = ",".join(map(str, self.macro.forward))
-            b = ",".join(map(str, self.macro.backward))
+            f = ",".join(map(str, forward_microbatches(self.macro)))
+            b = ",".join(map(str, backward_microbatches(self.macro)))
             return f"run(f:{f} b:{b})"
         return f"{self.stage}{self.act.value}{self.mb}"
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from moe_overlap.engine import Direction, Slot, SlotKey
-from moe_overlap.engine.args import (
+from moe_overlap.engine.core.args import (
     BOOL,
     NON_NEGATIVE,
     POSITIVE,

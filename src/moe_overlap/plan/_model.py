@@ -16,7 +16,7 @@ from typing import Literal, NamedTuple, Protocol, cast
 import torch
 
 from moe_overlap.engine import ConfigError, Direction, MoeOverlapError, Slot
-from moe_overlap.engine.args import (
+from moe_overlap.engine.core.args import (
     NON_NEGATIVE,
     POSITIVE,
     Instance,

@@ -26,11 +26,21 @@ from moe_overlap.engine import (
     SlotKey,
     Step,
     StreamKind,
+    backward_microbatches,
     chunk_steps,
+    forward_microbatches,
     macro_run_steps,
     replay,
 )
-from moe_overlap.engine.args import BOOL, POSITIVE, Instance, Items, Real, check_arg, check_fields
+from moe_overlap.engine.core.args import (
+    BOOL,
+    POSITIVE,
+    Instance,
+    Items,
+    Real,
+    check_arg,
+    check_fields,
+)
 from moe_overlap.plan._actions import Act, Action, Lowered
 from moe_overlap.plan._layout import Layout
 
@@ -212,9 +222,12 @@ class _Replayer:
                 return 0.0
             if step.slot is Slot.POST_PROCESS and stage != self.last:
                 return 0.0
-            ms = times.get((step.layer, step.slot, step.direction), 0.0)
+            slot = step.slot
+            if slot is None:
+                return 0.0
+            ms = times.get((step.layer, slot, step.direction), 0.0)
             if fold_w and step.direction is Direction.BACKWARD:
-                ms += times.get((step.layer, step.slot, Direction.WGRAD), 0.0)
+                ms += times.get((step.layer, slot, Direction.WGRAD), 0.0)
             if step.stream is StreamKind.COMM:
                 ms *= stretch
             return ms
@@ -243,7 +256,9 @@ class _Replayer:
             action.act,
             action.stage,
             action.b_stage,
-            (len(macro.forward), len(macro.backward)) if macro is not None else None,
+            (len(forward_microbatches(macro)), len(backward_microbatches(macro)))
+            if macro is not None
+            else None,
         )
         found = self._cache.get(key)
         if found is None:
@@ -258,11 +273,11 @@ class _Replayer:
             ms = self.weight_ms(action.stage)
             if ms == 0.0:
                 return []
-            step = Step(Role.B, None, Slot.MLP, Direction.WGRAD, StreamKind.COMP)
+            step = Step(Direction.WGRAD, role=Role.B, slot=Slot.MLP, stream=StreamKind.COMP)
             return [(step, 0.0, ms)]
         if action.act is Act.RUN:
             assert action.macro is not None
-            paired = len(action.macro.forward) + len(action.macro.backward) > 1
+            paired = len(action.macro) > 1
             steps = macro_run_steps(action.macro, shapes[0])
             duration = self._duration(0, 0, paired=paired, fold_w=True)
         elif action.act is Act.FB:
@@ -347,8 +362,10 @@ def simulate(lowered: Lowered, costs: Costs, layout: Layout) -> Simulation:
                 end = start + length
                 label = str(action)
                 for step, lo, hi in replayed:
-                    stream_spans.setdefault((r, step.stream), []).append((start + lo, start + hi))
-                    spans.append(PlanSpan(r, step.stream, start + lo, start + hi, label, str(step)))
+                    stream = step.stream
+                    assert stream is not None, f"replayed step {step} without a stream"
+                    stream_spans.setdefault((r, stream), []).append((start + lo, start + hi))
+                    spans.append(PlanSpan(r, stream, start + lo, start + hi, label, str(step)))
                 busy[r].append((start, end))
                 _account(action, start, end, rep, memory[r], f_done, b_done)
                 free[r] = end
@@ -391,10 +408,10 @@ def _account(
     act = action.act
     if act is Act.RUN:
         assert action.macro is not None
-        for m in action.macro.forward:
+        for m in forward_microbatches(action.macro):
             f_done[(0, m)] = end
             memory.append((start, 1, rep.act_bytes[0], 1))
-        for m in action.macro.backward:
+        for m in backward_microbatches(action.macro):
             b_done[(0, m)] = end
             memory.append((end, 0, -rep.act_bytes[0], -1))
         return

@@ -2,8 +2,9 @@
 
 Inside one overlapped run of a layer, two microbatches walk their own slots in their own
 order; only how the two walks interleave is free. Megatron-Core fixes one interleaving;
-here it is a :class:`PairOrder` — a template of :class:`SlotStep` s, one per slot step of
-a layer, that :func:`~moe_overlap.steps.layer_pair_steps`,
+here it is a :class:`PairOrder` — a template of :class:`~moe_overlap.steps.Step` s of a role,
+slot and direction (``b.mlp.W``), one per slot step of a layer, that
+:func:`~moe_overlap.steps.layer_pair_steps`,
 :func:`~moe_overlap.steps.forward_pair_steps` and
 :func:`~moe_overlap.steps.backward_pair_steps` filter by what each layer has (a dense layer
 has no dispatch or combine, a layer without delayed wgrad no ``W`` steps). A
@@ -24,7 +25,8 @@ Every order a :class:`PairOrder` accepts gives the same losses and gradients, bi
 
 The orders only change when each step is issued, i.e. which waits on which; a
 :class:`PairOrder` prints as its steps, space-separated (``b.combine.B f.pre_dispatch.F
-...``), and :meth:`PairOrder.parse` / :meth:`ScheduleOrder.parse` read that back.
+...``), each read back by :meth:`Step.parse <moe_overlap.steps.Step.parse>`;
+:meth:`PairOrder.parse` / :meth:`ScheduleOrder.parse` read the whole back.
 """
 
 import enum
@@ -32,40 +34,14 @@ import itertools
 import json
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, cast
+from typing import cast
 
 from ._errors import ConfigError
 from ._kinds import Direction, Role, Slot
+from ._step import Step
 from .args import refuse
 
-__all__ = ["PairKind", "PairOrder", "ScheduleOrder", "SlotStep"]
-
-
-class SlotStep(NamedTuple):
-    """One step of a layer's template: a role's slot in a direction (``b.mlp.W``)."""
-
-    role: Role
-    slot: Slot
-    direction: Direction
-
-    def __str__(self) -> str:
-        return f"{self.role.value}.{self.slot.value}.{self.direction.value}"
-
-    @classmethod
-    def parse(cls, text: str) -> "SlotStep":
-        """Read a step back from its string form, e.g. ``f.dispatch.F``."""
-        if not isinstance(cast(object, text), str):
-            raise refuse("SlotStep.parse: text", "a step's string form 'role.slot.D'", text)
-        parts = text.strip().split(".")
-        try:
-            role, slot, direction = parts
-            return cls(Role(role), Slot(slot), Direction(direction))
-        except ValueError:
-            raise ConfigError(
-                f"SlotStep.parse: expected 'role.slot.D' (role one of f, b, g, c; slot one of "
-                f"{', '.join(s.value for s in _LAYER_SLOTS)}; D one of F, B, W), received "
-                f"{text!r}"
-            ) from None
+__all__ = ["PairKind", "PairOrder", "ScheduleOrder"]
 
 
 class PairKind(str, enum.Enum):
@@ -83,23 +59,23 @@ _LAYER_SLOTS = (Slot.PRE_DISPATCH, Slot.DISPATCH, Slot.MLP, Slot.COMBINE, Slot.M
 F, B, W = Direction.FORWARD, Direction.BACKWARD, Direction.WGRAD
 
 
-def _forward_chain(role: Role) -> tuple[SlotStep, ...]:
+def _forward_chain(role: Role) -> tuple[Step, ...]:
     return tuple(
-        SlotStep(role, s, F)
+        Step(F, role=role, slot=s)
         for s in (Slot.PRE_DISPATCH, Slot.DISPATCH, Slot.MLP, Slot.COMBINE, Slot.MTP_POST)
     )
 
 
-def _backward_chain(role: Role, *, mtp: bool) -> tuple[SlotStep, ...]:
+def _backward_chain(role: Role, *, mtp: bool) -> tuple[Step, ...]:
     slots = (Slot.COMBINE, Slot.MLP, Slot.DISPATCH, Slot.PRE_DISPATCH)
-    return tuple(SlotStep(role, s, B) for s in ((Slot.MTP_POST,) if mtp else ()) + slots)
+    return tuple(Step(B, role=role, slot=s) for s in ((Slot.MTP_POST,) if mtp else ()) + slots)
 
 
-def _wgrads(role: Role) -> tuple[SlotStep, ...]:
-    return (SlotStep(role, Slot.MLP, W), SlotStep(role, Slot.PRE_DISPATCH, W))
+def _wgrads(role: Role) -> tuple[Step, ...]:
+    return (Step(W, role=role, slot=Slot.MLP), Step(W, role=role, slot=Slot.PRE_DISPATCH))
 
 
-def _chains(kind: PairKind) -> tuple[tuple[SlotStep, ...], ...]:
+def _chains(kind: PairKind) -> tuple[tuple[Step, ...], ...]:
     """The ordered chains of a kind's template (each microbatch's steps, no ``W``)."""
     if kind is PairKind.MIXED:
         return (_forward_chain(Role.F), _backward_chain(Role.B, mtp=True))
@@ -110,7 +86,7 @@ def _chains(kind: PairKind) -> tuple[tuple[SlotStep, ...], ...]:
     return (_backward_chain(Role.B, mtp=False), _backward_chain(Role.B2, mtp=False))
 
 
-def _wgrad_steps(kind: PairKind) -> tuple[SlotStep, ...]:
+def _wgrad_steps(kind: PairKind) -> tuple[Step, ...]:
     if kind is PairKind.MIXED:
         return _wgrads(Role.B)
     if kind is PairKind.FORWARDS:
@@ -118,28 +94,28 @@ def _wgrad_steps(kind: PairKind) -> tuple[SlotStep, ...]:
     return (*_wgrads(Role.B), *_wgrads(Role.B2))
 
 
-def _before(kind: PairKind, steps: Iterable[SlotStep]) -> list[tuple[SlotStep, SlotStep]]:
+def _before(kind: PairKind, steps: Iterable[Step]) -> list[tuple[Step, Step]]:
     """Every ``(a, b)`` with ``a`` required before ``b``, among ``steps``."""
     have = set(steps)
-    rules: list[tuple[SlotStep, SlotStep]] = []
+    rules: list[tuple[Step, Step]] = []
     for chain in _chains(kind):
         present = [s for s in chain if s in have]
         rules += list(itertools.pairwise(present))
     for w in _wgrad_steps(kind):
-        rules.append((SlotStep(w.role, w.slot, B), w))
+        rules.append((w._replace(direction=B), w))
     if kind is PairKind.FORWARDS:
         rules += [(a, c) for a, c in zip(*_chains(kind), strict=True)]
     elif kind is PairKind.BACKWARDS:
         for s in _chains(kind)[0]:
-            later = SlotStep(Role.B2, s.slot, B)
+            later = s._replace(role=Role.B2)
             rules.append((s, later))
-            w = SlotStep(Role.B, s.slot, W)
+            w = s._replace(direction=W)
             if w in _wgrad_steps(kind):
                 rules.append((w, later))
     return [(a, b) for a, b in rules if a in have and b in have]
 
 
-def template(kind: PairKind) -> frozenset[SlotStep]:
+def template(kind: PairKind) -> frozenset[Step]:
     """Every step a kind's order lists."""
     return frozenset(itertools.chain(*_chains(kind), _wgrad_steps(kind)))
 
@@ -164,18 +140,19 @@ class PairOrder:
     """The order of one kind of paired run's steps in a layer (a checked template).
 
     ``PairOrder(kind, steps)``: ``steps`` lists every step of the kind's template once
-    (:class:`SlotStep` s or their string forms, or one space-separated string), in an order
-    the module's rules allow; :class:`~moe_overlap.ConfigError` names the broken rule.
+    (:class:`~moe_overlap.steps.Step` s of a role, slot and direction, or their string
+    forms ``role.slot.D``, or one space-separated string), in an order the module's rules
+    allow; :class:`~moe_overlap.ConfigError` names the broken rule.
     """
 
     kind: PairKind
-    steps: tuple[SlotStep, ...]
+    steps: tuple[Step, ...]
 
-    def __init__(self, kind: PairKind, steps: str | Iterable[SlotStep | str]) -> None:
+    def __init__(self, kind: PairKind, steps: str | Iterable[Step | str]) -> None:
         if not isinstance(cast(object, kind), PairKind):
             raise refuse("PairOrder: kind", "a PairKind (PairKind.MIXED, ...)", kind)
         items = steps.split() if isinstance(steps, str) else list(steps)
-        parsed = tuple(s if isinstance(s, SlotStep) else SlotStep.parse(s) for s in items)
+        parsed = tuple(s if isinstance(s, Step) else _template_step(kind, s) for s in items)
         object.__setattr__(self, "kind", kind)
         object.__setattr__(self, "steps", parsed)
         _check(kind, parsed)
@@ -207,13 +184,37 @@ class PairOrder:
         if self.kind is not PairKind.MIXED:
             return False
         where = {s: i for i, s in enumerate(self.steps)}
-        return where[SlotStep(Role.B, Slot.PRE_DISPATCH, B)] < where[SlotStep(Role.F, Slot.MLP, F)]
+        return where[_B_PRE_DISPATCH] < where[_F_MLP]
 
 
-def _check(kind: PairKind, steps: tuple[SlotStep, ...]) -> None:
+def _template_step(kind: PairKind, text: str) -> Step:
+    """A template step (``role.slot.D``) read by :meth:`Step.parse`, or a ConfigError."""
+    if not isinstance(cast(object, text), str):
+        raise refuse(
+            f"PairOrder({kind.name}): step", "a Step or its string form 'role.slot.D'", text
+        )
+    try:
+        step = Step.parse(text.strip())
+    except ConfigError:
+        step = None
+    if (
+        step is None
+        or step.role is None
+        or step.slot is None
+        or (step.microbatch, step.layer, step.stream) != (None, None, None)
+    ):
+        raise ConfigError(
+            f"PairOrder({kind.name}): expected 'role.slot.D' (role one of f, b, g, c; slot one "
+            f"of {', '.join(s.value for s in _LAYER_SLOTS)}; D one of F, B, W), received "
+            f"{text!r}"
+        )
+    return step
+
+
+def _check(kind: PairKind, steps: tuple[Step, ...]) -> None:
     want = template(kind)
     where = f"PairOrder({kind.name})"
-    seen: set[SlotStep] = set()
+    seen: set[Step] = set()
     for s in steps:
         if s in seen:
             raise ConfigError(f"{where}: expected each step once, received {s} twice")
@@ -236,7 +237,7 @@ def _check(kind: PairKind, steps: tuple[SlotStep, ...]) -> None:
             )
 
 
-def _why(kind: PairKind, a: SlotStep, b: SlotStep) -> str:
+def _why(kind: PairKind, a: Step, b: Step) -> str:
     if a.role is b.role:
         return "a microbatch runs its own steps in order"
     if kind is PairKind.FORWARDS:
@@ -244,20 +245,22 @@ def _why(kind: PairKind, a: SlotStep, b: SlotStep) -> str:
     return "the first backward's gradients of a slot add up first"
 
 
+_B_PRE_DISPATCH = Step(B, role=Role.B, slot=Slot.PRE_DISPATCH)
+_F_MLP = Step(F, role=Role.F, slot=Slot.MLP)
 _MEGATRONS = {kind: PairOrder(kind, text) for kind, text in _MEGATRON.items()}
 _MEGATRON_EARLY = PairOrder(PairKind.MIXED, _EARLY_RELEASE)
 
 
-def valid_orders(kind: PairKind, steps: Sequence[SlotStep]) -> Iterator[tuple[SlotStep, ...]]:
+def valid_orders(kind: PairKind, steps: Sequence[Step]) -> Iterator[tuple[Step, ...]]:
     """Every order of ``steps`` (a subset of the kind's template) the rules allow."""
     rules = _before(kind, steps)
-    preds: dict[SlotStep, set[SlotStep]] = {s: set() for s in steps}
+    preds: dict[Step, set[Step]] = {s: set() for s in steps}
     for a, b in rules:
         preds[b].add(a)
-    out: list[SlotStep] = []
-    placed: set[SlotStep] = set()
+    out: list[Step] = []
+    placed: set[Step] = set()
 
-    def walk() -> Iterator[tuple[SlotStep, ...]]:
+    def walk() -> Iterator[tuple[Step, ...]]:
         if len(out) == len(steps):
             yield tuple(out)
             return
@@ -272,7 +275,7 @@ def valid_orders(kind: PairKind, steps: Sequence[SlotStep]) -> Iterator[tuple[Sl
     yield from walk()
 
 
-def complete(kind: PairKind, partial: Sequence[SlotStep]) -> PairOrder:
+def complete(kind: PairKind, partial: Sequence[Step]) -> PairOrder:
     """A full template from an order of some of its steps: each missing step goes where
     Megatron-Core's order has it relative to the steps before it (then the order is checked)."""
     have = set(partial)

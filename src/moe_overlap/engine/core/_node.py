@@ -14,21 +14,29 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import ParamSpec, TypeVar, cast
 
-import torch
 from torch import Tensor
 
 from ._errors import IntegrationError, NodeStateError
 from ._hooks import on_before_release, on_node_entered, on_node_forwarded, on_node_left
-from ._node_checks import check_marked
+from ._node_errors import check_marked
 from ._protocols import NodeTimer, StreamProvider
 from ._streams import (
     AnyEvent,
     CpuEvent,
     CpuStream,
+    abandon_stream,
+    enter_stream,
+    leave_stream,
     record_tensor_on,
     release_storage,
-    use_stream,
 )
+
+# The autograd engine's entry point, called directly as Megatron-Core does:
+# ``torch.autograd.backward``'s Python wrapper re-validates what ``default_backward`` has
+# already filtered and costs ~5 us per node (benchmarks/bench_host_megatron.py). The engine
+# still checks each grad's shape against its output. Positional arguments: tensors,
+# grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad.
+from ._torch_private import run_backward as _run_backward
 
 __all__ = [
     "BackwardFunc",
@@ -109,22 +117,23 @@ def _describe(value: object) -> str:
     return type(value).__name__
 
 
-# The autograd engine's entry point, called directly as Megatron-Core does:
-# ``torch.autograd.backward``'s Python wrapper re-validates what ``default_backward`` has
-# already filtered and costs ~5 us per node (benchmarks/bench_host_megatron.py). The engine
-# still checks each grad's shape against its output.
-_run_backward = cast(
-    "Callable[..., object]",
-    torch.autograd.Variable._execution_engine.run_backward,  # pyright: ignore[reportPrivateUsage]
-)
-
-
 def default_backward(outputs: tuple[Tensor, ...], output_grads: tuple[Tensor | None, ...]) -> None:
     """Run autograd from ``outputs``, skipping outputs without grad or given a ``None`` grad.
 
     Gradients accumulate into the leaves (parameters and the nodes' detached inputs)
     exactly as ``torch.autograd.backward(outputs, output_grads)`` would.
     """
+    if (
+        len(outputs) == 1
+        and len(output_grads) == 1
+        and outputs.__class__ is tuple
+        and output_grads.__class__ is tuple
+    ):
+        # One output (most nodes): no lists to filter through.
+        out = outputs[0]
+        if output_grads[0] is not None and out.requires_grad:
+            _run_backward(outputs, output_grads, False, False, (), True, True)
+        return
     tensors: list[Tensor] = []
     grads: list[Tensor] = []
     for out, grad in zip(outputs, output_grads, strict=True):
@@ -132,15 +141,7 @@ def default_backward(outputs: tuple[Tensor, ...], output_grads: tuple[Tensor | N
             tensors.append(out)
             grads.append(grad)
     if tensors:
-        _run_backward(
-            tuple(tensors),
-            tuple(grads),
-            keep_graph=False,
-            create_graph=False,
-            inputs=(),
-            allow_unreachable=True,
-            accumulate_grad=True,
-        )
+        _run_backward(tuple(tensors), tuple(grads), False, False, (), True, True)
 
 
 class ScheduleNode:
@@ -164,7 +165,15 @@ class ScheduleNode:
     wait and stopped after the body, on the node's stream.
     """
 
-    timer: NodeTimer | None
+    # Class-level defaults: the per-node state that starts out the same for every node
+    # (a node's constructor then sets only what differs).
+    forward_func: ForwardFunc
+    backward_func: BackwardFunc = staticmethod(default_backward)
+    phase: NodePhase = NodePhase.NEW
+    inputs: tuple[Tensor | None, ...] = ()
+    outputs: tuple[Tensor, ...] = ()
+    non_differentiable: tuple[Tensor, ...] = ()
+    timer: NodeTimer | None = None
     where: str = ""
     """Where the node sits (``microbatch 3, layer 1``), set by its plan for messages."""
     detached: tuple[Tensor, ...] = ()
@@ -190,18 +199,13 @@ class ScheduleNode:
         name: str = "schedule_node",
     ) -> None:
         self.name = name
-        self.forward_func = forward_func
-        self.backward_func: BackwardFunc = (
-            backward_func if backward_func is not None else default_backward
-        )
+        if forward_func is not _OWN_FORWARD:
+            self.forward_func = forward_func
+        if backward_func is not None:
+            self.backward_func = backward_func
         self.stream = stream
         self.event = event
         self.free_input = free_input
-        self.phase = NodePhase.NEW
-        self.inputs: tuple[Tensor | None, ...] = ()
-        self.outputs: tuple[Tensor, ...] = ()
-        self.non_differentiable: tuple[Tensor, ...] = ()
-        self.timer = None
 
     def forward(self, *inputs: Tensor | None) -> tuple[Tensor, ...]:
         """Run the forward on detached inputs; return the outputs as a tuple.
@@ -222,9 +226,21 @@ class ScheduleNode:
         stream = self.stream()
         for guard in on_node_entered:
             guard.node_entered(self, "forward")
+        event = self.event
         try:
-            with use_stream(stream, self.event):
-                detached = tuple(_detach_keep_grad(t) for t in inputs)
+            switch = enter_stream(stream, event)
+            try:
+                copies: list[Tensor | None] = []
+                for t in inputs:
+                    if isinstance(t, Tensor):
+                        d = t.detach()
+                        d.requires_grad_(t.requires_grad)
+                        copies.append(d)
+                    elif t is None:
+                        copies.append(None)
+                    else:
+                        raise _not_a_tensor(t)
+                detached = tuple(copies)
                 self.inputs = detached
                 timer = self.timer
                 if timer is not None:
@@ -232,8 +248,12 @@ class ScheduleNode:
                 result = self.forward_func(*detached)
                 if timer is not None:
                     timer.stop(stream)
-                outputs = _as_tuple(self.name, result)
+                outputs = (result,) if isinstance(result, Tensor) else _as_tuple(self.name, result)
                 self.outputs = outputs
+            except BaseException as exc:
+                abandon_stream(switch, exc)
+                raise
+            leave_stream(stream, event, switch)
         finally:
             for guard in on_node_left:
                 guard.node_left(self)
@@ -285,22 +305,29 @@ class ScheduleNode:
             raise NodeStateError(
                 f"node {self.name!r}: backward must run {expected}; the node is {self.phase.value}"
             )
-        if len(output_grad) != len(self.outputs):
+        outputs = self.outputs
+        if len(output_grad) != len(outputs):
             raise NodeStateError(
-                f"node {self.name!r}: backward expected {len(self.outputs)} output grads "
+                f"node {self.name!r}: backward expected {len(outputs)} output grads "
                 f"(one per forward output), received {len(output_grad)}"
             )
         stream = self.stream()
         for guard in on_node_entered:
             guard.node_entered(self, "backward")
+        event = self.event
         try:
-            with use_stream(stream, self.event):
+            switch = enter_stream(stream, event)
+            try:
                 timer = self.timer
                 if timer is not None:
                     timer.start(stream)
-                self.backward_impl(self.outputs, output_grad)
+                self.backward_impl(outputs, output_grad)
                 if timer is not None:
                     timer.stop(stream)
+            except BaseException as exc:
+                abandon_stream(switch, exc)
+                raise
+            leave_stream(stream, event, switch)
         finally:
             for guard in on_node_left:
                 guard.node_left(self)
@@ -310,7 +337,12 @@ class ScheduleNode:
                 # node's backward kernels are done with it.
                 if grad is not None:
                     record_tensor_on(grad, stream)
-        grads = tuple(t.grad if t is not None else None for t in self.inputs)
+        detached = self.inputs
+        if len(detached) == 1:  # most nodes: no comprehension (a function call on 3.11)
+            only = detached[0]
+            grads: tuple[Tensor | None, ...] = (only.grad if only is not None else None,)
+        else:
+            grads = tuple([t.grad if t is not None else None for t in detached])
         self.release_state()
         return grads
 
@@ -354,16 +386,20 @@ class NoopScheduleNode(ScheduleNode):
         return output_grad
 
 
-def _detach_keep_grad(tensor: Tensor | None) -> Tensor | None:
-    if tensor is None:
-        return None
-    if not isinstance(tensor, Tensor):  # pyright: ignore[reportUnnecessaryIsInstance]
-        raise IntegrationError(
-            f"schedule node input: expected a Tensor or None, received {type(tensor).__name__}"
-        )
-    out = tensor.detach()
-    out.requires_grad_(tensor.requires_grad)
-    return out
+def _not_a_tensor(value: object) -> IntegrationError:
+    """The error for a node input that is neither a Tensor nor ``None``."""
+    return IntegrationError(
+        f"schedule node input: expected a Tensor or None, received {type(value).__name__}"
+    )
+
+
+def _own_forward(*inputs: Tensor | None) -> Tensor | tuple[Tensor, ...]:
+    raise AssertionError("never called: a node built with it defines forward_func itself")
+
+
+_OWN_FORWARD: ForwardFunc = _own_forward
+"""``forward_func`` for a node class that defines ``forward_func`` as a method (the node then
+holds no reference to itself; see :func:`weak_method`)."""
 
 
 def _identity(*inputs: Tensor) -> tuple[Tensor, ...]:

@@ -25,7 +25,6 @@ from typing import cast
 from torch import nn
 
 from ._protocols import HoldsDelayedModules
-from .contracts import HOLDS_DELAYED_MODULES
 
 __all__ = ["WgradClaim", "claim_wgrad", "claimed_members", "wgrad_claimed"]
 
@@ -70,7 +69,8 @@ this runs for every layer of every microbatch)."""
 def _holds_delayed_modules(part: object) -> bool:
     known = _HOLDS.get(type(part))
     if known is None:
-        known = _HOLDS[type(part)] = HOLDS_DELAYED_MODULES.conforms(part)
+        # its one member, looked up as its rule table (HOLDS_DELAYED_MODULES) does
+        known = _HOLDS[type(part)] = callable(getattr(part, "delayed_modules", None))
     return known
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import cast
 
 import torch
 from torch import Tensor
@@ -13,12 +12,13 @@ from ._free_input import should_free_input
 from ._hooks import on_copies_backwarded, on_node_detached, on_slot_returned
 from ._layer_args import LayerArgs
 from ._megatron import layer_args
-from ._node import ScheduleNode, default_backward, weak_method
-from ._node_checks import second_backward_error
+from ._node import _OWN_FORWARD, ScheduleNode, default_backward  # pyright: ignore[reportPrivateUsage]
+from ._node_errors import second_backward_error
 from ._options import Hook
 from ._protocols import FreeInputConfig, SlotFn, StreamProvider, WgradLayer
 from ._state import ChunkState, LayerState
 from ._streams import AnyEvent, record_tensor_on, stream_context
+from ._torch_private import set_grad_enabled as _set_grad_enabled
 
 __all__ = ["TransformerLayerNode", "refresh_collectives"]
 
@@ -34,6 +34,15 @@ class TransformerLayerNode(ScheduleNode):
     this node, so it can read ``layer_state`` / ``chunk_state`` and cut the graph
     with :meth:`~moe_overlap.TransformerLayerNode.detach` for tensors handed to later slots of the same layer.
     """
+
+    # Class-level defaults (see ScheduleNode): set per node only when they change.
+    detached: tuple[Tensor, ...] = ()
+    before_detached: tuple[Tensor, ...] = ()
+    is_layer_first_node: bool = False
+    is_layer_last_node: bool = False
+    _post_forward_hook: Hook | None = None
+    _post_backward_hook: Hook | None = None
+    post_wgrad_grad_acc_hooks: list[Callable[[], object]] | None = None
 
     def __init__(
         self,
@@ -51,14 +60,8 @@ class TransformerLayerNode(ScheduleNode):
         free_input = self._resolve_free_input(
             name, args.is_moe, args.config, args.num_local_experts
         )
-        super().__init__(
-            weak_method(self.forward_impl),
-            stream,
-            event,
-            backward_func=None,
-            free_input=free_input,
-            name=name,
-        )
+        # forward_func is this class's method: the node holds no reference to itself.
+        super().__init__(_OWN_FORWARD, stream, event, free_input=free_input, name=name)
         self.layer_state = layer_state
         self.kept_as_is = layer_state.kept_as_is  # the layer's list, shared by its slots
         # Where collectives may run, the all-to-all's pending work may hold what dispatch
@@ -75,13 +78,6 @@ class TransformerLayerNode(ScheduleNode):
         self.is_mtp = args.is_mtp
         self.is_first_layer = args.is_first_layer
         self.is_last_layer = args.is_last_layer
-        self.detached: tuple[Tensor, ...] = ()
-        self.before_detached: tuple[Tensor, ...] = ()
-        self.is_layer_first_node = False
-        self.is_layer_last_node = False
-        self._post_forward_hook: Hook | None = None
-        self._post_backward_hook: Hook | None = None
-        self.post_wgrad_grad_acc_hooks: list[Callable[[], object]] | None = None
         # Sequences first: a runtime Protocol isinstance costs microseconds per node.
         if bwd_dw_callables is None:
             callables: list[WgradLayer] = []
@@ -134,16 +130,20 @@ class TransformerLayerNode(ScheduleNode):
         """The pre-detach tensors: backward also runs from them."""
         return self.before_detached
 
+    def forward_func(self, *args: Tensor | None) -> Tensor | tuple[Tensor, ...]:
+        """The node's forward work (:meth:`forward_impl`), as :class:`ScheduleNode` calls it."""
+        return self.forward_impl(*args)
+
     def forward_impl(self, *args: Tensor | None) -> Tensor | tuple[Tensor, ...]:
         """Call the slot function with this node and the (detached) inputs."""
-        inputs: list[Tensor] = []
-        for i, a in enumerate(args):
+        for a in args:
             if a is None:
+                i = next(i for i, a in enumerate(args) if a is None)
                 raise IntegrationError(
                     f"layer node {self.name!r}: input {i} is None; slots take Tensors"
                 )
-            inputs.append(a)
-        out = self.submodule(self, tuple(inputs))
+        inputs: tuple[Tensor, ...] = args  # type: ignore[assignment]  # pyright: ignore[reportAssignmentType]  # None refused above
+        out = self.submodule(self, inputs)
         fresh = self.layer_state.fresh
         try:
             for guard in on_slot_returned:  # what the slot hands on (moe_overlap.engine._guards)
@@ -260,7 +260,7 @@ class TransformerLayerNode(ScheduleNode):
 
     def release_state(self) -> None:
         """Drop inputs, outputs and detached tensors."""
-        super().release_state()
+        ScheduleNode.release_state(self)
         self.detached = ()
         self.before_detached = ()
 
@@ -280,12 +280,6 @@ def refresh_collectives() -> None:
 
 _COLLECTIVES = [False]
 refresh_collectives()
-
-
-_set_grad_enabled = cast(
-    "Callable[[bool], None]",
-    torch._C._set_grad_enabled,  # pyright: ignore[reportPrivateUsage] - what torch.no_grad calls
-)
 
 
 def _collect_wgrad_hooks(callables: Sequence[WgradLayer]) -> list[Callable[[], object]]:

@@ -1,6 +1,6 @@
 """Walk a list of :class:`~moe_overlap.steps.Step` s, threading each microbatch's values through.
 
-The walker under :func:`~moe_overlap.engine._runner.run_step` (a macro step of chunk plans)
+The walker under :func:`~moe_overlap.engine.core._runner.run_step` (a macro step of chunk plans)
 and :meth:`TransformerLayerSchedulePlan.run` (two layers).
 
 The forward microbatch's value is the tuple of tensors flowing forward (its last node's
@@ -36,12 +36,14 @@ class NodeSource(Protocol):
 
 
 Value = tuple["Tensor | None", ...]
+# The maps below are keyed by a step's role: ``Role | None`` as the step's field is, so the
+# walk reads them without a check per step (the step lists always give a role).
 
 
 def execute_roles(
     steps: Sequence[Step],
-    plans: Mapping[Role, NodeSource | None],
-    values: dict[Role, Value],
+    plans: Mapping[Role | None, NodeSource | None],
+    values: dict[Role | None, Value],
     *,
     run_hook: Callable[[Step], None] | None = None,
     on_error: Callable[[], None] | None = None,
@@ -83,7 +85,7 @@ def execute_roles(
             raise _schedule_error(steps, index, plans, exc) from exc
 
 
-_ROLE_NAMES = {
+_ROLE_NAMES: dict[Role | None, str] = {
     Role.F: "forward",
     Role.B: "backward",
     Role.F2: "second forward",
@@ -94,7 +96,7 @@ _ROLE_NAMES = {
 def _schedule_error(
     steps: Sequence[Step],
     index: int,
-    plans: Mapping[Role, NodeSource | None],
+    plans: Mapping[Role | None, NodeSource | None],
     exc: Exception,
 ) -> ScheduleError:
     step = steps[index]
@@ -107,9 +109,10 @@ def _schedule_error(
         Direction.HOOK: "hook",
     }[step.direction]
     layer = "-" if step.layer is None else str(step.layer)
+    slot = "-" if step.slot is None else step.slot.value
     position = (
         f"step {index} '{step}': {_ROLE_NAMES[step.role]} microbatch {mb}, layer {layer}, "
-        f"slot {step.slot.value}, {direction}"
+        f"slot {slot}, {direction}"
     )
     pair = ", ".join(
         f"{_ROLE_NAMES[role]} microbatch {p.microbatch_index if p is not None else None}"

@@ -106,11 +106,11 @@ def run_step(
         post_forward=hooks.post_forward is not None,
         post_backward=hooks.post_backward is not None,
     )
-    roles = {
+    roles: dict[Role | None, ChunkRun] = {
         **dict(zip(_FORWARD_ROLES[: len(forward)], forward, strict=True)),
         **dict(zip(_BACKWARD_ROLES[: len(backward)], backward, strict=True)),
     }
-    values: dict[Role, Value] = {role: () for role in roles}
+    values: dict[Role | None, Value] = {role: () for role in roles}
     for role, grad in zip(_BACKWARD_ROLES[: len(grads)], grads, strict=True):
         values[role] = (cast(Tensor, grad),)  # checked in 1.
     # 3. every plan waits for the caller's stream
@@ -169,7 +169,9 @@ def check_grad_mode(where: str) -> None:
     )
 
 
-def _run_hook(hooks: ChunkHooks, step: Step, plan: ChunkRun, values: dict[Role, Value]) -> None:
+def _run_hook(
+    hooks: ChunkHooks, step: Step, plan: ChunkRun, values: dict[Role | None, Value]
+) -> None:
     """A p2p hook step of a one-forward/one-backward step, on the plan of its role."""
     if step.slot is Slot.PRE_FORWARD and hooks.pre_forward is not None:
         hooks.pre_forward(plan.vp_stage)

@@ -1,23 +1,21 @@
 """The schedule as data: ordered, typed steps that plans walk.
 
-A :class:`~moe_overlap.steps.Step` names one thing the schedule does: which microbatch role (``f`` for the
-microbatch running forward, ``b`` for the one running backward), which layer, which slot,
-which direction, on which stream. The same lists drive the plans' ``run``, the step
+A node step (a :class:`~moe_overlap.steps.Step` at the node level) names one thing a run
+does: which microbatch role (``f`` for the microbatch running forward, ``b`` for the one
+running backward), which layer, which slot, which direction, on which stream. The same lists drive the plans' ``run``, the step
 listing printed on failure, the timeline and the critical-path bound, and they are tested
 without running a tensor.
 
-A step prints as ``b.L3.combine.B@comm`` and :meth:`Step.parse` reads that back.
+A node step prints as ``b.L3.combine.B@comm`` and :meth:`Step.parse` reads that back.
 """
 
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, cast
 
 from ._errors import ConfigError
 from ._kinds import Direction, Role, Slot, StreamKind
-from ._order import PairKind, PairOrder, ScheduleOrder, SlotStep
-from .args import refuse
+from ._order import PairKind, PairOrder, ScheduleOrder
+from ._step import Step
 
 __all__ = [
     "ChunkShape",
@@ -34,52 +32,6 @@ __all__ = [
     "layer_pair_steps",
     "macro_node_steps",
 ]
-
-
-_STEP_RE = re.compile(
-    r"^(?P<role>[fbgc])\.(?:L(?P<layer>\d+)\.)?(?P<slot>[a-z_]+)\.(?P<dir>[FBWH])@(?P<stream>\w+)$"
-)
-
-
-class Step(NamedTuple):
-    """One step of a schedule. ``str(step)`` round-trips through :meth:`~moe_overlap.steps.Step.parse`."""
-
-    role: Role
-    layer: int | None
-    slot: Slot
-    direction: Direction
-    stream: StreamKind
-
-    def __str__(self) -> str:
-        layer = "" if self.layer is None else f"L{self.layer}."
-        return (
-            f"{self.role.value}.{layer}{self.slot.value}.{self.direction.value}@{self.stream.value}"
-        )
-
-    @classmethod
-    def parse(cls, text: str) -> "Step":
-        """Read a step back from its string form, e.g. ``f.L0.dispatch.F@comm``."""
-        if not isinstance(cast(object, text), str):
-            raise refuse("Step.parse: text", "a step's string form 'role.[Lk.]slot.D@stream'", text)
-        match = _STEP_RE.match(text)
-        if match is None:
-            raise ConfigError(f"Step.parse: expected 'role.[Lk.]slot.D@stream', received {text!r}")
-        layer = match["layer"]
-        try:
-            slot = Slot(match["slot"])
-            stream = StreamKind(match["stream"])
-        except ValueError:
-            raise ConfigError(
-                f"Step.parse: unknown slot or stream in {text!r}; slots: "
-                f"{[s.value for s in Slot]}, streams: {[s.value for s in StreamKind]}"
-            ) from None
-        return cls(
-            Role(match["role"]),
-            None if layer is None else int(layer),
-            slot,
-            Direction(match["dir"]),
-            stream,
-        )
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -113,33 +65,39 @@ class ChunkShape:
     has_post_process: bool = True
 
 
-def _stream_of(slot: Slot, is_moe: bool) -> StreamKind:
+def _stream_of(slot: Slot | None, is_moe: bool) -> StreamKind:
     if is_moe and slot in (Slot.DISPATCH, Slot.COMBINE):
         return StreamKind.COMM
     return StreamKind.COMP
 
 
-def _node(role: Role, layer: LayerShape, slot: Slot, direction: Direction) -> Step:
-    return Step(role, layer.index, slot, direction, _stream_of(slot, layer.is_moe))
+def _node(role: Role | None, layer: LayerShape, slot: Slot | None, direction: Direction) -> Step:
+    # Positional: the step lists are built per run, and keywords cost more.
+    return Step(direction, None, role, layer.index, slot, _stream_of(slot, layer.is_moe))
 
 
-def _adder(out: list[Step]) -> Callable[[Role, LayerShape | None, Slot, Direction], None]:
-    """``add(role, layer, slot, direction)``: append the step if the layer has it (an absent
-    layer, a dense layer's dispatch/combine, a missing MTP post-process, a wgrad step
-    without delayed wgrad have none)."""
+def _adder(out: list[Step]) -> Callable[[Step, LayerShape | None], None]:
+    """``add(template, layer)``: append the template step (role, slot, direction) at the
+    layer if the layer has it (an absent layer, a dense layer's dispatch/combine, a missing
+    MTP post-process, a wgrad step without delayed wgrad have none)."""
 
-    def add(role: Role, layer: LayerShape | None, slot: Slot, direction: Direction) -> None:
+    def add(t: Step, layer: LayerShape | None) -> None:
         if layer is None:
             return
+        slot = t.slot
         if slot in (Slot.DISPATCH, Slot.COMBINE) and not layer.is_moe:
             return
         if slot is Slot.MTP_POST and not layer.has_mtp_post:
             return
-        if direction is Direction.WGRAD and not layer.delay_wgrad:
+        if t.direction is Direction.WGRAD and not layer.delay_wgrad:
             return
-        out.append(_node(role, layer, slot, direction))
+        out.append(_node(t.role, layer, slot, t.direction))
 
     return add
+
+
+_LAST_WGRAD = Step(Direction.WGRAD, role=Role.B, slot=Slot.PRE_DISPATCH)
+"""The last backward layer's pre-dispatch wgrad, left to the chunk."""
 
 
 def layer_pair_steps(
@@ -161,15 +119,13 @@ def layer_pair_steps(
         order = PairOrder.megatron(PairKind.MIXED, early_attn_release=early)
     else:
         order = _order_of(PairKind.MIXED, (f, b), early_attn_release=early)
-    skip: set[SlotStep] = set()
-    if is_last_layer_in_bwd:
-        skip.add(SlotStep(Role.B, Slot.PRE_DISPATCH, Direction.WGRAD))
+    skip = _LAST_WGRAD if is_last_layer_in_bwd else None
     out: list[Step] = []
     add = _adder(out)
-    layers = {Role.F: f, Role.B: b}
+    layers: dict[Role | None, LayerShape | None] = {Role.F: f, Role.B: b}
     for t in order.steps:
-        if t not in skip:
-            add(t.role, layers[t.role], t.slot, t.direction)
+        if skip is None or t != skip:
+            add(t, layers[t.role])
     return out
 
 
@@ -194,7 +150,7 @@ _MEGATRON_ORDER = ScheduleOrder()
 
 def _chunk_step(role: Role, slot: Slot, direction: Direction) -> Step:
     stream = StreamKind.HOST if direction is Direction.HOOK else StreamKind.COMP
-    return Step(role, None, slot, direction, stream)
+    return Step(direction, None, role, None, slot, stream)  # positional: built per run
 
 
 def chunk_steps(
@@ -278,9 +234,9 @@ def forward_pair_steps(a: ChunkShape, c: ChunkShape) -> list[Step]:
     add = _adder(out)
     for la, lc in zip(a.layers, c.layers, strict=True):
         order = _order_of(PairKind.FORWARDS, (la, lc))
-        layers = {A: la, C: lc}
+        layers: dict[Role | None, LayerShape] = {A: la, C: lc}
         for t in order.steps:
-            add(t.role, layers[t.role], t.slot, t.direction)
+            add(t, layers[t.role])
     fwd = Direction.FORWARD
     for role, shape in ((A, a), (C, c)):
         if shape.has_post_process:
@@ -288,15 +244,20 @@ def forward_pair_steps(a: ChunkShape, c: ChunkShape) -> list[Step]:
     return out
 
 
-_ALONE_BACKWARD = (
-    (Slot.MTP_POST, Direction.BACKWARD),
-    (Slot.COMBINE, Direction.BACKWARD),
-    (Slot.MLP, Direction.BACKWARD),
-    (Slot.MLP, Direction.WGRAD),
-    (Slot.DISPATCH, Direction.BACKWARD),
-    (Slot.PRE_DISPATCH, Direction.BACKWARD),
-    (Slot.PRE_DISPATCH, Direction.WGRAD),
+_ALONE_BACKWARD = tuple(
+    Step(direction, role=role, slot=slot)
+    for role in (Role.B, Role.B2)
+    for slot, direction in (
+        (Slot.MTP_POST, Direction.BACKWARD),
+        (Slot.COMBINE, Direction.BACKWARD),
+        (Slot.MLP, Direction.BACKWARD),
+        (Slot.MLP, Direction.WGRAD),
+        (Slot.DISPATCH, Direction.BACKWARD),
+        (Slot.PRE_DISPATCH, Direction.BACKWARD),
+        (Slot.PRE_DISPATCH, Direction.WGRAD),
+    )
 )
+"""An MTP layer's two backwards, one microbatch after the other (``b`` then ``c``)."""
 
 
 def backward_pair_steps(b1: ChunkShape, b2: ChunkShape) -> list[Step]:
@@ -326,17 +287,16 @@ def backward_pair_steps(b1: ChunkShape, b2: ChunkShape) -> list[Step]:
             out.append(_chunk_step(role, Slot.POST_PROCESS, bwd))
     add = _adder(out)
     for l1, l2 in zip(reversed(b1.layers), reversed(b2.layers), strict=True):
+        layers: dict[Role | None, LayerShape] = {P: l1, Q: l2}
         if l1.has_mtp_post or l2.has_mtp_post:
             # An MTP layer's post-process backward feeds weight gradients its pre-dispatch
             # wgrad computes: its two microbatches run one after the other.
-            for role, layer in ((P, l1), (Q, l2)):
-                for slot, direction in _ALONE_BACKWARD:
-                    add(role, layer, slot, direction)
+            for t in _ALONE_BACKWARD:
+                add(t, layers[t.role])
             continue
         order = _order_of(PairKind.BACKWARDS, (l1, l2))
-        layers = {P: l1, Q: l2}
         for t in order.steps:
-            add(t.role, layers[t.role], t.slot, t.direction)
+            add(t, layers[t.role])
     out.append(_chunk_step(P, Slot.PRE_PROCESS, bwd))
     out.append(_chunk_step(Q, Slot.PRE_PROCESS, bwd))
     return out

@@ -33,21 +33,21 @@ def should_free_input(
     """
     if not is_moe:
         return False
+    # Every MoE slot reads the dispatcher fields (a config without them fails for every
+    # slot alike); each backend is compared only where its slot asks.
     flex = config.moe_token_dispatcher_type == "flex"
     backend = config.moe_flex_dispatcher_backend if flex else None
-    deepep = backend == "deepep"
-    hybridep = backend == "hybridep"
-    ncclep = backend == "ncclep"
     if name == "mlp":
         if config.fp8 is not None or config.fp4 is not None:
             return True
         fresh_buffer = (num_local_experts is not None and num_local_experts > 1) or (
             config.moe_token_dispatcher_type != "alltoall"
         )
-        return fresh_buffer and not (hybridep or ncclep)
+        return fresh_buffer and not (backend == "hybridep" or backend == "ncclep")
     if name == "moe_combine":
         return True
     if name == "moe_dispatch":
         graphed_preprocess = "moe_preprocess" in graph_module_names(config.cuda_graph_modules)
-        return not (deepep or hybridep or ncclep) and not graphed_preprocess
+        owned = backend == "deepep" or backend == "hybridep" or backend == "ncclep"
+        return not owned and not graphed_preprocess
     return False

@@ -22,8 +22,15 @@ from typing import Union, cast
 import torch
 
 from ._errors import StreamError
-from ._stream_check import _ACTIVE as _CHECKING  # pyright: ignore[reportPrivateUsage]
-from ._stream_check import _CPU_DEFAULT as _CHECKER_DEFAULT  # pyright: ignore[reportPrivateUsage]
+from ._stream_observer import observers as _CHECKING
+
+# torch's own calls under torch.cuda.current_stream / set_stream (None in CPU-only builds,
+# where no CUDA stream can exist), module globals here so the per-node switch reads them
+# as before (and a test can fake them).
+from ._torch_private import cuda_current_device as _cuda_current_device
+from ._torch_private import cuda_current_stream as _cuda_current_stream
+from ._torch_private import cuda_set_stream as _cuda_set_stream
+from ._torch_private import cuda_sleep
 from .args import (
     BOOL,
     NON_NEGATIVE,
@@ -42,11 +49,14 @@ __all__ = [
     "CpuEvent",
     "CpuStream",
     "StreamPair",
+    "abandon_stream",
     "cpu_default_stream",
     "current_stream",
     "default_device",
+    "enter_stream",
     "get_comm_stream",
     "get_comp_stream",
+    "leave_stream",
     "make_event",
     "make_streams",
     "record_event",
@@ -218,7 +228,6 @@ def make_streams(
 
 
 _CPU_DEFAULT = CpuStream("comp")
-_CHECKER_DEFAULT.append(_CPU_DEFAULT)  # the checker's default stream
 
 
 def cpu_default_stream() -> CpuStream:
@@ -308,34 +317,22 @@ class use_stream:  # lower case: used like a function, as torch.cuda.stream
 
     This is how one microbatch's nodes on different streams stay ordered: they all share
     one event, so each node starts after the previous one, whichever stream it ran on.
-    The event is not recorded when the body raises. A class rather than a generator:
-    it runs twice per node, on the schedule's hot path.
+    The event is not recorded when the body raises. Nodes call its three steps directly
+    (:func:`enter_stream`, :func:`leave_stream`, :func:`abandon_stream`): no context
+    manager object on their hot path.
     """
 
     __slots__ = ("_event", "_stream", "_switch")
 
     def __init__(self, stream: AnyStream, event: AnyEvent) -> None:
-        cpu = isinstance(stream, CpuStream)
-        if cpu != isinstance(event, CpuEvent):
-            kinds = ("CPU", "CUDA") if cpu else ("CUDA", "CPU")
-            raise StreamError(
-                f"use_stream: a {kinds[0]} stream {stream!r} was paired with a {kinds[1]} "
-                "event; make events with make_event(device) on the model's device"
-            )
+        if isinstance(stream, CpuStream) != isinstance(event, CpuEvent):
+            raise _pair_error(stream, event)
         self._stream = stream
         self._event = event
-        self._switch: contextlib.AbstractContextManager[object] | None = (
-            None if isinstance(stream, CpuStream) else torch.cuda.stream(stream)
-        )
+        self._switch: contextlib.AbstractContextManager[object] | None = None
 
     def __enter__(self) -> None:
-        wait_event(self._event, self._stream)
-        if self._switch is not None:
-            self._switch.__enter__()
-            if _SHAKING:
-                _SHAKING[-1].delay()
-        elif _CHECKING:
-            _CHECKING[-1].enter(self._stream)
+        self._switch = enter_stream(self._stream, self._event)
 
     def __exit__(
         self,
@@ -343,12 +340,74 @@ class use_stream:  # lower case: used like a function, as torch.cuda.stream
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._switch is not None:
-            self._switch.__exit__(exc_type, exc, tb)
-        elif _CHECKING:
-            _CHECKING[-1].exit()
         if exc_type is None:
-            record_event(self._event, self._stream)
+            leave_stream(self._stream, self._event, self._switch)
+        else:
+            _leave_switch(self._switch, exc_type, exc, tb)
+
+
+def _pair_error(stream: object, event: object) -> StreamError:
+    kinds = ("CPU", "CUDA") if isinstance(stream, CpuStream) else ("CUDA", "CPU")
+    return StreamError(
+        f"use_stream: a {kinds[0]} stream {stream!r} was paired with a {kinds[1]} "
+        "event; make events with make_event(device) on the model's device"
+    )
+
+
+def enter_stream(
+    stream: AnyStream, event: AnyEvent
+) -> contextlib.AbstractContextManager[object] | None:
+    """:class:`use_stream`'s entry as one call (a node's hot path): check that ``stream``
+    and ``event`` are of one device kind, make ``stream`` wait for ``event``, switch to
+    ``stream``. Returns the CUDA stream switch (``None`` on CPU) for :func:`leave_stream`
+    or :func:`abandon_stream`, one of which must follow."""
+    if isinstance(stream, CpuStream):
+        if not isinstance(event, CpuEvent):
+            raise _pair_error(stream, event)
+        event.wait(stream)
+        if _CHECKING:
+            _CHECKING[-1].enter(stream)
+        return None
+    if isinstance(event, CpuEvent):
+        raise _pair_error(stream, event)
+    switch = _cuda_switch(stream)
+    event.wait(stream)
+    switch.__enter__()
+    if _SHAKING:
+        _SHAKING[-1].delay()
+    return switch
+
+
+def leave_stream(
+    stream: AnyStream, event: AnyEvent, switch: contextlib.AbstractContextManager[object] | None
+) -> None:
+    """:class:`use_stream`'s exit after its body returned: switch back, record ``event``
+    on ``stream``."""
+    if switch is not None:
+        switch.__exit__(None, None, None)
+    elif _CHECKING:
+        _CHECKING[-1].exit()
+    event.record(stream)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]  # one device kind: enter_stream checked
+
+
+def abandon_stream(
+    switch: contextlib.AbstractContextManager[object] | None, exc: BaseException
+) -> None:
+    """:class:`use_stream`'s exit after its body raised ``exc``: switch back, record
+    nothing."""
+    _leave_switch(switch, type(exc), exc, exc.__traceback__)
+
+
+def _leave_switch(
+    switch: contextlib.AbstractContextManager[object] | None,
+    exc_type: type[BaseException] | None,
+    exc: BaseException | None,
+    tb: TracebackType | None,
+) -> None:
+    if switch is not None:
+        switch.__exit__(exc_type, exc, tb)
+    elif _CHECKING:
+        _CHECKING[-1].exit()
 
 
 class Shaker:
@@ -362,12 +421,9 @@ class Shaker:
         self.probability = probability
         self.delays = 0
         """How many delays were queued (a test can tell it ran)."""
-        # torch.cuda._sleep spins for a number of GPU cycles; ~2 per ns on Hopper and Ampere.
+        # cuda_sleep spins for a number of GPU cycles; ~2 per ns on Hopper and Ampere.
         self._cycles_per_us = 2000.0
-        self._sleep = cast(
-            "Callable[[int], None]",
-            torch.cuda._sleep,  # pyright: ignore[reportPrivateUsage, reportUnknownMemberType]  # torch's test helper, unannotated
-        )
+        self._sleep = cuda_sleep
 
     def delay(self) -> None:
         """Queue a random spin (0 to ``max_us``) on the current stream, with the set probability."""
@@ -416,7 +472,49 @@ def stream_context(stream: AnyStream) -> contextlib.AbstractContextManager[objec
         return _CpuSwitch(stream) if _CHECKING else contextlib.nullcontext()
     if _SHAKING:
         return _shaken(stream)
+    return _cuda_switch(stream)
+
+
+def _cuda_switch(stream: torch.cuda.Stream) -> contextlib.AbstractContextManager[object]:
+    """``torch.cuda.stream(stream)``, or, when ``stream`` is already the current stream of
+    the current device (a compute node's usual case), the same in effect without its
+    Python work (:class:`_AlreadyCurrent`)."""
+    if _cuda_current_stream is not None and _cuda_current_device is not None:
+        current = _cuda_current_stream(_cuda_current_device())
+        if (
+            current[0] == stream.stream_id
+            and current[1] == stream.device_index
+            and current[2] == stream.device_type
+        ):
+            return _AlreadyCurrent(stream)
     return torch.cuda.stream(stream)
+
+
+class _AlreadyCurrent:
+    """``torch.cuda.stream(stream)`` for a ``stream`` that is current on the current device.
+
+    Entering would set the current stream to itself: nothing to do. Leaving sets ``stream``
+    current again exactly as ``torch.cuda.stream``'s exit does (one ``_cuda_setStream``
+    with the stream it found current, which is ``stream``), so a body that switched the
+    stream or the device without switching back is undone the same way.
+    """
+
+    __slots__ = ("_stream",)
+
+    def __init__(self, stream: torch.cuda.Stream) -> None:
+        self._stream = stream
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        stream = self._stream
+        _cuda_set_stream(stream.stream_id, stream.device_index, stream.device_type)
 
 
 @contextlib.contextmanager

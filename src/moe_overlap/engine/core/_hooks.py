@@ -1,4 +1,4 @@
-"""The core's hook points: one list of attached guards per hook (see :mod:`._guards`).
+"""The core's hook points: one list of attached guards per hook (see :mod:`._guard`).
 
 The core (plans, nodes) reads these lists on its path and calls each guard in them; it
 imports nothing else of the checks. The lists are mutated in place, never rebound.
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # annotations only: the guards module imports the core
-    from ._guards import Guard
+if TYPE_CHECKING:  # annotations only: the Guard Protocol's module imports the plans
+    from ._guard import Guard
 
 __all__ = [
     "by_hook",
@@ -24,6 +24,7 @@ __all__ = [
     "on_node_left",
     "on_plan_built",
     "on_plan_started",
+    "on_pre_dispatch_wgrad_listed",
     "on_slot_returned",
 ]
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:  # declared apart: debug mode's beartype checks annotated assi
     on_slot_returned: list[Guard]
     on_copies_backwarded: list[Guard]
     on_layer_started: list[Guard]
+    on_pre_dispatch_wgrad_listed: list[Guard]
     on_mlp_wgrad_listed: list[Guard]
     by_hook: dict[str, list[Guard]]
 
@@ -53,6 +55,7 @@ on_node_detached = []
 on_slot_returned = []
 on_copies_backwarded = []
 on_layer_started = []
+on_pre_dispatch_wgrad_listed = []
 on_mlp_wgrad_listed = []
 
 by_hook = {
@@ -67,5 +70,6 @@ by_hook = {
     "slot_returned": on_slot_returned,
     "copies_backwarded": on_copies_backwarded,
     "layer_started": on_layer_started,
+    "pre_dispatch_wgrad_listed": on_pre_dispatch_wgrad_listed,
     "mlp_wgrad_listed": on_mlp_wgrad_listed,
 }

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ._errors import IntegrationError
-from ._node import ScheduleNode, weak_method
+from ._node import _OWN_FORWARD, ScheduleNode  # pyright: ignore[reportPrivateUsage]
 from ._protocols import PreprocessableModel, StreamProvider
 from ._state import ChunkState, PreprocessOutput
 from ._streams import AnyEvent
@@ -78,9 +78,14 @@ class PreProcessNode(ScheduleNode):
         event: AnyEvent,
         stream: StreamProvider,
     ) -> None:
-        super().__init__(weak_method(self.forward_impl), stream, event, name="pre_process")
+        # forward_func is this class's method: the node holds no reference to itself.
+        super().__init__(_OWN_FORWARD, stream, event, name="pre_process")
         self.model = model
         self.chunk_state = chunk_state
+
+    def forward_func(self, *args: Tensor | None) -> Tensor:
+        """The node's forward work (:meth:`forward_impl`), as :class:`ScheduleNode` calls it."""
+        return self.forward_impl(*args)
 
     def forward_impl(self) -> Tensor:
         """Run ``_preprocess`` and keep its :class:`~moe_overlap.PreprocessOutput` in the
@@ -121,10 +126,15 @@ class PostProcessNode(ScheduleNode):
         *,
         float32_output: bool = True,
     ) -> None:
-        super().__init__(weak_method(self.forward_impl), stream, event, name="post_process")
+        # forward_func is this class's method: the node holds no reference to itself.
+        super().__init__(_OWN_FORWARD, stream, event, name="post_process")
         self.model = model
         self.chunk_state = chunk_state
         self.float32_output = float32_output
+
+    def forward_func(self, *args: Tensor | None) -> Tensor:
+        """The node's forward work (:meth:`forward_impl`), as :class:`ScheduleNode` calls it."""
+        return self.forward_impl(*args)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]  # what forward_impl takes
 
     def forward_impl(self, hidden_states: Tensor) -> Tensor:
         """Optional final norm, then ``_postprocess``; half-precision results become float32

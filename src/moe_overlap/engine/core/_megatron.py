@@ -9,17 +9,22 @@ from collections.abc import Mapping
 from dataclasses import fields
 from typing import cast
 
+from typing_extensions import get_protocol_members
+
 from ._errors import ConfigError
 from ._layer_args import LayerArgs
 from ._protocols import FreeInputConfig
 from .args import BOOL, POSITIVE, Opt, check_arg
-from .contracts import FREE_INPUT_CONFIG
 
 __all__ = ["layer_args"]
 
 _LOCAL_EXPERTS = Opt(POSITIVE)
 _FLAGS = ("is_moe", "delay_wgrad_compute", "is_mtp", "is_first_layer", "is_last_layer")
 _KEYS = frozenset(f.name for f in fields(LayerArgs))
+_CONFIG_FIELDS = tuple(  # (a list first: asking for the members caches them on the class)
+    name for name in list(vars(FreeInputConfig)) if name in get_protocol_members(FreeInputConfig)
+)
+"""The fields a config must have, in the Protocol's order (as its rule table lists them)."""
 
 
 def layer_args(extra_args: Mapping[str, object] | None) -> LayerArgs:
@@ -37,8 +42,8 @@ def layer_args(extra_args: Mapping[str, object] | None) -> LayerArgs:
             f"LayerArgs: unknown extra_args keys {unknown}; expected a subset of {sorted(_KEYS)}"
         )
     config = extra_args.get("config")
-    if FREE_INPUT_CONFIG.missing(config):
-        *names, last = FREE_INPUT_CONFIG.names
+    if any(not hasattr(config, name) for name in _CONFIG_FIELDS):
+        *names, last = _CONFIG_FIELDS
         raise ConfigError(
             f"LayerArgs: extra_args['config'] must have {', '.join(names)} and {last}; "
             f"received {type(config).__name__}"

@@ -1,0 +1,37 @@
+"""The schedule core: what runs a schedule, and nothing that checks one.
+
+Step data (the schedule as typed values), the one runner of a macro step, the nodes and
+plans it runs, streams and events (CPU stand-ins included), and the state nodes hand each
+other. Each floor imports only the floors below it::
+
+    _guard           the Guard Protocol: what a check attached to the core implements
+    _chunk_plan      a model chunk of one microbatch: pre-process, layer plans, post-process
+    _runner          the one runner: any macro step (F, B, F+B, F+F, B+B) of chunk plans
+    _layer_plan      one layer of one microbatch, cut into slot nodes
+    _executor        the step walker: a step list, each step on its role's plan
+    _layer_node      a layer slot's node: node.detach, delayed wgrad, post-hooks
+    _process_nodes   pre- and post-process nodes      _backward_dw  pre-dispatch wgrad
+    _megatron        Megatron's dict-shaped extra_args
+    _node            the base node: forward on a stream between events, backward
+    _wgrad_claims    which delayed modules a schedule computes the wgrad of
+    _free_input      the free-input policy            _layer_args   what a layer node knows
+    _protocols       the Protocols a model, a layer and an observer implement
+    _steps _state    steps and shapes; chunk and layer state; options (and the paired
+    _options         orders, _order, and macro steps, _macro, below them)
+    _streams         streams and events, CUDA or CPU; the microbatch (_microbatch)
+    args             argument specs (check_arg); what a node raises itself (_node_errors)
+    _errors          the error hierarchy; the hook lists (_hooks), the CPU streams'
+                     observer (_stream_observer), slot kinds (_kinds), recompute holds
+
+It imports no check: only itself, the standard library, torch and typing_extensions
+(``tests/engine/test_core.py``). The checks (``engine/_attached_checks.py`` and the
+modules it calls) attach to it from outside: as guards on the hook lists of ``_hooks``,
+each a ``Guard`` (``_guard``), and the stream-order checker as the CPU stream model's
+observer (``_stream_observer``). The core calls each attached guard at a fixed point; a
+hook with none attached costs one empty-list test.
+
+Its modules are private to the engine; :mod:`moe_overlap.engine.core.args` is shared with
+the other subpackages.
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,83 @@
+"""The core's extension point: the :class:`Guard` Protocol a check implements.
+
+The core (plans, nodes, the runner) calls a few hooks at fixed points, one list of attached
+guards per hook (:mod:`._hooks`), and holds no check itself. The hooks, in the order a plan
+meets them::
+
+    plan_started(model, microbatch, where)      a plan is asked for: before anything is built
+    inputs_read(model, microbatch, state, where) its inputs are read into the chunk state
+    layer_started(layer, where)                 a layer plan is asked for (each layer)
+    pre_dispatch_wgrad_listed(layer, listed, where)  its pre_dispatch_wgrad() returned
+    mlp_wgrad_listed(layer, listed, where)      its mlp_wgrad() returned
+    plan_built(model, plan)                      every node of it exists; before it runs
+    node_entered(node, direction)                a node starts its forward or backward
+    node_left(node)                              ... and ends it (also on failure)
+    node_forwarded(node, detached, outputs)      a node's forward returned
+    before_release(node, inputs, detached, outputs)  a freeing node is about to release inputs
+    node_detached(node, copy)                    a layer slot handed a tensor on (node.detach)
+    slot_returned(node, inputs, output)          a layer slot's function returned
+    copies_backwarded(node, copies)              a layer slot's backward ran from its copies
+
+The guards themselves, their base class and the registry that attaches them live outside
+the core (``engine/_guards.py``, ``engine/_attached_checks.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+from torch import Tensor
+
+from ._chunk_plan import ModelChunkSchedulePlan
+from ._layer_node import TransformerLayerNode
+from ._microbatch import Microbatch
+from ._node import ScheduleNode
+from ._protocols import PreprocessableModel, SchedulableLayer
+from ._state import ChunkState
+
+__all__ = ["Guard"]
+
+
+@runtime_checkable
+class Guard(Protocol):
+    """A check attached to the schedule core (see the module for when each hook runs).
+
+    ``model`` and ``microbatch`` at ``plan_started`` are what the caller passed (not yet
+    checked); later hooks see them checked. Raise the library's error to refuse.
+    """
+
+    @property
+    def debug_only(self) -> bool: ...
+    def plan_started(self, model: object, microbatch: object, where: str) -> None: ...
+    def inputs_read(
+        self, model: PreprocessableModel, microbatch: Microbatch, state: ChunkState, where: str
+    ) -> None: ...
+    def plan_built(self, model: PreprocessableModel, plan: ModelChunkSchedulePlan) -> None: ...
+    def node_entered(self, node: ScheduleNode, direction: str) -> None: ...
+    def node_left(self, node: ScheduleNode) -> None: ...
+    def node_forwarded(
+        self, node: ScheduleNode, detached: tuple[Tensor | None, ...], outputs: tuple[Tensor, ...]
+    ) -> None: ...
+    def before_release(
+        self,
+        node: ScheduleNode,
+        inputs: tuple[Tensor | None, ...],
+        detached: tuple[Tensor | None, ...],
+        outputs: tuple[Tensor, ...],
+    ) -> None: ...
+    def node_detached(self, node: TransformerLayerNode, copy: Tensor) -> None: ...
+    def slot_returned(
+        self,
+        node: TransformerLayerNode,
+        inputs: tuple[Tensor, ...],
+        output: object,
+    ) -> None: ...
+    def copies_backwarded(self, node: TransformerLayerNode, copies: tuple[Tensor, ...]) -> None: ...
+    def layer_started(self, layer: object, where: Callable[[], str]) -> None: ...
+    def pre_dispatch_wgrad_listed(
+        self, layer: SchedulableLayer, listed: object, where: Callable[[], str]
+    ) -> None: ...
+    def mlp_wgrad_listed(
+        self, layer: SchedulableLayer, listed: object, where: Callable[[], str]
+    ) -> None: ...

@@ -1,0 +1,140 @@
+"""The microbatch-level schedule as data: which microbatches run forward and backward together.
+
+:func:`macro_steps` lists, for ``n`` microbatches and a :class:`ScheduleMode`, the steps
+:func:`~moe_overlap.combined_1f1b` runs, each a :data:`MacroStep`: a tuple of microbatch
+steps (:class:`~moe_overlap.steps.Step` s of a direction and a microbatch), forwards first::
+
+    serial      F0 | B0 | F1 | B1 | ... | B(N-1)
+    overlapped  F0 | F1+B0 | F2+B1 | ... | F(N-1)+B(N-2) | B(N-1)
+    fill-drain  F0+F1 | F2+B0 | ... | F(N-1)+B(N-3) | B(N-2)+B(N-1)
+
+A macro step prints as its steps ``+``-joined (``F1+B0``) and a list of them ``" | "``-joined:
+:func:`format_macro` writes that and :func:`parse_macro` reads it back (each step through
+:meth:`Step.parse <moe_overlap.steps.Step.parse>`). Pure functions, tested without a tensor.
+"""
+
+import enum
+from collections.abc import Sequence
+from typing import cast
+
+from ._errors import ConfigError
+from ._kinds import Direction
+from ._step import Step
+from .args import NON_NEGATIVE, OneOf, check_arg, refuse
+
+__all__ = [
+    "MacroStep",
+    "ScheduleMode",
+    "backward_microbatches",
+    "format_macro",
+    "forward_microbatches",
+    "macro_steps",
+    "parse_macro",
+]
+
+
+class ScheduleMode(str, enum.Enum):
+    """How :func:`~moe_overlap.combined_1f1b` orders its microbatches."""
+
+    SERIAL = "serial"
+    """Each microbatch's forward then its backward, nothing overlapped (``overlap=False``)."""
+    OVERLAPPED = "overlapped"
+    """Combined 1F1B: forward ``i+1`` overlapped with backward ``i``."""
+    FILL_DRAIN = "fill-drain"
+    """Combined 1F1B whose first two forwards and last two backwards are overlapped too."""
+
+    @classmethod
+    def of(cls, *, overlap: bool, fill_drain: bool) -> "ScheduleMode":
+        """The mode ``combined_1f1b(overlap=..., fill_drain=...)`` runs (checked there)."""
+        if not overlap:
+            return cls.SERIAL
+        return cls.FILL_DRAIN if fill_drain else cls.OVERLAPPED
+
+
+MacroStep = tuple[Step, ...]
+"""One run of the schedule: microbatch steps (``Step(Direction.FORWARD, 1)``, ``F1``) run together.
+
+Forwards first, at most two microbatches in all: one forward, one backward, a forward and a
+backward (one :meth:`~moe_overlap.ModelChunkSchedulePlan.run`), or two forwards or two
+backwards (:func:`~moe_overlap.steps.run_pair`). Prints ``+``-joined (``F1+B0``).
+"""
+
+_F, _B = Direction.FORWARD, Direction.BACKWARD
+
+
+def _macro_step(forward: Sequence[int] = (), backward: Sequence[int] = ()) -> MacroStep:
+    return (*(Step(_F, i) for i in forward), *(Step(_B, i) for i in backward))
+
+
+def forward_microbatches(step: Sequence[Step]) -> tuple[int, ...]:
+    """The microbatches ``step`` runs forward, in order (``F1+B0``: ``(1,)``)."""
+    return tuple([s.microbatch for s in step if s.direction is _F and s.microbatch is not None])
+
+
+def backward_microbatches(step: Sequence[Step]) -> tuple[int, ...]:
+    """The microbatches ``step`` runs backward, in order (``F1+B0``: ``(0,)``)."""
+    return tuple([s.microbatch for s in step if s.direction is _B and s.microbatch is not None])
+
+
+_MODE = OneOf(tuple(ScheduleMode))
+
+
+def macro_steps(n: int, mode: ScheduleMode) -> tuple[MacroStep, ...]:
+    """The steps of ``n`` microbatches in ``mode`` (fill-drain needs two: with one
+    microbatch it is the overlapped order)."""
+    n = check_arg("macro_steps", "n", n, NON_NEGATIVE)
+    mode = check_arg("macro_steps", "mode", mode, _MODE)
+    F, B = _F, _B
+    if mode is ScheduleMode.SERIAL:
+        return tuple(s for i in range(n) for s in ((Step(F, i),), (Step(B, i),)))
+    if n == 0:
+        return ()
+    if mode is ScheduleMode.FILL_DRAIN and n >= 2:
+        first = (Step(F, 0), Step(F, 1))
+        middle = tuple((Step(F, i), Step(B, i - 2)) for i in range(2, n))
+        return (first, *middle, (Step(B, n - 2), Step(B, n - 1)))
+    middle = tuple((Step(F, i), Step(B, i - 1)) for i in range(1, n))
+    return ((Step(F, 0),), *middle, (Step(B, n - 1),))
+
+
+def format_macro(steps: Sequence[MacroStep]) -> str:
+    """``F0 | F1+B0 | B1``: the macro steps on one line."""
+    return " | ".join("+".join(map(str, s)) for s in steps)
+
+
+def parse_macro(text: str) -> tuple[MacroStep, ...]:
+    """Read back what :func:`format_macro` wrote."""
+    if not isinstance(cast(object, text), str):
+        raise refuse("parse_macro: text", "a schedule's string form 'F0 | F1+B0 | B1'", text)
+    if not text.strip():
+        return ()
+    return tuple(_parse_macro_step(part) for part in text.split("|"))
+
+
+def _parse_macro_step(text: str) -> MacroStep:
+    """One macro step (``F1+B0``): microbatch steps, forwards first, two at most."""
+    parts = text.strip().split("+")
+    steps: list[Step] = []
+    for part in parts:
+        try:
+            step = Step.parse(part)
+        except ConfigError:
+            step = None
+        if (
+            step is None
+            or step.microbatch is None
+            or step.direction not in (_F, _B)
+            or step != Step(step.direction, step.microbatch)
+        ):
+            raise ConfigError(
+                f"parse_macro: expected '+'-joined F<i> and B<i> (forwards first), e.g. "
+                f"'F1+B0', received {text!r}"
+            )
+        steps.append(step)
+    macro = _macro_step(forward_microbatches(steps), backward_microbatches(steps))
+    if "+".join(map(str, macro)) != text.strip() or len(parts) > 2:
+        raise ConfigError(
+            f"parse_macro: expected at most two parts, forwards before backwards "
+            f"(e.g. 'F1+B0'), received {text!r}"
+        )
+    return macro

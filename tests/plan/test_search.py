@@ -1,0 +1,287 @@
+"""The schedule search: today's schedules as members, exact orders only, a small case solved."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from moe_overlap.errors import ConfigError
+from moe_overlap.plan import (
+    ActivationModel,
+    Costs,
+    Layout,
+    Recompute,
+    ScheduleGraph,
+    SearchSpace,
+    SearchStep,
+    StepTimes,
+    check_exact,
+    costs_from_profile,
+    fit_activations,
+    load_profile,
+    plan,
+    replay_order,
+    search_schedules,
+    today_orders,
+)
+from moe_overlap.plan._list_schedule import (
+    RULES,
+    ScheduleIds,
+    improve,
+    list_schedule,
+    replay_ids,
+    schedule_ids,
+)
+from moe_overlap.steps import Direction, Slot, StreamKind
+
+ROUND9 = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "round9" / "results.json"
+F, B, W = Direction.FORWARD, Direction.BACKWARD, Direction.WGRAD
+PRE, DISPATCH, MLP, COMBINE = Slot.PRE_DISPATCH, Slot.DISPATCH, Slot.MLP, Slot.COMBINE
+MEMORY = ActivationModel.of_layer(hidden=4096, moe_ffn=2048, top_k=8, static_units=140.0)
+
+
+@pytest.fixture(scope="module")
+def main_costs() -> Costs:
+    """The main configuration's measured serial profile (H200), contention as validated."""
+    row = json.loads(ROUND9.read_text())["results"][0]
+    profile = load_profile(row["order_search"]["serial_slot_durations"])
+    return costs_from_profile(profile, num_layers=4, comm_contention=0.05525)
+
+
+def _times(costs: Costs, graph: ScheduleGraph) -> StepTimes:
+    return StepTimes(
+        times=costs.times,
+        chunks=graph.chunks,
+        chunk_overhead_ms=0.2,
+        comm_contention=costs.comm_contention,
+        delay_wgrad=graph.delay_wgrad,
+    )
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_todays_schedules_are_members_with_the_planners_step_times(
+    main_costs: Costs, n: int
+) -> None:
+    graph = ScheduleGraph(microbatches=n, moe=main_costs.moe)
+    times = _times(main_costs, graph)
+    names = {"serial": "serial", "overlapped": "combined_1f1b", "fill_drain": "fill_drain"}
+    for name, order in today_orders(graph).items():
+        check_exact(order, graph)
+        replayed = replay_order(order, graph, times, MEMORY).step_ms
+        planned = plan(main_costs, Layout(microbatches=n), names[name]).step_ms
+        assert replayed == pytest.approx(planned, rel=1e-12), name
+
+
+def test_the_search_returns_todays_points_and_only_exact_orders(main_costs: Costs) -> None:
+    costs = main_costs.replace(
+        moe=(True, True), times={k: v for k, v in main_costs.times.items() if k[0] in (0, 1, None)}
+    )
+    space = SearchSpace(
+        chunks=(1, 2),
+        recompute=(Recompute(), Recompute((MLP,), (0,))),
+        in_flight=(1, 2, 3),
+        memory_caps=(None, 1.2),
+        rules=("oldest", "critical"),
+        slack_ms=(0.0, 1.0),
+    )
+    res = search_schedules(costs, 3, MEMORY, space)
+    for name in ("serial", "overlapped", "fill_drain"):
+        schedule = {"overlapped": "combined_1f1b"}.get(name, name)
+        want = plan(costs, Layout(microbatches=3), schedule).step_ms
+        assert res.today[name].step_ms == pytest.approx(want, rel=1e-12)
+    assert res.today["serial"].memory == 1.0
+    assert res.today["fill_drain"].memory > res.today["overlapped"].memory > 1.0
+    assert res.frontier and res.tried
+    for point in res.frontier:
+        check_exact(point.order, point.graph)
+        times = _times(costs, point.graph)
+        assert replay_order(point.order, point.graph, times, MEMORY).step_ms == pytest.approx(
+            point.step_ms
+        )
+    # the frontier: faster as memory grows, and nothing searched beats it on both
+    pairs = [(p.memory, p.step_ms) for p in res.frontier]
+    assert all(a[1] > b[1] and a[0] <= b[0] for a, b in itertools.pairwise(pairs))
+    best = min(p.step_ms for p in res.frontier)
+    assert best < res.today["fill_drain"].step_ms
+    # the sweep's own timings may miss a contention, never more
+    assert min(ms for ms, _ in res.tried) >= best / (1 + costs.comm_contention)
+
+
+def _graph(**kw: object) -> ScheduleGraph:
+    return ScheduleGraph(microbatches=2, moe=(True, True)).replace(**kw)
+
+
+def _swap(order: list[SearchStep | None], a: SearchStep, b: SearchStep) -> list[SearchStep | None]:
+    i, j = order.index(a), order.index(b)
+    out = list(order)
+    out[i], out[j] = out[j], out[i]
+    return out
+
+
+def test_check_exact_refuses_each_broken_rule() -> None:
+    graph = _graph(delay_wgrad=True)
+    order: list[SearchStep | None] = list(graph.steps())  # microbatch 0, then 1: serial
+    check_exact(order, graph)
+    f0 = SearchStep(0, 1, MLP, F, StreamKind.COMP)
+    f1 = f0._replace(microbatch=1)
+    # microbatch 1's forward of layer 1's mlp before microbatch 0's
+    m1 = [s for s in order if s is not None and s.microbatch == 1]
+    m0 = [s for s in order if s is not None and s.microbatch == 0]
+    a, c = m0.index(f0), m1.index(f1) + 1
+    early = m0[:a] + m1[:c] + m0[a:] + m1[c:]
+    with pytest.raises(ConfigError, match=r"L1\.mlp\.F0@comp.*forwards in microbatch order"):
+        check_exact(early, graph)
+    # microbatch 0's delayed weight gradient after microbatch 1's backward of that slot
+    w0 = SearchStep(0, 0, MLP, W, StreamKind.COMP)
+    late_w = [s for s in order if s != w0]
+    late_w.insert(late_w.index(SearchStep(1, 0, MLP, B, StreamKind.COMP)) + 1, w0)
+    with pytest.raises(ConfigError, match=r"L0\.mlp\.W0.*before the next microbatch's backward"):
+        check_exact(late_w, graph)
+    # a microbatch's own order
+    d = SearchStep(0, 0, DISPATCH, F, StreamKind.COMM)
+    pre = SearchStep(0, 0, PRE, F, StreamKind.COMP)
+    with pytest.raises(ConfigError, match=r"dispatch\.F0@comm.*its own steps in order"):
+        check_exact(_swap(order, d, pre), graph)
+    with pytest.raises(ConfigError, match="twice"):
+        check_exact([*order, order[0]], graph)
+    with pytest.raises(ConfigError, match="missing"):
+        check_exact(order[:-1], graph)
+    with pytest.raises(ConfigError, match="not a step of this graph"):
+        check_exact([*order, f0._replace(layer=7)], graph)
+
+
+def test_recompute_and_chunks_change_the_steps_not_the_rules() -> None:
+    graph = _graph(chunks=2, recompute=frozenset({(0, 1, MLP), (1, 0, PRE)}))
+    steps = list(graph.steps())
+    assert SearchStep(0, 1, MLP, F, StreamKind.COMP, None, True) in steps
+    assert SearchStep(1, 0, DISPATCH, B, StreamKind.COMM, 1) in steps
+    check_exact(steps, graph)
+    rec = SearchStep(0, 1, MLP, F, StreamKind.COMP, None, True)
+    first_b = SearchStep(0, 1, MLP, B, StreamKind.COMP, 0)
+    with pytest.raises(ConfigError, match=r"L1\.mlp\[0\]\.B0.*its own steps in order"):
+        check_exact(_swap(list(steps), rec, first_b), graph)
+    with pytest.raises(ConfigError, match="only the pre-dispatch and the mlp can be recomputed"):
+        _graph(recompute=frozenset({(0, 0, DISPATCH)}))
+
+
+def _all_orders(g: ScheduleIds) -> Iterator[list[int]]:
+    """Every issue order the exactness rules allow (brute force)."""
+    waiting = list(g.n_issue)
+    placed: list[int] = []
+
+    def walk() -> Iterator[list[int]]:
+        if len(placed) == len(g.steps):
+            yield list(placed)
+            return
+        for i in range(len(g.steps)):
+            if not waiting[i] and i not in placed:
+                placed.append(i)
+                for j in g.issue_succ[i]:
+                    waiting[j] -= 1
+                yield from walk()
+                for j in g.issue_succ[i]:
+                    waiting[j] += 1
+                placed.pop()
+
+    yield from walk()
+
+
+SMALL = [
+    {PRE: (2.6, 7.6), DISPATCH: (7.3, 1.2), MLP: (1.2, 4.8), COMBINE: (7.6, 3.7)},
+    {PRE: (1.5, 4.1), DISPATCH: (6.0, 5.9), MLP: (3.1, 5.8), COMBINE: (7.3, 6.6)},
+    {PRE: (3.0, 6.0), DISPATCH: (2.0, 2.0), MLP: (6.0, 12.0), COMBINE: (2.5, 2.0)},
+]
+
+
+@pytest.mark.parametrize("ms", SMALL)
+def test_a_small_case_brute_force_and_the_heuristic_agree(
+    ms: dict[Slot, tuple[float, float]],
+) -> None:
+    """Two microbatches of one MoE layer: every exact order replayed against the list
+    scheduler's rules followed by the local search (the first case needs the second
+    microbatch staggered)."""
+    graph = ScheduleGraph(microbatches=2, moe=(True,), pre_post=False)
+    times = StepTimes(
+        times={(0, s, d): v[k] for s, v in ms.items() for k, d in enumerate((F, B))},
+        comm_contention=0.05,
+    )
+    g = ScheduleIds(graph, times, MEMORY)
+    factor = 1.05
+    brute = min(replay_ids(g, ids, factor)[0] for ids in _all_orders(g))
+    found = []
+    for rule, flight, slack, stagger in itertools.product(RULES, (1, 2), (0.0, 2.0), (0, 3)):
+        ids, _, _ = schedule_ids(g, times, rule, flight, slack, None, None, stagger)
+        found.append(improve(g, ids, factor, max_units=1e9, window=16, passes=16)[1])
+    assert min(found) == pytest.approx(brute)
+    assert brute < replay_ids(g, list(range(len(g.steps))), factor)[0]  # not just serial
+
+
+def test_the_list_scheduler_reports_what_the_replay_gives(main_costs: Costs) -> None:
+    graph = ScheduleGraph(
+        microbatches=3,
+        moe=main_costs.moe,
+        chunks=2,
+        delay_wgrad=True,
+        recompute=Recompute((PRE, MLP), (0,)).triples(3, 4),
+        early_recompute=True,
+    )
+    times = _times(main_costs, graph)
+    for rule in RULES:
+        order, ms, units = list_schedule(graph, times, MEMORY, rule=rule, in_flight=3)
+        check_exact(order, graph)
+        r = replay_order(order, graph, times, MEMORY)
+        assert (r.step_ms, r.peak_units) == pytest.approx((ms, units))
+
+
+def test_fit_activations_recovers_a_known_model(main_costs: Costs) -> None:
+    truth = ActivationModel.of_layer(
+        hidden=4096, moe_ffn=2048, top_k=8, static_units=120.0, recompute_saves=0.4
+    )
+    graph = ScheduleGraph(microbatches=4, moe=main_costs.moe)
+    times = StepTimes(times=main_costs.times, comm_contention=main_costs.comm_contention)
+    rc = graph.replace(recompute=Recompute((PRE, MLP)).triples(4, 4))
+    unit = 0.05  # GB per unit
+
+    def gb(order_name: str, g: ScheduleGraph) -> float:
+        peak = replay_order(today_orders(g)[order_name], g, times, truth).peak_units
+        return unit * (truth.static_units + peak)
+
+    start = ActivationModel.of_layer(hidden=4096, moe_ffn=2048, top_k=8)
+    fitted, got_unit = fit_activations(
+        start,
+        main_costs,
+        4,
+        serial=gb("serial", graph),
+        fill_drain=gb("fill_drain", graph),
+        serial_recompute=gb("serial", rc),
+    )
+    assert got_unit == pytest.approx(unit)
+    assert fitted.static_units == pytest.approx(truth.static_units)
+    assert fitted.recompute_saves == pytest.approx(truth.recompute_saves, abs=1e-6)
+    with pytest.raises(ConfigError, match="fill/drain peak above the serial one"):
+        fit_activations(start, main_costs, 4, serial=10.0, fill_drain=9.0)
+
+
+def test_refused_inputs_name_what_was_expected(main_costs: Costs) -> None:
+    with pytest.raises(ConfigError, match=r"ScheduleGraph\.chunks: expected an int >= 1"):
+        ScheduleGraph(microbatches=2, moe=(True,), chunks=0)
+    with pytest.raises(ConfigError, match=r"microbatch in 0\.\.1.*received \(2, 0, "):
+        ScheduleGraph(microbatches=2, moe=(True,), recompute=frozenset({(2, 0, MLP)}))
+    with pytest.raises(ConfigError, match=r"SearchSpace\.rules: expected a collection"):
+        SearchSpace(rules=("fastest",))
+    with pytest.raises(ConfigError, match=r"SearchSpace\.memory_caps"):
+        SearchSpace(memory_caps=(0.0,))
+    with pytest.raises(ConfigError, match=r"ActivationModel\.wgrad_keeps: expected a share"):
+        ActivationModel(units={MLP: 1.0}, wgrad_keeps=1.5)
+    with pytest.raises(ConfigError, match=r"StepTimes\.wgrad_share: expected Slot keys"):
+        StepTimes(times={}, wgrad_share={MLP: 2.0})
+    with pytest.raises(ConfigError, match=r"search_schedules: microbatches must be an int >= 1"):
+        search_schedules(main_costs, 0, MEMORY)
+    graph = ScheduleGraph(microbatches=2, moe=(True,))
+    times = StepTimes(times=main_costs.times)
+    with pytest.raises(ConfigError, match="check_exact: step 0"):
+        replay_order(list(reversed(list(graph.steps()))), graph, times, MEMORY)
