@@ -960,7 +960,11 @@ def predict_row_s(results: list[JsonDict], microbatches: int, base_microbatches:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke run)")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        help="tiny sizes, the host-bound row too (CPU smoke run)",
+    )
     p.add_argument(
         "--out",
         type=Path,
@@ -1150,8 +1154,11 @@ def main(argv: list[str] | None = None) -> None:
 def _host_small(args: argparse.Namespace) -> JsonDict:
     """Host cost where the GPU never holds the host back: sizes so small that issuing is
     slower than running; step times of the overlapped and fill/drain steps, eager and
-    graphed, interleaved."""
-    small = SliceConfig(hidden=256, ffn=128, tokens=256, head_dim=64)
+    graphed, interleaved (``--tiny``: at the tiny sweep's first size)."""
+    if args.tiny:
+        small = ffn_sweep(args)[0]
+    else:
+        small = SliceConfig(hidden=256, ffn=128, tokens=256, head_dim=64)
     sb = make_bench(small, args, args.microbatches)
     out: JsonDict = {"config": _config_json(small, sb.model.embed_scale.dtype)}
     out.update(host_time(sb))

@@ -5,16 +5,25 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NoReturn
 
+from tests import forked
+
 ROOT = Path(__file__).resolve().parents[1]
+SCRIPT_ENV = {"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src")}
+"""The whole environment of :func:`torchrun` and of the benchmarks' smoke runs."""
+
+
+def worker_env() -> dict[str, str]:
+    """The environment :func:`run_ranks` starts from (before ``env`` and the rank's own),
+    and other test workers forked from the same zygotes."""
+    return dict(os.environ, OMP_NUM_THREADS="1")
 
 
 def _free_port() -> int:
@@ -25,31 +34,35 @@ def _free_port() -> int:
 
 
 def run_ranks(
-    module: str, *, world: int = 2, timeout: float = 180, env: dict[str, str] | None = None
+    module: str,
+    *,
+    world: int = 2,
+    timeout: float = 180,
+    env: Mapping[str, str | None] | None = None,
 ) -> list[dict[str, object]]:
     """``python -m module`` once per rank (``RANK``, ``WORLD_SIZE``, ``MASTER_*`` set), in
-    this process's environment updated by ``env`` (which, unlike ``os.environ``, two
-    launches at once do not share).
+    this process's environment updated by ``env`` (a ``None`` value unsets; unlike
+    ``os.environ``, two launches at once do not share it); each rank forked from its zygote
+    (:mod:`tests.forked`: a fresh interpreter's state without the seconds of importing
+    torch again).
 
     Fails with the rank's stderr when one exits non-zero; returns every rank's JSON lines.
     """
     port = str(_free_port())
+    base = {k: v for k, v in {**worker_env(), **(env or {})}.items() if v is not None}
     procs = [
-        subprocess.Popen(
+        forked.start(
             [sys.executable, "-m", module],
-            cwd=ROOT,
-            env=dict(
-                os.environ,
-                **(env or {}),
+            dict(
+                base,
                 RANK=str(rank),
                 WORLD_SIZE=str(world),
                 MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=port,
                 OMP_NUM_THREADS="1",
             ),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
+            cwd=ROOT,
+            index=rank,
         )
         for rank in range(world)
     ]
@@ -93,16 +106,13 @@ def torchrun(script: Path, procs: int, *argv: str, timeout: float = 240) -> str:
 
     Fails with its stderr when it exits non-zero.
     """
-    done = subprocess.run(
+    done = forked.run(  # torchrun forked from a zygote, and its ranks (tests/forked.py)
         [
             *(sys.executable, "-m", "torch.distributed.run"),
             *("--nproc-per-node", str(procs), str(script), *argv),
         ],
-        capture_output=True,
-        text=True,
         timeout=timeout,
-        check=False,
-        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT / "src")},
+        env=SCRIPT_ENV,
     )
     assert done.returncode == 0, done.stderr
     return done.stdout

@@ -4,7 +4,7 @@ one busy core each, which a serial test session would leave the other cores idle
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Generic, TypeVar
 
@@ -21,7 +21,7 @@ class ParallelRuns(Generic[T]):
 
     def __init__(
         self,
-        jobs: dict[str, Callable[[], T]],
+        jobs: Mapping[str, Callable[[], T]],
         ahead: Iterable[str],
         *,
         workers: int | None = None,
@@ -46,9 +46,16 @@ class ParallelRuns(Generic[T]):
 
 def selected_in(request: pytest.FixtureRequest) -> list[str]:
     """The names (``test_x[param]``) of the session's selected tests in ``request``'s module,
-    in run order: the runs to start ahead are theirs."""
+    in run order, but those a ``skip`` mark or a ``skipif`` mark with a true condition
+    skips: the runs to start ahead are theirs."""
     return [
         item.name
         for item in request.session.items
-        if getattr(item, "module", None) is request.module
+        if getattr(item, "module", None) is request.module and not _skipped(item)
     ]
+
+
+def _skipped(item: pytest.Item) -> bool:
+    if item.get_closest_marker("skip") is not None:
+        return True
+    return any(m.args[:1] == (True,) for m in item.iter_markers("skipif"))

@@ -1,6 +1,7 @@
 """The GPU benchmarks run: tiny CPU smoke runs (the figures come from the H200).
 
-Each run is a single-threaded process; they start ahead of their tests, two at a time
+Each run is a single-threaded process (forked from a zygote that imported torch,
+:mod:`tests.forked`); they start ahead of their tests, two at a time
 (:class:`~tests.parallel_runs.ParallelRuns`, the ``ran`` fixture), so both cores work.
 """
 
@@ -20,7 +21,9 @@ from typing import Any
 import pytest
 
 from moe_overlap.steps import Direction, Slot, StreamKind
+from tests import forked
 from tests.figures import check_figure, saved_figures
+from tests.gloo_ranks import SCRIPT_ENV
 from tests.parallel_runs import ParallelRuns, selected_in
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PERTURB = "MOE_OVERLAP_BENCH_PERTURB"
 
 
-_ENV = {"PYTHONPATH": str(ROOT / "src"), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"}
+_ENV = SCRIPT_ENV  # PYTHONPATH=src, PATH=/usr/bin:/bin, one intra-op thread
 HAS_TORCHTITAN = importlib.util.find_spec("torchtitan") is not None
 TORCHTITAN = pytest.mark.skipif(not HAS_TORCHTITAN, reason="torchtitan is not installed")
 COMPOSE_VARIANTS = ["serial", "overlapped +recompute(all)", "overlapped +compile"]
@@ -41,9 +44,7 @@ def _run(argv: list[str], perturb: str | None = None) -> subprocess.CompletedPro
     env = dict(_ENV)
     if perturb is not None:
         env[PERTURB] = perturb
-    return subprocess.run(
-        argv, capture_output=True, text=True, timeout=300, check=False, cwd=ROOT, env=env
-    )
+    return forked.run(argv, timeout=300, cwd=ROOT, env=env)
 
 
 def _bench_run(
@@ -95,7 +96,8 @@ def ran(request: pytest.FixtureRequest, _runs: ParallelRuns[Ran]) -> Ran:
 
 
 def test_bench_overlap_smoke(ran: Ran) -> None:
-    # One timed iteration and no warm-up: the smoke run checks the script, not the figures.
+    # One timed iteration, no warm-up and no rows at more microbatches (the same code as the
+    # second row's): the smoke run checks the script, not the figures.
     done, out = ran
     stdout = _passed(done)
     assert "filldr" in stdout
@@ -343,19 +345,18 @@ def test_readme_is_generated_from_the_committed_results() -> None:
 
 
 def _stress_checked(*args: str) -> subprocess.CompletedProcess[str]:
-    """``stress_exact.py`` once per composition, tiny, on CPU, under the stream-order checker
-    (its one-rank group on a free port: two runs may overlap)."""
+    """``stress_exact.py`` once per composition, tiny, at 4 microbatches (without the fix,
+    the checker names the race in every composition at that count), on CPU, under the
+    stream-order checker (its one-rank group on a free port: two runs may overlap)."""
     script = str(ROOT / "benchmarks" / "stress_exact.py")
     argv = [sys.executable, script, "--device", "cpu", "--tiny", "--runs", "1", "--shake", "off"]
+    argv += ["--microbatches", "4"]
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
-    return subprocess.run(
+    return forked.run(
         [*argv, *args],
-        capture_output=True,
-        text=True,
         timeout=300,
-        check=False,
         cwd=ROOT,
         env={**_ENV, "MOE_OVERLAP_STREAM_CHECK": "1", "MASTER_PORT": port},
     )
@@ -436,7 +437,14 @@ def test_sweep_png_says_what_it_shows(tmp_path: Path, monkeypatch: pytest.Monkey
 _SRC = str(ROOT / "src")
 RUNS: dict[str, Callable[[Path], subprocess.CompletedProcess[str]]] = {
     "test_bench_overlap_smoke": lambda out: _bench_run(
-        "bench_overlap.py", "--warmup", "0", "--iters", "1", "--out", str(out)
+        "bench_overlap.py",
+        "--warmup",
+        "0",
+        "--iters",
+        "1",
+        "--more-microbatches",
+        "--out",
+        str(out),
     ),
     "test_bench_overlap_fails_when_a_variant_is_not_bit_identical": lambda out: _bench_run(
         "bench_overlap.py",

@@ -29,7 +29,6 @@ import importlib.util
 import io
 import os
 import re
-import subprocess
 import sys
 import types
 from dataclasses import dataclass, field
@@ -37,6 +36,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from tests import forked
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -393,7 +394,7 @@ def test_expert_parallel_example_runs_on_two_gloo_ranks() -> None:
     shown = shown_output(blocks, at)
     assert shown is not None, f"{page.name}: no output shown after {command!r}"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    done = subprocess.run(
+    done = forked.run(  # torchrun and its ranks forked from zygotes (tests/forked.py)
         [
             sys.executable,
             "-m",
@@ -403,10 +404,7 @@ def test_expert_parallel_example_runs_on_two_gloo_ranks() -> None:
             "--standalone",
             "examples/train_ep.py",
         ],
-        capture_output=True,
-        text=True,
         timeout=300,
-        check=False,
         cwd=ROOT,
         env=env,
     )

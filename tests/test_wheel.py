@@ -17,6 +17,7 @@ import subprocess
 import sys
 import tarfile
 import zipfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -160,31 +161,43 @@ def test_built_wheel_installs_alone_and_runs(tmp_path: Path) -> None:
     _run([*pip, "install", "--no-deps", "--no-index", str(wheel_path)], cwd=tmp_path, env=env)
     _run([*pip, "check"], cwd=tmp_path, env=env)  # every requirement met, nothing missing
 
-    # 4. The user's commands, from a folder without the sources.
+    # 4. The user's commands, from a folder without the sources (independent of each other:
+    # two at a time).
     probe = (
         "import importlib.util as u, moe_overlap as m; "
         "print(m.__file__, m.__version__, u.find_spec('tqdm'), u.find_spec('matplotlib'))"
     )
-    where, got, tqdm, matplotlib = _run([str(python), "-c", probe], cwd=tmp_path, env=env).split()
+    script = str(venv / "bin" / "moe-overlap")
+    commands = {
+        "probe": [str(python), "-c", probe],
+        "help": [script, "--help"],
+        "version": [script, "--version"],
+        "demo": [script, "demo", "--steps", "1", "--microbatches", "1", "--out", "demo_out"],
+        "plan": [
+            str(python),
+            "-m",
+            "moe_overlap",
+            "plan",
+            "--microbatches",
+            "2",
+            "--out",
+            "plan_out",
+        ],
+    }
+    with ThreadPoolExecutor(2) as pool:
+        ran = {k: pool.submit(_run, argv, cwd=tmp_path, env=env) for k, argv in commands.items()}
+        outputs = {k: done.result() for k, done in ran.items()}
+    where, got, tqdm, matplotlib = outputs["probe"].split()
     assert Path(where).is_relative_to(site) and got == version
     assert (tqdm, matplotlib) == ("None", "None")  # the extras' packages are not there
-    script = str(venv / "bin" / "moe-overlap")
-    text = _run([script, "--help"], cwd=tmp_path, env=env)
+    text = outputs["help"]
     assert "demo" in text and "plan" in text
-    assert _run([script, "--version"], cwd=tmp_path, env=env).strip() == f"moe-overlap {version}"
-    out = _run(
-        [script, "demo", "--steps", "1", "--microbatches", "1", "--out", "demo_out"],
-        cwd=tmp_path,
-        env=env,
-    )
+    assert outputs["version"].strip() == f"moe-overlap {version}"
+    out = outputs["demo"]
     assert "all steps bit-identical: True" in out
     assert "no PNG" in out and "pip install 'moe-overlap[demo]'" in out, out
     assert sorted(p.name for p in (tmp_path / "demo_out").iterdir()) == ["timeline.json"]
-    out = _run(
-        [str(python), "-m", "moe_overlap", "plan", "--microbatches", "2", "--out", "plan_out"],
-        cwd=tmp_path,
-        env=env,
-    )
+    out = outputs["plan"]
     assert "combined_1f1b vs serial" in out
     assert "no Gantt PNG" in out and "pip install 'moe-overlap[demo]'" in out, out
     assert (tmp_path / "plan_out" / "plan.json").is_file()

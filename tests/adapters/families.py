@@ -16,6 +16,7 @@ import argparse
 import dataclasses
 import importlib
 import inspect
+import json
 import pathlib
 import re
 import sys
@@ -462,8 +463,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="print the measured loss and gradient differences from the model's own",
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads (the table: 1)")
+    p.add_argument("--json", action="store_true", help="print each row as one JSON line")
     args = p.parse_args(argv)
     rows = run_all(args.threads, args.family, bound=LOOSE if args.measure else None)
+    if args.json:
+        for row in rows:
+            print(json.dumps(dataclasses.asdict(row)))
+        return 0
     if args.measure:
         sys.stdout.write(figures(rows))
         return 0

@@ -3,16 +3,22 @@ construction with a reason; never accepted and wrong. The docs' table is current
 
 from __future__ import annotations
 
+import json
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("transformers")
 
+from tests import forked
 from tests.adapters._hf import ON_OLD_TORCH
-from tests.adapters.families import KNOWN_BOUNDS, Row, run_all, table
+from tests.adapters.families import KNOWN_BOUNDS, Row, discover, run_all, table
+from tests.gloo_ranks import worker_env
 
-DOCS = Path(__file__).resolve().parents[2] / "docs" / "families.md"
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = ROOT / "docs" / "families.md"
 
 REQUIRED = (
     "deepseek_v3",
@@ -34,7 +40,22 @@ REQUIRED = (
 
 @pytest.fixture(scope="module")
 def rows() -> list[Row]:
-    return run_all()
+    """Every family's row (in :func:`discover`'s order): every other family checked in this
+    process while a second one (``python -m tests.adapters.families --json``, forked from a
+    zygote) checks the rest on the other core."""
+    found = discover()
+    there = found[1::2]
+    argv = [sys.executable, "-m", "tests.adapters.families", "--json"]
+    argv += [a for family, _ in there for a in ("--family", family)]
+    with ThreadPoolExecutor(1) as pool:
+        other = pool.submit(forked.run, argv, timeout=900, cwd=ROOT, env=worker_env())
+        here = run_all(families=[family for family, _ in found[0::2]])
+        done = other.result()
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = [Row(**json.loads(line)) for line in done.stdout.splitlines() if line[:1] == "{"]
+    by_family = {(r.family, r.causal_lm): r for r in [*here, *theirs]}
+    assert sorted(by_family) == sorted(found), (sorted(by_family), sorted(found))
+    return [by_family[f] for f in found]
 
 
 def test_no_family_is_accepted_and_wrong(rows: list[Row]) -> None:

@@ -8,7 +8,6 @@ refusals; the delayed expert wgrads summed as autograd sums them; EP=2 over gloo
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import Any
 
 import pytest
@@ -19,7 +18,6 @@ from moe_overlap.blocks import GroupedExperts, PlainContext, TokenDispatcher, ch
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel, MoELayer
 from moe_overlap.wgrad import claim_wgrad
 from tests.conftest import DebugPython
-from tests.gloo_ranks import run_ranks
 from tests.models._helpers import SMALL, check_parity, microbatches
 
 # SMALL's microbatches: batch 2 x seq 16 = 32 tokens; 3 does not divide them, 40 exceeds them
@@ -214,15 +212,13 @@ EP_CASES = (
 
 
 @pytest.mark.slow
-def test_ep2_chunked_bit_identical(monkeypatch: pytest.MonkeyPatch) -> None:
-    """EP=2 over gloo: each chunk its own all-to-all with its own splits; every rank's
-    losses and gradients match plain backward bit for bit."""
-    monkeypatch.setenv("EP_CASES", ",".join(EP_CASES))
-    monkeypatch.delenv("MOE_OVERLAP_DEBUG", raising=False)
-    rows = run_ranks("tests.models.ep_worker", timeout=300)
+def test_ep2_chunked_bit_identical(ep2_rows: list[dict[str, object]]) -> None:
+    """EP=2 over gloo (``ep_worker``'s launch with every case, shared with
+    ``tests/models/test_ep.py``): each chunk its own all-to-all with its own splits; every
+    rank's losses and gradients match plain backward bit for bit."""
+    rows = [r for r in ep2_rows if r["case"] in EP_CASES]
     assert sorted((str(r["case"]), int(str(r["rank"]))) for r in rows) == sorted(
         (c, r) for c in EP_CASES for r in (0, 1)
     )
     for r in rows:
         assert r["losses_equal"] and r["mismatched"] == [] and r["missing"] == [], r
-    assert os.environ["EP_CASES"]  # the worker ran only the chunked cases

@@ -1,16 +1,19 @@
 """FSDP2 with the overlap, on real gloo ranks: fully_shard_slots, exact, and the refusals.
 
-The cases of one world size run in one launch (the ``launches`` fixture)."""
+The cases of one world size run in one launch; the launches start at once (the
+``launches`` fixture)."""
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 from tests.gloo_ranks import run_ranks
+from tests.parallel_runs import ParallelRuns, selected_in
 
 CASES: dict[str, dict[str, Any]] = {
     "dp2-ep1": dict(dp=2, ep=1, microbatches=4),
@@ -22,25 +25,37 @@ CASES: dict[str, dict[str, Any]] = {
 Launches = Callable[[str], list[dict[str, Any]]]
 
 
+def _world(case: dict[str, Any]) -> int:
+    return int(case["dp"]) * int(case["ep"])
+
+
+def _launch(world: int) -> dict[str, list[dict[str, Any]]]:
+    """Every case of ``world`` ranks in one launch (``fsdp_worker``'s ``cases``: each runs
+    as it would alone; most of a launch's time is its ranks' start): rows by case name."""
+    group = {n: c for n, c in CASES.items() if _world(c) == world}
+    env = {"FSDP_CASE": json.dumps({"cases": group})}
+    launched = run_ranks("tests.integrations.fsdp_worker", world=world, timeout=600, env=env)
+    return {n: [dict(r) for r in launched if r["case"] == n] for n in group}
+
+
 @pytest.fixture(scope="module")
-def launches() -> Launches:
-    """A case's rows, by name. The first case asked for of a world size launches every
-    case of that size in one launch (``fsdp_worker``'s ``cases``: each runs as it would
-    alone; most of a launch's time is its ranks' start)."""
-    found: dict[str, list[dict[str, Any]]] = {}
-
-    def rows(name: str) -> list[dict[str, Any]]:
-        if name not in found:
-            world = CASES[name]["dp"] * CASES[name]["ep"]
-            group = {n: c for n, c in CASES.items() if c["dp"] * c["ep"] == world}
-            with pytest.MonkeyPatch.context() as env:
-                env.setenv("FSDP_CASE", json.dumps({"cases": group}))
-                launched = run_ranks("tests.integrations.fsdp_worker", world=world, timeout=600)
-            for n in group:
-                found[n] = [dict(r) for r in launched if r["case"] == n]
-        return found[name]
-
-    return rows
+def launches(request: pytest.FixtureRequest) -> Iterator[Launches]:
+    """A case's rows, by name. The launches of the selected tests' world sizes start at
+    once, side by side."""
+    case_of = {  # each test's case, by test name
+        "test_fully_sharded_overlap_is_bit_identical_to_plain_fsdp[2-1]": "dp2-ep1",
+        "test_fully_sharded_overlap_is_bit_identical_to_plain_fsdp[2-2]": "dp2-ep2",
+        "test_fsdp_on_a_layer_is_refused": "layer_level",
+        "test_fsdp_with_delayed_wgrad_is_refused": "delay",
+    }
+    worlds = sorted({_world(c) for c in CASES.values()})
+    wanted = {_world(CASES[case_of[n]]) for n in selected_in(request) if n in case_of}
+    runs = ParallelRuns(
+        {str(w): functools.partial(_launch, w) for w in worlds},
+        [str(w) for w in sorted(wanted, reverse=True)],
+    )
+    yield lambda name: runs.result(str(_world(CASES[name])))[name]
+    runs.close()
 
 
 @pytest.mark.parametrize(("dp", "ep"), [(2, 1), (2, 2)])

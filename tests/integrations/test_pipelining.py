@@ -6,20 +6,21 @@ Each case runs the same torch schedule twice on identically initialised models: 
 gradient must be bit-identical, and within float32 rounding of single-process plain
 training. The stage layout is uneven on purpose: stage 0 holds only the dense layer, the
 others one or two MoE layers; ``starve`` routes no token to the last EP rank's experts.
-The cases of one world size run in one launch (the ``launches`` fixture).
+The cases of one world size run in one launch; the launches start at once (the ``runs``
+fixture).
 """
 
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 import pytest
 import torch
 
 from tests.gloo_ranks import run_ranks
+from tests.parallel_runs import ParallelRuns, selected_in
 
 # torch 2.11's stage set-up sends a warm-up tensor between the two stages a V-schedule
 # puts on one rank; gloo cannot send to its own rank (2.13 skips same-rank neighbours).
@@ -88,33 +89,66 @@ def _skipped_here(case: dict[str, Any]) -> bool:
 Launches = Callable[[str], list[dict[str, Any]]]
 
 
+def _launch(world: int) -> Callable[[], dict[str, list[dict[str, Any]]]]:
+    """The launch of every case of ``world`` ranks that runs here (``pp_worker``'s
+    ``cases``: each runs as it would alone): its rows by case name."""
+
+    def launch() -> dict[str, list[dict[str, Any]]]:
+        group = {n: {"stages": UNEVEN, **c} for n, c in EVERY.items() if _world(c) == world}
+        launched = run_ranks(
+            "tests.integrations.pp_worker",
+            world=world,
+            timeout=600,
+            env={"PP_CASE": json.dumps({"cases": group})},
+        )
+        return {
+            n: [{k: v for k, v in r.items() if k != "case"} for r in launched if r["case"] == n]
+            for n in group
+        }
+
+    return launch
+
+
+def _world(case: dict[str, Any]) -> int:
+    return int(case["pp"]) * int(case["ep"])
+
+
+FAILURE = "test_failure_names_the_pipeline_position_and_the_next_step_is_exact"
+
+
+def _failure() -> dict[str, Any]:
+    """World 1: DualPipeV's two stages on one rank, a forward failing in microbatch 3."""
+    case = dict(
+        pp=1, ep=1, schedule="dualpipev", microbatches=4, delay=True, fail_at=3, stages=[0, 2, 4]
+    )
+    (row,) = run_ranks("tests.integrations.pp_worker", world=1, env={"PP_CASE": json.dumps(case)})
+    return dict(row)
+
+
 @pytest.fixture(scope="module")
-def launches() -> Launches:
-    """A case's rows, by name (:data:`CASES`, :data:`EVAL_CASES`). The first case asked
-    for of a world size launches every case of that size that runs here, in one launch
-    (``pp_worker``'s ``cases``: each runs as it would alone; most of a launch's time is its
-    ranks' start); the rows of the others wait for their tests."""
-    every = {**CASES, **{n: {**c, "eval": True} for n, c in EVAL_CASES.items()}}
-    found: dict[str, list[dict[str, Any]]] = {}
+def runs(request: pytest.FixtureRequest) -> Iterator[ParallelRuns[Any]]:
+    """The launches of the selected tests, started at once, two at a time (a pipeline's
+    ranks leave a core idle in its bubbles): one per world size for the cases (each
+    ``pp_worker`` launch runs every case of its size: most of a launch's time is its
+    ranks' start) and the failure test's."""
+    jobs: dict[str, Callable[[], Any]] = {
+        str(w): _launch(w) for w in sorted({_world(c) for c in EVERY.values()})
+    }
+    jobs[FAILURE] = _failure
+    selected = selected_in(request)
+    cases = {n.partition("[")[2].rstrip("]") for n in selected}
+    ahead = [str(w) for w in sorted({_world(c) for n, c in EVERY.items() if n in cases})[::-1]]
+    if FAILURE in selected and not torch.__version__.startswith("2.11"):  # V_ON_GLOO
+        ahead.append(FAILURE)
+    started = ParallelRuns(jobs, ahead)
+    yield started
+    started.close()
 
-    def rows(name: str) -> list[dict[str, Any]]:
-        if name not in found:
-            world = every[name]["pp"] * every[name]["ep"]
-            group = {
-                n: {"stages": UNEVEN, **c}
-                for n, c in every.items()
-                if c["pp"] * c["ep"] == world and not _skipped_here(c)
-            }
-            with pytest.MonkeyPatch.context() as env:
-                env.setenv("PP_CASE", json.dumps({"cases": group}))
-                launched = run_ranks("tests.integrations.pp_worker", world=world, timeout=600)
-            for n in group:
-                found[n] = [
-                    {k: v for k, v in r.items() if k != "case"} for r in launched if r["case"] == n
-                ]
-        return found[name]
 
-    return rows
+@pytest.fixture
+def launches(runs: ParallelRuns[Any]) -> Launches:
+    """A case's rows, by name (:data:`CASES`, :data:`EVAL_CASES`)."""
+    return lambda name: cast("list[dict[str, Any]]", runs.result(str(_world(EVERY[name])))[name])
 
 
 @pytest.mark.parametrize(
@@ -152,16 +186,11 @@ def test_overlapped_schedule_is_bit_identical(launches: Launches, name: str) -> 
 
 
 @V_ON_GLOO
-def test_failure_names_the_pipeline_position_and_the_next_step_is_exact() -> None:
+def test_failure_names_the_pipeline_position_and_the_next_step_is_exact(
+    runs: ParallelRuns[Any],
+) -> None:
     """World 1: DualPipeV's two stages on one rank (the V hand-off, I/W actions)."""
-    case = dict(
-        pp=1, ep=1, schedule="dualpipev", microbatches=4, delay=True, fail_at=3, stages=[0, 2, 4]
-    )
-    os.environ["PP_CASE"] = json.dumps(case)
-    try:
-        (row,) = run_ranks("tests.integrations.pp_worker", world=1)
-    finally:
-        del os.environ["PP_CASE"]
+    row = runs.result(FAILURE)
     failure = str(row["failure"])
     assert failure.startswith("pipeline rank 0, stage 1 microbatch 2 (forward) with stage 0 ")
     assert "OVERLAP_F_B" in failure and "slot pre_dispatch" in failure
@@ -204,3 +233,10 @@ def test_eval_and_a_schedule_without_loss_fn_run_forward_only(
     for row in rows:
         failed = [k for k, v in row.items() if k != "rank" and v is not True]
         assert not failed, f"rank {row['rank']}: {failed}"
+
+
+EVERY: dict[str, dict[str, Any]] = {
+    **{n: c for n, c in CASES.items() if not _skipped_here(c)},
+    **{n: {**c, "eval": True} for n, c in EVAL_CASES.items() if not _skipped_here(c)},
+}
+"""Every case that runs here, by name."""

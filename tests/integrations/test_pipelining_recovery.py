@@ -6,8 +6,8 @@ on some or all ranks, step 2 after the documented recovery. A failure while the 
 communicates must raise on every rank in step 1 (a ScheduleError; the failing rank its own
 positioned one), refuse step 2 on every rank before any communication, and refuse a new
 schedule on the same groups. A failure before the step communicates on every rank, or
-after its communication completed, must leave step 2 exact on every rank. The two launches
-(PP=2, PP=2 x EP=2) run at once.
+after its communication completed, must leave step 2 exact on every rank. The three
+launches (PP=2 in two, PP=2 x EP=2) run at once.
 """
 
 from __future__ import annotations
@@ -179,26 +179,37 @@ def _check_consistent(case: dict[str, Any], rows: list[dict[str, Any]]) -> None:
 
 
 Launched = dict[str, list[dict[str, Any]]]
+_FIRST = ("forward-one", "forward-all", "overlap-all", "backward-one", "before-all")
 LAUNCHES: dict[str, Callable[[], Launched]] = {
-    "test_pp2_failures_poison_or_recover_on_every_rank": lambda: _launch(2, 1, PP2),
-    "test_pp2_ep2_failures_poison_every_rank": lambda: _launch(2, 2, PP2_EP2),
+    "pp2-first": lambda: _launch(2, 1, [c for c in PP2 if c["name"] in _FIRST]),
+    "pp2-rest": lambda: _launch(2, 1, [c for c in PP2 if c["name"] not in _FIRST]),
+    "pp2-ep2": lambda: _launch(2, 2, PP2_EP2),
 }
-"""Each test's launch, by test name."""
+"""The launches by name: PP2's cases in two (``interrupt-one`` last in its own), PP2_EP2's."""
+TEST_LAUNCHES = {
+    "test_pp2_failures_poison_or_recover_on_every_rank": ("pp2-first", "pp2-rest"),
+    "test_pp2_ep2_failures_poison_every_rank": ("pp2-ep2",),
+}
+"""Each test's launches, by test name."""
 
 
 @pytest.fixture(scope="module")
 def _launches(request: pytest.FixtureRequest) -> Iterator[ParallelRuns[Launched]]:
     """The selected tests' launches, started together: most of a launch's time is a rank
-    waiting out a failed peer's timeout, which leaves a core to the other launch."""
-    runs = ParallelRuns(LAUNCHES, [n for n in selected_in(request) if n in LAUNCHES])
+    waiting out a failed peer's timeout, which leaves the cores to the other launches."""
+    ahead = [n for t in selected_in(request) for n in TEST_LAUNCHES.get(t, ())]
+    runs = ParallelRuns(LAUNCHES, ahead, workers=len(LAUNCHES))
     yield runs
     runs.close()
 
 
 @pytest.fixture
 def launched(request: pytest.FixtureRequest, _launches: ParallelRuns[Launched]) -> Launched:
-    """This test's launch: its rows by case name."""
-    return _launches.result(request.node.name)
+    """This test's launches: their rows by case name."""
+    found: Launched = {}
+    for name in TEST_LAUNCHES[request.node.name]:
+        found.update(_launches.result(name))
+    return found
 
 
 def test_pp2_failures_poison_or_recover_on_every_rank(launched: Launched) -> None:

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from tests.gloo_ranks import run_ranks
+from tests.parallel_runs import ParallelRuns
 
 
-@pytest.fixture(scope="module")
-def ep2_results() -> list[dict[str, object]]:
-    return run_ranks("tests.models.ep_worker")
+@pytest.fixture
+def ep2_results(ep2_rows: list[dict[str, object]]) -> list[dict[str, object]]:
+    """``ep_worker``'s one launch with every case (shared with ``test_a2a_chunks.py``)."""
+    return ep2_rows
 
 
 CASES = [
@@ -63,13 +64,12 @@ def test_count_group_must_match_the_ep_group(ep2_results: list[dict[str, object]
 
 @pytest.mark.slow
 def test_ep2_debug_first_step_check_compares_on_every_rank(
-    monkeypatch: pytest.MonkeyPatch,
+    ep2_launches: ParallelRuns[list[dict[str, object]]],
 ) -> None:
-    """Debug mode at EP=2: every rank runs the first-step check (the same all-to-alls, in
-    the same order), finds no difference, and the step stays bit-identical."""
-    monkeypatch.setenv("MOE_OVERLAP_DEBUG", "1")
-    monkeypatch.setenv("EP_CASES", "shared_delay,padded_aux_delay")
-    rows = run_ranks("tests.models.ep_worker", timeout=600)
+    """Debug mode at EP=2 (``MOE_OVERLAP_DEBUG=1``, two cases; the launch started beside the
+    plain one by ``conftest.ep2_launches``): every rank runs the first-step check (the same
+    all-to-alls, in the same order), finds no difference, and the step stays bit-identical."""
+    rows = ep2_launches.result("debug")
     assert sorted((str(r["case"]), int(str(r["rank"]))) for r in rows) == [
         ("padded_aux_delay", 0),
         ("padded_aux_delay", 1),
