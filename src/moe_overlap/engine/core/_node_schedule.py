@@ -126,7 +126,6 @@ def _layer_steps(
     recompute steps, of microbatch ``mb``."""
     i, moe = layer.index, layer.is_moe
     slots = _LAYER_FORWARD if moe else (Slot.PRE_DISPATCH, Slot.MLP)
-    comm = StreamKind.COMM
     forward = [Step(_F, mb, None, i, s, _stream(s, moe)) for s in slots]
     if layer.has_mtp_post:
         forward.append(Step(_F, mb, None, i, Slot.MTP_POST, StreamKind.COMP))
@@ -134,11 +133,7 @@ def _layer_steps(
     if layer.has_mtp_post:
         backward.append(Step(_B, mb, None, i, Slot.MTP_POST, StreamKind.COMP))
     for s in reversed(slots):
-        backward.append(
-            Step(
-                _B, mb, None, i, s, comm if s in (Slot.DISPATCH, Slot.COMBINE) else StreamKind.COMP
-            )
-        )
+        backward.append(Step(_B, mb, None, i, s, _stream(s, moe)))
         if layer.delay_wgrad and s in _WGRAD_SLOTS:
             backward.append(Step(_W, mb, None, i, s, StreamKind.COMP))
     recomputes = [Step(_R, mb, None, i, s, StreamKind.COMP) for s in _WGRAD_SLOTS if s in recompute]
