@@ -129,3 +129,31 @@ def test_node_stream_switch_leaves_the_state_torch_cuda_stream_leaves() -> None:
         leave_stream(stream, event, switch)
         assert torch.cuda.current_stream() == main
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("delay", [False, True])
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_cuda_node_schedule_parity(dtype: torch.dtype, delay: bool, seed: int) -> None:
+    """A random exact node schedule, 2 to 4 microbatches in flight, on CUDA streams."""
+    from .test_node_schedule import _shape, random_order
+
+    kinds = ["mdm", "mm", "dm"][seed]
+    config = ToyConfig(hidden=64, shared_expert=True)
+    ref = ToyModel(config, kinds).to(device="cuda", dtype=dtype)
+    model = copy.deepcopy(ref)
+    mbs = to_cuda(make_microbatches(5, config, batch=4, seq=64))
+    ref_losses = plain_step(ref, mbs)
+    model.set_delay(delay)
+    schedule = random_order(_shape(kinds, delay=delay), 5, seed, in_flight=2 + seed)
+    losses = combined_1f1b(
+        model,
+        mbs,
+        options=ScheduleOptions(delay_wgrad_compute=delay),
+        streams=make_streams("cuda"),
+        schedule=schedule,
+    )
+    torch.cuda.synchronize()
+    for got, want in zip(losses, ref_losses, strict=True):
+        assert torch.equal(got, want.float())
+    assert_same(grads(model), grads(ref))
