@@ -25,6 +25,7 @@ from moe_overlap import (
     ModelChunkSchedulePlan,
     NodeStateError,
     ScheduleError,
+    ScheduleNode,
     ScheduleOptions,
     SlotContext,
     TransformerLayerNode,
@@ -33,6 +34,7 @@ from moe_overlap import (
 )
 from moe_overlap.blocks import finish_wgrad
 from moe_overlap.engine import DEBUG, release_storage
+from moe_overlap.engine._guards import BaseGuard, attach
 from moe_overlap.models import GPTMoEModel
 from moe_overlap.steps import (
     ChunkShape,
@@ -199,6 +201,29 @@ def test_an_order_s_r_steps_of_slots_not_recomputed_are_left_out() -> None:
     ]
     with pytest.raises(ConfigError, match=r"LayerShape\(index=0\): expected recompute to hold"):
         LayerShape(index=0, is_moe=True, recompute=(Slot.DISPATCH,))
+
+
+def test_guards_see_the_recompute_enter_and_leave_its_node() -> None:
+    entered: list[tuple[str, str]] = []
+    left: list[str] = []
+
+    class Watch(BaseGuard):
+        def node_entered(self, node: ScheduleNode, direction: str) -> None:
+            entered.append((node.name, direction))
+
+        def node_left(self, node: ScheduleNode) -> None:
+            left.append(node.name)
+
+    detach = attach(Watch(), debug=False)
+    try:
+        _, _, observer = _run("overlapped", ("pre_dispatch", "mlp"), True, recompute_order("early"))
+    finally:
+        detach()
+    r_steps = [s for s in observer.steps if s.direction is R]
+    recomputes = [name for name, direction in entered if direction == "recompute"]
+    assert len(recomputes) == len(r_steps) > 0
+    assert set(recomputes) == {"pre_dispatch_computation", "mlp"}
+    assert len(entered) == len(left)
 
 
 # -- the activations go ----------------------------------------------------------------------
