@@ -598,8 +598,10 @@ def _gpt_batches() -> list[Microbatch]:
 @pytest.mark.parametrize("delay", [False, True])
 @pytest.mark.parametrize("chunks", [1, 2])
 def test_the_reference_model_recomputes_exactly(delay: bool, chunks: int) -> None:
+    """Delayed wgrad also recomputes parts inside the slots (both ways compose)."""
     config = dataclasses.replace(
         SMALL,
+        recompute=("attention", "norm", "activation") if delay else (),
         delay_wgrad_compute=delay,
         moe_shared_expert_hidden_size=16,
         dispatcher="loopback" if chunks > 1 else "alltoall",
