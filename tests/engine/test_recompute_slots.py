@@ -377,15 +377,20 @@ def test_a_recompute_leaves_the_layer_state_as_it_found_it() -> None:
     ModelChunkSchedulePlan.run(None, plan, torch.ones_like(loss))
 
 
-def test_a_released_input_is_refused() -> None:
+@pytest.mark.parametrize("done", ["released", "written in place"])
+def test_an_input_released_or_written_since_the_forward_is_refused(done: str) -> None:
     plan, _ = _plan()
     loss = ModelChunkSchedulePlan.run(plan, None)
     assert loss is not None
     mlp = plan.layers[0].nodes[Slot.MLP]
     (x,) = mlp.inputs
     assert x is not None
-    release_storage(x)
-    with pytest.raises(IntegrationError, match="node 'mlp': recompute: input 0 .* was released"):
+    if done == "released":
+        release_storage(x)
+    else:
+        with torch.no_grad():
+            x.mul_(1.0)  # the same values: only the version counter says it
+    with pytest.raises(IntegrationError, match=f"node 'mlp': recompute: input 0 .* was {done}"):
         mlp.recompute()
     plan.release_state()
 

@@ -307,13 +307,7 @@ class TransformerLayerNode(ScheduleNode):
         assert forward_state is not None, "a recomputed node saves its state in forward"
         handed = self.outputs
         inputs = self.inputs
-        for i, t in enumerate(inputs):
-            if t is not None and t.numel() and not t.untyped_storage().nbytes():
-                raise IntegrationError(
-                    f"node {self.name!r}: recompute: input {i} ({t.dtype}{list(t.shape)}) "
-                    "was released after forward; a recomputed slot reruns on its inputs, "
-                    "expected nothing to release them"
-                )
+        forward_state.check_inputs(self.name, inputs)
         state = self.layer_state
         saved = snapshot(state)
         self.before_detached = ()

@@ -5,7 +5,8 @@ after forward and runs again before its backward. The second run must compute th
 bits and leave no trace but its graph: it runs on the random state and under the autocast
 state its forward saw (:class:`ForwardState`, what ``torch.utils.checkpoint`` preserves:
 the CPU generator and the generators of the CUDA devices of the slot's inputs), with the
-caller's random state put back after; what it writes into the layer state is undone
+caller's random state put back after, on inputs nothing released or wrote in place since;
+what it writes into the layer state is undone
 (:func:`snapshot` / :func:`restore`: later slots may have changed it since); and each
 ``node.detach`` returns the copy the forward made, which must be of the same tensor
 (:func:`check_same`).
@@ -21,16 +22,19 @@ from torch import Tensor
 
 from ._errors import IntegrationError
 from ._state import LayerState
+from ._torch_private import tensor_version
 
 __all__ = ["ForwardState", "LayerStateSnapshot", "check_same", "restore", "snapshot"]
 
 
 class ForwardState:
-    """The random and autocast state a slot's forward ran under."""
+    """The random and autocast state a slot's forward ran under, and the version counters
+    of its inputs then."""
 
-    __slots__ = ("autocast", "cache", "cpu", "cuda")
+    __slots__ = ("autocast", "cache", "cpu", "cuda", "versions")
 
     def __init__(self, inputs: Sequence[Tensor | None]) -> None:
+        self.versions = tuple(-1 if t is None else tensor_version(t) for t in inputs)
         self.cpu = torch.get_rng_state()
         devices = sorted({t.device for t in inputs if t is not None and t.is_cuda}, key=str)
         self.cuda = tuple((d, torch.cuda.get_rng_state(d)) for d in devices)
@@ -40,6 +44,25 @@ class ForwardState:
             for kind in kinds
         )
         self.cache = torch.is_autocast_cache_enabled()
+
+    def check_inputs(self, node: str, inputs: Sequence[Tensor | None]) -> None:
+        """Raise unless ``inputs`` hold what the forward received: not released, not
+        written in place since (which a recompute would read silently)."""
+        for i, (t, version) in enumerate(zip(inputs, self.versions, strict=True)):
+            if t is None:
+                continue
+            if t.numel() and not t.untyped_storage().nbytes():
+                done = "released"
+            elif tensor_version(t) != version:
+                done = "written in place (by the slot itself or a later step)"
+            else:
+                continue
+            raise IntegrationError(
+                f"node {node!r}: recompute: input {i} ({_describe(t)}) was {done} after the "
+                "forward began; a recomputed slot reruns on its inputs as the forward "
+                "received them. Expected a slot that neither writes its inputs nor hands "
+                "them to what does; leave it out of ScheduleOptions.recompute otherwise"
+            )
 
     @contextlib.contextmanager
     def replaying(self) -> Generator[None]:
