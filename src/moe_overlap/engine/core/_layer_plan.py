@@ -108,7 +108,7 @@ class TransformerLayerSchedulePlan:
         self.event = event
         self.chunk_state = chunk_state
         self.layer_state = LayerState()
-        recompute = tuple(Slot(s) for s in options.recompute)  # stored as Slots already
+        recompute = cast("tuple[Slot, ...]", options.recompute)  # ScheduleOptions made Slots
         self.shape = LayerShape(
             index=index,
             is_moe=layer.is_moe,
