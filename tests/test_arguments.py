@@ -734,12 +734,22 @@ def _entries() -> Iterator[Entry]:
         "ScheduleOptions",
         ScheduleOptions,
         lambda: dict(
-            delay_wgrad_compute=None, ep_overlap_early_attn_memory_release=False, free_input=True
+            delay_wgrad_compute=None,
+            ep_overlap_early_attn_memory_release=False,
+            free_input=True,
+            recompute=("pre_dispatch", "mlp"),
         ),
         (
             Arg("delay_wgrad_compute", not_bool().filter(lambda v: v is not None)),
             Arg("ep_overlap_early_attn_memory_release", not_bool()),
             Arg("free_input", not_bool()),
+            Arg(
+                "recompute",
+                st.one_of(
+                    JUNK.filter(lambda v: not (isinstance(v, list) and not v)),  # [] is valid
+                    st.sampled_from([("dispatch",), ("combine", "mlp"), ("mtp_post",), "mlp"]),
+                ),
+            ),
         ),
     )
     yield Entry(

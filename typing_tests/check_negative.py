@@ -245,6 +245,7 @@ args = LayerArgs(config=config)
 args.is_moe = True  # type: ignore[misc]  # pyright: ignore[reportAttributeAccessIssue]
 options = ScheduleOptions()
 options.free_input = False  # type: ignore[misc]  # pyright: ignore[reportAttributeAccessIssue]
+all_to_all = ScheduleOptions(recompute=("dispatch",))  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
 typo = ChunkState(Microbatch(input_id=None))  # type: ignore[call-arg]  # pyright: ignore[reportCallIssue]
 no_microbatch = ChunkState()  # type: ignore[call-arg]  # pyright: ignore[reportCallIssue]
 ChunkState(Microbatch()).attention_mask = None  # type: ignore[misc]  # pyright: ignore[reportAttributeAccessIssue]

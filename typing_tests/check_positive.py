@@ -34,7 +34,7 @@ from moe_overlap.inputs import DeclaresInputs, ValidatesInputs, check_inputs
 from moe_overlap.megatron import build_schedule_plan
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel, GPTMoEStage
 from moe_overlap.protocols import FreeInputConfig
-from moe_overlap.steps import NodeTimer, Step, StepObserver, StreamKind
+from moe_overlap.steps import NodeTimer, Slot, Step, StepObserver, StreamKind
 from moe_overlap.streams import CpuEvent, CpuStream
 from moe_overlap.timeline import Timeline
 
@@ -114,6 +114,8 @@ losses: list[Tensor] = combined_1f1b(
     options=ScheduleOptions(delay_wgrad_compute=True),
     streams=streams,
 )
+recomputed = ScheduleOptions(recompute=("pre_dispatch", Slot.MLP))
+slots: tuple[Slot | str, ...] = recomputed.recompute
 plan = ModelChunkSchedulePlan(UserModel(config), Microbatch(), streams=streams, index=0)
 megatron_plan: ModelChunkSchedulePlan = build_schedule_plan(
     UserModel(config), None, None, None, streams=streams

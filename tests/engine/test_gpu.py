@@ -133,6 +133,71 @@ def test_node_stream_switch_leaves_the_state_torch_cuda_stream_leaves() -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("delay", [False, True])
+@pytest.mark.parametrize("fill_drain", [False, True])
+@pytest.mark.parametrize("where", [None, "early", "random"])
+def test_cuda_recompute_parity(
+    dtype: torch.dtype, delay: bool, fill_drain: bool, where: str | None
+) -> None:
+    """Recomputed pre-dispatch and mlp (``ScheduleOptions.recompute``) on CUDA streams, R
+    steps at the backward, first, or at random places: plain backward()'s bits; a timeline
+    sees the R steps."""
+    from moe_overlap.timeline import Timeline
+
+    from .test_recompute_slots import recompute_order
+
+    config = ToyConfig(hidden=64, shared_expert=True)
+    ref = ToyModel(config, "mdt").to(device="cuda", dtype=dtype)
+    model = copy.deepcopy(ref)
+    mbs = to_cuda(make_microbatches(4, config, batch=4, seq=64))
+    ref_losses = plain_step(ref, mbs)
+    model.set_delay(delay)
+    options = ScheduleOptions(
+        delay_wgrad_compute=delay,
+        recompute=("pre_dispatch", "mlp"),
+        order=recompute_order(where, seed=int(delay) + 2 * int(fill_drain)),
+    )
+    timeline = Timeline()
+    losses = combined_1f1b(
+        model,
+        mbs,
+        options=options,
+        streams=make_streams("cuda"),
+        fill_drain=fill_drain,
+        observer=timeline,
+    )
+    torch.cuda.synchronize()
+    for got, want in zip(losses, ref_losses, strict=True):
+        assert torch.equal(got, want.float())
+    assert_same(grads(model), grads(ref))
+    assert (Direction.RECOMPUTE in {s.direction for s in timeline.spans()}) == (where is not None)
+
+
+@pytest.mark.parametrize("where", [None, "early"])
+def test_cuda_recompute_draws_the_same_dropout_mask(where: str | None) -> None:
+    """Dropout in recomputed slots: the CUDA generator is restored for the recompute and the
+    caller's state put back after, so the run equals the one that keeps its activations."""
+    from .test_recompute_slots import Name, dropout_model, recompute_order
+
+    config = ToyConfig(hidden=64)
+    ref = dropout_model(config, "mdm").cuda()
+    mbs = to_cuda(make_microbatches(3, config, batch=4, seq=64))
+    runs = []
+    both: tuple[Name, ...] = ("pre_dispatch", "mlp")
+    for recompute in ((), both):
+        model = copy.deepcopy(ref)
+        options = ScheduleOptions(recompute=recompute, order=recompute_order(where))
+        torch.manual_seed(0)
+        losses = combined_1f1b(model, mbs, options=options, streams=make_streams("cuda"))
+        torch.cuda.synchronize()
+        runs.append((model, losses, torch.cuda.get_rng_state()))
+    (kept, kept_losses, kept_rng), (model, losses, rng) = runs
+    assert all(torch.equal(a, b) for a, b in zip(losses, kept_losses, strict=True))
+    assert_same(grads(model), grads(kept))
+    assert torch.equal(rng, kept_rng)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("delay", [False, True])
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_cuda_node_schedule_parity(dtype: torch.dtype, delay: bool, seed: int) -> None:
     """A random exact node schedule, 2 to 4 microbatches in flight, on CUDA streams."""

@@ -315,6 +315,13 @@ def slot_routed_experts(
     def send(j: int) -> tuple[Tensor, Tensor, AnyEvent | None]:
         tokens = _tensor(ctx, _TOKENS.format(j), where)
         probs = _tensor(ctx, _PROBS.format(j), where)
+        if tokens.numel() and not tokens.untyped_storage().nbytes():
+            raise IntegrationError(
+                f"{where}: chunk {j}'s tokens were released when this slot sent them, and "
+                "it runs again (a recompute): with chunks > 1 the mlp slot sends the chunks "
+                "and cannot be recomputed; expected mlp left out of "
+                "ScheduleOptions.recompute, or chunks=1"
+            )
         side.enter(side.SEND, tokens, probs)
         with side.context(side.SEND):
             recv, recv_p = d.dispatch(tokens, probs, plan.dispatch[j])

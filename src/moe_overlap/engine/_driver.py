@@ -256,7 +256,9 @@ def _run_schedule(
 
     ahead = [build(first)]  # built before the walk; handed to it at its first step
     try:
-        check_node_order(schedule, [ahead[0].shape] * len(microbatches), recompute=())
+        check_node_order(
+            schedule, [ahead[0].shape] * len(microbatches), recompute=options.recompute
+        )
     except BaseException:
         ahead.pop().release_state()
         raise

@@ -7,17 +7,31 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from ._errors import IntegrationError, WgradError
+from ._errors import IntegrationError, NodeStateError, WgradError
 from ._free_input import should_free_input
-from ._hooks import on_copies_backwarded, on_node_detached, on_slot_returned
+from ._hooks import (
+    on_copies_backwarded,
+    on_node_detached,
+    on_node_entered,
+    on_node_left,
+    on_slot_returned,
+)
 from ._layer_args import LayerArgs
 from ._megatron import layer_args
-from ._node import _OWN_FORWARD, ScheduleNode, default_backward  # pyright: ignore[reportPrivateUsage]
+from ._node import _OWN_FORWARD, NodePhase, ScheduleNode, _as_tuple, default_backward  # pyright: ignore[reportPrivateUsage]
 from ._node_errors import second_backward_error
 from ._options import Hook
 from ._protocols import FreeInputConfig, SlotFn, StreamProvider, WgradLayer
+from ._slot_recompute import ForwardState, check_same, restore, snapshot
 from ._state import ChunkState, LayerState
-from ._streams import AnyEvent, record_tensor_on, stream_context
+from ._streams import (
+    AnyEvent,
+    abandon_stream,
+    enter_stream,
+    leave_stream,
+    record_tensor_on,
+    stream_context,
+)
 from ._torch_private import set_grad_enabled as _set_grad_enabled
 
 __all__ = ["TransformerLayerNode", "refresh_collectives"]
@@ -33,6 +47,11 @@ class TransformerLayerNode(ScheduleNode):
     and its delayed weight-gradient work (:meth:`~moe_overlap.TransformerLayerNode.backward_dw`). The slot function receives
     this node, so it can read ``layer_state`` / ``chunk_state`` and cut the graph
     with :meth:`~moe_overlap.TransformerLayerNode.detach` for tensors handed to later slots of the same layer.
+
+    With ``recompute`` (``ScheduleOptions.recompute`` lists the slot) the node keeps its
+    inputs (never freed) and drops its autograd graph after forward, handing on detached
+    copies of its outputs, and :meth:`recompute` runs the slot again before its backward
+    (see :meth:`forward`).
     """
 
     # Class-level defaults (see ScheduleNode): set per node only when they change.
@@ -43,6 +62,12 @@ class TransformerLayerNode(ScheduleNode):
     _post_forward_hook: Hook | None = None
     _post_backward_hook: Hook | None = None
     post_wgrad_grad_acc_hooks: list[Callable[[], object]] | None = None
+    recomputes: bool = False
+    """Whether the schedule recomputes this slot (``ScheduleOptions.recompute``)."""
+    recomputed: bool = False
+    """Whether the slot ran again since its forward (:meth:`recompute`)."""
+    _forward_state: ForwardState | None = None
+    _replaying: bool = False
 
     def __init__(
         self,
@@ -54,12 +79,17 @@ class TransformerLayerNode(ScheduleNode):
         name: str = "default",
         bwd_dw_callables: WgradLayer | Sequence[WgradLayer] | None = None,
         extra_args: LayerArgs | Mapping[str, object] | None = None,
+        *,
+        recompute: bool = False,
     ) -> None:
         args = extra_args if isinstance(extra_args, LayerArgs) else layer_args(extra_args)
         self.args = args
-        free_input = self._resolve_free_input(
+        # A recomputed slot reruns on its inputs: it never frees them.
+        free_input = not recompute and self._resolve_free_input(
             name, args.is_moe, args.config, args.num_local_experts
         )
+        if recompute:
+            self.recomputes = True
         # forward_func is this class's method: the node holds no reference to itself.
         super().__init__(_OWN_FORWARD, stream, event, free_input=free_input, name=name)
         self.layer_state = layer_state
@@ -97,13 +127,34 @@ class TransformerLayerNode(ScheduleNode):
         return should_free_input(name, is_moe, config, num_local_experts)
 
     def detach(self, t: Tensor) -> Tensor:
-        """Detach ``t`` for a later slot, remembering both so backward flows through them."""
+        """Detach ``t`` for a later slot, remembering both so backward flows through them.
+
+        While the slot is recomputed, returns the copy the forward made at the same call
+        (an :class:`~moe_overlap.IntegrationError` unless ``t`` matches it in shape, dtype,
+        device and ``requires_grad``) and remembers ``t`` as the tensor behind it.
+        """
+        if self._replaying:
+            return self._detach_again(t)
         d = t.detach()
         d.requires_grad_(t.requires_grad)
         self.before_detached = (*self.before_detached, t)
         self.detached = (*self.detached, d)
         for guard in on_node_detached:
             guard.node_detached(self, d)
+        return d
+
+    def _detach_again(self, t: Tensor) -> Tensor:
+        i = len(self.before_detached)
+        copies = self.detached
+        if i >= len(copies):
+            raise IntegrationError(
+                f"node {self.name!r}: recompute: the slot called node.detach {i + 1} times, "
+                f"its forward {len(copies)}; expected a recomputed slot to hand on the same "
+                "tensors the second time (leave it out of ScheduleOptions.recompute otherwise)"
+            )
+        d = copies[i]
+        check_same(self.name, f"node.detach call {i}", t, d)
+        self.before_detached = (*self.before_detached, t)
         return d
 
     def handed_on(self) -> list[tuple[str, Tensor | None]]:
@@ -131,7 +182,10 @@ class TransformerLayerNode(ScheduleNode):
         return self.before_detached
 
     def forward_func(self, *args: Tensor | None) -> Tensor | tuple[Tensor, ...]:
-        """The node's forward work (:meth:`forward_impl`), as :class:`ScheduleNode` calls it."""
+        """The node's forward work (:meth:`forward_impl`), as :class:`ScheduleNode` calls it
+        (a recomputed slot saves the random and autocast state first)."""
+        if self.recomputes:
+            self._forward_state = ForwardState(args)
         return self.forward_impl(*args)
 
     def forward_impl(self, *args: Tensor | None) -> Tensor | tuple[Tensor, ...]:
@@ -162,6 +216,9 @@ class TransformerLayerNode(ScheduleNode):
         detached from; the copies' ``.grad`` is cleared first, so a gradient the slot's own
         backward gives a copy (the slot used it itself) is found and refused after.
         """
+        if self.recomputes and not self.recomputed:  # no R step: recompute here, timed as B
+            self._run_again()
+            outputs = self.outputs
         copies = self.detached
         if not copies:
             default_backward(outputs, output_grad)
@@ -182,11 +239,101 @@ class TransformerLayerNode(ScheduleNode):
             guard.copies_backwarded(self, copies)
 
     def forward(self, *inputs: Tensor | None) -> tuple[Tensor, ...]:
-        """Run forward; on the layer's last forward slot, fire the post-forward hook."""
+        """Run forward; on the layer's last forward slot, fire the post-forward hook.
+
+        A recomputed slot runs exactly as any (autograd recording), then drops its graph:
+        it keeps its detached inputs (for the recompute) and its ``node.detach`` copies (later
+        slots hold them), and hands on detached copies of its outputs, each requiring grad
+        as the output did; ``outputs`` holds those copies until :meth:`recompute`.
+        """
         out = super().forward(*inputs)
+        if self.recomputes:
+            handed: list[Tensor] = []
+            for o in out:
+                c = o.detach()
+                c.requires_grad_(o.requires_grad)
+                handed.append(c)
+            out = tuple(handed)
+            self.outputs = out
+            self.before_detached = ()  # the graph behind the copies goes
         if self.is_layer_last_node and self._post_forward_hook is not None:
             self._post_forward_hook()
         return out
+
+    def recompute(self) -> None:
+        """Run a recomputed slot again, with autograd, before its backward (an ``R`` step).
+
+        Once, after forward and before backward (:class:`~moe_overlap.NodeStateError`
+        otherwise; a node whose slot is not recomputed refuses every call). Runs on the
+        node's stream after the microbatch's event, as backward does, on the random and
+        autocast state of the forward (the caller's random state is put back after), on the
+        kept inputs; what the slot writes into the layer state is undone. The recomputed
+        outputs replace the handed-on copies in ``outputs``, for backward. A backward that
+        finds the slot not yet recomputed recomputes it first.
+        """
+        if not self.recomputes:
+            super().recompute()
+        if self.phase is not NodePhase.FORWARDED or self.recomputed:
+            now = self.phase.value if self.phase is not NodePhase.FORWARDED else "recomputed"
+            raise NodeStateError(
+                f"node {self.name!r}: a recompute step (R) expected a forwarded node not yet "
+                f"recomputed (R runs once, after forward and before backward), but it is {now}"
+            )
+        stream = self.stream()
+        for guard in on_node_entered:
+            guard.node_entered(self, "recompute")
+        event = self.event
+        try:
+            switch = enter_stream(stream, event)
+            try:
+                timer = self.timer
+                if timer is not None:
+                    timer.start(stream)
+                self._run_again()
+                if timer is not None:
+                    timer.stop(stream)
+            except BaseException as exc:
+                abandon_stream(switch, exc)
+                raise
+            leave_stream(stream, event, switch)
+        finally:
+            for guard in on_node_left:
+                guard.node_left(self)
+
+    def _run_again(self) -> None:
+        """The recompute's body: the slot on its kept inputs, its outputs checked against
+        the copies it handed on."""
+        forward_state = self._forward_state
+        assert forward_state is not None, "a recomputed node saves its state in forward"
+        handed = self.outputs
+        inputs = self.inputs
+        forward_state.check_inputs(self.name, inputs)
+        state = self.layer_state
+        saved = snapshot(state)
+        self.before_detached = ()
+        self.non_differentiable = ()  # the slot marks its tensors again
+        self._replaying = True
+        try:
+            with forward_state.replaying():
+                result = self.forward_impl(*inputs)
+        finally:
+            self._replaying = False
+            restore(state, saved)
+        outputs = (result,) if isinstance(result, Tensor) else _as_tuple(self.name, result)
+        copies = self.detached
+        if len(self.before_detached) != len(copies) or len(outputs) != len(handed):
+            raise IntegrationError(
+                f"node {self.name!r}: recompute: the slot called node.detach "
+                f"{len(self.before_detached)} times and returned {len(outputs)} tensors, its "
+                f"forward {len(copies)} and {len(handed)}; expected a recomputed slot to hand "
+                "on the same tensors the second time (leave it out of "
+                "ScheduleOptions.recompute otherwise)"
+            )
+        for i, (o, c) in enumerate(zip(outputs, handed, strict=True)):
+            check_same(self.name, f"output {i}", o, c)
+        self.outputs = outputs
+        self._forward_state = None
+        self.recomputed = True
 
     def backward(self, *output_grad: Tensor | None) -> tuple[Tensor | None, ...]:
         """Run backward; on the layer's first slot, fire the post-backward hook.
@@ -263,6 +410,8 @@ class TransformerLayerNode(ScheduleNode):
         ScheduleNode.release_state(self)
         self.detached = ()
         self.before_detached = ()
+        if self.recomputes:
+            self._forward_state = None
 
 
 _SENDS_INPUTS = frozenset({"moe_dispatch", "moe_combine"})

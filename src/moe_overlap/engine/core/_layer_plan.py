@@ -42,7 +42,8 @@ class TransformerLayerSchedulePlan:
     Nodes: ``pre_dispatch`` and ``mlp`` on the compute stream; ``dispatch`` and ``combine``
     on the communication stream for MoE layers, no-ops for dense ones; ``mtp_post`` for
     MTP layers, a no-op otherwise. All share the microbatch's ``event`` and a fresh
-    :class:`~moe_overlap.LayerState`.
+    :class:`~moe_overlap.LayerState`. The slots ``options.recompute`` lists (pre-dispatch,
+    mlp) drop their activations after forward and are recomputed before their backward.
 
     ``streams``: compute and communication streams; ``is_first_layer`` / ``is_last_layer``:
     the layer's place in its chunk (Megatron-Core's positional form with an ``extra_args``
@@ -107,6 +108,7 @@ class TransformerLayerSchedulePlan:
         self.event = event
         self.chunk_state = chunk_state
         self.layer_state = LayerState()
+        recompute = cast("tuple[Slot, ...]", options.recompute)  # ScheduleOptions made Slots
         self.shape = LayerShape(
             index=index,
             is_moe=layer.is_moe,
@@ -114,6 +116,7 @@ class TransformerLayerSchedulePlan:
             has_mtp_post=is_mtp,
             early_attn_release=options.ep_overlap_early_attn_memory_release,
             order=options.order,
+            recompute=recompute,
         )
 
         def node(
@@ -131,6 +134,7 @@ class TransformerLayerSchedulePlan:
                 name=slot.node_name,
                 bwd_dw_callables=dw,
                 extra_args=args,
+                recompute=slot in recompute,
             )
             if not options.free_input:
                 made.free_input = False

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 from torch import Tensor
 
 from ._errors import ConfigError
+from ._kinds import Slot
 from ._order import ScheduleOrder
-from .args import BOOL, CALLABLE, Instance, Opt, Spec, check_fields
+from .args import BOOL, CALLABLE, Instance, Items, Mismatch, Opt, Spec, check_fields
 
 _MEGATRON_ORDER = ScheduleOrder()
 
@@ -42,12 +44,21 @@ class ScheduleOptions:
         order: the order of the paired runs' steps (:class:`~moe_overlap.steps.ScheduleOrder`;
             the default is Megatron-Core's). Every order it accepts gives the same bits;
             :func:`~moe_overlap.steps.search_order` picks one from measured durations.
+        recompute: the layer slots the schedule recomputes, ``Slot.PRE_DISPATCH`` and/or
+            ``Slot.MLP`` or their names (``("pre_dispatch", "mlp")``), kept as ``Slot`` s in
+            that order; ``()`` (the default) recomputes none. A recomputed slot keeps only
+            its inputs (never freed) and what it hands on after its forward, drops its
+            autograd graph, and runs again with autograd, on the same random state, before
+            its backward: at an ``R`` step where the order lists one (``b.mlp.R``), else at
+            the start of its backward. Dispatch and combine are communication and cannot
+            be recomputed. The results are bit-identical.
     """
 
     delay_wgrad_compute: bool | None = None
     ep_overlap_early_attn_memory_release: bool = False
     free_input: bool = True
     order: ScheduleOrder = _MEGATRON_ORDER
+    recompute: tuple[Slot | Literal["pre_dispatch", "mlp"], ...] = ()
 
     def __post_init__(self) -> None:
         check_fields(self, _OPTIONS)
@@ -62,11 +73,58 @@ class ScheduleOptions:
             )
 
 
+class _SlotToRecompute(Spec[Slot]):
+    """A compute slot of a layer, as a ``Slot`` or its name; returned as the ``Slot``."""
+
+    __slots__ = ()
+
+    def check(self, value: object) -> Slot:
+        if isinstance(value, Slot):
+            slot = value
+        elif isinstance(value, str) and value in _SLOT_NAMES:
+            slot = Slot(value)
+        else:
+            raise Mismatch("not a slot's name")
+        if slot in _COMMUNICATION:
+            raise Mismatch(
+                f"{slot.value} is communication: recomputing it would repeat an all-to-all"
+            )
+        if slot not in _RECOMPUTABLE:
+            raise Mismatch(
+                f"{slot.value}: the schedule recomputes the pre_dispatch and mlp slots of a "
+                "layer only"
+            )
+        return slot
+
+
+class _SlotsToRecompute(Items[Slot]):
+    """:class:`_SlotToRecompute` items, returned once each in the layer's order."""
+
+    __slots__ = ()
+
+    def check(self, value: object) -> tuple[Slot, ...]:
+        given = super().check(value)
+        return tuple(s for s in _RECOMPUTABLE if s in given)
+
+
+_SLOT_NAMES = frozenset(s.value for s in Slot)
+_COMMUNICATION = (Slot.DISPATCH, Slot.COMBINE)
+_RECOMPUTABLE = (Slot.PRE_DISPATCH, Slot.MLP)
+"""The slots a schedule can recompute, in the order they are stored."""
+
 _OPTIONS: dict[str, Spec[object]] = {
     "delay_wgrad_compute": Opt(BOOL),
     "ep_overlap_early_attn_memory_release": BOOL,
     "free_input": BOOL,
     "order": Instance(ScheduleOrder, "a ScheduleOrder (moe_overlap.steps.ScheduleOrder)"),
+    "recompute": _SlotsToRecompute(
+        _SlotToRecompute("Slot.PRE_DISPATCH or Slot.MLP, or its name"),
+        expects=(
+            "a collection of the layer slots to recompute, each Slot.PRE_DISPATCH or "
+            "Slot.MLP or its name ('pre_dispatch', 'mlp')"
+        ),
+        hint="e.g. recompute=('pre_dispatch', 'mlp'), or () to recompute none",
+    ),
 }
 
 

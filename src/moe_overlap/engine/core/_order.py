@@ -7,7 +7,8 @@ slot and direction (``b.mlp.W``), one per slot step of a layer, that
 :func:`~moe_overlap.steps.layer_pair_steps`,
 :func:`~moe_overlap.steps.forward_pair_steps` and
 :func:`~moe_overlap.steps.backward_pair_steps` filter by what each layer has (a dense layer
-has no dispatch or combine, a layer without delayed wgrad no ``W`` steps). A
+has no dispatch or combine, a layer without delayed wgrad no ``W`` steps, a slot the
+schedule does not recompute no ``R`` step). A
 :class:`ScheduleOrder` holds one for each kind of run (:class:`PairKind`) and goes into
 :class:`~moe_overlap.ScheduleOptions`; every field defaults to Megatron-Core's order.
 
@@ -16,6 +17,10 @@ Every order a :class:`PairOrder` accepts gives the same losses and gradients, bi
 
 - each microbatch runs its own steps in its own order (the order of plain ``backward()``),
   a delayed weight-gradient step (``W``) anywhere after the backward of its slot;
+- a backward microbatch may also list the recompute steps (``R``) of its pre-dispatch and
+  mlp slots (``b.mlp.R``; ``c.`` too in a run of two backwards), each anywhere before the
+  backward of its slot: a recompute reads only the slot's kept inputs, the parameters and
+  the random state its forward saw;
 - in a run of two forwards, the first microbatch's step of a slot comes before the
   second's (forward side effects, a router's counts, add up in microbatch order);
 - in a run of two backwards, the first microbatch's backward and weight-gradient step of
@@ -56,7 +61,7 @@ class PairKind(str, enum.Enum):
 
 
 _LAYER_SLOTS = (Slot.PRE_DISPATCH, Slot.DISPATCH, Slot.MLP, Slot.COMBINE, Slot.MTP_POST)
-F, B, W = Direction.FORWARD, Direction.BACKWARD, Direction.WGRAD
+F, B, W, R = Direction.FORWARD, Direction.BACKWARD, Direction.WGRAD, Direction.RECOMPUTE
 
 
 def _forward_chain(role: Role) -> tuple[Step, ...]:
@@ -73,6 +78,18 @@ def _backward_chain(role: Role, *, mtp: bool) -> tuple[Step, ...]:
 
 def _wgrads(role: Role) -> tuple[Step, ...]:
     return (Step(W, role=role, slot=Slot.MLP), Step(W, role=role, slot=Slot.PRE_DISPATCH))
+
+
+def _recomputes(kind: PairKind) -> tuple[Step, ...]:
+    """The recompute steps a kind's order may list (each backward's pre-dispatch and mlp)."""
+    roles = {PairKind.MIXED: (Role.B,), PairKind.FORWARDS: (), PairKind.BACKWARDS: _BACKWARDS}
+    return tuple(
+        Step(R, role=role, slot=slot) for role in roles[kind] for slot in _RECOMPUTED_SLOTS
+    )
+
+
+_BACKWARDS = (Role.B, Role.B2)
+_RECOMPUTED_SLOTS = (Slot.PRE_DISPATCH, Slot.MLP)
 
 
 def _chains(kind: PairKind) -> tuple[tuple[Step, ...], ...]:
@@ -103,6 +120,8 @@ def _before(kind: PairKind, steps: Iterable[Step]) -> list[tuple[Step, Step]]:
         rules += list(itertools.pairwise(present))
     for w in _wgrad_steps(kind):
         rules.append((w._replace(direction=B), w))
+    for r in _recomputes(kind):
+        rules.append((r, r._replace(direction=B)))
     if kind is PairKind.FORWARDS:
         rules += [(a, c) for a, c in zip(*_chains(kind), strict=True)]
     elif kind is PairKind.BACKWARDS:
@@ -116,8 +135,15 @@ def _before(kind: PairKind, steps: Iterable[Step]) -> list[tuple[Step, Step]]:
 
 
 def template(kind: PairKind) -> frozenset[Step]:
-    """Every step a kind's order lists."""
+    """Every step a kind's order lists (the recompute steps it may list besides:
+    :func:`optional`)."""
     return frozenset(itertools.chain(*_chains(kind), _wgrad_steps(kind)))
+
+
+def optional(kind: PairKind) -> frozenset[Step]:
+    """The steps a kind's order may list or leave out: recomputes (``b.mlp.R``). Left out, a
+    recomputed slot runs its recompute at the start of its backward."""
+    return frozenset(_recomputes(kind))
 
 
 _MEGATRON: dict[PairKind, str] = {
@@ -141,8 +167,10 @@ class PairOrder:
 
     ``PairOrder(kind, steps)``: ``steps`` lists every step of the kind's template once
     (:class:`~moe_overlap.steps.Step` s of a role, slot and direction, or their string
-    forms ``role.slot.D``, or one space-separated string), in an order the module's rules
-    allow; :class:`~moe_overlap.ConfigError` names the broken rule.
+    forms ``role.slot.D``, or one space-separated string), and any of the backward
+    microbatches' recompute steps (``b.pre_dispatch.R``, ``b.mlp.R``; ``c.`` too for two
+    backwards) once, in an order the module's rules allow;
+    :class:`~moe_overlap.ConfigError` names the broken rule.
     """
 
     kind: PairKind
@@ -205,7 +233,7 @@ def _template_step(kind: PairKind, text: str) -> Step:
     ):
         raise ConfigError(
             f"PairOrder({kind.name}): expected 'role.slot.D' (role one of f, b, g, c; slot one "
-            f"of {', '.join(s.value for s in _LAYER_SLOTS)}; D one of F, B, W), received "
+            f"of {', '.join(s.value for s in _LAYER_SLOTS)}; D one of F, B, W, R), received "
             f"{text!r}"
         )
     return step
@@ -219,13 +247,15 @@ def _check(kind: PairKind, steps: tuple[Step, ...]) -> None:
         if s in seen:
             raise ConfigError(f"{where}: expected each step once, received {s} twice")
         seen.add(s)
-    if frozenset(seen) != want:
+    may = optional(kind)
+    if not want <= seen <= want | may:
         missing = sorted(str(s) for s in want - seen)
-        extra = sorted(str(s) for s in seen - want)
+        extra = sorted(str(s) for s in seen - want - may)
+        also = f", and any of {sorted(str(s) for s in may)}" if may else ""
         raise ConfigError(
-            f"{where}: expected exactly the steps {sorted(str(s) for s in want)}, received "
-            f"{len(steps)} steps (missing {missing}, not of this kind {extra}); start from "
-            f"PairOrder.megatron(PairKind.{kind.name}) and move steps"
+            f"{where}: expected exactly the steps {sorted(str(s) for s in want)}{also}, "
+            f"received {len(steps)} steps (missing {missing}, not of this kind {extra}); start "
+            f"from PairOrder.megatron(PairKind.{kind.name}) and move steps"
         )
     index = {s: i for i, s in enumerate(steps)}
     for a, b in _before(kind, steps):
@@ -238,6 +268,8 @@ def _check(kind: PairKind, steps: tuple[Step, ...]) -> None:
 
 
 def _why(kind: PairKind, a: Step, b: Step) -> str:
+    if a.direction is R:
+        return "a slot is recomputed before its backward, which runs from what it rebuilt"
     if a.role is b.role:
         return "a microbatch runs its own steps in order"
     if kind is PairKind.FORWARDS:

@@ -45,8 +45,17 @@ class LayerShape:
     early_attn_release: bool = False
     order: ScheduleOrder | None = None
     """The paired runs' step orders (``None``: Megatron-Core's): ``ScheduleOptions.order``."""
+    recompute: tuple[Slot, ...] = ()
+    """The slots the schedule recomputes (``ScheduleOptions.recompute``): an order's ``R``
+    steps of the others are left out."""
 
     def __post_init__(self) -> None:
+        for slot in self.recompute:
+            if slot is not Slot.PRE_DISPATCH and slot is not Slot.MLP:
+                raise ConfigError(
+                    f"LayerShape(index={self.index}): expected recompute to hold "
+                    f"Slot.PRE_DISPATCH and/or Slot.MLP, received {self.recompute!r}"
+                )
         if self.order is not None and self.early_attn_release:
             mixed = self.order.mixed
             if mixed is not None and not mixed.releases_attention_early():
@@ -79,7 +88,8 @@ def _node(role: Role | None, layer: LayerShape, slot: Slot | None, direction: Di
 def _adder(out: list[Step]) -> Callable[[Step, LayerShape | None], None]:
     """``add(template, layer)``: append the template step (role, slot, direction) at the
     layer if the layer has it (an absent layer, a dense layer's dispatch/combine, a missing
-    MTP post-process, a wgrad step without delayed wgrad have none)."""
+    MTP post-process, a wgrad step without delayed wgrad, a recompute step of a slot the
+    layer does not recompute have none)."""
 
     def add(t: Step, layer: LayerShape | None) -> None:
         if layer is None:
@@ -89,7 +99,10 @@ def _adder(out: list[Step]) -> Callable[[Step, LayerShape | None], None]:
             return
         if slot is Slot.MTP_POST and not layer.has_mtp_post:
             return
-        if t.direction is Direction.WGRAD and not layer.delay_wgrad:
+        direction = t.direction
+        if direction is Direction.WGRAD and not layer.delay_wgrad:
+            return
+        if direction is Direction.RECOMPUTE and slot not in layer.recompute:
             return
         out.append(_node(t.role, layer, slot, t.direction))
 
@@ -112,7 +125,8 @@ def layer_pair_steps(
     its ``mixed`` field) can give another for a forward with a backward (a layer alone keeps
     Megatron-Core's). Dense
     layers have no dispatch/combine steps (their nodes are no-ops); wgrad steps appear only
-    when wgrad is delayed; the last backward layer's pre-dispatch wgrad is left to the chunk.
+    when wgrad is delayed, recompute steps (``b.mlp.R``) only for the slots the layer
+    recomputes; the last backward layer's pre-dispatch wgrad is left to the chunk.
     """
     early = b is not None and b.early_attn_release
     if f is None or b is None:  # one microbatch alone: Megatron-Core's order, whatever given

@@ -16,6 +16,7 @@ that there is none) and the torch releases it was checked on: 2.13 is the CPU te
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from typing import cast
 
@@ -28,6 +29,7 @@ __all__ = [
     "cuda_sleep",
     "run_backward",
     "set_grad_enabled",
+    "tensor_version",
 ]
 
 # autograd's engine entry point (tensors, grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad); public: torch.autograd.backward, whose Python checks cost ~5 us a node; checked on 2.13 and 2.11.
@@ -38,6 +40,9 @@ run_backward = cast(
 
 # turns gradient recording off or on (what torch.no_grad calls); public: torch.no_grad() / torch.set_grad_enabled, a context-manager object (~1 us) per call; checked on 2.13 and 2.11.
 set_grad_enabled = cast("Callable[[bool], None]", torch._C._set_grad_enabled)
+
+# a tensor's version counter, shared with its views and detached copies and bumped by every in-place write (what autograd compares for saved tensors); public: none (Tensor._version is this attribute); checked on 2.13, not on 2.11.
+tensor_version = cast("Callable[[torch.Tensor], int]", operator.attrgetter("_version"))
 
 # spins the current CUDA stream for a number of GPU cycles (torch's test helper, unannotated); no public API; checked on 2.13 (bound; calling it needs CUDA) and 2.11.
 cuda_sleep = cast("Callable[[int], None]", torch.cuda._sleep)  # pyright: ignore[reportUnknownMemberType]
