@@ -5,7 +5,9 @@ random exact ones, any number of microbatches in flight."""
 from __future__ import annotations
 
 import copy
+import json
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -270,3 +272,47 @@ def test_a_timeline_records_every_step_of_a_schedule() -> None:
     assert [(s.step, s.microbatch) for s in spans] == [(s, s.microbatch) for s in schedule.steps]
     assert {s.role for s in spans} == {None}
     assert spans[0].label == "mb0.pre_process.F"
+
+
+_FRONTIER = Path(__file__).resolve().parents[2] / "benchmarks/results/frontier/frontier.json"
+
+
+def _frontier_orders() -> list[tuple[str, str]]:
+    configs = json.loads(_FRONTIER.read_text(encoding="utf-8"))["configs"]
+    return [(c["name"], c["best_order"]) for c in configs]
+
+
+@pytest.mark.parametrize(("name", "order"), _frontier_orders(), ids=lambda v: v[:12])
+def test_the_planner_s_best_schedules_run_bit_identical(name: str, order: str) -> None:
+    """The committed frontier's best orders (up to four microbatches in flight, delayed
+    weight gradients, recomputation started early), as searched, on a four-layer MoE model."""
+    schedule = NodeSchedule.parse(order)
+    directions = {s.direction for s in schedule.steps}
+    delay = Direction.WGRAD in directions
+    recompute = ("pre_dispatch", "mlp") if Direction.RECOMPUTE in directions else ()
+    config = ToyConfig(shared_expert=True)
+    ref = ToyModel(config, "mmmm")
+    model = copy.deepcopy(ref)
+    mbs = make_microbatches(schedule.microbatches, config)
+    want = plain_step(ref, mbs)
+    model.set_delay(delay)
+    options = ScheduleOptions(delay_wgrad_compute=delay, recompute=recompute)
+    got = combined_1f1b(model, mbs, options=options, schedule=schedule)
+    assert model.pending_wgrad == 0
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), name
+    assert_same(grads(model), grads(ref))
+
+
+def test_r_steps_are_checked_against_the_recomputed_slots() -> None:
+    shape = _shape("dm")
+    steps = _two_microbatches(shape)
+    early = _move(
+        [*steps, Step.parse("L1.mlp.R0@comp")], "L1.mlp.R0@comp", before="post_process.B0@comp"
+    )
+    check_node_order(early, [shape, shape], recompute=[Slot.MLP])
+    late = _move([*steps, Step.parse("L1.mlp.R0")], "L1.mlp.R0", after="L1.mlp.B0@comp")
+    with pytest.raises(ConfigError, match="a recompute is for its backward"):
+        check_node_order(late, [shape, shape], recompute=[Slot.MLP])
+    first = _move([*steps, Step.parse("L1.mlp.R0")], "L1.mlp.R0", before="L1.mlp.F0@comp")
+    with pytest.raises(ConfigError, match="reruns a forward that ran"):
+        check_node_order(first, [shape, shape], recompute=[Slot.MLP])

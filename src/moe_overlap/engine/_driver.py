@@ -27,6 +27,7 @@ from .core._options import ScheduleOptions
 from .core._protocols import PreprocessableModel, StepObserver
 from .core._runner import check_grad_mode, run_schedule, run_step
 from .core._state import ChunkState
+from .core._steps import Slot
 from .core._streams import StreamPair
 from .core.args import BOOL, CALLABLE, Instance, Opt, Real, check_arg
 
@@ -257,7 +258,7 @@ def _run_schedule(
     ahead = [build(first)]  # built before the walk; handed to it at its first step
     try:
         check_node_order(
-            schedule, [ahead[0].shape] * len(microbatches), recompute=options.recompute
+            schedule, [ahead[0].shape] * len(microbatches), recompute=map(Slot, options.recompute)
         )
     except BaseException:
         ahead.pop().release_state()
