@@ -289,7 +289,7 @@ def test_the_planner_s_best_schedules_run_bit_identical(name: str, order: str) -
     schedule = NodeSchedule.parse(order)
     directions = {s.direction for s in schedule.steps}
     delay = Direction.WGRAD in directions
-    recompute = ("pre_dispatch", "mlp") if Direction.RECOMPUTE in directions else ()
+    recompute = (Slot.PRE_DISPATCH, Slot.MLP) if Direction.RECOMPUTE in directions else ()
     config = ToyConfig(shared_expert=True)
     ref = ToyModel(config, "mmmm")
     model = copy.deepcopy(ref)
