@@ -7,8 +7,10 @@ with NaN, so a read before a write shows) and checks every run's losses and grad
 bit-identical to a reference computed once:
 
 - ``combined_1f1b`` (overlapped, fill/drain, recompute, delayed wgrad, early release,
-  chunked all-to-all, fill/drain given as a whole node schedule without joins), every one
-  with the loopback all-to-all: against plain
+  chunked all-to-all, fill/drain given as a whole node schedule without joins, the
+  planner's best schedule of ``benchmarks/results/frontier``: several microbatches in flight,
+  delayed weight gradients, recomputation started early), every one with the loopback
+  all-to-all: against plain
   per-microbatch ``backward()`` on an identical model;
 - torch pipelining schedules prepared by ``prepare_schedule`` (paired interleaved 1F1B,
   DualPipeV, ZBV zero bubble), two stages on this rank, loopback all-to-all: against
@@ -53,7 +55,7 @@ from moe_overlap.blocks import finish_wgrad
 from moe_overlap.integrations.pipelining import prepare_schedule
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel, GPTMoEStage, masked_cross_entropy
 from moe_overlap.plan import ScheduleGraph, node_schedule, today_orders
-from moe_overlap.steps import NodeSchedule
+from moe_overlap.steps import Direction, NodeSchedule, Slot
 from moe_overlap.streams import shake
 
 C1F1B = (
@@ -64,6 +66,7 @@ C1F1B = (
     "early_release",
     "a2a_chunks",
     "node_schedule",
+    "frontier",
 )
 PIPELINES = ("pp_interleaved", "pp_dualpipev", "pp_zbv")
 COMPOSITIONS = C1F1B + PIPELINES
@@ -75,7 +78,7 @@ def config_for(args: argparse.Namespace, composition: str) -> GPTMoEConfig:
     extra: dict[str, Any] = {}
     if composition == "recompute":
         extra["recompute"] = ("norm", "activation", "attention_core")
-    if composition == "delay_wgrad":
+    if composition in ("delay_wgrad", "frontier"):
         extra["delay_wgrad_compute"] = True
     if composition == "a2a_chunks":
         extra["moe_a2a_chunks"] = 2
@@ -107,6 +110,25 @@ def config_for(args: argparse.Namespace, composition: str) -> GPTMoEConfig:
             dtype=torch.bfloat16 if cuda else torch.float32,
         )
     return dataclasses.replace(base, **extra)
+
+
+FRONTIER = Path(__file__).resolve().parent / "results" / "frontier" / "frontier.json"
+
+
+def frontier_order(microbatches: int, layers: int) -> NodeSchedule:
+    """The committed frontier's best order for ``microbatches`` (``benchmarks/frontier.py``:
+    several microbatches in flight, delayed weight gradients, recomputation started early)."""
+    for c in json.loads(FRONTIER.read_text(encoding="utf-8"))["configs"]:
+        schedule = NodeSchedule.parse(c["best_order"])
+        uses_r = any(s.direction is Direction.RECOMPUTE for s in schedule.steps)
+        n_layers = 1 + max(s.layer for s in schedule.steps if s.layer is not None)
+        if schedule.microbatches == microbatches and n_layers == layers and uses_r:
+            return schedule
+    raise SystemExit(
+        f"stress_exact: {FRONTIER} has no best order of {microbatches} microbatches and "
+        f"{layers} layers with recomputation; run the frontier composition with "
+        "--microbatches 4 or 8 and --layers 4"
+    )
 
 
 def grads_of(model: nn.Module) -> dict[str, Tensor | None]:
@@ -175,6 +197,9 @@ class C1F1BCase:
         if composition == "node_schedule":  # fill/drain as node steps, no joins
             graph = ScheduleGraph(microbatches=len(self.mbs), moe=(True,) * config.num_layers)
             self.schedule = node_schedule(today_orders(graph)["fill_drain"])
+        if composition == "frontier":  # the planner's best order of this many microbatches
+            self.schedule = frontier_order(len(self.mbs), config.num_layers)
+            self.options = dataclasses.replace(options, recompute=(Slot.PRE_DISPATCH, Slot.MLP))
         self.streams = make_streams(device)
 
     def run(self) -> list[str]:

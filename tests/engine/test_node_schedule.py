@@ -316,3 +316,28 @@ def test_r_steps_are_checked_against_the_recomputed_slots() -> None:
     first = _move([*steps, Step.parse("L1.mlp.R0")], "L1.mlp.R0", before="L1.mlp.F0@comp")
     with pytest.raises(ConfigError, match="reruns a forward that ran"):
         check_node_order(first, [shape, shape], recompute=[Slot.MLP])
+
+
+class _Owing(torch.nn.Module):
+    """A module that owes one delayed weight gradient."""
+
+    @property
+    def pending_wgrad(self) -> int:
+        return 1
+
+
+def test_only_a_live_claim_s_weight_gradient_may_be_owed_while_a_schedule_runs() -> None:
+    """Inside a node schedule a microbatch may start while a live plan still owes a ``W``
+    step; any other owed weight gradient is still refused, and outside nothing is owed."""
+    from moe_overlap import WgradError
+    from moe_overlap.engine._owed_wgrad import node_schedule_running
+    from moe_overlap.wgrad import check_wgrad_done, claim_wgrad
+
+    model = torch.nn.Sequential(_Owing(), _Owing())
+    with node_schedule_running():
+        with claim_wgrad(model[0]), pytest.raises(WgradError, match=r"'1 \(_Owing\)': 1}"):
+            check_wgrad_done(model, when="when a microbatch starts")
+        with claim_wgrad(model[0], model[1]):
+            check_wgrad_done(model, when="when a microbatch starts")
+    with claim_wgrad(model[0], model[1]), pytest.raises(WgradError, match="_Owing"):
+        check_wgrad_done(model, when="when combined_1f1b returns")

@@ -213,7 +213,10 @@ def test_timeline_creates_no_reference_cycles() -> None:
         gc.enable()
     assert nodes and alive == 0
     assert found == 0, f"{found} objects were only reachable through reference cycles"
-    assert {s.direction for s in timeline.spans()} == set(Direction) - {Direction.HOOK, Direction.RECOMPUTE}
+    assert {s.direction for s in timeline.spans()} == set(Direction) - {
+        Direction.HOOK,
+        Direction.RECOMPUTE,
+    }
 
 
 def test_ep_grad_averaging_scales_experts_like_the_rest(monkeypatch: pytest.MonkeyPatch) -> None:

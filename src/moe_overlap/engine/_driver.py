@@ -15,7 +15,7 @@ from ._conformance import check_model, checks_memoized
 from ._consensus import Phase, VotedStep
 from ._debug import DEBUG
 from ._inputs import check_inputs
-from ._owed_wgrad import check_wgrad_done, declared_wgrad
+from ._owed_wgrad import check_wgrad_done, declared_wgrad, node_schedule_running
 from ._plain_check import check_first_step
 from .contracts import OPT_STEP_OBSERVER
 from .core._chunk_plan import ModelChunkSchedulePlan
@@ -273,7 +273,8 @@ def _run_schedule(
         return torch.full_like(loss, loss_scale)
 
     try:
-        run_schedule(schedule, plan_of, output_grad, observer=observer)
+        with node_schedule_running():  # a W step may be owed when another microbatch starts
+            run_schedule(schedule, plan_of, output_grad, observer=observer)
     finally:
         for plan in ahead:  # failed before its first step
             plan.release_state()
