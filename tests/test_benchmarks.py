@@ -116,6 +116,29 @@ def test_bench_overlap_smoke(ran: Ran) -> None:
     )
 
 
+def test_bench_schedules_smoke(ran: Ran) -> None:
+    """The planner's best schedule of the main configuration (four microbatches in flight,
+    delayed weight gradients, recomputation started early) beside today's, tiny, on CPU."""
+    done, out = ran
+    stdout = _passed(done)
+    assert "| main N=4 | searched |" in stdout
+    (result,) = json.loads((out / "schedules.json").read_text())["results"]
+    assert result["exactness_failed"] == []
+    assert set(result["rows"]) == {
+        "serial",
+        "overlapped",
+        "fill_drain",
+        "fill_drain_recompute",
+        "searched",
+    }
+    assert result["rows"]["searched"]["predicted_ms"] > 0
+
+
+def test_bench_schedules_fails_when_the_searched_step_is_not_bit_identical(ran: Ran) -> None:
+    done, _ = ran
+    _fails(done, "a variant was not bit-identical")
+
+
 def test_bench_overlap_fails_when_a_variant_is_not_bit_identical(ran: Ran) -> None:
     """One ulp in fill/drain + recompute's gradients: the first row's exactness pass fails,
     the row is written without timing, and the process exits 1 naming the variant."""
@@ -436,6 +459,17 @@ def test_sweep_png_says_what_it_shows(tmp_path: Path, monkeypatch: pytest.Monkey
 # --- the runs ---------------------------------------------------------------------------------
 _SRC = str(ROOT / "src")
 RUNS: dict[str, Callable[[Path], subprocess.CompletedProcess[str]]] = {
+    "test_bench_schedules_smoke": lambda out: _bench_run(
+        "bench_schedules.py",
+        *("--warmup", "0", "--iters", "1", "--configs", "main N=4", "--out", str(out)),
+    ),
+    "test_bench_schedules_fails_when_the_searched_step_is_not_bit_identical": lambda out: (
+        _bench_run(
+            "bench_schedules.py",
+            *("--warmup", "0", "--iters", "1", "--configs", "main N=4", "--out", str(out)),
+            perturb="searched",
+        )
+    ),
     "test_bench_overlap_smoke": lambda out: _bench_run(
         "bench_overlap.py",
         "--warmup",

@@ -1,0 +1,222 @@
+"""The planner's searched schedules run side by side with today's, on one GPU, in one run.
+
+For each configuration of the committed frontier (``benchmarks/results/frontier/frontier.json``,
+made by ``benchmarks/frontier.py`` from the round-9 serial profiles), the benchmark's MoE
+slice at those sizes (hidden 4096, 4096 tokens per microbatch, 4 MoE layers, the host
+loopback all-to-all, bf16; the configuration's expert FFN width and microbatch count) runs,
+interleaved round by round:
+
+- ``serial``, ``overlapped`` (combined 1F1B), ``fill_drain`` and ``fill_drain_recompute``
+  (the model's own recomputation), as ``bench_overlap.py`` runs them;
+- ``searched``: the configuration's best order as the planner found it, through
+  ``combined_1f1b(schedule=NodeSchedule.parse(best_order))`` with its delayed weight
+  gradients and its recomputed slots (``ScheduleOptions.recompute``);
+- ``compute_only`` / ``comm_only``, for max(compute, comm).
+
+First every variant's losses and gradients are compared with the serial step's, bit for
+bit, under deterministic kernels (``bench_overlap``'s exactness pass, whose
+``MOE_OVERLAP_BENCH_PERTURB`` makes it see one ulp in a named variant); then the timed
+rounds; then each variant's peak memory over the serial step's. Each row shows the
+planner's prediction and its error. Writes ``schedules.json`` and ``schedules.md`` to
+``--out``::
+
+    python benchmarks/bench_schedules.py --out benchmarks/results/schedules     # a GPU
+    python benchmarks/bench_schedules.py --tiny --device cpu --iters 1 --out /tmp/s  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import cast
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_overlap import (  # the sibling benchmark's steps and passes
+    Bench,
+    JsonDict,
+    _comm_only,
+    _switched,
+    exactness,
+    make_bench,
+    median,
+    perturb_target,
+    step,
+    time_interleaved,
+)
+from moe_slice import LoopbackMode, SliceConfig
+
+from moe_overlap import ScheduleOptions, combined_1f1b
+from moe_overlap.steps import Direction, NodeSchedule, Slot
+
+FRONTIER = Path(__file__).resolve().parent / "results" / "frontier" / "frontier.json"
+TODAY = ("serial", "overlapped", "fill_drain", "fill_drain_recompute")
+
+
+def searched(b: Bench, schedule: NodeSchedule) -> Callable[[], object]:
+    """One step of ``schedule`` with the options its steps need (``W``: delayed weight
+    gradients; ``R``: those slots recomputed)."""
+    steps = schedule.steps
+    delay = any(s.direction is Direction.WGRAD for s in steps)
+    slots = tuple(
+        sorted(
+            {cast(Slot, s.slot) for s in steps if s.direction is Direction.RECOMPUTE},
+            key=list(Slot).index,
+        )
+    )
+    options = ScheduleOptions(delay_wgrad_compute=delay, recompute=slots)
+    model = b.model
+
+    def run() -> object:
+        return combined_1f1b(model, b.mbs, streams=b.pair, options=options, schedule=schedule)
+
+    return _switched(
+        lambda: model.set_delay_wgrad(delay), lambda: model.set_delay_wgrad(False), run
+    )
+
+
+def variants(b: Bench, schedule: NodeSchedule) -> dict[str, Callable[[], object]]:
+    model = b.model
+    return {
+        "serial": lambda: step(b, overlap=False),
+        "overlapped": lambda: step(b, overlap=True),
+        "fill_drain": lambda: step(b, overlap=True, fill_drain=True),
+        "fill_drain_recompute": _switched(
+            lambda: model.set_recompute(True),
+            lambda: model.set_recompute(False),
+            lambda: step(b, overlap=True, fill_drain=True),
+        ),
+        "searched": searched(b, schedule),
+        "compute_only": _switched(
+            lambda: model.set_loopback(LoopbackMode.DEVICE),
+            lambda: model.set_loopback(LoopbackMode.HOST),
+            lambda: step(b, overlap=False),
+        ),
+        "comm_only": lambda: _comm_only(b),
+    }
+
+
+def peak_gb(b: Bench, fn: Callable[[], object]) -> float | None:
+    """Peak allocated memory of one step of ``fn`` (after one warm step); CUDA only."""
+    if b.device.type != "cuda":
+        return None
+    fn()
+    b.model.zero_grad(set_to_none=False)
+    torch.cuda.synchronize(b.device)
+    torch.cuda.reset_peak_memory_stats(b.device)
+    fn()
+    torch.cuda.synchronize(b.device)
+    return torch.cuda.max_memory_allocated(b.device) / 1e9
+
+
+def measure(config: JsonDict, args: argparse.Namespace) -> JsonDict:
+    """Every figure of one frontier configuration."""
+    n = cast(int, config["microbatches"])
+    ffn = cast(int, config["ffn"])
+    cfg = SliceConfig(ffn=ffn) if not args.tiny else SliceConfig(hidden=256, ffn=128, tokens=256)
+    b = make_bench(cfg, args, n)
+    schedule = NodeSchedule.parse(cast(str, config["best_order"]))
+    fns = variants(b, schedule)
+    perturb = perturb_target([k for k in fns if k not in ("serial", "comm_only")])
+    exact = exactness(b, fns, attention=args.exact_attention, perturb=perturb)
+    times = time_interleaved(b, fns)
+    ms = {k: median(v) for k, v in times.items()}
+    peaks = {k: peak_gb(b, fns[k]) for k in (*TODAY, "searched")}
+    today = cast("dict[str, JsonDict]", config["today"])
+    targets = cast(JsonDict, config["targets"])
+    predicted = {k: cast(float, today[k]["step_ms"]) for k in TODAY}
+    predicted["searched"] = cast(float, targets["best_ms"])
+    serial_gb = peaks["serial"]
+    top = max(ms["compute_only"], ms["comm_only"])
+    rows: dict[str, JsonDict] = {}
+    for k in (*TODAY, "searched"):
+        memory = (
+            None if serial_gb is None or peaks[k] is None else cast(float, peaks[k]) / serial_gb
+        )
+        rows[k] = {
+            "step_ms": ms[k],
+            "samples_ms": times[k],
+            "over_max_compute_comm": ms[k] / top,
+            "speedup": ms["serial"] / ms[k],
+            "peak_GB": peaks[k],
+            "memory_x_serial": memory,
+            "predicted_ms": predicted[k],
+            "prediction_error": predicted[k] / ms[k] - 1.0,
+        }
+    return {
+        "name": config["name"],
+        "microbatches": n,
+        "ffn": ffn,
+        "searched": targets["best"],
+        "compute_only_ms": ms["compute_only"],
+        "comm_only_ms": ms["comm_only"],
+        "exactness_failed": exact["failed"],
+        "rows": rows,
+    }
+
+
+def table(results: list[JsonDict]) -> str:
+    lines = [
+        "| configuration | schedule | step ms | x max(compute, comm) | speed-up | memory x serial "
+        "| predicted ms (error) | bit-identical |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        failed = cast("list[str]", r["exactness_failed"])
+        for k, row in cast("dict[str, JsonDict]", r["rows"]).items():
+            mem = row["memory_x_serial"]
+            lines.append(
+                f"| {r['name']} | {k} | {cast(float, row['step_ms']):.1f} | "
+                f"{cast(float, row['over_max_compute_comm']):.3f} | "
+                f"{cast(float, row['speedup']):.3f} | "
+                f"{'-' if mem is None else f'{cast(float, mem):.3f}'} | "
+                f"{cast(float, row['predicted_ms']):.1f} ({cast(float, row['prediction_error']):+.1%}) | "
+                f"{'no' if k in failed else 'yes'} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--tiny", action="store_true", help="tiny sizes (CPU smoke run)")
+    p.add_argument("--frontier", type=Path, default=FRONTIER)
+    p.add_argument("--configs", nargs="*", default=None, help="configuration names (all)")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--iters", type=int, default=5)
+    p.add_argument("--exact-attention", default="sdpa", choices=("sdpa", "math"))
+    p.add_argument("--out", type=Path, required=True, help="folder for schedules.json/.md")
+    args = p.parse_args(argv)
+    configs = cast("list[JsonDict]", json.loads(args.frontier.read_text("utf-8"))["configs"])
+    chosen = [c for c in configs if args.configs is None or c["name"] in args.configs]
+    results: list[JsonDict] = []
+    for c in chosen:
+        print(f"bench_schedules: {c['name']} ...", file=sys.stderr, flush=True)
+        results.append(measure(c, args))
+    args.out.mkdir(parents=True, exist_ok=True)
+    given = sys.argv[1:] if argv is None else argv
+    command = "python benchmarks/bench_schedules.py " + shlex.join(given)
+    doc = {"command": command, "device": _device(args.device), "results": results}
+    (args.out / "schedules.json").write_text(json.dumps(doc, indent=1) + "\n", "utf-8")
+    text = f"`{command}` on {doc['device']}\n\n" + table(results)
+    (args.out / "schedules.md").write_text(text, "utf-8")
+    print(text)
+    print(f"wrote {args.out / 'schedules.json'} and {args.out / 'schedules.md'}")
+    if any(r["exactness_failed"] for r in results):
+        raise SystemExit("bench_schedules: a variant was not bit-identical to the serial step")
+
+
+def _device(device: str) -> str:
+    if torch.device(device).type == "cuda":
+        return f"{torch.cuda.get_device_name()} (torch {torch.__version__})"
+    return f"CPU (torch {torch.__version__})"
+
+
+if __name__ == "__main__":
+    main()
