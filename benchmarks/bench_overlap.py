@@ -179,7 +179,7 @@ def step(
     )
 
 
-def _comm_only(b: Bench) -> None:
+def comm_only_step(b: Bench) -> None:
     """The loopback calls of one step (dispatch+combine, forward+backward), back to back."""
     cfg = b.model.config
     x = torch.randn(cfg.slots, cfg.hidden, device=b.device).to(b.model.embed_scale.dtype)
@@ -234,7 +234,7 @@ def median(xs: list[float]) -> float:
     return float(statistics.median(xs))
 
 
-def _switched(
+def switched(
     enter: Callable[[], None], leave: Callable[[], None], fn: Callable[[], object]
 ) -> Callable[[], object]:
     """``fn`` run between ``enter`` and ``leave`` (a model setting switched for one call);
@@ -260,7 +260,7 @@ def row_variants(b: Bench, *, main: bool) -> dict[str, Callable[[], object]]:
     model = b.model
 
     def graphed(fn: Callable[[], object]) -> Callable[[], object]:
-        return _switched(lambda: model.set_graphs(True), lambda: model.set_graphs(False), fn)
+        return switched(lambda: model.set_graphs(True), lambda: model.set_graphs(False), fn)
 
     fns: dict[str, Callable[[], object]] = {
         "serial": lambda: step(b, overlap=False),
@@ -268,13 +268,13 @@ def row_variants(b: Bench, *, main: bool) -> dict[str, Callable[[], object]]:
         "fill_drain": lambda: step(b, overlap=True, fill_drain=True),
         "graphs_overlapped": graphed(lambda: step(b, overlap=True)),
         "graphs_fill_drain": graphed(lambda: step(b, overlap=True, fill_drain=True)),
-        "compute_only": _switched(
+        "compute_only": switched(
             lambda: model.set_loopback(LoopbackMode.DEVICE),
             lambda: model.set_loopback(LoopbackMode.HOST),
             lambda: step(b, overlap=False),
         ),
-        "comm_only": lambda: _comm_only(b),
-        "fill_drain_recompute": _switched(
+        "comm_only": lambda: comm_only_step(b),
+        "fill_drain_recompute": switched(
             lambda: model.set_recompute(True),
             lambda: model.set_recompute(False),
             lambda: step(b, overlap=True, fill_drain=True),
@@ -284,7 +284,7 @@ def row_variants(b: Bench, *, main: bool) -> dict[str, Callable[[], object]]:
         hp = make_streams(b.device, high_priority_comm=True)
         delay = ScheduleOptions(delay_wgrad_compute=True)
         fns["high_priority_comm"] = lambda: combined_1f1b(model, b.mbs, overlap=True, streams=hp)
-        fns["delay_wgrad_compute"] = _switched(
+        fns["delay_wgrad_compute"] = switched(
             lambda: model.set_delay_wgrad(True),
             lambda: model.set_delay_wgrad(False),
             lambda: step(b, overlap=True, options=delay),

@@ -41,13 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_overlap import (  # the sibling benchmark's steps and passes
     Bench,
     JsonDict,
-    _comm_only,
-    _switched,
+    comm_only_step,
     exactness,
     make_bench,
     median,
     perturb_target,
     step,
+    switched,
     time_interleaved,
 )
 from moe_slice import LoopbackMode, SliceConfig
@@ -76,9 +76,7 @@ def searched(b: Bench, schedule: NodeSchedule) -> Callable[[], object]:
     def run() -> object:
         return combined_1f1b(model, b.mbs, streams=b.pair, options=options, schedule=schedule)
 
-    return _switched(
-        lambda: model.set_delay_wgrad(delay), lambda: model.set_delay_wgrad(False), run
-    )
+    return switched(lambda: model.set_delay_wgrad(delay), lambda: model.set_delay_wgrad(False), run)
 
 
 def variants(b: Bench, schedule: NodeSchedule) -> dict[str, Callable[[], object]]:
@@ -87,18 +85,18 @@ def variants(b: Bench, schedule: NodeSchedule) -> dict[str, Callable[[], object]
         "serial": lambda: step(b, overlap=False),
         "overlapped": lambda: step(b, overlap=True),
         "fill_drain": lambda: step(b, overlap=True, fill_drain=True),
-        "fill_drain_recompute": _switched(
+        "fill_drain_recompute": switched(
             lambda: model.set_recompute(True),
             lambda: model.set_recompute(False),
             lambda: step(b, overlap=True, fill_drain=True),
         ),
         "searched": searched(b, schedule),
-        "compute_only": _switched(
+        "compute_only": switched(
             lambda: model.set_loopback(LoopbackMode.DEVICE),
             lambda: model.set_loopback(LoopbackMode.HOST),
             lambda: step(b, overlap=False),
         ),
-        "comm_only": lambda: _comm_only(b),
+        "comm_only": lambda: comm_only_step(b),
     }
 
 
