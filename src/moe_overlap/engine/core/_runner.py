@@ -128,14 +128,7 @@ def run_step(
         _run_hook(hooks, step, roles[step.role], values)
 
     # 4. walk the steps
-    execute_roles(
-        steps,
-        cast("dict[Role | int | None, NodeSource | None]", roles),
-        values,
-        run_hook=run_hook,
-        on_error=on_error,
-        observer=observer,
-    )
+    execute_roles(steps, roles, values, run_hook=run_hook, on_error=on_error, observer=observer)
     # 5. the caller's stream waits for every plan
     for plan in plans:
         plan.wait_current_stream()
