@@ -6,12 +6,13 @@ Skipped without a GPU. Run on the lent H200 with ``pytest tests/engine/test_gpu.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
 
 from moe_overlap import Microbatch, ScheduleOptions, combined_1f1b, make_event, make_streams
-from moe_overlap.steps import Direction, ScheduleOrder
+from moe_overlap.steps import Direction, ScheduleOrder, microbatch_node_steps
 
 from .test_order import sample_orders
 from .test_parity import assert_same
@@ -222,3 +223,47 @@ def test_cuda_node_schedule_parity(dtype: torch.dtype, delay: bool, seed: int) -
     for got, want in zip(losses, ref_losses, strict=True):
         assert torch.equal(got, want.float())
     assert_same(grads(model), grads(ref))
+
+
+def test_cuda_node_schedule_ending_in_a_weight_gradient_is_awaited_by_the_caller() -> None:
+    """A schedule whose last step is a slow W on the compute stream, called from another
+    stream: the gradients the caller reads right after are the finished ones."""
+    from moe_overlap.engine.core._torch_private import cuda_sleep
+    from moe_overlap.steps import NodeSchedule
+
+    from .test_node_schedule import _shape
+    from .toy_model import DelayedLinear
+
+    config = ToyConfig(hidden=64)
+    ref = ToyModel(config, "m").cuda()
+    model = copy.deepcopy(ref)
+    mbs = to_cuda(make_microbatches(2, config, batch=4, seq=64))
+    plain_step(ref, mbs)
+    want = grads(ref)
+    model.set_delay(True)
+    steps = [s for mb in range(2) for s in microbatch_node_steps(_shape("m", delay=True), mb)[0]]
+    last_w = max(i for i, s in enumerate(steps) if str(s) == "L0.pre_dispatch.W1@comp")
+    steps.append(steps.pop(last_w))  # the schedule ends with a weight gradient
+    for module in model.modules():
+        if isinstance(module, DelayedLinear):
+            slow = module.backward_dw
+
+            def backward_dw(slow: Any = slow) -> None:
+                cuda_sleep(200_000_000)  # about 0.1 s of GPU cycles
+                slow()
+
+            module.backward_dw = backward_dw  # type: ignore[method-assign]
+    streams = make_streams("cuda")
+    caller = make_streams("cuda").comm  # a new stream, not the compute one
+    assert isinstance(caller, torch.cuda.Stream)
+    with torch.cuda.stream(caller):
+        combined_1f1b(
+            model,
+            mbs,
+            streams=streams,
+            options=ScheduleOptions(delay_wgrad_compute=True),
+            schedule=NodeSchedule(steps),
+        )
+        got = grads(model)  # cloned on the caller's stream, right away
+    torch.cuda.synchronize()
+    assert_same(got, want)

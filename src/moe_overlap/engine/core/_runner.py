@@ -208,7 +208,8 @@ def run_schedule(
         2. after its last forward step: its output goes to the caller, and
            ``output_grad(mb, output)`` (on the caller's stream) becomes the value its
            backward starts from                           (hook step  post_forward.H<mb>)
-        3. after its last step: its plan is released      (hook step  post_backward.H<mb>)
+        3. after its last step: its event is recorded on the compute stream (so it covers
+           a last W step too) and its plan released       (hook step  post_backward.H<mb>)
         4. at the end, the caller's stream waits for every microbatch
 
     Each step runs on its microbatch's plan (:func:`execute_roles`). On failure every
@@ -239,6 +240,10 @@ def run_schedule(
             plan = live.pop(mb)
             del plans[mb]
             del values[mb]
+            # Its event then also covers a W step that ended the microbatch (weight-gradient
+            # work records no event): the compute stream runs in issue order.
+            with stream_context(plan.streams.comp):
+                plan.record_current_stream()
             plan.release_state()
             done.append(plan)
 
