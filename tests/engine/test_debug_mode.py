@@ -69,6 +69,28 @@ def test_debug_mode_checks_calls(debug_python: DebugPython) -> None:
     assert out.stdout.strip() == "ok"
 
 
+def test_debug_mode_decorates_every_module_without_a_warning() -> None:
+    """beartype can check every annotation of the package: a hint it cannot check (a
+    Protocol that is not runtime-checkable, a class that cannot be subscripted at run time)
+    would leave that function unchecked, with a warning at import."""
+    out = run(
+        """
+        import importlib, pkgutil, moe_overlap
+        optional = ("moe_overlap.adapters", "moe_overlap.timeline")  # need extras
+        for info in pkgutil.walk_packages(moe_overlap.__path__, "moe_overlap."):
+            try:
+                importlib.import_module(info.name)
+            except ImportError:
+                if not info.name.startswith(optional):
+                    raise
+        print("ok")
+        """,
+        debug=True,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip() == "ok"
+
+
 @pytest.mark.slow
 def test_debug_mode_step_is_still_exact(debug_python: DebugPython) -> None:
     """A whole overlapped step under beartype: Protocol checks happen once per plan."""
