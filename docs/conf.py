@@ -94,7 +94,7 @@ def _annotation_rewrites() -> list[tuple[str, str]]:
         module = _module_name(path)
         if not any(part.startswith("_") for part in module.split(".")[1:]):
             continue
-        for node in ast.parse(path.read_text()).body:
+        for node in _declarations(ast.parse(path.read_text())):
             names: list[str] = []
             value: ast.expr | None = None
             if isinstance(node, (ast.ClassDef, ast.FunctionDef)):
@@ -116,6 +116,18 @@ def _annotation_rewrites() -> list[tuple[str, str]]:
                     rewrites[full] = name
     # Longest first: replacement is by substring.
     return sorted(rewrites.items(), key=lambda kv: len(kv[0]), reverse=True)
+
+
+def _declarations(module: ast.Module) -> list[ast.stmt]:
+    """A module's top-level statements, with those of its ``if TYPE_CHECKING:`` blocks
+    (types declared for type checkers only, opaque at run time for debug mode's beartype)."""
+    found: list[ast.stmt] = []
+    for node in module.body:
+        if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING":
+            found += node.body
+        else:
+            found.append(node)
+    return found
 
 
 _INTERNAL = ("moe_overlap.engine", "moe_overlap.engine.core")

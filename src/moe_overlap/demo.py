@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Protocol, cast
+from typing import TYPE_CHECKING, Literal, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -173,12 +173,19 @@ def _pick_device(choice: str) -> torch.device:
     return torch.device("cpu")
 
 
-class _Bar(Protocol):
-    """The part of a ``tqdm`` progress bar the demo uses."""
+if TYPE_CHECKING:
 
-    def write(self, s: str) -> None: ...
-    def update(self, n: int) -> object: ...
-    def close(self) -> None: ...
+    class _Bar(Protocol):
+        """The part of a ``tqdm`` progress bar the demo uses."""
+
+        def write(self, s: str) -> None: ...
+        def update(self, n: int) -> object: ...
+        def close(self) -> None: ...
+
+else:
+    # Opaque at run time: debug mode's beartype cannot check a Protocol that is not
+    # runtime-checkable (and one that is needs a rule table).
+    _Bar = object
 
 
 def _on_terminal() -> bool:

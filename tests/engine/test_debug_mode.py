@@ -69,6 +69,57 @@ def test_debug_mode_checks_calls(debug_python: DebugPython) -> None:
     assert out.stdout.strip() == "ok"
 
 
+def test_debug_mode_decorates_every_module_without_a_warning() -> None:
+    """beartype can check every annotation of the package: a hint it cannot check (a
+    Protocol that is not runtime-checkable, a class that cannot be subscripted at run time)
+    would leave that function unchecked, with a warning at import."""
+    out = run(
+        """
+        import importlib, pkgutil, moe_overlap
+        optional = ("moe_overlap.adapters", "moe_overlap.timeline")  # need extras
+        for info in pkgutil.walk_packages(moe_overlap.__path__, "moe_overlap."):
+            try:
+                importlib.import_module(info.name)
+            except ImportError:
+                if not info.name.startswith(optional):
+                    raise
+        print("ok")
+        """,
+        debug=True,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip() == "ok"
+
+
+def test_first_step_check_keeps_the_schedule_s_stream_order(debug_python: DebugPython) -> None:
+    """The first-step check runs where the schedule runs the model (its compute stream,
+    after the caller's stream and before it): a step called on another stream than the one
+    that made the model stays clean under the stream-order checker."""
+    out = debug_python(
+        """
+        import torch
+        from moe_overlap import Microbatch, combined_1f1b
+        from moe_overlap.engine import stream_context
+        from moe_overlap.engine._plain_check import first_step_outcome
+        from moe_overlap.models import GPTMoEModel
+        from moe_overlap.streams import CpuStream, stream_order_check
+        from tests.models._helpers import SMALL
+        with stream_order_check() as checker:
+            model = GPTMoEModel(SMALL)  # made on the default stream, the compute stream
+            with stream_context(CpuStream("user")):
+                g = torch.Generator().manual_seed(0)
+                ids = [torch.randint(0, SMALL.vocab_size, (2, 8), generator=g) for _ in range(2)]
+                mbs = [Microbatch(input_ids=x.clone(), labels=x.roll(-1, 1)) for x in ids]
+                combined_1f1b(model, mbs, options=model.schedule_options())
+        assert first_step_outcome(model) == "compared", first_step_outcome(model)
+        assert checker.cross_stream_storages > 0
+        print("ok")
+        """,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip() == "ok"
+
+
 @pytest.mark.slow
 def test_debug_mode_step_is_still_exact(debug_python: DebugPython) -> None:
     """A whole overlapped step under beartype: Protocol checks happen once per plan."""

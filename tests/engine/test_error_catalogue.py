@@ -31,11 +31,13 @@ from moe_overlap import (
     ScheduleOptions,
     StreamError,
     TransformerLayerNode,
+    TypeHintError,
     WgradError,
     combined_1f1b,
     make_streams,
     weak_method,
 )
+from moe_overlap.engine import DEBUG
 from moe_overlap.engine.core._streams import use_stream
 from moe_overlap.megatron import layer_args
 from moe_overlap.steps import Step, run_pair
@@ -979,15 +981,61 @@ def mark_non_differentiable_given_a_tuple(ctx: Ctx) -> None:
 
 
 @dataclass(frozen=True)
+class Debug:
+    """What debug mode (``MOE_OVERLAP_DEBUG=1``) raises for a case instead: beartype's
+    :class:`~moe_overlap.TypeHintError` at the call whose annotation the misuse breaks,
+    before the library's own checks (docs/errors.md), or a debug-only check that finds the
+    misuse earlier (docs/debug.md)."""
+
+    raises: type[BaseException]
+    match: str
+    cause: type[BaseException] | None = None
+
+
+def hint(function: str, parameter: str, what: str) -> Debug:
+    """Debug mode: beartype refuses ``function``'s ``parameter`` (its hint matches ``what``)."""
+    return Debug(
+        TypeHintError,
+        rf"^(Function|Method) \S*\b{re.escape(function)}\(\) parameter {parameter}=.* "
+        rf"violates type hint .*{what}",
+    )
+
+
+MODEL_HINT = hint("combined_1f1b", "model", r"Is\[PreprocessableModel_rule_table\]")
+LAYER_HINT = hint(
+    "TransformerLayerSchedulePlan.__init__", "layer", r"Is\[SchedulableLayer_rule_table\]"
+)
+
+
+@dataclass(frozen=True)
 class Case:
     fn: Callable[[Ctx], None]
     raises: type[BaseException]
     match: str
     cause: type[BaseException] | None = None
+    debug: Debug | None = None
+    """Debug mode's error, where it differs."""
 
     @property
     def id(self) -> str:
         return self.fn.__name__
+
+    def expected(self) -> Debug:
+        """The error of this mode (this process's :data:`~moe_overlap.engine.DEBUG`)."""
+        if DEBUG and self.debug is not None:
+            return self.debug
+        return Debug(self.raises, self.match, self.cause)
+
+
+PASSED_WITHOUT_NODE_DETACH = Debug(
+    ScheduleError,
+    r"layer 1, slot combine, forward.*node 'moe_combine': its outputs depend on a tensor "
+    r"\(float32\[2, 8, 16\]\) that is not a parameter, not one of its inputs and not handed "
+    r"on with node\.detach",
+    IntegrationError,
+)
+"""Debug mode: a tensor handed between slots without ``node.detach``, found at the reading
+slot's forward by the walk of its graph (``debug_tensor_passed_without_node_detach``)."""
 
 
 CASES = [
@@ -1029,6 +1077,12 @@ CASES = [
         ScheduleError,
         r"'mlp': forward must return a Tensor or a tuple of Tensors, received str",
         IntegrationError,
+        debug=Debug(
+            ScheduleError,
+            r"slot mlp, forward.*TypeHintError: .*TransformerLayerNode\.forward_impl\(\) return "
+            r"'oops' violates type hint",
+            TypeHintError,
+        ),
     ),
     Case(
         slot_raises,
@@ -1041,15 +1095,20 @@ CASES = [
         model_missing_members,
         IntegrationError,
         r"object is not a PreprocessableModel; missing members: \['pre_process'",
+        debug=MODEL_HINT,
     ),
     Case(
         layer_missing_slot,
         IntegrationError,
         r"layers\[2\]: NoCombine is not a SchedulableLayer; missing members: \['config'",
+        debug=LAYER_HINT,
     ),
     Case(no_microbatches, ConfigError, r"expected at least one microbatch"),
     Case(
-        microbatch_wrong_type, ConfigError, r"microbatches\[0\] must be a Microbatch, received dict"
+        microbatch_wrong_type,
+        ConfigError,
+        r"microbatches\[0\] must be a Microbatch, received dict",
+        debug=hint("combined_1f1b", "microbatches", r"Sequence\[.*Microbatch\]"),
     ),
     Case(backward_plan_without_grad, IntegrationError, r"a backward plan needs b_grad"),
     Case(plan_reused_after_release, PlanReleasedError, r"microbatch 0 was released"),
@@ -1080,7 +1139,12 @@ CASES = [
     Case(
         streams_for_another_device, StreamError, r"expected a 'cpu' or 'cuda' device, received meta"
     ),
-    Case(event_stream_mismatch, StreamError, r"paired with a CUDA event"),
+    Case(
+        event_stream_mismatch,
+        StreamError,
+        r"paired with a CUDA event",
+        debug=hint("use_stream.__init__", "event", "CpuEvent"),
+    ),
     Case(unrecorded_event_timing, StreamError, r"both events must be recorded first"),
     Case(
         weak_method_on_function,
@@ -1104,6 +1168,12 @@ CASES = [
         undeclared_delayed_module,
         WgradError,
         r"computed when combined_1f1b returns.*'decoder\.layers\.0\.attn \(DelayedLinear\)': 2",
+        debug=Debug(
+            WgradError,
+            r"^ToyModel: expected every delayed weight gradient computed after the schedule "
+            r"ran debug mode's first-step check \(one microbatch\), received modules still "
+            r"owing some: \{'decoder\.layers\.0\.attn \(DelayedLinear\)': 1\}",
+        ),
     ),
     Case(
         pending_wgrad_from_an_earlier_backward,
@@ -1178,48 +1248,57 @@ CASES = [
         IntegrationError,
         r"ToyModel\.decoder \(ModuleList\) is not a decoder; missing members: \['layers', "
         r"'input_tensor', 'final_layernorm'\]; a decoder is an object with `layers`",
+        debug=MODEL_HINT,
     ),
     Case(
         decoder_without_final_layernorm,
         IntegrationError,
         r"ToyModel\.decoder \(ToyDecoder\) is not a decoder; missing members: \['final_layernorm'\]",
+        debug=MODEL_HINT,
     ),
     Case(
         decoder_input_tensor_not_a_tensor,
         IntegrationError,
         r"decoder\.input_tensor: expected None or a Tensor.*received list",
+        debug=MODEL_HINT,
     ),
     Case(
         model_config_without_mtp_num_layers,
         IntegrationError,
         r"ToyModel\.config \(object\): expected a member mtp_num_layers",
+        debug=MODEL_HINT,
     ),
     Case(
         stage_flag_not_a_bool,
         IntegrationError,
         r"ToyModel\.post_process: expected a bool, received int 1",
+        debug=MODEL_HINT,
     ),
     Case(
         layer_config_without_free_input_fields,
         IntegrationError,
         r"decoder\.layers\[0\]: ToyLayer\.config \(object\): expected the free-input fields.*missing: "
         r"\['moe_token_dispatcher_type'",
+        debug=LAYER_HINT,
     ),
     Case(
         layer_config_unknown_dispatcher,
         ConfigError,
         r"moe_token_dispatcher_type: expected one of \['alltoall', 'allgather', 'flex'\], received "
         r"str 'all2all'",
+        debug=LAYER_HINT,
     ),
     Case(
         layer_is_moe_not_a_bool,
         IntegrationError,
         r"decoder\.layers\[0\]: ToyLayer\.is_moe: expected a bool, received int 1",
+        debug=LAYER_HINT,
     ),
     Case(
         layer_num_local_experts_invalid,
         IntegrationError,
         r"ToyLayer\.num_local_experts: expected None or an int >= 1, received int 0",
+        debug=LAYER_HINT,
     ),
     Case(
         mlp_wgrad_lists_a_plain_linear,
@@ -1237,17 +1316,25 @@ CASES = [
         options_flag_not_a_bool,
         ConfigError,
         r"ScheduleOptions\.free_input: expected a bool, received str 'no'",
+        debug=hint("ScheduleOptions.__init__", "free_input", "bool"),
     ),
     Case(
         options_flag_minus_one,
         ConfigError,
         r"ScheduleOptions\.ep_overlap_early_attn_memory_release: expected a bool, received int -1",
+        debug=hint("ScheduleOptions.__init__", "ep_overlap_early_attn_memory_release", "bool"),
     ),
-    Case(overlap_not_a_bool, ConfigError, r"overlap must be a bool, received str 'False'"),
+    Case(
+        overlap_not_a_bool,
+        ConfigError,
+        r"overlap must be a bool, received str 'False'",
+        debug=hint("combined_1f1b", "overlap", "bool"),
+    ),
     Case(
         loss_scale_not_a_number,
         ConfigError,
         r"loss_scale must be a finite real number, received str '1'",
+        debug=hint("combined_1f1b", "loss_scale", "float"),
     ),
     Case(
         loss_scale_not_finite,
@@ -1258,16 +1345,19 @@ CASES = [
         options_not_schedule_options,
         ConfigError,
         r"options must be a ScheduleOptions, received dict",
+        debug=hint("combined_1f1b", "options", "ScheduleOptions"),
     ),
     Case(
         streams_not_a_stream_pair,
         ConfigError,
         r"streams must be a StreamPair \(make_streams\(device\)\) or None, received str",
+        debug=hint("combined_1f1b", "streams", "StreamPair"),
     ),
     Case(
         microbatch_field_not_a_tensor,
         ConfigError,
         r"Microbatch\.input_ids: expected a Tensor or None, received list",
+        debug=hint("Microbatch.__init__", "input_ids", "Tensor"),
     ),
     Case(
         microbatch_field_the_model_does_not_read,
@@ -1299,6 +1389,7 @@ CASES = [
         microbatches_a_generator,
         ConfigError,
         r"microbatches must be a sequence \(list or tuple\) of Microbatch, received generator",
+        debug=hint("combined_1f1b", "microbatches", "Sequence"),
     ),
     Case(
         layer_state_unknown_attribute,
@@ -1341,6 +1432,7 @@ CASES = [
         dispatcher_kind_unknown,
         ConfigError,
         r"TokenDispatcher: kind must be one of \['alltoall', 'loopback'\], received str 'all2all'",
+        debug=hint("TokenDispatcher.__init__", "kind", r"Literal\['alltoall', 'loopback'\]"),
     ),
     Case(
         config_zero_experts,
@@ -1373,12 +1465,14 @@ CASES = [
         config_delay_wgrad_a_string,
         ConfigError,
         r"GPTMoEConfig\.delay_wgrad_compute: expected a bool, received str 'yes'",
+        debug=hint("GPTMoEConfig.__init__", "delay_wgrad_compute", "bool"),
     ),
     Case(
         graphed_block_scope_a_string,
         ConfigError,
         r"GraphedBlock: scope must be a CudaGraphModule .*, received str 'attn'; pass the "
         r"member, e\.g\. CudaGraphModule\.attn",
+        debug=hint("GraphedBlock.__init__", "scope", "CudaGraphModule"),
     ),
     Case(
         fully_shard_slots_without_a_process_group,
@@ -1398,6 +1492,7 @@ CASES = [
         make_streams_flag_not_a_bool,
         ConfigError,
         r"make_streams: high_priority_comm must be a bool, received str 'yes'",
+        debug=hint("make_streams", "high_priority_comm", "bool"),
     ),
     # issue 24, weight gradients
     Case(
@@ -1447,6 +1542,13 @@ CASES = [
         ScheduleError,
         r"node 'pre_dispatch_computation': output 1 \(float32\[32\]\) is a node\.detach copy",
         IntegrationError,
+        debug=Debug(
+            ScheduleError,
+            r"layer 1, slot pre_dispatch, forward.*node 'pre_dispatch_computation': its outputs "
+            r"\(or another node\.detach copy\) depend on a node\.detach copy it made itself "
+            r"\(float32\[32\]\)",
+            IntegrationError,
+        ),
     ),
     Case(
         detach_copy_used_again_in_its_slot,
@@ -1455,6 +1557,13 @@ CASES = [
         r"node\.detach copy 0 this slot made \(float32\[2, 8, 16\]\) received a gradient from "
         r"the slot's own backward.*MOE_OVERLAP_DEBUG=1",
         IntegrationError,
+        debug=Debug(
+            ScheduleError,
+            r"layer 1, slot pre_dispatch, forward.*node 'pre_dispatch_computation': its outputs "
+            r"\(or another node\.detach copy\) depend on a node\.detach copy it made itself "
+            r"\(float32\[2, 8, 16\]\)",
+            IntegrationError,
+        ),
     ),
     Case(
         slot_input_kept_as_is,
@@ -1495,6 +1604,7 @@ CASES = [
         r"node\.detach.*Expected node 'pre_dispatch_computation' to keep node\.detach\(t\) "
         r"for what a later slot reads: layer_state\.residual = node\.detach\(t\)",
         IntegrationError,
+        debug=PASSED_WITHOUT_NODE_DETACH,
     ),
     Case(
         intermediate_handed_on_outside_layer_state,
@@ -1505,6 +1615,7 @@ CASES = [
         r"was handed between this slot and another slot \(or another microbatch\) without "
         r"node\.detach",
         IntegrationError,
+        debug=PASSED_WITHOUT_NODE_DETACH,
     ),
     Case(
         mark_non_differentiable_given_a_tuple,
@@ -1513,6 +1624,12 @@ CASES = [
         r"arguments, received a tuple of 2 items \(Tensor\) as argument 0; call "
         r"mark_non_differentiable\(\*tensors\)",
         IntegrationError,
+        debug=Debug(
+            ScheduleError,
+            r"slot dispatch, forward.*TypeHintError: .*ScheduleNode\.mark_non_differentiable\(\) "
+            r"parameter tensors=\(tensor.* violates type hint <class 'torch\.Tensor'>",
+            TypeHintError,
+        ),
     ),
     Case(
         b_grad_of_the_wrong_shape,
@@ -1531,6 +1648,7 @@ CASES = [
         ConfigError,
         r"b_grad: expected the gradient of the backward plan's output \(microbatch 0\) as a "
         r"Tensor, received float",
+        debug=hint("ModelChunkSchedulePlan.run", "b_grad", "Tensor"),
     ),
     Case(
         b_grad_without_a_backward_plan,
@@ -1547,6 +1665,7 @@ CASES = [
         b_grads_not_a_pair,
         ConfigError,
         r"run_pair: expected b_grads as a tuple of two tensors .* received list",
+        debug=hint("run_pair", "b_grads", r"tuple\[torch\.Tensor, torch\.Tensor\]"),
     ),
 ]
 
@@ -1556,11 +1675,12 @@ def test_misuse(case: Case) -> None:
     ref = ToyModel(CONFIG, "mm")
     model = copy.deepcopy(ref)
     ctx = Ctx(model, make_microbatches(2, CONFIG))
-    with pytest.raises(case.raises, match=re.compile(case.match, re.DOTALL)) as info:
+    expected = case.expected()
+    with pytest.raises(expected.raises, match=re.compile(expected.match, re.DOTALL)) as info:
         case.fn(ctx)
     assert isinstance(info.value, mo.MoeOverlapError)
-    if case.cause is not None:
-        assert isinstance(info.value.__cause__, case.cause)
+    if expected.cause is not None:
+        assert isinstance(info.value.__cause__, expected.cause)
     # The user fixes the misuse (patches removed); the same model object then trains
     # exactly on the next step once the failed step's grads are dropped.
     undo_patches(ctx.model)
@@ -1645,21 +1765,24 @@ def test_mark_non_differentiable_takes_tensors_as_separate_arguments() -> None:
     ):
         mark(a, b)
         mark()
-        with pytest.raises(
-            IntegrationError,
-            match=rf"^{who}: mark_non_differentiable: expected tensors as separate arguments, "
-            r"received a tuple of 2 items \(Tensor\) as argument 0; call "
-            r"mark_non_differentiable\(\*tensors\)$",
+        for args, match in (
+            (
+                (bad((a, b)),),
+                rf"^{who}: mark_non_differentiable: expected tensors as separate arguments, "
+                r"received a tuple of 2 items \(Tensor\) as argument 0; call "
+                r"mark_non_differentiable\(\*tensors\)$",
+            ),
+            ((a, bad([b])), r"received a list of 1 items \(Tensor\) as argument 1"),
+            ((bad(1.0),), r"expected tensors .*received float as argument 0"),
         ):
-            mark(bad((a, b)))
-        with pytest.raises(
-            IntegrationError, match=r"received a list of 1 items \(Tensor\) as argument 1"
-        ):
-            mark(a, bad([b]))
-        with pytest.raises(
-            IntegrationError, match=r"expected tensors .*received float as argument 0"
-        ):
-            mark(bad(1.0))
+            if DEBUG:  # beartype refuses what the annotation does not allow, first
+                with pytest.raises(
+                    TypeHintError, match=r"\.mark_non_differentiable\(\) parameter tensors="
+                ):
+                    mark(*args)
+                continue
+            with pytest.raises(IntegrationError, match=match):
+                mark(*args)
     assert node.non_differentiable == (a, b)
 
 
@@ -1833,6 +1956,24 @@ def test_debug_mode_catalogue(debug_python: DebugPython) -> None:
         print("ok")
         """
     out = debug_python(code)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip() == "ok"
+
+
+def test_debug_mode_leaves_a_slot_result_that_is_not_a_tensor_to_the_checks(
+    debug_python: DebugPython,
+) -> None:
+    """Debug mode's walk of a slot's graph skips what is not a tensor (no AttributeError
+    from it): the slot's result is refused with the library's own error, and the next step
+    is exact (``slot_returns_non_tensor`` as in debug mode)."""
+    out = debug_python(
+        """
+        from tests.engine import test_error_catalogue as cat
+        assert cat.DEBUG
+        cat.test_misuse(next(c for c in cat.CASES if c.id == "slot_returns_non_tensor"))
+        print("ok")
+        """
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.strip() == "ok"
 

@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from moe_overlap import ConfigError, ScheduleError, ScheduleOptions, SlotContext, combined_1f1b
+from moe_overlap import (
+    ConfigError,
+    ScheduleError,
+    ScheduleOptions,
+    SlotContext,
+    TypeHintError,
+    combined_1f1b,
+)
+from moe_overlap.engine import DEBUG
 from moe_overlap.plan import ScheduleGraph, node_schedule, today_orders
 from moe_overlap.steps import (
     ChunkShape,
@@ -226,7 +234,13 @@ def test_the_schedule_replaces_overlap_and_fill_drain_and_must_match_the_microba
         combined_1f1b(model, mbs, schedule=schedule, fill_drain=True)
     with pytest.raises(ConfigError, match="a schedule of the 3 microbatches given"):
         combined_1f1b(model, make_microbatches(3, config), schedule=schedule)
-    with pytest.raises(ConfigError, match="a NodeSchedule"):
+    # Debug mode: beartype refuses the wrong type first (the library's TypeHintError).
+    error, match = (
+        (TypeHintError, r"combined_1f1b\(\) parameter schedule=")
+        if DEBUG
+        else (ConfigError, "a NodeSchedule")
+    )
+    with pytest.raises(error, match=match):
         combined_1f1b(model, mbs, schedule=str(schedule))  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
     with pytest.raises(ConfigError, match="does not have"):  # a dense layer has no dispatch
         combined_1f1b(model, mbs, schedule=NodeSchedule(_plain_order(_shape("mm"), 2)))

@@ -26,6 +26,7 @@ from moe_overlap import (
     StreamError,
     StreamPair,
     TransformerLayerNode,
+    TypeHintError,
     WgradError,
     get_comm_stream,
     get_comp_stream,
@@ -34,6 +35,7 @@ from moe_overlap import (
     set_streams,
     weak_method,
 )
+from moe_overlap.engine import DEBUG
 from moe_overlap.engine.core._streams import reset_streams, use_stream
 from moe_overlap.megatron import layer_args, layer_schedule_plan
 from moe_overlap.streams import CpuEvent, CpuStream
@@ -314,7 +316,13 @@ def test_stream_event_device_mismatch() -> None:
         pass
 
     fake: Any = FakeCudaEvent()  # deliberately the wrong type
-    with pytest.raises(StreamError, match="paired with a CUDA event"), use_stream(CPU, fake):
+    # Debug mode: beartype refuses the event's type first (the library's TypeHintError).
+    error, match = (
+        (TypeHintError, r"use_stream\.__init__\(\) parameter event=")
+        if DEBUG
+        else (StreamError, "paired with a CUDA event")
+    )
+    with pytest.raises(error, match=match), use_stream(CPU, fake):
         pass
 
 
@@ -350,6 +358,11 @@ class _FakeCudaStream:
     device_type: int = 1
 
 
+@pytest.mark.skipif(
+    DEBUG,
+    reason="fakes torch.cuda.Stream, whose annotation debug mode's beartype checks at "
+    "_cuda_switch (the real streams run in test_gpu.py)",
+)
 def test_cuda_switch_skips_only_a_stream_already_current(monkeypatch: pytest.MonkeyPatch) -> None:
     """The branch logic of a node's CUDA stream switch, with torch's calls faked (the real
     ones run in ``test_gpu.py``): a stream current on the current device is not switched

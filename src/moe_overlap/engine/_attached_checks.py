@@ -265,8 +265,9 @@ class _OwnLeaves(BaseGuard):
         output: object,
     ) -> None:
         copies = node.detached
-        outs = cast("tuple[Tensor, ...]", (output,) if isinstance(output, Tensor) else output)
-        roots = [t.grad_fn for t in (*outs, *node.before_detached)]
+        # Not a tensor: the node refuses the result itself, once the slot has returned.
+        tails = [t for t in (*_items(output), *node.before_detached) if isinstance(t, Tensor)]
+        roots = [t.grad_fn for t in tails]
         state = node.layer_state
         leaves = [d for d in state.detached_leaves if not any(d is c for c in copies)]
         check_own_leaves(node.name, roots, (*inputs, *leaves), copies)

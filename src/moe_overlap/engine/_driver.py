@@ -18,7 +18,7 @@ from ._inputs import check_inputs
 from ._owed_wgrad import check_wgrad_done, declared_wgrad, node_schedule_running
 from ._plain_check import check_first_step
 from .contracts import OPT_STEP_OBSERVER
-from .core._chunk_plan import ModelChunkSchedulePlan
+from .core._chunk_plan import ModelChunkSchedulePlan, default_streams, device_of
 from .core._errors import ConfigError, IntegrationError
 from .core._macro import ScheduleMode, backward_microbatches, forward_microbatches, macro_steps
 from .core._microbatch import Microbatch
@@ -164,11 +164,13 @@ def _step(
         if DEBUG:  # the model's first step: its schedule and its plain forward agree
             first = [microbatches[0]]
             alone = ScheduleMode.OVERLAPPED if isinstance(mode, NodeSchedule) else mode
+            pair = streams if streams is not None else default_streams(device_of(first[0]))
             check_first_step(
                 model,
                 microbatches[0],
                 lambda: _run(model, first, alone, options, streams, loss_scale, None, None),
                 loss_scale,
+                compute=pair.comp,
             )
         with inputs_checked(microbatches):  # above: once per microbatch, not again per plan
             losses = _run(

@@ -20,7 +20,7 @@ import logging
 import math
 import typing
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +32,7 @@ from ._torch_wrappers import has_grad_hooks
 from .core._backward_dw import BackwardDWWrapper
 from .core._errors import IntegrationError
 from .core._protocols import SchedulableLayer
+from .core._streams import AnyStream, current_stream, stream_context, wait_stream
 from .core._wgrad_claims import WgradClaim
 
 __all__ = [
@@ -229,16 +230,20 @@ def check_first_step(
     microbatch: object,
     run_schedule: Callable[[], Sequence[Tensor]],
     loss_scale: float,
+    *,
+    compute: AnyStream,
 ) -> None:
     """Debug mode: compare one microbatch's schedule and plain forward, once per model.
 
     ``run_schedule()`` runs ``microbatch`` through the schedule (the step's options and
-    streams) and returns its loss. Raises :class:`~moe_overlap.IntegrationError` naming
-    the first difference beyond :data:`GRAD_RTOL` / :data:`GRAD_ATOL` /
-    :data:`LOSS_RTOL`; skips, marking the model as checked, a model without a usable plain
-    forward (:func:`plain_call`), one that is not a whole model, FSDP2-sharded, whose
-    parameters carry gradient hooks or a ``main_grad``, or whose forward raises or returns
-    other than a scalar tensor requiring grad (:func:`first_step_outcome` says which). Leaves ``.grad``, the RNG states and the
+    streams) and returns its loss. The check runs on ``compute``, the schedule's compute
+    stream, ordered after the caller's stream and before it as the schedule's own work is.
+    Raises :class:`~moe_overlap.IntegrationError` naming the first difference beyond
+    :data:`GRAD_RTOL` / :data:`GRAD_ATOL` / :data:`LOSS_RTOL`; skips, marking the model as
+    checked, a model without a usable plain forward (:func:`plain_call`), one that is not
+    a whole model, FSDP2-sharded, whose parameters carry gradient hooks or a
+    ``main_grad``, or whose forward raises or returns other than a scalar tensor requiring
+    grad (:func:`first_step_outcome` says which). Leaves ``.grad``, the RNG states and the
     buffers as it found them, and no delayed weight gradient pending.
     """
     if first_step_outcome(model) is not None:
@@ -255,6 +260,35 @@ def check_first_step(
     if reason is not None:
         _mark(model, f"skipped: {reason}")
         return
+    with _on_compute_stream(compute):
+        _compare(model, plain, params, run_schedule, loss_scale)
+
+
+@contextlib.contextmanager
+def _on_compute_stream(compute: AnyStream) -> Generator[None]:
+    """Run the check where the schedule runs the model: on its compute stream, after the
+    caller's work so far; the caller's stream then waits for the check (the schedule's own
+    boundary waits)."""
+    caller = current_stream(compute)
+    if caller == compute:
+        yield
+        return
+    wait_stream(compute, caller)
+    try:
+        with stream_context(compute):
+            yield
+    finally:
+        wait_stream(caller, compute)
+
+
+def _compare(
+    model: object,
+    plain: tuple[Callable[[], object], str],
+    params: _Params,
+    run_schedule: Callable[[], Sequence[Tensor]],
+    loss_scale: float,
+) -> None:
+    """:func:`check_first_step`'s comparison, for a model it does not skip."""
     call, how = plain
     saved = _Saved(model, params)
     try:

@@ -9,7 +9,7 @@ Nothing here describes a schedule a second time: it only renames torch's actions
 
 import enum
 from collections.abc import Mapping, Sequence
-from typing import NamedTuple, Protocol, cast
+from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 from moe_overlap.engine import (
     ConfigError,
@@ -128,17 +128,24 @@ def lower(schedule: Schedule, layout: Layout) -> Lowered:
     return Lowered(ranks, num_stages, {s: rank_of(s) for s in range(num_stages)}, cls)
 
 
-class _TorchAction(Protocol):
-    """The public fields of torch's ``_Action`` that the plan reads."""
+if TYPE_CHECKING:
 
-    @property
-    def computation_type(self) -> object: ...
-    @property
-    def stage_index(self) -> int: ...
-    @property
-    def microbatch_index(self) -> int | None: ...
-    @property
-    def sub_actions(self) -> "Sequence[_TorchAction] | None": ...
+    class _TorchAction(Protocol):
+        """The public fields of torch's ``_Action`` that the plan reads."""
+
+        @property
+        def computation_type(self) -> object: ...
+        @property
+        def stage_index(self) -> int: ...
+        @property
+        def microbatch_index(self) -> int | None: ...
+        @property
+        def sub_actions(self) -> "Sequence[_TorchAction] | None": ...
+
+else:
+    # Opaque at run time: debug mode's beartype cannot check a Protocol that is not
+    # runtime-checkable (and one that is needs a rule table); torch makes the actions.
+    _TorchAction = object
 
 
 def _renamed(action: _TorchAction) -> Action:

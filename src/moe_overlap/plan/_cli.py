@@ -5,7 +5,7 @@ import dataclasses
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 from moe_overlap.engine import ConfigError
 from moe_overlap.plan._layout import Layout, Schedule
@@ -17,13 +17,21 @@ from moe_overlap.plan._simulate import Costs
 
 __all__ = ["add_plan_parser", "run_plan"]
 
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    _Subparsers: TypeAlias = argparse._SubParsersAction[argparse.ArgumentParser]  # pyright: ignore[reportPrivateUsage]
+else:
+    # Opaque at run time: argparse's class cannot be subscripted there, and debug mode's
+    # beartype resolves the annotation.
+    _Subparsers = object
+
 _DEFAULT_SCHEDULES = ("serial", "combined_1f1b", "dualpipev")
 
 
-def add_plan_parser(
-    sub: "argparse._SubParsersAction[argparse.ArgumentParser]",  # pyright: ignore[reportPrivateUsage]
-) -> None:
-    """Add the ``plan`` command to ``python -m moe_overlap``."""
+def add_plan_parser(sub: _Subparsers) -> None:
+    """Add the ``plan`` command to ``python -m moe_overlap``'s subcommands ``sub`` (what
+    ``ArgumentParser.add_subparsers()`` returns)."""
     p = sub.add_parser(
         "plan",
         help="predict step time, bubbles and memory of schedules on a layout",

@@ -11,7 +11,7 @@ gradients are left out.
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, NamedTuple, Protocol, cast
+from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, cast
 
 import torch
 
@@ -41,13 +41,20 @@ post-process (final norm, LM head, loss)."""
 _LAYER_KINDS: tuple[LayerKind, ...] = ("moe", "dense", "pre", "post")
 
 
-class _ToDict(Protocol):
-    """A configuration object with ``to_dict()`` (a transformers ``PretrainedConfig``); for
-    the annotation only: the check reads the attribute."""
+if TYPE_CHECKING:
 
-    def to_dict(self) -> Mapping[str, object]:
-        """The configuration as a mapping of its fields."""
-        ...
+    class _ToDict(Protocol):
+        """A configuration object with ``to_dict()`` (a transformers ``PretrainedConfig``);
+        for the annotation only: the check reads the attribute."""
+
+        def to_dict(self) -> Mapping[str, object]:
+            """The configuration as a mapping of its fields."""
+            ...
+
+else:
+    # Opaque at run time: debug mode's beartype cannot check a Protocol that is not
+    # runtime-checkable (and one that is needs a rule table); from_hf_config checks it.
+    _ToDict = object
 
 
 class _Matmul(NamedTuple):

@@ -36,7 +36,7 @@ from ._streams import (
     wait_event,
 )
 
-__all__ = ["ModelChunkSchedulePlan", "check_grad_mode", "default_streams", "run_pair"]
+__all__ = ["ModelChunkSchedulePlan", "check_grad_mode", "default_streams", "device_of", "run_pair"]
 
 _DEFAULT_OPTIONS = ScheduleOptions()
 _CPU_STREAMS = StreamPair(comp=cpu_default_stream(), comm=CpuStream("comm"))
@@ -51,7 +51,7 @@ def default_streams(device: torch.device) -> StreamPair:
     return set_streams(device=device)
 
 
-def _device_of(mb: Microbatch) -> torch.device:
+def device_of(mb: Microbatch) -> torch.device:
     """The device of the chunk's input (token ids, else hidden states, else labels)."""
     for t in (mb.input_ids, mb.decoder_input, mb.labels):
         if t is not None:
@@ -107,7 +107,7 @@ class ModelChunkSchedulePlan:
             output_processor=output_processor,
             output_processor_context=output_processor_context,
         )
-        device = _device_of(microbatch)
+        device = device_of(microbatch)
         if streams is None:
             streams = default_streams(device)
         elif (device.type == "cpu") != isinstance(streams.comp, CpuStream):
