@@ -267,3 +267,35 @@ def test_cuda_node_schedule_ending_in_a_weight_gradient_is_awaited_by_the_caller
         got = grads(model)  # cloned on the caller's stream, right away
     torch.cuda.synchronize()
     assert_same(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_the_planner_s_best_schedules_are_bit_identical(dtype: torch.dtype) -> None:
+    """The committed frontier's best orders (up to four in flight, delayed W, early R) on
+    CUDA streams, each against plain backward()."""
+    from moe_overlap.steps import NodeSchedule, Slot
+
+    from .test_node_schedule import _frontier_orders
+
+    for name, order in _frontier_orders():
+        schedule = NodeSchedule.parse(order)
+        directions = {s.direction for s in schedule.steps}
+        delay = Direction.WGRAD in directions
+        recompute = (Slot.PRE_DISPATCH, Slot.MLP) if Direction.RECOMPUTE in directions else ()
+        config = ToyConfig(hidden=64, shared_expert=True)
+        ref = ToyModel(config, "mmmm").to(device="cuda", dtype=dtype)
+        model = copy.deepcopy(ref)
+        mbs = to_cuda(make_microbatches(schedule.microbatches, config, batch=4, seq=64))
+        ref_losses = plain_step(ref, mbs)
+        model.set_delay(delay)
+        losses = combined_1f1b(
+            model,
+            mbs,
+            options=ScheduleOptions(delay_wgrad_compute=delay, recompute=recompute),
+            streams=make_streams("cuda"),
+            schedule=schedule,
+        )
+        torch.cuda.synchronize()
+        for got, want in zip(losses, ref_losses, strict=True):
+            assert torch.equal(got, want.float()), name
+        assert_same(grads(model), grads(ref))
