@@ -202,27 +202,11 @@ def test_cuda_recompute_draws_the_same_dropout_mask(where: str | None) -> None:
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_cuda_node_schedule_parity(dtype: torch.dtype, delay: bool, seed: int) -> None:
     """A random exact node schedule, 2 to 4 microbatches in flight, on CUDA streams."""
-    from .test_node_schedule import _shape, random_order
+    from .test_node_schedule import _shape, random_order, run_both
 
     kinds = ["mdm", "mm", "dm"][seed]
-    config = ToyConfig(hidden=64, shared_expert=True)
-    ref = ToyModel(config, kinds).to(device="cuda", dtype=dtype)
-    model = copy.deepcopy(ref)
-    mbs = to_cuda(make_microbatches(5, config, batch=4, seq=64))
-    ref_losses = plain_step(ref, mbs)
-    model.set_delay(delay)
     schedule = random_order(_shape(kinds, delay=delay), 5, seed, in_flight=2 + seed)
-    losses = combined_1f1b(
-        model,
-        mbs,
-        options=ScheduleOptions(delay_wgrad_compute=delay),
-        streams=make_streams("cuda"),
-        schedule=schedule,
-    )
-    torch.cuda.synchronize()
-    for got, want in zip(losses, ref_losses, strict=True):
-        assert torch.equal(got, want.float())
-    assert_same(grads(model), grads(ref))
+    run_both(kinds, schedule, delay=delay, device="cuda", dtype=dtype)
 
 
 def test_cuda_node_schedule_ending_in_a_weight_gradient_is_awaited_by_the_caller() -> None:
@@ -273,29 +257,10 @@ def test_cuda_node_schedule_ending_in_a_weight_gradient_is_awaited_by_the_caller
 def test_cuda_the_planner_s_best_schedules_are_bit_identical(dtype: torch.dtype) -> None:
     """The committed frontier's best orders (up to four in flight, delayed W, early R) on
     CUDA streams, each against plain backward()."""
-    from moe_overlap.steps import NodeSchedule, Slot
+    from moe_overlap.steps import NodeSchedule
 
-    from .test_node_schedule import _frontier_orders
+    from .test_node_schedule import _frontier_orders, frontier_options, run_both
 
-    for name, order in _frontier_orders():
+    for _, order in _frontier_orders():
         schedule = NodeSchedule.parse(order)
-        directions = {s.direction for s in schedule.steps}
-        delay = Direction.WGRAD in directions
-        recompute = (Slot.PRE_DISPATCH, Slot.MLP) if Direction.RECOMPUTE in directions else ()
-        config = ToyConfig(hidden=64, shared_expert=True)
-        ref = ToyModel(config, "mmmm").to(device="cuda", dtype=dtype)
-        model = copy.deepcopy(ref)
-        mbs = to_cuda(make_microbatches(schedule.microbatches, config, batch=4, seq=64))
-        ref_losses = plain_step(ref, mbs)
-        model.set_delay(delay)
-        losses = combined_1f1b(
-            model,
-            mbs,
-            options=ScheduleOptions(delay_wgrad_compute=delay, recompute=recompute),
-            streams=make_streams("cuda"),
-            schedule=schedule,
-        )
-        torch.cuda.synchronize()
-        for got, want in zip(losses, ref_losses, strict=True):
-            assert torch.equal(got, want.float()), name
-        assert_same(grads(model), grads(ref))
+        run_both("mmmm", schedule, **frontier_options(schedule), device="cuda", dtype=dtype)

@@ -8,17 +8,20 @@ import copy
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 from moe_overlap import (
     ConfigError,
+    Microbatch,
     ScheduleError,
     ScheduleOptions,
     SlotContext,
     TypeHintError,
     combined_1f1b,
+    make_streams,
 )
 from moe_overlap.engine import DEBUG
 from moe_overlap.plan import ScheduleGraph, node_schedule, today_orders
@@ -94,20 +97,58 @@ def random_order(shape: ChunkShape, n: int, seed: int, *, in_flight: int = 3) ->
     return NodeSchedule(out)
 
 
-def _run_both(
-    stack: str, schedule: NodeSchedule, *, delay: bool = False, n: int | None = None
+def run_both(
+    stack: str,
+    schedule: NodeSchedule,
+    *,
+    delay: bool = False,
+    recompute: tuple[Slot, ...] = (),
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> None:
-    config = ToyConfig(shared_expert=True)
-    ref = ToyModel(config, stack)
+    """``schedule`` on a toy model of ``stack``, against plain per-microbatch backward():
+    the same losses and gradients, bit for bit (on CUDA: the streams of ``make_streams``,
+    hidden 64, 4 x 64 tokens per microbatch)."""
+    cuda = device == "cuda"
+    config = ToyConfig(hidden=64, shared_expert=True) if cuda else ToyConfig(shared_expert=True)
+    ref = ToyModel(config, stack).to(device=device, dtype=dtype)
     model = copy.deepcopy(ref)
-    mbs = make_microbatches(n or schedule.microbatches, config)
+    mbs = make_microbatches(
+        schedule.microbatches, config, **({"batch": 4, "seq": 64} if cuda else {})
+    )
+    mbs = [
+        Microbatch(
+            input_ids=_to(m.input_ids, device),
+            position_ids=_to(m.position_ids, device),
+            labels=_to(m.labels, device),
+        )
+        for m in mbs
+    ]
     want = plain_step(ref, mbs)
     model.set_delay(delay)
-    options = ScheduleOptions(delay_wgrad_compute=delay)
-    got = combined_1f1b(model, mbs, options=options, schedule=schedule)
+    options = ScheduleOptions(delay_wgrad_compute=delay, recompute=recompute)
+    got = combined_1f1b(
+        model, mbs, options=options, streams=make_streams(device), schedule=schedule
+    )
+    if cuda:
+        torch.cuda.synchronize()
     assert model.pending_wgrad == 0
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert all(torch.equal(a, b.float()) for a, b in zip(got, want, strict=True))
     assert_same(grads(model), grads(ref))
+
+
+def _to(t: torch.Tensor | None, device: str) -> torch.Tensor | None:
+    return None if t is None else t.to(device)
+
+
+def frontier_options(schedule: NodeSchedule) -> dict[str, Any]:
+    """What a searched order needs: delayed weight gradients when it has ``W`` steps, the
+    pre-dispatch and mlp recomputed when it has ``R`` steps."""
+    directions = {s.direction for s in schedule.steps}
+    return {
+        "delay": Direction.WGRAD in directions,
+        "recompute": (Slot.PRE_DISPATCH, Slot.MLP) if Direction.RECOMPUTE in directions else (),
+    }
 
 
 def test_a_schedule_round_trips_through_its_text() -> None:
@@ -213,7 +254,7 @@ def test_the_plain_order_and_the_random_ones_pass_the_rules() -> None:
 @pytest.mark.parametrize("name", ["serial", "overlapped", "fill_drain"])
 def test_today_s_orders_from_the_planner_are_bit_identical(stack: str, name: str) -> None:
     graph = ScheduleGraph(microbatches=3, moe=tuple(k == "m" for k in stack))
-    _run_both(stack, node_schedule(today_orders(graph)[name]))
+    run_both(stack, node_schedule(today_orders(graph)[name]))
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -222,7 +263,7 @@ def test_random_exact_orders_are_bit_identical(seed: int, delay: bool) -> None:
     stack = ["mdm", "mm", "dm"][seed % 3]
     shape = _shape(stack, delay=delay)
     in_flight = 2 + seed % 3  # 2, 3, 4 microbatches in flight
-    _run_both(stack, random_order(shape, 4, seed, in_flight=in_flight), delay=delay)
+    run_both(stack, random_order(shape, 4, seed, in_flight=in_flight), delay=delay)
 
 
 def test_the_schedule_replaces_overlap_and_fill_drain_and_must_match_the_microbatches() -> None:
@@ -301,20 +342,7 @@ def test_the_planner_s_best_schedules_run_bit_identical(name: str, order: str) -
     """The committed frontier's best orders (up to four microbatches in flight, delayed
     weight gradients, recomputation started early), as searched, on a four-layer MoE model."""
     schedule = NodeSchedule.parse(order)
-    directions = {s.direction for s in schedule.steps}
-    delay = Direction.WGRAD in directions
-    recompute = (Slot.PRE_DISPATCH, Slot.MLP) if Direction.RECOMPUTE in directions else ()
-    config = ToyConfig(shared_expert=True)
-    ref = ToyModel(config, "mmmm")
-    model = copy.deepcopy(ref)
-    mbs = make_microbatches(schedule.microbatches, config)
-    want = plain_step(ref, mbs)
-    model.set_delay(delay)
-    options = ScheduleOptions(delay_wgrad_compute=delay, recompute=recompute)
-    got = combined_1f1b(model, mbs, options=options, schedule=schedule)
-    assert model.pending_wgrad == 0
-    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), name
-    assert_same(grads(model), grads(ref))
+    run_both("mmmm", schedule, **frontier_options(schedule))
 
 
 def test_r_steps_are_checked_against_the_recomputed_slots() -> None:
