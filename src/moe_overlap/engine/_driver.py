@@ -205,12 +205,7 @@ def _run(
         for step in macro_steps(len(microbatches), mode):
             forward, backward = forward_microbatches(step), backward_microbatches(step)
             for i in forward:
-                plan = ModelChunkSchedulePlan(
-                    model, microbatches[i], options=options, streams=streams, index=i
-                )
-                if on_plan is not None:
-                    on_plan(plan)
-                live[i] = plan
+                live[i] = _new_plan(model, microbatches, i, options, streams, on_plan)
             fs = [live[i] for i in forward]
             bs = [live[i] for i in backward]
             grads = [torch.full_like(losses[i], loss_scale) for i in backward]
@@ -234,6 +229,21 @@ def _run(
     return losses
 
 
+def _new_plan(
+    model: PreprocessableModel,
+    microbatches: Sequence[Microbatch],
+    i: int,
+    options: ScheduleOptions,
+    streams: StreamPair | None,
+    on_plan: PlanCallback | None,
+) -> ModelChunkSchedulePlan:
+    """Microbatch ``i``'s plan, handed to ``on_plan`` when given."""
+    plan = ModelChunkSchedulePlan(model, microbatches[i], options=options, streams=streams, index=i)
+    if on_plan is not None:
+        on_plan(plan)
+    return plan
+
+
 def _run_schedule(
     model: PreprocessableModel,
     microbatches: Sequence[Microbatch],
@@ -250,12 +260,7 @@ def _run_schedule(
     first = cast(int, schedule.steps[0].microbatch)
 
     def build(mb: int) -> ModelChunkSchedulePlan:
-        plan = ModelChunkSchedulePlan(
-            model, microbatches[mb], options=options, streams=streams, index=mb
-        )
-        if on_plan is not None:
-            on_plan(plan)
-        return plan
+        return _new_plan(model, microbatches, mb, options, streams, on_plan)
 
     ahead = [build(first)]  # built before the walk; handed to it at its first step
     try:
