@@ -32,7 +32,6 @@ from moe_overlap import (
     TypeHintError,
     combined_1f1b,
 )
-from moe_overlap.blocks import finish_wgrad
 from moe_overlap.engine import DEBUG, release_storage
 from moe_overlap.engine._guards import BaseGuard, attach
 from moe_overlap.models import GPTMoEModel
@@ -50,7 +49,7 @@ from moe_overlap.steps import (
     layer_pair_steps,
 )
 from moe_overlap.streams import stream_order_check
-from tests.models._helpers import SMALL
+from tests.models._helpers import SMALL, assert_matches_plain
 
 from .test_order import sample_orders
 from .test_parity import assert_same
@@ -621,16 +620,7 @@ def test_the_reference_model_recomputes_exactly(delay: bool, chunks: int) -> Non
         model.schedule_options(), recompute=recompute, order=recompute_order("random", 5)
     )
     losses = combined_1f1b(model, mbs, options=options, fill_drain=True)
-    want = []
-    for mb in mbs:
-        assert mb.input_ids is not None
-        loss = plain(mb.input_ids, labels=mb.labels)
-        loss.backward()
-        finish_wgrad(plain)
-        want.append(loss.detach())
-    assert losses == want
-    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
-        assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
+    assert_matches_plain(model, plain, mbs, losses)
 
 
 def test_the_chunked_dispatcher_s_mlp_refuses_to_run_again() -> None:
