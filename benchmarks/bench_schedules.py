@@ -17,8 +17,14 @@ First every variant's losses and gradients are compared with the serial step's, 
 bit, under deterministic kernels (``bench_overlap``'s exactness pass, whose
 ``MOE_OVERLAP_BENCH_PERTURB`` makes it see one ulp in a named variant); then the timed
 rounds; then each variant's peak memory over the serial step's. Each row shows the
-planner's prediction and its error. Writes ``schedules.json`` and ``schedules.md`` to
-``--out``::
+planner's prediction and its error.
+
+Then, at the host-bound size (hidden 256, 256 tokens per microbatch, expert FFN 128), whether
+the host keeps ahead of the GPU in each variant: the host's milliseconds of issuing one step
+(the call's wall time; at this size the GPU never holds the host back) and the GPU's
+milliseconds of running it back to back (queued behind a device-side sleep, so it never waits
+for the host), both per layer pair (layers x microbatches pairs of one forward and one
+backward per step). Writes ``schedules.json`` and ``schedules.md`` to ``--out``::
 
     python benchmarks/bench_schedules.py --out benchmarks/results/schedules     # a GPU
     python benchmarks/bench_schedules.py --tiny --device cpu --iters 1 --out /tmp/s  # smoke
@@ -30,6 +36,7 @@ import argparse
 import json
 import shlex
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import cast
@@ -159,6 +166,71 @@ def measure(config: JsonDict, args: argparse.Namespace) -> JsonDict:
     }
 
 
+HOST_BOUND = SliceConfig(hidden=256, ffn=128, tokens=256, head_dim=64)
+"""The host-bound size (``bench_overlap.py``'s): issuing a step is slower than running it."""
+
+
+def host_and_gpu_ms(b: Bench, fn: Callable[[], object]) -> tuple[float, float | None]:
+    """One step's host milliseconds of issuing it and, on CUDA, the GPU's milliseconds of
+    running it with all of it queued first (behind a sleep longer than the issuing)."""
+    _sync = torch.cuda.synchronize if b.device.type == "cuda" else (lambda *_: None)
+    _sync(b.device)
+    t0 = time.perf_counter()
+    fn()
+    host = (time.perf_counter() - t0) * 1e3
+    _sync(b.device)
+    if b.device.type != "cuda":
+        return host, None
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(3 * host * 2e6))  # ~2 GHz: three times the issuing, in cycles
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize(b.device)
+    return host, start.elapsed_time(end)
+
+
+def host_bound(config: JsonDict, args: argparse.Namespace) -> JsonDict:
+    """Host and GPU milliseconds per layer pair of each variant at the host-bound size."""
+    n = cast(int, config["microbatches"])
+    cfg = HOST_BOUND if not args.tiny else SliceConfig(hidden=64, ffn=32, tokens=64, head_dim=16)
+    b = make_bench(cfg, args, n)
+    fns = variants(b, NodeSchedule.parse(cast(str, config["best_order"])))
+    pairs = cfg.num_layers * n
+    out: JsonDict = {"name": config["name"], "microbatches": n, "layer_pairs": pairs}
+    for k in (*TODAY, "searched"):
+        for _ in range(max(1, args.warmup)):
+            fns[k]()
+        samples = [host_and_gpu_ms(b, fns[k]) for _ in range(max(1, args.iters))]
+        host = median([h for h, _ in samples]) / pairs
+        gpus = [g for _, g in samples if g is not None]
+        gpu = median(gpus) / pairs if gpus else None
+        out[k] = {
+            "host_ms_per_layer_pair": host,
+            "gpu_ms_per_layer_pair": gpu,
+            "host_over_gpu": None if gpu is None else host / gpu,
+        }
+    return out
+
+
+def host_table(rows: list[JsonDict]) -> str:
+    lines = [
+        "| configuration | schedule | host ms per layer pair | GPU ms per layer pair "
+        "| host / GPU |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        for k in (*TODAY, "searched"):
+            v = cast(JsonDict, r[k])
+            gpu, ratio = v["gpu_ms_per_layer_pair"], v["host_over_gpu"]
+            lines.append(
+                f"| {r['name']} | {k} | {cast(float, v['host_ms_per_layer_pair']):.3f} | "
+                f"{'-' if gpu is None else f'{cast(float, gpu):.3f}'} | "
+                f"{'-' if ratio is None else f'{cast(float, ratio):.2f}'} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
 def table(results: list[JsonDict]) -> str:
     lines = [
         "| configuration | schedule | step ms | x max(compute, comm) | speed-up | memory x serial "
@@ -189,20 +261,42 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--iters", type=int, default=5)
     p.add_argument("--exact-attention", default="sdpa", choices=("sdpa", "math"))
+    p.add_argument(
+        "--skip",
+        nargs="*",
+        default=(),
+        choices=("main", "host"),
+        help="skip the main sizes' pass or the host-bound one",
+    )
     p.add_argument("--out", type=Path, required=True, help="folder for schedules.json/.md")
     args = p.parse_args(argv)
     configs = cast("list[JsonDict]", json.loads(args.frontier.read_text("utf-8"))["configs"])
     chosen = [c for c in configs if args.configs is None or c["name"] in args.configs]
     results: list[JsonDict] = []
+    hosts: list[JsonDict] = []
     for c in chosen:
-        print(f"bench_schedules: {c['name']} ...", file=sys.stderr, flush=True)
-        results.append(measure(c, args))
+        if "main" not in args.skip:
+            print(f"bench_schedules: {c['name']} ...", file=sys.stderr, flush=True)
+            results.append(measure(c, args))
+        if "host" not in args.skip:
+            print(f"bench_schedules: {c['name']}, host-bound size ...", file=sys.stderr, flush=True)
+            hosts.append(host_bound(c, args))
     args.out.mkdir(parents=True, exist_ok=True)
     given = sys.argv[1:] if argv is None else argv
     command = "python benchmarks/bench_schedules.py " + shlex.join(given)
-    doc = {"command": command, "device": _device(args.device), "results": results}
+    doc = {
+        "command": command,
+        "device": _device(args.device),
+        "results": results,
+        "host_bound": hosts,
+    }
     (args.out / "schedules.json").write_text(json.dumps(doc, indent=1) + "\n", "utf-8")
-    text = f"`{command}` on {doc['device']}\n\n" + table(results)
+    text = f"`{command}` on {doc['device']}\n\n"
+    if results:
+        text += table(results)
+    if hosts:
+        text += "\nAt the host-bound size (hidden 256, 256 tokens, expert FFN 128):\n\n"
+        text += host_table(hosts)
     (args.out / "schedules.md").write_text(text, "utf-8")
     print(text)
     print(f"wrote {args.out / 'schedules.json'} and {args.out / 'schedules.md'}")

@@ -132,6 +132,12 @@ def test_bench_schedules_smoke(ran: Ran) -> None:
         "searched",
     }
     assert result["rows"]["searched"]["predicted_ms"] > 0
+    (host,) = json.loads((out / "schedules.json").read_text())["host_bound"]
+    assert host["layer_pairs"] == 4 * 4  # tiny slice: 4 layers, 4 microbatches
+    for k in ("serial", "overlapped", "fill_drain", "fill_drain_recompute", "searched"):
+        assert host[k]["host_ms_per_layer_pair"] > 0
+        assert host[k]["gpu_ms_per_layer_pair"] is None  # CPU: no device to time
+    assert "| main N=4 | searched |" in stdout.split("host-bound size")[1]
 
 
 def test_bench_schedules_fails_when_the_searched_step_is_not_bit_identical(ran: Ran) -> None:
@@ -466,7 +472,8 @@ RUNS: dict[str, Callable[[Path], subprocess.CompletedProcess[str]]] = {
     "test_bench_schedules_fails_when_the_searched_step_is_not_bit_identical": lambda out: (
         _bench_run(
             "bench_schedules.py",
-            *("--warmup", "0", "--iters", "1", "--configs", "main N=4", "--out", str(out)),
+            *("--warmup", "0", "--iters", "1", "--configs", "main N=4", "--skip", "host"),
+            *("--out", str(out)),
             perturb="searched",
         )
     ),
