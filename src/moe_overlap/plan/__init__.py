@@ -12,9 +12,18 @@ estimated (:func:`costs_from_model`: a roofline of the GPU and alpha-beta links,
 the command line; ``docs/planning.md`` shows what it predicts and how it was validated.
 :func:`search_schedules` searches exact schedules of one pipeline rank beyond today's
 (chunked all-to-all, several microbatches in flight, delayed weight gradients,
-recomputation) for step time against peak memory (``docs/performance.md``).
+recomputation) for step time against peak memory (``docs/performance.md``);
+:func:`choose_schedule` says which of today's and the searched schedules to run within a
+memory budget, why, and how (``python -m moe_overlap plan --choose``).
 """
 
+from moe_overlap.plan._choose import (
+    CHOICE_SPACE,
+    QUICK_CHOICE_SPACE,
+    Bound,
+    ScheduleChoice,
+    choose_schedule,
+)
 from moe_overlap.plan._cli import add_plan_parser, run_plan
 from moe_overlap.plan._layout import Layout, Schedule
 from moe_overlap.plan._machine import MACHINES, Link, Machine, a2a_ms, p2p_ms, roofline_durations
@@ -48,9 +57,12 @@ from moe_overlap.plan._search_steps import (
 from moe_overlap.plan._simulate import Costs, PlanSpan, RankFigures, stage_layers
 
 __all__ = [
+    "CHOICE_SPACE",
     "MACHINES",
     "PRESETS",
+    "QUICK_CHOICE_SPACE",
     "ActivationModel",
+    "Bound",
     "Costs",
     "LayerKind",
     "Layout",
@@ -62,6 +74,7 @@ __all__ = [
     "RankFigures",
     "Recompute",
     "Schedule",
+    "ScheduleChoice",
     "ScheduleGraph",
     "SearchPoint",
     "SearchResult",
@@ -71,6 +84,7 @@ __all__ = [
     "a2a_ms",
     "add_plan_parser",
     "check_exact",
+    "choose_schedule",
     "costs_from_model",
     "costs_from_profile",
     "fit_activations",

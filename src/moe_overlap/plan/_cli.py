@@ -8,12 +8,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from moe_overlap.engine import ConfigError
+from moe_overlap.plan._choose import CHOICE_SPACE, QUICK_CHOICE_SPACE, choose_schedule
 from moe_overlap.plan._layout import Layout, Schedule
 from moe_overlap.plan._machine import MACHINES, Machine
 from moe_overlap.plan._model import PRESETS, ModelSpec
 from moe_overlap.plan._plan import Plan, costs_from_model, costs_from_profile, plan
 from moe_overlap.plan._profile import load_profile
+from moe_overlap.plan._search import today_orders
+from moe_overlap.plan._search_steps import ActivationModel, ScheduleGraph, StepTimes, replay_order
 from moe_overlap.plan._simulate import Costs
+from moe_overlap.steps import Slot
 
 __all__ = ["add_plan_parser", "run_plan"]
 
@@ -129,8 +133,58 @@ def add_plan_parser(sub: _Subparsers) -> None:
         "--out",
         type=Path,
         help="folder to write plan.json, a Chrome trace and a Gantt PNG per schedule into, "
-        "created if missing (default: none, print only)",
+        "created if missing; with --choose, choice.json (default: none, print only)",
     )
+    c = p.add_argument_group(
+        "choosing a schedule (one pipeline rank; --schedule is not used)",
+        "Say which exact schedule combined_1f1b should run: the fastest of today's and the "
+        "searched ones within --memory-budget, and how to run it.",
+    )
+    c.add_argument(
+        "--choose",
+        action="store_true",
+        help="choose a schedule instead of predicting --schedule (default: off)",
+    )
+    c.add_argument(
+        "--memory-budget",
+        type=float,
+        help="the most peak memory the choice may use, times the serial step's (default: any)",
+    )
+    c.add_argument(
+        "--static-share",
+        type=float,
+        default=0.0,
+        help="the share of the serial step's peak memory that is not activations "
+        "(parameters, gradients, optimizer state), 0-1; 0 compares activations alone "
+        "(default: %(default)s)",
+    )
+    c.add_argument(
+        "--quick",
+        action="store_true",
+        help="search a smaller space, about twenty times faster (default: off)",
+    )
+    c.add_argument(
+        "--hidden",
+        type=int,
+        help="hidden size, for the activation model; needed with --profile (default: none)",
+    )
+    c.add_argument(
+        "--moe-ffn",
+        type=int,
+        help="an expert's FFN size; needed with --profile (default: none)",
+    )
+    c.add_argument(
+        "--top-k", type=int, help="experts per token; needed with --profile (default: none)"
+    )
+
+
+def _model(ns: argparse.Namespace) -> ModelSpec:
+    if ns.hf_config is not None:
+        config = json.loads(Path(ns.hf_config).read_text(encoding="utf-8"))
+        return ModelSpec.from_hf_config(
+            config, seq_len=ns.seq_len, micro_batch_size=ns.micro_batch_size
+        )
+    return ModelSpec.preset(ns.model, seq_len=ns.seq_len, micro_batch_size=ns.micro_batch_size)
 
 
 def _costs(ns: argparse.Namespace, layout: Layout) -> tuple[Costs, str]:
@@ -146,13 +200,7 @@ def _costs(ns: argparse.Namespace, layout: Layout) -> tuple[Costs, str]:
             weight_split=cast(bool, ns.weight_split),
         )
         return costs, f"profile {ns.profile} ({layers} layers)"
-    if ns.hf_config is not None:
-        config = json.loads(Path(ns.hf_config).read_text(encoding="utf-8"))
-        model = ModelSpec.from_hf_config(
-            config, seq_len=ns.seq_len, micro_batch_size=ns.micro_batch_size
-        )
-    else:
-        model = ModelSpec.preset(ns.model, seq_len=ns.seq_len, micro_batch_size=ns.micro_batch_size)
+    model = _model(ns)
     machine = Machine.preset(ns.machine)
     if ns.mfu is not None:
         machine = dataclasses.replace(machine, mfu=ns.mfu)
@@ -176,7 +224,15 @@ def _costs(ns: argparse.Namespace, layout: Layout) -> tuple[Costs, str]:
 def run_plan(ns: argparse.Namespace) -> int:
     """Run the ``plan`` command; 0 on success."""
     layout = Layout(ep=ns.ep, pp=ns.pp, dp=ns.dp, vpp=ns.vpp, microbatches=ns.microbatches)
+    if ns.choose and (layout.pp != 1 or layout.vpp != 1):
+        raise ConfigError(
+            f"plan --choose: expected one pipeline rank (--pp 1 --vpp 1), received --pp "
+            f"{layout.pp} --vpp {layout.vpp}; it chooses the schedule of one rank's layers"
+        )
     costs, what = _costs(ns, layout)
+    if ns.choose:
+        print(f"costs from {what}", flush=True)
+        return _run_choose(ns, costs)
     hbm_gb = None if ns.profile is not None else Machine.preset(ns.machine).hbm_GB
     print(f"costs from {what}", flush=True)
     plans: list[Plan] = []
@@ -215,4 +271,68 @@ def run_plan(ns: argparse.Namespace) -> int:
                 print(f"no Gantt PNG: {e}")
             else:
                 print(f"wrote {png}")
+    return 0
+
+
+def _activations(ns: argparse.Namespace, costs: Costs) -> ActivationModel:
+    """The activation model of ``--hidden/--moe-ffn/--top-k`` (or the model's), with the
+    static part that makes ``--static-share`` of the serial step's peak."""
+    if ns.profile is not None:
+        sizes = {"--hidden": ns.hidden, "--moe-ffn": ns.moe_ffn, "--top-k": ns.top_k}
+        missing = [k for k, v in sizes.items() if v is None]
+        if missing:
+            raise ConfigError(
+                f"plan --choose: --profile needs {' '.join(missing)} (the activation model's "
+                "sizes), received none"
+            )
+        hidden, ffn, top_k = cast("tuple[int, int, int]", tuple(sizes.values()))
+    else:
+        model = _model(ns)
+        hidden, ffn, top_k = model.hidden_size, model.moe_ffn_hidden_size, model.top_k
+    share = cast(float, ns.static_share)
+    if not 0.0 <= share < 1.0:
+        raise ConfigError(
+            f"plan --choose: --static-share: expected a share in [0, 1), received {share!r}"
+        )
+    memory = ActivationModel.of_layer(hidden=hidden, moe_ffn=ffn, top_k=top_k)
+    graph = ScheduleGraph(microbatches=cast(int, ns.microbatches), moe=costs.moe)
+    times = StepTimes(times=costs.times, comm_contention=costs.comm_contention)
+    serial = replay_order(today_orders(graph)["serial"], graph, times, memory).peak_units
+    return dataclasses.replace(memory, static_units=serial * share / (1.0 - share))
+
+
+def _run_choose(ns: argparse.Namespace, costs: Costs) -> int:
+    memory = _activations(ns, costs)
+    space = QUICK_CHOICE_SPACE if ns.quick else CHOICE_SPACE
+    budget = cast("float | None", ns.memory_budget)
+    choice = choose_schedule(costs, cast(int, ns.microbatches), memory, budget=budget, space=space)
+    share = cast(float, ns.static_share)
+    print(
+        f"memory: peak activations{' plus the static part' if share else ''}, times the "
+        f"serial step's ({share:g} of whose peak is static)"
+    )
+    print(choice.summary())
+    if choice.kind == "searched":
+        print(f"  schedule (NodeSchedule.parse reads it): {choice.schedule}")
+    out = cast("Path | None", ns.out)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        c = choice.chosen
+        data = {
+            "kind": choice.kind,
+            "label": choice.label,
+            "budget": choice.budget,
+            "step_ms": c.step_ms,
+            "memory": c.memory,
+            "serial_ms": choice.serial.step_ms,
+            "bound": choice.bound,
+            "reason": choice.reason,
+            "call": choice.call,
+            "delay_wgrad_compute": choice.options.delay_wgrad_compute,
+            "recompute": [Slot(s).value for s in choice.options.recompute],
+            "schedule": str(choice.schedule),
+        }
+        path = out / "choice.json"
+        path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {path}")
     return 0
