@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 from collections.abc import Iterator
 from typing import Any
 
@@ -50,7 +51,7 @@ def _no_fork() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def megatron_on_cpu(port: int = 29531) -> Iterator[None]:
+def megatron_on_cpu() -> Iterator[None]:
     """Megatron-Core ready to build and run a model on this CPU process, restored after."""
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel import random as mc_random
@@ -71,6 +72,9 @@ def megatron_on_cpu(port: int = 29531) -> Iterator[None]:
         torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
         mc_random.CudaRNGStatesTracker.fork = lambda self, name="": _no_fork()  # type: ignore[method-assign]
         if started:
+            with socket.socket() as s:  # a free port for the one-rank group
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
             dist.init_process_group("gloo", rank=0, world_size=1)
         parallel_state.initialize_model_parallel(1, 1)

@@ -170,9 +170,8 @@ class MegatronMoEAdapter(MegatronHooks):
                 f"{w}: {type(model).__name__}: expected MoE layers (a TransformerLayer whose "
                 "mlp is Megatron-Core's MoELayer), received none"
             )
-        self.config = AdapterConfig(
-            moe_token_dispatcher_type=str(self._model.config.moe_token_dispatcher_type)
-        )
+        # What the schedule's free-input policy reads (schedule_options keeps every input).
+        self.config = AdapterConfig()
         self._built_on: BuiltOn | None = None
         self._check_bypassed()
         self.self_check_report = SelfCheckReport(enabled=self_check)
