@@ -14,6 +14,7 @@ The library never imports this module; on a GPU the tests run Megatron unpatched
 from __future__ import annotations
 
 import contextlib
+import importlib
 import os
 import socket
 from collections.abc import Iterator
@@ -33,15 +34,14 @@ def _dtoh_on_cpu(self: Any, point: str, tokens_per_expert: torch.Tensor | None =
     """The all-to-all dispatcher's ``_maybe_dtoh_and_synchronize`` on one CPU process: at
     its device-to-host point the same attributes become CPU values (numpy splits), with no
     stream and no event."""
-    from megatron.core.transformer.moe.moe_utils import maybe_move_tensor_to_cpu
-
+    utils: Any = importlib.import_module("megatron.core.transformer.moe.moe_utils")
     if self.drop_and_pad or point != self.cuda_dtoh_point:
         return tokens_per_expert
     for name in ("input_splits", "output_splits", "output_splits_tp"):
         value = getattr(self, name)
         if isinstance(value, torch.Tensor):
             setattr(self, name, value.numpy())
-    self.num_out_tokens = maybe_move_tensor_to_cpu(self.num_out_tokens)
+    self.num_out_tokens = utils.maybe_move_tensor_to_cpu(self.num_out_tokens)
     return tokens_per_expert
 
 
@@ -50,12 +50,23 @@ def _no_fork() -> Iterator[None]:
     yield
 
 
+def _fork(self: object, name: str = "") -> contextlib.AbstractContextManager[None]:
+    """The RNG tracker's ``fork``: no CUDA generator to fork (the tests run no dropout)."""
+    del self, name
+    return _no_fork()
+
+
+def _cpu() -> torch.device:
+    """``torch.cuda.current_device()`` on one CPU process."""
+    return torch.device("cpu")
+
+
 @contextlib.contextmanager
 def megatron_on_cpu() -> Iterator[None]:
     """Megatron-Core ready to build and run a model on this CPU process, restored after."""
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import random as mc_random
-    from megatron.core.transformer.moe import token_dispatcher as td
+    parallel_state: Any = importlib.import_module("megatron.core.parallel_state")
+    mc_random: Any = importlib.import_module("megatron.core.tensor_parallel.random")
+    td: Any = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
 
     a2a = td.MoEAlltoAllTokenDispatcher
     saved: list[tuple[object, str, object]] = [
@@ -68,9 +79,9 @@ def megatron_on_cpu() -> Iterator[None]:
     started = not dist.is_initialized()
     try:
         a2a.cuda_dtoh_stream = _NoStream()
-        a2a._maybe_dtoh_and_synchronize = _dtoh_on_cpu  # type: ignore[method-assign]
-        torch.cuda.current_device = lambda: torch.device("cpu")  # type: ignore[assignment]
-        mc_random.CudaRNGStatesTracker.fork = lambda self, name="": _no_fork()  # type: ignore[method-assign]
+        a2a._maybe_dtoh_and_synchronize = _dtoh_on_cpu
+        setattr(torch.cuda, "current_device", _cpu)  # noqa: B010 (patched, put back)
+        mc_random.CudaRNGStatesTracker.fork = _fork
         if started:
             with socket.socket() as s:  # a free port for the one-rank group
                 s.bind(("127.0.0.1", 0))

@@ -5,6 +5,7 @@ the refusals."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -39,12 +40,9 @@ def build(
     """A tiny ``GPTModel`` with the local spec: ``moe`` two MoE layers (4 experts, top 2,
     all-to-all); ``mixed`` a dense layer, then a MoE layer with shared experts and the
     all-gather dispatcher."""
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_decoder_block_spec,
-        get_gpt_layer_local_spec,
-    )
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    specs: Any = importlib.import_module("megatron.core.models.gpt.gpt_layer_specs")
+    gpt: Any = importlib.import_module("megatron.core.models.gpt.gpt_model")
+    tc: Any = importlib.import_module("megatron.core.transformer.transformer_config")
 
     args: dict[str, Any] = {
         "num_layers": 2,
@@ -70,15 +68,15 @@ def build(
         }
     args |= config
     torch.manual_seed(seed)
-    config = TransformerConfig(**args)
+    config = tc.TransformerConfig(**args)
     spec: Any = (
-        get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+        specs.get_gpt_decoder_block_spec(config, use_transformer_engine=False)
         if kind == "mixed"
-        else get_gpt_layer_local_spec(
+        else specs.get_gpt_layer_local_spec(
             num_experts=args["num_moe_experts"], moe_grouped_gemm=False
         )
     )
-    model = GPTModel(
+    model: nn.Module = gpt.GPTModel(
         config=config,
         transformer_layer_spec=spec,
         vocab_size=VOCAB,
@@ -220,8 +218,14 @@ def test_the_self_check_catches_a_wrong_split(monkeypatch: pytest.MonkeyPatch) -
     [
         ({"hidden_dropout": 0.1}, r"config\.hidden_dropout: expected 0\.0 or 0 .*received 0\.1"),
         ({"mlp_chunks_for_training": 2}, r"mlp_chunks_for_training: expected 1 "),
-        ({"recompute_granularity": "full", "recompute_method": "uniform",
-          "recompute_num_layers": 1}, r"recompute_granularity: expected None"),
+        (
+            {
+                "recompute_granularity": "full",
+                "recompute_method": "uniform",
+                "recompute_num_layers": 1,
+            },
+            r"recompute_granularity: expected None",
+        ),
     ],
 )
 def test_configurations_it_cannot_follow_are_refused(config: dict[str, Any], match: str) -> None:
@@ -240,8 +244,11 @@ def test_a_model_changed_after_construction_is_refused() -> None:
     model = build()
     adapter = MegatronMoEAdapter(model)
     moe: Any = model.get_submodule("decoder.layers.1.mlp")
-    moe.router = type(moe.router)(config=moe.config, pg_collection=moe.router.pg_collection) \
-        if hasattr(moe.router, "pg_collection") else nn.Identity()
+    moe.router = (
+        type(moe.router)(config=moe.config, pg_collection=moe.router.pg_collection)
+        if hasattr(moe.router, "pg_collection")
+        else nn.Identity()
+    )
     with pytest.raises(ConfigError, match=r"decoder\.layers\.1\.mlp: expected the modules the"):
         combined_1f1b(adapter, microbatches(2), options=adapter.schedule_options())
     layers: Any = model.get_submodule("decoder.layers")

@@ -86,13 +86,14 @@ def _tensor(value: object, where: str) -> Tensor:
 
 def _pair(value: object, where: str, what: str) -> tuple[Tensor, Tensor | None]:
     """A Megatron ``(tensor, tensor-or-None)`` result."""
+    kind = type(value).__name__
     if isinstance(value, tuple) and len(cast("tuple[object, ...]", value)) == 2:
         first, second = cast("tuple[object, object]", value)
         if isinstance(first, Tensor) and (second is None or isinstance(second, Tensor)):
             return first, second
     raise IntegrationError(
         f"{where}: expected {what} as a pair (tensor, tensor or None), as Megatron-Core "
-        f"returns it, received {type(value).__name__}"
+        f"returns it, received {kind}"
     )
 
 
@@ -162,8 +163,9 @@ class McMoELayer(_McBase, MoESlots):
         normed: object = self._layer._forward_pre_mlp_layernorm(h)
         residual = h
         if isinstance(normed, tuple):  # a fused residual norm hands the residual back
-            normed, residual = _pair(normed, where, "the pre-MLP norm's (output, residual)")
-            residual = _tensor(residual, where)
+            pair = cast("object", normed)
+            normed, fused = _pair(pair, where, "the pre-MLP norm's (output, residual)")
+            residual = _tensor(fused, where)
         u = _tensor(normed, where)
         if bool(self._layer.config.fp32_residual_connection):
             residual = residual.float()
@@ -176,9 +178,7 @@ class McMoELayer(_McBase, MoESlots):
             with torch.no_grad():
                 self._router_counts.copy_(counts)
         state.residual = ctx.detach(residual)
-        state.shared_expert_output = (
-            None if shared is None else ctx.detach(_tensor(shared, where))
-        )
+        state.shared_expert_output = None if shared is None else ctx.detach(_tensor(shared, where))
         self._save(ctx, "pre_dispatch")
         return tokens, _tensor(probs, where)
 

@@ -100,7 +100,7 @@ def _layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
             f"MegatronMoEAdapter: {type(model).__name__}.decoder.layers: expected a non-empty "
             f"ModuleList of TransformerLayers, received {got}"
         )
-    return [(f"decoder.layers.{i}", cast("nn.Module", m)) for i, m in enumerate(layers)]
+    return [(f"decoder.layers.{i}", m) for i, m in enumerate(layers)]
 
 
 def _structure(layer: nn.Module) -> tuple[object, ...]:
@@ -164,7 +164,9 @@ class MegatronMoEAdapter(MegatronHooks):
         self.loss_fn: LossFn = loss_fn if loss_fn is not None else masked_mean
         self._layers = _layers(model)
         refuse_config(model, self._layers)
-        self._moe = [name for name, m in self._layers if isinstance(m.get_submodule("mlp"), mc.moe_layer)]
+        self._moe = [
+            name for name, m in self._layers if isinstance(m.get_submodule("mlp"), mc.moe_layer)
+        ]
         if not self._moe:
             raise ConfigError(
                 f"{w}: {type(model).__name__}: expected MoE layers (a TransformerLayer whose "
@@ -264,7 +266,12 @@ class MegatronMoEAdapter(MegatronHooks):
                     "trains it anyway, unverified)"
                 )
             report.structures.append(
-                (type(layer).__name__, seen[key], worst.difference, str(p0.dtype).removeprefix("torch."))
+                (
+                    type(layer).__name__,
+                    seen[key],
+                    worst.difference,
+                    str(p0.dtype).removeprefix("torch."),
+                )
             )
         report.seconds = time.perf_counter() - start
 
@@ -369,7 +376,7 @@ class MegatronMoEAdapter(MegatronHooks):
             )
         if labels is None:
             return out
-        loss: object = self.loss_fn(out, loss_mask)
+        loss = cast("object", self.loss_fn(out, loss_mask))  # a user's callable
         if not isinstance(loss, Tensor):
             raise IntegrationError(
                 f"MegatronMoEAdapter: loss_fn: expected a tensor, received {type(loss).__name__}"
@@ -385,7 +392,9 @@ class MegatronMoEAdapter(MegatronHooks):
         if self._built_on is not None:
             self._built_on.check_blocks(_layers(self.model), cls)
         yield BypassedModule(cls, self.model, Bypass.FORWARD, _MODEL)
-        yield BypassedModule(f"{cls}.decoder", self.model.get_submodule("decoder"), Bypass.FORWARD, _DECODER)
+        yield BypassedModule(
+            f"{cls}.decoder", self.model.get_submodule("decoder"), Bypass.FORWARD, _DECODER
+        )
         moe = set(self._moe)
         current = dict(_layers(self.model))
         for name, layer in self._layers:
@@ -477,7 +486,7 @@ def _shared(root: nn.Module) -> dict[int, object]:
             todo.extend(cast("dict[object, object]", obj).values())
         elif isinstance(obj, (list, tuple, set, frozenset)):
             todo.extend(cast("list[object]", obj))
-        elif hasattr(obj, "__dict__") and not callable(obj) or isinstance(obj, nn.Module):
+        elif (hasattr(obj, "__dict__") and not callable(obj)) or isinstance(obj, nn.Module):
             todo.extend(vars(obj).values())
     return found
 
