@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml
 	# it imports on CPU is pinned in the torchtitan extra (in dev too).
 	$(BIN)/pip install --progress-bar on --no-deps torchtitan==0.3.0
 	# Megatron-Core the same way (what it imports on CPU is pinned in the megatron extra,
-	# in dev too); its metadata asks for Python >= 3.12, the code runs on 3.10+.
+	# in dev too); its metadata asks for Python >= 3.12, the tests run it on this venv's.
 	$(BIN)/pip install --progress-bar on --no-deps --ignore-requires-python megatron-core==0.19.2
 	touch $(STAMP)
 
