@@ -35,7 +35,12 @@ def _megatron() -> Iterator[None]:
 
 
 def build(
-    kind: str = "moe", *, seed: int = 0, dtype: torch.dtype = torch.float32, **config: Any
+    kind: str = "moe",
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    tied: bool = False,
+    **config: Any,
 ) -> nn.Module:
     """A tiny ``GPTModel`` with the local spec: ``moe`` two MoE layers (4 experts, top 2,
     all-to-all); ``mixed`` a dense layer, then a MoE layer with shared experts and the
@@ -82,6 +87,7 @@ def build(
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         position_embedding_type="rope",
+        share_embeddings_and_output_weights=tied,
     )
     return model.to(dtype)
 
@@ -166,12 +172,17 @@ def test_schedules_are_bit_identical_to_megatron_s_own_forward_backward(
     assert_bit_identical(model, ref)
 
 
-def test_bfloat16_overlapped_and_fill_drain_are_bit_identical() -> None:
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_bfloat16_overlapped_and_fill_drain_are_bit_identical(tied: bool) -> None:
+    """bfloat16, six microbatches; with the output layer sharing the word embedding's
+    weight too (its two gradients per microbatch summed as the model's own backward sums
+    them, whatever the schedule's order)."""
     for fill_drain in (False, True):
-        model, ref = build(dtype=torch.bfloat16), build(dtype=torch.bfloat16)
+        model = build(dtype=torch.bfloat16, tied=tied)
+        ref = build(dtype=torch.bfloat16, tied=tied)
         adapter = MegatronMoEAdapter(model)
         assert adapter.self_check_report.structures[0][3] == "bfloat16"
-        mbs = microbatches()
+        mbs = microbatches(6)
         got = combined_1f1b(adapter, mbs, options=adapter.schedule_options(), fill_drain=fill_drain)
         want = megatron_step(ref, mbs)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
