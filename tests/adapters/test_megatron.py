@@ -299,3 +299,16 @@ def test_releasing_inputs_on_one_expert_rank_is_refused_by_the_schedule() -> Non
     assert not adapter.schedule_options().free_input
     with pytest.raises(ScheduleError, match=r"'moe_dispatch': output 0 .*shares storage"):
         combined_1f1b(adapter, microbatches(2), options=ScheduleOptions(free_input=True))
+
+
+def test_a_stage_holds_the_model_s_modules_under_their_own_names() -> None:
+    from moe_overlap.adapters.megatron import MegatronMoEStage
+
+    model, ref = build(), build()
+    stage = MegatronMoEStage(MegatronMoEAdapter(model))
+    assert [n for n, _ in stage.named_parameters()] == [n for n, _ in model.named_parameters()]
+    assert stage.decoder.layers[0].name == "decoder.layers.0"  # the adapted layers
+    (mb,) = microbatches(1)
+    assert mb.input_ids is not None
+    logits = stage(mb.input_ids, mb.position_ids, mb.attention_mask)
+    assert torch.equal(logits, ref(mb.input_ids, mb.position_ids, mb.attention_mask))

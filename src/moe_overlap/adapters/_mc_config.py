@@ -130,12 +130,6 @@ def refuse_config(model: nn.Module, layers: Sequence[tuple[str, nn.Module]]) -> 
                 f"MegatronMoEAdapter: {cls}.config.{name}: expected {shown} ({why}), "
                 f"received {value!r}; {todo}"
             )
-    if not (bool(m.pre_process) and bool(m.post_process)):
-        raise ConfigError(
-            f"MegatronMoEAdapter: {cls}: expected a whole model (pre_process and "
-            f"post_process True), received pre_process={m.pre_process}, "
-            f"post_process={m.post_process}; pipeline stages are not supported yet"
-        )
     mc = mcore()
     for name, layer in layers:
         if not isinstance(layer, mc.transformer_layer):

@@ -111,6 +111,8 @@ def _tied_embedding(model: nn.Module) -> frozenset[int]:
     m: Any = model
     if not bool(getattr(m, "share_embeddings_and_output_weights", False)):
         return frozenset()
+    if not (bool(m.pre_process) and bool(m.post_process)):
+        return frozenset()  # a pipeline stage holds one of the two uses
     return frozenset({id(m.embedding.word_embeddings.weight)})
 
 
@@ -145,8 +147,10 @@ class MegatronMoEAdapter(MegatronHooks):
     run whole.
 
     Args:
-        model: a ``GPTModel`` (whole: ``pre_process`` and ``post_process``), built with
-            MoE layers, on its device, Megatron-Core's model-parallel state initialised.
+        model: a ``GPTModel`` built with MoE layers, on its device, Megatron-Core's
+            model-parallel state initialised: a whole model, or a pipeline stage's chunk
+            (``pre_process`` / ``post_process`` as built; see
+            :class:`~moe_overlap.adapters.megatron.MegatronMoEStage`).
         loss_fn: ``loss_fn(per_token_loss, loss_mask)``, the microbatch's scalar loss from
             the model's per-token loss ``[b, s]``; ``None``: :func:`masked_mean`.
         self_check: compare the split of each distinct layer structure with the layer's own
@@ -190,7 +194,7 @@ class MegatronMoEAdapter(MegatronHooks):
         self._moe = [
             name for name, m in self._layers if isinstance(m.get_submodule("mlp"), mc.moe_layer)
         ]
-        if not self._moe:
+        if not self._moe and self.pre_process and self.post_process:
             raise ConfigError(
                 f"{w}: {type(model).__name__}: expected MoE layers (a TransformerLayer whose "
                 "mlp is Megatron-Core's MoELayer), received none"
@@ -303,12 +307,13 @@ class MegatronMoEAdapter(MegatronHooks):
     # --- PreprocessableModel ----------------------------------------------------------------
     @property
     def pre_process(self) -> bool:
-        """Whether the model embeds token ids (a whole model: always)."""
+        """Whether the model embeds token ids (a whole model or a first stage)."""
         return bool(self._model.pre_process)
 
     @property
     def post_process(self) -> bool:
-        """Whether the model ends in its output layer (a whole model: always)."""
+        """Whether the model ends in its output layer (a whole model or a last stage);
+        otherwise it hands its hidden states on."""
         return bool(self._model.post_process)
 
     def _run_preprocess(

@@ -40,10 +40,15 @@ Numerics: losses and gradients are bit-identical to the model's own forward and 
 wherever the kernels are deterministic (CPU; CUDA with deterministic algorithms), serial,
 overlapped, with fill and drain, with recomputed slots and under any exact node schedule.
 
+Pipelines: :class:`MegatronMoEStage` takes a ``GPTModel`` built for one pipeline stage
+(``pre_process`` / ``post_process`` as Megatron-Core builds them) as the module of torch's
+``PipelineStage``; prepare the schedule with
+:func:`~moe_overlap.integrations.pipelining.prepare_schedule`.
+
 Not supported (refused at construction, naming the setting): tensor, sequence and context
 parallelism; dropout; Megatron-Core's own recomputation, CUDA graphs, FP8/FP4, shared
 expert overlap, delayed weight gradients and activation offloading; the flex dispatcher;
-multi-token prediction; pipeline stages; layers other than ``TransformerLayer``.
+multi-token prediction; layers other than ``TransformerLayer``.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from moe_overlap.adapters._mc_model import LossFn as LossFn
 from moe_overlap.adapters._mc_model import MegatronMoEAdapter as MegatronMoEAdapter
 from moe_overlap.adapters._mc_model import SelfCheckReport as SelfCheckReport
 from moe_overlap.adapters._mc_model import masked_mean as masked_mean
+from moe_overlap.adapters._mc_stage import MegatronMoEStage as MegatronMoEStage
 
 __all__ = [
     "LossFn",
@@ -62,6 +68,7 @@ __all__ = [
     "McLayer",
     "McMoELayer",
     "MegatronMoEAdapter",
+    "MegatronMoEStage",
     "SelfCheckReport",
     "masked_mean",
 ]
