@@ -62,8 +62,10 @@ def _cpu() -> torch.device:
 
 
 @contextlib.contextmanager
-def megatron_on_cpu() -> Iterator[None]:
-    """Megatron-Core ready to build and run a model on this CPU process, restored after."""
+def megatron_on_cpu(expert_parallel: int = 1) -> Iterator[None]:
+    """Megatron-Core ready to build and run a model on this CPU process, restored after
+    (its model-parallel state over the world: ``expert_parallel`` ranks per expert group,
+    no tensor or pipeline parallelism)."""
     parallel_state: Any = importlib.import_module("megatron.core.parallel_state")
     mc_random: Any = importlib.import_module("megatron.core.tensor_parallel.random")
     td: Any = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
@@ -88,7 +90,7 @@ def megatron_on_cpu() -> Iterator[None]:
                 port = s.getsockname()[1]
             os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
             dist.init_process_group("gloo", rank=0, world_size=1)
-        parallel_state.initialize_model_parallel(1, 1)
+        parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=expert_parallel)
         yield
     finally:
         parallel_state.destroy_model_parallel()
