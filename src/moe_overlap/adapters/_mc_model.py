@@ -181,6 +181,12 @@ class MegatronMoEAdapter(MegatronHooks):
                 f"(the mean over the tokens loss_mask keeps), received {type(loss_fn).__name__}"
             )
         mc = mcore()
+        if type(model).__name__ == "HybridModel":
+            raise ConfigError(
+                f"{w}: model: expected a Megatron-Core GPTModel, received a HybridModel; "
+                "HybridModel is not supported yet (its forward has no _preprocess / "
+                "_postprocess split for the adapter to call); build a GPTModel with MoE layers"
+            )
         if not isinstance(model, mc.gpt_model):
             raise ConfigError(
                 f"{w}: model: expected a Megatron-Core GPTModel "
