@@ -20,8 +20,9 @@ the splits, the token counts) for the next step to read. Two microbatches in fli
 one layer would read each other's: each slot hands the next the dispatcher's attributes
 as it left them (a shallow copy, per layer and microbatch) and puts them back before its
 own call, so every step reads its own microbatch's routing whatever the order of the
-steps. A pre-dispatch the schedule recomputes leaves the router's expert-bias token count
-as it found it (the forward counted the tokens once already).
+steps. A pre-dispatch the schedule recomputes leaves the MoE's buffers (the router's
+expert-bias token counts, its quantile-balancing sums) as it found them: the forward
+counted the microbatch once already.
 
 The split assumes the layer's output is ``residual + moe(norm(h))`` as Megatron-Core
 computes it; the adapter's self-check compares it with the layer's own forward and
@@ -130,9 +131,6 @@ class McMoELayer(_McBase, MoESlots):
         super().__init__(layer, index, name, config)
         self.moe: Any = layer.get_submodule("mlp")
         self.dispatcher: object = self.moe.token_dispatcher
-        router: Any = self.moe.router
-        counts: object = getattr(router, "local_tokens_per_expert", None)
-        self._router_counts = counts if isinstance(counts, Tensor) else None
 
     @property
     def num_local_experts(self) -> int:
@@ -151,9 +149,10 @@ class McMoELayer(_McBase, MoESlots):
         where = self.where("pre_dispatch")
         state = ctx.layer_state
         rerun = _KEY + "pre_dispatch" in state.extras  # a recompute: the forward ran already
-        counts = None
-        if rerun and self._router_counts is not None:
-            counts = self._router_counts.detach().clone()
+        # The router's running state (expert-bias token counts, quantile-balancing sums):
+        # buffers its forward updates, which a recompute must leave as the forward did.
+        buffers = list(self.moe.buffers()) if rerun else []
+        kept = [b.detach().clone() for b in buffers]
         kwargs = layer_kwargs(ctx.chunk_state)
         h, _ = _pair(
             self._layer._forward_attention(hidden_states=x, **kwargs),
@@ -174,9 +173,9 @@ class McMoELayer(_McBase, MoESlots):
         shared: object = self.moe.shared_experts_compute(u)
         probs, routing_map = self.moe.route(u, padding_sb)
         tokens, probs = _pair(self.moe.preprocess(u, probs, routing_map), where, "preprocess")
-        if counts is not None and self._router_counts is not None:
-            with torch.no_grad():
-                self._router_counts.copy_(counts)
+        with torch.no_grad():
+            for b, k in zip(buffers, kept, strict=True):
+                b.copy_(k)
         state.residual = ctx.detach(residual)
         state.shared_expert_output = None if shared is None else ctx.detach(_tensor(shared, where))
         self._save(ctx, "pre_dispatch")
