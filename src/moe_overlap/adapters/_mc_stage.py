@@ -1,0 +1,161 @@
+"""A Megatron-Core ``GPTModel`` pipeline chunk as the module a ``PipelineStage`` runs."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import cast
+
+from torch import Tensor, nn
+
+from moe_overlap import ConfigError, IntegrationError, PreprocessOutput, ScheduleOptions
+from moe_overlap.adapters._hf_model import AdapterConfig
+from moe_overlap.adapters._mc_model import McDecoder, MegatronMoEAdapter
+from moe_overlap.adapters._torch_private import children
+from moe_overlap.blocks import MegatronHooks
+from moe_overlap.engine import BypassedModule
+from moe_overlap.engine.core.args import Instance, check_arg
+
+__all__ = ["MegatronMoEStage"]
+
+_ADAPTER = Instance(MegatronMoEAdapter, "a MegatronMoEAdapter", error=IntegrationError)
+
+
+class MegatronMoEStage(MegatronHooks, nn.Module):
+    """One pipeline chunk of a Megatron-Core ``GPTModel``, adapted, as a stage module.
+
+    ``adapter`` is a :class:`MegatronMoEAdapter` built on a ``GPTModel`` made for one
+    pipeline stage (``pre_process`` on the first stage only: the embedding;
+    ``post_process`` on the last only: the final norm and output layer; the stage's
+    layers). Give the stage to torch's ``PipelineStage``, then
+    :func:`~moe_overlap.integrations.pipelining.prepare_schedule` the schedule.
+
+    ``forward(x, position_ids, attention_mask, padding_mask)`` is the plain path (token ids
+    on the first stage, hidden states ``[s, b, h]`` on the others; the logits
+    ``[b, s, v]`` out of the last, for the schedule's ``loss_fn``), which torch's own
+    execution of the schedule runs and the prepared schedule matches bit for bit. The
+    model's modules are registered under their own names, so ``parameters()`` and
+    ``state_dict()`` see exactly the ``GPTModel``'s keys.
+    """
+
+    microbatch_inputs = frozenset({"position_ids", "attention_mask", "padding_mask"})
+    """What a stage reads (:class:`~moe_overlap.inputs.DeclaresInputs`); labels go to the
+    schedule's loss."""
+
+    def __init__(self, adapter: MegatronMoEAdapter) -> None:
+        super().__init__()
+        check_arg("MegatronMoEStage", "adapter", adapter, _ADAPTER)
+        object.__setattr__(self, "_adapter", adapter)  # not a submodule: it holds no weights
+        model = adapter.model
+        own = [n for n, _ in model.named_parameters(recurse=False)]
+        own += [n for n, _ in model.named_buffers(recurse=False)]
+        if own:
+            raise ConfigError(
+                f"MegatronMoEStage({type(model).__name__}): expected the model's parameters "
+                f"and buffers in its child modules (as GPTModel holds them), received {own} "
+                "on the model itself"
+            )
+        # The model's children under their own names. ``decoder`` (its TransformerBlock)
+        # is entered in the child dict directly: the name is also the stage's ``decoder``
+        # property (the adapted layers the schedule runs), which attribute lookup finds
+        # first; parameters, state_dict and .to() walk the child dict.
+        mine = children(self)
+        for name, child in children(model).items():
+            if child is not None:
+                mine[name] = child
+
+    @property
+    def adapter(self) -> MegatronMoEAdapter:
+        return cast(MegatronMoEAdapter, object.__getattribute__(self, "_adapter"))
+
+    @property
+    def decoder(self) -> McDecoder:
+        """The adapted layers (what the schedule runs)."""
+        return self.adapter.decoder
+
+    @property
+    def config(self) -> AdapterConfig:
+        return self.adapter.config
+
+    @property
+    def pre_process(self) -> bool:
+        return self.adapter.pre_process
+
+    @property
+    def post_process(self) -> bool:
+        return self.adapter.post_process
+
+    def extra_repr(self) -> str:
+        names = [layer.name for layer in self.decoder.layers]
+        return f"{names[0]}..{names[-1]}" if len(names) > 1 else names[0]
+
+    def schedule_options(
+        self, *, free_input: bool = False, ep_overlap_early_attn_memory_release: bool = False
+    ) -> ScheduleOptions:
+        return self.adapter.schedule_options(
+            free_input=free_input,
+            ep_overlap_early_attn_memory_release=ep_overlap_early_attn_memory_release,
+        )
+
+    def bypassed_modules(self) -> Iterator[BypassedModule]:
+        """The Megatron-Core modules of this stage whose ``forward`` the adapter never calls."""
+        return self.adapter.bypassed_modules()
+
+    def _preprocess(
+        self,
+        input_ids: Tensor | None,
+        position_ids: Tensor | None,
+        *,
+        decoder_input: Tensor | None = None,
+        packed_seq_params: object | None = None,
+        padding_mask: Tensor | None = None,
+    ) -> PreprocessOutput:
+        return self.adapter._preprocess(  # pyright: ignore[reportPrivateUsage]
+            input_ids,
+            position_ids,
+            decoder_input=decoder_input,
+            packed_seq_params=packed_seq_params,
+            padding_mask=padding_mask,
+        )
+
+    def _postprocess(
+        self,
+        hidden_states: Tensor,
+        input_ids: Tensor | None,
+        position_ids: Tensor | None,
+        labels: Tensor | None,
+        *args: object,
+        loss_mask: Tensor | None = None,
+        **kwargs: object,
+    ) -> Tensor:
+        return self.adapter._postprocess(  # pyright: ignore[reportPrivateUsage]
+            hidden_states, input_ids, position_ids, labels, *args, loss_mask=loss_mask, **kwargs
+        )
+
+    def on_microbatch(self, decoder_input: Tensor) -> None:
+        self.adapter.on_microbatch(decoder_input)
+
+    def output(
+        self, hidden_states: Tensor, labels: Tensor | None, loss_mask: Tensor | None
+    ) -> Tensor:
+        return self.adapter.output(hidden_states, labels, loss_mask)
+
+    def forward(
+        self,
+        x: Tensor,
+        position_ids: Tensor | None = None,
+        attention_mask: Tensor | None = None,
+        padding_mask: Tensor | None = None,
+    ) -> Tensor:
+        """The plain path: token ids or hidden states in, hidden states or logits out."""
+        return self.plain_forward(
+            x, position_ids, attention_mask=attention_mask, padding_mask=padding_mask
+        )
+
+    @property
+    def pending_wgrad(self) -> int:
+        """Delayed weight gradients of this stage (always 0: none are delayed)."""
+        return self.adapter.pending_wgrad
+
+    def discard_wgrad(self) -> None:
+        """Drop this stage's pending delayed weight gradients (none here)."""
+        self.adapter.discard_wgrad()
