@@ -82,7 +82,7 @@ Writes ``megatron.json`` (everything) and ``megatron.md`` (the tables) to ``--ou
 
 On CPU (``--device cpu --tiny``, a smoke run) Megatron's CUDA-only calls are replaced:
 the model's by the test shim ``tests/adapters/_megatron_cpu.py``, the schedule's (CUDA
-events, streams, ``record_stream``, a counter made on ``"cuda"``) by :func:`_schedule_on_cpu`.
+events, streams, ``record_stream``, a counter made on ``"cuda"``) by ``benchmarks/megatron_cpu_schedule.py``.
 On a GPU Megatron-Core runs unpatched except for the stand-in and the two workarounds.
 """
 
@@ -101,9 +101,8 @@ import statistics
 import sys
 import time
 import traceback
-import types
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -149,13 +148,14 @@ def mc(module: str) -> Any:
 
 # --- setup ----------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _parallel_state(device: torch.device) -> Iterator[None]:
+def _parallel_state(device: torch.device) -> Generator[None, None, None]:
     """Megatron-Core's model-parallel state on one rank (TP = PP = EP = 1), put back after;
     on CPU through the test shim (which also replaces the model's CUDA-only calls)."""
     if device.type == "cpu":
+        from megatron_cpu_schedule import schedule_on_cpu
         from tests.adapters._megatron_cpu import megatron_on_cpu
 
-        with megatron_on_cpu(), _schedule_on_cpu():
+        with megatron_on_cpu(), schedule_on_cpu():
             yield
         return
     torch.cuda.set_device(device)
@@ -175,93 +175,8 @@ def _parallel_state(device: torch.device) -> Iterator[None]:
             dist.destroy_process_group()
 
 
-class _CpuEvent:
-    """A CUDA event on one CPU process: the work is already done when it is recorded."""
-
-    def record(self, stream: object = None) -> None:
-        del stream
-
-    def wait(self, stream: object = None) -> None:
-        del stream
-
-
-_CPU_STREAM = object()
-
-
-def _cpu_stream(*args: object, **kwargs: object) -> object:
-    del args, kwargs
-    return _CPU_STREAM
-
-
-def _cpu_stream_context(stream: object = None) -> contextlib.AbstractContextManager[None]:
-    del stream
-    return contextlib.nullcontext()
-
-
-class _CudaOnCpu(types.SimpleNamespace):
-    """``torch.cuda`` as Megatron's schedule sees it on one CPU process."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch.cuda, name)
-
-
-class _TorchOnCpu(types.ModuleType):
-    """``torch`` as Megatron's schedule modules see it on one CPU process: ``torch.cuda``
-    above; ``torch.zeros(..., device="cuda")`` on the CPU; everything else torch's own."""
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-
-def _zeros_on_cpu(*args: Any, device: object = None, **kwargs: Any) -> Tensor:
-    return torch.zeros(*args, device="cpu" if device == "cuda" else device, **kwargs)
-
-
-#: The Megatron-Core modules of the combined-1F1B schedule that call CUDA-only functions.
-_SCHEDULE_MODULES = (
-    "megatron.core.pipeline_parallel.utils",
-    "megatron.core.pipeline_parallel.combined_1f1b",
-    "megatron.core.pipeline_parallel.schedules",
-    "megatron.core.models.common.model_chunk_schedule_plan",
-    "megatron.core.models.common.utils",
-    "megatron.core.models.gpt.fine_grained_callables",
-)
-
-
 @contextlib.contextmanager
-def _schedule_on_cpu() -> Iterator[None]:
-    """CPU only: Megatron's schedule modules see a ``torch`` whose CUDA events, streams and
-    ``"cuda"`` counter are no-ops on the CPU, and ``Tensor.record_stream`` does nothing for a
-    CPU tensor (one process, one thread: every step has run when the next starts)."""
-    fake = _TorchOnCpu("torch")
-    fake.cuda = _CudaOnCpu(  # type: ignore[attr-defined]
-        Event=lambda *a, **k: _CpuEvent(),
-        Stream=_cpu_stream,
-        current_stream=_cpu_stream,
-        stream=_cpu_stream_context,
-    )
-    fake.zeros = _zeros_on_cpu  # type: ignore[attr-defined]
-    record_stream = torch.Tensor.record_stream
-
-    def record_on_cpu(self: Tensor, stream: Any) -> None:
-        if self.is_cuda:
-            record_stream(self, stream)
-
-    modules = [mc(name) for name in _SCHEDULE_MODULES]
-    saved = [m.torch for m in modules]
-    try:
-        for m in modules:
-            m.torch = fake
-        torch.Tensor.record_stream = record_on_cpu  # type: ignore[method-assign]
-        yield
-    finally:
-        torch.Tensor.record_stream = record_stream  # type: ignore[method-assign]
-        for m, t in zip(modules, saved, strict=True):
-            m.torch = t
-
-
-@contextlib.contextmanager
-def stand_in(ep: int, chunks: int) -> Iterator[HostLoopback]:
+def stand_in(ep: int, chunks: int) -> Generator[HostLoopback, None, None]:
     """The dispatcher's ``all_to_all`` replaced by the host round trip (module docstring)."""
     td = mc("megatron.core.transformer.moe.token_dispatcher")
     mover = HostLoopback(remote_rows=0, chunks=chunks)
@@ -286,7 +201,7 @@ def stand_in(ep: int, chunks: int) -> Iterator[HostLoopback]:
 
 
 @contextlib.contextmanager
-def keep_dispatch_input(on: bool) -> Iterator[None]:
+def keep_dispatch_input(on: bool) -> Generator[None, None, None]:
     """Workaround 2 (``--keep-dispatch-input``): Megatron's dispatch node keeps its input."""
     if not on:
         yield
@@ -365,7 +280,11 @@ class Bench:
     """The model, the adapter on it, the microbatches, the streams and the stand-in."""
 
     def __init__(
-        self, args: argparse.Namespace, device: torch.device, dtype: torch.dtype, mover: HostLoopback
+        self,
+        args: argparse.Namespace,
+        device: torch.device,
+        dtype: torch.dtype,
+        mover: HostLoopback,
     ) -> None:
         from moe_overlap.adapters.megatron import MegatronMoEAdapter, masked_mean
 
@@ -404,7 +323,9 @@ class Bench:
         cfg.overlap_moe_expert_parallel_comm = combined  # workaround 1
         try:
             with keep_dispatch_input(combined and self.args.keep_dispatch_input):
-                store = mc("megatron.core.pipeline_parallel.schedules").forward_backward_no_pipelining(
+                store = mc(
+                    "megatron.core.pipeline_parallel.schedules"
+                ).forward_backward_no_pipelining(
                     forward_step_func=forward_step,
                     data_iterator=iter(mbs),
                     model=model,
@@ -662,7 +583,10 @@ def timing(b: Bench) -> JsonDict:
         "peak_memory": peak_memory(b, fns),
         "host_time": {
             "megatron_combined": host_time(
-                b, "megatron_combined", plan_cls.TransformerModelChunkSchedulePlan, fns["megatron_combined"]
+                b,
+                "megatron_combined",
+                plan_cls.TransformerModelChunkSchedulePlan,
+                fns["megatron_combined"],
             ),
             "overlapped": host_time(b, "overlapped", ModelChunkSchedulePlan, fns["overlapped"]),
         },
@@ -694,19 +618,24 @@ def markdown(result: JsonDict) -> str:
         lines.append("")
     tm = result.get("timing")
     if tm is not None:
-        mem = tm["peak_memory"]
+        mem: JsonDict = tm["peak_memory"]
         lines += [
             "| variant | step ms (median) | spread | vs megatron_combined | peak GB |",
             "|---|---|---|---|---|",
         ]
         for name, r in tm["rows"].items():
-            peak = mem.get(name, {}).get("peak_GB", math.nan) if isinstance(mem, dict) else math.nan
+            entry = cast(JsonDict, mem.get(name, {}))
+            peak = float(entry.get("peak_GB", math.nan))
             speed = r.get("speedup_vs_megatron_combined")
             lines.append(
                 f"| {name} | {r['median_ms']:.1f} | {r['spread']:.3f} | "
                 f"{'' if speed is None else f'{speed:.3f}x'} | {peak:.2f} |"
             )
-        lines += ["", "| host time | host ms per layer pair | GPU ms per layer pair |", "|---|---|---|"]
+        lines += [
+            "",
+            "| host time | host ms per layer pair | GPU ms per layer pair |",
+            "|---|---|---|",
+        ]
         for name, h in tm["host_time"].items():
             lines.append(
                 f"| {name} | {h['host_ms_per_layer_pair']:.3f} | {h['gpu_ms_per_layer_pair']:.3f} |"
