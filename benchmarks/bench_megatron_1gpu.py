@@ -253,6 +253,7 @@ def build(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) ->
         max_sequence_length=args.seq,
         position_embedding_type="rope",
     )
+    # Every floating tensor in the dtype, as Megatron's Float16Module casts a bf16 model.
     return model.to(device=device, dtype=dtype)
 
 
@@ -680,6 +681,8 @@ def main() -> int:
     t_start = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
+    if device.type == "cuda" and ":" not in args.device:  # torch.cuda.set_device needs an index
+        device = torch.device("cuda", torch.cuda.current_device())
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
         args.dtype or ("bf16" if device.type == "cuda" else "fp32")
     ]
