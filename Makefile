@@ -19,13 +19,16 @@ define install_torch
 endef
 
 # What the tests, `make check` and the wheel test need: the dev extra (every other extra's
-# packages pinned) and torchtitan.
+# packages pinned), torchtitan and Megatron-Core.
 $(STAMP): pyproject.toml
 	$(install_torch)
 	$(BIN)/pip install --progress-bar on -e '.[$(EXTRAS)]'
 	# torchtitan without its declared deps (datasets, wandb, tensorboard, torchdata): what
 	# it imports on CPU is pinned in the torchtitan extra (in dev too).
 	$(BIN)/pip install --progress-bar on --no-deps torchtitan==0.3.0
+	# Megatron-Core the same way (what it imports on CPU is pinned in the megatron extra,
+	# in dev too); its metadata asks for Python >= 3.12, the tests run it on this venv's.
+	$(BIN)/pip install --progress-bar on --no-deps --ignore-requires-python megatron-core==0.19.2
 	touch $(STAMP)
 
 # The demo needs the package and its demo extra only (tqdm, matplotlib).

@@ -28,7 +28,7 @@ from packaging.utils import canonicalize_name
 import moe_overlap
 
 ROOT = Path(__file__).resolve().parents[1]
-EXTRAS = {"debug", "demo", "transformers", "torchtitan", "dev", "docs"}
+EXTRAS = {"debug", "demo", "transformers", "torchtitan", "megatron", "dev", "docs"}
 URL = "https://github.com/moe-overlap/moe-overlap"
 
 

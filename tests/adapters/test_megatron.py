@@ -35,11 +35,17 @@ def _megatron() -> Iterator[None]:
 
 
 def build(
-    kind: str = "moe", *, seed: int = 0, dtype: torch.dtype = torch.float32, **config: Any
+    kind: str = "moe",
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    tied: bool = False,
+    **config: Any,
 ) -> nn.Module:
     """A tiny ``GPTModel`` with the local spec: ``moe`` two MoE layers (4 experts, top 2,
-    all-to-all); ``mixed`` a dense layer, then a MoE layer with shared experts and the
-    all-gather dispatcher."""
+    all-to-all); ``mixed`` a dense layer, then a MoE layer with shared experts, the
+    load-balancing loss and the all-gather dispatcher; ``bias`` ``moe`` with sigmoid
+    routing and the expert bias (its token counts are compared too)."""
     specs: Any = importlib.import_module("megatron.core.models.gpt.gpt_layer_specs")
     gpt: Any = importlib.import_module("megatron.core.models.gpt.gpt_model")
     tc: Any = importlib.import_module("megatron.core.transformer.transformer_config")
@@ -65,7 +71,10 @@ def build(
             "moe_layer_freq": [0, 1],
             "moe_shared_expert_intermediate_size": 24,
             "moe_token_dispatcher_type": "allgather",
+            "moe_aux_loss_coeff": 0.01,
         }
+    elif kind == "bias":
+        args |= {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True}
     args |= config
     torch.manual_seed(seed)
     config = tc.TransformerConfig(**args)
@@ -82,17 +91,23 @@ def build(
         vocab_size=VOCAB,
         max_sequence_length=SEQ,
         position_embedding_type="rope",
+        share_embeddings_and_output_weights=tied,
     )
     return model.to(dtype)
 
 
-def microbatches(n: int = MICROBATCHES, *, loss_mask: bool = False) -> list[Microbatch]:
+def microbatches(
+    n: int = MICROBATCHES, *, loss_mask: bool = False, padding: bool = False
+) -> list[Microbatch]:
+    """``n`` microbatches, causally masked; with ``loss_mask`` random token weights, with
+    ``padding`` each sequence's last two tokens marked as padding (left out of routing)."""
     g = torch.Generator().manual_seed(1)
     causal = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).expand(BATCH, 1, SEQ, SEQ)
     out = []
     for _ in range(n):
         ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
         mask = (torch.rand(BATCH, SEQ, generator=g) > 0.3).float() if loss_mask else None
+        pad = torch.arange(SEQ).expand(BATCH, SEQ) >= SEQ - 2 if padding else None
         out.append(
             Microbatch(
                 input_ids=ids,
@@ -100,6 +115,7 @@ def microbatches(n: int = MICROBATCHES, *, loss_mask: bool = False) -> list[Micr
                 attention_mask=causal,
                 labels=ids.roll(-1, 1),
                 loss_mask=mask,
+                padding_mask=pad,
             )
         )
     return out
@@ -110,7 +126,13 @@ def megatron_step(model: nn.Module, mbs: Sequence[Microbatch]) -> list[Tensor]:
     adapter's default loss (the mean over the tokens the loss mask keeps)."""
     losses = []
     for mb in mbs:
-        per_token = model(mb.input_ids, mb.position_ids, mb.attention_mask, labels=mb.labels)
+        per_token = model(
+            mb.input_ids,
+            mb.position_ids,
+            mb.attention_mask,
+            labels=mb.labels,
+            padding_mask=mb.padding_mask,
+        )
         mask = torch.ones_like(per_token) if mb.loss_mask is None else mb.loss_mask
         loss = (per_token.float() * mask.float()).sum() / mask.float().sum()
         loss.backward()
@@ -119,6 +141,11 @@ def megatron_step(model: nn.Module, mbs: Sequence[Microbatch]) -> list[Tensor]:
 
 
 def assert_bit_identical(got: nn.Module, want: nn.Module) -> None:
+    """Every gradient, and the routers' expert-bias token counts, bit for bit."""
+    want_buffers = dict(want.named_buffers())
+    for name, b in got.named_buffers():
+        if name.endswith("local_tokens_per_expert"):
+            assert torch.equal(b, want_buffers[name]), f"{name}: {b} vs {want_buffers[name]}"
     want_grads = dict(want.named_parameters())
     differ = []
     for name, p in got.named_parameters():
@@ -145,7 +172,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-@pytest.mark.parametrize("kind", ["moe", "mixed"])
+@pytest.mark.parametrize("kind", ["moe", "mixed", "bias"])
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_schedules_are_bit_identical_to_megatron_s_own_forward_backward(
     kind: str, variant: str
@@ -155,8 +182,8 @@ def test_schedules_are_bit_identical_to_megatron_s_own_forward_backward(
     kwargs = dict(VARIANTS[variant])
     recompute = kwargs.pop("recompute", ())
     if kwargs.get("schedule") == "random":
-        kwargs["schedule"] = _node_schedule("mm" if kind == "moe" else "dm")
-    mbs = microbatches(loss_mask=kind == "mixed")
+        kwargs["schedule"] = _node_schedule("dm" if kind == "mixed" else "mm")
+    mbs = microbatches(loss_mask=kind == "mixed", padding=kind == "mixed")
     options = adapter.schedule_options()
     options = ScheduleOptions(free_input=options.free_input, recompute=recompute)
     got = combined_1f1b(adapter, mbs, options=options, **kwargs)
@@ -166,12 +193,17 @@ def test_schedules_are_bit_identical_to_megatron_s_own_forward_backward(
     assert_bit_identical(model, ref)
 
 
-def test_bfloat16_overlapped_and_fill_drain_are_bit_identical() -> None:
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+def test_bfloat16_overlapped_and_fill_drain_are_bit_identical(tied: bool) -> None:
+    """bfloat16, six microbatches; with the output layer sharing the word embedding's
+    weight too (its two gradients per microbatch summed as the model's own backward sums
+    them, whatever the schedule's order)."""
     for fill_drain in (False, True):
-        model, ref = build(dtype=torch.bfloat16), build(dtype=torch.bfloat16)
+        model = build(dtype=torch.bfloat16, tied=tied)
+        ref = build(dtype=torch.bfloat16, tied=tied)
         adapter = MegatronMoEAdapter(model)
         assert adapter.self_check_report.structures[0][3] == "bfloat16"
-        mbs = microbatches()
+        mbs = microbatches(6)
         got = combined_1f1b(adapter, mbs, options=adapter.schedule_options(), fill_drain=fill_drain)
         want = megatron_step(ref, mbs)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -27,6 +28,7 @@ from moe_overlap.adapters._hf_probe import Mismatch, failing_module, rel_differe
 from moe_overlap.adapters._mc_config import refuse_config
 from moe_overlap.adapters._mc_imports import mcore
 from moe_overlap.adapters._mc_layers import McDenseLayer, McLayer, McMoELayer, layer_kwargs
+from moe_overlap.adapters._mc_tied import Stash, hand, take
 from moe_overlap.adapters._tt_model import probe_tolerance
 from moe_overlap.blocks import MegatronHooks
 from moe_overlap.engine import Bypass, BypassedModule, ChunkState, check_wgrad_done
@@ -103,6 +105,27 @@ def _layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(f"decoder.layers.{i}", m) for i, m in enumerate(layers)]
 
 
+def _tied_embedding(model: nn.Module) -> frozenset[int]:
+    """The ids of the word embedding's weight when the output layer shares it (one
+    parameter, used by pre- and post-process)."""
+    m: Any = model
+    if not bool(getattr(m, "share_embeddings_and_output_weights", False)):
+        return frozenset()
+    return frozenset({id(m.embedding.word_embeddings.weight)})
+
+
+class _Method(nn.Module):
+    """Calls ``model.method(**kwargs)`` as its ``forward`` (for ``functional_call``)."""
+
+    def __init__(self, model: nn.Module, method: str) -> None:
+        super().__init__()
+        self.model = model
+        self.method = method
+
+    def forward(self, **kwargs: object) -> object:
+        return cast("Callable[..., object]", getattr(self.model, self.method))(**kwargs)
+
+
 def _structure(layer: nn.Module) -> tuple[object, ...]:
     """Layers of one structure: the same module classes at the same places."""
     named = cast("Iterator[tuple[str, nn.Module]]", layer.named_modules())
@@ -174,6 +197,8 @@ class MegatronMoEAdapter(MegatronHooks):
             )
         # What the schedule's free-input policy reads (schedule_options keeps every input).
         self.config = AdapterConfig()
+        self._shared = _tied_embedding(model)
+        self._stashes: dict[int, Stash] = {}
         self._built_on: BuiltOn | None = None
         self._check_bypassed()
         self.self_check_report = SelfCheckReport(enabled=self_check)
@@ -296,9 +321,14 @@ class MegatronMoEAdapter(MegatronHooks):
         """The model's own ``_preprocess`` (embedding unless given ``decoder_input``, rotary
         tables) and what its decoder does to its input before the first layer."""
         mc = mcore()
+        stash = (
+            self._stash_for(input_ids)
+            if self._shared and input_ids is not None and decoder_input is None
+            else None
+        )
         out = cast(
             "tuple[object, ...]",
-            self._model._preprocess(
+            self._call("_preprocess", take, stash)(
                 input_ids=input_ids,
                 position_ids=position_ids,
                 decoder_input=decoder_input,
@@ -348,17 +378,69 @@ class MegatronMoEAdapter(MegatronHooks):
         del decoder_input
         check_wgrad_done(self, when="at the start of a microbatch")
 
+    def _postprocess(
+        self,
+        hidden_states: Tensor,
+        input_ids: Tensor | None,
+        position_ids: Tensor | None,
+        labels: Tensor | None,
+        *args: object,
+        loss_mask: Tensor | None = None,
+        **kwargs: object,
+    ) -> Tensor:
+        """:meth:`output`; with tied embedding and output weights, the output layer's
+        gradient of the shared weight goes to the microbatch's stash (found by its
+        ``input_ids``), which the embedding's own backward adds to its part."""
+        del position_ids, args, kwargs  # the rotary tables and Megatron's other arguments
+        stash = self._stashes.get(id(input_ids)) if input_ids is not None else None
+        return self._output(hidden_states, labels, loss_mask, stash)
+
+    def _stash_for(self, input_ids: Tensor) -> Stash:
+        """A new stash for the microbatch of ``input_ids`` (dropped with the tensor)."""
+        key = id(input_ids)
+        stash = self._stashes[key] = Stash()
+        weakref.finalize(input_ids, self._stashes.pop, key, None)
+        return stash
+
+    def _call(
+        self, method: str, through: Callable[[Tensor, Stash], Tensor], stash: Stash | None
+    ) -> Callable[..., object]:
+        """The model's ``method``, its tied weight used ``through`` the stash's autograd
+        identity (as it is without a stash or without grad)."""
+        if stash is None or not torch.is_grad_enabled():
+            return cast("Callable[..., object]", getattr(self.model, method))
+        swapped = {
+            f"model.{n}": through(p, stash)
+            for n, p in self.model.named_parameters()
+            if id(p) in self._shared and p.requires_grad
+        }
+        call = _Method(self.model, method)
+
+        def run(**kwargs: object) -> object:
+            return cast("object", torch.func.functional_call(call, swapped, (), kwargs))
+
+        return run
+
     def output(
         self, hidden_states: Tensor, labels: Tensor | None, loss_mask: Tensor | None
     ) -> Tensor:
         """The decoder's final norm, then the model's own ``_postprocess`` (output layer,
         per-token loss with ``labels``); ``loss_fn`` of it, else the logits ``[b, s, v]``."""
+        return self._output(hidden_states, labels, loss_mask, None)
+
+    def _output(
+        self,
+        hidden_states: Tensor,
+        labels: Tensor | None,
+        loss_mask: Tensor | None,
+        stash: Stash | None,
+    ) -> Tensor:
         mc = mcore()
         norm: object = getattr(self.model.get_submodule("decoder"), "final_layernorm", None)
         h = hidden_states
         if isinstance(norm, nn.Module):
             h = mc.make_viewless(inp=norm(h), requires_grad=True, keep_graph=True)
-        out: object = self._model._postprocess(
+        out: object = self._call("_postprocess", hand, stash)(
             hidden_states=h,
             input_ids=None,
             position_ids=None,
