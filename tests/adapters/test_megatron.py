@@ -220,6 +220,22 @@ def test_the_plain_path_is_the_model_s_own() -> None:
     assert torch.equal(logits, want)
 
 
+def test_a_model_that_has_already_trained_is_adapted_and_stays_exact() -> None:
+    """The adapter wraps a model after steps of Megatron-Core's own (the dispatcher then holds
+    the last call's routing tensors, with their graphs): the self-check copies it all the same,
+    and the schedule goes on bit-identical to the model's own step."""
+    model, ref = build(), build()
+    first = microbatches(2)
+    megatron_step(model, first)
+    megatron_step(ref, first)
+    adapter = MegatronMoEAdapter(model)
+    mbs = microbatches()
+    got = combined_1f1b(adapter, mbs, options=adapter.schedule_options())
+    want = megatron_step(ref, mbs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert_bit_identical(model, ref)
+
+
 def test_the_self_check_reports_each_layer_structure() -> None:
     report = MegatronMoEAdapter(build()).self_check_report
     assert report.enabled

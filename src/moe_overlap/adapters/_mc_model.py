@@ -561,13 +561,18 @@ class MegatronMoEAdapter(MegatronHooks):
 
 
 def _shared(root: nn.Module) -> dict[int, object]:
-    """The objects a copy of ``root`` must share, not copy: every process group (they
-    cannot be copied) and every config object reachable from its modules' attributes."""
+    """What a copy of ``root`` must not copy: every process group (they cannot be copied)
+    and every config object reachable from its modules' attributes, shared; a tensor with
+    a graph (a dispatcher's routing state from the last call: the next call sets it anew),
+    detached."""
     found: dict[int, object] = {}
     seen: set[int] = set()
     todo: list[object] = [root]
     while todo:
         obj = todo.pop()
+        if isinstance(obj, Tensor) and obj.grad_fn is not None:
+            found[id(obj)] = obj.detach()
+            continue
         if id(obj) in seen or isinstance(obj, (Tensor, str, bytes, int, float, bool, type)):
             continue
         seen.add(id(obj))
