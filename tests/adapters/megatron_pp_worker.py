@@ -4,7 +4,8 @@ Reads ``RANK``, ``WORLD_SIZE`` (the pipeline degree, two stages per rank), ``MAS
 and ``MEGATRON_PP_SCHEDULES`` (JSON list of torch schedule names: ``DualPipeV``,
 ``Interleaved1F1B``). Prints one JSON line per schedule with this rank's verdict.
 
-Megatron-Core runs on the CPU through the test-only shim (``_megatron_cpu``). Each stage is
+Megatron-Core runs on the CPU through the test-only shim (``_megatron_cpu``), or with
+``MEGATRON_PP_DEVICE=cuda`` on the GPU, unpatched, in bf16 (NCCL, one rank). Each stage is
 a ``GPTModel`` built for it (``pre_process`` on the first stage, ``post_process`` on the
 last, the stage's layers), the same weights for every copy (seeded per stage). The same
 torch schedule runs three ways: torch's execution of ``MegatronMoEStage`` s, the same
@@ -15,6 +16,7 @@ Verdicts: losses and every gradient bit-identical, both comparisons.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -32,6 +34,7 @@ from tests.adapters._megatron_cpu import megatron_on_cpu
 from tests.gloo_ranks import exit_worker
 
 LAYERS_PER_STAGE, SEQ, BATCH, VOCAB, MICROBATCHES = 1, 8, 2, 64, 4
+DEVICE = torch.device(os.environ.get("MEGATRON_PP_DEVICE", "cpu"))
 
 
 def chunk(stage: int, stages: int) -> nn.Module:
@@ -40,6 +43,7 @@ def chunk(stage: int, stages: int) -> nn.Module:
     specs: Any = importlib.import_module("megatron.core.models.gpt.gpt_layer_specs")
     gpt: Any = importlib.import_module("megatron.core.models.gpt.gpt_model")
     tc: Any = importlib.import_module("megatron.core.transformer.transformer_config")
+    cuda = DEVICE.type == "cuda"
     config = tc.TransformerConfig(
         num_layers=LAYERS_PER_STAGE,
         hidden_size=32,
@@ -53,8 +57,13 @@ def chunk(stage: int, stages: int) -> nn.Module:
         add_bias_linear=False,
         hidden_dropout=0.0,
         attention_dropout=0.0,
+        bf16=cuda,
+        params_dtype=torch.bfloat16 if cuda else torch.float32,
     )
     torch.manual_seed(1000 + stage)
+    if cuda:
+        rnd: Any = importlib.import_module("megatron.core.tensor_parallel.random")
+        rnd.model_parallel_cuda_manual_seed(1000 + stage)
     model: nn.Module = gpt.GPTModel(
         config=config,
         transformer_layer_spec=specs.get_gpt_layer_local_spec(
@@ -66,7 +75,7 @@ def chunk(stage: int, stages: int) -> nn.Module:
         pre_process=stage == 0,
         post_process=stage == stages - 1,
     )
-    return model
+    return model.to(DEVICE)
 
 
 class RawStage(nn.Module):
@@ -104,7 +113,7 @@ def build(name: str, pp: int, rank: int, kind: str) -> tuple[Any, list[Any], lis
     mods: list[nn.Module] = [
         RawStage(c) if kind == "raw" else MegatronMoEStage(MegatronMoEAdapter(c)) for c in chunks
     ]
-    stages = [PipelineStage(m, s, n, torch.device("cpu")) for m, s in zip(mods, mine, strict=True)]
+    stages = [PipelineStage(m, s, n, DEVICE) for m, s in zip(mods, mine, strict=True)]
     cls: Any = ScheduleDualPipeV if name == "DualPipeV" else ScheduleInterleaved1F1B
     return cls(stages, MICROBATCHES, loss_fn=loss_fn), stages, chunks
 
@@ -135,10 +144,13 @@ def run(name: str, pp: int, rank: int) -> dict[str, object]:
     start = time.perf_counter()
     g = torch.Generator().manual_seed(7)
     ids = torch.randint(0, VOCAB, (BATCH * MICROBATCHES, SEQ + 1), generator=g)
+    ids = ids.to(DEVICE)
     x, y = ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
     kw = {
-        "position_ids": torch.arange(SEQ).expand(BATCH * MICROBATCHES, SEQ).contiguous(),
-        "attention_mask": torch.ones(SEQ, SEQ, dtype=torch.bool)
+        "position_ids": torch.arange(SEQ, device=DEVICE)
+        .expand(BATCH * MICROBATCHES, SEQ)
+        .contiguous(),
+        "attention_mask": torch.ones(SEQ, SEQ, dtype=torch.bool, device=DEVICE)
         .triu(1)
         .expand(BATCH * MICROBATCHES, 1, SEQ, SEQ)
         .contiguous(),
@@ -172,8 +184,16 @@ def main() -> None:
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    with megatron_on_cpu():
+    if DEVICE.type == "cuda":  # Megatron-Core unpatched: its own model-parallel state
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world)
+        ps: Any = importlib.import_module("megatron.core.parallel_state")
+        ps.initialize_model_parallel(1, 1)
+        runs: contextlib.AbstractContextManager[object] = contextlib.nullcontext()
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        runs = megatron_on_cpu()
+    with runs:
         for name in json.loads(os.environ["MEGATRON_PP_SCHEDULES"]):
             print(json.dumps(run(name, world, rank)), flush=True)
     dist.barrier()

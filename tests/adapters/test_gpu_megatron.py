@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import socket
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import pytest
 import torch
@@ -166,3 +166,29 @@ def test_bf16_schedule_is_bit_identical_to_megatron_s_own(parallel_state: Any, k
         assert not differ, f"{kind}: {len(differ)} gradients differ from Megatron's own: {differ}"
     finally:
         torch.use_deterministic_algorithms(found)
+
+
+def test_dualpipev_on_one_gpu_is_bit_identical() -> None:
+    """What Megatron-Core's overlap does not run, on its model: DualPipeV (two stages of one
+    rank, bf16, unpatched) prepared by ``prepare_schedule``, against torch's own run of the
+    same schedule and of the raw ``GPTModel`` chunks (:mod:`tests.adapters.megatron_pp_worker`)."""
+    import json
+
+    pytest.importorskip("megatron.core", reason="Megatron-Core is not installed")
+    from tests.gloo_ranks import run_ranks
+
+    (row,) = run_ranks(
+        "tests.adapters.megatron_pp_worker",
+        world=1,
+        timeout=300,
+        env={
+            "MEGATRON_PP_SCHEDULES": json.dumps(["DualPipeV"]),
+            "MEGATRON_PP_DEVICE": "cuda",
+            "CUBLAS_WORKSPACE_CONFIG": ":4096:8",
+            "PYTHONWARNINGS": "ignore",
+        },
+    )
+    assert row["bit_identical"], row  # prepared schedule vs torch's execution of it
+    assert row["vs_megatron_ok"], row  # vs torch's execution of the raw GPTModel chunks
+    assert row["pending"] == 0 and int(str(row["grads"])) > 0, row
+    assert len(cast("list[float]", row["losses"])) == 4, row
