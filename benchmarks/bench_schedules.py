@@ -58,6 +58,7 @@ from bench_overlap import (  # the sibling benchmark's steps and passes
     time_interleaved,
 )
 from moe_slice import LoopbackMode, SliceConfig
+from node_timing import Clock
 
 from moe_overlap import ScheduleOptions, combined_1f1b
 from moe_overlap.steps import Direction, NodeSchedule, Slot
@@ -166,6 +167,9 @@ def measure(config: JsonDict, args: argparse.Namespace) -> JsonDict:
     }
 
 
+# torch's device-side busy wait (``torch.cuda._sleep``, unannotated), typed once here.
+_cuda_sleep = cast("Callable[[int], None]", getattr(torch.cuda, "_sleep", None))
+
 HOST_BOUND = SliceConfig(hidden=256, ffn=128, tokens=256, head_dim=64)
 """The host-bound size (``bench_overlap.py``'s): issuing a step is slower than running it."""
 
@@ -173,21 +177,22 @@ HOST_BOUND = SliceConfig(hidden=256, ffn=128, tokens=256, head_dim=64)
 def host_and_gpu_ms(b: Bench, fn: Callable[[], object]) -> tuple[float, float | None]:
     """One step's host milliseconds of issuing it and, on CUDA, the GPU's milliseconds of
     running it with all of it queued first (behind a sleep longer than the issuing)."""
-    _sync = torch.cuda.synchronize if b.device.type == "cuda" else (lambda *_: None)
-    _sync(b.device)
+    cuda = b.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(b.device)
     t0 = time.perf_counter()
     fn()
     host = (time.perf_counter() - t0) * 1e3
-    _sync(b.device)
-    if b.device.type != "cuda":
+    if not cuda:
         return host, None
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(int(3 * host * 2e6))  # ~2 GHz: three times the issuing, in cycles
-    start.record()
-    fn()
-    end.record()
     torch.cuda.synchronize(b.device)
-    return host, start.elapsed_time(end)
+    clock = Clock(b.device)
+    _cuda_sleep(int(3 * host * 2e6))  # ~2 GHz: three times the issuing, in cycles
+    start = clock.mark()
+    fn()
+    end = clock.mark()
+    torch.cuda.synchronize(b.device)
+    return host, Clock.ms(start, end)
 
 
 def host_bound(config: JsonDict, args: argparse.Namespace) -> JsonDict:
