@@ -116,6 +116,8 @@ def build(
     tied: bool = False,
     final_norm: bool = True,
     model_class: Any = None,
+    pre_process: bool = True,
+    post_process: bool = True,
     **config: Any,
 ) -> nn.Module:
     """A tiny ``HybridModel`` (4 experts, top 2, all-to-all, rope, shared experts and the
@@ -150,6 +152,8 @@ def build(
         hybrid_layer_pattern=pattern,
         position_embedding_type="rope",
         share_embeddings_and_output_weights=tied,
+        pre_process=pre_process,
+        post_process=post_process,
     )
     return model.to(dtype)
 
@@ -333,3 +337,43 @@ def test_a_changed_hybrid_model_is_refused_at_plan_build() -> None:
     layers[2] = nn.Identity()
     with pytest.raises(ConfigError, match=r"decoder\.layers\.2: expected the layer the adapter"):
         combined_1f1b(adapter, microbatches(2), options=adapter.schedule_options())
+
+
+def test_without_transformer_engine_the_stock_stack_builds_only_without_its_final_norm() -> None:
+    """What the docs say of the stock ``HybridStack``: its final norm is Transformer Engine's
+    ``TENorm``, so without Transformer Engine it builds only with ``post_layer_norm=False``."""
+    te: Any = importlib.import_module("megatron.core.extensions.transformer_engine")
+    if te.HAVE_TE:
+        pytest.skip("Transformer Engine is installed")
+    spec = stack_spec(final_norm=False)
+    spec.params = {}
+    hm: Any = importlib.import_module("megatron.core.models.hybrid.hybrid_model")
+    tc: Any = importlib.import_module("megatron.core.transformer.transformer_config")
+    config = tc.TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True
+    )
+    with pytest.raises(ImportError, match=r"Transformer Engine is not installed"):
+        hm.HybridModel(
+            config=config,
+            hybrid_stack_spec=spec,
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            hybrid_layer_pattern="**",
+        )
+
+
+def test_a_chunk_without_pre_and_post_process_is_the_model_s_own() -> None:
+    """A pipeline stage's chunk (hidden states in and out): the self-check of the steps
+    around the decoder passes, and the plain path is the chunk's own forward."""
+    model = build(pre_process=False, post_process=False)
+    ref = build(pre_process=False, post_process=False)
+    adapter = MegatronMoEAdapter(model)
+    assert adapter.self_check_report.glue == 0.0
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(SEQ, BATCH, 32, generator=g)
+    (mb,) = microbatches(1)
+    got = adapter.plain_forward(x, mb.position_ids, attention_mask=mb.attention_mask)
+    ref_any: Any = ref
+    ref_any.set_input_tensor(x)
+    want = ref(None, mb.position_ids, mb.attention_mask)
+    assert torch.equal(got, want)

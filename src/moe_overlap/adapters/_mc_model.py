@@ -165,24 +165,28 @@ def _structure(layer: nn.Module) -> tuple[object, ...]:
 
 
 class MegatronMoEAdapter(MegatronHooks):
-    """A Megatron-Core ``GPTModel`` with MoE layers for :func:`~moe_overlap.combined_1f1b`.
+    """A Megatron-Core ``GPTModel`` or ``HybridModel`` with MoE layers for
+    :func:`~moe_overlap.combined_1f1b`.
 
     The adapter holds no weights: it runs and trains ``model``'s own modules, so the
     optimizer takes the model as it is and checkpoints stay Megatron-Core's. The embedding
     and rotary tables are the model's own ``_preprocess``; the final norm, output layer and
-    per-token loss its own ``_postprocess``; each MoE layer is split into the schedule's
-    four slots on its own methods (see :mod:`moe_overlap.adapters.megatron`); other layers
-    run whole.
+    per-token loss its own ``_postprocess`` (a ``HybridModel``'s: the same steps of its
+    ``forward``, on its own modules); each MoE layer is split into the schedule's four
+    slots on its own methods (see :mod:`moe_overlap.adapters.megatron`); other layers run
+    whole.
 
     Args:
-        model: a ``GPTModel`` built with MoE layers, on its device, Megatron-Core's
-            model-parallel state initialised: a whole model, or a pipeline stage's chunk
+        model: a ``GPTModel`` or ``HybridModel`` built with MoE layers, on its device,
+            Megatron-Core's model-parallel state initialised: a whole model, or a pipeline
+            stage's chunk
             (``pre_process`` / ``post_process`` as built; see
             :class:`~moe_overlap.adapters.megatron.MegatronMoEStage`).
         loss_fn: ``loss_fn(per_token_loss, loss_mask)``, the microbatch's scalar loss from
             the model's per-token loss ``[b, s]``; ``None``: :func:`masked_mean`.
         self_check: compare the split of each distinct layer structure with the layer's own
-            forward and backward on a probe and refuse a mismatch with
+            forward and backward on a probe (a ``HybridModel``: the steps around its
+            decoder with its own ``forward`` too) and refuse a mismatch with
             :class:`~moe_overlap.ConfigError` (see :attr:`self_check_report`).
 
     Raises :class:`~moe_overlap.ConfigError` at construction for a model or configuration
