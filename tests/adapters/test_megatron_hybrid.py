@@ -38,8 +38,16 @@ PATTERN = "*E-E"
 
 @pytest.fixture(autouse=True)
 def _megatron() -> Iterator[None]:
-    with megatron_on_cpu():
-        yield
+    """Megatron-Core on this CPU process; its global MoE metrics tracker fresh before and
+    after (it sizes its per-layer sums by the first model that records: another test's
+    two-layer model would leave too short a one)."""
+    logging: Any = importlib.import_module("megatron.core.transformer.moe.moe_logging")
+    logging.destroy_moe_metrics_tracker()
+    try:
+        with megatron_on_cpu():
+            yield
+    finally:
+        logging.destroy_moe_metrics_tracker()
 
 
 def _local_norm() -> Any:
