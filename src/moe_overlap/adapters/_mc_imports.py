@@ -25,6 +25,9 @@ class Mcore:
 
     gpt_model: type[nn.Module]
     """``megatron.core.models.gpt.GPTModel``."""
+    hybrid_model: type[nn.Module] | None
+    """``megatron.core.models.hybrid.hybrid_model.HybridModel`` (``None`` in a release
+    without it)."""
     transformer_layer: type[nn.Module]
     """``megatron.core.transformer.transformer_layer.TransformerLayer``."""
     moe_layer: type[nn.Module]
@@ -42,6 +45,16 @@ def _get(module: str, name: str) -> object:
     return cast("object", getattr(importlib.import_module(module), name))
 
 
+def _hybrid_model() -> type[nn.Module] | None:
+    """``HybridModel``, or ``None`` where this Megatron-Core release has none."""
+    try:
+        return cast(
+            "type[nn.Module]", _get("megatron.core.models.hybrid.hybrid_model", "HybridModel")
+        )
+    except (ImportError, AttributeError):
+        return None
+
+
 @functools.cache
 def mcore() -> Mcore:
     """Megatron-Core's names, or a :class:`~moe_overlap.ConfigError` when it does not import."""
@@ -50,6 +63,7 @@ def mcore() -> Mcore:
         version: object = _get("megatron.core.package_info", "__version__")
         return Mcore(
             gpt_model=cast("type[nn.Module]", _get("megatron.core.models.gpt", "GPTModel")),
+            hybrid_model=_hybrid_model(),
             transformer_layer=cast(
                 "type[nn.Module]",
                 _get("megatron.core.transformer.transformer_layer", "TransformerLayer"),

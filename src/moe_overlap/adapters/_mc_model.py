@@ -1,4 +1,5 @@
-"""A Megatron-Core ``GPTModel`` with MoE layers as a :class:`~moe_overlap.PreprocessableModel`.
+"""A Megatron-Core ``GPTModel`` or ``HybridModel`` with MoE layers as a
+:class:`~moe_overlap.PreprocessableModel`.
 
 Legend: ``S`` sequence, ``B`` batch, ``H`` hidden (Megatron-Core's ``[s, b, h]`` layout).
 """
@@ -6,6 +7,7 @@ Legend: ``S`` sequence, ``B`` batch, ``H`` hidden (Megatron-Core's ``[s, b, h]``
 from __future__ import annotations
 
 import copy
+import functools
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -26,7 +28,15 @@ from moe_overlap.adapters._built_on import BuiltOn
 from moe_overlap.adapters._hf_model import AdapterConfig
 from moe_overlap.adapters._hf_probe import Mismatch, failing_module, rel_difference, worst_gradient
 from moe_overlap.adapters._mc_config import refuse_config
-from moe_overlap.adapters._mc_imports import mcore
+from moe_overlap.adapters._mc_hybrid import (
+    ATTENTION,
+    final_norm,
+    postprocess,
+    preprocess,
+    probe_model,
+    refuse_hybrid,
+)
+from moe_overlap.adapters._mc_imports import TESTED_MEGATRON_CORE, mcore
 from moe_overlap.adapters._mc_layers import McDenseLayer, McLayer, McMoELayer, layer_kwargs
 from moe_overlap.adapters._mc_tied import Stash, hand, take
 from moe_overlap.adapters._tt_model import probe_tolerance
@@ -76,10 +86,19 @@ class SelfCheckReport:
         default_factory=list[tuple[str, list[str], float, str]]
     )
     """``(layer class, layer names, largest relative difference, probe dtype)``."""
+    glue: float | None = None
+    """``HybridModel``: the largest relative difference between the adapter's steps around
+    the decoder (embedding, rotary table, final norm, output layer, loss) and the model's
+    own ``forward``; ``None`` where not checked (``GPTModel``: its own ``_preprocess`` and
+    ``_postprocess`` run)."""
 
 
 _MODEL = (
     "the adapter calls its _preprocess and _postprocess and the layers' pieces, never its forward"
+)
+_HYBRID = (
+    "the adapter calls its embedding, rotary_pos_emb, output_layer, _scale_logits and "
+    "compute_language_model_loss as its forward does, and the layers' pieces, never its forward"
 )
 _DECODER = "the adapter runs its layers' pieces and its final norm, never its forward"
 _MOE_LAYER = (
@@ -117,15 +136,24 @@ def _tied_embedding(model: nn.Module) -> frozenset[int]:
 
 
 class _Method(nn.Module):
-    """Calls ``model.method(**kwargs)`` as its ``forward`` (for ``functional_call``)."""
+    """Calls ``model.method(**kwargs)``, or ``method(model, **kwargs)`` for a function, as
+    its ``forward`` (for ``functional_call``)."""
 
-    def __init__(self, model: nn.Module, method: str) -> None:
+    def __init__(self, model: nn.Module, method: str | Callable[..., object]) -> None:
         super().__init__()
         self.model = model
         self.method = method
 
     def forward(self, **kwargs: object) -> object:
-        return cast("Callable[..., object]", getattr(self.model, self.method))(**kwargs)
+        if isinstance(self.method, str):
+            return cast("Callable[..., object]", getattr(self.model, self.method))(**kwargs)
+        return self.method(self.model, **kwargs)
+
+
+def _per_token(per_token_loss: Tensor, loss_mask: Tensor | None) -> Tensor:
+    """The glue self-check's loss: the per-token loss itself."""
+    del loss_mask
+    return per_token_loss
 
 
 def _structure(layer: nn.Module) -> tuple[object, ...]:
@@ -137,29 +165,35 @@ def _structure(layer: nn.Module) -> tuple[object, ...]:
 
 
 class MegatronMoEAdapter(MegatronHooks):
-    """A Megatron-Core ``GPTModel`` with MoE layers for :func:`~moe_overlap.combined_1f1b`.
+    """A Megatron-Core ``GPTModel`` or ``HybridModel`` with MoE layers for
+    :func:`~moe_overlap.combined_1f1b`.
 
     The adapter holds no weights: it runs and trains ``model``'s own modules, so the
     optimizer takes the model as it is and checkpoints stay Megatron-Core's. The embedding
     and rotary tables are the model's own ``_preprocess``; the final norm, output layer and
-    per-token loss its own ``_postprocess``; each MoE layer is split into the schedule's
-    four slots on its own methods (see :mod:`moe_overlap.adapters.megatron`); other layers
-    run whole.
+    per-token loss its own ``_postprocess`` (a ``HybridModel``'s: the same steps of its
+    ``forward``, on its own modules); each MoE layer is split into the schedule's four
+    slots on its own methods (see :mod:`moe_overlap.adapters.megatron`); other layers run
+    whole.
 
     Args:
-        model: a ``GPTModel`` built with MoE layers, on its device, Megatron-Core's
-            model-parallel state initialised: a whole model, or a pipeline stage's chunk
+        model: a ``GPTModel`` or ``HybridModel`` built with MoE layers, on its device,
+            Megatron-Core's model-parallel state initialised: a whole model, or a pipeline
+            stage's chunk
             (``pre_process`` / ``post_process`` as built; see
             :class:`~moe_overlap.adapters.megatron.MegatronMoEStage`).
         loss_fn: ``loss_fn(per_token_loss, loss_mask)``, the microbatch's scalar loss from
             the model's per-token loss ``[b, s]``; ``None``: :func:`masked_mean`.
         self_check: compare the split of each distinct layer structure with the layer's own
-            forward and backward on a probe and refuse a mismatch with
+            forward and backward on a probe (a ``HybridModel``: the steps around its
+            decoder with its own ``forward`` too) and refuse a mismatch with
             :class:`~moe_overlap.ConfigError` (see :attr:`self_check_report`).
 
     Raises :class:`~moe_overlap.ConfigError` at construction for a model or configuration
     it cannot train exactly, naming the member and the reason.
     """
+
+    _built_on: BuiltOn | None
 
     microbatch_inputs = frozenset(
         {"position_ids", "labels", "loss_mask", "attention_mask", "padding_mask"}
@@ -181,41 +215,47 @@ class MegatronMoEAdapter(MegatronHooks):
                 f"(the mean over the tokens loss_mask keeps), received {type(loss_fn).__name__}"
             )
         mc = mcore()
-        if type(model).__name__ == "HybridModel":
-            raise ConfigError(
-                f"{w}: model: expected a Megatron-Core GPTModel, received a HybridModel; "
-                "HybridModel is not supported yet (its forward has no _preprocess / "
-                "_postprocess split for the adapter to call); build a GPTModel with MoE layers"
-            )
-        if not isinstance(model, mc.gpt_model):
+        kinds = (mc.gpt_model,) if mc.hybrid_model is None else (mc.gpt_model, mc.hybrid_model)
+        if not isinstance(model, kinds):
             raise ConfigError(
                 f"{w}: model: expected a Megatron-Core GPTModel "
-                f"(megatron.core.models.gpt.GPTModel), received {type(model).__name__}"
+                "(megatron.core.models.gpt.GPTModel) or HybridModel "
+                "(megatron.core.models.hybrid.hybrid_model.HybridModel), received "
+                f"{type(model).__name__}"
             )
-        self.model = model
-        self._model: Any = model  # Megatron-Core's GPTModel (untyped)
-        self.loss_fn: LossFn = loss_fn if loss_fn is not None else masked_mean
-        self._layers = _layers(model)
+        self._bind(model, loss_fn if loss_fn is not None else masked_mean)
+        if self._hybrid:
+            refuse_hybrid(model, self._layers)
         refuse_config(model, self._layers)
-        self._moe = [
-            name for name, m in self._layers if isinstance(m.get_submodule("mlp"), mc.moe_layer)
-        ]
         if not self._moe and self.pre_process and self.post_process:
             raise ConfigError(
                 f"{w}: {type(model).__name__}: expected MoE layers (a TransformerLayer whose "
                 "mlp is Megatron-Core's MoELayer), received none"
             )
-        # What the schedule's free-input policy reads (schedule_options keeps every input).
-        self.config = AdapterConfig()
-        self._shared = _tied_embedding(model)
-        self._stashes: dict[int, Stash] = {}
-        self._built_on: BuiltOn | None = None
         self._check_bypassed()
         self.self_check_report = SelfCheckReport(enabled=self_check)
         if self_check:
             self._self_check()
-        self.decoder = McDecoder(self._adapt())
         self._built_on = BuiltOn(w, self._layers, self._watched())
+
+    def _bind(self, model: nn.Module, loss_fn: LossFn) -> None:
+        """What the adapter reads of ``model`` (no checks: the constructor's, and the glue
+        self-check's probe adapter)."""
+        mc = mcore()
+        self.model = model
+        self._model: Any = model  # Megatron-Core's GPTModel or HybridModel (untyped)
+        self._hybrid = mc.hybrid_model is not None and isinstance(model, mc.hybrid_model)
+        self.loss_fn: LossFn = loss_fn
+        self._layers = _layers(model)
+        self._moe = [
+            name for name, m in self._layers if isinstance(getattr(m, "mlp", None), mc.moe_layer)
+        ]
+        # What the schedule's free-input policy reads (schedule_options keeps every input).
+        self.config = AdapterConfig()
+        self._shared = _tied_embedding(model)
+        self._stashes: dict[int, Stash] = {}
+        self._built_on = None
+        self.decoder = McDecoder(self._adapt())
 
     # --- construction --------------------------------------------------------------------
     def _adapt(self) -> tuple[McLayer, ...]:
@@ -308,7 +348,50 @@ class MegatronMoEAdapter(MegatronHooks):
                     str(p0.dtype).removeprefix("torch."),
                 )
             )
+        if self._hybrid:
+            report.glue = self._check_glue(p0)
         report.seconds = time.perf_counter() - start
+
+    def _check_glue(self, p0: Tensor) -> float:
+        """A ``HybridModel``'s steps around its decoder against its own ``forward``: both on
+        a probe model sharing its embedding, rotary table, final norm and output layer, with
+        a copy of one layer (its first attention layer, else its first); the output and the
+        gradients of the input and every parameter (``autograd.grad``: the model's ``.grad``
+        is left alone)."""
+        m = self._model
+        symbols = [str(t) for t in m.decoder.layer_type_list]
+        pick = next((i for i, t in enumerate(symbols) if t in ATTENTION), 0)
+        name, layer = self._layers[pick]
+        probe = probe_model(self.model, _copy(layer))
+        try:
+            worst = _compare_glue(probe)
+        except (ConfigError, IntegrationError):
+            raise
+        except Exception as exc:  # Megatron-Core's own code, run as the adapter runs it
+            raise ConfigError(
+                f"MegatronMoEAdapter: {type(self.model).__name__}: "
+                f"{failing_module(exc, probe)} raised {type(exc).__name__}: {exc}, when the "
+                "self-check ran the model's own forward and the adapter's steps around the "
+                f"decoder (with a copy of {name}) on a probe; expected both to run (or pass "
+                "self_check=False)"
+            ) from exc
+        tolerance = probe_tolerance(p0.dtype, p0.device)
+        if worst.difference > tolerance:
+            bound = (
+                "expected bit-identical (deterministic kernels)"
+                if tolerance == 0.0
+                else f"over {tolerance:g} in {p0.dtype}"
+            )
+            raise ConfigError(
+                f"MegatronMoEAdapter: {type(self.model).__name__}: the adapter's steps around "
+                "the decoder (embedding, rotary table, final norm, output layer, loss) differ "
+                f"from the model's own forward: {worst}; {bound} (probed with a copy of "
+                f"{name}); expected HybridModel.forward as in Megatron-Core "
+                f"{TESTED_MEGATRON_CORE}, received Megatron-Core {mcore().version}. The model "
+                "cannot be trained exactly by this adapter (self_check=False trains it anyway, "
+                "unverified)"
+            )
+        return worst.difference
 
     # --- PreprocessableModel ----------------------------------------------------------------
     @property
@@ -330,13 +413,28 @@ class MegatronMoEAdapter(MegatronHooks):
         padding_mask: Tensor | None,
     ) -> PreprocessOutput:
         """The model's own ``_preprocess`` (embedding unless given ``decoder_input``, rotary
-        tables) and what its decoder does to its input before the first layer."""
+        tables; a ``HybridModel``'s the same steps of its ``forward``) and what its decoder
+        does to its input before the first layer."""
         mc = mcore()
         stash = (
             self._stash_for(input_ids)
             if self._shared and input_ids is not None and decoder_input is None
             else None
         )
+        if self._hybrid:
+            x, rotary = cast(
+                "tuple[object, Tensor | None]",
+                self._call(preprocess, take, stash)(
+                    input_ids=input_ids, position_ids=position_ids, decoder_input=decoder_input
+                ),
+            )
+            if not isinstance(x, Tensor):
+                raise IntegrationError(
+                    f"MegatronMoEAdapter: {type(self.model).__name__}: expected the decoder "
+                    f"input as a tensor, received {type(x).__name__}"
+                )
+            h = mc.make_viewless(inp=x, requires_grad=True, keep_graph=True)
+            return PreprocessOutput(h, rotary, padding_mask=padding_mask)
         out = cast(
             "tuple[object, ...]",
             self._call("_preprocess", take, stash)(
@@ -414,11 +512,17 @@ class MegatronMoEAdapter(MegatronHooks):
         return stash
 
     def _call(
-        self, method: str, through: Callable[[Tensor, Stash], Tensor], stash: Stash | None
+        self,
+        method: str | Callable[..., object],
+        through: Callable[[Tensor, Stash], Tensor],
+        stash: Stash | None,
     ) -> Callable[..., object]:
-        """The model's ``method``, its tied weight used ``through`` the stash's autograd
-        identity (as it is without a stash or without grad)."""
+        """The model's ``method`` (or ``method(model, ...)`` for a function), its tied weight
+        used ``through`` the stash's autograd identity (as it is without a stash or without
+        grad)."""
         if stash is None or not torch.is_grad_enabled():
+            if not isinstance(method, str):
+                return functools.partial(method, self.model)
             return cast("Callable[..., object]", getattr(self.model, method))
         swapped = {
             f"model.{n}": through(p, stash)
@@ -447,24 +551,31 @@ class MegatronMoEAdapter(MegatronHooks):
         stash: Stash | None,
     ) -> Tensor:
         mc = mcore()
-        norm: object = getattr(self.model.get_submodule("decoder"), "final_layernorm", None)
+        decoder = self.model.get_submodule("decoder")
+        norm: object = (
+            final_norm(decoder) if self._hybrid else getattr(decoder, "final_layernorm", None)
+        )
         h = hidden_states
         if isinstance(norm, nn.Module):
             h = mc.make_viewless(inp=norm(h), requires_grad=True, keep_graph=True)
-        out: object = self._call("_postprocess", hand, stash)(
-            hidden_states=h,
-            input_ids=None,
-            position_ids=None,
-            labels=labels,
-            rotary_pos_emb=None,
-            rotary_pos_cos=None,
-            rotary_pos_sin=None,
-            mtp_in_postprocess=False,
-            loss_mask=loss_mask,
-        )
+        if self._hybrid:
+            out: object = self._call(postprocess, hand, stash)(hidden_states=h, labels=labels)
+        else:
+            out = self._call("_postprocess", hand, stash)(
+                hidden_states=h,
+                input_ids=None,
+                position_ids=None,
+                labels=labels,
+                rotary_pos_emb=None,
+                rotary_pos_cos=None,
+                rotary_pos_sin=None,
+                mtp_in_postprocess=False,
+                loss_mask=loss_mask,
+            )
         if not isinstance(out, Tensor):
+            step = "'s output layer and loss" if self._hybrid else "._postprocess"
             raise IntegrationError(
-                f"MegatronMoEAdapter: {type(self.model).__name__}._postprocess: expected a "
+                f"MegatronMoEAdapter: {type(self.model).__name__}{step}: expected a "
                 f"tensor, received {type(out).__name__}"
             )
         if labels is None:
@@ -484,7 +595,7 @@ class MegatronMoEAdapter(MegatronHooks):
         cls = type(self.model).__name__
         if self._built_on is not None:
             self._built_on.check_blocks(_layers(self.model), cls)
-        yield BypassedModule(cls, self.model, Bypass.FORWARD, _MODEL)
+        yield BypassedModule(cls, self.model, Bypass.FORWARD, _HYBRID if self._hybrid else _MODEL)
         yield BypassedModule(
             f"{cls}.decoder", self.model.get_submodule("decoder"), Bypass.FORWARD, _DECODER
         )
@@ -597,6 +708,49 @@ def _copy(layer: nn.Module) -> nn.Module:
     dup = copy.deepcopy(layer, cast("dict[int, Any]", _shared(layer)))
     dup.train()
     return dup
+
+
+def _compare_glue(probe: nn.Module) -> Mismatch:
+    """The adapter's plain path (on an adapter bound to ``probe``) against ``probe``'s own
+    ``forward``: output (the per-token loss, or the last layer's hidden states on a stage
+    without post-process), input gradient, parameter gradients."""
+    p: Any = probe
+    p0 = next(probe.parameters())
+    device, dtype = p0.device, p0.dtype
+    g = torch.Generator().manual_seed(0)
+    vocab, hidden = int(p.vocab_size), int(p.config.hidden_size)
+    shape = (2, PROBE_TOKENS)
+    causal = torch.ones(PROBE_TOKENS, PROBE_TOKENS, dtype=torch.bool, device=device).triu(1)
+    mask = causal.expand(2, 1, PROBE_TOKENS, PROBE_TOKENS)
+    positions = torch.arange(PROBE_TOKENS, device=device).expand(shape)
+    pre, post = bool(p.pre_process), bool(p.post_process)
+    if pre:
+        x = torch.randint(0, vocab, shape, generator=g).to(device)
+    else:
+        x = torch.randn(PROBE_TOKENS, 2, hidden, generator=g).to(device, dtype)
+    labels = torch.randint(0, vocab, shape, generator=g).to(device) if post else None
+    x_ref = x if pre else x.detach().clone().requires_grad_()
+    x_cand = x if pre else x.detach().clone().requires_grad_()
+    if not pre:
+        p.set_input_tensor(x_ref)
+    out_r = cast("Tensor", probe(x_ref if pre else None, positions, mask, labels=labels))
+    adapter = MegatronMoEAdapter.__new__(MegatronMoEAdapter)
+    adapter._bind(probe, _per_token)  # pyright: ignore[reportPrivateUsage]
+    out_c = adapter.forward(x_cand, positions, mask, labels=labels)
+    if out_c.shape != out_r.shape:
+        return Mismatch("output shape", float("inf"))
+    worst = Mismatch("output", rel_difference(out_c, out_r))
+    params = [(n, q) for n, q in probe.named_parameters() if q.requires_grad]
+    wrt_r = [q for _, q in params] + ([] if pre else [x_ref])
+    wrt_c = [q for _, q in params] + ([] if pre else [x_cand])
+    grad_out = torch.randn(out_r.shape, generator=g).to(out_r.device, out_r.dtype)
+    grads_r = torch.autograd.grad(out_r, wrt_r, grad_out, allow_unused=True)
+    grads_c = torch.autograd.grad(out_c, wrt_c, grad_out, allow_unused=True)
+    names = [f"gradient of {n}" for n, _ in params] + ([] if pre else ["input gradient"])
+    pairs: list[tuple[str, Tensor | None, Tensor | None]] = [
+        (what, c, r) for what, c, r in zip(names, grads_c, grads_r, strict=True)
+    ]
+    return worst_gradient(pairs, worst)
 
 
 def _compare(layer: nn.Module, name: str, cs: ChunkState, config: AdapterConfig) -> Mismatch:

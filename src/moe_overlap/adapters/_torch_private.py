@@ -11,8 +11,10 @@ if torch moves or renames it.
 
 - ``nn.Module._modules`` (:func:`children`): a module's children by name, read and
   written in place: a layer's child swapped for a stand-in while the layer's own forward
-  runs, a torchtitan model's children listed for its pipeline stage. Renamed, building
-  or running an adapter raises ``AttributeError``.
+  runs, a torchtitan model's children listed for its pipeline stage; a shallow copy of a
+  module given children of its own (:func:`with_children`: the Megatron-Core adapter's
+  probe of a ``HybridModel``). Renamed, building or running an adapter raises
+  ``AttributeError``.
 - ``nn.Module._parameters`` (:func:`parameters`): a module's own parameters by name,
   read and written in place: tied embedding and head weights stood in for by the
   microbatch's copies. Renamed, a model with tied weights raises ``AttributeError``.
@@ -30,11 +32,19 @@ if torch moves or renames it.
 
 from __future__ import annotations
 
+import copy
 import sys
 
 from torch import Tensor, nn
 
-__all__ = ["checkpoint_wrapped", "checkpoint_wrapper_class", "children", "parameters", "version"]
+__all__ = [
+    "checkpoint_wrapped",
+    "checkpoint_wrapper_class",
+    "children",
+    "parameters",
+    "version",
+    "with_children",
+]
 
 _WRAPPER_MODULE = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
 _WRAPPED_CHILD = "_checkpoint_wrapped_module"
@@ -43,6 +53,15 @@ _WRAPPED_CHILD = "_checkpoint_wrapped_module"
 def children(module: nn.Module) -> dict[str, nn.Module | None]:
     """``module``'s children by name (the live dict: writes change the module)."""
     return module._modules  # pyright: ignore[reportPrivateUsage]
+
+
+def with_children(module: nn.Module, replaced: dict[str, nn.Module]) -> nn.Module:
+    """A shallow copy of ``module`` (the same parameters, buffers and settings) with a child
+    dict of its own: ``module``'s children, those named in ``replaced`` replaced. ``module``
+    is not changed."""
+    dup = copy.copy(module)
+    dup._modules = {**module._modules, **replaced}  # pyright: ignore[reportPrivateUsage]
+    return dup
 
 
 def parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:

@@ -18,10 +18,17 @@ then ``pip install --no-deps --ignore-requires-python megatron-core==0.19.2``: s
                            options=adapter.schedule_options())
     optimizer.step()  # over model.parameters()
 
+``HybridModel`` (``GPTModel``'s successor) is taken the same way: attention (``'*'``,
+``'+'``), MLP (``'-'``) and MoE (``'E'``) layers of its ``hybrid_layer_pattern``, built
+with Megatron-Core's local modules (or Transformer Engine's where it is installed).
+
 How: nothing is re-implemented. The embedding and rotary tables are the model's own
 ``_preprocess``; the final norm, output layer and per-token loss its own ``_postprocess``
 (the adapter's ``loss_fn`` reduces the per-token loss: by default the mean over the
-tokens ``loss_mask`` keeps). A MoE layer is cut into the schedule's four slots where
+tokens ``loss_mask`` keeps). ``HybridModel`` has no such methods: the adapter takes the
+steps its ``forward`` takes around its decoder, on its own modules and methods (embedding,
+``rotary_pos_emb``, the decoder's ``final_norm``, ``output_layer``, ``_scale_logits``,
+``compute_language_model_loss``). A MoE layer is cut into the schedule's four slots where
 Megatron-Core's own fine-grained schedule cuts it, on the layer's and its ``MoELayer``'s
 own methods: attention, pre-MLP norm, shared experts, router and the dispatcher's
 preprocess (pre-dispatch); the dispatcher's all-to-all (dispatch: expert parallelism
@@ -33,7 +40,9 @@ microbatches may be in flight.
 Self-check (``self_check=True``, the default): at construction each distinct layer
 structure is split on a copy and compared with the layer's own forward and backward on a
 probe; a mismatch is a :class:`~moe_overlap.ConfigError` naming the layer and the
-difference. At every plan build a changed model (a layer, MoE, router or experts added,
+difference. For a ``HybridModel`` the steps around the decoder are compared with the
+model's own ``forward`` too (on a probe sharing its weights, with a copy of one layer), so
+a Megatron-Core release whose ``forward`` takes other steps is refused, not followed. At every plan build a changed model (a layer, MoE, router or experts added,
 removed or replaced) is refused.
 
 Numerics: losses and gradients are bit-identical to the model's own forward and backward
@@ -48,7 +57,8 @@ Pipelines: :class:`MegatronMoEStage` takes a ``GPTModel`` built for one pipeline
 Not supported (refused at construction, naming the setting): tensor, sequence and context
 parallelism; dropout; Megatron-Core's own recomputation, CUDA graphs, FP8/FP4, shared
 expert overlap, delayed weight gradients and activation offloading; the flex dispatcher;
-multi-token prediction; layers other than ``TransformerLayer``.
+multi-token prediction; layers other than ``TransformerLayer``; a ``HybridModel``'s
+Mamba (``'M'``), gated delta net (``'G'``) and sparse attention (``'D'``) layers.
 """
 
 from __future__ import annotations
