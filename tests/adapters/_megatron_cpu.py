@@ -65,8 +65,10 @@ def _cpu() -> torch.device:
 def megatron_on_cpu(expert_parallel: int = 1) -> Iterator[None]:
     """Megatron-Core ready to build and run a model on this CPU process, restored after
     (its model-parallel state over the world: ``expert_parallel`` ranks per expert group,
-    no tensor or pipeline parallelism)."""
+    no tensor or pipeline parallelism; its global MoE metrics tracker fresh before and after,
+    since it sizes its per-layer sums by the first model that records)."""
     parallel_state: Any = importlib.import_module("megatron.core.parallel_state")
+    moe_logging: Any = importlib.import_module("megatron.core.transformer.moe.moe_logging")
     mc_random: Any = importlib.import_module("megatron.core.tensor_parallel.random")
     td: Any = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
 
@@ -79,6 +81,7 @@ def megatron_on_cpu(expert_parallel: int = 1) -> Iterator[None]:
     ]
     env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT")}
     started = not dist.is_initialized()
+    moe_logging.destroy_moe_metrics_tracker()
     try:
         a2a.cuda_dtoh_stream = _NoStream()
         a2a._maybe_dtoh_and_synchronize = _dtoh_on_cpu
@@ -93,6 +96,7 @@ def megatron_on_cpu(expert_parallel: int = 1) -> Iterator[None]:
         parallel_state.initialize_model_parallel(1, 1, expert_model_parallel_size=expert_parallel)
         yield
     finally:
+        moe_logging.destroy_moe_metrics_tracker()
         parallel_state.destroy_model_parallel()
         if started and dist.is_initialized():
             dist.destroy_process_group()

@@ -38,16 +38,9 @@ PATTERN = "*E-E"
 
 @pytest.fixture(autouse=True)
 def _megatron() -> Iterator[None]:
-    """Megatron-Core on this CPU process; its global MoE metrics tracker fresh before and
-    after (it sizes its per-layer sums by the first model that records: another test's
-    two-layer model would leave too short a one)."""
-    logging: Any = importlib.import_module("megatron.core.transformer.moe.moe_logging")
-    logging.destroy_moe_metrics_tracker()
-    try:
-        with megatron_on_cpu():
-            yield
-    finally:
-        logging.destroy_moe_metrics_tracker()
+    """Megatron-Core on this CPU process (its MoE metrics tracker fresh before and after)."""
+    with megatron_on_cpu():
+        yield
 
 
 def _local_norm() -> Any:
