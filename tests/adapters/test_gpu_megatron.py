@@ -7,6 +7,7 @@ and comm streams, bit-identical to the same model's own forward and ``backward()
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import socket
 from collections.abc import Iterator
@@ -192,3 +193,49 @@ def test_dualpipev_on_one_gpu_is_bit_identical() -> None:
     assert row["vs_megatron_ok"], row  # vs torch's execution of the raw GPTModel chunks
     assert row["pending"] == 0 and int(str(row["grads"])) > 0, row
     assert len(cast("list[float]", row["losses"])) == 4, row
+
+
+def _on_cuda(mb: Microbatch) -> Microbatch:
+    """``mb`` with every tensor field on the GPU."""
+    moved: dict[str, Any] = {
+        f.name: v.cuda()
+        for f in dataclasses.fields(mb)
+        if isinstance(v := getattr(mb, f.name), Tensor)
+    }
+    return dataclasses.replace(mb, **moved)
+
+
+@pytest.mark.parametrize("kind", ["overlapped", "fill_drain"])
+def test_bf16_hybrid_model_is_bit_identical_to_its_own(parallel_state: Any, kind: str) -> None:
+    """A ``HybridModel`` (attention, MoE, MLP, MoE layers from Megatron-Core's local modules;
+    :mod:`tests.adapters.test_megatron_hybrid`'s builder) on CUDA in bf16, unpatched, against
+    its own forward and ``backward()``."""
+    from moe_overlap.adapters.megatron import MegatronMoEAdapter
+    from tests.adapters.test_megatron_hybrid import build, megatron_step, microbatches
+
+    del parallel_state
+    found = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        model = build(dtype=torch.bfloat16).cuda()
+        ref = build(dtype=torch.bfloat16).cuda()
+        ref.load_state_dict(model.state_dict())
+        adapter = MegatronMoEAdapter(model)
+        mbs = [_on_cuda(mb) for mb in microbatches(4)]
+        want = megatron_step(ref, mbs)
+        got = combined_1f1b(
+            adapter,
+            mbs,
+            fill_drain=kind == "fill_drain",
+            streams=make_streams(torch.device("cuda")),
+            options=adapter.schedule_options(),
+        )
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)), (got, want)
+        ref_grads = dict(ref.named_parameters())
+        for n, p in model.named_parameters():
+            g = ref_grads[n].grad
+            assert p.grad is not None and g is not None, f"{n}: no gradient"
+            assert torch.equal(p.grad, g), f"{kind}: {n} differs from the model's own"
+    finally:
+        torch.use_deterministic_algorithms(found)
