@@ -3,7 +3,9 @@
 ``python benchmarks/ab_calls.py --a /tmp/base/src --b src`` runs ``bench_host.py``'s trivial
 model (8 layers, 8 microbatches) under a call counter (``sys.setprofile``) with
 ``PYTHONPATH`` set to each ``src`` folder in turn and prints the function calls (Python and
-C) per node of a serial and an overlapped ``combined_1f1b`` step, and the functions whose call counts differ most. A call
+C) per node of a serial and an overlapped ``combined_1f1b`` step, and the functions whose call counts differ most (``--modes``: also ``fill_drain``, and
+today's orders run as node schedules, ``node:serial`` / ``node:overlapped`` /
+``node:fill_drain``: the same steps through the schedule runner's data path). A call
 count is the same on every machine and every run, so a change of the per-node path shows
 even on a loaded 2-core machine; what each call costs is ``ab_host.py``'s to measure.
 """
@@ -31,9 +33,23 @@ model = bh.TrivialModel(8)
 mbs = [Microbatch(decoder_input=torch.randn(4)) for _ in range(8)]
 streams = make_streams("cpu")
 out = {{}}
-for name, overlap in (("serial", False), ("overlapped", True)):
+
+
+def runner(mode):
+    if not mode.startswith("node:"):
+        kw = dict(overlap=mode != "serial", fill_drain=mode == "fill_drain")
+        return lambda: combined_1f1b(model, mbs, streams=streams, **kw)
+    from moe_overlap.plan import ScheduleGraph, node_schedule, today_orders
+
+    graph = ScheduleGraph(microbatches=len(mbs), moe=(True,) * len(model.decoder.layers))
+    schedule = node_schedule(today_orders(graph)[mode[len("node:"):]])
+    return lambda: combined_1f1b(model, mbs, streams=streams, schedule=schedule)
+
+
+for name in MODES:
+    step = runner(name)
     for _ in range(3):  # warm: first-call caches and memoized checks
-        combined_1f1b(model, mbs, overlap=overlap, streams=streams)
+        step()
     counts = {{}}
 
     def count(frame, event, arg):
@@ -52,7 +68,7 @@ for name, overlap in (("serial", False), ("overlapped", True)):
     gc.disable()  # a collection's finalizers would be counted wherever it happens to run
     sys.setprofile(count)
     for _ in range({STEPS}):
-        combined_1f1b(model, mbs, overlap=overlap, streams=streams)
+        step()
     sys.setprofile(None)
     gc.enable()
     out[name] = {{re.sub(r" at 0x[0-9a-f]+", "", k): v for k, v in counts.items()}}
@@ -61,10 +77,14 @@ print(json.dumps(out))
 NODES_PER_STEP = 8 * (8 * 4 + 2) * 2  # microbatches x (4 slots x layers + pre/post) x F/B
 
 
-def _calls(src: str) -> dict[str, dict[str, int]]:
+MODES = ("serial", "overlapped", "fill_drain", "node:serial", "node:overlapped", "node:fill_drain")
+
+
+def _calls(src: str, modes: list[str]) -> dict[str, dict[str, int]]:
     env = {**os.environ, "PYTHONPATH": src, "PYTHONHASHSEED": "0"}  # set orders decide some paths
+    child = f"MODES = {modes!r}\n" + _CHILD
     out = subprocess.run(
-        [sys.executable, "-c", _CHILD], capture_output=True, text=True, env=env, check=True
+        [sys.executable, "-c", child], capture_output=True, text=True, env=env, check=True
     )
     data: dict[str, dict[str, int]] = json.loads(out.stdout)
     return data
@@ -75,10 +95,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--a", required=True, help="the baseline's src folder")
     p.add_argument("--b", required=True, help="the candidate's src folder")
     p.add_argument("--top", type=int, default=10, help="how many differing functions to list")
+    p.add_argument(
+        "--modes",
+        nargs="+",
+        default=["serial", "overlapped"],
+        choices=MODES,
+        help="steps to count (node:...: today's orders as node schedules; trees that have them)",
+    )
     args = p.parse_args(argv)
-    a, b = _calls(args.a), _calls(args.b)
+    a, b = _calls(args.a, args.modes), _calls(args.b, args.modes)
     summary: dict[str, object] = {"a_src": args.a, "b_src": args.b}
-    for mode in ("serial", "overlapped"):
+    for mode in args.modes:
         ta, tb = sum(a[mode].values()), sum(b[mode].values())
         per = STEPS * NODES_PER_STEP
         diff = {k: b[mode].get(k, 0) - a[mode].get(k, 0) for k in set(a[mode]) | set(b[mode])}

@@ -288,6 +288,40 @@ def test_the_schedule_replaces_overlap_and_fill_drain_and_must_match_the_microba
     assert all(p.grad is None for p in model.parameters())  # refused before any step ran
 
 
+def test_a_verdict_is_remembered_for_the_same_schedule_shapes_and_slots_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A training loop's later steps skip the walk of the rules; another model's shapes or
+    other recomputed slots are walked again, and a schedule wrong for them is refused."""
+    from moe_overlap.engine.core import _node_schedule as ns
+
+    monkeypatch.setattr(ns, "_EXACT", {})
+    walks: list[int] = []
+    walk = ns._check_node_order
+
+    def counted(*args: Any) -> None:
+        walks.append(1)
+        walk(*args)
+
+    monkeypatch.setattr(ns, "_check_node_order", counted)
+    shape = _shape("mm")
+    schedule = NodeSchedule(_plain_order(shape, 2))
+    for _ in range(3):
+        ns.check_node_order(schedule, [shape, shape])
+    assert len(walks) == 1
+    ns.check_node_order(NodeSchedule(str(schedule)), [shape, shape])  # an equal schedule
+    assert len(walks) == 1
+    with pytest.raises(ConfigError, match="does not have"):  # a dense layer: no dispatch
+        ns.check_node_order(schedule, [_shape("dm")] * 2)
+    text = str(schedule)
+    assert "L1.mlp.B0" in text
+    recomputing = NodeSchedule(text.replace("L1.mlp.B0", "L1.mlp.R0 L1.mlp.B0", 1))
+    ns.check_node_order(recomputing, [shape, shape], recompute=[Slot.MLP])
+    with pytest.raises(ConfigError, match="does not have"):  # R only for recomputed slots
+        ns.check_node_order(recomputing, [shape, shape])
+    assert len(walks) == 4
+
+
 def test_a_failing_step_names_itself_and_the_next_step_is_exact() -> None:
     config = ToyConfig()
     ref = ToyModel(config, "mm")

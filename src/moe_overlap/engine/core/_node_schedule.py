@@ -47,8 +47,10 @@ class NodeSchedule:
     microbatch, a slot and a direction (``F``, ``B``, ``W``, ``R``), no role.
     """
 
-    __slots__ = ("steps",)
+    __slots__ = ("_hash", "_microbatches", "steps")
     steps: tuple[Step, ...]
+    _hash: int
+    _microbatches: int
 
     def __init__(self, steps: str | Iterable[Step | str]) -> None:
         if isinstance(steps, str):
@@ -63,6 +65,9 @@ class NodeSchedule:
             )
         parsed = tuple(_node_step(i, item) for i, item in enumerate(items))
         object.__setattr__(self, "steps", parsed)
+        object.__setattr__(self, "_hash", hash(parsed))  # immutable: hashed once
+        count = 1 + max((cast(int, s.microbatch) for s in parsed), default=-1)
+        object.__setattr__(self, "_microbatches", count)
 
     def __setattr__(self, name: str, value: object) -> None:
         raise AttributeError(f"NodeSchedule is immutable: cannot set {name!r}")
@@ -77,7 +82,7 @@ class NodeSchedule:
         return isinstance(other, NodeSchedule) and other.steps == self.steps
 
     def __hash__(self) -> int:
-        return hash(self.steps)
+        return self._hash
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -92,7 +97,7 @@ class NodeSchedule:
     @property
     def microbatches(self) -> int:
         """How many microbatches it runs (one more than the largest index)."""
-        return 1 + max((cast(int, s.microbatch) for s in self.steps), default=-1)
+        return self._microbatches
 
 
 def _node_step(index: int, item: object) -> Step:
@@ -171,6 +176,13 @@ def _bare(step: Step) -> Step:
     return step._replace(stream=None)
 
 
+_EXACT: dict[tuple[NodeSchedule, tuple[ChunkShape, ...], frozenset[Slot]], None] = {}
+"""The (schedule, shapes, recomputed slots) that passed :func:`check_node_order` lately: the
+verdict is a function of them alone (all immutable), so a training loop's later steps with
+the same schedule skip the walk."""
+_EXACT_KEPT = 16
+
+
 def check_node_order(
     schedule: NodeSchedule, shapes: Sequence[ChunkShape], *, recompute: Iterable[Slot] = ()
 ) -> None:
@@ -179,10 +191,23 @@ def check_node_order(
 
     ``recompute``: the slots every layer recomputes (their ``R`` steps may be listed; an
     unlisted one runs at the slot's backward). A step's stream, when written, must be its
-    node's.
+    node's. A verdict is remembered for the last few (schedule, shapes, slots) that passed.
     """
-    where = "combined_1f1b: schedule"
     slots = frozenset(recompute)
+    key = (schedule, tuple(shapes), slots)
+    if key in _EXACT:
+        return
+    _check_node_order(schedule, key[1], slots)
+    if len(_EXACT) >= _EXACT_KEPT:
+        _EXACT.pop(next(iter(_EXACT)))
+    _EXACT[key] = None
+
+
+def _check_node_order(
+    schedule: NodeSchedule, shapes: Sequence[ChunkShape], slots: frozenset[Slot]
+) -> None:
+    """:func:`check_node_order`'s walk."""
+    where = "combined_1f1b: schedule"
     n = len(shapes)
     if schedule.microbatches != n:
         raise ConfigError(
@@ -215,7 +240,7 @@ def check_node_order(
     last_forward: dict[tuple[int | None, Slot | None, Direction], int] = {}
     last_backward: dict[tuple[int | None, Slot | None], int] = {}
     for i, step in enumerate(schedule.steps):
-        at = f"{where}: step {i} ({step})"
+        at = _At(where, i, step)
         key = _bare(step)
         mb = cast(int, step.microbatch)
         if key in seen:
@@ -287,6 +312,18 @@ def check_node_order(
             f"{where}: expected every step of every microbatch, received {len(missing)} "
             f"missing ({shown})"
         )
+
+
+class _At:
+    """Where a refusal is, formatted only when one is raised: ``<where>: step <i> (<step>)``."""
+
+    __slots__ = ("i", "step", "where")
+
+    def __init__(self, where: str, i: int, step: Step) -> None:
+        self.where, self.i, self.step = where, i, step
+
+    def __format__(self, spec: str) -> str:
+        return f"{self.where}: step {self.i} ({self.step})"
 
 
 def _next_plain(order: list[Step], position: int) -> int:
