@@ -38,8 +38,8 @@ from moe_overlap.adapters._mc_hybrid import (
 )
 from moe_overlap.adapters._mc_imports import TESTED_MEGATRON_CORE, mcore
 from moe_overlap.adapters._mc_layers import McDenseLayer, McLayer, McMoELayer, layer_kwargs
-from moe_overlap.adapters._mc_tied import Stash, hand, take
-from moe_overlap.adapters._tt_model import probe_tolerance
+from moe_overlap.adapters._probe_tolerance import probe_tolerance, tolerance_text
+from moe_overlap.adapters._tied_stash import Stash, hand, take
 from moe_overlap.blocks import MegatronHooks
 from moe_overlap.engine import Bypass, BypassedModule, ChunkState, check_wgrad_done
 from moe_overlap.engine.core.args import BOOL, MODULE, check_arg
@@ -327,11 +327,7 @@ class MegatronMoEAdapter(MegatronHooks):
                 ) from exc
             tolerance = probe_tolerance(p0.dtype, p0.device)
             if worst.difference > tolerance:
-                bound = (
-                    "expected bit-identical (deterministic kernels)"
-                    if tolerance == 0.0
-                    else f"over {tolerance:g} in {p0.dtype}"
-                )
+                bound = tolerance_text(tolerance, p0.dtype)
                 raise ConfigError(
                     f"MegatronMoEAdapter: {name} ({type(layer).__name__}): the adapter's split "
                     f"of the layer differs from its own forward: {worst} (relative; {bound}); "
@@ -377,11 +373,7 @@ class MegatronMoEAdapter(MegatronHooks):
             ) from exc
         tolerance = probe_tolerance(p0.dtype, p0.device)
         if worst.difference > tolerance:
-            bound = (
-                "expected bit-identical (deterministic kernels)"
-                if tolerance == 0.0
-                else f"over {tolerance:g} in {p0.dtype}"
-            )
+            bound = tolerance_text(tolerance, p0.dtype)
             raise ConfigError(
                 f"MegatronMoEAdapter: {type(self.model).__name__}: the adapter's steps around "
                 "the decoder (embedding, rotary table, final norm, output layer, loss) differ "

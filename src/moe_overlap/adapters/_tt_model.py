@@ -19,13 +19,9 @@ from torch import Tensor, nn
 from moe_overlap import ConfigError, IntegrationError, Microbatch, ScheduleOptions
 from moe_overlap.adapters._built_on import BuiltOn
 from moe_overlap.adapters._hf_model import AdapterConfig
-from moe_overlap.adapters._hf_probe import (
-    PROBE_TOLERANCE,
-    Mismatch,
-    failing_module,
-    rel_difference,
-    worst_gradient,
-)
+from moe_overlap.adapters._hf_probe import Mismatch, failing_module, rel_difference, worst_gradient
+from moe_overlap.adapters._probe_tolerance import probe_tolerance, tolerance_text
+from moe_overlap.adapters._tied_stash import Stash, hand, take
 from moe_overlap.adapters._torch_private import version
 from moe_overlap.adapters._tt_imports import titan
 from moe_overlap.adapters._tt_layers import (
@@ -278,7 +274,7 @@ class TorchtitanMoEAdapter(TitanHooks):
             )
         self._masks = _uses_masks(model)
         self._shared = _shared_with_embedding(model)
-        self._stashes: dict[int, _Stash] = {}
+        self._stashes: dict[int, Stash] = {}
         self._calls: dict[int, BlockCall] = {}
         self._check_bypassed()
         self.self_check_report = SelfCheckReport(enabled=self_check)
@@ -403,11 +399,7 @@ class TorchtitanMoEAdapter(TitanHooks):
                 )
             tolerance = probe_tolerance(dtype, p0.device)
             if worst.difference > tolerance:
-                bound = (
-                    "expected bit-identical (deterministic kernels)"
-                    if tolerance == 0.0
-                    else f"over {tolerance:g} in {dtype}"
-                )
+                bound = tolerance_text(tolerance, dtype)
                 raise ConfigError(
                     f"TorchtitanMoEAdapter: layers.{name} ({type(block).__name__}): the "
                     f"adapter's split of the block differs from its own forward: {worst} "
@@ -567,7 +559,7 @@ class TorchtitanMoEAdapter(TitanHooks):
         try:
             stash = self._stash_for(input_ids) if self._shared else None
             with swap(model, "layers", nn.ModuleDict()), swap(model, "norm", _StopHere()):
-                _call_with(model, self._shared, _take, stash, input_ids, positions=position_ids)
+                _call_with(model, self._shared, take, stash, input_ids, positions=position_ids)
         except _Stop as stop:
             return stop.value
         raise IntegrationError(
@@ -604,11 +596,11 @@ class TorchtitanMoEAdapter(TitanHooks):
             )
         return self._mtp_output(hidden_states, input_ids, position_ids, labels, stash)
 
-    def _stash_for(self, input_ids: Tensor) -> _Stash:
-        """A new :class:`_Stash` for the microbatch of ``input_ids`` (found again by
+    def _stash_for(self, input_ids: Tensor) -> Stash:
+        """A new :class:`Stash` for the microbatch of ``input_ids`` (found again by
         post-process, which gets the same tensor; dropped with it)."""
         key = id(input_ids)
-        stash = self._stashes[key] = _Stash()
+        stash = self._stashes[key] = Stash()
         weakref.finalize(input_ids, self._stashes.pop, key, None)
         return stash
 
@@ -618,7 +610,7 @@ class TorchtitanMoEAdapter(TitanHooks):
         input_ids: Tensor,
         position_ids: Tensor | None,
         labels: Tensor | None,
-        stash: _Stash | None,
+        stash: Stash | None,
     ) -> Tensor:
         """The model's own forward after its blocks (final norm, each MTP layer on the
         shifted token embeddings, the LM head on every depth), its blocks stood in for by
@@ -632,7 +624,7 @@ class TorchtitanMoEAdapter(TitanHooks):
             out = _call_with(
                 model,
                 self._shared,
-                _hand,
+                hand,
                 stash,
                 input_ids,
                 position_ids,
@@ -670,7 +662,7 @@ class TorchtitanMoEAdapter(TitanHooks):
         hidden_states: Tensor,
         labels: Tensor | None,
         loss_mask: Tensor | None,
-        stash: _Stash | None,
+        stash: Stash | None,
     ) -> Tensor:
         if not self.post_process:
             raise IntegrationError(
@@ -681,7 +673,7 @@ class TorchtitanMoEAdapter(TitanHooks):
         _refuse_loss_mask(loss_mask)
         model = self.model
         with swap(model, "tok_embeddings", None), swap(model, "layers", nn.ModuleDict()):
-            logits = _call_with(model, self._shared, _hand, stash, hidden_states)
+            logits = _call_with(model, self._shared, hand, stash, hidden_states)
         if not isinstance(logits, Tensor):
             raise IntegrationError(
                 f"TorchtitanMoEAdapter: {type(model).__name__}.forward: expected the logits, "
@@ -695,70 +687,16 @@ class TorchtitanMoEAdapter(TitanHooks):
         return total / (labels != IGNORE_INDEX).sum()
 
 
-class _Stash:
-    """The gradient post-process sends a microbatch's embedding parameters (DeepSeek-V3's
-    MTP layers embed the shifted tokens; a tied LM head), held until the embedding's own
-    backward for that microbatch adds it to its part.
-
-    Autograd would sum the two parts in whatever order the backward passes come (one pass in
-    the plain path, two in the schedule, interleaved with other microbatches under fill and
-    drain), and bfloat16 rounds the orders apart; this way ``.grad`` gets ``post + pre`` per
-    microbatch, in microbatch order, in every schedule."""
-
-    __slots__ = ("grads",)
-
-    def __init__(self) -> None:
-        self.grads: dict[int, Tensor] = {}
-
-
-class _Hand(torch.autograd.Function):
-    """Identity on a parameter used in post-process: its gradient goes to the stash."""
-
-    @staticmethod
-    def forward(ctx: Any, param: Tensor, stash: _Stash) -> Tensor:  # FunctionCtx: no fields
-        ctx.stash, ctx.key = stash, id(param)
-        return param.view_as(param)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[None, None]:
-        (grad,) = grads
-        held: dict[int, Tensor] = ctx.stash.grads
-        key: int = ctx.key
-        held[key] = grad if key not in held else held[key] + grad
-        return None, None
-
-
-class _Take(torch.autograd.Function):
-    """Identity on a parameter used by the embedding: its gradient is the stashed
-    post-process part plus its own."""
-
-    @staticmethod
-    def forward(ctx: Any, param: Tensor, stash: _Stash) -> Tensor:
-        ctx.stash, ctx.key = stash, id(param)
-        return param.view_as(param)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, None]:
-        (grad,) = grads
-        held: Tensor | None = ctx.stash.grads.pop(ctx.key, None)
-        return (grad if held is None else held + grad), None
-
-
-# Function.apply is untyped; give it its signature once, here.
-_hand = cast("Callable[[Tensor, _Stash], Tensor]", _Hand.apply)  # pyright: ignore[reportUnknownMemberType]
-_take = cast("Callable[[Tensor, _Stash], Tensor]", _Take.apply)  # pyright: ignore[reportUnknownMemberType]
-
-
 def _call_with(
     model: nn.Module,
     shared: frozenset[int],
-    through: Callable[[Tensor, _Stash], Tensor],
-    stash: _Stash | None,
+    through: Callable[[Tensor, Stash], Tensor],
+    stash: Stash | None,
     *args: object,
     **kwargs: object,
 ) -> object:
     """``model(*args, **kwargs)`` with its parameters in ``shared`` (ids) used ``through``
-    :class:`_Hand` or :class:`_Take` (none: as they are)."""
+    :func:`hand` or :func:`take` (none: as they are)."""
     swapped = (
         {
             n: through(p, stash)
@@ -820,21 +758,6 @@ def _state_of(block: nn.Module) -> list[tuple[str, int, int]]:
     grads = [(n, id(p.grad), -1) for n, p in block.named_parameters()]
     buffers = [(n, id(b), version(b)) for n, b in block.named_buffers()]
     return grads + buffers
-
-
-def probe_tolerance(dtype: torch.dtype, device: torch.device) -> float:
-    """The largest relative difference the self-check accepts in ``dtype`` on ``device``.
-
-    None where the kernels are deterministic (CPU, or deterministic algorithms on): the
-    split runs the block's own operations in its order, so it is bit-identical to the
-    block's own forward and backward. Elsewhere two runs of the block itself may differ by
-    its kernels' atomic additions: float32 ``PROBE_TOLERANCE``, a 16-bit dtype 8 of its
-    rounding units."""
-    if device.type == "cpu" or torch.are_deterministic_algorithms_enabled():
-        return 0.0
-    if dtype == torch.float32 or not dtype.is_floating_point:
-        return PROBE_TOLERANCE
-    return 8 * torch.finfo(dtype).eps
 
 
 class _ReferenceFailed(Exception):
