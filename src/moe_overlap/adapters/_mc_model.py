@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import functools
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -24,6 +23,7 @@ from moe_overlap import (
     PreprocessOutput,
     ScheduleOptions,
 )
+from moe_overlap.adapters._adapted_model import AdaptedDecoder, AdaptedModel
 from moe_overlap.adapters._built_on import BuiltOn
 from moe_overlap.adapters._hf_model import AdapterConfig
 from moe_overlap.adapters._hf_probe import Mismatch, failing_module, rel_difference, worst_gradient
@@ -41,7 +41,7 @@ from moe_overlap.adapters._mc_layers import McDenseLayer, McLayer, McMoELayer, l
 from moe_overlap.adapters._probe_tolerance import probe_tolerance, tolerance_text
 from moe_overlap.adapters._tied_stash import Stash, hand, take
 from moe_overlap.blocks import MegatronHooks
-from moe_overlap.engine import Bypass, BypassedModule, ChunkState, check_wgrad_done
+from moe_overlap.engine import Bypass, BypassedModule, ChunkState
 from moe_overlap.engine.core.args import BOOL, MODULE, check_arg
 
 __all__ = ["LossFn", "McDecoder", "MegatronMoEAdapter", "SelfCheckReport", "masked_mean"]
@@ -64,14 +64,9 @@ def masked_mean(per_token_loss: Tensor, loss_mask: Tensor | None) -> Tensor:
     return (losses * mask).sum() / mask.sum()
 
 
-class McDecoder:
+class McDecoder(AdaptedDecoder[McLayer]):
     """``decoder`` as the schedule sees it: the adapted layers; the model's final norm runs
     in post-process."""
-
-    def __init__(self, layers: tuple[McLayer, ...]) -> None:
-        self.layers = layers
-        self.input_tensor: Tensor | None = None
-        self.final_layernorm: Callable[[Tensor], Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -164,7 +159,7 @@ def _structure(layer: nn.Module) -> tuple[object, ...]:
     return (type(layer).__qualname__, mods, type(dispatcher).__qualname__)
 
 
-class MegatronMoEAdapter(MegatronHooks):
+class MegatronMoEAdapter(AdaptedModel[McLayer], MegatronHooks):
     """A Megatron-Core ``GPTModel`` or ``HybridModel`` with MoE layers for
     :func:`~moe_overlap.combined_1f1b`.
 
@@ -277,12 +272,6 @@ class MegatronMoEAdapter(MegatronHooks):
             yield name, layer
             if name in moe:
                 yield f"{name}.mlp", layer.get_submodule("mlp")
-
-    def _check_bypassed(self) -> None:
-        from moe_overlap.engine import check_module
-
-        for item in self.bypassed_modules():
-            check_module(item.module, item.name, item.reason, item.bypass, item.honoured)
 
     # --- the self-check -------------------------------------------------------------------
     def _probe(self, device: torch.device, dtype: torch.dtype) -> ChunkState:
@@ -474,35 +463,6 @@ class MegatronMoEAdapter(MegatronHooks):
         self.on_microbatch(pre.decoder_input)
         return pre
 
-    def on_microbatch(self, decoder_input: Tensor) -> None:
-        """Refuse pending weight gradients at the start of a microbatch."""
-        del decoder_input
-        check_wgrad_done(self, when="at the start of a microbatch")
-
-    def _postprocess(
-        self,
-        hidden_states: Tensor,
-        input_ids: Tensor | None,
-        position_ids: Tensor | None,
-        labels: Tensor | None,
-        *args: object,
-        loss_mask: Tensor | None = None,
-        **kwargs: object,
-    ) -> Tensor:
-        """:meth:`output`; with tied embedding and output weights, the output layer's
-        gradient of the shared weight goes to the microbatch's stash (found by its
-        ``input_ids``), which the embedding's own backward adds to its part."""
-        del position_ids, args, kwargs  # the rotary tables and Megatron's other arguments
-        stash = self._stashes.get(id(input_ids)) if input_ids is not None else None
-        return self._output(hidden_states, labels, loss_mask, stash)
-
-    def _stash_for(self, input_ids: Tensor) -> Stash:
-        """A new stash for the microbatch of ``input_ids`` (dropped with the tensor)."""
-        key = id(input_ids)
-        stash = self._stashes[key] = Stash()
-        weakref.finalize(input_ids, self._stashes.pop, key, None)
-        return stash
-
     def _call(
         self,
         method: str | Callable[..., object],
@@ -528,13 +488,6 @@ class MegatronMoEAdapter(MegatronHooks):
 
         return run
 
-    def output(
-        self, hidden_states: Tensor, labels: Tensor | None, loss_mask: Tensor | None
-    ) -> Tensor:
-        """The decoder's final norm, then the model's own ``_postprocess`` (output layer,
-        per-token loss with ``labels``); ``loss_fn`` of it, else the logits ``[b, s, v]``."""
-        return self._output(hidden_states, labels, loss_mask, None)
-
     def _output(
         self,
         hidden_states: Tensor,
@@ -542,6 +495,8 @@ class MegatronMoEAdapter(MegatronHooks):
         loss_mask: Tensor | None,
         stash: Stash | None,
     ) -> Tensor:
+        """The decoder's final norm, then the model's own ``_postprocess`` (output layer,
+        per-token loss with ``labels``); ``loss_fn`` of it, else the logits ``[b, s, v]``."""
         mc = mcore()
         decoder = self.model.get_submodule("decoder")
         norm: object = (
@@ -610,14 +565,6 @@ class MegatronMoEAdapter(MegatronHooks):
         if self._built_on is not None:
             self._built_on.check_children(cls)
 
-    def parameters(self) -> Iterator[nn.Parameter]:
-        """The model's parameters (what the optimizer takes)."""
-        return self.model.parameters()
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """The model's parameters with their names in the model."""
-        return self.model.named_parameters()
-
     def schedule_options(
         self, *, free_input: bool = False, ep_overlap_early_attn_memory_release: bool = False
     ) -> ScheduleOptions:
@@ -651,16 +598,6 @@ class MegatronMoEAdapter(MegatronHooks):
             attention_mask=attention_mask,
             padding_mask=padding_mask,
         )
-
-    @property
-    def pending_wgrad(self) -> int:
-        """Delayed weight gradients waiting for ``backward_dw`` (always 0: none are delayed)."""
-        return sum(layer.pending_wgrad for layer in self.decoder.layers)
-
-    def discard_wgrad(self) -> None:
-        """Drop every pending delayed weight gradient (none here)."""
-        for layer in self.decoder.layers:
-            layer.discard_wgrad()
 
 
 def _shared(root: nn.Module) -> dict[int, object]:

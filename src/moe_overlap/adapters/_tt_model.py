@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from moe_overlap import ConfigError, IntegrationError, Microbatch, ScheduleOptions
+from moe_overlap.adapters._adapted_model import AdaptedDecoder, AdaptedModel
 from moe_overlap.adapters._built_on import BuiltOn
 from moe_overlap.adapters._hf_model import AdapterConfig
 from moe_overlap.adapters._hf_probe import Mismatch, failing_module, rel_difference, worst_gradient
@@ -35,7 +36,7 @@ from moe_overlap.adapters._tt_layers import (
 from moe_overlap.adapters._tt_names import NOT_GIVEN, TitanHooks, refuse_titan_names
 from moe_overlap.adapters._tt_parallel import honoured_forward
 from moe_overlap.adapters._tt_recompute import unwrap_blocks
-from moe_overlap.engine import Bypass, BypassedModule, ChunkState, check_wgrad_done
+from moe_overlap.engine import Bypass, BypassedModule, ChunkState
 from moe_overlap.engine.core.args import BOOL, MODULE, check_arg
 
 __all__ = ["LossFn", "SelfCheckReport", "TitanDecoder", "TorchtitanMoEAdapter"]
@@ -51,13 +52,8 @@ IGNORE_INDEX = -100
 """torchtitan's (and torch's) ignored label."""
 
 
-class TitanDecoder:
+class TitanDecoder(AdaptedDecoder[TitanLayer]):
     """``decoder`` as the schedule sees it: the adapted blocks; final norm in post-process."""
-
-    def __init__(self, layers: tuple[TitanLayer, ...]) -> None:
-        self.layers = layers
-        self.input_tensor: Tensor | None = None
-        self.final_layernorm: Callable[[Tensor], Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -211,7 +207,7 @@ def _structure(block: nn.Module) -> tuple[object, ...]:
     return (type(block).__qualname__, mods, kind)
 
 
-class TorchtitanMoEAdapter(TitanHooks):
+class TorchtitanMoEAdapter(AdaptedModel[TitanLayer], TitanHooks):
     """A torchtitan MoE decoder model for :func:`~moe_overlap.combined_1f1b`.
 
     The adapter holds no weights: it runs and trains ``model``'s own modules, so the
@@ -342,12 +338,6 @@ class TorchtitanMoEAdapter(TitanHooks):
         for layer in self.decoder.layers:
             for module in layer.delayed_modules():
                 module.label = names.get(id(module), module.label)
-
-    def _check_bypassed(self) -> None:
-        from moe_overlap.engine import check_module
-
-        for item in self.bypassed_modules():
-            check_module(item.module, item.name, item.reason, item.bypass, item.honoured)
 
     def _probe(self, device: torch.device) -> tuple[Tensor, BlockCall]:
         """Two sequences of random hidden states (a private generator) and the block
@@ -490,14 +480,6 @@ class TorchtitanMoEAdapter(TitanHooks):
         stage); otherwise it hands hidden states on."""
         return _has(self.model, "lm_head")
 
-    def parameters(self) -> Iterator[nn.Parameter]:
-        """The model's parameters (what the optimizer takes)."""
-        return self.model.parameters()
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """The model's parameters with their names in the model."""
-        return self.model.named_parameters()
-
     def schedule_options(
         self, *, free_input: bool = False, ep_overlap_early_attn_memory_release: bool = False
     ) -> ScheduleOptions:
@@ -531,17 +513,6 @@ class TorchtitanMoEAdapter(TitanHooks):
         )
         return self.plain_forward(input_ids, position_ids, labels=labels)
 
-    @property
-    def pending_wgrad(self) -> int:
-        """Delayed weight gradients waiting for ``backward_dw`` (0 after a schedule)."""
-        return sum(layer.pending_wgrad for layer in self.decoder.layers)
-
-    def discard_wgrad(self) -> None:
-        """Drop every pending delayed weight gradient (after a failed step; zero the
-        gradients too)."""
-        for layer in self.decoder.layers:
-            layer.discard_wgrad()
-
     # --- MegatronHooks: what _preprocess / _postprocess are built on ----------------------
     def embed(self, input_ids: Tensor) -> Tensor:
         return self.embed_at(input_ids, None)
@@ -567,25 +538,17 @@ class TorchtitanMoEAdapter(TitanHooks):
             "final norm after its blocks, received a forward that returned without it"
         )
 
-    def on_microbatch(self, decoder_input: Tensor) -> None:
-        """Refuse pending weight gradients at the start of a microbatch."""
-        del decoder_input
-        check_wgrad_done(self, when="at the start of a microbatch")
-
-    def _postprocess(
+    def _post(
         self,
         hidden_states: Tensor,
         input_ids: Tensor | None,
         position_ids: Tensor | None,
         labels: Tensor | None,
-        *args: object,
-        loss_mask: Tensor | None = None,
-        **kwargs: object,
+        loss_mask: Tensor | None,
+        stash: Stash | None,
     ) -> Tensor:
         """:meth:`output`, or with multi-token-prediction layers :meth:`_mtp_output`; the
         embedding's parameters they use send their gradient to the microbatch's stash."""
-        del args, kwargs  # Megatron's other arguments: the rotary tables, unused here
-        stash = self._stashes.get(id(input_ids)) if input_ids is not None else None
         if not _mtp_depth(self.model):
             return self._output(hidden_states, labels, loss_mask, stash)
         _refuse_loss_mask(loss_mask)
@@ -595,14 +558,6 @@ class TorchtitanMoEAdapter(TitanHooks):
                 "microbatch's token ids (the MTP layers embed them shifted), received None"
             )
         return self._mtp_output(hidden_states, input_ids, position_ids, labels, stash)
-
-    def _stash_for(self, input_ids: Tensor) -> Stash:
-        """A new :class:`Stash` for the microbatch of ``input_ids`` (found again by
-        post-process, which gets the same tensor; dropped with it)."""
-        key = id(input_ids)
-        stash = self._stashes[key] = Stash()
-        weakref.finalize(input_ids, self._stashes.pop, key, None)
-        return stash
 
     def _mtp_output(
         self,
@@ -650,13 +605,6 @@ class TorchtitanMoEAdapter(TitanHooks):
         loss = titan_mtp_loss()(predictions, labels, None, positions=positions)
         return _loss_tensor(loss) / (labels != IGNORE_INDEX).sum()
 
-    def output(
-        self, hidden_states: Tensor, labels: Tensor | None, loss_mask: Tensor | None
-    ) -> Tensor:
-        """The model's own final norm and LM head (its ``forward`` with no embedding and no
-        blocks); the loss with ``labels``, else the logits."""
-        return self._output(hidden_states, labels, loss_mask, None)
-
     def _output(
         self,
         hidden_states: Tensor,
@@ -664,6 +612,8 @@ class TorchtitanMoEAdapter(TitanHooks):
         loss_mask: Tensor | None,
         stash: Stash | None,
     ) -> Tensor:
+        """The model's own final norm and LM head (its ``forward`` with no embedding and no
+        blocks); the loss with ``labels``, else the logits."""
         if not self.post_process:
             raise IntegrationError(
                 f"TorchtitanMoEAdapter: {type(self.model).__name__}: only the last pipeline "
