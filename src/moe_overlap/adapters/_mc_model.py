@@ -27,6 +27,12 @@ from moe_overlap.adapters._adapted_model import AdaptedDecoder, AdaptedModel
 from moe_overlap.adapters._built_on import BuiltOn
 from moe_overlap.adapters._hf_model import AdapterConfig
 from moe_overlap.adapters._hf_probe import Mismatch, failing_module, rel_difference, worst_gradient
+from moe_overlap.adapters._layer_probe import (
+    compare_backward,
+    first_of_each,
+    probe_tolerance,
+    tolerance_text,
+)
 from moe_overlap.adapters._mc_config import refuse_config
 from moe_overlap.adapters._mc_hybrid import (
     ATTENTION,
@@ -38,7 +44,6 @@ from moe_overlap.adapters._mc_hybrid import (
 )
 from moe_overlap.adapters._mc_imports import TESTED_MEGATRON_CORE, mcore
 from moe_overlap.adapters._mc_layers import McDenseLayer, McLayer, McMoELayer, layer_kwargs
-from moe_overlap.adapters._probe_tolerance import probe_tolerance, tolerance_text
 from moe_overlap.adapters._tied_stash import Stash, hand, take
 from moe_overlap.blocks import MegatronHooks
 from moe_overlap.engine import Bypass, BypassedModule, ChunkState
@@ -294,15 +299,8 @@ class MegatronMoEAdapter(AdaptedModel[McLayer], MegatronHooks):
         p0 = next(self.model.parameters())
         cs = self._probe(p0.device, p0.dtype)
         moe = set(self._moe)
-        seen: dict[tuple[object, ...], list[str]] = {}
-        for name, layer in self._layers:
-            if name not in moe:
-                continue
-            key = _structure(layer)
-            if key in seen:
-                seen[key].append(name)
-                continue
-            seen[key] = [name]
+        firsts = first_of_each(((n, m) for n, m in self._layers if n in moe), _structure)
+        for name, layer, names in firsts:
             try:
                 worst = _compare(layer, name, cs, self.config)
             except (ConfigError, IntegrationError):
@@ -328,7 +326,7 @@ class MegatronMoEAdapter(AdaptedModel[McLayer], MegatronHooks):
             report.structures.append(
                 (
                     type(layer).__name__,
-                    seen[key],
+                    names,
                     worst.difference,
                     str(p0.dtype).removeprefix("torch."),
                 )
@@ -697,14 +695,4 @@ def _compare(layer: nn.Module, name: str, cs: ChunkState, config: AdapterConfig)
     grad_out = torch.randn(out_r.shape, generator=g).to(out_r.device, out_r.dtype)
     torch.autograd.backward(out_r, grad_out)
     out_c = split.run_plain(x_cand, cs)
-    if out_c.shape != out_r.shape:
-        return Mismatch("output shape", float("inf"))
-    worst = Mismatch("output", rel_difference(out_c, out_r))
-    torch.autograd.backward(out_c, grad_out)
-    pairs: list[tuple[str, Tensor | None, Tensor | None]] = [
-        ("input gradient", x_cand.grad, x_ref.grad)
-    ]
-    cand_grads = dict(cand.named_parameters())
-    for pname, p in ref.named_parameters():
-        pairs.append((f"gradient of {pname}", cand_grads[pname].grad, p.grad))
-    return worst_gradient(pairs, worst)
+    return compare_backward(out_c, out_r, grad_out, (x_cand, x_ref), (cand, ref))

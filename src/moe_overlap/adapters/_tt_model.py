@@ -20,8 +20,13 @@ from moe_overlap import ConfigError, IntegrationError, Microbatch, ScheduleOptio
 from moe_overlap.adapters._adapted_model import AdaptedDecoder, AdaptedModel
 from moe_overlap.adapters._built_on import BuiltOn
 from moe_overlap.adapters._hf_model import AdapterConfig
-from moe_overlap.adapters._hf_probe import Mismatch, failing_module, rel_difference, worst_gradient
-from moe_overlap.adapters._probe_tolerance import probe_tolerance, tolerance_text
+from moe_overlap.adapters._hf_probe import Mismatch, failing_module
+from moe_overlap.adapters._layer_probe import (
+    compare_backward,
+    first_of_each,
+    probe_tolerance,
+    tolerance_text,
+)
 from moe_overlap.adapters._tied_stash import Stash, hand, take
 from moe_overlap.adapters._torch_private import version
 from moe_overlap.adapters._tt_imports import titan
@@ -360,15 +365,8 @@ class TorchtitanMoEAdapter(AdaptedModel[TitanLayer], TitanHooks):
         p0 = next(self.model.parameters())
         x, call = self._probe(p0.device)
         moe = set(self._moe)
-        seen: dict[tuple[object, ...], list[str]] = {}
-        for name, block in self._blocks:
-            if name not in moe:
-                continue
-            key = _structure(block)
-            if key in seen:
-                seen[key].append(name)
-                continue
-            seen[key] = [name]
+        firsts = first_of_each(((n, m) for n, m in self._blocks if n in moe), _structure)
+        for name, block, names in firsts:
             before = _state_of(block)
             try:
                 worst, dtype = _compare_in_float32_or(block, name, x, call, p0.dtype)
@@ -401,7 +399,7 @@ class TorchtitanMoEAdapter(AdaptedModel[TitanLayer], TitanHooks):
             report.structures.append(
                 (
                     type(block).__name__,
-                    seen[key],
+                    names,
                     worst.difference,
                     str(dtype).removeprefix("torch."),
                 )
@@ -771,14 +769,4 @@ def _compare(
     except Exception as exc:
         raise _ReferenceFailed from exc
     out_c = layer.run_plain(x_cand, ChunkState(Microbatch()))
-    if out_c.shape != out_r.shape:
-        return Mismatch("output shape", float("inf"))
-    worst = Mismatch("output", rel_difference(out_c, out_r))
-    torch.autograd.backward(out_c, grad_out)
-    pairs: list[tuple[str, Tensor | None, Tensor | None]] = [
-        ("input gradient", x_cand.grad, x_ref.grad)
-    ]
-    cand_grads = dict(cand.named_parameters())
-    for pname, p in ref.named_parameters():
-        pairs.append((f"gradient of {pname}", cand_grads[pname].grad, p.grad))
-    return worst_gradient(pairs, worst)
+    return compare_backward(out_c, out_r, grad_out, (x_cand, x_ref), (cand, ref))
