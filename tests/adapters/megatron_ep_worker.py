@@ -13,7 +13,6 @@ gradient of this rank bit-identical or not.
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 from typing import Any
@@ -24,42 +23,15 @@ from torch import Tensor, nn
 
 from moe_overlap import Microbatch, ScheduleOptions, combined_1f1b
 from moe_overlap.adapters.megatron import MegatronMoEAdapter
+from tests.adapters._megatron import BATCH, MICROBATCHES, SEQ, VOCAB, local_gpt, tiny_config
 from tests.adapters._megatron_cpu import megatron_on_cpu
 from tests.gloo_ranks import exit_worker
 
-SEQ, BATCH, VOCAB, MICROBATCHES = 8, 2, 64, 3
-
 
 def build() -> nn.Module:
-    specs: Any = importlib.import_module("megatron.core.models.gpt.gpt_layer_specs")
-    gpt: Any = importlib.import_module("megatron.core.models.gpt.gpt_model")
-    tc: Any = importlib.import_module("megatron.core.transformer.transformer_config")
-    config = tc.TransformerConfig(
-        num_layers=2,
-        hidden_size=32,
-        num_attention_heads=4,
-        ffn_hidden_size=48,
-        num_moe_experts=4,
-        moe_router_topk=2,
-        moe_ffn_hidden_size=40,
-        moe_token_dispatcher_type="alltoall",
-        expert_model_parallel_size=dist.get_world_size(),
-        use_cpu_initialization=True,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-    )
+    config = tiny_config(expert_model_parallel_size=dist.get_world_size())
     torch.manual_seed(0)
-    model: nn.Module = gpt.GPTModel(
-        config=config,
-        transformer_layer_spec=specs.get_gpt_layer_local_spec(
-            num_experts=4, moe_grouped_gemm=False
-        ),
-        vocab_size=VOCAB,
-        max_sequence_length=SEQ,
-        position_embedding_type="rope",
-    )
-    return model
+    return local_gpt(config)
 
 
 def microbatches() -> list[Microbatch]:

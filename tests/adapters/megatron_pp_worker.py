@@ -30,33 +30,20 @@ from torch import Tensor, nn
 
 from moe_overlap.adapters.megatron import MegatronMoEAdapter, MegatronMoEStage
 from moe_overlap.integrations.pipelining import prepare_schedule
+from tests.adapters._megatron import BATCH, SEQ, VOCAB, local_gpt, tiny_config
 from tests.adapters._megatron_cpu import megatron_on_cpu
 from tests.gloo_ranks import exit_worker
 
-LAYERS_PER_STAGE, SEQ, BATCH, VOCAB, MICROBATCHES = 1, 8, 2, 64, 4
+LAYERS_PER_STAGE, MICROBATCHES = 1, 4
 DEVICE = torch.device(os.environ.get("MEGATRON_PP_DEVICE", "cpu"))
 
 
 def chunk(stage: int, stages: int) -> nn.Module:
     """Stage ``stage``'s ``GPTModel`` (one MoE layer; embedding on the first, final norm
     and output layer on the last)."""
-    specs: Any = importlib.import_module("megatron.core.models.gpt.gpt_layer_specs")
-    gpt: Any = importlib.import_module("megatron.core.models.gpt.gpt_model")
-    tc: Any = importlib.import_module("megatron.core.transformer.transformer_config")
     cuda = DEVICE.type == "cuda"
-    config = tc.TransformerConfig(
+    config = tiny_config(
         num_layers=LAYERS_PER_STAGE,
-        hidden_size=32,
-        num_attention_heads=4,
-        ffn_hidden_size=48,
-        num_moe_experts=4,
-        moe_router_topk=2,
-        moe_ffn_hidden_size=40,
-        moe_token_dispatcher_type="alltoall",
-        use_cpu_initialization=True,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
         bf16=cuda,
         params_dtype=torch.bfloat16 if cuda else torch.float32,
     )
@@ -64,17 +51,7 @@ def chunk(stage: int, stages: int) -> nn.Module:
     if cuda:
         rnd: Any = importlib.import_module("megatron.core.tensor_parallel.random")
         rnd.model_parallel_cuda_manual_seed(1000 + stage)
-    model: nn.Module = gpt.GPTModel(
-        config=config,
-        transformer_layer_spec=specs.get_gpt_layer_local_spec(
-            num_experts=4, moe_grouped_gemm=False
-        ),
-        vocab_size=VOCAB,
-        max_sequence_length=SEQ,
-        position_embedding_type="rope",
-        pre_process=stage == 0,
-        post_process=stage == stages - 1,
-    )
+    model = local_gpt(config, pre_process=stage == 0, post_process=stage == stages - 1)
     return model.to(DEVICE)
 
 

@@ -211,7 +211,8 @@ def test_bf16_hybrid_model_is_bit_identical_to_its_own(parallel_state: Any, kind
     :mod:`tests.adapters.test_megatron_hybrid`'s builder) on CUDA in bf16, unpatched, against
     its own forward and ``backward()``."""
     from moe_overlap.adapters.megatron import MegatronMoEAdapter
-    from tests.adapters.test_megatron_hybrid import build, megatron_step, microbatches
+    from tests.adapters._megatron import megatron_step
+    from tests.adapters.test_megatron_hybrid import build, microbatches
 
     del parallel_state
     found = torch.are_deterministic_algorithms_enabled()

@@ -6,7 +6,7 @@ the refusals."""
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,8 +15,17 @@ from torch import Tensor, nn
 
 pytest.importorskip("megatron.core", reason="Megatron-Core is not installed")
 
-from moe_overlap import ConfigError, Microbatch, ScheduleOptions, combined_1f1b
+from moe_overlap import ConfigError, ScheduleOptions, combined_1f1b
 from moe_overlap.adapters.megatron import MegatronMoEAdapter
+from tests.adapters._megatron import (
+    SEQ,
+    TINY,
+    VOCAB,
+    assert_bit_identical,
+    megatron_step,
+    microbatches,
+    node_schedule,
+)
 from tests.adapters._megatron_cpu import megatron_on_cpu
 
 pytestmark = [
@@ -24,8 +33,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::DeprecationWarning:megatron"),
     pytest.mark.filterwarnings("ignore::FutureWarning:megatron"),
 ]
-
-SEQ, BATCH, VOCAB, MICROBATCHES = 8, 2, 64, 3
 
 
 @pytest.fixture(autouse=True)
@@ -50,22 +57,7 @@ def build(
     gpt: Any = importlib.import_module("megatron.core.models.gpt.gpt_model")
     tc: Any = importlib.import_module("megatron.core.transformer.transformer_config")
 
-    args: dict[str, Any] = {
-        "num_layers": 2,
-        "hidden_size": 32,
-        "num_attention_heads": 4,
-        "ffn_hidden_size": 48,
-        "num_moe_experts": 4,
-        "moe_router_topk": 2,
-        "moe_ffn_hidden_size": 40,
-        "moe_token_dispatcher_type": "alltoall",
-        "use_cpu_initialization": True,
-        "add_bias_linear": False,
-        "hidden_dropout": 0.0,
-        "attention_dropout": 0.0,
-        "params_dtype": dtype,
-        "bf16": dtype == torch.bfloat16,
-    }
+    args: dict[str, Any] = TINY | {"params_dtype": dtype, "bf16": dtype == torch.bfloat16}
     if kind == "mixed":
         args |= {
             "moe_layer_freq": [0, 1],
@@ -96,72 +88,6 @@ def build(
     return model.to(dtype)
 
 
-def microbatches(
-    n: int = MICROBATCHES, *, loss_mask: bool = False, padding: bool = False
-) -> list[Microbatch]:
-    """``n`` microbatches, causally masked; with ``loss_mask`` random token weights, with
-    ``padding`` each sequence's last two tokens marked as padding (left out of routing)."""
-    g = torch.Generator().manual_seed(1)
-    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).expand(BATCH, 1, SEQ, SEQ)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-        mask = (torch.rand(BATCH, SEQ, generator=g) > 0.3).float() if loss_mask else None
-        pad = torch.arange(SEQ).expand(BATCH, SEQ) >= SEQ - 2 if padding else None
-        out.append(
-            Microbatch(
-                input_ids=ids,
-                position_ids=torch.arange(SEQ).expand(BATCH, SEQ),
-                attention_mask=causal,
-                labels=ids.roll(-1, 1),
-                loss_mask=mask,
-                padding_mask=pad,
-            )
-        )
-    return out
-
-
-def megatron_step(model: nn.Module, mbs: Sequence[Microbatch]) -> list[Tensor]:
-    """The model's own forward (per-token loss) and backward, per microbatch, with the
-    adapter's default loss (the mean over the tokens the loss mask keeps)."""
-    losses = []
-    for mb in mbs:
-        per_token = model(
-            mb.input_ids,
-            mb.position_ids,
-            mb.attention_mask,
-            labels=mb.labels,
-            padding_mask=mb.padding_mask,
-        )
-        mask = torch.ones_like(per_token) if mb.loss_mask is None else mb.loss_mask
-        loss = (per_token.float() * mask.float()).sum() / mask.float().sum()
-        loss.backward()
-        losses.append(loss.detach())
-    return losses
-
-
-def assert_bit_identical(got: nn.Module, want: nn.Module) -> None:
-    """Every gradient, and the routers' expert-bias token counts, bit for bit."""
-    want_buffers = dict(want.named_buffers())
-    for name, b in got.named_buffers():
-        if name.endswith("local_tokens_per_expert"):
-            assert torch.equal(b, want_buffers[name]), f"{name}: {b} vs {want_buffers[name]}"
-    want_grads = dict(want.named_parameters())
-    differ = []
-    for name, p in got.named_parameters():
-        q = want_grads[name]
-        assert p.grad is not None and q.grad is not None, f"{name}: no gradient"
-        if not torch.equal(p.grad, q.grad):
-            differ.append(f"{name} ({float((p.grad - q.grad).abs().max()):.3g})")
-    assert not differ, f"gradients not bit-identical: {', '.join(differ)}"
-
-
-def _node_schedule(kinds: str) -> Any:
-    from tests.engine.test_node_schedule import _shape, random_order
-
-    return random_order(_shape(kinds), MICROBATCHES, seed=3, in_flight=3)
-
-
 VARIANTS: dict[str, dict[str, Any]] = {
     "serial": {"overlap": False},
     "overlapped": {},
@@ -182,7 +108,7 @@ def test_schedules_are_bit_identical_to_megatron_s_own_forward_backward(
     kwargs = dict(VARIANTS[variant])
     recompute = kwargs.pop("recompute", ())
     if kwargs.get("schedule") == "random":
-        kwargs["schedule"] = _node_schedule("dm" if kind == "mixed" else "mm")
+        kwargs["schedule"] = node_schedule("dm" if kind == "mixed" else "mm")
     mbs = microbatches(loss_mask=kind == "mixed", padding=kind == "mixed")
     options = adapter.schedule_options()
     options = ScheduleOptions(free_input=options.free_input, recompute=recompute)

@@ -12,17 +12,27 @@ constructor argument of its own, given through the stack spec's ``params``), and
 from __future__ import annotations
 
 import importlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import nn
 
 pytest.importorskip("megatron.core", reason="Megatron-Core is not installed")
 
 from moe_overlap import ConfigError, Microbatch, ScheduleOptions, combined_1f1b
 from moe_overlap.adapters.megatron import MegatronMoEAdapter
+from tests.adapters._megatron import (
+    BATCH,
+    MICROBATCHES,
+    SEQ,
+    VOCAB,
+    assert_bit_identical,
+    megatron_step,
+    node_schedule,
+)
+from tests.adapters._megatron import microbatches as megatron_microbatches
 from tests.adapters._megatron_cpu import megatron_on_cpu
 
 pytestmark = [
@@ -31,7 +41,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning:megatron"),
 ]
 
-SEQ, BATCH, VOCAB, MICROBATCHES = 8, 2, 64, 3
 PATTERN = "*E-E"
 """Attention, MoE, MLP, MoE: the MoE layers have no attention of their own."""
 
@@ -162,59 +171,7 @@ def build(
 def microbatches(n: int = MICROBATCHES, *, padding: bool = False) -> list[Microbatch]:
     """``n`` causally masked microbatches with random token weights; with ``padding`` each
     sequence's last two tokens are padding (left out of routing)."""
-    g = torch.Generator().manual_seed(1)
-    causal = torch.ones(SEQ, SEQ, dtype=torch.bool).triu(1).expand(BATCH, 1, SEQ, SEQ)
-    out = []
-    for _ in range(n):
-        ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-        out.append(
-            Microbatch(
-                input_ids=ids,
-                position_ids=torch.arange(SEQ).expand(BATCH, SEQ),
-                attention_mask=causal,
-                labels=ids.roll(-1, 1),
-                loss_mask=(torch.rand(BATCH, SEQ, generator=g) > 0.3).float(),
-                padding_mask=torch.arange(SEQ).expand(BATCH, SEQ) >= SEQ - 2 if padding else None,
-            )
-        )
-    return out
-
-
-def megatron_step(model: nn.Module, mbs: Sequence[Microbatch]) -> list[Tensor]:
-    """The model's own forward (per-token loss) and backward per microbatch, with the
-    adapter's default loss (the mean over the tokens the loss mask keeps)."""
-    losses = []
-    for mb in mbs:
-        per_token = model(
-            mb.input_ids,
-            mb.position_ids,
-            mb.attention_mask,
-            labels=mb.labels,
-            padding_mask=mb.padding_mask,
-        )
-        assert mb.loss_mask is not None
-        mask = mb.loss_mask.float()
-        loss = (per_token.float() * mask).sum() / mask.sum()
-        loss.backward()
-        losses.append(loss.detach())
-    return losses
-
-
-def assert_bit_identical(got: nn.Module, want: nn.Module) -> None:
-    want_grads = dict(want.named_parameters())
-    differ = []
-    for name, p in got.named_parameters():
-        q = want_grads[name]
-        assert p.grad is not None and q.grad is not None, f"{name}: no gradient"
-        if not torch.equal(p.grad, q.grad):
-            differ.append(f"{name} ({float((p.grad - q.grad).abs().max()):.3g})")
-    assert not differ, f"gradients not bit-identical: {', '.join(differ)}"
-
-
-def _node_schedule() -> Any:
-    from tests.engine.test_node_schedule import _shape, random_order
-
-    return random_order(_shape("dmdm"), MICROBATCHES, seed=3, in_flight=3)
+    return megatron_microbatches(n, loss_mask=True, padding=padding)
 
 
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -241,7 +198,7 @@ def test_schedules_are_bit_identical_to_the_hybrid_model_s_own_forward_backward(
     kwargs = dict(VARIANTS[variant])
     recompute = kwargs.pop("recompute", ())
     if kwargs.get("schedule") == "random":
-        kwargs["schedule"] = _node_schedule()
+        kwargs["schedule"] = node_schedule("dmdm")
     mbs = microbatches(padding=True)
     options = ScheduleOptions(free_input=adapter.schedule_options().free_input, recompute=recompute)
     got = combined_1f1b(adapter, mbs, options=options, **kwargs)

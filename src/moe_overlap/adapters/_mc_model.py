@@ -9,7 +9,6 @@ from __future__ import annotations
 import copy
 import functools
 import time
-import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -24,9 +23,16 @@ from moe_overlap import (
     PreprocessOutput,
     ScheduleOptions,
 )
+from moe_overlap.adapters._adapted_model import AdaptedDecoder, AdaptedModel
 from moe_overlap.adapters._built_on import BuiltOn
 from moe_overlap.adapters._hf_model import AdapterConfig
 from moe_overlap.adapters._hf_probe import Mismatch, failing_module, rel_difference, worst_gradient
+from moe_overlap.adapters._layer_probe import (
+    compare_backward,
+    first_of_each,
+    probe_tolerance,
+    tolerance_text,
+)
 from moe_overlap.adapters._mc_config import refuse_config
 from moe_overlap.adapters._mc_hybrid import (
     ATTENTION,
@@ -38,10 +44,9 @@ from moe_overlap.adapters._mc_hybrid import (
 )
 from moe_overlap.adapters._mc_imports import TESTED_MEGATRON_CORE, mcore
 from moe_overlap.adapters._mc_layers import McDenseLayer, McLayer, McMoELayer, layer_kwargs
-from moe_overlap.adapters._mc_tied import Stash, hand, take
-from moe_overlap.adapters._tt_model import probe_tolerance
+from moe_overlap.adapters._tied_stash import Stash, hand, take
 from moe_overlap.blocks import MegatronHooks
-from moe_overlap.engine import Bypass, BypassedModule, ChunkState, check_wgrad_done
+from moe_overlap.engine import Bypass, BypassedModule, ChunkState
 from moe_overlap.engine.core.args import BOOL, MODULE, check_arg
 
 __all__ = ["LossFn", "McDecoder", "MegatronMoEAdapter", "SelfCheckReport", "masked_mean"]
@@ -64,14 +69,9 @@ def masked_mean(per_token_loss: Tensor, loss_mask: Tensor | None) -> Tensor:
     return (losses * mask).sum() / mask.sum()
 
 
-class McDecoder:
+class McDecoder(AdaptedDecoder[McLayer]):
     """``decoder`` as the schedule sees it: the adapted layers; the model's final norm runs
     in post-process."""
-
-    def __init__(self, layers: tuple[McLayer, ...]) -> None:
-        self.layers = layers
-        self.input_tensor: Tensor | None = None
-        self.final_layernorm: Callable[[Tensor], Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -164,7 +164,7 @@ def _structure(layer: nn.Module) -> tuple[object, ...]:
     return (type(layer).__qualname__, mods, type(dispatcher).__qualname__)
 
 
-class MegatronMoEAdapter(MegatronHooks):
+class MegatronMoEAdapter(AdaptedModel[McLayer], MegatronHooks):
     """A Megatron-Core ``GPTModel`` or ``HybridModel`` with MoE layers for
     :func:`~moe_overlap.combined_1f1b`.
 
@@ -278,12 +278,6 @@ class MegatronMoEAdapter(MegatronHooks):
             if name in moe:
                 yield f"{name}.mlp", layer.get_submodule("mlp")
 
-    def _check_bypassed(self) -> None:
-        from moe_overlap.engine import check_module
-
-        for item in self.bypassed_modules():
-            check_module(item.module, item.name, item.reason, item.bypass, item.honoured)
-
     # --- the self-check -------------------------------------------------------------------
     def _probe(self, device: torch.device, dtype: torch.dtype) -> ChunkState:
         """Two sequences of random hidden states (a private generator), causally masked,
@@ -305,15 +299,8 @@ class MegatronMoEAdapter(MegatronHooks):
         p0 = next(self.model.parameters())
         cs = self._probe(p0.device, p0.dtype)
         moe = set(self._moe)
-        seen: dict[tuple[object, ...], list[str]] = {}
-        for name, layer in self._layers:
-            if name not in moe:
-                continue
-            key = _structure(layer)
-            if key in seen:
-                seen[key].append(name)
-                continue
-            seen[key] = [name]
+        firsts = first_of_each(((n, m) for n, m in self._layers if n in moe), _structure)
+        for name, layer, names in firsts:
             try:
                 worst = _compare(layer, name, cs, self.config)
             except (ConfigError, IntegrationError):
@@ -327,11 +314,7 @@ class MegatronMoEAdapter(MegatronHooks):
                 ) from exc
             tolerance = probe_tolerance(p0.dtype, p0.device)
             if worst.difference > tolerance:
-                bound = (
-                    "expected bit-identical (deterministic kernels)"
-                    if tolerance == 0.0
-                    else f"over {tolerance:g} in {p0.dtype}"
-                )
+                bound = tolerance_text(tolerance, p0.dtype)
                 raise ConfigError(
                     f"MegatronMoEAdapter: {name} ({type(layer).__name__}): the adapter's split "
                     f"of the layer differs from its own forward: {worst} (relative; {bound}); "
@@ -343,7 +326,7 @@ class MegatronMoEAdapter(MegatronHooks):
             report.structures.append(
                 (
                     type(layer).__name__,
-                    seen[key],
+                    names,
                     worst.difference,
                     str(p0.dtype).removeprefix("torch."),
                 )
@@ -377,11 +360,7 @@ class MegatronMoEAdapter(MegatronHooks):
             ) from exc
         tolerance = probe_tolerance(p0.dtype, p0.device)
         if worst.difference > tolerance:
-            bound = (
-                "expected bit-identical (deterministic kernels)"
-                if tolerance == 0.0
-                else f"over {tolerance:g} in {p0.dtype}"
-            )
+            bound = tolerance_text(tolerance, p0.dtype)
             raise ConfigError(
                 f"MegatronMoEAdapter: {type(self.model).__name__}: the adapter's steps around "
                 "the decoder (embedding, rotary table, final norm, output layer, loss) differ "
@@ -482,35 +461,6 @@ class MegatronMoEAdapter(MegatronHooks):
         self.on_microbatch(pre.decoder_input)
         return pre
 
-    def on_microbatch(self, decoder_input: Tensor) -> None:
-        """Refuse pending weight gradients at the start of a microbatch."""
-        del decoder_input
-        check_wgrad_done(self, when="at the start of a microbatch")
-
-    def _postprocess(
-        self,
-        hidden_states: Tensor,
-        input_ids: Tensor | None,
-        position_ids: Tensor | None,
-        labels: Tensor | None,
-        *args: object,
-        loss_mask: Tensor | None = None,
-        **kwargs: object,
-    ) -> Tensor:
-        """:meth:`output`; with tied embedding and output weights, the output layer's
-        gradient of the shared weight goes to the microbatch's stash (found by its
-        ``input_ids``), which the embedding's own backward adds to its part."""
-        del position_ids, args, kwargs  # the rotary tables and Megatron's other arguments
-        stash = self._stashes.get(id(input_ids)) if input_ids is not None else None
-        return self._output(hidden_states, labels, loss_mask, stash)
-
-    def _stash_for(self, input_ids: Tensor) -> Stash:
-        """A new stash for the microbatch of ``input_ids`` (dropped with the tensor)."""
-        key = id(input_ids)
-        stash = self._stashes[key] = Stash()
-        weakref.finalize(input_ids, self._stashes.pop, key, None)
-        return stash
-
     def _call(
         self,
         method: str | Callable[..., object],
@@ -536,13 +486,6 @@ class MegatronMoEAdapter(MegatronHooks):
 
         return run
 
-    def output(
-        self, hidden_states: Tensor, labels: Tensor | None, loss_mask: Tensor | None
-    ) -> Tensor:
-        """The decoder's final norm, then the model's own ``_postprocess`` (output layer,
-        per-token loss with ``labels``); ``loss_fn`` of it, else the logits ``[b, s, v]``."""
-        return self._output(hidden_states, labels, loss_mask, None)
-
     def _output(
         self,
         hidden_states: Tensor,
@@ -550,6 +493,8 @@ class MegatronMoEAdapter(MegatronHooks):
         loss_mask: Tensor | None,
         stash: Stash | None,
     ) -> Tensor:
+        """The decoder's final norm, then the model's own ``_postprocess`` (output layer,
+        per-token loss with ``labels``); ``loss_fn`` of it, else the logits ``[b, s, v]``."""
         mc = mcore()
         decoder = self.model.get_submodule("decoder")
         norm: object = (
@@ -618,14 +563,6 @@ class MegatronMoEAdapter(MegatronHooks):
         if self._built_on is not None:
             self._built_on.check_children(cls)
 
-    def parameters(self) -> Iterator[nn.Parameter]:
-        """The model's parameters (what the optimizer takes)."""
-        return self.model.parameters()
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """The model's parameters with their names in the model."""
-        return self.model.named_parameters()
-
     def schedule_options(
         self, *, free_input: bool = False, ep_overlap_early_attn_memory_release: bool = False
     ) -> ScheduleOptions:
@@ -659,16 +596,6 @@ class MegatronMoEAdapter(MegatronHooks):
             attention_mask=attention_mask,
             padding_mask=padding_mask,
         )
-
-    @property
-    def pending_wgrad(self) -> int:
-        """Delayed weight gradients waiting for ``backward_dw`` (always 0: none are delayed)."""
-        return sum(layer.pending_wgrad for layer in self.decoder.layers)
-
-    def discard_wgrad(self) -> None:
-        """Drop every pending delayed weight gradient (none here)."""
-        for layer in self.decoder.layers:
-            layer.discard_wgrad()
 
 
 def _shared(root: nn.Module) -> dict[int, object]:
@@ -768,14 +695,4 @@ def _compare(layer: nn.Module, name: str, cs: ChunkState, config: AdapterConfig)
     grad_out = torch.randn(out_r.shape, generator=g).to(out_r.device, out_r.dtype)
     torch.autograd.backward(out_r, grad_out)
     out_c = split.run_plain(x_cand, cs)
-    if out_c.shape != out_r.shape:
-        return Mismatch("output shape", float("inf"))
-    worst = Mismatch("output", rel_difference(out_c, out_r))
-    torch.autograd.backward(out_c, grad_out)
-    pairs: list[tuple[str, Tensor | None, Tensor | None]] = [
-        ("input gradient", x_cand.grad, x_ref.grad)
-    ]
-    cand_grads = dict(cand.named_parameters())
-    for pname, p in ref.named_parameters():
-        pairs.append((f"gradient of {pname}", cand_grads[pname].grad, p.grad))
-    return worst_gradient(pairs, worst)
+    return compare_backward(out_c, out_r, grad_out, (x_cand, x_ref), (cand, ref))

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import cast
-
 from torch import Tensor, nn
 
-from moe_overlap import ConfigError, IntegrationError, PreprocessOutput, ScheduleOptions
+from moe_overlap import IntegrationError, PreprocessOutput
+from moe_overlap.adapters._adapted_model import AdaptedDecoder
+from moe_overlap.adapters._adapted_stage import AdaptedStage, refuse_own_tensors
 from moe_overlap.adapters._hf_model import AdapterConfig
-from moe_overlap.adapters._mc_model import McDecoder, MegatronMoEAdapter
+from moe_overlap.adapters._mc_layers import McLayer
+from moe_overlap.adapters._mc_model import MegatronMoEAdapter
 from moe_overlap.adapters._torch_private import children
 from moe_overlap.blocks import MegatronHooks
-from moe_overlap.engine import BypassedModule
 from moe_overlap.engine.core.args import Instance, check_arg
 
 __all__ = ["MegatronMoEStage"]
@@ -20,7 +19,7 @@ __all__ = ["MegatronMoEStage"]
 _ADAPTER = Instance(MegatronMoEAdapter, "a MegatronMoEAdapter", error=IntegrationError)
 
 
-class MegatronMoEStage(MegatronHooks, nn.Module):
+class MegatronMoEStage(AdaptedStage[MegatronMoEAdapter], MegatronHooks, nn.Module):
     """One pipeline chunk of a Megatron-Core ``GPTModel``, adapted, as a stage module.
 
     ``adapter`` is a :class:`MegatronMoEAdapter` built on a ``GPTModel`` made for one
@@ -46,14 +45,7 @@ class MegatronMoEStage(MegatronHooks, nn.Module):
         check_arg("MegatronMoEStage", "adapter", adapter, _ADAPTER)
         object.__setattr__(self, "_adapter", adapter)  # not a submodule: it holds no weights
         model = adapter.model
-        own = [n for n, _ in model.named_parameters(recurse=False)]
-        own += [n for n, _ in model.named_buffers(recurse=False)]
-        if own:
-            raise ConfigError(
-                f"MegatronMoEStage({type(model).__name__}): expected the model's parameters "
-                f"and buffers in its child modules (as GPTModel holds them), received {own} "
-                "on the model itself"
-            )
+        refuse_own_tensors("MegatronMoEStage", model, "model", "GPTModel holds them")
         # The model's children under their own names. ``decoder`` (its TransformerBlock)
         # is entered in the child dict directly: the name is also the stage's ``decoder``
         # property (the adapted layers the schedule runs), which attribute lookup finds
@@ -64,11 +56,7 @@ class MegatronMoEStage(MegatronHooks, nn.Module):
                 mine[name] = child
 
     @property
-    def adapter(self) -> MegatronMoEAdapter:
-        return cast(MegatronMoEAdapter, object.__getattribute__(self, "_adapter"))
-
-    @property
-    def decoder(self) -> McDecoder:
+    def decoder(self) -> AdaptedDecoder[McLayer]:
         """The adapted layers (what the schedule runs)."""
         return self.adapter.decoder
 
@@ -76,29 +64,9 @@ class MegatronMoEStage(MegatronHooks, nn.Module):
     def config(self) -> AdapterConfig:
         return self.adapter.config
 
-    @property
-    def pre_process(self) -> bool:
-        return self.adapter.pre_process
-
-    @property
-    def post_process(self) -> bool:
-        return self.adapter.post_process
-
     def extra_repr(self) -> str:
         names = [layer.name for layer in self.decoder.layers]
         return f"{names[0]}..{names[-1]}" if len(names) > 1 else names[0]
-
-    def schedule_options(
-        self, *, free_input: bool = False, ep_overlap_early_attn_memory_release: bool = False
-    ) -> ScheduleOptions:
-        return self.adapter.schedule_options(
-            free_input=free_input,
-            ep_overlap_early_attn_memory_release=ep_overlap_early_attn_memory_release,
-        )
-
-    def bypassed_modules(self) -> Iterator[BypassedModule]:
-        """The Megatron-Core modules of this stage whose ``forward`` the adapter never calls."""
-        return self.adapter.bypassed_modules()
 
     def _preprocess(
         self,
@@ -131,14 +99,6 @@ class MegatronMoEStage(MegatronHooks, nn.Module):
             hidden_states, input_ids, position_ids, labels, *args, loss_mask=loss_mask, **kwargs
         )
 
-    def on_microbatch(self, decoder_input: Tensor) -> None:
-        self.adapter.on_microbatch(decoder_input)
-
-    def output(
-        self, hidden_states: Tensor, labels: Tensor | None, loss_mask: Tensor | None
-    ) -> Tensor:
-        return self.adapter.output(hidden_states, labels, loss_mask)
-
     def forward(
         self,
         x: Tensor,
@@ -150,12 +110,3 @@ class MegatronMoEStage(MegatronHooks, nn.Module):
         return self.plain_forward(
             x, position_ids, attention_mask=attention_mask, padding_mask=padding_mask
         )
-
-    @property
-    def pending_wgrad(self) -> int:
-        """Delayed weight gradients of this stage (always 0: none are delayed)."""
-        return self.adapter.pending_wgrad
-
-    def discard_wgrad(self) -> None:
-        """Drop this stage's pending delayed weight gradients (none here)."""
-        self.adapter.discard_wgrad()

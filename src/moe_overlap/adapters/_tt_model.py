@@ -17,15 +17,17 @@ import torch
 from torch import Tensor, nn
 
 from moe_overlap import ConfigError, IntegrationError, Microbatch, ScheduleOptions
+from moe_overlap.adapters._adapted_model import AdaptedDecoder, AdaptedModel
 from moe_overlap.adapters._built_on import BuiltOn
 from moe_overlap.adapters._hf_model import AdapterConfig
-from moe_overlap.adapters._hf_probe import (
-    PROBE_TOLERANCE,
-    Mismatch,
-    failing_module,
-    rel_difference,
-    worst_gradient,
+from moe_overlap.adapters._hf_probe import Mismatch, failing_module
+from moe_overlap.adapters._layer_probe import (
+    compare_backward,
+    first_of_each,
+    probe_tolerance,
+    tolerance_text,
 )
+from moe_overlap.adapters._tied_stash import Stash, hand, take
 from moe_overlap.adapters._torch_private import version
 from moe_overlap.adapters._tt_imports import titan
 from moe_overlap.adapters._tt_layers import (
@@ -39,7 +41,7 @@ from moe_overlap.adapters._tt_layers import (
 from moe_overlap.adapters._tt_names import NOT_GIVEN, TitanHooks, refuse_titan_names
 from moe_overlap.adapters._tt_parallel import honoured_forward
 from moe_overlap.adapters._tt_recompute import unwrap_blocks
-from moe_overlap.engine import Bypass, BypassedModule, ChunkState, check_wgrad_done
+from moe_overlap.engine import Bypass, BypassedModule, ChunkState
 from moe_overlap.engine.core.args import BOOL, MODULE, check_arg
 
 __all__ = ["LossFn", "SelfCheckReport", "TitanDecoder", "TorchtitanMoEAdapter"]
@@ -55,13 +57,8 @@ IGNORE_INDEX = -100
 """torchtitan's (and torch's) ignored label."""
 
 
-class TitanDecoder:
+class TitanDecoder(AdaptedDecoder[TitanLayer]):
     """``decoder`` as the schedule sees it: the adapted blocks; final norm in post-process."""
-
-    def __init__(self, layers: tuple[TitanLayer, ...]) -> None:
-        self.layers = layers
-        self.input_tensor: Tensor | None = None
-        self.final_layernorm: Callable[[Tensor], Tensor] | None = None
 
 
 @dataclass(slots=True)
@@ -215,7 +212,7 @@ def _structure(block: nn.Module) -> tuple[object, ...]:
     return (type(block).__qualname__, mods, kind)
 
 
-class TorchtitanMoEAdapter(TitanHooks):
+class TorchtitanMoEAdapter(AdaptedModel[TitanLayer], TitanHooks):
     """A torchtitan MoE decoder model for :func:`~moe_overlap.combined_1f1b`.
 
     The adapter holds no weights: it runs and trains ``model``'s own modules, so the
@@ -278,7 +275,7 @@ class TorchtitanMoEAdapter(TitanHooks):
             )
         self._masks = _uses_masks(model)
         self._shared = _shared_with_embedding(model)
-        self._stashes: dict[int, _Stash] = {}
+        self._stashes: dict[int, Stash] = {}
         self._calls: dict[int, BlockCall] = {}
         self._check_bypassed()
         self.self_check_report = SelfCheckReport(enabled=self_check)
@@ -347,12 +344,6 @@ class TorchtitanMoEAdapter(TitanHooks):
             for module in layer.delayed_modules():
                 module.label = names.get(id(module), module.label)
 
-    def _check_bypassed(self) -> None:
-        from moe_overlap.engine import check_module
-
-        for item in self.bypassed_modules():
-            check_module(item.module, item.name, item.reason, item.bypass, item.honoured)
-
     def _probe(self, device: torch.device) -> tuple[Tensor, BlockCall]:
         """Two sequences of random hidden states (a private generator) and the block
         arguments the model builds for them."""
@@ -374,15 +365,8 @@ class TorchtitanMoEAdapter(TitanHooks):
         p0 = next(self.model.parameters())
         x, call = self._probe(p0.device)
         moe = set(self._moe)
-        seen: dict[tuple[object, ...], list[str]] = {}
-        for name, block in self._blocks:
-            if name not in moe:
-                continue
-            key = _structure(block)
-            if key in seen:
-                seen[key].append(name)
-                continue
-            seen[key] = [name]
+        firsts = first_of_each(((n, m) for n, m in self._blocks if n in moe), _structure)
+        for name, block, names in firsts:
             before = _state_of(block)
             try:
                 worst, dtype = _compare_in_float32_or(block, name, x, call, p0.dtype)
@@ -403,11 +387,7 @@ class TorchtitanMoEAdapter(TitanHooks):
                 )
             tolerance = probe_tolerance(dtype, p0.device)
             if worst.difference > tolerance:
-                bound = (
-                    "expected bit-identical (deterministic kernels)"
-                    if tolerance == 0.0
-                    else f"over {tolerance:g} in {dtype}"
-                )
+                bound = tolerance_text(tolerance, dtype)
                 raise ConfigError(
                     f"TorchtitanMoEAdapter: layers.{name} ({type(block).__name__}): the "
                     f"adapter's split of the block differs from its own forward: {worst} "
@@ -419,7 +399,7 @@ class TorchtitanMoEAdapter(TitanHooks):
             report.structures.append(
                 (
                     type(block).__name__,
-                    seen[key],
+                    names,
                     worst.difference,
                     str(dtype).removeprefix("torch."),
                 )
@@ -498,14 +478,6 @@ class TorchtitanMoEAdapter(TitanHooks):
         stage); otherwise it hands hidden states on."""
         return _has(self.model, "lm_head")
 
-    def parameters(self) -> Iterator[nn.Parameter]:
-        """The model's parameters (what the optimizer takes)."""
-        return self.model.parameters()
-
-    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """The model's parameters with their names in the model."""
-        return self.model.named_parameters()
-
     def schedule_options(
         self, *, free_input: bool = False, ep_overlap_early_attn_memory_release: bool = False
     ) -> ScheduleOptions:
@@ -539,17 +511,6 @@ class TorchtitanMoEAdapter(TitanHooks):
         )
         return self.plain_forward(input_ids, position_ids, labels=labels)
 
-    @property
-    def pending_wgrad(self) -> int:
-        """Delayed weight gradients waiting for ``backward_dw`` (0 after a schedule)."""
-        return sum(layer.pending_wgrad for layer in self.decoder.layers)
-
-    def discard_wgrad(self) -> None:
-        """Drop every pending delayed weight gradient (after a failed step; zero the
-        gradients too)."""
-        for layer in self.decoder.layers:
-            layer.discard_wgrad()
-
     # --- MegatronHooks: what _preprocess / _postprocess are built on ----------------------
     def embed(self, input_ids: Tensor) -> Tensor:
         return self.embed_at(input_ids, None)
@@ -567,7 +528,7 @@ class TorchtitanMoEAdapter(TitanHooks):
         try:
             stash = self._stash_for(input_ids) if self._shared else None
             with swap(model, "layers", nn.ModuleDict()), swap(model, "norm", _StopHere()):
-                _call_with(model, self._shared, _take, stash, input_ids, positions=position_ids)
+                _call_with(model, self._shared, take, stash, input_ids, positions=position_ids)
         except _Stop as stop:
             return stop.value
         raise IntegrationError(
@@ -575,25 +536,17 @@ class TorchtitanMoEAdapter(TitanHooks):
             "final norm after its blocks, received a forward that returned without it"
         )
 
-    def on_microbatch(self, decoder_input: Tensor) -> None:
-        """Refuse pending weight gradients at the start of a microbatch."""
-        del decoder_input
-        check_wgrad_done(self, when="at the start of a microbatch")
-
-    def _postprocess(
+    def _post(
         self,
         hidden_states: Tensor,
         input_ids: Tensor | None,
         position_ids: Tensor | None,
         labels: Tensor | None,
-        *args: object,
-        loss_mask: Tensor | None = None,
-        **kwargs: object,
+        loss_mask: Tensor | None,
+        stash: Stash | None,
     ) -> Tensor:
         """:meth:`output`, or with multi-token-prediction layers :meth:`_mtp_output`; the
         embedding's parameters they use send their gradient to the microbatch's stash."""
-        del args, kwargs  # Megatron's other arguments: the rotary tables, unused here
-        stash = self._stashes.get(id(input_ids)) if input_ids is not None else None
         if not _mtp_depth(self.model):
             return self._output(hidden_states, labels, loss_mask, stash)
         _refuse_loss_mask(loss_mask)
@@ -604,21 +557,13 @@ class TorchtitanMoEAdapter(TitanHooks):
             )
         return self._mtp_output(hidden_states, input_ids, position_ids, labels, stash)
 
-    def _stash_for(self, input_ids: Tensor) -> _Stash:
-        """A new :class:`_Stash` for the microbatch of ``input_ids`` (found again by
-        post-process, which gets the same tensor; dropped with it)."""
-        key = id(input_ids)
-        stash = self._stashes[key] = _Stash()
-        weakref.finalize(input_ids, self._stashes.pop, key, None)
-        return stash
-
     def _mtp_output(
         self,
         hidden_states: Tensor,
         input_ids: Tensor,
         position_ids: Tensor | None,
         labels: Tensor | None,
-        stash: _Stash | None,
+        stash: Stash | None,
     ) -> Tensor:
         """The model's own forward after its blocks (final norm, each MTP layer on the
         shifted token embeddings, the LM head on every depth), its blocks stood in for by
@@ -632,7 +577,7 @@ class TorchtitanMoEAdapter(TitanHooks):
             out = _call_with(
                 model,
                 self._shared,
-                _hand,
+                hand,
                 stash,
                 input_ids,
                 position_ids,
@@ -658,20 +603,15 @@ class TorchtitanMoEAdapter(TitanHooks):
         loss = titan_mtp_loss()(predictions, labels, None, positions=positions)
         return _loss_tensor(loss) / (labels != IGNORE_INDEX).sum()
 
-    def output(
-        self, hidden_states: Tensor, labels: Tensor | None, loss_mask: Tensor | None
-    ) -> Tensor:
-        """The model's own final norm and LM head (its ``forward`` with no embedding and no
-        blocks); the loss with ``labels``, else the logits."""
-        return self._output(hidden_states, labels, loss_mask, None)
-
     def _output(
         self,
         hidden_states: Tensor,
         labels: Tensor | None,
         loss_mask: Tensor | None,
-        stash: _Stash | None,
+        stash: Stash | None,
     ) -> Tensor:
+        """The model's own final norm and LM head (its ``forward`` with no embedding and no
+        blocks); the loss with ``labels``, else the logits."""
         if not self.post_process:
             raise IntegrationError(
                 f"TorchtitanMoEAdapter: {type(self.model).__name__}: only the last pipeline "
@@ -681,7 +621,7 @@ class TorchtitanMoEAdapter(TitanHooks):
         _refuse_loss_mask(loss_mask)
         model = self.model
         with swap(model, "tok_embeddings", None), swap(model, "layers", nn.ModuleDict()):
-            logits = _call_with(model, self._shared, _hand, stash, hidden_states)
+            logits = _call_with(model, self._shared, hand, stash, hidden_states)
         if not isinstance(logits, Tensor):
             raise IntegrationError(
                 f"TorchtitanMoEAdapter: {type(model).__name__}.forward: expected the logits, "
@@ -695,70 +635,16 @@ class TorchtitanMoEAdapter(TitanHooks):
         return total / (labels != IGNORE_INDEX).sum()
 
 
-class _Stash:
-    """The gradient post-process sends a microbatch's embedding parameters (DeepSeek-V3's
-    MTP layers embed the shifted tokens; a tied LM head), held until the embedding's own
-    backward for that microbatch adds it to its part.
-
-    Autograd would sum the two parts in whatever order the backward passes come (one pass in
-    the plain path, two in the schedule, interleaved with other microbatches under fill and
-    drain), and bfloat16 rounds the orders apart; this way ``.grad`` gets ``post + pre`` per
-    microbatch, in microbatch order, in every schedule."""
-
-    __slots__ = ("grads",)
-
-    def __init__(self) -> None:
-        self.grads: dict[int, Tensor] = {}
-
-
-class _Hand(torch.autograd.Function):
-    """Identity on a parameter used in post-process: its gradient goes to the stash."""
-
-    @staticmethod
-    def forward(ctx: Any, param: Tensor, stash: _Stash) -> Tensor:  # FunctionCtx: no fields
-        ctx.stash, ctx.key = stash, id(param)
-        return param.view_as(param)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[None, None]:
-        (grad,) = grads
-        held: dict[int, Tensor] = ctx.stash.grads
-        key: int = ctx.key
-        held[key] = grad if key not in held else held[key] + grad
-        return None, None
-
-
-class _Take(torch.autograd.Function):
-    """Identity on a parameter used by the embedding: its gradient is the stashed
-    post-process part plus its own."""
-
-    @staticmethod
-    def forward(ctx: Any, param: Tensor, stash: _Stash) -> Tensor:
-        ctx.stash, ctx.key = stash, id(param)
-        return param.view_as(param)
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Tensor) -> tuple[Tensor, None]:
-        (grad,) = grads
-        held: Tensor | None = ctx.stash.grads.pop(ctx.key, None)
-        return (grad if held is None else held + grad), None
-
-
-# Function.apply is untyped; give it its signature once, here.
-_hand = cast("Callable[[Tensor, _Stash], Tensor]", _Hand.apply)  # pyright: ignore[reportUnknownMemberType]
-_take = cast("Callable[[Tensor, _Stash], Tensor]", _Take.apply)  # pyright: ignore[reportUnknownMemberType]
-
-
 def _call_with(
     model: nn.Module,
     shared: frozenset[int],
-    through: Callable[[Tensor, _Stash], Tensor],
-    stash: _Stash | None,
+    through: Callable[[Tensor, Stash], Tensor],
+    stash: Stash | None,
     *args: object,
     **kwargs: object,
 ) -> object:
     """``model(*args, **kwargs)`` with its parameters in ``shared`` (ids) used ``through``
-    :class:`_Hand` or :class:`_Take` (none: as they are)."""
+    :func:`hand` or :func:`take` (none: as they are)."""
     swapped = (
         {
             n: through(p, stash)
@@ -822,21 +708,6 @@ def _state_of(block: nn.Module) -> list[tuple[str, int, int]]:
     return grads + buffers
 
 
-def probe_tolerance(dtype: torch.dtype, device: torch.device) -> float:
-    """The largest relative difference the self-check accepts in ``dtype`` on ``device``.
-
-    None where the kernels are deterministic (CPU, or deterministic algorithms on): the
-    split runs the block's own operations in its order, so it is bit-identical to the
-    block's own forward and backward. Elsewhere two runs of the block itself may differ by
-    its kernels' atomic additions: float32 ``PROBE_TOLERANCE``, a 16-bit dtype 8 of its
-    rounding units."""
-    if device.type == "cpu" or torch.are_deterministic_algorithms_enabled():
-        return 0.0
-    if dtype == torch.float32 or not dtype.is_floating_point:
-        return PROBE_TOLERANCE
-    return 8 * torch.finfo(dtype).eps
-
-
 class _ReferenceFailed(Exception):
     pass
 
@@ -898,14 +769,4 @@ def _compare(
     except Exception as exc:
         raise _ReferenceFailed from exc
     out_c = layer.run_plain(x_cand, ChunkState(Microbatch()))
-    if out_c.shape != out_r.shape:
-        return Mismatch("output shape", float("inf"))
-    worst = Mismatch("output", rel_difference(out_c, out_r))
-    torch.autograd.backward(out_c, grad_out)
-    pairs: list[tuple[str, Tensor | None, Tensor | None]] = [
-        ("input gradient", x_cand.grad, x_ref.grad)
-    ]
-    cand_grads = dict(cand.named_parameters())
-    for pname, p in ref.named_parameters():
-        pairs.append((f"gradient of {pname}", cand_grads[pname].grad, p.grad))
-    return worst_gradient(pairs, worst)
+    return compare_backward(out_c, out_r, grad_out, (x_cand, x_ref), (cand, ref))

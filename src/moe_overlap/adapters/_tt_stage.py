@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import cast
-
 from torch import Tensor, nn
 
-from moe_overlap import ConfigError, IntegrationError, ScheduleOptions
+from moe_overlap import ConfigError, IntegrationError
+from moe_overlap.adapters._adapted_model import AdaptedDecoder
+from moe_overlap.adapters._adapted_stage import AdaptedStage, refuse_own_tensors
 from moe_overlap.adapters._torch_private import children
-from moe_overlap.adapters._tt_model import TitanDecoder, TorchtitanMoEAdapter
+from moe_overlap.adapters._tt_layers import TitanLayer
+from moe_overlap.adapters._tt_model import TorchtitanMoEAdapter
 from moe_overlap.adapters._tt_names import NOT_GIVEN, TitanHooks, refuse_titan_names
-from moe_overlap.engine import BypassedModule
 from moe_overlap.engine.core.args import Instance, check_arg
 
 __all__ = ["TorchtitanMoEStage"]
@@ -19,7 +18,7 @@ __all__ = ["TorchtitanMoEStage"]
 _ADAPTER = Instance(TorchtitanMoEAdapter, "a TorchtitanMoEAdapter", error=IntegrationError)
 
 
-class TorchtitanMoEStage(TitanHooks, nn.Module):
+class TorchtitanMoEStage(AdaptedStage[TorchtitanMoEAdapter], TitanHooks, nn.Module):
     """One model chunk of torchtitan's pipeline split, adapted, as a pipeline stage module.
 
     ``adapter`` is a :class:`TorchtitanMoEAdapter` built on a chunk that torchtitan's
@@ -48,7 +47,7 @@ class TorchtitanMoEStage(TitanHooks, nn.Module):
         super().__init__()
         check_arg("TorchtitanMoEStage", "adapter", adapter, _ADAPTER)
         object.__setattr__(self, "_adapter", adapter)  # not a submodule: it holds no weights
-        self.decoder: TitanDecoder = adapter.decoder
+        self.decoder: AdaptedDecoder[TitanLayer] = adapter.decoder
         self.config = adapter.config
         model = adapter.model
         for name, child in list(children(model).items()):
@@ -62,26 +61,7 @@ class TorchtitanMoEStage(TitanHooks, nn.Module):
                     "clash"
                 )
             self.add_module(name, child)
-        own = [n for n, _ in model.named_parameters(recurse=False)]
-        own += [n for n, _ in model.named_buffers(recurse=False)]
-        if own:
-            raise ConfigError(
-                f"TorchtitanMoEStage({type(model).__name__}): expected the chunk's parameters "
-                f"and buffers in its child modules (as torchtitan's decoders hold them), "
-                f"received {own} on the chunk itself"
-            )
-
-    @property
-    def adapter(self) -> TorchtitanMoEAdapter:
-        return cast(TorchtitanMoEAdapter, object.__getattribute__(self, "_adapter"))
-
-    @property
-    def pre_process(self) -> bool:
-        return self.adapter.pre_process
-
-    @property
-    def post_process(self) -> bool:
-        return self.adapter.post_process
+        refuse_own_tensors("TorchtitanMoEStage", model, "chunk", "torchtitan's decoders hold them")
 
     def extra_repr(self) -> str:
         names = [layer.name for layer in self.decoder.layers]
@@ -89,31 +69,11 @@ class TorchtitanMoEStage(TitanHooks, nn.Module):
             return "no blocks"
         return f"{names[0]}..{names[-1]}" if len(names) > 1 else names[0]
 
-    def schedule_options(
-        self, *, free_input: bool = False, ep_overlap_early_attn_memory_release: bool = False
-    ) -> ScheduleOptions:
-        return self.adapter.schedule_options(
-            free_input=free_input,
-            ep_overlap_early_attn_memory_release=ep_overlap_early_attn_memory_release,
-        )
-
-    def bypassed_modules(self) -> Iterator[BypassedModule]:
-        """The torchtitan modules of this stage whose ``forward`` the slots skip or split."""
-        return self.adapter.bypassed_modules()
-
     def embed_at(self, input_ids: Tensor, position_ids: Tensor | None) -> Tensor:
         return self.adapter.embed_at(input_ids, position_ids)
 
     def embed(self, input_ids: Tensor) -> Tensor:
         return self.adapter.embed_at(input_ids, None)
-
-    def on_microbatch(self, decoder_input: Tensor) -> None:
-        self.adapter.on_microbatch(decoder_input)
-
-    def output(
-        self, hidden_states: Tensor, labels: Tensor | None, loss_mask: Tensor | None
-    ) -> Tensor:
-        return self.adapter.output(hidden_states, labels, loss_mask)
 
     def forward(
         self,
@@ -130,12 +90,3 @@ class TorchtitanMoEStage(TitanHooks, nn.Module):
             f"{type(self).__name__}.forward", positions=positions, attention_masks=attention_masks
         )
         return self.plain_forward(x, position_ids)
-
-    @property
-    def pending_wgrad(self) -> int:
-        """Delayed weight gradients of this stage waiting for ``backward_dw``."""
-        return self.adapter.pending_wgrad
-
-    def discard_wgrad(self) -> None:
-        """Drop this stage's pending delayed weight gradients (after a failed step)."""
-        self.adapter.discard_wgrad()

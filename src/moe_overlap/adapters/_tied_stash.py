@@ -1,5 +1,6 @@
-"""A weight used in both pre- and post-process (tied word embedding and output layer),
-its two gradients per microbatch summed as the model's own backward sums them.
+"""A parameter used in both pre- and post-process (a tied word embedding and output layer;
+an embedding that multi-token-prediction layers use again), its two gradients per
+microbatch summed as the model's own backward sums them.
 
 In the model's own backward both uses' gradients meet in one autograd buffer and reach
 ``.grad`` as one sum. The schedule runs a microbatch's post-process backward and its
@@ -22,7 +23,7 @@ __all__ = ["Stash", "hand", "take"]
 
 
 class Stash:
-    """The post-process gradients of one microbatch's tied weights, by parameter id."""
+    """The post-process gradients of one microbatch's shared parameters, by parameter id."""
 
     __slots__ = ("grads",)
 
@@ -31,7 +32,7 @@ class Stash:
 
 
 class _Hand(torch.autograd.Function):
-    """Identity on a weight used in post-process: its gradient goes to the stash."""
+    """Identity on a parameter used in post-process: its gradient goes to the stash."""
 
     @staticmethod
     def forward(ctx: Any, param: Tensor, stash: Stash) -> Tensor:  # FunctionCtx: no fields
@@ -48,7 +49,7 @@ class _Hand(torch.autograd.Function):
 
 
 class _Take(torch.autograd.Function):
-    """Identity on a weight used in pre-process: its gradient is the stashed
+    """Identity on a parameter used in pre-process: its gradient is the stashed
     post-process part plus its own."""
 
     @staticmethod
