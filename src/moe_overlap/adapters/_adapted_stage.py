@@ -10,8 +10,10 @@ from torch import Tensor, nn
 
 from moe_overlap import ConfigError, ScheduleOptions
 from moe_overlap.engine import BypassedModule
+from moe_overlap.engine.contracts import Contract, attribute, method
+from moe_overlap.engine.core.args import BOOL, NON_NEGATIVE
 
-__all__ = ["AdaptedStage", "StageAdapter", "refuse_own_tensors"]
+__all__ = ["STAGE_ADAPTER", "AdaptedStage", "StageAdapter", "refuse_own_tensors"]
 
 
 @runtime_checkable
@@ -41,6 +43,20 @@ class StageAdapter(Protocol):
         self, hidden_states: Tensor, labels: Tensor | None, loss_mask: Tensor | None
     ) -> Tensor: ...
 
+
+STAGE_ADAPTER: Contract[StageAdapter] = Contract(
+    StageAdapter,
+    "a stage's adapter (a TorchtitanMoEAdapter or a MegatronMoEAdapter of the stage's chunk)",
+    attribute("pre_process", BOOL),
+    attribute("post_process", BOOL),
+    attribute("pending_wgrad", NON_NEGATIVE),
+    method("discard_wgrad"),
+    method("schedule_options"),
+    method("bypassed_modules"),
+    method("on_microbatch"),
+    method("output"),
+)
+"""Its rule table."""
 
 AdapterT = TypeVar("AdapterT", bound=StageAdapter)
 
