@@ -115,7 +115,16 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench_overlap import Run, add_ulp, compare, describe, deterministic_kernels, perturb_target
+from bench_overlap import (
+    Run,
+    add_ulp,
+    compare,
+    describe,
+    deterministic_kernels,
+    perturb_target,
+    spread,
+    time_interleaved,
+)
 from node_timing import Clock, NodeRecorder, slot_durations
 
 from moe_overlap import (
@@ -302,6 +311,16 @@ class Bench:
         self.serial_pair = StreamPair(comp=self.pair.comp, comm=self.pair.comp)
         self.searched: ScheduleOptions | None = None
 
+    @property
+    def warmup(self) -> int:
+        """Untimed rounds before the timed ones."""
+        return int(self.args.warmup)
+
+    @property
+    def iters(self) -> int:
+        """Timed rounds."""
+        return int(self.args.iters)
+
     def megatron(self, combined: bool) -> list[Tensor]:
         """One step through ``forward_backward_no_pipelining``; the per-microbatch losses
         divided by the number of microbatches, as Megatron scales them for backward."""
@@ -470,31 +489,8 @@ def exactness(b: Bench, perturb: str | None) -> JsonDict:
 
 
 # --- timing, memory, host time ----------------------------------------------------------------
-def spread(xs: list[float]) -> float:
-    lo = min(xs)
-    return (max(xs) - lo) / lo if lo > 0 else 0.0
-
-
-def time_interleaved(b: Bench, fns: dict[str, Callable[[], object]]) -> dict[str, list[float]]:
-    """Milliseconds per step of every variant, interleaved: each round runs every variant
-    once, the order rotated by one per round (``bench_overlap.time_interleaved``'s way)."""
-    clock = Clock(b.device)
-    names = list(fns)
-    out: dict[str, list[float]] = {k: [] for k in names}
-    for r in range(b.args.warmup + b.args.iters):
-        for j in range(len(names)):
-            name = names[(r + j) % len(names)]
-            b.model.zero_grad(set_to_none=False)
-            sync(b.device)
-            start = clock.mark()
-            fns[name]()
-            end = clock.mark()
-            sync(b.device)
-            if r >= b.args.warmup:
-                out[name].append(Clock.ms(start, end))
-        if r >= b.args.warmup:
-            log(f"[time] round {r}: " + ", ".join(f"{k} {out[k][-1]:.1f}" for k in names))
-    return out
+def _log_round(r: int, out: dict[str, list[float]]) -> None:
+    log(f"[time] round {r}: " + ", ".join(f"{k} {xs[-1]:.1f}" for k, xs in out.items()))
 
 
 def peak_memory(b: Bench, fns: dict[str, Callable[[], object]]) -> JsonDict:
@@ -561,7 +557,7 @@ def host_time(b: Bench, name: str, owner: type[Any], fn: Callable[[], object]) -
 
 def timing(b: Bench) -> JsonDict:
     fns = b.variants()
-    t = time_interleaved(b, fns)
+    t = time_interleaved(b, fns, _log_round)
     rows: JsonDict = {
         name: {
             "median_ms": statistics.median(xs),

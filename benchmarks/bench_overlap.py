@@ -64,7 +64,7 @@ import time
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import cast
+from typing import Protocol, cast
 
 # cuBLAS is deterministic only with a fixed workspace per stream, and deterministic mode
 # refuses cuBLAS calls without this setting (read when CUDA starts). :4096:8 (32 MiB) is
@@ -72,7 +72,7 @@ from typing import cast
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from moe_overlap import (
@@ -127,7 +127,24 @@ def spread(xs: list[float]) -> float:
     return (max(xs) - lo) / lo if lo > 0 else 0.0
 
 
-def time_interleaved(b: Bench, fns: dict[str, Callable[[], object]]) -> dict[str, list[float]]:
+class Rounds(Protocol):
+    """What :func:`time_interleaved` reads of a benchmark: its device, model and rounds."""
+
+    @property
+    def device(self) -> torch.device: ...
+    @property
+    def model(self) -> nn.Module: ...
+    @property
+    def warmup(self) -> int: ...
+    @property
+    def iters(self) -> int: ...
+
+
+def time_interleaved(
+    b: Rounds,
+    fns: dict[str, Callable[[], object]],
+    on_round: Callable[[int, dict[str, list[float]]], None] | None = None,
+) -> dict[str, list[float]]:
     """Per-call milliseconds of every variant of one row, the variants interleaved.
 
     ``b.warmup`` untimed rounds, then ``b.iters`` timed rounds; a round runs each variant
@@ -135,7 +152,8 @@ def time_interleaved(b: Bench, fns: dict[str, Callable[[], object]]) -> dict[str
     follows the same one), so drift over the row (clocks, heat, the allocator) lands on all
     variants alike instead of on whichever ran last. Each call is timed alone: synchronized
     before, marks on the current (compute) stream around it; ``fn`` must leave the current
-    stream waiting for all its work (the driver does).
+    stream waiting for all its work (the driver does). ``on_round`` is called after each
+    timed round with its index and the samples so far.
     """
     clock = Clock(b.device)
     names = list(fns)
@@ -151,6 +169,8 @@ def time_interleaved(b: Bench, fns: dict[str, Callable[[], object]]) -> dict[str
             _sync(b.device)
             if r >= b.warmup:
                 out[name].append(Clock.ms(start, end))
+        if on_round is not None and r >= b.warmup:
+            on_round(r, out)
     return out
 
 
