@@ -22,9 +22,11 @@ from tests.adapters._megatron import (
     TINY,
     VOCAB,
     assert_bit_identical,
+    local_gpt,
     megatron_step,
     microbatches,
     node_schedule,
+    tiny_config,
 )
 from tests.adapters._megatron_cpu import megatron_on_cpu
 
@@ -169,6 +171,19 @@ def test_the_self_check_reports_each_layer_structure() -> None:
         ("TransformerLayer", ["decoder.layers.0", "decoder.layers.1"], 0.0, "float32")
     ]
     assert not MegatronMoEAdapter(build(), self_check=False).self_check_report.structures
+
+
+@pytest.mark.parametrize("pre_process", [True, False], ids=["first", "later"])
+def test_a_bf16_stage_with_fp32_norm_weights_is_self_checked_in_bf16(pre_process: bool) -> None:
+    """Megatron-Core builds the local norms' weights in fp32 under ``params_dtype=bf16``;
+    a stage without the embedding starts with one. The probe takes the model's compute
+    dtype (most parameters'), not the first parameter's."""
+    config = tiny_config(num_layers=1, bf16=True, params_dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    model = local_gpt(config, pre_process=pre_process, post_process=False)
+    assert next(model.parameters()).dtype == (torch.bfloat16 if pre_process else torch.float32)
+    report = MegatronMoEAdapter(model).self_check_report
+    assert report.structures == [("TransformerLayer", ["decoder.layers.0"], 0.0, "bfloat16")]
 
 
 def test_the_self_check_catches_a_wrong_split(monkeypatch: pytest.MonkeyPatch) -> None:

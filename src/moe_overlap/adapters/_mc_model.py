@@ -297,7 +297,8 @@ class MegatronMoEAdapter(AdaptedModel[McLayer], MegatronHooks):
         start = time.perf_counter()
         report = self.self_check_report
         p0 = next(self.model.parameters())
-        cs = self._probe(p0.device, p0.dtype)
+        dtype = _activation_dtype(self.model)
+        cs = self._probe(p0.device, dtype)
         moe = set(self._moe)
         firsts = first_of_each(((n, m) for n, m in self._layers if n in moe), _structure)
         for name, layer, names in firsts:
@@ -312,9 +313,9 @@ class MegatronMoEAdapter(AdaptedModel[McLayer], MegatronHooks):
                     "forward and backward and the adapter's split of it on a probe; "
                     "expected both to run (or pass self_check=False)"
                 ) from exc
-            tolerance = probe_tolerance(p0.dtype, p0.device)
+            tolerance = probe_tolerance(dtype, p0.device)
             if worst.difference > tolerance:
-                bound = tolerance_text(tolerance, p0.dtype)
+                bound = tolerance_text(tolerance, dtype)
                 raise ConfigError(
                     f"MegatronMoEAdapter: {name} ({type(layer).__name__}): the adapter's split "
                     f"of the layer differs from its own forward: {worst} (relative; {bound}); "
@@ -328,14 +329,14 @@ class MegatronMoEAdapter(AdaptedModel[McLayer], MegatronHooks):
                     type(layer).__name__,
                     names,
                     worst.difference,
-                    str(p0.dtype).removeprefix("torch."),
+                    str(dtype).removeprefix("torch."),
                 )
             )
         if self._hybrid:
-            report.glue = self._check_glue(p0)
+            report.glue = self._check_glue(p0.device, dtype)
         report.seconds = time.perf_counter() - start
 
-    def _check_glue(self, p0: Tensor) -> float:
+    def _check_glue(self, device: torch.device, dtype: torch.dtype) -> float:
         """A ``HybridModel``'s steps around its decoder against its own ``forward``: both on
         a probe model sharing its embedding, rotary table, final norm and output layer, with
         a copy of one layer (its first attention layer, else its first); the output and the
@@ -358,9 +359,9 @@ class MegatronMoEAdapter(AdaptedModel[McLayer], MegatronHooks):
                 f"decoder (with a copy of {name}) on a probe; expected both to run (or pass "
                 "self_check=False)"
             ) from exc
-        tolerance = probe_tolerance(p0.dtype, p0.device)
+        tolerance = probe_tolerance(dtype, device)
         if worst.difference > tolerance:
-            bound = tolerance_text(tolerance, p0.dtype)
+            bound = tolerance_text(tolerance, dtype)
             raise ConfigError(
                 f"MegatronMoEAdapter: {type(self.model).__name__}: the adapter's steps around "
                 "the decoder (embedding, rotary table, final norm, output layer, loss) differ "
@@ -637,13 +638,23 @@ def _copy(layer: nn.Module) -> nn.Module:
     return dup
 
 
+def _activation_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the hidden states ``model`` computes in: that of most of its floating
+    parameters' elements (a bf16 model's local norms may keep fp32 weights, and a stage
+    without the embedding starts with one)."""
+    count: dict[torch.dtype, int] = {}
+    for q in model.parameters():
+        if q.is_floating_point():
+            count[q.dtype] = count.get(q.dtype, 0) + q.numel()
+    return max(count, key=lambda d: count[d]) if count else torch.get_default_dtype()
+
+
 def _compare_glue(probe: nn.Module) -> Mismatch:
     """The adapter's plain path (on an adapter bound to ``probe``) against ``probe``'s own
     ``forward``: output (the per-token loss, or the last layer's hidden states on a stage
     without post-process), input gradient, parameter gradients."""
     p: Any = probe
-    p0 = next(probe.parameters())
-    device, dtype = p0.device, p0.dtype
+    device, dtype = next(probe.parameters()).device, _activation_dtype(probe)
     g = torch.Generator().manual_seed(0)
     vocab, hidden = int(p.vocab_size), int(p.config.hidden_size)
     shape = (2, PROBE_TOKENS)
