@@ -21,6 +21,8 @@ PACKAGE = Path(engine.__file__).resolve().parent
 OWNERS = {
     "core/_torch_private.py": (
         "torch.autograd.Variable._execution_engine",
+        "torch._C._is_multithreading_enabled",
+        "torch._C._set_multithreading_enabled",
         "torch._C._set_grad_enabled",
         "torch.cuda._sleep",
     ),
@@ -87,7 +89,7 @@ def test_no_private_torch_name_outside_its_module(module: str) -> None:
     "source",
     [
         "torch.autograd.Variable._execution_engine.run_backward",
-        "_set = torch._C._set_grad_enabled",
+        "_set = torch._C._set_multithreading_enabled",
         "storage._cdata",
         "base = out._base",
         "getattr(Tensor, '_use_count', None)",

@@ -30,6 +30,7 @@ from ._streams import (
     record_tensor_on,
     release_storage,
 )
+from ._torch_private import multithreading_enabled as _multithreading_enabled
 
 # The autograd engine's entry point, called directly as Megatron-Core does:
 # ``torch.autograd.backward``'s Python wrapper re-validates what ``default_backward`` has
@@ -37,6 +38,7 @@ from ._streams import (
 # still checks each grad's shape against its output. Positional arguments: tensors,
 # grad_tensors, keep_graph, create_graph, inputs, allow_unreachable, accumulate_grad.
 from ._torch_private import run_backward as _run_backward
+from ._torch_private import set_multithreading_enabled as _set_multithreading_enabled
 
 __all__ = [
     "BackwardFunc",
@@ -121,7 +123,8 @@ def default_backward(outputs: tuple[Tensor, ...], output_grads: tuple[Tensor | N
     """Run autograd from ``outputs``, skipping outputs without grad or given a ``None`` grad.
 
     Gradients accumulate into the leaves (parameters and the nodes' detached inputs)
-    exactly as ``torch.autograd.backward(outputs, output_grads)`` would.
+    exactly as ``torch.autograd.backward(outputs, output_grads)`` would. From CUDA tensors
+    the engine runs on the calling thread (:func:`_backward_on_this_thread`).
     """
     if (
         len(outputs) == 1
@@ -132,7 +135,10 @@ def default_backward(outputs: tuple[Tensor, ...], output_grads: tuple[Tensor | N
         # One output (most nodes): no lists to filter through.
         out = outputs[0]
         if output_grads[0] is not None and out.requires_grad:
-            _run_backward(outputs, output_grads, False, False, (), True, True)
+            if out.is_cuda:
+                _backward_on_this_thread(outputs, output_grads)
+            else:
+                _run_backward(outputs, output_grads, False, False, (), True, True)
         return
     tensors: list[Tensor] = []
     grads: list[Tensor] = []
@@ -140,8 +146,29 @@ def default_backward(outputs: tuple[Tensor, ...], output_grads: tuple[Tensor | N
         if grad is not None and out.requires_grad:
             tensors.append(out)
             grads.append(grad)
-    if tensors:
+    if tensors and tensors[0].is_cuda:
+        _backward_on_this_thread(tuple(tensors), tuple(grads))
+    elif tensors:
         _run_backward(tuple(tensors), tuple(grads), False, False, (), True, True)
+
+
+def _backward_on_this_thread(tensors: tuple[Tensor, ...], grads: tuple[Tensor | None, ...]) -> None:
+    """The engine call from CUDA tensors, with autograd's worker threads off (this thread).
+
+    Ordinarily the engine hands CUDA work to its per-device worker thread and the calling
+    thread sleeps until it is done: two thread wake-ups per call, which on an H100 were
+    about half the host time of a small node's backward. With them off (``torch.autograd.set_multithreading_enabled(False)``, thread-local, restored
+    after) the calling thread runs the same functions, in the same order, each on its
+    forward's stream: the same kernels on the same streams, so the same gradients.
+    """
+    if not _multithreading_enabled():  # already off (the caller's choice)
+        _run_backward(tensors, grads, False, False, (), True, True)
+        return
+    _set_multithreading_enabled(False)
+    try:
+        _run_backward(tensors, grads, False, False, (), True, True)
+    finally:
+        _set_multithreading_enabled(True)
 
 
 class ScheduleNode:

@@ -27,8 +27,10 @@ __all__ = [
     "cuda_current_stream",
     "cuda_set_stream",
     "cuda_sleep",
+    "multithreading_enabled",
     "run_backward",
     "set_grad_enabled",
+    "set_multithreading_enabled",
     "tensor_version",
 ]
 
@@ -37,6 +39,12 @@ run_backward = cast(
     "Callable[..., object]",
     torch.autograd.Variable._execution_engine.run_backward,
 )
+
+# whether autograd hands CUDA work to its per-device worker threads (thread-local); public: torch.autograd.is_multithreading_enabled (the same function on 2.13); checked on 2.13, not on 2.11 (exists since 2.0).
+multithreading_enabled: Callable[[], bool] = torch._C._is_multithreading_enabled
+
+# turns those worker threads off or on for this thread; public: torch.autograd.set_multithreading_enabled, a context-manager object per call; checked on 2.13, not on 2.11 (exists since 2.0).
+set_multithreading_enabled: Callable[[bool], None] = torch._C._set_multithreading_enabled
 
 # turns gradient recording off or on (what torch.no_grad calls); public: torch.no_grad() / torch.set_grad_enabled, a context-manager object (~1 us) per call; checked on 2.13 and 2.11.
 set_grad_enabled = cast("Callable[[bool], None]", torch._C._set_grad_enabled)
