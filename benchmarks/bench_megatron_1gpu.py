@@ -54,7 +54,8 @@ gradients are comparable bit for bit.
 
 **Variants** (one model, one set of weights, gradients zeroed before each step):
 ``megatron_plain`` and ``megatron_combined`` (above); ``serial``, ``overlapped``,
-``fill_drain`` and ``fill_drain_searched`` (the node order ``moe_overlap.steps.search_order``
+``fill_drain``, ``fill_drain_recompute`` (``pre_dispatch`` and ``mlp`` recomputed),
+``fill_drain_recompute_mlp`` (the experts only) and ``fill_drain_searched`` (the node order ``moe_overlap.steps.search_order``
 finds from a serial step's node durations; ``--no-search`` leaves it out) through
 :class:`~moe_overlap.adapters.megatron.MegatronMoEAdapter`, all with the free-input policy
 on, as Megatron's; ``compute_only`` (serial with the stand-in as one device copy) and
@@ -91,6 +92,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import functools
 import importlib
 import json
 import math
@@ -104,7 +106,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Generator, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, Literal, cast
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before CUDA starts
 
@@ -142,7 +144,21 @@ JsonDict = dict[str, Any]
 LOG: list[str] = []
 
 #: The library's variants, in the order the exactness pass checks them.
-LIBRARY = ("serial", "overlapped", "fill_drain", "fill_drain_searched")
+LIBRARY = (
+    "serial",
+    "overlapped",
+    "fill_drain",
+    "fill_drain_recompute",
+    "fill_drain_recompute_mlp",
+    "fill_drain_searched",
+)
+"""The library's variants (exactness required)."""
+RECOMPUTE: dict[str, tuple[Literal["pre_dispatch", "mlp"], ...]] = {
+    "fill_drain_recompute": ("pre_dispatch", "mlp"),
+    "fill_drain_recompute_mlp": ("mlp",),
+}
+"""Fill/drain with recomputed slots: the memory the extra microbatch in flight costs, paid
+back with compute (``ScheduleOptions.recompute``)."""
 
 
 def log(msg: str) -> None:
@@ -428,6 +444,13 @@ class Bench:
             "overlapped": lambda: self.ours(overlap=True),
             "fill_drain": lambda: self.ours(overlap=True, fill_drain=True),
         }
+        for name, slots in RECOMPUTE.items():
+            out[name] = functools.partial(
+                self.ours,
+                overlap=True,
+                fill_drain=True,
+                options=ScheduleOptions(free_input=True, recompute=slots),
+            )
         if self.searched is not None:
             searched = self.searched
             out["fill_drain_searched"] = lambda: self.ours(

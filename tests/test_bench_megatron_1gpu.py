@@ -45,6 +45,8 @@ def test_bench_megatron_1gpu_smoke(tmp_path: Path) -> None:
         "serial",
         "overlapped",
         "fill_drain",
+        "fill_drain_recompute",
+        "fill_drain_recompute_mlp",
         "fill_drain_searched",
     }
     # On one CPU process Megatron's own combined 1F1B is bit-identical to its plain loop too.
