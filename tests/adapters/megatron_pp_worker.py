@@ -52,7 +52,9 @@ def chunk(stage: int, stages: int) -> nn.Module:
         rnd: Any = importlib.import_module("megatron.core.tensor_parallel.random")
         rnd.model_parallel_cuda_manual_seed(1000 + stage)
     model = local_gpt(config, pre_process=stage == 0, post_process=stage == stages - 1)
-    return model.to(DEVICE)
+    # In bf16 the whole model, as Megatron-Core's Float16Module casts it: the local norms
+    # are built with fp32 weights, and CUDA's layer_norm takes no mixed dtypes.
+    return model.to(DEVICE, torch.bfloat16) if cuda else model.to(DEVICE)
 
 
 class RawStage(nn.Module):

@@ -86,7 +86,9 @@ def _build(seed: int = 0) -> nn.Module:
         max_sequence_length=SEQ,
         position_embedding_type="rope",
     )
-    return model.cuda()
+    # Megatron-Core keeps the local norms' weights in fp32 under params_dtype=bf16 and
+    # casts the whole model in its Float16Module; CUDA's layer_norm takes no mixed dtypes.
+    return model.to(device="cuda", dtype=torch.bfloat16)
 
 
 def _pair() -> tuple[nn.Module, nn.Module]:

@@ -186,6 +186,23 @@ def test_a_bf16_stage_with_fp32_norm_weights_is_self_checked_in_bf16(pre_process
     assert report.structures == [("TransformerLayer", ["decoder.layers.0"], 0.0, "bfloat16")]
 
 
+def test_a_failing_mixed_dtype_model_is_told_to_cast_the_whole_model(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On CUDA a bf16 model with fp32 norm weights fails in ``layer_norm`` (mixed dtypes);
+    the refusal names the dtypes and the cast Megatron-Core's Float16Module does."""
+    config = tiny_config(num_layers=1, bf16=True, params_dtype=torch.bfloat16)
+    model = local_gpt(config, pre_process=False, post_process=False)
+    norm = model.get_submodule("decoder.layers.0.input_layernorm")
+
+    def mixed(x: Tensor) -> Tensor:
+        raise RuntimeError("expected scalar type BFloat16 but found Float")
+
+    monkeypatch.setattr(norm, "forward", mixed)
+    with pytest.raises(ConfigError, match=r"several dtypes \(torch.bfloat16, torch.float32\)"):
+        MegatronMoEAdapter(model)
+
+
 def test_the_self_check_catches_a_wrong_split(monkeypatch: pytest.MonkeyPatch) -> None:
     """A split that drops the shared experts from combine (a probe of the check itself)."""
     from moe_overlap.adapters import _mc_layers

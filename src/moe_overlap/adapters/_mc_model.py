@@ -311,7 +311,7 @@ class MegatronMoEAdapter(AdaptedModel[McLayer], MegatronHooks):
                     f"MegatronMoEAdapter: {name}: {failing_module(exc, layer)} raised "
                     f"{type(exc).__name__}: {exc}, when the self-check ran the layer's own "
                     "forward and backward and the adapter's split of it on a probe; "
-                    "expected both to run (or pass self_check=False)"
+                    f"expected both to run (or pass self_check=False){_mixed_hint(self.model)}"
                 ) from exc
             tolerance = probe_tolerance(dtype, p0.device)
             if worst.difference > tolerance:
@@ -647,6 +647,19 @@ def _activation_dtype(model: nn.Module) -> torch.dtype:
         if q.is_floating_point():
             count[q.dtype] = count.get(q.dtype, 0) + q.numel()
     return max(count, key=lambda d: count[d]) if count else torch.get_default_dtype()
+
+
+def _mixed_hint(model: nn.Module) -> str:
+    """A hint for a model whose floating parameters have several dtypes (Megatron-Core
+    builds the local norms in fp32 under ``params_dtype=bf16``; its ``Float16Module`` casts
+    the whole model, and CUDA's ``layer_norm`` takes no mixed dtypes)."""
+    dtypes = sorted({str(q.dtype) for q in model.parameters() if q.is_floating_point()})
+    if len(dtypes) < 2:
+        return ""
+    return (
+        f". The model's parameters have several dtypes ({', '.join(dtypes)}): cast the whole "
+        "model to one (model.to(torch.bfloat16), as Megatron-Core's Float16Module does)"
+    )
 
 
 def _compare_glue(probe: nn.Module) -> Mismatch:
