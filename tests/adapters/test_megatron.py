@@ -138,6 +138,39 @@ def test_bfloat16_overlapped_and_fill_drain_are_bit_identical(tied: bool) -> Non
         assert_bit_identical(model, ref)
 
 
+def _peak_saved_bytes(recompute: tuple[Any, ...]) -> int:
+    """Peak bytes of the tensors autograd keeps for backward over one fill/drain step
+    (a pack hook that holds a detached alias, so it adds no reference cycle)."""
+    live, peak = [0], [0]
+
+    class Held:
+        def __init__(self, t: Tensor) -> None:
+            self.t, self.n = t, t.untyped_storage().nbytes()
+            live[0] += self.n
+            peak[0] = max(peak[0], live[0])
+
+        def __del__(self) -> None:
+            live[0] -= self.n
+
+    adapter = MegatronMoEAdapter(build())
+    free_input = adapter.schedule_options().free_input
+    options = ScheduleOptions(free_input=free_input, recompute=recompute)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: Held(t.detach()), lambda h: h.t):
+        combined_1f1b(adapter, microbatches(), options=options, fill_drain=True)
+    assert live[0] == 0
+    return peak[0]
+
+
+def test_recomputed_slots_release_their_forward_graph() -> None:
+    """Megatron-Core keeps the router's probs on the dispatcher and the pre-MLP norm's
+    input on the layer (its offload manager); held, they would keep a recomputed
+    pre-dispatch's whole forward graph (attention included) alive until the next call.
+    Measured: 0.66x of fill/drain's peak before the adapter released them, 0.17x after."""
+    kept = _peak_saved_bytes(())
+    recomputed = _peak_saved_bytes(("pre_dispatch", "mlp"))
+    assert recomputed < 0.3 * kept
+
+
 def test_the_plain_path_is_the_model_s_own() -> None:
     model, ref = build("mixed"), build("mixed")
     adapter = MegatronMoEAdapter(model)

@@ -24,6 +24,12 @@ steps. A pre-dispatch the schedule recomputes leaves the MoE's buffers (the rout
 expert-bias token counts, its quantile-balancing sums) as it found them: the forward
 counted the microbatch once already.
 
+Megatron-Core keeps two tensors with their autograd graph between calls: the router's
+``probs`` on the dispatcher (read after only for its dtype) and the pre-MLP norm's input
+in the layer's offload manager (a pass-through without offloading, which the adapter
+refuses). The slots keep neither: held, they would keep a recomputed pre-dispatch's whole
+forward (attention included) alive, and the recompute would save little memory.
+
 The split assumes the layer's output is ``residual + moe(norm(h))`` as Megatron-Core
 computes it; the adapter's self-check compares it with the layer's own forward and
 backward at construction and refuses a layer it does not reproduce.
@@ -139,7 +145,15 @@ class McMoELayer(_McBase, MoESlots):
 
     # --- the dispatcher's per-microbatch attributes ---------------------------------------
     def _save(self, ctx: SlotContext, step: str) -> None:
-        ctx.layer_state.stash(_KEY + step, _DispatcherState(dict(vars(self.dispatcher))))
+        """Stash the dispatcher's attributes, each tensor that records autograd detached
+        (on the dispatcher too): Megatron-Core keeps the router's ``probs`` there and reads
+        only its dtype after; held with its graph it would keep a recomputed slot's forward
+        alive until the next call (the self-check and the tests compare the gradients)."""
+        values = vars(self.dispatcher)
+        graphs = [k for k, v in values.items() if isinstance(v, Tensor) and v.grad_fn is not None]
+        for k in graphs:
+            values[k] = cast("Tensor", values[k]).detach()
+        ctx.layer_state.stash(_KEY + step, _DispatcherState(dict(values)))
 
     def _restore(self, ctx: SlotContext, step: str) -> None:
         vars(self.dispatcher).update(ctx.layer_state.take(_KEY + step, _DispatcherState).values)
@@ -160,6 +174,12 @@ class McMoELayer(_McBase, MoESlots):
             "the layer's _forward_attention (hidden states, context)",
         )
         normed: object = self._layer._forward_pre_mlp_layernorm(h)
+        # The layer keeps its offload manager (holding h, with its graph) for
+        # _forward_post_mlp; offloading is refused, so the manager is a pass-through there.
+        # Left on the layer it would keep a recomputed slot's forward graph alive until the
+        # layer's next combine, and the last microbatch's after the step.
+        if getattr(self._layer, "mlp_norm_manager", None) is not None:
+            self._layer.mlp_norm_manager = None
         residual = h
         if isinstance(normed, tuple):  # a fused residual norm hands the residual back
             pair = cast("object", normed)
