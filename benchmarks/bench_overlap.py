@@ -98,7 +98,14 @@ from node_timing import (
     write_gantt_png,
 )
 
-from moe_overlap.steps import OrderSearch, ScheduleMode, ScheduleOrder, predict_ms, search_order
+from moe_overlap.steps import (
+    OrderSearch,
+    ScheduleMode,
+    ScheduleOrder,
+    SlotKey,
+    predict_ms,
+    search_order,
+)
 
 JsonDict = dict[str, object]
 
@@ -631,6 +638,21 @@ def _search_order(b: Bench) -> OrderSearch:
     return search_order(shape, slot_durations(rec.durations()))
 
 
+def profile_rows(durations: dict[SlotKey, float]) -> list[JsonDict]:
+    """Node durations as ``serial_slot_durations`` rows (``{"layer", "slot", "direction",
+    "ms"}``, which :func:`moe_overlap.plan.load_profile` reads)."""
+    return [
+        {"layer": k[0], "slot": k[1].value, "direction": k[2].value, "ms": ms}
+        for k, ms in sorted(durations.items(), key=lambda kv: str(kv[0]))
+    ]
+
+
+def serial_profile(b: Bench) -> list[JsonDict]:
+    """One recorded serial step's node durations (warm the model first) as
+    :func:`profile_rows`."""
+    return profile_rows(slot_durations(_recorded(b, overlap=False).durations()))
+
+
 def _search_json(
     b: Bench,
     search: OrderSearch,
@@ -648,10 +670,7 @@ def _search_json(
         "run_ms_megatron": {k.value: v for k, v in search.megatron_ms.items()},
         "run_ms_found": {k.value: v for k, v in search.found_ms.items()},
         # The serial step's node durations: what moe_overlap.plan predicts the row from.
-        "serial_slot_durations": [
-            {"layer": k[0], "slot": k[1].value, "direction": k[2].value, "ms": ms}
-            for k, ms in sorted(durations.items(), key=lambda kv: str(kv[0]))
-        ],
+        "serial_slot_durations": profile_rows(durations),
     }
     for name, mode in (
         ("overlapped", ScheduleMode.OVERLAPPED),

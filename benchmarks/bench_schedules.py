@@ -16,8 +16,13 @@ interleaved round by round:
 First every variant's losses and gradients are compared with the serial step's, bit for
 bit, under deterministic kernels (``bench_overlap``'s exactness pass, whose
 ``MOE_OVERLAP_BENCH_PERTURB`` makes it see one ulp in a named variant); then the timed
-rounds; then each variant's peak memory over the serial step's. Each row shows the
-planner's prediction and its error.
+rounds; then one recorded serial step's node durations (``serial_slot_durations``, as
+``bench_overlap.py`` records them); then each variant's peak memory over the serial step's.
+Each row shows two predictions of the planner and their errors: from the committed H200
+profile (the frontier's), and from this run's serial step ("predicted here": the profile of
+the device it runs on, with the frontier's ``comm_contention``), each replayed as the
+frontier replays it (today's schedules from the engine's step lists, the searched one from
+its order).
 
 Then, at the host-bound size (hidden 256, 256 tokens per microbatch, expert FFN 128), whether
 the host keeps ahead of the GPU in each variant: the host's milliseconds of issuing one step
@@ -34,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shlex
 import sys
 import time
@@ -53,6 +59,7 @@ from bench_overlap import (  # the sibling benchmark's steps and passes
     make_bench,
     median,
     perturb_target,
+    serial_profile,
     step,
     switched,
     time_interleaved,
@@ -61,7 +68,19 @@ from moe_slice import LoopbackMode, SliceConfig
 from node_timing import Clock
 
 from moe_overlap import ScheduleOptions, combined_1f1b
-from moe_overlap.steps import Direction, NodeSchedule, Slot
+from moe_overlap.plan import (
+    ActivationModel,
+    Recompute,
+    ScheduleGraph,
+    SearchSpace,
+    SearchStep,
+    StepTimes,
+    costs_from_profile,
+    load_profile,
+    replay_order,
+    today_orders,
+)
+from moe_overlap.steps import Direction, NodeSchedule, Slot, Step, StreamKind
 
 FRONTIER = Path(__file__).resolve().parent / "results" / "frontier" / "frontier.json"
 TODAY = ("serial", "overlapped", "fill_drain", "fill_drain_recompute")
@@ -108,6 +127,62 @@ def variants(b: Bench, schedule: NodeSchedule) -> dict[str, Callable[[], object]
     }
 
 
+def _search_step(step: Step) -> SearchStep:
+    """A node step of a :class:`NodeSchedule` as the planner's step (``R``: a recomputed
+    forward)."""
+    again = step.direction is Direction.RECOMPUTE
+    return SearchStep(
+        microbatch=cast(int, step.microbatch),
+        layer=step.layer,
+        slot=cast(Slot, step.slot),
+        direction=Direction.FORWARD if again else step.direction,
+        stream=cast(StreamKind, step.stream),
+        recompute=again,
+    )
+
+
+def predict(
+    profile: list[JsonDict], config: JsonDict, *, num_layers: int, contention: float
+) -> dict[str, float]:
+    """Each variant's step milliseconds as ``frontier.py`` predicts them, from the serial
+    node durations ``profile`` (``serial_slot_durations`` rows) with ``contention``:
+    today's from the engine's step lists (:func:`~moe_overlap.plan.today_orders`; with
+    recompute, pre-dispatch and mlp of every layer), the searched one from
+    ``config``'s ``best_order`` on the graph its steps and name say (delayed weight
+    gradients, recomputed slots, recompute started early), each replayed
+    (:func:`~moe_overlap.plan.replay_order`) with the search's default shares."""
+    costs = costs_from_profile(
+        load_profile(profile), num_layers=num_layers, comm_contention=contention
+    )
+    n = cast(int, config["microbatches"])
+    steps = [_search_step(s) for s in NodeSchedule.parse(cast(str, config["best_order"])).steps]
+    base = ScheduleGraph(microbatches=n, moe=costs.moe)
+    every = Recompute((Slot.PRE_DISPATCH, Slot.MLP)).triples(n, num_layers)
+    recomputed = base.replace(recompute=every)
+    name = cast(str, cast(JsonDict, config["targets"])["best"])
+    best = base.replace(
+        delay_wgrad=any(s.direction is Direction.WGRAD for s in steps),
+        recompute=frozenset((s.microbatch, s.layer, s.slot) for s in steps if s.recompute),
+        early_recompute=re.search(r"\brecompute=\S+ early\b", name) is not None,
+    )
+    orders = {k: (base, today_orders(base)[k]) for k in ("serial", "overlapped", "fill_drain")}
+    orders["fill_drain_recompute"] = (recomputed, today_orders(recomputed)["fill_drain"])
+    orders["searched"] = (best, steps)
+    space = SearchSpace()  # the shares and recompute cost frontier.py searched with
+    memory = ActivationModel(units={})  # only the step time is read
+    out: dict[str, float] = {}
+    for k, (graph, order) in orders.items():
+        times = StepTimes(
+            times=costs.times,
+            wgrad_share=dict(space.wgrad_share),
+            recompute_cost=space.recompute_cost,
+            comm_contention=costs.comm_contention,
+            delay_wgrad=graph.delay_wgrad,
+        )
+        out[k] = replay_order(order, graph, times, memory).step_ms
+    return out
+
+
 def peak_gb(b: Bench, fn: Callable[[], object]) -> float | None:
     """Peak allocated memory of one step of ``fn`` (after one warm step); CUDA only."""
     if b.device.type != "cuda":
@@ -121,8 +196,8 @@ def peak_gb(b: Bench, fn: Callable[[], object]) -> float | None:
     return torch.cuda.max_memory_allocated(b.device) / 1e9
 
 
-def measure(config: JsonDict, args: argparse.Namespace) -> JsonDict:
-    """Every figure of one frontier configuration."""
+def measure(config: JsonDict, args: argparse.Namespace, contention: float) -> JsonDict:
+    """Every figure of one frontier configuration (``contention``: the frontier's)."""
     n = cast(int, config["microbatches"])
     ffn = cast(int, config["ffn"])
     cfg = SliceConfig(ffn=ffn) if not args.tiny else SliceConfig(hidden=256, ffn=128, tokens=256)
@@ -133,6 +208,8 @@ def measure(config: JsonDict, args: argparse.Namespace) -> JsonDict:
     exact = exactness(b, fns, attention=args.exact_attention, perturb=perturb)
     times = time_interleaved(b, fns)
     ms = {k: median(v) for k, v in times.items()}
+    profile = serial_profile(b)
+    here = predict(profile, config, num_layers=cfg.num_layers, contention=contention)
     peaks = {k: peak_gb(b, fns[k]) for k in (*TODAY, "searched")}
     today = cast("dict[str, JsonDict]", config["today"])
     targets = cast(JsonDict, config["targets"])
@@ -154,6 +231,8 @@ def measure(config: JsonDict, args: argparse.Namespace) -> JsonDict:
             "memory_x_serial": memory,
             "predicted_ms": predicted[k],
             "prediction_error": predicted[k] / ms[k] - 1.0,
+            "predicted_here_ms": here[k],
+            "prediction_here_error": here[k] / ms[k] - 1.0,
         }
     return {
         "name": config["name"],
@@ -164,6 +243,8 @@ def measure(config: JsonDict, args: argparse.Namespace) -> JsonDict:
         "comm_only_ms": ms["comm_only"],
         "exactness_failed": exact["failed"],
         "rows": rows,
+        # This run's serial step: what "predicted here" comes from (load_profile reads it).
+        "serial_slot_durations": profile,
     }
 
 
@@ -239,8 +320,8 @@ def host_table(rows: list[JsonDict]) -> str:
 def table(results: list[JsonDict]) -> str:
     lines = [
         "| configuration | schedule | step ms | x max(compute, comm) | speed-up | memory x serial "
-        "| predicted ms (error) | bit-identical |",
-        "|---|---|---|---|---|---|---|---|",
+        "| predicted ms (error) | predicted here ms (error) | bit-identical |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         failed = cast("list[str]", r["exactness_failed"])
@@ -252,6 +333,8 @@ def table(results: list[JsonDict]) -> str:
                 f"{cast(float, row['speedup']):.3f} | "
                 f"{'-' if mem is None else f'{cast(float, mem):.3f}'} | "
                 f"{cast(float, row['predicted_ms']):.1f} ({cast(float, row['prediction_error']):+.1%}) | "
+                f"{cast(float, row['predicted_here_ms']):.1f} "
+                f"({cast(float, row['prediction_here_error']):+.1%}) | "
                 f"{'no' if k in failed else 'yes'} |"
             )
     return "\n".join(lines) + "\n"
@@ -275,14 +358,16 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--out", type=Path, required=True, help="folder for schedules.json/.md")
     args = p.parse_args(argv)
-    configs = cast("list[JsonDict]", json.loads(args.frontier.read_text("utf-8"))["configs"])
+    frontier = cast(JsonDict, json.loads(args.frontier.read_text("utf-8")))
+    configs = cast("list[JsonDict]", frontier["configs"])
+    contention = cast(float, frontier["comm_contention"])
     chosen = [c for c in configs if args.configs is None or c["name"] in args.configs]
     results: list[JsonDict] = []
     hosts: list[JsonDict] = []
     for c in chosen:
         if "main" not in args.skip:
             print(f"bench_schedules: {c['name']} ...", file=sys.stderr, flush=True)
-            results.append(measure(c, args))
+            results.append(measure(c, args, contention))
         if "host" not in args.skip:
             print(f"bench_schedules: {c['name']}, host-bound size ...", file=sys.stderr, flush=True)
             hosts.append(host_bound(c, args))
