@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import json
+import math
 import os
 import socket
 import subprocess
@@ -20,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from moe_overlap.plan import load_profile
 from moe_overlap.steps import Direction, Slot, StreamKind
 from tests import forked
 from tests.figures import check_figure, saved_figures
@@ -132,12 +134,40 @@ def test_bench_schedules_smoke(ran: Ran) -> None:
         "searched",
     }
     assert result["rows"]["searched"]["predicted_ms"] > 0
+    assert "| predicted here ms (error) |" in stdout
+    for row in result["rows"].values():  # predicted from this run's serial step
+        assert math.isfinite(row["predicted_here_ms"]) and row["predicted_here_ms"] > 0
+        assert math.isfinite(row["prediction_here_error"])
+    assert load_profile(result["serial_slot_durations"])
     (host,) = json.loads((out / "schedules.json").read_text())["host_bound"]
     assert host["layer_pairs"] == 4 * 4  # tiny slice: 4 layers, 4 microbatches
     for k in ("serial", "overlapped", "fill_drain", "fill_drain_recompute", "searched"):
         assert host[k]["host_ms_per_layer_pair"] > 0
         assert host[k]["gpu_ms_per_layer_pair"] is None  # CPU: no device to time
     assert "| main N=4 | searched |" in stdout.split("host-bound size")[1]
+
+
+def test_bench_schedules_predicts_as_the_frontier_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the round-9 profiles the frontier was searched from, the benchmark's prediction
+    of every row is the frontier's committed one (today's and the searched order's)."""
+    bench = _benchmark_module("bench_schedules", monkeypatch)
+    frontier = json.loads((ROOT / "benchmarks/results/frontier/frontier.json").read_text())
+    source = json.loads((ROOT / "benchmarks/results/round9/results.json").read_text())
+    for config in frontier["configs"]:
+        (row,) = (
+            r
+            for r in source["results"]
+            if (r["config"]["ffn"], r["microbatches"]) == (config["ffn"], config["microbatches"])
+        )
+        got = bench.predict(
+            row["order_search"]["serial_slot_durations"],
+            config,
+            num_layers=row["config"]["num_layers"],
+            contention=frontier["comm_contention"],
+        )
+        want = {k: config["today"][k]["step_ms"] for k in bench.TODAY}
+        want["searched"] = config["targets"]["best_ms"]
+        assert got == pytest.approx(want, rel=1e-9), config["name"]
 
 
 def test_bench_schedules_fails_when_the_searched_step_is_not_bit_identical(ran: Ran) -> None:
