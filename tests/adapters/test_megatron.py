@@ -29,6 +29,7 @@ from tests.adapters._megatron import (
     tiny_config,
 )
 from tests.adapters._megatron_cpu import megatron_on_cpu
+from tests.saved_bytes import peak_saved_bytes
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning:megatron"),
@@ -139,26 +140,13 @@ def test_bfloat16_overlapped_and_fill_drain_are_bit_identical(tied: bool) -> Non
 
 
 def _peak_saved_bytes(recompute: tuple[Any, ...]) -> int:
-    """Peak bytes of the tensors autograd keeps for backward over one fill/drain step
-    (a pack hook that holds a detached alias, so it adds no reference cycle)."""
-    live, peak = [0], [0]
-
-    class Held:
-        def __init__(self, t: Tensor) -> None:
-            self.t, self.n = t, t.untyped_storage().nbytes()
-            live[0] += self.n
-            peak[0] = max(peak[0], live[0])
-
-        def __del__(self) -> None:
-            live[0] -= self.n
-
+    """Peak bytes of the tensors autograd keeps for backward over one fill/drain step."""
     adapter = MegatronMoEAdapter(build())
     free_input = adapter.schedule_options().free_input
     options = ScheduleOptions(free_input=free_input, recompute=recompute)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: Held(t.detach()), lambda h: h.t):
-        combined_1f1b(adapter, microbatches(), options=options, fill_drain=True)
-    assert live[0] == 0
-    return peak[0]
+    return peak_saved_bytes(
+        lambda: combined_1f1b(adapter, microbatches(), options=options, fill_drain=True)
+    )
 
 
 def test_recomputed_slots_release_their_forward_graph() -> None:

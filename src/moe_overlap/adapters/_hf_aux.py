@@ -146,6 +146,19 @@ class RouterAuxLoss:
         batch.layers.append(layer)
         return _attach_aux(weights_TK, probs_TE, batch, mask_T)
 
+    def attach_again(
+        self, batch: AuxBatch, weights_TK: Tensor, logits_TE: Tensor, mask_BS: Tensor | None
+    ) -> Tensor:
+        """:meth:`attach` for a recomputed layer: ``weights_TK`` carrying the grad of
+        ``batch`` (the one its forward added to), whose sums are left as they are."""
+        probs_TE = torch.nn.functional.softmax(logits_TE, dim=-1)
+        mask_T = (
+            None
+            if mask_BS is None
+            else mask_BS.reshape(-1).to(device=probs_TE.device, dtype=torch.float32)
+        )
+        return _attach_aux(weights_TK, probs_TE, batch, mask_T)
+
     def finish(self) -> Tensor | None:
         """Close the microbatch; return ``aux`` (``None`` when no MoE layer ran)."""
         batch, self.open = self.open, None

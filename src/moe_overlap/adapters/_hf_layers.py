@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from moe_overlap import CudaGraphModule, IntegrationError, WgradLayer, WgradScope
-from moe_overlap.adapters._hf_aux import RouterAuxLoss
+from moe_overlap.adapters._hf_aux import AuxBatch, RouterAuxLoss
 from moe_overlap.adapters._hf_calls import LayerCall, swap_child
 from moe_overlap.adapters._hf_experts import (
     ExpertLayout,
@@ -73,6 +73,7 @@ LayerCalls = Callable[[ChunkState, int], LayerCall]
 
 _REST = "moe_overlap.hf.rest"
 _EXTRA = "moe_overlap.hf.extra"
+_AUX = "moe_overlap.hf.aux"
 
 
 def _hand_on(ctx: SlotContext, t: Tensor) -> Tensor:
@@ -276,9 +277,7 @@ class HFMoELayer(_LayerBase, MoESlots):
                     f"{self.where('pre_dispatch')}: expected router logits for the aux loss, "
                     "received none"
                 )
-            weights_TK = self.aux.attach(
-                self.index, weights_TK, logits, ctx.chunk_state.attention_mask
-            )
+            weights_TK = self._attach_aux(ctx, self.aux, weights_TK, logits)
         state = ctx.layer_state
         state.residual = ctx.detach(h)
         # The block's output with its experts stood in for (its shared experts) and the
@@ -299,6 +298,20 @@ class HFMoELayer(_LayerBase, MoESlots):
             gathered=gathered,
             combine=rows.combine,
         )
+
+    def _attach_aux(
+        self, ctx: SlotContext, aux: RouterAuxLoss, weights_TK: Tensor, logits_TE: Tensor
+    ) -> Tensor:
+        """The routing weights carrying the aux loss's gradient. A pre-dispatch the schedule
+        recomputes (its forward stashed the microbatch's batch) attaches to the batch its
+        forward added to, adding nothing again: the sums count each layer once."""
+        mask = ctx.chunk_state.attention_mask
+        state = ctx.layer_state
+        if _AUX in state.extras:
+            return aux.attach_again(state.take(_AUX, AuxBatch), weights_TK, logits_TE, mask)
+        attached = aux.attach(self.index, weights_TK, logits_TE, mask)
+        state.stash(_AUX, aux.open)
+        return attached
 
     def _block(
         self, u: Tensor, call: LayerCall
