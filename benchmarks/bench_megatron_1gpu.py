@@ -72,7 +72,8 @@ on, as Megatron's; ``compute_only`` (serial with the stand-in as one device copy
 2. **Timing**: ``--warmup`` untimed then ``--iters`` timed rounds, each running every
    variant once in an order rotated by one per round; milliseconds per step (CUDA events
    on the compute stream), median and spread ((max - min) / min). Then peak memory of one
-   step of each variant (``torch.cuda.max_memory_allocated``), and host time per layer
+   step of each variant (``torch.cuda.max_memory_allocated``; on any device, the peak of
+   the activations autograd saves, ``tests/saved_bytes.py``), and host time per layer
    pair: the host seconds of each combined forward+backward chunk run (Megatron's
    ``TransformerModelChunkSchedulePlan.run``, the library's ``ModelChunkSchedulePlan.run``)
    of ``megatron_combined`` and ``overlapped`` steps over the layers, with the GPU time of
@@ -517,9 +518,11 @@ def _log_round(r: int, out: dict[str, list[float]]) -> None:
 
 
 def peak_memory(b: Bench, fns: dict[str, Callable[[], object]]) -> JsonDict:
-    """Peak memory of one step of each variant (after one warm step), and above its start."""
-    if b.device.type != "cuda":
-        return {"note": "CUDA only"}
+    """Peak memory of one step of each variant (after one warm step), and above its start
+    (CUDA only); on every device, the peak of the activations autograd saves for backward
+    in one step (``tests/saved_bytes.py``: what recomputation and the schedule change)."""
+    from tests.saved_bytes import peak_saved_bytes
+
     out: JsonDict = {}
     for name, fn in fns.items():
         if name == "comm_only":
@@ -527,12 +530,17 @@ def peak_memory(b: Bench, fns: dict[str, Callable[[], object]]) -> JsonDict:
         fn()
         b.model.zero_grad(set_to_none=False)
         sync(b.device)
-        torch.cuda.reset_peak_memory_stats(b.device)
-        base = torch.cuda.memory_allocated(b.device)
-        fn()
-        sync(b.device)
-        peak = torch.cuda.max_memory_allocated(b.device)
-        out[name] = {"peak_GB": peak / 1e9, "above_start_GB": (peak - base) / 1e9}
+        entry: JsonDict = {"saved_peak_MB": peak_saved_bytes(fn) / 1e6}
+        b.model.zero_grad(set_to_none=False)
+        if b.device.type == "cuda":
+            sync(b.device)
+            torch.cuda.reset_peak_memory_stats(b.device)
+            base = torch.cuda.memory_allocated(b.device)
+            fn()
+            sync(b.device)
+            peak = torch.cuda.max_memory_allocated(b.device)
+            entry |= {"peak_GB": peak / 1e9, "above_start_GB": (peak - base) / 1e9}
+        out[name] = entry
     return out
 
 
@@ -640,16 +648,18 @@ def markdown(result: JsonDict) -> str:
     if tm is not None:
         mem: JsonDict = tm["peak_memory"]
         lines += [
-            "| variant | step ms (median) | spread | vs megatron_combined | peak GB |",
-            "|---|---|---|---|---|",
+            "| variant | step ms (median) | spread | vs megatron_combined | peak GB "
+            "| saved activations peak MB |",
+            "|---|---|---|---|---|---|",
         ]
         for name, r in tm["rows"].items():
             entry = cast(JsonDict, mem.get(name, {}))
             peak = float(entry.get("peak_GB", math.nan))
+            saved = float(entry.get("saved_peak_MB", math.nan))
             speed = r.get("speedup_vs_megatron_combined")
             lines.append(
                 f"| {name} | {r['median_ms']:.1f} | {r['spread']:.3f} | "
-                f"{'' if speed is None else f'{speed:.3f}x'} | {peak:.2f} |"
+                f"{'' if speed is None else f'{speed:.3f}x'} | {peak:.2f} | {saved:.3f} |"
             )
         lines += [
             "",
