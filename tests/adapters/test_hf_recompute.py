@@ -117,11 +117,13 @@ def test_recomputed_slots_release_their_forward_graph(family: Callable[[], nn.Mo
     assert _saved(family, ("pre_dispatch", "mlp")).peak < 0.3 * kept
 
 
+@pytest.mark.parametrize("aux", [False, True], ids=["no_aux", "aux"])
 @pytest.mark.parametrize("family", [mixtral, qwen2_moe])
-def test_schedule_recompute_with_the_aux_loss_is_exact(family: Callable[..., nn.Module]) -> None:
-    """A recomputed pre-dispatch attaches the load-balancing loss's gradient to the batch its
-    forward added to, counting nothing twice: bit-identical to the step that stores."""
-    model = family(aux=True)
+def test_schedule_recompute_is_exact(family: Callable[..., nn.Module], aux: bool) -> None:
+    """Slots the schedule recomputes give the step that stores, bit for bit; with the
+    load-balancing loss, a recomputed pre-dispatch attaches its gradient to the batch its
+    forward added to, counting nothing twice."""
+    model = family(aux=aux)
     mbs = microbatches(3, padded=True)
     runs: list[tuple[list[torch.Tensor], dict[str, torch.Tensor]]] = []
     for recompute in ((), ("pre_dispatch", "mlp")):
