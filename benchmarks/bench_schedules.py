@@ -22,7 +22,9 @@ Each row shows two predictions of the planner and their errors: from the committ
 profile (the frontier's), and from this run's serial step ("predicted here": the profile of
 the device it runs on, with the frontier's ``comm_contention``), each replayed as the
 frontier replays it (today's schedules from the engine's step lists, the searched one from
-its order).
+its order). Under the table, the same from this run's profile with the contention fitted on
+this run's overlapped step (:func:`fit_here`): one figure of the machine fitted on one row,
+the other rows its check.
 
 Then, at the host-bound size (hidden 256, 256 tokens per microbatch, expert FFN 128), whether
 the host keeps ahead of the GPU in each variant: the host's milliseconds of issuing one step
@@ -196,6 +198,26 @@ def peak_gb(b: Bench, fn: Callable[[], object]) -> float | None:
     return torch.cuda.max_memory_allocated(b.device) / 1e9
 
 
+def fit_here(
+    profile: list[JsonDict], config: JsonDict, *, num_layers: int, overlapped_ms: float
+) -> float | None:
+    """The ``comm_contention`` at which :func:`predict` gives ``overlapped_ms`` for the
+    overlapped step (bisection on [0, 2], as :func:`moe_overlap.plan.fit_contention` fits
+    it): this machine's figure, fitted on one row and checked on the others. ``None`` when
+    the measured step lies outside what [0, 2] predicts (the profile does not explain it)."""
+
+    def overlapped(c: float) -> float:
+        return predict(profile, config, num_layers=num_layers, contention=c)["overlapped"]
+
+    lo, hi = 0.0, 2.0
+    if not overlapped(lo) <= overlapped_ms <= overlapped(hi):
+        return None
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if overlapped(mid) < overlapped_ms else (lo, mid)
+    return (lo + hi) / 2
+
+
 def measure(config: JsonDict, args: argparse.Namespace, contention: float) -> JsonDict:
     """Every figure of one frontier configuration (``contention``: the frontier's)."""
     n = cast(int, config["microbatches"])
@@ -210,6 +232,12 @@ def measure(config: JsonDict, args: argparse.Namespace, contention: float) -> Js
     ms = {k: median(v) for k, v in times.items()}
     profile = serial_profile(b)
     here = predict(profile, config, num_layers=cfg.num_layers, contention=contention)
+    fitted = fit_here(profile, config, num_layers=cfg.num_layers, overlapped_ms=ms["overlapped"])
+    refit = (
+        None
+        if fitted is None
+        else predict(profile, config, num_layers=cfg.num_layers, contention=fitted)
+    )
     peaks = {k: peak_gb(b, fns[k]) for k in (*TODAY, "searched")}
     today = cast("dict[str, JsonDict]", config["today"])
     targets = cast(JsonDict, config["targets"])
@@ -233,6 +261,8 @@ def measure(config: JsonDict, args: argparse.Namespace, contention: float) -> Js
             "prediction_error": predicted[k] / ms[k] - 1.0,
             "predicted_here_ms": here[k],
             "prediction_here_error": here[k] / ms[k] - 1.0,
+            "predicted_fitted_ms": None if refit is None else refit[k],
+            "prediction_fitted_error": None if refit is None else refit[k] / ms[k] - 1.0,
         }
     return {
         "name": config["name"],
@@ -245,6 +275,8 @@ def measure(config: JsonDict, args: argparse.Namespace, contention: float) -> Js
         "rows": rows,
         # This run's serial step: what "predicted here" comes from (load_profile reads it).
         "serial_slot_durations": profile,
+        # The contention fitted on this run's overlapped step ("predicted_fitted_ms").
+        "contention_fitted_here": fitted,
     }
 
 
@@ -337,6 +369,19 @@ def table(results: list[JsonDict]) -> str:
                 f"({cast(float, row['prediction_here_error']):+.1%}) | "
                 f"{'no' if k in failed else 'yes'} |"
             )
+    for r in results:
+        fitted = r.get("contention_fitted_here")
+        rows = cast("dict[str, JsonDict]", r["rows"])
+        if fitted is None:
+            lines.append(f"\n{r['name']}: no contention in [0, 2] gives the overlapped step.")
+            continue
+        errors = ", ".join(
+            f"{k} {cast(float, row['prediction_fitted_error']):+.1%}" for k, row in rows.items()
+        )
+        lines.append(
+            f"\n{r['name']}: with the contention fitted on this run's overlapped step "
+            f"({cast(float, fitted):.3f}), predicted here: {errors}."
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -170,6 +170,34 @@ def test_bench_schedules_predicts_as_the_frontier_does(monkeypatch: pytest.Monke
         assert got == pytest.approx(want, rel=1e-9), config["name"]
 
 
+def test_bench_schedules_fits_the_frontier_s_contention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fitted on round 9's measured overlapped step at main N=4, the benchmark's contention
+    is the one the frontier was fitted with (``moe_overlap.plan.fit_contention``)."""
+    bench = _benchmark_module("bench_schedules", monkeypatch)
+    frontier = json.loads((ROOT / "benchmarks/results/frontier/frontier.json").read_text())
+    source = json.loads((ROOT / "benchmarks/results/round9/results.json").read_text())
+    config = frontier["configs"][0]
+    (row,) = (
+        r
+        for r in source["results"]
+        if (r["config"]["ffn"], r["microbatches"]) == (config["ffn"], config["microbatches"])
+    )
+    fitted = bench.fit_here(
+        row["order_search"]["serial_slot_durations"],
+        config,
+        num_layers=row["config"]["num_layers"],
+        overlapped_ms=row["step_ms"]["overlapped"],
+    )
+    assert fitted == pytest.approx(frontier["comm_contention"], abs=1e-6)
+    too_fast = bench.fit_here(
+        row["order_search"]["serial_slot_durations"],
+        config,
+        num_layers=row["config"]["num_layers"],
+        overlapped_ms=1.0,
+    )
+    assert too_fast is None
+
+
 def test_bench_schedules_fails_when_the_searched_step_is_not_bit_identical(ran: Ran) -> None:
     done, _ = ran
     _fails(done, "a variant was not bit-identical")
