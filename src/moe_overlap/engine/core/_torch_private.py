@@ -40,16 +40,16 @@ run_backward = cast(
     torch.autograd.Variable._execution_engine.run_backward,
 )
 
-# whether autograd hands CUDA work to its per-device worker threads (thread-local); public: torch.autograd.is_multithreading_enabled (the same function on 2.13); checked on 2.13, not on 2.11 (exists since 2.0).
+# whether autograd hands CUDA work to its per-device worker threads (thread-local); public: torch.autograd.is_multithreading_enabled (the same function on 2.13); checked on 2.13 and 2.11 (an H100, 2026-12-07).
 multithreading_enabled: Callable[[], bool] = torch._C._is_multithreading_enabled
 
-# turns those worker threads off or on for this thread; public: torch.autograd.set_multithreading_enabled, a context-manager object per call; checked on 2.13, not on 2.11 (exists since 2.0).
+# turns those worker threads off or on for this thread; public: torch.autograd.set_multithreading_enabled, a context-manager object per call; checked on 2.13 and 2.11 (an H100, 2026-12-07).
 set_multithreading_enabled: Callable[[bool], None] = torch._C._set_multithreading_enabled
 
 # turns gradient recording off or on (what torch.no_grad calls); public: torch.no_grad() / torch.set_grad_enabled, a context-manager object (~1 us) per call; checked on 2.13 and 2.11.
 set_grad_enabled = cast("Callable[[bool], None]", torch._C._set_grad_enabled)
 
-# a tensor's version counter, shared with its views and detached copies and bumped by every in-place write (what autograd compares for saved tensors); public: none (Tensor._version is this attribute); checked on 2.13, not on 2.11.
+# a tensor's version counter, shared with its views and detached copies and bumped by every in-place write (what autograd compares for saved tensors); public: none (Tensor._version is this attribute); checked on 2.13 and 2.11 (the GPU tests on an H100, 2026-12-07).
 tensor_version = cast("Callable[[torch.Tensor], int]", operator.attrgetter("_version"))
 
 # spins the current CUDA stream for a number of GPU cycles (torch's test helper, unannotated); no public API; checked on 2.13 (bound; calling it needs CUDA) and 2.11.
@@ -59,13 +59,13 @@ _C: object = torch._C
 """torch's extension module; the three CUDA calls below are absent from CPU-only builds
 (``None`` there, where no CUDA stream can exist)."""
 
-# the current CUDA device's index; public: torch.cuda.current_device (a Python wrapper that also initialises CUDA); checked on 2.13 (absent: CPU build), not on 2.11.
+# the current CUDA device's index; public: torch.cuda.current_device (a Python wrapper that also initialises CUDA); checked on 2.13 (absent: CPU build) and 2.11 (the GPU tests on an H100, 2026-12-07).
 cuda_current_device = cast("Callable[[], int] | None", getattr(_C, "_cuda_getDevice", None))
 
-# (stream_id, device_index, device_type) of a device's current stream; public: torch.cuda.current_stream, which builds a Stream object; checked on 2.13 (absent: CPU build), not on 2.11.
+# (stream_id, device_index, device_type) of a device's current stream; public: torch.cuda.current_stream, which builds a Stream object; checked on 2.13 (absent: CPU build) and 2.11 (the GPU tests on an H100, 2026-12-07).
 cuda_current_stream = cast(
     "Callable[[int], tuple[int, int, int]] | None", getattr(_C, "_cuda_getCurrentStream", None)
 )
 
-# makes (stream_id, device_index, device_type) the current stream (what torch.cuda.stream's exit calls); public: torch.cuda.set_stream, which takes a Stream object; checked on 2.13 (absent: CPU build), not on 2.11.
+# makes (stream_id, device_index, device_type) the current stream (what torch.cuda.stream's exit calls); public: torch.cuda.set_stream, which takes a Stream object; checked on 2.13 (absent: CPU build) and 2.11 (the GPU tests on an H100, 2026-12-07).
 cuda_set_stream = cast("Callable[[int, int, int], None]", getattr(_C, "_cuda_setStream", None))
