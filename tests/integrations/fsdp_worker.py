@@ -16,7 +16,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import random
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -31,16 +30,14 @@ from moe_overlap.models import GPTMoEConfig, GPTMoEModel
 from moe_overlap.plan import ScheduleGraph, node_schedule, today_orders
 from moe_overlap.steps import (
     ChunkShape,
-    Direction,
     LayerShape,
     NodeSchedule,
     PairKind,
     PairOrder,
     ScheduleOrder,
     Slot,
-    microbatch_node_steps,
 )
-from tests.engine.test_node_schedule import random_order
+from tests.engine.test_node_schedule import random_order, with_recomputes
 from tests.gloo_ranks import exit_worker
 
 CONFIG = GPTMoEConfig(
@@ -196,28 +193,6 @@ def shape(*, delay: bool = False) -> ChunkShape:
     )
 
 
-def with_recomputes(schedule: NodeSchedule, seed: int) -> NodeSchedule:
-    """``schedule`` with an ``R`` step for every recomputed slot, each at a random place
-    after its forward (and the previous microbatch's ``R`` of that slot), before its
-    backward."""
-    rng = random.Random(seed)
-    steps = list(schedule.steps)
-
-    def at(direction: Direction, mb: int, layer: int | None, slot: Slot | None) -> int:
-        key = (direction, mb, layer, slot)
-        return next(
-            k for k, s in enumerate(steps) if (s.direction, s.microbatch, s.layer, s.slot) == key
-        )
-
-    for mb in range(schedule.microbatches):
-        for r in microbatch_node_steps(shape(), mb, recompute=_RECOMPUTE)[1]:
-            lo = at(Direction.FORWARD, mb, r.layer, r.slot)
-            if mb:
-                lo = max(lo, at(Direction.RECOMPUTE, mb - 1, r.layer, r.slot))
-            steps.insert(rng.randint(lo + 1, at(Direction.BACKWARD, mb, r.layer, r.slot)), r)
-    return NodeSchedule(steps)
-
-
 def in_flight(schedule: NodeSchedule) -> int:
     """The most microbatches started and not finished at once in ``schedule``."""
     first: dict[int | None, int] = {}
@@ -254,7 +229,9 @@ SCHEDULES: dict[str, Run] = {
         m,
         mbs,
         options=_RC_OPTIONS,
-        schedule=with_recomputes(random_order(shape(), len(mbs), seed=1, in_flight=3), seed=1),
+        schedule=with_recomputes(
+            random_order(shape(), len(mbs), seed=1, in_flight=3), shape(), seed=1
+        ),
     ),
     "planner_fill_drain_recompute": lambda m, mbs: combined_1f1b(
         m, mbs, options=_RC_OPTIONS, schedule=_planner_fill_drain(len(mbs))
@@ -296,7 +273,10 @@ def run_schedules(
         )
     schedule = random_order(shape(), len(mbs), seed=1, in_flight=3)
     row = {"case": case_name, "rank": dist.get_rank(), "exact": exact}
-    print(json.dumps(row | {"in_flight": in_flight(with_recomputes(schedule, seed=1))}), flush=True)
+    print(
+        json.dumps(row | {"in_flight": in_flight(with_recomputes(schedule, shape(), seed=1))}),
+        flush=True,
+    )
 
 
 def closeness(
