@@ -22,7 +22,7 @@ from moe_overlap import (
     combined_1f1b,
     make_streams,
 )
-from moe_overlap.blocks import discard_wgrad, finish_wgrad
+from moe_overlap.blocks import GraphedBlock, discard_wgrad, finish_wgrad
 from moe_overlap.models import GPTMoEModel, MoELayer
 from moe_overlap.steps import Direction, NodeSchedule, Slot
 from moe_overlap.wgrad import owed_wgrad
@@ -285,3 +285,33 @@ def test_the_schedule_s_recompute_with_graphs_is_bit_identical_to_eager(
     assert blocks and all(b.stats.eager_calls == 0 for b in blocks)
     assert all(b.stats.forward_replays == 2 * 2 * 4 for b in blocks)  # 2 steps, 4 mbs, twice
     assert 1 <= max(b.copies for b in blocks) <= (3 if fill_drain else 2)
+
+
+def test_a_graphed_function_draws_the_random_numbers_eager_draws() -> None:
+    """Dropout inside a graphed block: the capture's warm-up draws are undone, so each call
+    (the capturing one too) draws the mask an eager call at the same random state draws and
+    leaves the generator where eager leaves it; a second forward at the state of a first
+    whose copy is still busy (a recompute) captures a copy and draws the first one's mask."""
+    linear = torch.nn.Linear(64, 64, device="cuda")
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(linear(x), 0.5)
+
+    block = GraphedBlock(fn, [linear], CudaGraphModule.attn, label="dropout")
+    x = torch.randn(8, 64, device="cuda", requires_grad=True)
+    for call in range(3):  # the first captures, the others replay
+        torch.manual_seed(call)
+        want = fn(x)
+        (want_grad,) = torch.autograd.grad(want.sum(), x)
+        after = torch.cuda.get_rng_state()
+        torch.manual_seed(call)
+        (got,) = block(x)
+        (got_grad,) = torch.autograd.grad(got.sum(), x)
+        assert torch.equal(got, want) and torch.equal(got_grad, want_grad), call
+        assert torch.equal(torch.cuda.get_rng_state(), after), call
+    torch.manual_seed(7)
+    (first,) = block(x)  # holds the one copy until its graph goes
+    torch.manual_seed(7)
+    (again,) = block(x)
+    assert block.copies == 2 and torch.equal(again, first)
+    assert block.stats.captures == 2 and block.stats.eager_calls == 0
