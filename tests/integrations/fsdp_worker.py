@@ -2,11 +2,12 @@
 
 ``FSDP_CASE`` (JSON): ``dp`` x ``ep`` ranks (ranks ``d * ep + e``), ``microbatches``,
 ``layer_level`` (fully_shard the layers instead) or ``delay`` (delayed weight
-gradients): both must be refused; ``schedules``: names of :data:`SCHEDULES` (node schedules,
-schedule-level recompute), each against plain ``backward()``; or ``{"cases": {name: case}}``: each case in turn in
-the one process group (every case the same world size; each builds its own models, so it
-runs as it would alone), its rows carrying ``case``. Prints one JSON line per case:
-the losses overlapped, one after the other and with plain ``backward()`` on the same
+gradients): both must be refused, under the macro schedule and a node schedule;
+``schedules``: names of :data:`SCHEDULES` (node schedules, the schedule's recompute), each
+against plain ``backward()`` (:func:`run_schedules`); or ``{"cases": {name: case}}``: each
+case in turn in the one process group (every case the same world size; each builds its own
+models, so it runs as it would alone), its rows carrying ``case``. Prints one JSON line per
+case: the losses overlapped, one after the other and with plain ``backward()`` on the same
 sharding, whether every local gradient shard is bit-identical across the three, and
 whether it is within float32 rounding of single-process training of the whole data.
 """
