@@ -97,6 +97,33 @@ def random_order(shape: ChunkShape, n: int, seed: int, *, in_flight: int = 3) ->
     return NodeSchedule(out)
 
 
+def with_recomputes(
+    schedule: NodeSchedule,
+    shape: ChunkShape,
+    seed: int,
+    recompute: tuple[Slot, ...] = (Slot.PRE_DISPATCH, Slot.MLP),
+) -> NodeSchedule:
+    """``schedule`` with an ``R`` step for every slot of ``recompute`` of each layer, each at
+    a random place after its forward (and the previous microbatch's ``R`` of that slot) and
+    before its backward."""
+    rng = random.Random(seed)
+    steps = list(schedule.steps)
+
+    def at(direction: Direction, mb: int, layer: int | None, slot: Slot | None) -> int:
+        key = (direction, mb, layer, slot)
+        return next(
+            k for k, s in enumerate(steps) if (s.direction, s.microbatch, s.layer, s.slot) == key
+        )
+
+    for mb in range(schedule.microbatches):
+        for r in microbatch_node_steps(shape, mb, recompute=recompute)[1]:
+            lo = at(Direction.FORWARD, mb, r.layer, r.slot)
+            if mb:
+                lo = max(lo, at(Direction.RECOMPUTE, mb - 1, r.layer, r.slot))
+            steps.insert(rng.randint(lo + 1, at(Direction.BACKWARD, mb, r.layer, r.slot)), r)
+    return NodeSchedule(steps)
+
+
 def run_both(
     stack: str,
     schedule: NodeSchedule,

@@ -2,10 +2,12 @@
 
 ``FSDP_CASE`` (JSON): ``dp`` x ``ep`` ranks (ranks ``d * ep + e``), ``microbatches``,
 ``layer_level`` (fully_shard the layers instead) or ``delay`` (delayed weight
-gradients): both must be refused; or ``{"cases": {name: case}}``: each case in turn in
-the one process group (every case the same world size; each builds its own models, so it
-runs as it would alone), its rows carrying ``case``. Prints one JSON line per case:
-the losses overlapped, one after the other and with plain ``backward()`` on the same
+gradients): both must be refused, under the macro schedule and a node schedule;
+``schedules``: names of :data:`SCHEDULES` (node schedules, the schedule's recompute), each
+against plain ``backward()`` (:func:`run_schedules`); or ``{"cases": {name: case}}``: each
+case in turn in the one process group (every case the same world size; each builds its own
+models, so it runs as it would alone), its rows carrying ``case``. Prints one JSON line per
+case: the losses overlapped, one after the other and with plain ``backward()`` on the same
 sharding, whether every local gradient shard is bit-identical across the three, and
 whether it is within float32 rounding of single-process training of the whole data.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from collections.abc import Callable
 from typing import Any, cast
 
 import torch
@@ -22,9 +25,20 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import init_device_mesh
 
-from moe_overlap import ConfigError, Microbatch, combined_1f1b
+from moe_overlap import ConfigError, Microbatch, ScheduleOptions, combined_1f1b
 from moe_overlap.integrations.fsdp import fully_shard_slots
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel
+from moe_overlap.plan import ScheduleGraph, node_schedule, today_orders
+from moe_overlap.steps import (
+    ChunkShape,
+    LayerShape,
+    NodeSchedule,
+    PairKind,
+    PairOrder,
+    ScheduleOrder,
+    Slot,
+)
+from tests.engine.test_node_schedule import random_order, with_recomputes
 from tests.gloo_ranks import exit_worker
 
 CONFIG = GPTMoEConfig(
@@ -106,14 +120,24 @@ def run_case(case_name: str, case: dict[str, Any], layout: Layout) -> None:
         return model
 
     mbs = data(rank, n)
+    if case.get("schedules"):
+        run_schedules(case_name, case["schedules"], build, mbs)
+        return
     if case.get("layer_level") or case.get("delay"):
-        model = build()
-        try:
-            combined_1f1b(model, mbs, options=model.schedule_options())
-        except ConfigError as exc:
-            print(json.dumps({"case": case_name, "rank": rank, "refused": str(exc)}), flush=True)
-            return
-        raise AssertionError("the misplaced FSDP was not refused")
+        # Refused by the macro schedule and by a node schedule (3 microbatches in flight,
+        # W steps with delayed weight gradients) alike.
+        node = random_order(shape(delay=config.delay_wgrad_compute), n, seed=2, in_flight=3)
+        refused: dict[str, str] = {}
+        for key, schedule in (("refused", None), ("refused_node", node)):
+            model = build()
+            try:
+                combined_1f1b(model, mbs, options=model.schedule_options(), schedule=schedule)
+            except ConfigError as exc:
+                refused[key] = str(exc)
+                continue
+            raise AssertionError(f"the misplaced FSDP was not refused ({key})")
+        print(json.dumps({"case": case_name, "rank": rank, **refused}), flush=True)
+        return
 
     runs: dict[str, tuple[list[float], list[Tensor | None]]] = {}
     for name in ("overlap", "sequential", "plain"):
@@ -152,6 +176,106 @@ def run_case(case_name: str, case: dict[str, Any], layout: Layout) -> None:
                 "close_to_single_process": close,
             }
         ),
+        flush=True,
+    )
+
+
+_RECOMPUTE = (Slot.PRE_DISPATCH, Slot.MLP)
+_RC_OPTIONS = ScheduleOptions(recompute=_RECOMPUTE)
+
+
+def shape(*, delay: bool = False) -> ChunkShape:
+    """The step shape of :data:`CONFIG`'s model (with delayed weight gradients: ``delay``)."""
+    return ChunkShape(
+        layers=tuple(
+            LayerShape(index=i, is_moe=i >= CONFIG.first_k_dense, delay_wgrad=delay)
+            for i in range(CONFIG.num_layers)
+        )
+    )
+
+
+def in_flight(schedule: NodeSchedule) -> int:
+    """The most microbatches started and not finished at once in ``schedule``."""
+    first: dict[int | None, int] = {}
+    last: dict[int | None, int] = {}
+    for k, s in enumerate(schedule.steps):
+        first.setdefault(s.microbatch, k)
+        last[s.microbatch] = k
+    return max(sum(first[m] <= k <= last[m] for m in first) for k in range(len(schedule.steps)))
+
+
+def _planner_fill_drain(n: int) -> NodeSchedule:
+    """The planner's fill/drain order with every pre-dispatch and mlp recomputed."""
+    moe = tuple(layer.is_moe for layer in shape().layers)
+    recompute = frozenset(
+        (m, layer, s) for m in range(n) for layer in range(len(moe)) for s in _RECOMPUTE
+    )
+    graph = ScheduleGraph(microbatches=n, moe=moe, recompute=recompute)
+    return node_schedule(today_orders(graph)["fill_drain"])
+
+
+def _early_r_steps() -> ScheduleOptions:
+    """Recompute with the ``R`` steps first in the mixed pair (under the forward's work)."""
+    megatron = str(PairOrder.megatron(PairKind.MIXED))
+    mixed = PairOrder(PairKind.MIXED, "b.mlp.R b.pre_dispatch.R " + megatron)
+    return dataclasses.replace(_RC_OPTIONS, order=ScheduleOrder(mixed=mixed))
+
+
+Run = Callable[[GPTMoEModel, list[Microbatch]], list[Tensor]]
+SCHEDULES: dict[str, Run] = {
+    "node": lambda m, mbs: combined_1f1b(
+        m, mbs, schedule=random_order(shape(), len(mbs), seed=0, in_flight=3)
+    ),
+    "node_recompute": lambda m, mbs: combined_1f1b(
+        m,
+        mbs,
+        options=_RC_OPTIONS,
+        schedule=with_recomputes(
+            random_order(shape(), len(mbs), seed=1, in_flight=3), shape(), seed=1
+        ),
+    ),
+    "planner_fill_drain_recompute": lambda m, mbs: combined_1f1b(
+        m, mbs, options=_RC_OPTIONS, schedule=_planner_fill_drain(len(mbs))
+    ),
+    "recompute": lambda m, mbs: combined_1f1b(m, mbs, options=_RC_OPTIONS),
+    "recompute_fill_drain": lambda m, mbs: combined_1f1b(
+        m, mbs, options=_RC_OPTIONS, fill_drain=True
+    ),
+    "recompute_early_r": lambda m, mbs: combined_1f1b(m, mbs, options=_early_r_steps()),
+}
+"""Each way to run the step that a ``schedules`` case compares with plain ``backward()``."""
+
+
+def run_schedules(
+    case_name: str, names: list[str], build: Callable[[], GPTMoEModel], mbs: list[Microbatch]
+) -> None:
+    """Each of ``names`` (:data:`SCHEDULES`) on a fresh FSDP2 model against plain
+    per-microbatch ``backward()`` on the same sharding; prints one JSON line: per name,
+    whether the losses and every local gradient shard are bit-identical (or the error)."""
+    model = build()
+    plain = []
+    for mb in mbs:
+        loss = model(mb.input_ids, labels=mb.labels)
+        loss.backward()
+        plain.append(loss.detach())
+    want = [local(p.grad) for p in model.parameters()]
+    exact: dict[str, bool | str] = {}
+    for name in names:
+        model = build()
+        try:
+            losses = SCHEDULES[name](model, mbs)
+        except Exception as exc:  # reported, the test names it
+            exact[name] = f"{type(exc).__name__}: {exc}"
+            continue
+        got = [local(p.grad) for p in model.parameters()]
+        exact[name] = all(torch.equal(a, b) for a, b in zip(losses, plain, strict=True)) and all(
+            (x is None and y is None) or (x is not None and y is not None and torch.equal(x, y))
+            for x, y in zip(got, want, strict=True)
+        )
+    schedule = random_order(shape(), len(mbs), seed=1, in_flight=3)
+    row = {"case": case_name, "rank": dist.get_rank(), "exact": exact}
+    print(
+        json.dumps(row | {"in_flight": in_flight(with_recomputes(schedule, shape(), seed=1))}),
         flush=True,
     )
 

@@ -22,10 +22,12 @@ from moe_overlap import (
     combined_1f1b,
     make_streams,
 )
-from moe_overlap.blocks import discard_wgrad, finish_wgrad
-from moe_overlap.models import GPTMoEModel
+from moe_overlap.blocks import GraphedBlock, discard_wgrad, finish_wgrad
+from moe_overlap.models import GPTMoEModel, MoELayer
+from moe_overlap.steps import Direction, NodeSchedule, Slot
 from moe_overlap.wgrad import owed_wgrad
 from tests.models._helpers import GPU_BF16, assert_same_grads, deterministic_cuda
+from tests.models.test_graphs import RECOMPUTED, node_schedule_of
 
 pytestmark = [
     pytest.mark.gpu,
@@ -195,3 +197,121 @@ def test_a_changed_aux_loss_scale_is_refused() -> None:
     _step(model, _microbatches(2), "1f1b")
     model.set_aux_loss_scale(0.5)
     _refused(model, _microbatches(2), "frozen values")
+
+
+def _scheduled(
+    model: GPTMoEModel,
+    mbs: list[Microbatch],
+    *,
+    recompute: bool,
+    schedule: NodeSchedule | None = None,
+    fill_drain: bool = False,
+) -> list[torch.Tensor]:
+    """The step on CUDA streams, with the pre-dispatch and mlp recomputed or not."""
+    options = dataclasses.replace(
+        model.schedule_options(), recompute=RECOMPUTED if recompute else ()
+    )
+    streams = make_streams("cuda")
+    if schedule is not None:
+        return combined_1f1b(model, mbs, options=options, streams=streams, schedule=schedule)
+    return combined_1f1b(model, mbs, options=options, streams=streams, fill_drain=fill_drain)
+
+
+def copies_needed(schedule: NodeSchedule, model: GPTMoEModel, *, recompute: bool) -> int:
+    """The most microbatches holding a graph copy of one block at once in ``schedule``: a
+    graphed pre-dispatch (a dense layer's mlp too) holds one from its forward to its
+    backward (with delayed weight gradients, to its ``W``); recomputed, only during the
+    forward, then from its recompute (``R``, else its backward) on."""
+    delay = model.config.delay_wgrad_compute
+    at = {(s.direction, s.microbatch, s.layer, s.slot): k for k, s in enumerate(schedule.steps)}
+    keys = [(i, Slot.PRE_DISPATCH) for i in range(len(model.layer_list))]
+    keys += [(i, Slot.MLP) for i, x in enumerate(model.layer_list) if not isinstance(x, MoELayer)]
+    most = 0
+    for layer, slot in keys:
+        spans: list[tuple[int, int]] = []
+        for mb in range(schedule.microbatches):
+            f = at[(Direction.FORWARD, mb, layer, slot)]
+            b = at[(Direction.BACKWARD, mb, layer, slot)]
+            end = at[(Direction.WGRAD, mb, layer, slot)] if delay else b
+            if recompute:
+                r = at.get((Direction.RECOMPUTE, mb, layer, slot), b)
+                spans += [(f, f + 1), (r, max(end, r + 1))]
+            else:
+                spans.append((f, end))
+        most = max(most, *(sum(a <= k < z for a, z in spans) for k in range(len(schedule))))
+    return most
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("delay", [False, True])
+def test_a_node_schedule_with_graphs_is_bit_identical_to_eager(
+    delay: bool, recompute: bool
+) -> None:
+    """Three microbatches in flight (``W`` steps when delayed; ``R`` steps, recomputed): each
+    graphed forward takes a copy no other microbatch holds, so nothing is overwritten; a
+    recomputed slot's forward gives its copy back at once, its recompute takes one."""
+    eager = _model((), delay=delay)
+    graphed = _model(ALL, delay=delay)
+    schedule = node_schedule_of(graphed, 4, recompute=recompute)
+    for step in range(2):  # the first captures, the second replays the same copies
+        mbs = _microbatches(4, seed=step)
+        want = _scheduled(eager, mbs, recompute=recompute, schedule=schedule)
+        got = _scheduled(graphed, mbs, recompute=recompute, schedule=schedule)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), step
+        assert_same_grads(graphed, eager)
+        assert not owed_wgrad(graphed)
+    blocks = graphed.graphed_blocks()
+    assert blocks and all(b.stats.eager_calls == 0 for b in blocks)
+    assert max(b.copies for b in blocks) == copies_needed(schedule, graphed, recompute=recompute)
+
+
+@pytest.mark.parametrize("fill_drain", [False, True])
+@pytest.mark.parametrize("delay", [False, True])
+def test_the_schedule_s_recompute_with_graphs_is_bit_identical_to_eager(
+    delay: bool, fill_drain: bool
+) -> None:
+    """Pre-dispatch and mlp recomputed by the schedule (at their backward): the graphed
+    scopes replay twice per microbatch, the same bits as eager, with no more copies than
+    without recompute."""
+    eager = _model((), delay=delay)
+    graphed = _model(ALL, delay=delay)
+    for step in range(2):
+        mbs = _microbatches(4, seed=step)
+        want = _scheduled(eager, mbs, recompute=True, fill_drain=fill_drain)
+        got = _scheduled(graphed, mbs, recompute=True, fill_drain=fill_drain)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True)), step
+        assert_same_grads(graphed, eager)
+    blocks = graphed.graphed_blocks()
+    assert blocks and all(b.stats.eager_calls == 0 for b in blocks)
+    assert all(b.stats.forward_replays == 2 * 2 * 4 for b in blocks)  # 2 steps, 4 mbs, twice
+    assert 1 <= max(b.copies for b in blocks) <= (3 if fill_drain else 2)
+
+
+def test_a_graphed_function_draws_the_random_numbers_eager_draws() -> None:
+    """Dropout inside a graphed block: the capture's warm-up draws are undone, so each call
+    (the capturing one too) draws the mask an eager call at the same random state draws and
+    leaves the generator where eager leaves it; a second forward at the state of a first
+    whose copy is still busy (a recompute) captures a copy and draws the first one's mask."""
+    linear = torch.nn.Linear(64, 64, device="cuda")
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.dropout(linear(x), 0.5)
+
+    block = GraphedBlock(fn, [linear], CudaGraphModule.attn, label="dropout")
+    x = torch.randn(8, 64, device="cuda", requires_grad=True)
+    for call in range(3):  # the first captures, the others replay
+        torch.manual_seed(call)
+        want = fn(x)
+        (want_grad,) = torch.autograd.grad(want.sum(), x)
+        after = torch.cuda.get_rng_state()
+        torch.manual_seed(call)
+        (got,) = block(x)
+        (got_grad,) = torch.autograd.grad(got.sum(), x)
+        assert torch.equal(got, want) and torch.equal(got_grad, want_grad), call
+        assert torch.equal(torch.cuda.get_rng_state(), after), call
+    torch.manual_seed(7)
+    (first,) = block(x)  # holds the one copy until its graph goes
+    torch.manual_seed(7)
+    (again,) = block(x)
+    assert block.copies == 2 and torch.equal(again, first)
+    assert block.stats.captures == 2 and block.stats.eager_calls == 0

@@ -10,10 +10,18 @@ from typing import Any
 import pytest
 import torch
 
-from moe_overlap import BackwardDWWrapper, ConfigError, CudaGraphModule, combined_1f1b
+from moe_overlap import (
+    BackwardDWWrapper,
+    ConfigError,
+    CudaGraphModule,
+    ScheduleOptions,
+    combined_1f1b,
+)
 from moe_overlap.blocks import GraphedBlock
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel, MoELayer
 from moe_overlap.protocols import GraphedWgradLayer
+from moe_overlap.steps import ChunkShape, LayerShape, NodeSchedule, Slot
+from tests.engine.test_node_schedule import random_order, with_recomputes
 
 from ._helpers import SMALL, microbatches
 
@@ -82,3 +90,49 @@ def test_a_copied_model_gets_its_own_uncaptured_blocks() -> None:
     assert isinstance(layer, MoELayer)
     graph = layer.attn_block.graph
     assert graph is not None and graph.modules == (layer.attn_block,)
+
+
+RECOMPUTED = (Slot.PRE_DISPATCH, Slot.MLP)
+
+
+def node_schedule_of(
+    model: GPTMoEModel, microbatches: int, *, recompute: bool, seed: int = 3
+) -> NodeSchedule:
+    """A random exact order of ``model``'s steps, three microbatches in flight, with ``W``
+    steps when its weight gradients are delayed and (``recompute``) an ``R`` step for each
+    pre-dispatch and mlp at a random place."""
+    delay = model.config.delay_wgrad_compute
+    shape = ChunkShape(
+        layers=tuple(
+            LayerShape(index=i, is_moe=isinstance(layer, MoELayer), delay_wgrad=delay)
+            for i, layer in enumerate(model.layer_list)
+        )
+    )
+    schedule = random_order(shape, microbatches, seed, in_flight=3)
+    return with_recomputes(schedule, shape, seed) if recompute else schedule
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("delay", [False, True])
+def test_a_graphed_config_on_cpu_runs_a_node_schedule_and_recompute_exactly(
+    delay: bool, recompute: bool
+) -> None:
+    """A node schedule (three microbatches in flight) and the schedule's recompute reach
+    the graphed scopes with no refusal; on a CPU they run eagerly, bit-identical to the eager
+    model's plain backward(); each recomputed forward calls the block again."""
+    graphed = GPTMoEModel(_config(cuda_graph_modules=ALL, delay_wgrad_compute=delay))
+    eager = GPTMoEModel(_config())
+    mbs = microbatches(4, vocab=SMALL.vocab_size)
+    options = ScheduleOptions(delay_wgrad_compute=delay, recompute=RECOMPUTED if recompute else ())
+    schedule = node_schedule_of(graphed, len(mbs), recompute=recompute)
+    got = combined_1f1b(graphed, mbs, options=options, schedule=schedule)
+    for mb, loss in zip(mbs, got, strict=True):
+        assert mb.input_ids is not None
+        want = eager(mb.input_ids, labels=mb.labels, loss_mask=mb.loss_mask)
+        want.backward()
+        assert torch.equal(loss, want.detach())
+    for p, q in zip(graphed.parameters(), eager.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None and torch.equal(p.grad, q.grad)
+    blocks = graphed.graphed_blocks()
+    assert blocks and all(b.copies == 0 for b in blocks)
+    assert {b.stats.eager_calls for b in blocks} == {len(mbs) * (2 if recompute else 1)}

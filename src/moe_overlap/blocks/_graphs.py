@@ -26,6 +26,11 @@ What :func:`~torch.cuda.make_graphed_callables` leaves to its caller, the block 
   (the layer plugs it into :meth:`~moe_overlap.BackwardDWWrapper.set_graphed_backward_dw_callable`).
   An unclaimed replay (a plain ``loss.backward()``) replays that graph at once and hands
   the gradients to autograd, as an undelayed block does.
+- **Random numbers as in eager mode.** The capture's warm-up calls draw from the device's
+  default generator; the block puts its state back after them, so every replay, the
+  capturing call's too, draws what an eager call at the same random state would, and a
+  slot the schedule recomputes draws the same the second time even where that call
+  captures a new copy.
 - **Refusals instead of silent staleness.** A call whose tensor shapes, dtypes, devices or
   ``requires_grad`` differ from the capture's, parameters that moved (``model.to``, FSDP,
   ``load_state_dict(assign=True)``) or were frozen or unfrozen, or a Python-side value the
@@ -467,6 +472,8 @@ class GraphedBlock:
         side = _new_stream()
         side.wait_stream(torch.cuda.current_stream())
         used: set[int] = {id(t) for t in inputs}
+        device = inputs[0].device
+        rng = torch.cuda.get_rng_state(device)
         with torch.cuda.stream(side):  # lazy initialisations stay out of the graphs
             for _ in range(self.warmup):
                 outs = [o for o in tree_leaves(self.fn(*inputs)) if o.requires_grad]
@@ -481,6 +488,10 @@ class GraphedBlock:
                     used.update(id(t) for t, g in zip(surface, found, strict=True) if g is not None)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
+        # The warm-up's random draws are undone (a capture draws none): the replay that
+        # follows draws what an eager call would, and a recompute that captures a copy
+        # draws what its forward drew.
+        torch.cuda.set_rng_state(rng, device)
         for module, count in zip(delayed, queued, strict=True):
             if module.take_pending_since(count):  # the warm-up's; its weight is used, delayed
                 used.add(id(module.weight))
