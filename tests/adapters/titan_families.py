@@ -5,7 +5,8 @@ the table in the docs; ``tests/adapters/test_titan_families.py`` fails when it i
 
 A family is a package of ``torchtitan.models`` with a ``model_registry``; its smallest
 flavour (``debugmodel_moe``, else ``debugmodel``) is built by the registry, cut to
-:data:`LAYERS` blocks, with the test-only causal attention in place of flex
+:data:`LAYERS` blocks and, for a family in ``_titan.TINY_MOE``, to fewer and narrower
+experts (the same modules and code paths, smaller tensors), with the test-only causal attention in place of flex
 (``_titan.causal_stand_in``: flex has no backward on CPU), in float32, or in bfloat16
 when the model's own forward fails in float32, and checked as :func:`check_family` says.
 """
@@ -173,7 +174,7 @@ def _build(family: str, registry: object, flavor: str) -> nn.Module:
     if family == "gpt_oss":
         kwargs["attn_backend"] = "flex"
     spec = cast("Any", registry)(flavor, **kwargs)
-    config = _titan.shrink(spec.model, layers=LAYERS)
+    config = _titan.shrink(spec.model, layers=LAYERS, moe=_titan.TINY_MOE.get(family))
     torch.manual_seed(0)
     model: Any = config.build()
     model.init_states(buffer_device=torch.device("cpu"))
@@ -260,8 +261,9 @@ def render(found: list[Row]) -> str:
         f"docs/torchtitan_families.md` from torchtitan {version}; "
         "`tests/adapters/test_titan_families.py` fails when it is stale.",
         "",
-        f"Each family's smallest flavour is built by its own registry, cut to {LAYERS} blocks, "
-        "with a test-only causal attention in place of flex attention (flex has no backward "
+        f"Each family's smallest flavour is built by its own registry, cut to {LAYERS} blocks "
+        "(and, where its experts are large for a CPU test, to fewer and narrower experts: "
+        "the same modules, smaller tensors), with a test-only causal attention in place of flex attention (flex has no backward "
         "on CPU), in float32 (bfloat16 where the model's own forward fails in float32), and "
         f"trained one step of {MICROBATCHES} microbatches: *supported* means the overlapped "
         "schedule's losses, gradients and load-balancing counts equal the model's own "
