@@ -18,7 +18,9 @@ and the same schedule runs twice: as torch executes it, and prepared by
 ``prepare_schedule``. Verdicts: bit-identical losses and gradients (and
 ``tokens_per_expert_E``); and torch's execution of torchtitan's raw chunks (no adapter),
 bit for bit too. With ``ac`` the references run without checkpointing (see
-:func:`run_case`) and the counts are compared doubled.
+:func:`run_case`) and the counts are compared doubled. The two references depend on
+the schedule only (not on ``delay`` or ``ac``): they are stepped once per schedule name
+and each run of that schedule is compared with them.
 """
 
 from __future__ import annotations
@@ -214,32 +216,58 @@ def main() -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     dims = dims_for(world // ep, ep)
     model = whole_model(ep)
+    cache: dict[str, References] = {}
     for run in case["runs"]:
-        print(json.dumps(run_case(model, dims, run, rank)), flush=True)
+        print(json.dumps(run_case(model, dims, run, rank, cache)), flush=True)
     dist.barrier()  # leave together (a failed rank exits at once: its peers time out)
     dist.destroy_process_group()
 
 
-def run_case(model: nn.Module, dims: Any, run: dict[str, Any], rank: int) -> dict[str, Any]:
+References = tuple[list[Tensor], dict[str, Tensor], list[Tensor], dict[str, Tensor]]
+"""The two references' losses and states (:func:`state`, unwrapped) of one schedule."""
+
+
+def references(
+    model: nn.Module, dims: Any, name: str, x: Tensor, y: Tensor, pos: Tensor, kw: Any
+) -> References:
+    """The step of schedule ``name`` as torch executes the adapted stages (delayed weight
+    gradients off) and as it executes torchtitan's own chunks. Neither depends on a run's
+    ``delay`` or ``ac``: :func:`main` takes them once per schedule."""
+    # torch's own execution of DualPipeV cannot run checkpointed stages (its split backward
+    # runs a selectively checkpointed region's backward twice, which torch refuses): the
+    # references run the same stages without checkpointing, which changes no value.
+    plain_run = {"schedule": name, "ac": False}
+    torch_sched, torch_stages, torch_chunks = adapted(model, dims, plain_run, delay=False)
+    ref = step(torch_sched, torch_stages, x, y, position_ids=pos, **kw)
+    raw_stages, raw_chunks = split(model, dims, name, dims.ep, ac=False)
+    raw_sched = titan_schedule(raw_stages, name, dims.pp)
+    raw = step(raw_sched, raw_stages, x, y, positions=pos, **kw)
+    return ref, unwrapped(state(torch_chunks)), raw, unwrapped(state(raw_chunks))
+
+
+def run_case(
+    model: nn.Module,
+    dims: Any,
+    run: dict[str, Any],
+    rank: int,
+    cache: dict[str, References] | None = None,
+) -> dict[str, Any]:
     """One step three ways: torch's execution of the adapted stages, the prepared
-    schedule, torch's execution of torchtitan's own chunks."""
+    schedule, torch's execution of torchtitan's own chunks (the two references taken
+    once per schedule name in ``cache``; every run steps from the same ``model``)."""
     start = time.perf_counter()
     name = run["schedule"]
     x, y, pos, tokens = data(model, rank % dims.ep)  # torchtitan's mesh: pp outermost
     kw = {"loss_kwargs": {"global_valid_tokens": tokens}}
-    # torch's own execution of DualPipeV cannot run checkpointed stages (its split backward
-    # runs a selectively checkpointed region's backward twice, which torch refuses): the
-    # references run the same stages without checkpointing, which changes no value.
-    plain_run = {**run, "ac": False}
-    torch_sched, torch_stages, torch_chunks = adapted(model, dims, plain_run, delay=False)
-    ref = step(torch_sched, torch_stages, x, y, position_ids=pos, **kw)
+    cache = {} if cache is None else cache
+    if name not in cache:
+        cache[name] = references(model, dims, name, x, y, pos, kw)
+    ref, b, raw, r = cache[name]
+    b, r = dict(b), dict(r)  # the counts are doubled below for this run only
     ours, our_stages, our_chunks = adapted(model, dims, run, delay=run["delay"])
     overlap = prepare_schedule(ours, pair=name != "DualPipeV")
     got = step(ours, our_stages, x, y, position_ids=pos, **kw)
-    raw_stages, raw_chunks = split(model, dims, name, dims.ep, ac=False)
-    raw_sched = titan_schedule(raw_stages, name, dims.pp)
-    raw = step(raw_sched, raw_stages, x, y, positions=pos, **kw)
-    a, b, r = (unwrapped(state(c)) for c in (our_chunks, torch_chunks, raw_chunks))
+    a = unwrapped(state(our_chunks))
     if run["ac"]:  # recomputation counts every token twice, as under torchtitan's wrapper
         for refs in (b, r):
             refs.update({k: 2 * v for k, v in refs.items() if k.endswith("tokens_per_expert_E")})
