@@ -41,6 +41,9 @@ PRELOAD = (
     "torch.distributed.pipelining",
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint",
+    # torch.compile's compiler (imported by any torch.compile call, e.g. at the import of
+    # torchtitan's attention: most of a torchtitan rank's import; no thread, no process).
+    "torch._inductor.compile_fx",
 )
 """What a zygote imports before it forks."""
 
