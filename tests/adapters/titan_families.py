@@ -5,8 +5,8 @@ the table in the docs; ``tests/adapters/test_titan_families.py`` fails when it i
 
 A family is a package of ``torchtitan.models`` with a ``model_registry``; its smallest
 flavour (``debugmodel_moe``, else ``debugmodel``) is built by the registry, cut to
-:data:`LAYERS` blocks and, for a family in ``_titan.TINY_MOE``, to fewer and narrower
-experts (the same modules and code paths, smaller tensors), with the test-only causal attention in place of flex
+:data:`LAYERS` blocks, its routed experts :data:`EXPERT_WIDTH` wide (the flavour's
+expert count and top-k: the same modules, routing and code paths, smaller tensors), with the test-only causal attention in place of flex
 (``_titan.causal_stand_in``: flex has no backward on CPU), in float32, or in bfloat16
 when the model's own forward fails in float32, and checked as :func:`check_family` says.
 """
@@ -32,6 +32,9 @@ from . import _titan
 
 LAYERS = 3
 MICROBATCHES = 2
+EXPERT_WIDTH = 64
+"""The routed experts' ``hidden_dim`` (the flavours': 256 to 2880; the wide ones were most
+of the check's time)."""
 GRAD_RTOL = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 """Largest gradient difference against the model's own forward, relative to the largest
 gradient of the parameter, that a family listed in :data:`KNOWN_BOUNDS` may show (float32:
@@ -174,7 +177,9 @@ def _build(family: str, registry: object, flavor: str) -> nn.Module:
     if family == "gpt_oss":
         kwargs["attn_backend"] = "flex"
     spec = cast("Any", registry)(flavor, **kwargs)
-    config = _titan.shrink(spec.model, layers=LAYERS, moe=_titan.TINY_MOE.get(family))
+    config = _titan.shrink(spec.model, layers=LAYERS)
+    if all(hasattr(layer, "moe") for layer in config.layers):
+        config = _titan.shrink(config, layers=LAYERS, moe={"hidden_dim": EXPERT_WIDTH})
     torch.manual_seed(0)
     model: Any = config.build()
     model.init_states(buffer_device=torch.device("cpu"))
@@ -261,9 +266,9 @@ def render(found: list[Row]) -> str:
         f"docs/torchtitan_families.md` from torchtitan {version}; "
         "`tests/adapters/test_titan_families.py` fails when it is stale.",
         "",
-        f"Each family's smallest flavour is built by its own registry, cut to {LAYERS} blocks "
-        "(and, where its experts are large for a CPU test, to fewer and narrower experts: "
-        "the same modules, smaller tensors), with a test-only causal attention in place of flex attention (flex has no backward "
+        f"Each family's smallest flavour is built by its own registry, cut to {LAYERS} blocks, "
+        f"its routed experts {EXPERT_WIDTH} wide (the flavour's expert count and top-k), "
+        "with a test-only causal attention in place of flex attention (flex has no backward "
         "on CPU), in float32 (bfloat16 where the model's own forward fails in float32), and "
         f"trained one step of {MICROBATCHES} microbatches: *supported* means the overlapped "
         "schedule's losses, gradients and load-balancing counts equal the model's own "
