@@ -42,10 +42,11 @@ def tiny_config(**changes: Any) -> Any:
 def local_gpt(config: Any, **kwargs: Any) -> nn.Module:
     """A ``GPTModel`` of ``config`` on Megatron-Core's local layer spec (no grouped GEMM),
     :data:`VOCAB` tokens, :data:`SEQ` positions, rotary embeddings; ``kwargs`` to the
-    model (``pre_process``, ``share_embeddings_and_output_weights``, ...)."""
+    model (``pre_process``, ``share_embeddings_and_output_weights``, another
+    ``transformer_layer_spec``, ...)."""
     specs: Any = importlib.import_module("megatron.core.models.gpt.gpt_layer_specs")
     gpt: Any = importlib.import_module("megatron.core.models.gpt.gpt_model")
-    spec = specs.get_gpt_layer_local_spec(
+    spec = kwargs.pop("transformer_layer_spec", None) or specs.get_gpt_layer_local_spec(
         num_experts=config.num_moe_experts, moe_grouped_gemm=False
     )
     model: nn.Module = gpt.GPTModel(

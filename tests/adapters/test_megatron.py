@@ -18,9 +18,7 @@ pytest.importorskip("megatron.core", reason="Megatron-Core is not installed")
 from moe_overlap import ConfigError, ScheduleOptions, combined_1f1b
 from moe_overlap.adapters.megatron import MegatronMoEAdapter
 from tests.adapters._megatron import (
-    SEQ,
     TINY,
-    VOCAB,
     assert_bit_identical,
     local_gpt,
     megatron_step,
@@ -57,7 +55,6 @@ def build(
     load-balancing loss and the all-gather dispatcher; ``bias`` ``moe`` with sigmoid
     routing and the expert bias (its token counts are compared too)."""
     specs: Any = importlib.import_module("megatron.core.models.gpt.gpt_layer_specs")
-    gpt: Any = importlib.import_module("megatron.core.models.gpt.gpt_model")
     tc: Any = importlib.import_module("megatron.core.transformer.transformer_config")
 
     args: dict[str, Any] = TINY | {"params_dtype": dtype, "bf16": dtype == torch.bfloat16}
@@ -76,18 +73,9 @@ def build(
     spec: Any = (
         specs.get_gpt_decoder_block_spec(config, use_transformer_engine=False)
         if kind == "mixed"
-        else specs.get_gpt_layer_local_spec(
-            num_experts=args["num_moe_experts"], moe_grouped_gemm=False
-        )
+        else None
     )
-    model: nn.Module = gpt.GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=VOCAB,
-        max_sequence_length=SEQ,
-        position_embedding_type="rope",
-        share_embeddings_and_output_weights=tied,
-    )
+    model = local_gpt(config, transformer_layer_spec=spec, share_embeddings_and_output_weights=tied)
     return model.to(dtype)
 
 

@@ -27,6 +27,7 @@ from tests.adapters._megatron import (
     BATCH,
     MICROBATCHES,
     SEQ,
+    TINY,
     VOCAB,
     assert_bit_identical,
     megatron_step,
@@ -134,24 +135,17 @@ def build(
     load-balancing loss)."""
     hm: Any = importlib.import_module("megatron.core.models.hybrid.hybrid_model")
     tc: Any = importlib.import_module("megatron.core.transformer.transformer_config")
-    args: dict[str, Any] = {
-        "num_layers": len(pattern.replace("|", "").split("/")[0]),
-        "hidden_size": 32,
-        "num_attention_heads": 4,
-        "ffn_hidden_size": 48,
-        "num_moe_experts": 4,
-        "moe_router_topk": 2,
-        "moe_ffn_hidden_size": 40,
-        "moe_shared_expert_intermediate_size": 24,
-        "moe_aux_loss_coeff": 0.01,
-        "moe_token_dispatcher_type": "alltoall",
-        "use_cpu_initialization": True,
-        "add_bias_linear": False,
-        "hidden_dropout": 0.0,
-        "attention_dropout": 0.0,
-        "params_dtype": dtype,
-        "bf16": dtype == torch.bfloat16,
-    } | config
+    args: dict[str, Any] = (
+        TINY
+        | {
+            "num_layers": len(pattern.replace("|", "").split("/")[0]),
+            "moe_shared_expert_intermediate_size": 24,
+            "moe_aux_loss_coeff": 0.01,
+            "params_dtype": dtype,
+            "bf16": dtype == torch.bfloat16,
+        }
+        | config
+    )
     torch.manual_seed(seed)
     cls = hm.HybridModel if model_class is None else model_class
     model: nn.Module = cls(
