@@ -147,18 +147,31 @@ def test_bench_schedules_smoke(ran: Ran) -> None:
     assert "| main N=4 | searched |" in stdout.split("host-bound size")[1]
 
 
-def test_bench_schedules_predicts_as_the_frontier_does(monkeypatch: pytest.MonkeyPatch) -> None:
-    """From the round-9 profiles the frontier was searched from, the benchmark's prediction
-    of every row is the frontier's committed one (today's and the searched order's)."""
-    bench = _benchmark_module("bench_schedules", monkeypatch)
+FrontierRows = list[tuple[dict[str, Any], dict[str, Any]]]
+
+
+def _frontier_rows() -> tuple[dict[str, Any], FrontierRows]:
+    """The committed frontier, and each of its configurations with the round-9 row (serial
+    profile, measured steps) it was searched from."""
     frontier = json.loads((ROOT / "benchmarks/results/frontier/frontier.json").read_text())
     source = json.loads((ROOT / "benchmarks/results/round9/results.json").read_text())
+    pairs: FrontierRows = []
     for config in frontier["configs"]:
         (row,) = (
             r
             for r in source["results"]
             if (r["config"]["ffn"], r["microbatches"]) == (config["ffn"], config["microbatches"])
         )
+        pairs.append((config, row))
+    return frontier, pairs
+
+
+def test_bench_schedules_predicts_as_the_frontier_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From the round-9 profiles the frontier was searched from, the benchmark's prediction
+    of every row is the frontier's committed one (today's and the searched order's)."""
+    bench = _benchmark_module("bench_schedules", monkeypatch)
+    frontier, pairs = _frontier_rows()
+    for config, row in pairs:
         got = bench.predict(
             row["order_search"]["serial_slot_durations"],
             config,
@@ -174,28 +187,14 @@ def test_bench_schedules_fits_the_frontier_s_contention(monkeypatch: pytest.Monk
     """Fitted on round 9's measured overlapped step at main N=4, the benchmark's contention
     is the one the frontier was fitted with (``moe_overlap.plan.fit_contention``)."""
     bench = _benchmark_module("bench_schedules", monkeypatch)
-    frontier = json.loads((ROOT / "benchmarks/results/frontier/frontier.json").read_text())
-    source = json.loads((ROOT / "benchmarks/results/round9/results.json").read_text())
-    config = frontier["configs"][0]
-    (row,) = (
-        r
-        for r in source["results"]
-        if (r["config"]["ffn"], r["microbatches"]) == (config["ffn"], config["microbatches"])
-    )
+    frontier, pairs = _frontier_rows()
+    config, row = pairs[0]
+    profile, layers = row["order_search"]["serial_slot_durations"], row["config"]["num_layers"]
     fitted = bench.fit_here(
-        row["order_search"]["serial_slot_durations"],
-        config,
-        num_layers=row["config"]["num_layers"],
-        overlapped_ms=row["step_ms"]["overlapped"],
+        profile, config, num_layers=layers, overlapped_ms=row["step_ms"]["overlapped"]
     )
     assert fitted == pytest.approx(frontier["comm_contention"], abs=1e-6)
-    too_fast = bench.fit_here(
-        row["order_search"]["serial_slot_durations"],
-        config,
-        num_layers=row["config"]["num_layers"],
-        overlapped_ms=1.0,
-    )
-    assert too_fast is None
+    assert bench.fit_here(profile, config, num_layers=layers, overlapped_ms=1.0) is None
 
 
 def test_bench_schedules_fails_when_the_searched_step_is_not_bit_identical(ran: Ran) -> None:
