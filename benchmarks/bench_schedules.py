@@ -69,15 +69,17 @@ from bench_overlap import (  # the sibling benchmark's steps and passes
 from moe_slice import LoopbackMode, SliceConfig
 from node_timing import Clock
 
-from moe_overlap import ScheduleOptions, combined_1f1b
+from moe_overlap import ConfigError, ScheduleOptions, combined_1f1b
 from moe_overlap.plan import (
     ActivationModel,
+    Layout,
     Recompute,
     ScheduleGraph,
     SearchSpace,
     SearchStep,
     StepTimes,
     costs_from_profile,
+    fit_contention,
     load_profile,
     replay_order,
     today_orders,
@@ -201,21 +203,16 @@ def peak_gb(b: Bench, fn: Callable[[], object]) -> float | None:
 def fit_here(
     profile: list[JsonDict], config: JsonDict, *, num_layers: int, overlapped_ms: float
 ) -> float | None:
-    """The ``comm_contention`` at which :func:`predict` gives ``overlapped_ms`` for the
-    overlapped step (bisection on [0, 2], as :func:`moe_overlap.plan.fit_contention` fits
-    it): this machine's figure, fitted on one row and checked on the others. ``None`` when
-    the measured step lies outside what [0, 2] predicts (the profile does not explain it)."""
-
-    def overlapped(c: float) -> float:
-        return predict(profile, config, num_layers=num_layers, contention=c)["overlapped"]
-
-    lo, hi = 0.0, 2.0
-    if not overlapped(lo) <= overlapped_ms <= overlapped(hi):
+    """The ``comm_contention`` at which the planner predicts ``overlapped_ms`` for the
+    overlapped step (:func:`moe_overlap.plan.fit_contention`, as ``frontier.py`` fits it):
+    this machine's figure, fitted on one row and checked on the others. ``None`` when the
+    profile does not explain the measured step (outside what contentions 0 to 2 predict)."""
+    costs = costs_from_profile(load_profile(profile), num_layers=num_layers)
+    layout = Layout(microbatches=cast(int, config["microbatches"]))
+    try:
+        return fit_contention(costs, layout, "combined_1f1b", overlapped_ms)
+    except ConfigError:
         return None
-    for _ in range(30):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if overlapped(mid) < overlapped_ms else (lo, mid)
-    return (lo + hi) / 2
 
 
 def measure(config: JsonDict, args: argparse.Namespace, contention: float) -> JsonDict:
