@@ -150,9 +150,9 @@ class McMoELayer(_McBase, MoESlots):
         only its dtype after; held with its graph it would keep a recomputed slot's forward
         alive until the next call (the self-check and the tests compare the gradients)."""
         values = vars(self.dispatcher)
-        graphs = [k for k, v in values.items() if isinstance(v, Tensor) and v.grad_fn is not None]
-        for k in graphs:
-            values[k] = cast("Tensor", values[k]).detach()
+        for k, v in values.items():  # values replaced in place: the keys stay as they are
+            if isinstance(v, Tensor) and v.grad_fn is not None:
+                values[k] = v.detach()
         ctx.layer_state.stash(_KEY + step, _DispatcherState(dict(values)))
 
     def _restore(self, ctx: SlotContext, step: str) -> None:
