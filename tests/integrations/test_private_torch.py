@@ -101,7 +101,7 @@ def test_the_check_sees_each_kind_of_use(source: str) -> None:
 
 def test_the_check_allows_the_integrations_own_names() -> None:
     source = (
-        "from moe_overlap.engine.core.args import check_arg\n"
+        "from moe_overlap.args import check_arg\n"
         "from moe_overlap.integrations.pipelining import _torch\n"
         "self._live.clear()\n"
         "type(x).__name__\n"

@@ -9,9 +9,9 @@ from typing import Generic, Protocol, TypeVar, cast, runtime_checkable
 from torch import Tensor, nn
 
 from moe_overlap import ConfigError, ScheduleOptions
+from moe_overlap.args import BOOL, NON_NEGATIVE
 from moe_overlap.engine import BypassedModule
 from moe_overlap.engine.contracts import Contract, attribute, method
-from moe_overlap.engine.core.args import BOOL, NON_NEGATIVE
 
 __all__ = ["STAGE_ADAPTER", "AdaptedStage", "StageAdapter", "refuse_own_tensors"]
 

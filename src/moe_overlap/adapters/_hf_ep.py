@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from moe_overlap import ConfigError
 from moe_overlap.adapters._hf_calls import base_model, decoder_layers
 from moe_overlap.adapters._hf_structure import block_of
-from moe_overlap.engine.core.args import GROUP, MODULE, Opt, check_arg
+from moe_overlap.args import GROUP, MODULE, Opt, check_arg
 from moe_overlap.integrations.checkpoint import register_expert_shards
 
 __all__ = ["Experts", "expert_parameter_names", "experts_of", "gather_experts", "shard_experts"]

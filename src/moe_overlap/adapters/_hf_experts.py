@@ -24,13 +24,13 @@ import torch
 from torch import Tensor, nn
 
 from moe_overlap import ConfigError, IntegrationError
+from moe_overlap.args import Instance, check_arg
 from moe_overlap.blocks import (
     DelayedWgradGroupedLinear,
     DelayedWgradLinear,
     DelayedWgradModule,
     GroupSizes,
 )
-from moe_overlap.engine.core.args import Instance, check_arg
 
 __all__ = [
     "DelayedLinear",

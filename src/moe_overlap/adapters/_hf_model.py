@@ -39,9 +39,7 @@ from moe_overlap.adapters._hf_probe import failing_module, probe_ids
 from moe_overlap.adapters._hf_random import RandomModule, check_quiet, config_hint, outside_draws
 from moe_overlap.adapters._hf_structure import block_of
 from moe_overlap.adapters._hf_tied import TiedGradients, tied_embeddings
-from moe_overlap.blocks import MegatronHooks, TokenDispatcher, check_recompute, recompute_module
-from moe_overlap.engine import BypassedModule, ChunkState, check_module
-from moe_overlap.engine.core.args import (
+from moe_overlap.args import (
     BOOL,
     GROUP,
     MODULE,
@@ -53,6 +51,8 @@ from moe_overlap.engine.core.args import (
     check_arg,
     check_fields,
 )
+from moe_overlap.blocks import MegatronHooks, TokenDispatcher, check_recompute, recompute_module
+from moe_overlap.engine import BypassedModule, ChunkState, check_module
 
 __all__ = ["AdapterConfig", "AdapterDecoder", "TransformersMoEAdapter"]
 

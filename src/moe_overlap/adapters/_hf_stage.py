@@ -12,9 +12,9 @@ from moe_overlap import ConfigError, IntegrationError, ScheduleOptions, WgradErr
 from moe_overlap.adapters._hf_calls import base_model, causal_lm_output, decoder_layers
 from moe_overlap.adapters._hf_layers import HFLayer
 from moe_overlap.adapters._hf_model import AdapterConfig, AdapterDecoder, TransformersMoEAdapter
+from moe_overlap.args import Instance, check_arg
 from moe_overlap.blocks import MegatronHooks, StageLayers, StageRange
 from moe_overlap.engine import BypassedModule
-from moe_overlap.engine.core.args import Instance, check_arg
 
 __all__ = ["ModelScope", "TransformersMoEStage"]
 

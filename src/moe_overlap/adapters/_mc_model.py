@@ -45,9 +45,9 @@ from moe_overlap.adapters._mc_hybrid import (
 from moe_overlap.adapters._mc_imports import TESTED_MEGATRON_CORE, mcore
 from moe_overlap.adapters._mc_layers import McDenseLayer, McLayer, McMoELayer, layer_kwargs
 from moe_overlap.adapters._tied_stash import Stash, hand, take
+from moe_overlap.args import BOOL, MODULE, check_arg
 from moe_overlap.blocks import MegatronHooks
 from moe_overlap.engine import Bypass, BypassedModule, ChunkState
-from moe_overlap.engine.core.args import BOOL, MODULE, check_arg
 
 __all__ = ["LossFn", "McDecoder", "MegatronMoEAdapter", "SelfCheckReport", "masked_mean"]
 

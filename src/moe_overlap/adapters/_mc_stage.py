@@ -11,8 +11,8 @@ from moe_overlap.adapters._hf_model import AdapterConfig
 from moe_overlap.adapters._mc_layers import McLayer
 from moe_overlap.adapters._mc_model import MegatronMoEAdapter
 from moe_overlap.adapters._torch_private import children
+from moe_overlap.args import Instance, check_arg
 from moe_overlap.blocks import MegatronHooks
-from moe_overlap.engine.core.args import Instance, check_arg
 
 __all__ = ["MegatronMoEStage"]
 

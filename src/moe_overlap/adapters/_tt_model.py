@@ -41,8 +41,8 @@ from moe_overlap.adapters._tt_layers import (
 from moe_overlap.adapters._tt_names import NOT_GIVEN, TitanHooks, refuse_titan_names
 from moe_overlap.adapters._tt_parallel import honoured_forward
 from moe_overlap.adapters._tt_recompute import unwrap_blocks
+from moe_overlap.args import BOOL, MODULE, check_arg
 from moe_overlap.engine import Bypass, BypassedModule, ChunkState
-from moe_overlap.engine.core.args import BOOL, MODULE, check_arg
 
 __all__ = ["LossFn", "SelfCheckReport", "TitanDecoder", "TorchtitanMoEAdapter"]
 

@@ -11,7 +11,7 @@ from moe_overlap.adapters._torch_private import children
 from moe_overlap.adapters._tt_layers import TitanLayer
 from moe_overlap.adapters._tt_model import TorchtitanMoEAdapter
 from moe_overlap.adapters._tt_names import NOT_GIVEN, TitanHooks, refuse_titan_names
-from moe_overlap.engine.core.args import Instance, check_arg
+from moe_overlap.args import Instance, check_arg
 
 __all__ = ["TorchtitanMoEStage"]
 

@@ -42,6 +42,7 @@ import torch
 from torch import Tensor
 
 from moe_overlap import IntegrationError
+from moe_overlap.args import NON_NEGATIVE, POSITIVE, Instance, check_arg
 from moe_overlap.blocks._delayed_linear import GroupSizes
 from moe_overlap.blocks._dispatch_meta import Combine, CopyOrder, DispatchMeta, PermuteMeta
 from moe_overlap.blocks._slots import SlotContext
@@ -60,7 +61,6 @@ from moe_overlap.engine import (
     wait_stream,
 )
 from moe_overlap.engine.contracts import Contract, attribute, method
-from moe_overlap.engine.core.args import NON_NEGATIVE, POSITIVE, Instance, check_arg
 
 __all__ = ["ChunkedDispatcher", "SideStreams", "chunk_sizes"]
 

@@ -28,10 +28,7 @@ from torch import Tensor, nn
 from typing_extensions import Self
 
 from moe_overlap import ConfigError, IntegrationError, WgradError
-from moe_overlap.blocks._torch_private import grouped_mm, has_grouped_mm
-from moe_overlap.engine import wgrad_claimed
-from moe_overlap.engine.contracts import Contract, method
-from moe_overlap.engine.core.args import (
+from moe_overlap.args import (
     BOOL,
     FLOAT_DTYPE,
     NON_NEGATIVE,
@@ -42,6 +39,9 @@ from moe_overlap.engine.core.args import (
     check_arg,
     refuse,
 )
+from moe_overlap.blocks._torch_private import grouped_mm, has_grouped_mm
+from moe_overlap.engine import wgrad_claimed
+from moe_overlap.engine.contracts import Contract, method
 
 __all__ = [
     "DelayedWgradGroupedLinear",

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_overlap import ConfigError, IntegrationError
+from moe_overlap.args import GROUP, POSITIVE, Int, OneOf, Opt, check_arg
 from moe_overlap.blocks import _a2a_chunks as _chunked
 from moe_overlap.blocks._delayed_linear import GroupSizes
 from moe_overlap.blocks._dispatch_meta import (
@@ -61,7 +62,6 @@ from moe_overlap.blocks._dispatch_meta import (
 from moe_overlap.blocks._loopback import HostLoopback, loopback
 from moe_overlap.blocks._slots import SlotContext
 from moe_overlap.engine import DEBUG
-from moe_overlap.engine.core.args import GROUP, POSITIVE, Int, OneOf, Opt, check_arg
 
 # Layer-state keys of the metadata handed between slots.
 _PERMUTE = "moe_overlap.permute"

@@ -11,10 +11,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
-from moe_overlap.blocks._delayed_linear import DelayedWgradGroupedLinear
-from moe_overlap.blocks._recompute import recompute
-from moe_overlap.blocks._transformer import swiglu
-from moe_overlap.engine.core.args import (
+from moe_overlap.args import (
     BOOL,
     FLOAT_DTYPE,
     NON_NEGATIVE,
@@ -22,6 +19,9 @@ from moe_overlap.engine.core.args import (
     POSITIVE,
     check_arg,
 )
+from moe_overlap.blocks._delayed_linear import DelayedWgradGroupedLinear
+from moe_overlap.blocks._recompute import recompute
+from moe_overlap.blocks._transformer import swiglu
 
 __all__ = ["GroupedExperts"]
 

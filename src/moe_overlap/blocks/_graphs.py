@@ -59,10 +59,10 @@ import torch
 from torch import Tensor, nn
 
 from moe_overlap import ConfigError, CudaGraphModule, IntegrationError, WgradError
+from moe_overlap.args import CALLABLE, POSITIVE, Func, Instance, Items, Opt, check_arg
 from moe_overlap.blocks._delayed_linear import DelayedWgradModule, PendingItem, accumulate_grad
 from moe_overlap.blocks._torch_private import tree_leaves
 from moe_overlap.engine import DEBUG, WgradClaim, wgrad_claimed
-from moe_overlap.engine.core.args import CALLABLE, POSITIVE, Func, Instance, Items, Opt, check_arg
 
 __all__ = ["GraphedBlock"]
 

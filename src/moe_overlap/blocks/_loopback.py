@@ -16,15 +16,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from moe_overlap.engine import (
-    AnyStream,
-    CpuStream,
-    cpu_default_stream,
-    current_stream,
-    stream_context,
-    wait_stream,
-)
-from moe_overlap.engine.core.args import (
+from moe_overlap.args import (
     NON_NEGATIVE,
     POSITIVE,
     TENSOR,
@@ -32,6 +24,14 @@ from moe_overlap.engine.core.args import (
     OneOf,
     Opt,
     check_arg,
+)
+from moe_overlap.engine import (
+    AnyStream,
+    CpuStream,
+    cpu_default_stream,
+    current_stream,
+    stream_context,
+    wait_stream,
 )
 
 __all__ = ["HostLoopback", "LoopbackMode", "loopback"]

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from moe_overlap import ChunkState, ConfigError, IntegrationError
-from moe_overlap.engine.core.args import Instance, check_arg, refuse
+from moe_overlap.args import Instance, check_arg, refuse
 
 __all__ = [
     "BlockedKeys",

@@ -34,9 +34,9 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 from moe_overlap import ConfigError, IntegrationError
+from moe_overlap.args import BOOL, MODULE, Spec, check_arg, refuse
 from moe_overlap.blocks._torch_private import PRIVATE_MATMUL_OPS
 from moe_overlap.engine import hold_for_recompute
-from moe_overlap.engine.core.args import BOOL, MODULE, Spec, check_arg, refuse
 
 __all__ = [
     "RecomputePart",

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_overlap import ConfigError
-from moe_overlap.engine.core.args import (
+from moe_overlap.args import (
     BOOL,
     FLOAT_DTYPE,
     OPT_DEVICE,

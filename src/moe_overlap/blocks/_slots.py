@@ -9,8 +9,8 @@ from typing import cast
 from torch import Tensor
 
 from moe_overlap import ChunkState, IntegrationError, LayerState, SlotContext
+from moe_overlap.args import Instance, check_arg, refuse
 from moe_overlap.engine import check_marked
-from moe_overlap.engine.core.args import Instance, check_arg, refuse
 
 __all__ = [
     "DenseSlots",

@@ -15,8 +15,8 @@ from torch import nn
 from typing_extensions import Self
 
 from moe_overlap import ConfigError
+from moe_overlap.args import MODULE, NON_NEGATIVE, Mismatch, check_arg, refuse, shown
 from moe_overlap.blocks._torch_private import list_entries
-from moe_overlap.engine.core.args import MODULE, NON_NEGATIVE, Mismatch, check_arg, refuse, shown
 
 __all__ = ["StageLayers"]
 

@@ -13,9 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from moe_overlap.blocks._delayed_linear import DelayedWgradLinear
-from moe_overlap.blocks._recompute import recompute
-from moe_overlap.engine.core.args import (
+from moe_overlap.args import (
     BOOL,
     FLOAT_DTYPE,
     OPT_DEVICE,
@@ -26,6 +24,8 @@ from moe_overlap.engine.core.args import (
     check_arg,
     refuse,
 )
+from moe_overlap.blocks._delayed_linear import DelayedWgradLinear
+from moe_overlap.blocks._recompute import recompute
 
 _IMPL: OneOf[Literal["math", "sdpa"]] = OneOf(("math", "sdpa"))
 

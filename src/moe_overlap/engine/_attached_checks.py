@@ -15,6 +15,8 @@ from typing import cast
 import torch
 from torch import Tensor
 
+from moe_overlap.args import BOOL, Instance, Int, Opt, check_arg
+
 from ._bypass_check import check_bypassed
 from ._conformance import (
     as_mtp_layer,
@@ -54,7 +56,6 @@ from .core._runner import ChunkRun
 from .core._state import ChunkState
 from .core._steps import ChunkShape
 from .core._streams import StreamPair
-from .core.args import BOOL, Instance, Int, Opt, check_arg
 
 __all__ = ["inputs_checked"]
 

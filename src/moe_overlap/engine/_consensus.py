@@ -25,8 +25,9 @@ from typing import TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from moe_overlap.args import GROUP, check_arg
+
 from .core._errors import ConfigError, ScheduleError
-from .core.args import GROUP, check_arg
 
 __all__ = ["Phase", "StepConsensus", "Verdict", "VotedStep", "verdict_error"]
 

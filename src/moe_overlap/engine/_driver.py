@@ -9,6 +9,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from moe_overlap.args import BOOL, CALLABLE, Instance, Opt, Real, check_arg
+
 from ._attached_checks import inputs_checked
 from ._bypass_check import check_bypassed
 from ._conformance import check_model, checks_memoized
@@ -29,7 +31,6 @@ from .core._runner import check_grad_mode, run_schedule, run_step
 from .core._state import ChunkState
 from .core._steps import Slot
 from .core._streams import StreamPair
-from .core.args import BOOL, CALLABLE, Instance, Opt, Real, check_arg
 
 __all__ = ["combined_1f1b"]
 

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 
 from torch import Tensor
 
+from moe_overlap.args import BOOL
+
 from .contracts import Contract, attribute, method
 from .core._chunk_plan import ModelChunkSchedulePlan
 from .core._guard import Guard
@@ -26,7 +28,6 @@ from .core._microbatch import Microbatch
 from .core._node import ScheduleNode
 from .core._protocols import PreprocessableModel, SchedulableLayer
 from .core._state import ChunkState
-from .core.args import BOOL
 
 __all__ = ["GUARD", "BaseGuard", "Guard", "attach", "without_guards"]
 

@@ -14,6 +14,8 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import NamedTuple, cast
 
+from moe_overlap.args import NON_NEGATIVE, Instance, Real, check_arg, refuse
+
 from .core._errors import ConfigError
 from .core._macro import (
     MacroStep,
@@ -35,7 +37,6 @@ from .core._steps import (
     chunk_steps,
     forward_pair_steps,
 )
-from .core.args import NON_NEGATIVE, Instance, Real, check_arg, refuse
 
 __all__ = [
     "OrderSearch",

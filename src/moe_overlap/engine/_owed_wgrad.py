@@ -10,10 +10,11 @@ from typing import NoReturn, cast
 
 from torch import nn
 
+from moe_overlap.args import refuse
+
 from .contracts import MODEL, PENDING_WGRAD
 from .core._errors import IntegrationError, WgradError
 from .core._wgrad_claims import wgrad_claimed
-from .core.args import refuse
 
 __all__ = [
     "check_wgrad_done",

@@ -2,7 +2,7 @@
 
 A :class:`Contract` lists a runtime Protocol's members, each with its kind (an attribute or
 property whose value is checked, or a method: a callable) and, for an attribute, what its
-value must be (a :class:`~moe_overlap.engine.core.args.Spec`, or another contract for an
+value must be (a :class:`~moe_overlap.args.Spec`, or another contract for an
 object the schedule reads members of). The same table serves
 
 - the fast path, :meth:`Contract.conforms`: a boolean pass that formats no string, run
@@ -26,6 +26,21 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Generic, TypeVar, cast
 
+from moe_overlap.args import (
+    ANY,
+    BOOL,
+    CALLABLE,
+    TENSOR,
+    Instance,
+    Int,
+    Mismatch,
+    OneOf,
+    Opt,
+    Spec,
+    refuse,
+    shown,
+)
+
 from .core._errors import ConfigError, IntegrationError, MoeOverlapError
 from .core._protocols import (
     DeclaresInputs,
@@ -48,20 +63,6 @@ from .core._protocols import (
     WgradLayer,
 )
 from .core._state import ChunkState, LayerState
-from .core.args import (
-    ANY,
-    BOOL,
-    CALLABLE,
-    TENSOR,
-    Instance,
-    Int,
-    Mismatch,
-    OneOf,
-    Opt,
-    Spec,
-    refuse,
-    shown,
-)
 
 __all__ = [
     "DISPATCHER_BACKENDS",
@@ -358,7 +359,7 @@ class Contract(Generic[T]):
         return cast(T, obj)
 
     def arg(self, *, error: type[MoeOverlapError] = ConfigError, hint: str = "") -> Conforms:
-        """This contract as the spec of an argument (:func:`~moe_overlap.engine.core.args.check_arg`)."""
+        """This contract as the spec of an argument (:func:`~moe_overlap.args.check_arg`)."""
         return Conforms(self, error=error, hint=hint)
 
     def __repr__(self) -> str:

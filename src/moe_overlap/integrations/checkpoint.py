@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh  # at run time: debug mode resolves hints
 
 from moe_overlap import ConfigError, IntegrationError
-from moe_overlap.engine.core.args import GROUP, MODULE, POSITIVE, Instance, Items, Opt, check_arg
+from moe_overlap.args import GROUP, MODULE, POSITIVE, Instance, Items, Opt, check_arg
 
 __all__ = [
     "ExpertShards",

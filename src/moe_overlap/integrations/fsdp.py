@@ -21,8 +21,8 @@ from typing import Any, cast
 from torch import nn
 
 from moe_overlap import ConfigError
+from moe_overlap.args import BOOL, CALLABLE, MODULE, Instance, Opt, check_arg
 from moe_overlap.blocks import GroupedExperts
-from moe_overlap.engine.core.args import BOOL, CALLABLE, MODULE, Instance, Opt, check_arg
 from moe_overlap.integrations.checkpoint import expert_shards, register_fsdp_experts
 
 __all__ = ["fully_shard_slots", "slot_modules"]

@@ -8,8 +8,7 @@ from typing import Literal
 import torch
 
 from moe_overlap import ConfigError, CudaGraphModule
-from moe_overlap.blocks import DispatcherKind, RecomputePart, RecomputeParts
-from moe_overlap.engine.core.args import (
+from moe_overlap.args import (
     BOOL,
     NON_NEGATIVE,
     NONE,
@@ -23,6 +22,7 @@ from moe_overlap.engine.core.args import (
     check_fields,
     refuse,
 )
+from moe_overlap.blocks import DispatcherKind, RecomputePart, RecomputeParts
 
 __all__ = ["GPTMoEConfig"]
 

@@ -22,6 +22,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from moe_overlap import ChunkState, ConfigError
+from moe_overlap.args import (
+    GROUP,
+    OPT_DEVICE,
+    TENSOR,
+    Instance,
+    Items,
+    Opt,
+    Real,
+    check_arg,
+)
 from moe_overlap.blocks import (
     DelayedWgradModule,
     GraphedBlock,
@@ -36,16 +46,6 @@ from moe_overlap.blocks import (
     rotary_tables,
 )
 from moe_overlap.engine import check_wgrad_done
-from moe_overlap.engine.core.args import (
-    GROUP,
-    OPT_DEVICE,
-    TENSOR,
-    Instance,
-    Items,
-    Opt,
-    Real,
-    check_arg,
-)
 from moe_overlap.models._config import GPTMoEConfig
 from moe_overlap.models._layers import DenseLayer, GPTLayer, MoELayer
 

@@ -28,6 +28,7 @@ from moe_overlap import (
     WgradLayer,
     WgradScope,
 )
+from moe_overlap.args import NON_NEGATIVE, OPT_DEVICE, Instance, check_arg, refuse
 from moe_overlap.blocks import (
     DenseSlots,
     GraphedBlock,
@@ -50,7 +51,6 @@ from moe_overlap.blocks import (
 )
 from moe_overlap.blocks import single_input as _single
 from moe_overlap.engine import Hook
-from moe_overlap.engine.core.args import NON_NEGATIVE, OPT_DEVICE, Instance, check_arg, refuse
 from moe_overlap.integrations.checkpoint import register_expert_shards
 from moe_overlap.models._config import GPTMoEConfig
 

@@ -7,9 +7,9 @@ from typing import cast
 from torch import Tensor, nn
 
 from moe_overlap import ChunkState, IntegrationError
+from moe_overlap.args import Instance, check_arg
 from moe_overlap.blocks import MegatronHooks, Rotary, StageRange
 from moe_overlap.engine import check_wgrad_done
-from moe_overlap.engine.core.args import Instance, check_arg
 from moe_overlap.models._gpt import (
     REFERENCE_INPUTS,
     Decoder,

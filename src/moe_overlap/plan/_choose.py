@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from moe_overlap import ConfigError, ScheduleOptions
-from moe_overlap.engine.core.args import POSITIVE, Instance, Opt, Real, check_arg
+from moe_overlap.args import POSITIVE, Instance, Opt, Real, check_arg
 from moe_overlap.plan._search import Recompute, SearchPoint, SearchResult, SearchSpace
 from moe_overlap.plan._search import search_schedules as _search
 from moe_overlap.plan._search_steps import ActivationModel, Order, node_schedule

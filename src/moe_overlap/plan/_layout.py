@@ -4,8 +4,8 @@ import dataclasses
 import enum
 from dataclasses import dataclass
 
+from moe_overlap.args import POSITIVE, check_fields
 from moe_overlap.engine import ConfigError
-from moe_overlap.engine.core.args import POSITIVE, check_fields
 
 __all__ = ["Layout", "Schedule"]
 

@@ -9,8 +9,7 @@ no sparsity); achieved rates are lower, which ``mfu`` and measured links (a
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from moe_overlap.engine import Direction, Slot, SlotKey
-from moe_overlap.engine.core.args import (
+from moe_overlap.args import (
     BOOL,
     NON_NEGATIVE,
     POSITIVE,
@@ -25,6 +24,7 @@ from moe_overlap.engine.core.args import (
     check_fields,
     refuse,
 )
+from moe_overlap.engine import Direction, Slot, SlotKey
 
 from ._model import LayerKind, ModelSpec
 from ._presets import MACHINE_PRESETS

@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING, Literal, NamedTuple, Protocol, cast
 
 import torch
 
-from moe_overlap.engine import ConfigError, Direction, MoeOverlapError, Slot
-from moe_overlap.engine.core.args import (
+from moe_overlap.args import (
     NON_NEGATIVE,
     POSITIVE,
     Instance,
@@ -29,6 +28,7 @@ from moe_overlap.engine.core.args import (
     check_fields,
     refuse,
 )
+from moe_overlap.engine import ConfigError, Direction, MoeOverlapError, Slot
 
 from ._presets import MODEL_PRESETS
 

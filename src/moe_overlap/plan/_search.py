@@ -18,8 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from moe_overlap.engine import ConfigError
-from moe_overlap.engine.core.args import (
+from moe_overlap.args import (
     BOOL,
     NON_NEGATIVE,
     POSITIVE,
@@ -33,6 +32,7 @@ from moe_overlap.engine.core.args import (
     check_arg,
     check_fields,
 )
+from moe_overlap.engine import ConfigError
 from moe_overlap.plan._list_schedule import (
     RULES,
     ScheduleIds,

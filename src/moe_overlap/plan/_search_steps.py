@@ -29,8 +29,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, cast
 
-from moe_overlap.engine import ConfigError
-from moe_overlap.engine.core.args import (
+from moe_overlap.args import (
     BOOL,
     POSITIVE,
     Instance,
@@ -40,6 +39,7 @@ from moe_overlap.engine.core.args import (
     check_arg,
     check_fields,
 )
+from moe_overlap.engine import ConfigError
 from moe_overlap.steps import Direction, NodeSchedule, Slot, StreamKind
 
 __all__ = [

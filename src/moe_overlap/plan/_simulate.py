@@ -16,6 +16,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, cast
 
+from moe_overlap.args import (
+    BOOL,
+    POSITIVE,
+    Instance,
+    Items,
+    Real,
+    check_arg,
+    check_fields,
+)
 from moe_overlap.engine import (
     ChunkShape,
     ConfigError,
@@ -31,15 +40,6 @@ from moe_overlap.engine import (
     forward_microbatches,
     macro_run_steps,
     replay,
-)
-from moe_overlap.engine.core.args import (
-    BOOL,
-    POSITIVE,
-    Instance,
-    Items,
-    Real,
-    check_arg,
-    check_fields,
 )
 from moe_overlap.plan._actions import Act, Action, Lowered
 from moe_overlap.plan._layout import Layout

@@ -30,7 +30,7 @@ each a ``Guard`` (``_guard``), and the stream-order checker as the CPU stream mo
 observer (``_stream_observer``). The core calls each attached guard at a fixed point; a
 hook with none attached costs one empty-list test.
 
-Its modules are private to the engine; :mod:`moe_overlap.engine.core.args` is shared with
+Its modules are private to the engine; :mod:`moe_overlap.args` is shared with
 the other subpackages.
 """
 

@@ -17,10 +17,11 @@ import enum
 from collections.abc import Sequence
 from typing import cast
 
+from moe_overlap.args import NON_NEGATIVE, OneOf, check_arg, refuse
+
 from ._errors import ConfigError
 from ._kinds import Direction
 from ._step import Step
-from .args import NON_NEGATIVE, OneOf, check_arg, refuse
 
 __all__ = [
     "MacroStep",

@@ -11,10 +11,11 @@ from typing import cast
 
 from typing_extensions import get_protocol_members
 
+from moe_overlap.args import BOOL, POSITIVE, Opt, check_arg
+
 from ._errors import ConfigError
 from ._layer_args import LayerArgs
 from ._protocols import FreeInputConfig
-from .args import BOOL, POSITIVE, Opt, check_arg
 
 __all__ = ["layer_args"]
 

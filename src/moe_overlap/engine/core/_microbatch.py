@@ -9,8 +9,9 @@ from typing import Any
 
 from torch import Tensor
 
+from moe_overlap.args import ANY, BOOL, TENSOR, Instance, Opt, Spec, check_fields
+
 from ._errors import ConfigError
-from .args import ANY, BOOL, TENSOR, Instance, Opt, Spec, check_fields
 
 __all__ = ["EMPTY_MICROBATCH", "Microbatch"]
 

@@ -24,11 +24,12 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import cast
 
+from moe_overlap.args import refuse
+
 from ._errors import ConfigError
 from ._kinds import Direction, Slot, StreamKind
 from ._step import Step
 from ._steps import ChunkShape, LayerShape
-from .args import refuse
 
 __all__ = ["NodeSchedule", "check_node_order", "microbatch_node_steps"]
 

@@ -8,10 +8,11 @@ from typing import Literal
 
 from torch import Tensor
 
+from moe_overlap.args import BOOL, CALLABLE, Instance, Items, Mismatch, Opt, Spec, check_fields
+
 from ._errors import ConfigError
 from ._kinds import Slot
 from ._order import ScheduleOrder
-from .args import BOOL, CALLABLE, Instance, Items, Mismatch, Opt, Spec, check_fields
 
 _MEGATRON_ORDER = ScheduleOrder()
 

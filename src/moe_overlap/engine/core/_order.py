@@ -41,10 +41,11 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import cast
 
+from moe_overlap.args import refuse
+
 from ._errors import ConfigError
 from ._kinds import Direction, Role, Slot
 from ._step import Step
-from .args import refuse
 
 __all__ = ["PairKind", "PairOrder", "ScheduleOrder"]
 

@@ -9,9 +9,10 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 
 from torch import Tensor
 
+from moe_overlap.args import refuse
+
 from ._errors import IntegrationError, LayerStateAttributeError, NodeStateError
 from ._microbatch import Microbatch
-from .args import refuse
 
 __all__ = ["ChunkState", "LayerState", "PreprocessOutput"]
 

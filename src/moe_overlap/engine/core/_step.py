@@ -11,9 +11,10 @@ a node step of a run), or a role and slot only (``b.combine.B``: a step of a
 import re
 from typing import NamedTuple, cast
 
+from moe_overlap.args import refuse
+
 from ._errors import ConfigError
 from ._kinds import Direction, Role, Slot, StreamKind
-from .args import refuse
 
 __all__ = ["Step"]
 

@@ -21,17 +21,7 @@ from typing import Union, cast
 
 import torch
 
-from ._errors import StreamError
-from ._stream_observer import observers as _CHECKING
-
-# torch's own calls under torch.cuda.current_stream / set_stream (None in CPU-only builds,
-# where no CUDA stream can exist), module globals here so the per-node switch reads them
-# as before (and a test can fake them).
-from ._torch_private import cuda_current_device as _cuda_current_device
-from ._torch_private import cuda_current_stream as _cuda_current_stream
-from ._torch_private import cuda_set_stream as _cuda_set_stream
-from ._torch_private import cuda_sleep
-from .args import (
+from moe_overlap.args import (
     BOOL,
     NON_NEGATIVE,
     Instance,
@@ -42,6 +32,17 @@ from .args import (
     check_fields,
     refuse,
 )
+
+from ._errors import StreamError
+from ._stream_observer import observers as _CHECKING
+
+# torch's own calls under torch.cuda.current_stream / set_stream (None in CPU-only builds,
+# where no CUDA stream can exist), module globals here so the per-node switch reads them
+# as before (and a test can fake them).
+from ._torch_private import cuda_current_device as _cuda_current_device
+from ._torch_private import cuda_current_stream as _cuda_current_stream
+from ._torch_private import cuda_set_stream as _cuda_set_stream
+from ._torch_private import cuda_sleep
 
 __all__ = [
     "AnyEvent",

@@ -12,7 +12,7 @@ from typing import Any
 from torch import nn
 
 from moe_overlap import ConfigError
-from moe_overlap.engine.core.args import CALLABLE, POSITIVE, Instance, check_arg
+from moe_overlap.args import CALLABLE, POSITIVE, Instance, check_arg
 from moe_overlap.integrations.pipelining import _torch
 from moe_overlap.integrations.pipelining._torch import Action, check_torch
 

@@ -15,8 +15,8 @@ from typing import Any
 import torch.distributed as dist
 
 from moe_overlap import ConfigError, ScheduleOptions
+from moe_overlap.args import BOOL, Instance, Opt, check_arg
 from moe_overlap.engine.contracts import OPT_STEP_OBSERVER
-from moe_overlap.engine.core.args import BOOL, Instance, Opt, check_arg
 from moe_overlap.integrations.pipelining import _torch
 from moe_overlap.integrations.pipelining._actions import ActionHandlers
 from moe_overlap.integrations.pipelining._agreement import (

@@ -46,7 +46,7 @@ import torch
 from torch import Tensor
 
 from moe_overlap import ConfigError
-from moe_overlap.engine.core.args import Instance, Opt, check_arg
+from moe_overlap.args import Instance, Opt, check_arg
 
 if TYPE_CHECKING:
     from typing import TypeAlias

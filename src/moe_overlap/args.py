@@ -30,6 +30,9 @@ What the specs accept:
   an enum member is asked for is refused (pass the member);
 - a collection (:class:`Items`) is any iterable but a string, bytes or a mapping, returned as
   a tuple of its checked items.
+
+Every subpackage checks its arguments with it, the schedule core (``engine/core``) included,
+so it imports nothing of the package but :mod:`moe_overlap.errors`.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from typing import TYPE_CHECKING, Generic, TypeVar, cast
 import torch
 from torch import nn
 
-from ._errors import ConfigError, IntegrationError, MoeOverlapError
+from moe_overlap.errors import ConfigError, IntegrationError, MoeOverlapError
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
