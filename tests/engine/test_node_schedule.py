@@ -320,7 +320,7 @@ def test_a_verdict_is_remembered_for_the_same_schedule_shapes_and_slots_only(
 ) -> None:
     """A training loop's later steps skip the walk of the rules; another model's shapes or
     other recomputed slots are walked again, and a schedule wrong for them is refused."""
-    from moe_overlap.engine.core import _node_schedule as ns
+    from moe_overlap.engine import _node_order_check as ns
 
     monkeypatch.setattr(ns, "_EXACT", {})
     walks: list[int] = []

@@ -201,7 +201,7 @@ def run_schedule(
     observer: StepObserver | None = None,
 ) -> None:
     """Run a whole :class:`~moe_overlap.steps.NodeSchedule` (checked against the model
-    by the caller: :func:`check_node_order`), any number of microbatches in flight::
+    by the caller: :func:`~moe_overlap.steps.check_node_order`), any number of microbatches in flight::
 
         1. before a microbatch's first step: build its plan, which waits for the caller's
            stream                                         (hook step  pre_forward.H<mb>)
