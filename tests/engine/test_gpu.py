@@ -212,7 +212,7 @@ def test_cuda_node_schedule_parity(dtype: torch.dtype, delay: bool, seed: int) -
 def test_cuda_node_schedule_ending_in_a_weight_gradient_is_awaited_by_the_caller() -> None:
     """A schedule whose last step is a slow W on the compute stream, called from another
     stream: the gradients the caller reads right after are the finished ones."""
-    from moe_overlap.engine.core._torch_private import cuda_sleep
+    from moe_overlap.engine._torch_private import cuda_sleep
     from moe_overlap.steps import NodeSchedule
 
     from .test_node_schedule import _shape

@@ -24,11 +24,11 @@ OWNERS = {
         "torch._C._is_multithreading_enabled",
         "torch._C._set_multithreading_enabled",
         "torch._C._set_grad_enabled",
-        "torch.cuda._sleep",
     ),
     "_torch_private.py": (
         "from torch.utils._python_dispatch import",
         "torch._C._storage_Use_Count",
+        "torch.cuda._sleep",
         "'_cdata'",
         "'_base'",
         "'_use_count'",

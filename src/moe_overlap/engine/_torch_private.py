@@ -2,8 +2,8 @@
 # The one module of moe_overlap.engine's checks that touches torch's private names.
 """torch's private names, as the engine's checks use them; the releases they were checked on.
 
-The checks (every module of ``moe_overlap.engine`` outside ``core``, which keeps its own in
-``core/_torch_private.py``) reach torch's internals only through the names here
+The checks and tools (every module of ``moe_overlap.engine`` outside ``core``, which keeps
+its own in ``core/_torch_private.py``) reach torch's internals only through the names here
 (``tests/engine/test_private_torch.py`` parses them and fails on a private torch name
 elsewhere), so a torch release that moves one breaks this module alone. A private module's
 path or an attribute's name as a string counts as a use. The callables the per-node checks
@@ -41,6 +41,7 @@ __all__ = [
     "TorchDispatchMode",
     "activation_wrapper_class",
     "composable_registry_key",
+    "cuda_sleep",
     "op_schema",
     "optimized_module_class",
     "storage_cdata",
@@ -54,6 +55,9 @@ storage_use_count = cast("Callable[[int], int]", torch._C._storage_Use_Count)
 
 # a storage's StorageImpl address (``storage._cdata``), the key of storage_use_count and of the stream-order checker's accesses; no public API (data_ptr names the memory, not the storage); checked on 2.13 and 2.11.
 storage_cdata = cast("Callable[[torch.UntypedStorage], int]", attrgetter("_cdata"))
+
+# spins the current CUDA stream for a number of GPU cycles (torch's test helper, unannotated), race shaking's delay; no public API; checked on 2.13 (bound; calling it needs CUDA) and 2.11.
+cuda_sleep = cast("Callable[[int], None]", torch.cuda._sleep)  # pyright: ignore[reportUnknownMemberType]
 
 # a view's base tensor (``t._base``; None for a tensor that is no view); no public API; checked on 2.13 and 2.11.
 tensor_base = cast("Callable[[Tensor], Tensor | None]", attrgetter("_base"))

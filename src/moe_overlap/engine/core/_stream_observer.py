@@ -1,10 +1,13 @@
-"""The CPU stream model's hook: what watches its streams and events order work.
+"""The stream model's hooks: what watches the CPU streams order work, and what delays the
+CUDA streams.
 
 On CPU the schedule's streams run one after another, and the model (:mod:`._streams`) does
 nothing but tell an observer what a GPU would order: each wait, record, host
 synchronization, stream switch and release. The stream-order checker
 (:func:`~moe_overlap.streams.stream_order_check`) attaches itself here while it is active;
-the last one attached is told. With none attached, each call site costs one empty-list test.
+the last one attached is told. On CUDA, each node's stream entry and each stream switch
+calls the last attached delay (race shaking, :func:`~moe_overlap.streams.shake`). With none
+attached, each call site costs one empty-list test.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
-__all__ = ["CpuStreamObserver", "observers"]
+__all__ = ["CpuStreamObserver", "StreamDelay", "delays", "observers"]
 
 
 @runtime_checkable
@@ -34,3 +37,14 @@ class CpuStreamObserver(Protocol):
 
 observers: list[CpuStreamObserver] = []
 """The attached observers, the one told last (mutated in place, never rebound)."""
+
+
+@runtime_checkable
+class StreamDelay(Protocol):
+    """What delays a CUDA stream at a node boundary (queues work on the current stream)."""
+
+    def delay(self) -> None: ...
+
+
+delays: list[StreamDelay] = []
+"""The attached delays, the one called last (mutated in place, never rebound)."""

@@ -23,10 +23,8 @@ import torch
 
 from moe_overlap.args import (
     BOOL,
-    NON_NEGATIVE,
     Instance,
     Opt,
-    Real,
     Spec,
     check_arg,
     check_fields,
@@ -34,6 +32,7 @@ from moe_overlap.args import (
 )
 
 from ._errors import StreamError
+from ._stream_observer import delays as _SHAKING
 from ._stream_observer import observers as _CHECKING
 
 # torch's own calls under torch.cuda.current_stream / set_stream (None in CPU-only builds,
@@ -42,7 +41,6 @@ from ._stream_observer import observers as _CHECKING
 from ._torch_private import cuda_current_device as _cuda_current_device
 from ._torch_private import cuda_current_stream as _cuda_current_stream
 from ._torch_private import cuda_set_stream as _cuda_set_stream
-from ._torch_private import cuda_sleep
 
 __all__ = [
     "AnyEvent",
@@ -65,7 +63,6 @@ __all__ = [
     "release_storage",
     "reset_streams",
     "set_streams",
-    "shake",
     "stream_context",
     "stream_device",
     "synchronize",
@@ -195,7 +192,6 @@ _STREAM = Instance((torch.cuda.Stream, CpuStream), "a torch.cuda.Stream or CpuSt
 _OPT_STREAM = Opt(_STREAM)
 _PAIR: dict[str, Spec[object]] = {"comp": _STREAM, "comm": _STREAM}
 _NAME = Instance(str, "a str")
-_NON_NEG = Real(min=0)
 
 
 def default_device() -> torch.device:
@@ -409,61 +405,6 @@ def _leave_switch(
         switch.__exit__(exc_type, exc, tb)
     elif _CHECKING:
         _CHECKING[-1].exit()
-
-
-class Shaker:
-    """Seeded random delays queued on CUDA streams at node boundaries (see :func:`shake`)."""
-
-    def __init__(self, seed: int, max_us: float, probability: float) -> None:
-        import random
-
-        self._rng = random.Random(seed)
-        self.max_us = max_us
-        self.probability = probability
-        self.delays = 0
-        """How many delays were queued (a test can tell it ran)."""
-        # cuda_sleep spins for a number of GPU cycles; ~2 per ns on Hopper and Ampere.
-        self._cycles_per_us = 2000.0
-        self._sleep = cuda_sleep
-
-    def delay(self) -> None:
-        """Queue a random spin (0 to ``max_us``) on the current stream, with the set probability."""
-        if self._rng.random() >= self.probability:
-            return
-        self._sleep(int(self._rng.uniform(0.0, self.max_us) * self._cycles_per_us))
-        self.delays += 1
-
-
-_SHAKING: list[Shaker] = []
-
-
-def shake(
-    seed: int = 0, *, max_us: float = 2000.0, probability: float = 0.5
-) -> contextlib.AbstractContextManager[Shaker]:
-    """Race-shaking mode: on CUDA, every node (``use_stream``) and every stream switch
-    (``stream_context``) first queues, with ``probability``, a spin of up to ``max_us``
-    microseconds on its stream (seeded: a failing run can be replayed).
-
-    A missing wait between streams is a window in time; these delays move the streams
-    against each other so a run finds windows the steady schedule never opens. Values are
-    unchanged: a run that differs under shaking has a race. No effect on CPU streams (use
-    the stream-order checker there).
-    """
-    check_arg("shake", "seed", seed, NON_NEGATIVE)
-    check_arg("shake", "max_us", max_us, _NON_NEG)
-    check_arg("shake", "probability", probability, _NON_NEG)
-    if probability > 1:
-        raise refuse("shake: probability", "a probability (0 to 1)", probability)
-    return _shaking(Shaker(seed, float(max_us), float(probability)))
-
-
-@contextlib.contextmanager
-def _shaking(shaker: Shaker) -> Generator[Shaker]:
-    _SHAKING.append(shaker)
-    try:
-        yield shaker
-    finally:
-        _SHAKING.remove(shaker)
 
 
 def stream_context(stream: AnyStream) -> contextlib.AbstractContextManager[object]:

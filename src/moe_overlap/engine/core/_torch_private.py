@@ -26,7 +26,6 @@ __all__ = [
     "cuda_current_device",
     "cuda_current_stream",
     "cuda_set_stream",
-    "cuda_sleep",
     "multithreading_enabled",
     "run_backward",
     "set_grad_enabled",
@@ -51,9 +50,6 @@ set_grad_enabled = cast("Callable[[bool], None]", torch._C._set_grad_enabled)
 
 # a tensor's version counter, shared with its views and detached copies and bumped by every in-place write (what autograd compares for saved tensors); public: none (Tensor._version is this attribute); checked on 2.13 and 2.11 (the GPU tests on an H100, 2026-12-07).
 tensor_version = cast("Callable[[torch.Tensor], int]", operator.attrgetter("_version"))
-
-# spins the current CUDA stream for a number of GPU cycles (torch's test helper, unannotated); no public API; checked on 2.13 (bound; calling it needs CUDA) and 2.11.
-cuda_sleep = cast("Callable[[int], None]", torch.cuda._sleep)  # pyright: ignore[reportUnknownMemberType]
 
 _C: object = torch._C
 """torch's extension module; the three CUDA calls below are absent from CPU-only builds
