@@ -57,7 +57,8 @@ def _shape(
 
 
 def _all_orders(kind: PairKind) -> list[PairOrder]:
-    from moe_overlap.engine.core._order import template, valid_orders
+    from moe_overlap.engine._order_search import valid_orders
+    from moe_overlap.engine.core._order import template
 
     full = [s for s in PairOrder.megatron(kind).steps if s in template(kind)]
     return [PairOrder(kind, o) for o in valid_orders(kind, full)]

@@ -11,7 +11,7 @@ of a serial step.
 """
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import NamedTuple, cast
 
 from moe_overlap.args import NON_NEGATIVE, Instance, Real, check_arg, refuse
@@ -25,7 +25,7 @@ from .core._macro import (
     forward_microbatches,
     macro_steps,
 )
-from .core._order import PairKind, PairOrder, ScheduleOrder, complete, valid_orders
+from .core._order import PairKind, PairOrder, ScheduleOrder, before
 from .core._steps import (
     ChunkShape,
     Direction,
@@ -136,6 +136,47 @@ def _present(kind: PairKind, shape: ChunkShape) -> list[Step]:
         return s.direction is not Direction.WGRAD or delay
 
     return [s for s in PairOrder.megatron(kind).steps if has(s)]
+
+
+def valid_orders(kind: PairKind, steps: Sequence[Step]) -> Iterator[tuple[Step, ...]]:
+    """Every order of ``steps`` (a subset of the kind's template) the rules allow."""
+    rules = before(kind, steps)
+    preds: dict[Step, set[Step]] = {s: set() for s in steps}
+    for a, b in rules:
+        preds[b].add(a)
+    out: list[Step] = []
+    placed: set[Step] = set()
+
+    def walk() -> Iterator[tuple[Step, ...]]:
+        if len(out) == len(steps):
+            yield tuple(out)
+            return
+        for s in steps:
+            if s not in placed and preds[s] <= placed:
+                out.append(s)
+                placed.add(s)
+                yield from walk()
+                placed.discard(s)
+                out.pop()
+
+    yield from walk()
+
+
+def complete(kind: PairKind, partial: Sequence[Step]) -> PairOrder:
+    """A full template from an order of some of its steps: each missing step goes where
+    Megatron-Core's order has it relative to the steps before it (then the order is checked)."""
+    have = set(partial)
+    full = list(partial)
+    mega = PairOrder.megatron(kind).steps
+    for i, s in enumerate(mega):
+        if s in have:
+            continue
+        # after the last step placed that Megatron's order has before s
+        earlier = set(mega[:i])
+        at = max((i + 1 for i, t in enumerate(full) if t in earlier), default=0)
+        full.insert(at, s)
+        have.add(s)
+    return PairOrder(kind, full)
 
 
 class OrderSearch(NamedTuple):

@@ -37,7 +37,7 @@ The orders only change when each step is issued, i.e. which waits on which; a
 import enum
 import itertools
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import cast
 
@@ -112,7 +112,7 @@ def _wgrad_steps(kind: PairKind) -> tuple[Step, ...]:
     return (*_wgrads(Role.B), *_wgrads(Role.B2))
 
 
-def _before(kind: PairKind, steps: Iterable[Step]) -> list[tuple[Step, Step]]:
+def before(kind: PairKind, steps: Iterable[Step]) -> list[tuple[Step, Step]]:
     """Every ``(a, b)`` with ``a`` required before ``b``, among ``steps``."""
     have = set(steps)
     rules: list[tuple[Step, Step]] = []
@@ -259,7 +259,7 @@ def _check(kind: PairKind, steps: tuple[Step, ...]) -> None:
             f"from PairOrder.megatron(PairKind.{kind.name}) and move steps"
         )
     index = {s: i for i, s in enumerate(steps)}
-    for a, b in _before(kind, steps):
+    for a, b in before(kind, steps):
         if index[a] > index[b]:
             raise ConfigError(
                 f"{where}: expected {a} before {b} ({_why(kind, a, b)}), received it after "
@@ -282,47 +282,6 @@ _B_PRE_DISPATCH = Step(B, role=Role.B, slot=Slot.PRE_DISPATCH)
 _F_MLP = Step(F, role=Role.F, slot=Slot.MLP)
 _MEGATRONS = {kind: PairOrder(kind, text) for kind, text in _MEGATRON.items()}
 _MEGATRON_EARLY = PairOrder(PairKind.MIXED, _EARLY_RELEASE)
-
-
-def valid_orders(kind: PairKind, steps: Sequence[Step]) -> Iterator[tuple[Step, ...]]:
-    """Every order of ``steps`` (a subset of the kind's template) the rules allow."""
-    rules = _before(kind, steps)
-    preds: dict[Step, set[Step]] = {s: set() for s in steps}
-    for a, b in rules:
-        preds[b].add(a)
-    out: list[Step] = []
-    placed: set[Step] = set()
-
-    def walk() -> Iterator[tuple[Step, ...]]:
-        if len(out) == len(steps):
-            yield tuple(out)
-            return
-        for s in steps:
-            if s not in placed and preds[s] <= placed:
-                out.append(s)
-                placed.add(s)
-                yield from walk()
-                placed.discard(s)
-                out.pop()
-
-    yield from walk()
-
-
-def complete(kind: PairKind, partial: Sequence[Step]) -> PairOrder:
-    """A full template from an order of some of its steps: each missing step goes where
-    Megatron-Core's order has it relative to the steps before it (then the order is checked)."""
-    have = set(partial)
-    full = list(partial)
-    mega = _MEGATRONS[kind].steps
-    for i, s in enumerate(mega):
-        if s in have:
-            continue
-        # after the last step placed that Megatron's order has before s
-        earlier = set(mega[:i])
-        at = max((i + 1 for i, t in enumerate(full) if t in earlier), default=0)
-        full.insert(at, s)
-        have.add(s)
-    return PairOrder(kind, full)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
