@@ -17,21 +17,27 @@ other. Each floor imports only the floors below it::
     _free_input      the free-input policy            _layer_args   what a layer node knows
     _protocols       the Protocols a model, a layer and an observer implement
     _steps _state    steps and shapes; chunk and layer state; options (and the paired
-    _options         orders, _order, and macro steps, _macro, below them)
+    _options         orders, _order, and macro steps, _macro, below them); a whole node
+                     schedule as data (_node_schedule)
     _streams         streams and events, CUDA or CPU; the microbatch (_microbatch)
-    args             argument specs (check_arg); what a node raises itself (_node_errors)
-    _errors          the error hierarchy; the hook lists (_hooks), the CPU streams'
-                     observer (_stream_observer), slot kinds (_kinds), recompute holds
+    _node_errors     what a node raises itself
+    _errors          the error hierarchy; the hook lists (_hooks), the stream model's
+                     observer and delay hooks (_stream_observer), slot kinds (_kinds),
+                     recompute holds
 
-It imports no check: only itself, the standard library, torch and typing_extensions
-(``tests/engine/test_core.py``). The checks (``engine/_attached_checks.py`` and the
-modules it calls) attach to it from outside: as guards on the hook lists of ``_hooks``,
-each a ``Guard`` (``_guard``), and the stream-order checker as the CPU stream model's
-observer (``_stream_observer``). The core calls each attached guard at a fixed point; a
-hook with none attached costs one empty-list test.
+It imports no check: only itself, the standard library, torch, typing_extensions and the
+shared top-level module :mod:`moe_overlap.args` (argument specs, ``check_arg``), which
+imports nothing of the package but the errors (``tests/engine/test_core.py``). The checks
+(``engine/_attached_checks.py`` and the modules it calls) attach to it from outside: as
+guards on the hook lists of ``_hooks``, each a ``Guard`` (``_guard``), and the stream-order
+checker as the CPU stream model's observer (``_stream_observer``); race shaking
+(``engine/_stream_shake.py``) attaches its delays there too. The core calls each attached
+guard at a fixed point; a hook with none attached costs one empty-list test. What checks a
+schedule before the runner runs it stays outside: the exactness rules of a whole node
+schedule (``engine/_node_order_check.py``), and the enumeration of the orders a paired run
+allows (``engine/_order_search.py``).
 
-Its modules are private to the engine; :mod:`moe_overlap.args` is shared with
-the other subpackages.
+Its modules are private to the engine.
 """
 
 __all__: list[str] = []
