@@ -18,6 +18,7 @@ from moe_overlap.engine._stream_check import (
     StreamOrderChecker,
     stream_order_check,
 )
+from moe_overlap.engine._stream_shake import STREAM_DELAY, shake
 from moe_overlap.engine.contracts import FREE_INPUT_CONFIG, HOLDS_DELAYED_MODULES
 from moe_overlap.engine.core import _stream_observer
 from moe_overlap.engine.core._megatron import _CONFIG_FIELDS
@@ -181,3 +182,11 @@ def test_the_stream_checker_observes_the_cpu_streams_while_active() -> None:
     with stream_order_check() as checker:
         assert _stream_observer.observers[-1] is checker
     assert _stream_observer.observers == before
+
+
+def test_race_shaking_delays_the_cuda_streams_while_active() -> None:
+    before = list(_stream_observer.delays)
+    with shake(3) as shaker:
+        assert STREAM_DELAY.conforms(shaker)
+        assert _stream_observer.delays[-1] is shaker
+    assert _stream_observer.delays == before

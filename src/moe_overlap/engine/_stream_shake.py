@@ -13,9 +13,10 @@ from collections.abc import Generator
 from moe_overlap.args import NON_NEGATIVE, Real, check_arg, refuse
 
 from ._torch_private import cuda_sleep
-from .core._stream_observer import delays
+from .contracts import Contract, method
+from .core._stream_observer import StreamDelay, delays
 
-__all__ = ["Shaker", "shake"]
+__all__ = ["STREAM_DELAY", "Shaker", "shake"]
 
 _NON_NEG = Real(min=0)
 
@@ -61,6 +62,12 @@ def shake(
     if probability > 1:
         raise refuse("shake: probability", "a probability (0 to 1)", probability)
     return _shaking(Shaker(seed, float(max_us), float(probability)))
+
+
+STREAM_DELAY: Contract[StreamDelay] = Contract(
+    StreamDelay, "a StreamDelay (race shaking's Shaker)", method("delay")
+)
+"""Its rule table (the Shaker is the one delay the library attaches)."""
 
 
 @contextlib.contextmanager
