@@ -9,13 +9,14 @@ starts dozens on two cores).
 ranks of a launch keep distinct string-hash seeds, as separate interpreters have); a
 zygote starts the first time it is asked for (or ahead, :func:`prestart`) and ends with
 the session. Another command, an environment a zygote cannot give (:func:`tests.zygote.startup`),
-or ``TESTS_FRESH_PROCESSES=1`` gets a plain subprocess.
+a machine with a CUDA device, or ``TESTS_FRESH_PROCESSES=1`` gets a plain subprocess.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -165,14 +166,24 @@ def _zygote(env: dict[str, str], index: int) -> Zygote:
 
 def prestart(env: dict[str, str], indices: range) -> None:
     """Start the zygotes ``indices`` for ``env`` now (their imports beside the first
-    tests), unless :data:`FRESH`."""
-    if os.environ.get(FRESH) != "1":
+    tests), unless :data:`FRESH` or on a machine with CUDA."""
+    if os.environ.get(FRESH) != "1" and not _has_cuda():
         for index in indices:
             _zygote(env, index)
 
 
 TORCHRUN_RANKS = 4
 """The zygotes a forked torchrun's ranks fork from (local rank ``i``: the ``i``-th, modulo)."""
+
+
+@functools.cache
+def _has_cuda() -> bool:
+    """A CUDA device here: processes start fresh (a rank forked from a zygote on a GPU
+    machine finds CUDA poisoned for forks, "Cannot re-initialize CUDA in forked subprocess";
+    the zygotes are for CI's two CPU cores)."""
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _forkable(argv: list[str]) -> bool:
@@ -189,7 +200,7 @@ def start(
     with ``env`` in ``cwd``, at once: forked from zygote ``index`` of the interpreters that
     start as ``env`` says (started the first time it is asked for), else (another ``argv``,
     or :data:`FRESH`) a plain subprocess (text output)."""
-    if os.environ.get(FRESH) != "1" and _forkable(argv):
+    if os.environ.get(FRESH) != "1" and not _has_cuda() and _forkable(argv):
         extra: dict[str, object] = {}
         if argv[1:3] == ["-m", "torch.distributed.run"]:  # its ranks forked too
             extra["workers"] = [_zygote(env, i).address for i in range(TORCHRUN_RANKS)]

@@ -303,6 +303,7 @@ def test_a_graphed_function_draws_the_random_numbers_eager_draws() -> None:
         torch.manual_seed(call)
         want = fn(x)
         (want_grad,) = torch.autograd.grad(want.sum(), x)
+        want = want.detach()  # its graph would hold the parameters' accumulators (below)
         after = torch.cuda.get_rng_state()
         torch.manual_seed(call)
         (got,) = block(x)
@@ -315,3 +316,24 @@ def test_a_graphed_function_draws_the_random_numbers_eager_draws() -> None:
     (again,) = block(x)
     assert block.copies == 2 and torch.equal(again, first)
     assert block.stats.captures == 2 and block.stats.eager_calls == 0
+
+
+def test_a_capture_while_an_eager_graph_holds_the_parameters_is_refused_clearly() -> None:
+    """An eager output kept alive across the first graphed call keeps its parameters'
+    gradient accumulators on the default stream, which a captured backward cannot wait on:
+    the library's error names the scope, the cause and the fix (not CUDA's invalidated
+    capture alone); with the output dropped, the next call captures and is exact."""
+    linear = torch.nn.Linear(64, 64, device="cuda")
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return linear(x)
+
+    block = GraphedBlock(fn, [linear], CudaGraphModule.attn, label="kept")
+    x = torch.randn(8, 64, device="cuda", requires_grad=True)
+    kept = fn(x)
+    with pytest.raises(ConfigError, match=r"kept: capturing the CUDA graph of scope 'attn'.*Drop"):
+        block(x)
+    want = kept.detach()
+    del kept
+    (got,) = block(x)
+    assert torch.equal(got, want) and block.copies == 1

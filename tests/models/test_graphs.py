@@ -136,3 +136,38 @@ def test_a_graphed_config_on_cpu_runs_a_node_schedule_and_recompute_exactly(
     blocks = graphed.graphed_blocks()
     assert blocks and all(b.copies == 0 for b in blocks)
     assert {b.stats.eager_calls for b in blocks} == {len(mbs) * (2 if recompute else 1)}
+
+
+@pytest.mark.parametrize(
+    ("raised", "converted"),
+    [
+        ("CUDA error: operation failed due to a previous error during capture", True),
+        ("operation not permitted when stream is capturing", True),
+        ("CUDA out of memory", False),
+    ],
+)
+def test_a_capture_cuda_invalidated_is_the_library_s_error_naming_causes_and_fixes(
+    monkeypatch: pytest.MonkeyPatch, raised: str, converted: bool
+) -> None:
+    """A failed capture (torch raises a RuntimeError, the capture invalidated) becomes a
+    ConfigError that names the block, its scope, the usual causes and the fixes, chained to
+    torch's; any other error of the capture passes through unchanged."""
+    linear = torch.nn.Linear(4, 4)
+    block = GraphedBlock(linear, [linear], CudaGraphModule.mlp, label="layer 0 mlp")
+
+    def fail(*_: object) -> None:
+        raise RuntimeError(raised)
+
+    monkeypatch.setattr(block, "_capture_claimed", fail)
+    x = torch.zeros(2, 4, requires_grad=True)
+    if not converted:
+        with pytest.raises(RuntimeError, match="out of memory") as info:
+            block._capture([x], list(linear.parameters()))  # pyright: ignore[reportPrivateUsage]
+        assert not isinstance(info.value, ConfigError)
+        return
+    with pytest.raises(ConfigError) as info:
+        block._capture([x], list(linear.parameters()))  # pyright: ignore[reportPrivateUsage]
+    message = str(info.value)
+    assert message.startswith("layer 0 mlp: capturing the CUDA graph of scope 'mlp' expected")
+    assert raised in message and ".item()" in message and "eager output or loss" in message
+    assert "out of cuda_graph_modules" in message and info.value.__cause__ is not None

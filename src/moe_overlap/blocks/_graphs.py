@@ -457,7 +457,23 @@ class GraphedBlock:
         # Captured delayed whoever calls: each backward replay then queues the weight
         # gradients for a schedule that claims the modules, or replays them at once.
         with WgradClaim([m for m in delayed if m.delay_wgrad]):
-            return self._capture_claimed(delayed, args, params)
+            try:
+                return self._capture_claimed(delayed, args, params)
+            except RuntimeError as error:  # torch.AcceleratorError too
+                if "captur" not in str(error):  # capture, capturing
+                    raise
+                raise ConfigError(
+                    f"{self.label}: capturing the CUDA graph of scope '{self.scope.name}' "
+                    "expected a function that only launches kernels, on parameters no older "
+                    "autograd graph holds, received a capture CUDA invalidated "
+                    f"({str(error).splitlines()[0]}). The usual causes: a host "
+                    "synchronisation inside the scope (.item(), .tolist(), a dropless "
+                    "router's counts), or an autograd graph from before the first graphed "
+                    "call still alive and using these parameters (an eager output or loss "
+                    "kept in a variable: its gradient accumulators sit on another stream). "
+                    "Drop or detach such outputs before the first graphed call, or leave "
+                    f"'{self.scope.name}' out of cuda_graph_modules"
+                ) from error
 
     def _capture_claimed(
         self,
