@@ -326,7 +326,8 @@ def test_a_capture_while_an_eager_graph_holds_the_parameters_is_refused_clearly(
     linear = torch.nn.Linear(64, 64, device="cuda")
 
     def fn(x: torch.Tensor) -> torch.Tensor:
-        return linear(x)
+        out: torch.Tensor = linear(x)
+        return out
 
     block = GraphedBlock(fn, [linear], CudaGraphModule.attn, label="kept")
     x = torch.randn(8, 64, device="cuda", requires_grad=True)
