@@ -31,7 +31,17 @@ the host keeps ahead of the GPU in each variant: the host's milliseconds of issu
 (the call's wall time; at this size the GPU never holds the host back) and the GPU's
 milliseconds of running it back to back (queued behind a device-side sleep, so it never waits
 for the host), both per layer pair (layers x microbatches pairs of one forward and one
-backward per step). Writes ``schedules.json`` and ``schedules.md`` to ``--out``::
+backward per step). Each variant also runs as its graphed twin (``graphs_<variant>``: each
+layer's attention and router as CUDA graphs, every copy captured before the timed steps,
+checked; ``graphs_fill_drain_recompute`` is not run, the model's own recomputation refusing
+graphs, and a twin the library refuses is left out with its reason), beside three plain
+references (:func:`plain_step`: the model without the schedule; ``plain_recompute`` with the
+model's recomputation; ``graphs_plain`` graphed), from which each schedule's share of host
+time: its host time less the plain step's doing the same work, over its own (none for
+``searched``, whose schedule recomputes slots itself). Every step of this pass is first
+compared with the eager serial step, bit for bit, under the same deterministic kernels as the
+main table's. On the CPU the graphed twins run eagerly (plumbing only). Writes
+``schedules.json`` and ``schedules.md`` to ``--out``::
 
     python benchmarks/bench_schedules.py --out benchmarks/results/schedules     # a GPU
     python benchmarks/bench_schedules.py --tiny --device cpu --iters 1 --out /tmp/s  # smoke
@@ -50,6 +60,7 @@ from pathlib import Path
 from typing import cast
 
 import torch
+from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -57,6 +68,7 @@ from bench_overlap import (  # the sibling benchmark's steps and passes
     Bench,
     JsonDict,
     comm_only_step,
+    describe,
     exactness,
     make_bench,
     median,
@@ -66,10 +78,11 @@ from bench_overlap import (  # the sibling benchmark's steps and passes
     switched,
     time_interleaved,
 )
-from moe_slice import LoopbackMode, SliceConfig
+from moe_slice import LoopbackMode, MoESliceLayer, MoESliceModel, SliceConfig
 from node_timing import Clock
 
-from moe_overlap import ConfigError, ScheduleOptions, combined_1f1b
+from moe_overlap import ChunkState, ConfigError, MoeOverlapError, ScheduleOptions, combined_1f1b
+from moe_overlap.blocks import PlainContext, discard_wgrad
 from moe_overlap.plan import (
     ActivationModel,
     Layout,
@@ -223,7 +236,7 @@ def measure(config: JsonDict, args: argparse.Namespace, contention: float) -> Js
     b = make_bench(cfg, args, n)
     schedule = NodeSchedule.parse(cast(str, config["best_order"]))
     fns = variants(b, schedule)
-    perturb = perturb_target([k for k in fns if k not in ("serial", "comm_only")])
+    perturb = perturb_target([k for k in (*fns, *HOST_ROWS) if k not in ("serial", "comm_only")])
     exact = exactness(b, fns, attention=args.exact_attention, perturb=perturb)
     times = time_interleaved(b, fns)
     ms = {k: median(v) for k, v in times.items()}
@@ -305,45 +318,222 @@ def host_and_gpu_ms(b: Bench, fn: Callable[[], object]) -> tuple[float, float | 
     return host, Clock.ms(start, end)
 
 
+GRAPHED = tuple(f"graphs_{k}" for k in (*TODAY, "searched"))
+"""The graphed twins of the host-bound pass: attention and router as CUDA graphs."""
+NOT_GRAPHED = {
+    "graphs_fill_drain_recompute": (
+        "not run: the model's own recomputation (MoESliceModel.set_recompute) refuses CUDA graphs"
+    )
+}
+"""Twins this model cannot run, and why (their rows say it)."""
+PLAIN = ("plain", "plain_recompute", "graphs_plain")
+"""The host-bound pass's references: the same model without the schedule."""
+HOST_ROWS = (*TODAY, "searched", *GRAPHED, *PLAIN)
+PLAIN_OF = {
+    "serial": "plain",
+    "overlapped": "plain",
+    "fill_drain": "plain",
+    "fill_drain_recompute": "plain_recompute",
+    "graphs_serial": "graphs_plain",
+    "graphs_overlapped": "graphs_plain",
+    "graphs_fill_drain": "graphs_plain",
+}
+"""The plain step doing the same work as each schedule (its schedule's share of host time)."""
+NO_PLAIN = "the schedule recomputes whole slots itself: no plain step does the same work"
+
+
+def plain_step(b: Bench) -> list[Tensor]:
+    """The same model without the schedule: per microbatch, its pre-process, every layer's
+    four slots in order on one :class:`~moe_overlap.blocks.PlainContext` (nothing
+    detached), the loss and ``loss.backward()``, on the current stream; the losses.
+
+    What :func:`~moe_overlap.combined_1f1b` promises to equal, bit for bit."""
+    model = b.model
+    losses: list[Tensor] = []
+    for mb in b.mbs:
+        state = ChunkState(mb)
+        pre = model._preprocess(None, None, decoder_input=mb.decoder_input)  # pyright: ignore[reportPrivateUsage]
+        x = pre.decoder_input
+        for layer in model.decoder.layers:
+            assert isinstance(layer, MoESliceLayer)
+            ctx = PlainContext(state)
+            for slot in (
+                layer.slot_pre_dispatch,
+                layer.slot_dispatch,
+                layer.slot_mlp,
+                layer.slot_combine,
+            ):
+                out = slot(ctx, (x,))
+                assert isinstance(out, Tensor)
+                x = out
+        loss = model.output(x, None, None)
+        torch.autograd.backward([loss])
+        losses.append(loss.detach())
+    return losses
+
+
+def host_variants(b: Bench, schedule: NodeSchedule) -> dict[str, Callable[[], object]]:
+    """The host-bound pass's steps (:data:`HOST_ROWS` less :data:`NOT_GRAPHED`): today's
+    and the searched schedule, each graphed twin (each layer's attention and router run as
+    CUDA graphs, as ``bench_overlap.py`` graphs them), and the plain references."""
+    model = b.model
+    today = variants(b, schedule)
+
+    def graphed(fn: Callable[[], object]) -> Callable[[], object]:
+        return switched(
+            lambda: model.set_graphs(True, router=True), lambda: model.set_graphs(False), fn
+        )
+
+    fns = {k: today[k] for k in (*TODAY, "searched")}
+    fns.update({f"graphs_{k}": graphed(fn) for k, fn in dict(fns).items()})
+    fns["plain"] = lambda: plain_step(b)
+    fns["plain_recompute"] = switched(
+        lambda: model.set_recompute(True),
+        lambda: model.set_recompute(False),
+        lambda: plain_step(b),
+    )
+    fns["graphs_plain"] = graphed(lambda: plain_step(b))
+    for k in NOT_GRAPHED:
+        del fns[k]
+    return fns
+
+
+def graph_replays(model: MoESliceModel) -> int:
+    """How many graphed forwards the layers have replayed so far."""
+    layers = [m for m in model.decoder.layers if isinstance(m, MoESliceLayer)]
+    return sum(g.stats.forward_replays for m in layers for g in (m.attn_graph, m.router_graph))
+
+
+def refused(b: Bench, fns: dict[str, Callable[[], object]]) -> dict[str, str]:
+    """One step of each graphed variant of ``fns``; those the library refuses (its own
+    error), with the first line of why. A refused step's pending weight gradients are
+    dropped, so the next step starts clean."""
+    out: dict[str, str] = {}
+    for k in [k for k in fns if k.startswith("graphs_")]:
+        b.model.zero_grad(set_to_none=False)
+        try:
+            fns[k]()
+        except MoeOverlapError as error:
+            out[k] = f"not run: {str(error).splitlines()[0]}"
+            discard_wgrad(b.model)
+    b.model.zero_grad(set_to_none=False)
+    return out
+
+
 def host_bound(config: JsonDict, args: argparse.Namespace) -> JsonDict:
-    """Host and GPU milliseconds per layer pair of each variant at the host-bound size."""
+    """Host and GPU milliseconds per layer pair of each variant at the host-bound size,
+    eager and graphed, with the share of host time the schedule adds over the plain step.
+
+    In order: one step of each graphed twin (a twin the library refuses is left out, its
+    row saying why); the exactness pass (every step against the eager serial step, bit for
+    bit, under deterministic kernels, as the main table's); every graphed twin run until
+    its graphs are captured; then the timed steps, which must capture none."""
     n = cast(int, config["microbatches"])
     cfg = HOST_BOUND if not args.tiny else SliceConfig(hidden=64, ffn=32, tokens=64, head_dim=16)
     b = make_bench(cfg, args, n)
-    fns = variants(b, NodeSchedule.parse(cast(str, config["best_order"])))
-    pairs = cfg.num_layers * n
-    out: JsonDict = {"name": config["name"], "microbatches": n, "layer_pairs": pairs}
-    for k in (*TODAY, "searched"):
-        for _ in range(max(1, args.warmup)):
+    fns = host_variants(b, NodeSchedule.parse(cast(str, config["best_order"])))
+    skipped = {**NOT_GRAPHED, **refused(b, fns)}
+    fns = {k: fn for k, fn in fns.items() if k not in skipped}
+    perturb = perturb_target([k for k in (*HOST_ROWS, "compute_only") if k != "serial"])
+    exact = exactness(b, fns, attention=args.exact_attention, perturb=perturb)
+    failed = cast("list[str]", exact["failed"])
+    replays: dict[str, int] = {}
+    for k in [k for k in fns if k.startswith("graphs_")]:  # captured before any timing
+        for _ in range(max(1, args.warmup - 1) if b.device.type == "cuda" else 0):
             fns[k]()
-        samples = [host_and_gpu_ms(b, fns[k]) for _ in range(max(1, args.iters))]
+        before = graph_replays(b.model)
+        fns[k]()
+        replays[k] = graph_replays(b.model) - before
+    captured = b.model.graph_captures()
+    pairs = cfg.num_layers * n
+    rows: dict[str, JsonDict] = {}
+    for k, fn in fns.items():
+        for _ in range(max(1, args.warmup)):
+            fn()
+        samples = [host_and_gpu_ms(b, fn) for _ in range(max(1, args.iters))]
         host = median([h for h, _ in samples]) / pairs
         gpus = [g for _, g in samples if g is not None]
         gpu = median(gpus) / pairs if gpus else None
-        out[k] = {
+        rows[k] = {
             "host_ms_per_layer_pair": host,
             "gpu_ms_per_layer_pair": gpu,
             "host_over_gpu": None if gpu is None else host / gpu,
+            "bit_identical_to_serial": (k if k != "serial" else "serial (run to run)")
+            not in failed,
         }
+        if k in replays:
+            rows[k]["graph_replays_per_step"] = replays[k]
+    if b.model.graph_captures() != captured:
+        raise RuntimeError("bench_schedules: graphs were captured during the timed steps")
+    for k, row in rows.items():
+        if k in PLAIN:
+            continue
+        ref = PLAIN_OF.get(k)
+        if ref is not None and ref not in rows:  # refused by the library (its row says why)
+            row["no_plain_reference"] = f"{ref} was not run"
+            ref = None
+        elif ref is None:
+            row["no_plain_reference"] = NO_PLAIN
+        base = None if ref is None else cast(float, rows[ref]["host_ms_per_layer_pair"])
+        host = cast(float, row["host_ms_per_layer_pair"])
+        row["plain_reference"] = ref
+        row["schedule_host_ms_per_layer_pair"] = None if base is None else host - base
+        row["schedule_share_of_host"] = None if base is None else (host - base) / host
+    out: JsonDict = {"name": config["name"], "microbatches": n, "layer_pairs": pairs}
+    out.update({k: rows[k] if k in rows else {"skipped": skipped[k]} for k in HOST_ROWS})
+    out["graphs_captured"] = captured
+    out["graphs_on_device"] = b.device.type == "cuda"
+    out["exactness"] = exact
+    out["exactness_failed"] = failed
     return out
+
+
+HOST_NOTES = """
+Each schedule's `graphs_` twin runs each layer's attention and router as CUDA graphs, all
+captured before the timed steps. `plain`: the same model without the schedule (per
+microbatch its slots in order, then `loss.backward()`; `plain_recompute` with the model's
+own recomputation, `graphs_plain` graphed); "schedule's share" is the host time a schedule
+adds over the plain step doing the same work, over its own. "bit-identical": its losses and
+gradients against the eager serial step's, under deterministic kernels.
+"""
+
+CPU_NOTE = """
+On the CPU the graphed twins run eagerly (a graphed block needs CUDA) and host time includes
+the kernels themselves: these rows check the benchmark's plumbing only.
+"""
 
 
 def host_table(rows: list[JsonDict]) -> str:
     lines = [
         "| configuration | schedule | host ms per layer pair | GPU ms per layer pair "
-        "| host / GPU |",
-        "|---|---|---|---|---|",
+        "| host / GPU | schedule's host ms per layer pair (share) | bit-identical |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        for k in (*TODAY, "searched"):
+        for k in HOST_ROWS:
             v = cast(JsonDict, r[k])
+            if "skipped" in v:
+                lines.append(f"| {r['name']} | {k} | {v['skipped']} | | | | |")
+                continue
             gpu, ratio = v["gpu_ms_per_layer_pair"], v["host_over_gpu"]
+            extra = v.get("schedule_host_ms_per_layer_pair")
+            share = (
+                "reference"
+                if k in PLAIN
+                else "-"
+                if extra is None
+                else f"{cast(float, extra):.3f} ({cast(float, v['schedule_share_of_host']):.0%})"
+            )
             lines.append(
                 f"| {r['name']} | {k} | {cast(float, v['host_ms_per_layer_pair']):.3f} | "
                 f"{'-' if gpu is None else f'{cast(float, gpu):.3f}'} | "
-                f"{'-' if ratio is None else f'{cast(float, ratio):.2f}'} |"
+                f"{'-' if ratio is None else f'{cast(float, ratio):.2f}'} | {share} | "
+                f"{'yes' if v['bit_identical_to_serial'] else 'no'} |"
             )
-    return "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n" + HOST_NOTES
+    if not all(r["graphs_on_device"] for r in rows):
+        text += CPU_NOTE
+    return text
 
 
 def table(results: list[JsonDict]) -> str:
@@ -432,7 +622,12 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "schedules.md").write_text(text, "utf-8")
     print(text)
     print(f"wrote {args.out / 'schedules.json'} and {args.out / 'schedules.md'}")
-    if any(r["exactness_failed"] for r in results):
+    for h in hosts:  # what differed at the host-bound size (the rows say which)
+        exact = cast(JsonDict, h["exactness"])
+        for k in cast("list[str]", h["exactness_failed"]):
+            cmp = cast("dict[str, JsonDict]", exact["variants"])[k]
+            print(f"{h['name']}, host-bound size: {describe(k, 'serial', cmp)}", file=sys.stderr)
+    if any(r["exactness_failed"] for r in (*results, *hosts)):
         raise SystemExit("bench_schedules: a variant was not bit-identical to the serial step")
 
 

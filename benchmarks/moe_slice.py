@@ -30,7 +30,7 @@ from moe_overlap import (
     CudaGraphModule,
     Microbatch,
     PreprocessOutput,
-    TransformerLayerNode,
+    SlotContext,
     WgradLayer,
     WgradScope,
 )
@@ -206,7 +206,7 @@ class MoESliceLayer(nn.Module):
         return [self.experts] if self.delay_wgrad else []
 
     def slot_pre_dispatch(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+        self, node: SlotContext, inputs: tuple[Tensor, ...], /
     ) -> Tensor | tuple[Tensor, ...]:
         (x_SH,) = inputs
         if self.use_graphs:
@@ -226,13 +226,13 @@ class MoESliceLayer(nn.Module):
         return rows_PH
 
     def slot_dispatch(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+        self, node: SlotContext, inputs: tuple[Tensor, ...], /
     ) -> Tensor | tuple[Tensor, ...]:
         (rows_PH,) = inputs
         return loopback(rows_PH, self.loopback)
 
     def slot_mlp(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+        self, node: SlotContext, inputs: tuple[Tensor, ...], /
     ) -> Tensor | tuple[Tensor, ...]:
         (recv_PH,) = inputs
         cfg = self.cfg
@@ -247,7 +247,7 @@ class MoESliceLayer(nn.Module):
         return y_ECH.view(e, j, c // j, h).transpose(0, 1).reshape(e * c, h)
 
     def slot_combine(
-        self, node: TransformerLayerNode, inputs: tuple[Tensor, ...], /
+        self, node: SlotContext, inputs: tuple[Tensor, ...], /
     ) -> Tensor | tuple[Tensor, ...]:
         (y_PH,) = inputs
         state = node.layer_state

@@ -15,12 +15,15 @@ import os
 import socket
 import subprocess
 import sys
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from moe_overlap import ConfigError
 from moe_overlap.plan import load_profile
 from moe_overlap.steps import Direction, Slot, StreamKind
 from tests import forked
@@ -141,10 +144,38 @@ def test_bench_schedules_smoke(ran: Ran) -> None:
     assert load_profile(result["serial_slot_durations"])
     (host,) = json.loads((out / "schedules.json").read_text())["host_bound"]
     assert host["layer_pairs"] == 4 * 4  # tiny slice: 4 layers, 4 microbatches
-    for k in ("serial", "overlapped", "fill_drain", "fill_drain_recompute", "searched"):
+    today = ("serial", "overlapped", "fill_drain", "fill_drain_recompute", "searched")
+    graphed = [f"graphs_{k}" for k in today if k != "fill_drain_recompute"]
+    plain = ("plain", "plain_recompute", "graphs_plain")
+    for k in (*today, *graphed, *plain):
         assert host[k]["host_ms_per_layer_pair"] > 0
         assert host[k]["gpu_ms_per_layer_pair"] is None  # CPU: no device to time
-    assert "| main N=4 | searched |" in stdout.split("host-bound size")[1]
+        assert host[k]["bit_identical_to_serial"] is True
+    # Every step of the pass was checked against the eager serial step, the twins included.
+    assert set(host["exactness"]["variants"]) == {
+        "serial (run to run)",
+        *today[1:],
+        *graphed,
+        *plain,
+    }
+    assert host["exactness_failed"] == [] and "deterministic" in host["exactness"]["kernels"]
+    for k in graphed:  # CPU: graphed blocks run eagerly, nothing captured or replayed
+        assert host[k]["graph_replays_per_step"] == 0
+    assert host["graphs_captured"] == 0 and host["graphs_on_device"] is False
+    assert "set_recompute" in host["graphs_fill_drain_recompute"]["skipped"]
+    for k, ref in (("serial", "plain"), ("fill_drain_recompute", "plain_recompute")):
+        row = host[k]
+        assert row["plain_reference"] == ref
+        added = row["host_ms_per_layer_pair"] - host[ref]["host_ms_per_layer_pair"]
+        assert row["schedule_host_ms_per_layer_pair"] == pytest.approx(added)
+        assert row["schedule_share_of_host"] == pytest.approx(added / row["host_ms_per_layer_pair"])
+    assert host["graphs_overlapped"]["plain_reference"] == "graphs_plain"
+    assert host["searched"]["schedule_share_of_host"] is None
+    assert host["searched"]["no_plain_reference"]
+    table = stdout.split("host-bound size")[1]
+    for k in ("searched", "graphs_searched", "graphs_fill_drain_recompute", "graphs_plain"):
+        assert f"| main N=4 | {k} |" in table
+    assert "the graphed twins run eagerly" in table
 
 
 FrontierRows = list[tuple[dict[str, Any], dict[str, Any]]]
@@ -197,9 +228,49 @@ def test_bench_schedules_fits_the_frontier_s_contention(monkeypatch: pytest.Monk
     assert bench.fit_here(profile, config, num_layers=layers, overlapped_ms=1.0) is None
 
 
+def test_bench_schedules_leaves_out_a_graphed_twin_the_library_refuses(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A graphed twin the library refuses (its own error) is left out with the first line of
+    why; the eager steps are not run by the probe; any other error is not swallowed."""
+    bench = _benchmark_module("bench_schedules", monkeypatch)
+    ran: list[str] = []
+
+    def refuse() -> None:
+        raise ConfigError("MoESliceLayer attention: a capture refused\nthe usual causes")
+
+    def broken() -> None:
+        raise RuntimeError("not the library's")
+
+    b = types.SimpleNamespace(model=torch.nn.Module())
+    fns = {
+        "serial": lambda: ran.append("serial"),
+        "graphs_serial": lambda: ran.append("graphs_serial"),
+        "graphs_searched": refuse,
+    }
+    assert bench.refused(b, fns) == {
+        "graphs_searched": "not run: MoESliceLayer attention: a capture refused"
+    }
+    assert ran == ["graphs_serial"]
+    with pytest.raises(RuntimeError, match="not the library's"):
+        bench.refused(b, {"graphs_plain": broken})
+
+
 def test_bench_schedules_fails_when_the_searched_step_is_not_bit_identical(ran: Ran) -> None:
     done, _ = ran
     _fails(done, "a variant was not bit-identical")
+
+
+def test_bench_schedules_fails_when_a_graphed_twin_is_not_bit_identical(ran: Ran) -> None:
+    """One ulp in the graphed searched step at the host-bound size: its row says so and the
+    process exits 1 after writing the results."""
+    done, out = ran
+    _fails(done, "a variant was not bit-identical", "graphs_searched is not bit-identical")
+    (host,) = json.loads((out / "schedules.json").read_text())["host_bound"]
+    assert host["exactness_failed"] == ["graphs_searched"]
+    assert host["graphs_searched"]["bit_identical_to_serial"] is False
+    assert host["searched"]["bit_identical_to_serial"] is True
+    assert "| main N=4 | graphs_searched |" in (out / "schedules.md").read_text()
 
 
 def test_bench_overlap_fails_when_a_variant_is_not_bit_identical(ran: Ran) -> None:
@@ -533,6 +604,12 @@ RUNS: dict[str, Callable[[Path], subprocess.CompletedProcess[str]]] = {
             *("--out", str(out)),
             perturb="searched",
         )
+    ),
+    "test_bench_schedules_fails_when_a_graphed_twin_is_not_bit_identical": lambda out: _bench_run(
+        "bench_schedules.py",
+        *("--warmup", "0", "--iters", "1", "--configs", "main N=4", "--skip", "main"),
+        *("--out", str(out)),
+        perturb="graphs_searched",
     ),
     "test_bench_overlap_smoke": lambda out: _bench_run(
         "bench_overlap.py",
