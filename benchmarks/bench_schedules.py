@@ -32,7 +32,8 @@ the host keeps ahead of the GPU in each variant: the host's milliseconds of issu
 milliseconds of running it back to back (queued behind a device-side sleep, so it never waits
 for the host), both per layer pair (layers x microbatches pairs of one forward and one
 backward per step). Each variant also runs as its graphed twin (``graphs_<variant>``: each
-layer's attention and router as CUDA graphs, every copy captured before the timed steps,
+layer's attention as CUDA graphs, the router too with ``MOE_OVERLAP_BENCH_GRAPH_ROUTER=1``,
+every copy captured before the timed steps,
 checked; ``graphs_fill_drain_recompute`` is not run, the model's own recomputation refusing
 graphs, and a twin the library refuses is left out with its reason), beside three plain
 references (:func:`plain_step`: the model without the schedule; ``plain_recompute`` with the
@@ -51,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shlex
 import sys
@@ -319,7 +321,11 @@ def host_and_gpu_ms(b: Bench, fn: Callable[[], object]) -> tuple[float, float | 
 
 
 GRAPHED = tuple(f"graphs_{k}" for k in (*TODAY, "searched"))
-"""The graphed twins of the host-bound pass: attention and router as CUDA graphs."""
+"""The graphed twins of the host-bound pass: attention (and, with ``GRAPH_ROUTER``, the
+router) as CUDA graphs."""
+GRAPH_ROUTER = os.environ.get("MOE_OVERLAP_BENCH_GRAPH_ROUTER") == "1"
+"""The router graphed too: off by default, its capture in this model is one CUDA invalidates
+(the library's ``ConfigError`` names the usual causes; ``docs/graphs.md``)."""
 NOT_GRAPHED = {
     "graphs_fill_drain_recompute": (
         "not run: the model's own recomputation (MoESliceModel.set_recompute) refuses CUDA graphs"
@@ -374,14 +380,15 @@ def plain_step(b: Bench) -> list[Tensor]:
 
 def host_variants(b: Bench, schedule: NodeSchedule) -> dict[str, Callable[[], object]]:
     """The host-bound pass's steps (:data:`HOST_ROWS` less :data:`NOT_GRAPHED`): today's
-    and the searched schedule, each graphed twin (each layer's attention and router run as
-    CUDA graphs, as ``bench_overlap.py`` graphs them), and the plain references."""
+    and the searched schedule, each graphed twin (each layer's attention, and the router with
+    :data:`GRAPH_ROUTER`, run as CUDA graphs, as ``bench_overlap.py`` graphs them), and the
+    plain references."""
     model = b.model
     today = variants(b, schedule)
 
     def graphed(fn: Callable[[], object]) -> Callable[[], object]:
         return switched(
-            lambda: model.set_graphs(True, router=True), lambda: model.set_graphs(False), fn
+            lambda: model.set_graphs(True, router=GRAPH_ROUTER), lambda: model.set_graphs(False), fn
         )
 
     fns = {k: today[k] for k in (*TODAY, "searched")}
@@ -489,8 +496,8 @@ def host_bound(config: JsonDict, args: argparse.Namespace) -> JsonDict:
 
 
 HOST_NOTES = """
-Each schedule's `graphs_` twin runs each layer's attention and router as CUDA graphs, all
-captured before the timed steps. `plain`: the same model without the schedule (per
+Each schedule's `graphs_` twin runs each layer's attention as CUDA graphs (the router too
+with MOE_OVERLAP_BENCH_GRAPH_ROUTER=1), all captured before the timed steps. `plain`: the same model without the schedule (per
 microbatch its slots in order, then `loss.backward()`; `plain_recompute` with the model's
 own recomputation, `graphs_plain` graphed); "schedule's share" is the host time a schedule
 adds over the plain step doing the same work, over its own. "bit-identical": its losses and
