@@ -32,7 +32,7 @@ from beartype.roar import BeartypeException
 
 from moe_overlap.engine.core._errors import MoeOverlapError, TypeHintError
 
-__all__ = ["CLAW_DECORATOR", "install"]
+__all__ = ["install"]
 
 CLAW_DECORATOR = ("beartype.claw._ast._clawaststar", "__beartype__")
 """Where beartype's import hook finds the decorator it applies (module, name): every module
