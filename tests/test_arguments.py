@@ -13,11 +13,11 @@ a tensor. A real is any ``numbers.Real`` but a ``bool``, finite unless stated.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import importlib.util
 import numbers
-import re
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -59,6 +59,7 @@ from moe_overlap.steps import ChunkHooks, Step
 from moe_overlap.streams import CpuEvent, CpuStream, shake
 from moe_overlap.wgrad import check_wgrad_done, owed_wgrad
 
+from .debug_mode import refusal
 from .engine.toy_model import ToyConfig, ToyModel, make_microbatches
 
 # --- wrong values ---------------------------------------------------------------------------
@@ -917,7 +918,7 @@ def _entries() -> Iterator[Entry]:
     yield Entry(
         "register_fsdp_experts",
         ckpt.register_fsdp_experts,
-        lambda: dict(modules=[nn.Linear(2, 2)], expert_mesh=None),
+        lambda: dict(modules=[nn.Linear(2, 2)], expert_mesh=_mesh()),
         (Arg("modules", not_modules()), Arg("expert_mesh", JUNK)),
         valid_runs=False,  # a registered expert module needs an EP group of two ranks
     )
@@ -1015,13 +1016,14 @@ def _mesh() -> Any:
 
 ENTRIES = list(_entries())
 PAIRS = [(e, a) for e in ENTRIES for a in e.args]
-NEEDS_GROUP = {"fully_shard_slots"}
+NEEDS_GROUP = {"fully_shard_slots", "register_fsdp_experts"}
 
 
-@pytest.fixture
-def world_of_one(request: pytest.FixtureRequest) -> Iterator[None]:
-    """A one-rank gloo default group, for the entry points that shard over it."""
-    entry: Entry = request.node.callspec.params["entry"]
+@contextlib.contextmanager
+def group_for(entry: Entry) -> Iterator[None]:
+    """A one-rank gloo default group, for the entry points that shard over it or take a mesh
+    of it (a valid example must be valid by its annotations too: debug mode checks them all
+    before the library checks the wrong one); nothing for the others."""
     if entry.name not in NEEDS_GROUP:
         yield
         return
@@ -1030,6 +1032,13 @@ def world_of_one(request: pytest.FixtureRequest) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def world_of_one(request: pytest.FixtureRequest) -> Iterator[None]:
+    """:func:`group_for` the test's entry."""
+    with group_for(request.node.callspec.params["entry"]):
+        yield
 
 
 SETTINGS = settings(
@@ -1108,46 +1117,59 @@ def test_every_public_constructor_and_function_of_blocks_is_in_the_table() -> No
 # --- the named nonsense cases, one by one ----------------------------------------------------
 
 
-@pytest.mark.parametrize(
-    ("call", "match"),
-    [
-        (
-            lambda: b.TokenDispatcher(4, 2, kind=bad("all2all")),
-            r"TokenDispatcher: kind must be one of \['alltoall', 'loopback'\], received str 'all2all'",
-        ),
-        (
-            lambda: tiny_config(num_experts=0),
-            r"GPTMoEConfig\.num_experts: expected an int >= 1, received int 0",
-        ),
-        (
-            lambda: tiny_config(num_experts=True),
-            r"GPTMoEConfig\.num_experts: expected an int >= 1, received bool True",
-        ),
-        (
-            lambda: b.TopKRouter(8, 4, 5, aux_loss_coeff=0.0),
-            r"TopKRouter: topk must be an int in \[1, num_experts=4\], received int 5",
-        ),
-        (
-            lambda: tiny_config(moe_aux_loss_coeff=float("nan")),
-            r"moe_aux_loss_coeff: expected a finite real number >= 0, received float nan",
-        ),
-        (lambda: tiny_config(moe_aux_loss_coeff=-0.1), r"received float -0\.1"),
-        (
-            lambda: tiny_config(delay_wgrad_compute="yes"),
-            r"GPTMoEConfig\.delay_wgrad_compute: expected a bool, received str 'yes'",
-        ),
-        (
-            lambda: b.GraphedBlock(lambda x: x, [], bad("attn"), label="b"),
-            r"GraphedBlock: scope must be a CudaGraphModule .*received str 'attn'; pass the member",
-        ),
-        (
-            lambda: fsdp.fully_shard_slots(tiny_model()),
-            r"fully_shard_slots: expected a process group .*not initialized",
-        ),
-    ],
-)
-def test_named_nonsense_is_refused(call: Callable[[], object], match: str) -> None:
-    with pytest.raises(MoeOverlapError, match=re.compile(match, re.DOTALL)):
+NAMED_NONSENSE: list[tuple[Callable[[], object], str, str | None]] = [
+    (
+        lambda: b.TokenDispatcher(4, 2, kind=bad("all2all")),
+        r"TokenDispatcher: kind must be one of \['alltoall', 'loopback'\], received str 'all2all'",
+        "kind",
+    ),
+    (
+        lambda: tiny_config(num_experts=0),
+        r"GPTMoEConfig\.num_experts: expected an int >= 1, received int 0",
+        None,
+    ),
+    (
+        lambda: tiny_config(num_experts=True),
+        r"GPTMoEConfig\.num_experts: expected an int >= 1, received bool True",
+        None,
+    ),
+    (
+        lambda: b.TopKRouter(8, 4, 5, aux_loss_coeff=0.0),
+        r"TopKRouter: topk must be an int in \[1, num_experts=4\], received int 5",
+        None,
+    ),
+    (
+        lambda: tiny_config(moe_aux_loss_coeff=float("nan")),
+        r"moe_aux_loss_coeff: expected a finite real number >= 0, received float nan",
+        None,
+    ),
+    (lambda: tiny_config(moe_aux_loss_coeff=-0.1), r"received float -0\.1", None),
+    (
+        lambda: tiny_config(delay_wgrad_compute="yes"),
+        r"GPTMoEConfig\.delay_wgrad_compute: expected a bool, received str 'yes'",
+        "delay_wgrad_compute",
+    ),
+    (
+        lambda: b.GraphedBlock(lambda x: x, [], bad("attn"), label="b"),
+        r"GraphedBlock: scope must be a CudaGraphModule .*received str 'attn'; pass the member",
+        "scope",
+    ),
+    (
+        lambda: fsdp.fully_shard_slots(tiny_model()),
+        r"fully_shard_slots: expected a process group .*not initialized",
+        None,
+    ),
+]
+"""(call, the library's message, the parameter whose annotation the value breaks, if any)."""
+
+
+@pytest.mark.parametrize(("call", "match", "hinted"), NAMED_NONSENSE)
+def test_named_nonsense_is_refused(
+    call: Callable[[], object], match: str, hinted: str | None
+) -> None:
+    """The library's message; in debug mode, where the value breaks the parameter's
+    annotation itself (``hinted``), beartype's ``TypeHintError`` naming it, first."""
+    with refusal(match, hinted):
         call()
 
 

@@ -69,6 +69,88 @@ def test_debug_mode_checks_calls(debug_python: DebugPython) -> None:
     assert out.stdout.strip() == "ok"
 
 
+def test_an_argument_whose_check_raises_is_a_type_hint_error(debug_python: DebugPython) -> None:
+    """A check that raises (``len()`` of a 0-d tensor against ``Iterable[str]``), or whose
+    report of a violation raises (a broken ``__repr__``), is the library's ``TypeHintError``
+    naming the parameter, in beartype's format, the bare exception its cause; functions and
+    methods alike."""
+    out = debug_python(
+        r"""
+        import re, torch
+        from torch import nn
+        import moe_overlap as m
+        from moe_overlap import blocks
+        from moe_overlap.integrations import checkpoint
+
+        class BrokenRepr:
+            def __repr__(self) -> str:
+                raise RuntimeError("no repr")
+
+        calls = [
+            (
+                lambda: checkpoint.register_expert_shards(
+                    nn.Linear(2, 2), torch.tensor(1), num_experts=2, group=None
+                ),
+                r"^Function \S*\.register_expert_shards\(\) parameter names=tensor\(1\) violates "
+                r"type hint collections\.abc\.Iterable\[str\], as checking it raised TypeError: "
+                r"len\(\) of a 0-d tensor; pass a value its annotation allows$",
+                TypeError,
+            ),
+            (
+                lambda: blocks.TokenDispatcher(4, 2, kind=BrokenRepr()),
+                r"^Method \S*\.TokenDispatcher\.__init__\(\) parameter kind=<BrokenRepr object> "
+                r"violates type hint .*Literal\['alltoall', 'loopback'\], and beartype's report "
+                r"of it raised RuntimeError: no repr",
+                RuntimeError,
+            ),
+        ]
+        for call, pattern, cause in calls:
+            try:
+                call()
+            except m.TypeHintError as e:
+                assert re.search(pattern, str(e)), str(e)
+                assert type(e.__cause__) is cause, repr(e.__cause__)
+            else:
+                raise AssertionError("accepted")
+        print("ok")
+        """,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip() == "ok"
+
+
+def test_an_error_of_the_call_itself_passes_unchanged(debug_python: DebugPython) -> None:
+    """An exception raised past the argument checks, by the call (or what it calls), is not
+    made a ``TypeHintError``: the very exception object propagates."""
+    out = debug_python(
+        """
+        from moe_overlap import args
+
+        mine = ValueError("the spec's own")
+
+        class Raising(args.Spec[int]):
+            def check(self, value: object) -> int:
+                raise mine
+
+        for call, expected in (
+            (lambda: args.check_arg("here", "n", 1, Raising("an int")), ValueError),
+            (lambda: args.Int(1).check(0), args.Mismatch),  # a method of the package
+        ):
+            try:
+                call()
+            except Exception as e:
+                assert type(e) is expected, repr(e)
+                assert e.__cause__ is None, repr(e.__cause__)
+                assert expected is not ValueError or e is mine
+            else:
+                raise AssertionError("accepted")
+        print("ok")
+        """,
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip() == "ok"
+
+
 def test_debug_mode_decorates_every_module_without_a_warning() -> None:
     """beartype can check every annotation of the package: a hint it cannot check (a
     Protocol that is not runtime-checkable, a class that cannot be subscripted at run time)

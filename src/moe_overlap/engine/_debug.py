@@ -49,19 +49,26 @@ def install_beartype() -> None:
     """Check every later-imported module of the package with beartype.
 
     Violations raise :class:`~moe_overlap.TypeHintError` (an ``IntegrationError``, so a
-    ``TypeError``); an ``int`` is accepted where the hint says ``float`` (PEP 484's
-    numeric tower). A parameter or return value typed with one of the library's Protocols
+    ``TypeError``), and so does an argument whose check raises (``len()`` of a 0-d tensor
+    checked against ``Iterable[str]``: ``_hint_errors.py``). Where a hint is narrower than
+    the library's own argument specs (:mod:`moe_overlap.args`), the specs win: an ``int``
+    hint accepts any :class:`numbers.Integral` (NumPy's integers, as ``args.Int``), a
+    ``float`` hint any :class:`numbers.Real` (an ``int``, NumPy's floats, as ``args.Real``);
+    the library's checks then refuse what the spec refuses (a ``bool``) with their own
+    message. A parameter or return value typed with one of the library's Protocols
     is checked with that Protocol's rule table (``Annotated[object, Is[<its table>]]``),
     the very check plans run at construction: each member looked up with ``getattr`` (an
     ``isinstance`` against a runtime Protocol misses ``nn.Module`` submodules on Python
     3.12+) and its value checked.
     """
+    import numbers
     from typing import Annotated
 
     from beartype import BeartypeConf, FrozenDict
     from beartype.claw import beartype_package
     from beartype.vale import Is
 
+    from moe_overlap.engine import _hint_errors
     from moe_overlap.engine.core import _protocols as protocols
     from moe_overlap.engine.core._errors import TypeHintError
 
@@ -72,11 +79,9 @@ def install_beartype() -> None:
         and kind.__module__ == protocols.__name__
         and getattr(kind, "_is_runtime_protocol", False)
     }
-    beartype_package(
-        "moe_overlap",
-        conf=BeartypeConf(
-            hint_overrides=FrozenDict(overrides),
-            is_pep484_tower=True,
-            violation_type=TypeHintError,
-        ),
-    )
+    # What the library's specs accept (args.Int, args.Real); replaces PEP 484's tower.
+    overrides[int] = int | numbers.Integral
+    overrides[float] = float | numbers.Real
+    conf = BeartypeConf(hint_overrides=FrozenDict(overrides), violation_type=TypeHintError)
+    _hint_errors.install("moe_overlap")  # before the hook: each module imports it
+    beartype_package("moe_overlap", conf=conf)
