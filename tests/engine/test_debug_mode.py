@@ -445,3 +445,16 @@ def test_debug_mode_runs_the_pipelining_integration_and_protocol_errors(
     )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_a_beartype_without_the_hook_s_decorator_warns_and_checks_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The argument-check translation leans on a private beartype name (the import hook's
+    decorator); a beartype that moved it gets a warning naming it, and nothing is wrapped."""
+    pytest.importorskip("beartype")
+    from moe_overlap.engine import _hint_errors
+
+    monkeypatch.setattr(_hint_errors, "CLAW_DECORATOR", ("beartype", "no_such_decorator"))
+    with pytest.warns(UserWarning, match=r"beartype has no beartype\.no_such_decorator"):
+        _hint_errors.install("moe_overlap")

@@ -23,6 +23,7 @@ import importlib
 import inspect
 import types
 import typing
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, cast
 
@@ -49,8 +50,19 @@ def install(package: str) -> None:
     Call it before the hook is installed (``beartype_package``): each module the hook rewrites
     imports the decorator when it is imported.
     """
-    module = importlib.import_module(CLAW_DECORATOR[0])
-    decorate = cast(_Decorate, getattr(module, CLAW_DECORATOR[1]))
+    try:
+        module = importlib.import_module(CLAW_DECORATOR[0])
+        decorate = cast(_Decorate, getattr(module, CLAW_DECORATOR[1]))
+    except (ImportError, AttributeError) as error:  # a beartype whose hook moved (a private name)
+        warnings.warn(
+            f"moe_overlap debug mode: this beartype has no {'.'.join(CLAW_DECORATOR)} "
+            f"({error}); debug mode still checks every annotation, but an argument whose "
+            "check itself raises (a value beartype cannot inspect) shows that exception "
+            "instead of a TypeHintError naming the parameter; beartype 0.23.1 is the tested "
+            "version",
+            stacklevel=2,
+        )
+        return
     if getattr(decorate, _WRAPPED, False):
         return
     setattr(module, CLAW_DECORATOR[1], _claw_decorator(decorate, package))
