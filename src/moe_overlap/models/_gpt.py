@@ -8,7 +8,8 @@ tied weight would receive two gradient contributions per microbatch (output laye
 post-process, embedding in pre-process) whose accumulation order into ``.grad`` differs
 between the plain backward (one graph: output-layer grad first) and the schedule (the two
 halves run in separate backward calls interleaved with another microbatch), and float
-addition is not associative across microbatches.
+addition is not associative across microbatches. Tying them anyway is refused:
+:func:`~moe_overlap.combined_1f1b` raises when it returns.
 """
 
 from __future__ import annotations
