@@ -281,6 +281,25 @@ def delay_option_without_delaying_layers(ctx: Ctx) -> None:
     combined_1f1b(ctx.model, ctx.mbs, options=ScheduleOptions(delay_wgrad_compute=True))
 
 
+def share(model: ToyModel, owner: torch.nn.Module, name: str, value: object) -> None:
+    """Set ``owner.<name>`` to what another node uses; ``undo_patches`` puts it back."""
+    model.__dict__.setdefault("_shared", []).append((owner, name, getattr(owner, name)))
+    setattr(owner, name, value)
+
+
+def parameter_used_by_two_nodes(ctx: Ctx) -> None:
+    model = ctx.model  # the output layer tied to the embedding: post- and pre-process use it
+    share(model, model.output, "weight", model.embedding.weight)
+    combined_1f1b(model, ctx.mbs)
+
+
+def delayed_module_listed_by_two_layers(ctx: Ctx) -> None:
+    layers = ctx.model.decoder.layers  # both layers list the one attention for delayed wgrad
+    share(ctx.model, layers[1], "attn", layers[0].attn)
+    ctx.model.set_delay(True)
+    combined_1f1b(ctx.model, ctx.mbs, options=ScheduleOptions(delay_wgrad_compute=True))
+
+
 def undeclared_delayed_module(ctx: Ctx) -> None:
     layer0(ctx).attn.delay = True  # delays, but the layer does not list it
     combined_1f1b(ctx.model, ctx.mbs)
@@ -1165,6 +1184,22 @@ CASES = [
         r"ScheduleOptions\(delay_wgrad_compute=True\) expected the layer to delay.*does not delay",
     ),
     Case(
+        parameter_used_by_two_nodes,
+        IntegrationError,
+        r"combined_1f1b: ToyModel: expected each parameter's gradient accumulated into \.grad "
+        r"at most once per microbatch .*received more accumulations than the 2 microbatches "
+        r"for \['embedding\.weight = output\.weight \(4 accumulations\)'\].*an output layer "
+        r"tied to the embedding.*zero them.*untie the weights",
+    ),
+    Case(
+        delayed_module_listed_by_two_layers,
+        WgradError,
+        r"ToyModel\.decoder\.layers\[1\]: expected the modules its pre_dispatch_wgrad\(\) / "
+        r"mlp_wgrad\(\) list to be its own, received modules holding 1 parameters that "
+        r"decoder\.layers\[0\] lists too \['decoder\.layers\.0\.attn\.weight = "
+        r"decoder\.layers\.1\.attn\.weight'\].*copy\.deepcopy the shared one",
+    ),
+    Case(
         undeclared_delayed_module,
         WgradError,
         r"computed when combined_1f1b returns.*'decoder\.layers\.0\.attn \(DelayedLinear\)': 2",
@@ -1698,6 +1733,8 @@ def undo_patches(model: ToyModel) -> None:
     for layer in model.decoder.layers:
         for name in (*SLOT_NAMES, "pre_dispatch_wgrad", "mlp_wgrad"):
             layer.__dict__.pop(name, None)
+    for owner, name, value in reversed(model.__dict__.pop("_shared", [])):
+        setattr(owner, name, value)
     model.set_delay(False)
     for module in model.modules():
         if isinstance(module, DelayedLinear):

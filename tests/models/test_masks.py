@@ -165,6 +165,34 @@ BAD: dict[str, tuple[dict[str, object], str]] = {
         {"loss_mask": torch.ones(32)},
         r"loss_mask: expected shape \[B, S\] = \[2, 16\]",
     ),
+    "labels_int32": (  # a tokenizer's int32 ids: cross_entropy takes int64 (or uint8) targets
+        {"labels": torch.zeros(2, 16, dtype=torch.int32)},
+        r"labels: expected an int64 \(or uint8\) tensor of token ids \[B, S\], received a "
+        r"int32 tensor of shape \[2, 16\]; pass labels\.long\(\)",
+    ),
+    "labels_float": (
+        {"labels": torch.zeros(2, 16)},
+        r"labels: expected an int64 \(or uint8\) tensor .*received a float32 tensor",
+    ),
+    "input_ids_float": (
+        {"input_ids": torch.zeros(2, 16)},
+        r"input_ids: expected an int64 \(or int32\) tensor of token ids \[B, S\], received a "
+        r"float32 tensor of shape \[2, 16\]; pass input_ids\.long\(\)",
+    ),
+    "input_ids_1d": (  # one sequence without its batch dimension
+        {"input_ids": torch.zeros(16, dtype=torch.long)},
+        r"input_ids: expected an int64 \(or int32\) tensor of token ids \[B, S\], received a "
+        r"int64 tensor of shape \[16\]; .*input_ids\[None\]",
+    ),
+    "position_ids_1d": (
+        {"position_ids": torch.arange(16)},
+        r"position_ids: expected shape \[B or 1, S\] = \[2 or 1, 16\] \(the tokens'\), "
+        r"received a int64 tensor of shape \[16\]",
+    ),
+    "position_ids_longer": (
+        {"position_ids": torch.arange(17).expand(2, 17)},
+        r"position_ids: expected shape \[B or 1, S\] = \[2 or 1, 16\].*shape \[2, 17\]",
+    ),
 }
 
 

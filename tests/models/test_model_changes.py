@@ -4,7 +4,8 @@ The schedule reads ``decoder.layers`` and each layer's submodules at every plan 
 layer added, removed or replaced, or a layer's attention, router, experts, shared expert
 or norm replaced, is followed exactly: the next step is bit-identical to plain
 per-microbatch ``backward()`` of the changed model. (CUDA graphs captured before the change
-are refused until ``reset_graphs()``: ``tests/models/test_gpu_graphs.py``.)
+are refused until ``reset_graphs()``: ``tests/models/test_gpu_graphs.py``.) A change that
+makes two nodes use one parameter (tied weights, a module shared by two layers) is refused.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from moe_overlap import Microbatch, combined_1f1b
+from moe_overlap import IntegrationError, Microbatch, WgradError, combined_1f1b
+from moe_overlap.engine._torch_wrappers import has_grad_hooks
 from moe_overlap.models import GPTMoEModel, MoELayer
 from tests.models._helpers import SMALL, assert_matches_plain
 
@@ -64,3 +66,68 @@ def test_a_changed_model_is_trained_as_it_is_now(change: str, delay: bool) -> No
     losses = combined_1f1b(model, mbs)
     assert_matches_plain(model, plain, mbs, losses)
     assert len(model.layer_list) == len(model.decoder.layers)
+
+
+Undo = Callable[[], object]
+
+
+def _tie(m: GPTMoEModel) -> Undo:
+    own = m.output_layer.weight
+    m.output_layer.weight = m.embedding.weight
+    return lambda: setattr(m.output_layer, "weight", own)
+
+
+def _listed_twice(m: GPTMoEModel) -> Undo:
+    m.decoder.layers.append(m.decoder.layers[1])
+    return lambda: m.decoder.layers.__delitem__(-1)
+
+
+def _share_router(m: GPTMoEModel) -> Undo:
+    own = m.decoder.layers[2].router
+    m.decoder.layers[2].router = _moe(m).router
+    return lambda: setattr(m.decoder.layers[2], "router", own)
+
+
+def _share_norm(m: GPTMoEModel) -> Undo:
+    own = m.final_norm
+    setattr(m, "final_norm", m.decoder.layers[2].pre_mlp_norm)  # noqa: B010 - not an RMSNorm to the types
+    return lambda: setattr(m, "final_norm", own)
+
+
+SHARES: dict[str, Callable[[GPTMoEModel], Undo]] = {
+    "the output layer tied to the embedding": _tie,
+    "a layer listed twice": _listed_twice,
+    "the router shared by two layers": _share_router,
+    "the final norm shared with a layer": _share_norm,
+}
+TWO_NODES = (
+    IntegrationError,
+    r"expected each parameter's gradient accumulated into \.grad at most once per microbatch",
+)
+TWO_LAYERS = (
+    WgradError,
+    r"expected the modules its pre_dispatch_wgrad\(\) / mlp_wgrad\(\) list to be its own",
+)
+
+
+@pytest.mark.parametrize("delay", [False, True])
+@pytest.mark.parametrize("change", list(SHARES))
+def test_a_parameter_two_nodes_use_is_refused(change: str, delay: bool) -> None:
+    """Each node's backward adds its part to ``.grad`` on its own, between other
+    microbatches' parts: not plain ``backward()``'s one sum per microbatch, so refused
+    (delayed weight gradients of a module two layers list: at plan build), also after
+    clean steps; undone, the same model trains exactly again, with no hook left."""
+    model = GPTMoEModel(dataclasses.replace(SMALL, delay_wgrad_compute=delay))
+    combined_1f1b(model, _microbatches(0))  # clean: later steps count nothing ...
+    combined_1f1b(model, _microbatches(0))
+    undo = SHARES[change](model)  # ... until the parameters change
+    kind, match = TWO_LAYERS if delay and change == "a layer listed twice" else TWO_NODES
+    with pytest.raises(kind, match=match):
+        combined_1f1b(model, _microbatches(1))
+    assert not any(has_grad_hooks(p) for p in model.parameters())
+    undo()
+    model.zero_grad(set_to_none=True)
+    plain = copy.deepcopy(model)
+    mbs = _microbatches(2)
+    losses = combined_1f1b(model, mbs)
+    assert_matches_plain(model, plain, mbs, losses)

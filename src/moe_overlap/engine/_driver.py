@@ -20,6 +20,7 @@ from ._inputs import check_inputs
 from ._node_order_check import check_node_order
 from ._owed_wgrad import check_wgrad_done, declared_wgrad, node_schedule_running
 from ._plain_check import check_first_step
+from ._shared_params import AccumulationCount
 from .contracts import OPT_STEP_OBSERVER
 from .core._chunk_plan import ModelChunkSchedulePlan, default_streams, device_of
 from .core._errors import ConfigError, IntegrationError
@@ -87,6 +88,10 @@ def combined_1f1b(
     every :meth:`ModelChunkSchedulePlan.run`. Delayed weight gradients are all computed by
     the time this returns: modules that count them (:class:`~moe_overlap.PendingWgrad`)
     are checked to owe none before and after the step (:class:`~moe_overlap.WgradError`).
+    A parameter two nodes of one microbatch accumulate into ``.grad`` (an output layer tied
+    to the embedding, a module shared by two layers) would be summed in another order than
+    plain ``backward()``: counted at the model's first step and whenever its parameters
+    change, it is an :class:`~moe_overlap.IntegrationError` when the step returns.
 
     The arguments are checked once per call (:class:`~moe_overlap.ConfigError`):
     ``microbatches`` a non-empty sequence of :class:`Microbatch` (not a generator),
@@ -174,12 +179,14 @@ def _step(
                 loss_scale,
                 compute=pair.comp,
             )
-        with inputs_checked(microbatches):  # above: once per microbatch, not again per plan
+        counted = AccumulationCount(model)  # a parameter two nodes accumulate
+        with inputs_checked(microbatches), counted:  # inputs: checked above, not per plan
             losses = _run(
                 model, microbatches, mode, options, streams, loss_scale, on_plan, observer
             )
     vote.phase = Phase.AFTER  # every all-to-all of the step completed
     check_wgrad_done(model, when="when combined_1f1b returns", declared=declared)
+    counted.check(len(microbatches))
     return [loss.detach() for loss in losses]
 
 

@@ -289,7 +289,9 @@ def check_wgrad_listed(
     modules (their ``parameters()``) or be a :class:`~moe_overlap.PendingWgrad` (its count
     is checked after the step). Otherwise its weight gradient could be delayed with
     nothing to compute it and nothing to notice: :class:`~moe_overlap.WgradError` naming
-    its path, at plan build.
+    its path, at plan build. A module two layers list (parameters in both lists) is a
+    ``WgradError`` too: whichever layer's ``backward_dw()`` ran first would compute both
+    layers' parts, added to ``.grad`` apart from the rest of the microbatch's.
 
     Costs one walk of the modules per model and set of listed modules (then a tuple
     compare per plan); a module added to a layer after the first plan is seen once the
@@ -313,11 +315,15 @@ def _scan(
     model: object, layers: Sequence[object], parts: Sequence[Sequence[object]]
 ) -> tuple[nn.Parameter, ...]:
     covered: set[int] = set()
-    for listed in parts:
+    for i, listed in enumerate(parts):
+        mine: set[int] = set()
         for part in listed:
             params: object = getattr(part, "parameters", None)
             if callable(params):
-                covered.update(map(id, cast("Iterator[nn.Parameter]", params())))
+                mine.update(map(id, cast("Iterator[nn.Parameter]", params())))
+        if mine & covered:
+            _listed_twice_error(model, parts, i, mine & covered)
+        covered |= mine
     frozen: list[nn.Parameter] = []
     inside: set[int] = set()
     for i, (layer, listed) in enumerate(zip(layers, parts, strict=True)):
@@ -362,6 +368,35 @@ def _uncovered(
             return path, module, trainable
         frozen.extend(p for _, p in loose)
     return None
+
+
+def _listed_twice_error(
+    model: object, parts: Sequence[Sequence[object]], index: int, shared: set[int]
+) -> NoReturn:
+    """Layer ``index`` lists a module holding parameters an earlier layer's lists hold."""
+    names: dict[int, list[str]] = {}
+    if isinstance(model, nn.Module):
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in shared:
+                names.setdefault(id(p), []).append(name)
+    shown = [" = ".join(n) for n in names.values()]
+    if len(shown) > 4:
+        shown = [*shown[:4], f"... {len(shown) - 4} more"]
+    first = next(
+        j
+        for j, listed in enumerate(parts[:index])
+        for part in listed
+        if isinstance(part, nn.Module) and any(id(p) in shared for p in part.parameters())
+    )
+    raise WgradError(
+        f"{type(model).__name__}.decoder.layers[{index}]: expected the modules its "
+        "pre_dispatch_wgrad() / mlp_wgrad() list to be its own, received modules holding "
+        f"{len(shared)} parameters that decoder.layers[{first}] lists too {shown}: a module "
+        "shared by two layers (or a layer listed twice) has its delayed weight gradients "
+        "computed by whichever layer's backward_dw() runs first, and the two layers' parts "
+        "added to .grad apart, in another order than plain backward() (not bit-identical). "
+        "Give each layer its own modules (copy.deepcopy the shared one)"
+    )
 
 
 def _at_path(path: str, module: object) -> str:

@@ -48,6 +48,7 @@ __all__ = [
     "storage_use_count",
     "tensor_base",
     "tensor_use_count",
+    "tensor_version",
 ]
 
 # how many references the StorageImpl at a storage's ``_cdata`` has (tensors over it, Python storage objects); no public API (sys.getrefcount counts Python references only); checked on 2.13 and 2.11.
@@ -70,6 +71,9 @@ def _no_count(t: Tensor) -> int:
 
 # how many references a tensor's TensorImpl has (its Python object, views' bases, autograd's saves and grad accumulator), 0 where torch has no ``Tensor._use_count``; no public API; checked on 2.13 and 2.11 (bound there: the fallback would pass unnoticed).
 tensor_use_count = cast("Callable[[Tensor], int]", getattr(Tensor, "_use_count", _no_count))
+
+# a tensor's version counter, bumped by every in-place write (the shared-parameter count reads whether AccumulateGrad added to ``.grad``); no public API (``Tensor._version`` is this attribute); checked on 2.13, not on 2.11.
+tensor_version = cast("Callable[[Tensor], int]", attrgetter("_version"))
 
 # an aten op overload's schema (``op._schema``: its arguments, which it writes); no public API; checked on 2.13, not on 2.11 (the stream-order checker runs in CPU tests only).
 op_schema = cast("Callable[[object], Any]", attrgetter("_schema"))

@@ -8,7 +8,8 @@ tied weight would receive two gradient contributions per microbatch (output laye
 post-process, embedding in pre-process) whose accumulation order into ``.grad`` differs
 between the plain backward (one graph: output-layer grad first) and the schedule (the two
 halves run in separate backward calls interleaved with another microbatch), and float
-addition is not associative across microbatches.
+addition is not associative across microbatches. Tying them anyway is refused:
+:func:`~moe_overlap.combined_1f1b` raises when it returns.
 """
 
 from __future__ import annotations
@@ -273,15 +274,23 @@ class GPTMoEModel(MegatronHooks, nn.Module):
 def check_reference_inputs(model: object, state: ChunkState) -> None:
     """Refuse, naming the field, what the reference model cannot take exactly.
 
-    The masks' dtypes and shapes (:func:`~moe_overlap.blocks.check_masks`), ``labels`` and
-    ``loss_mask`` shaped ``[B, S]`` like the tokens, and a ``padding_mask`` with ``labels``
-    but no ``loss_mask`` on a model with the loss (the loss would count the padded
+    ``input_ids`` integer ``[B, S]``, the masks' dtypes and shapes
+    (:func:`~moe_overlap.blocks.check_masks`), ``labels`` (integer) and ``loss_mask`` shaped
+    ``[B, S]`` like the tokens, ``position_ids`` ``[B or 1, S]``, and a ``padding_mask``
+    with ``labels`` but no ``loss_mask`` on a model with the loss (the loss would count the padded
     positions: pass ``loss_mask``, ``0`` at padding). ``B`` and ``S`` come from the token
     ids or the decoder input; a plan without either (a later pipeline stage given its input
     at run time) is checked by the layers instead. Reads no tensor values.
     """
     where = type(model).__name__
-    x = state.input_ids if state.input_ids is not None else state.decoder_input
+    ids = state.input_ids
+    if ids is not None and (ids.dim() != 2 or ids.dtype not in _ID_DTYPES):
+        fix = "input_ids.long()" if ids.dim() == 2 else "input_ids[None] for a batch of one"
+        raise ConfigError(
+            f"{where}: input_ids: expected an int64 (or int32) tensor of token ids [B, S], "
+            f"received {_described(ids)}; pass {fix}"
+        )
+    x = ids if ids is not None else state.decoder_input
     if x is None or x.dim() < 2:
         return
     B, S = x.shape[0], x.shape[1]
@@ -291,8 +300,20 @@ def check_reference_inputs(model: object, state: ChunkState) -> None:
         if t is not None and tuple(t.shape) != (B, S):
             raise ConfigError(
                 f"{where}: {name}: expected shape [B, S] = [{B}, {S}] (the tokens'), received "
-                f"a {str(t.dtype).removeprefix('torch.')} tensor of shape {list(t.shape)}"
+                f"{_described(t)}"
             )
+    labels = state.labels
+    if labels is not None and labels.dtype not in _LABEL_DTYPES:
+        raise ConfigError(
+            f"{where}: labels: expected an int64 (or uint8) tensor of token ids [B, S], "
+            f"received {_described(labels)}; pass labels.long()"
+        )
+    pos = state.position_ids
+    if pos is not None and (pos.dim() != 2 or pos.shape[0] not in (1, B) or pos.shape[1] != S):
+        raise ConfigError(
+            f"{where}: position_ids: expected shape [B or 1, S] = [{B} or 1, {S}] (the "
+            f"tokens'), received {_described(pos)}"
+        )
     post_process = bool(getattr(model, "post_process", True))
     if (
         post_process
@@ -307,6 +328,16 @@ def check_reference_inputs(model: object, state: ChunkState) -> None:
             "padded positions: pass loss_mask too (0 at padding, e.g. "
             "(~padding_mask).float())"
         )
+
+
+_ID_DTYPES = (torch.int64, torch.int32)
+"""What the embedding takes as token ids."""
+_LABEL_DTYPES = (torch.int64, torch.uint8)
+"""What ``cross_entropy`` takes as target ids."""
+
+
+def _described(t: Tensor) -> str:
+    return f"a {str(t.dtype).removeprefix('torch.')} tensor of shape {list(t.shape)}"
 
 
 def masked_cross_entropy(logits_BSV: Tensor, labels_BS: Tensor, loss_mask: Tensor | None) -> Tensor:

@@ -1,0 +1,149 @@
+"""A parameter whose gradient two nodes of one microbatch accumulate: refused after the step.
+
+Plain ``backward()`` sums the gradients of a parameter's uses in one microbatch inside
+autograd and adds that sum to ``.grad`` once. The schedule runs every node's backward on its
+own, so a parameter that two nodes use (an output layer tied to the embedding, a module
+shared by two layers, a layer listed twice) has its microbatch's parts added to ``.grad``
+one at a time, between other microbatches' parts: other rounding, not bit-identical.
+
+Counted while :func:`~moe_overlap.combined_1f1b` runs a model's first step, and again
+whenever its parameters change (added, replaced, shared, unfrozen): a post-accumulate-grad
+hook on every trainable parameter counts the calls that found ``.grad`` changed (another
+tensor, or written in place) since the last one. Autograd calls it once per backward pass
+that reaches the parameter, so a parameter one node uses counts at most once per
+microbatch, also when its weight gradient is delayed (the hook then sees the last
+microbatch's ``backward_dw``) or handed to another node (as the adapters do for tied
+embeddings: the node that hands it on adds nothing). More counts than microbatches: some
+microbatch accumulated it twice. A delayed weight gradient two layers compute by hand
+runs no hook of its own; a module two layers list is refused at plan build instead
+(``check_wgrad_listed``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable
+from types import TracebackType
+from typing import cast
+
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from ._torch_private import tensor_version
+from .core._errors import IntegrationError
+
+__all__ = ["AccumulationCount"]
+
+_Key = tuple[tuple[int, bool], ...]
+_Seen = tuple[int, int] | None
+
+# torch leaves the hook's type unannotated; its signature, given once.
+_register = cast(
+    "Callable[[Tensor, Callable[[Tensor], None]], RemovableHandle]",
+    Tensor.register_post_accumulate_grad_hook,  # pyright: ignore[reportUnknownMemberType]
+)
+
+# The models whose last counted step accumulated each parameter at most once per
+# microbatch, by the parameters they had then.
+_CLEAN: weakref.WeakKeyDictionary[object, _Key] = weakref.WeakKeyDictionary()
+
+
+class AccumulationCount:
+    """Count each trainable parameter's gradient accumulations during a step (a context),
+    then :meth:`check` them against the microbatches the step ran."""
+
+    def __init__(self, model: object) -> None:
+        self.model = model
+        self.key: _Key = ()
+        self.params: list[Tensor] = []
+        self.hooks: list[_Hook] = []
+        self.handles: list[RemovableHandle] = []
+        self.active = isinstance(model, nn.Module)
+        if not isinstance(model, nn.Module):
+            return
+        named = list(model.named_parameters(remove_duplicate=False))
+        self.key = tuple((id(p), p.requires_grad) for _, p in named)
+        with contextlib.suppress(TypeError):  # not weakref-able or not hashable: always
+            self.active = _CLEAN.get(model) != self.key
+        seen: set[int] = set()
+        for _, p in named:
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                self.params.append(p)
+
+    def __enter__(self) -> AccumulationCount:
+        if self.active:
+            self.hooks = [_Hook(p) for p in self.params]
+            self.handles = [
+                _register(p, hook) for p, hook in zip(self.params, self.hooks, strict=True)
+            ]
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+    def check(self, microbatches: int) -> None:
+        """Raise if a parameter was accumulated more often than ``microbatches`` times;
+        else remember the model as clean (its next steps count nothing until its
+        parameters change)."""
+        if not self.active:
+            return
+        over = {
+            id(p): h.count
+            for p, h in zip(self.params, self.hooks, strict=True)
+            if h.count > microbatches
+        }
+        self.hooks = []
+        if not over:
+            with contextlib.suppress(TypeError):
+                _CLEAN[self.model] = self.key
+            return
+        assert isinstance(self.model, nn.Module)
+        names: dict[int, list[str]] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            if id(p) in over:
+                names.setdefault(id(p), []).append(name)
+        shown = [f"{' = '.join(names[key])} ({n} accumulations)" for key, n in over.items()]
+        if len(shown) > 4:
+            shown = [*shown[:4], f"... {len(shown) - 4} more"]
+        raise IntegrationError(
+            f"combined_1f1b: {type(self.model).__name__}: expected each parameter's gradient "
+            "accumulated into .grad at most once per microbatch (by one node's backward), "
+            f"received more accumulations than the {microbatches} microbatches for {shown}: "
+            "two nodes use the parameter (an output layer tied to the embedding, a module "
+            "shared by two layers, a layer listed twice) and each adds its part on its own, "
+            "between other microbatches' parts, in another order than plain backward() (not "
+            "bit-identical). This step's gradients are not exact: zero them "
+            "(model.zero_grad(set_to_none=True)). Give each node its own parameters (untie "
+            "the weights, copy.deepcopy the shared module), or have one node hand its part "
+            "of the gradient to the other, so that .grad is written once per microbatch"
+        )
+
+
+class _Hook:
+    """One parameter's count: calls that found its ``.grad`` changed since the last."""
+
+    __slots__ = ("count", "seen")
+
+    def __init__(self, param: Tensor) -> None:
+        self.count = 0
+        self.seen = _state(param)
+
+    def __call__(self, param: Tensor) -> None:
+        now = _state(param)
+        if now != self.seen:
+            self.seen = now
+            self.count += 1
+
+
+def _state(param: Tensor) -> _Seen:
+    grad = param.grad
+    return None if grad is None else (id(grad), tensor_version(grad))
