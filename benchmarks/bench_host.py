@@ -60,7 +60,9 @@ class TrivialLayer(nn.Module):
     def __init__(self, config: TrivialConfig) -> None:
         super().__init__()
         self.cfg = config
-        self.w = nn.Parameter(torch.ones(4))
+        # One parameter per slot: a parameter two nodes accumulate is refused (its parts
+        # would reach .grad one node at a time, unlike plain backward()).
+        self.w = nn.ParameterList([nn.Parameter(torch.ones(())) for _ in range(4)])
 
     @property
     def config(self) -> TrivialConfig:
@@ -77,7 +79,8 @@ class TrivialLayer(nn.Module):
     def op(self, i: int, inputs: tuple[Tensor, ...]) -> Tensor:
         # An add saves no input for backward, so the free-input policy may free inputs.
         (x,) = inputs
-        return x + self.w[i]
+        w: Tensor = self.w[i]
+        return x + w
 
     def slot_pre_dispatch(
         self, node: SlotContext, inputs: tuple[Tensor, ...], /
