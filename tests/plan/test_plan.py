@@ -249,6 +249,8 @@ def test_refusals() -> None:
         plan(costs, Layout(pp=1, vpp=3, microbatches=4), "dualpipev")
     with pytest.raises(ConfigError, match="at least one layer per stage"):
         plan(costs, Layout(pp=2, vpp=2, microbatches=4), "serial")
+    with pytest.raises(ConfigError, match="received 2 layers for 20000 stages"):
+        plan(costs, Layout(pp=10_000, microbatches=4), "dualpipev")  # before lowering them
     with pytest.raises(ConfigError, match="Schedule"):
         plan(costs, Layout(), "2f2b")
     with pytest.raises(ConfigError, match="Layout.pp"):

@@ -22,7 +22,7 @@ from moe_overlap.engine import (
 from moe_overlap.integrations.pipelining import pair_overlap_f_b, schedule_order, stage_rank
 from moe_overlap.plan._layout import Layout, Schedule
 
-__all__ = ["Act", "Action", "Lowered", "lower"]
+__all__ = ["Act", "Action", "Lowered", "lower", "num_stages"]
 
 
 class Act(str, enum.Enum):
@@ -95,6 +95,15 @@ _MODES = {
 }
 _V = (Schedule.ZBV, Schedule.DUALPIPEV)
 _SINGLE = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
+
+
+def num_stages(schedule: Schedule, layout: Layout) -> int:
+    """How many model stages ``schedule`` cuts the model into on ``layout`` (before lowering
+    it, which takes time in the number of stages)."""
+    if schedule in _MODES and layout.pp == 1 and layout.vpp == 1:
+        return 1
+    per = 2 if schedule in _V else 1 if schedule in _SINGLE else layout.vpp
+    return layout.pp * per
 
 
 def lower(schedule: Schedule, layout: Layout) -> Lowered:

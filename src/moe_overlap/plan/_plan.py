@@ -9,12 +9,12 @@ from pathlib import Path
 from typing import Any, cast
 
 from moe_overlap.engine import ConfigError, Direction, Slot, SlotKey, StreamKind
-from moe_overlap.plan._actions import lower
+from moe_overlap.plan._actions import lower, num_stages
 from moe_overlap.plan._layout import Layout, Schedule
 from moe_overlap.plan._machine import Machine, p2p_ms, roofline_durations
 from moe_overlap.plan._model import ModelSpec
 from moe_overlap.plan._profile import profile_times
-from moe_overlap.plan._simulate import Costs, PlanSpan, RankFigures, simulate
+from moe_overlap.plan._simulate import Costs, PlanSpan, RankFigures, simulate, stage_layers
 
 __all__ = ["Plan", "costs_from_model", "costs_from_profile", "fit_contention", "plan"]
 
@@ -197,6 +197,7 @@ def plan(costs: Costs, layout: Layout, schedule: "Schedule | str") -> Plan:
     if not isinstance(cast(object, layout), Layout):
         raise ConfigError(f"plan: layout must be a Layout, received {type(layout).__name__}")
     which = Schedule.of(schedule)
+    stage_layers(costs.num_layers, num_stages(which, layout))  # refused before lowering
     lowered = lower(which, layout)
     sim = simulate(lowered, costs, layout)
     return Plan(which, layout, sim.step_ms, sim.ranks, sim.spans, lowered.torch_class)
