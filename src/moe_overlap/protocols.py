@@ -24,7 +24,7 @@ other names are for annotations only), so the schedule core (``engine/core``) im
 and debug mode loads it before installing beartype and tells beartype to leave Protocol
 checks to plan construction (see ``moe_overlap/engine/_debug.py``). ``Contract`` and
 ``contract_of`` stand on the core: they are read from :mod:`moe_overlap.engine.contracts`
-on first use.
+on first use, and documented there.
 """
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ if TYPE_CHECKING:  # annotations only; loading them would import the schedule co
     from moe_overlap.engine.core._streams import AnyStream
 
 __all__ = [
-    "Contract",
     "CudaGraphModule",
     "DeclaresInputs",
     "DecoderLike",
@@ -65,7 +64,6 @@ __all__ = [
     "ValidatesInputs",
     "WgradLayer",
     "WgradScope",
-    "contract_of",
 ]
 
 _RULE_TABLES = frozenset({"Contract", "contract_of"})

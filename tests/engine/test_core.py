@@ -149,6 +149,17 @@ def test_a_shared_module_imports_only_the_shared_modules_at_import(shared: str) 
     assert later == DEFERRED[shared], sorted(later ^ DEFERRED[shared])
 
 
+def test_the_protocols_read_the_rule_tables_on_first_use() -> None:
+    """``Contract`` and ``contract_of`` stay importable from ``moe_overlap.protocols``."""
+    from moe_overlap import protocols
+    from moe_overlap.engine import contracts
+
+    assert protocols.Contract is contracts.Contract
+    assert protocols.contract_of is contracts.contract_of
+    with pytest.raises(AttributeError, match="no attribute 'Contracts'"):
+        _ = protocols.Contracts
+
+
 def test_the_import_time_rule_skips_annotations_and_function_bodies() -> None:
     probe = (
         "from typing import TYPE_CHECKING\n"
