@@ -37,15 +37,6 @@ from moe_overlap.engine.core._node import weak_method as weak_method
 from moe_overlap.engine.core._options import ScheduleOptions as ScheduleOptions
 from moe_overlap.engine.core._process_nodes import PostProcessNode as PostProcessNode
 from moe_overlap.engine.core._process_nodes import PreProcessNode as PreProcessNode
-from moe_overlap.engine.core._protocols import CudaGraphModule as CudaGraphModule
-from moe_overlap.engine.core._protocols import MtpSchedulableLayer as MtpSchedulableLayer
-from moe_overlap.engine.core._protocols import PendingWgrad as PendingWgrad
-from moe_overlap.engine.core._protocols import PreprocessableModel as PreprocessableModel
-from moe_overlap.engine.core._protocols import SchedulableLayer as SchedulableLayer
-from moe_overlap.engine.core._protocols import SlotContext as SlotContext
-from moe_overlap.engine.core._protocols import StreamProvider as StreamProvider
-from moe_overlap.engine.core._protocols import WgradLayer as WgradLayer
-from moe_overlap.engine.core._protocols import WgradScope as WgradScope
 from moe_overlap.engine.core._state import ChunkState as ChunkState
 from moe_overlap.engine.core._state import LayerState as LayerState
 from moe_overlap.engine.core._state import PreprocessOutput as PreprocessOutput
@@ -65,6 +56,15 @@ from moe_overlap.errors import ScheduleError as ScheduleError
 from moe_overlap.errors import StreamError as StreamError
 from moe_overlap.errors import TypeHintError as TypeHintError
 from moe_overlap.errors import WgradError as WgradError
+from moe_overlap.protocols import CudaGraphModule as CudaGraphModule
+from moe_overlap.protocols import MtpSchedulableLayer as MtpSchedulableLayer
+from moe_overlap.protocols import PendingWgrad as PendingWgrad
+from moe_overlap.protocols import PreprocessableModel as PreprocessableModel
+from moe_overlap.protocols import SchedulableLayer as SchedulableLayer
+from moe_overlap.protocols import SlotContext as SlotContext
+from moe_overlap.protocols import StreamProvider as StreamProvider
+from moe_overlap.protocols import WgradLayer as WgradLayer
+from moe_overlap.protocols import WgradScope as WgradScope
 
 __version__ = "0.1.0"  # the one place: pyproject.toml reads it (hatch dynamic version)
 

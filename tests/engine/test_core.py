@@ -1,8 +1,9 @@
 """The schedule core (``engine/core``) imports no check: only itself, the standard library,
-torch, typing_extensions and the shared top-level module ``moe_overlap.args``, which imports
-nothing of the package but the errors. The checks attach to it through its hooks (guards,
-the CPU stream model's observer); where the core keeps a piece a rule table also states, the
-two agree."""
+torch, typing_extensions and the shared top-level modules ``moe_overlap.args``,
+``moe_overlap.errors`` and ``moe_overlap.protocols``, which import nothing of the package at
+import time but each other. The checks attach to it through its hooks (guards, the CPU
+stream model's observer); where the core keeps a piece a rule table also states, the two
+agree."""
 
 from __future__ import annotations
 
@@ -29,9 +30,25 @@ CORE = SRC / "engine" / "core"
 PACKAGE = "moe_overlap.engine.core"
 ALLOWED = frozenset(sys.stdlib_module_names) | {"torch", "typing_extensions", "_typeshed"}
 """What the core may import besides itself (``_typeshed``: typing only, never imported)."""
-SHARED = {"moe_overlap.args": {"moe_overlap.errors"}, "moe_overlap.errors": {f"{PACKAGE}._errors"}}
-"""The shared top-level modules the core may import, each with what of the package it may
-import in turn (the errors' classes are defined in the core and shown from ``errors``)."""
+SHARED: dict[str, set[str]] = {
+    "moe_overlap.args": {"moe_overlap.errors"},
+    "moe_overlap.errors": set(),
+    "moe_overlap.protocols": set(),
+}
+"""The shared top-level modules the core may import, each with what of the package it
+imports in turn at import time: only the shared modules, never the engine."""
+DEFERRED: dict[str, set[str]] = {
+    "moe_overlap.args": set(),
+    "moe_overlap.errors": set(),
+    "moe_overlap.protocols": {
+        f"{PACKAGE}._state",  # ChunkState, LayerState: annotations only
+        f"{PACKAGE}._steps",  # Step: annotations only
+        f"{PACKAGE}._streams",  # AnyStream: annotations only
+        "moe_overlap.engine.contracts",  # Contract, contract_of: read on first use
+    },
+}
+"""What of the package each shared module names but does not import at import time: in
+``if TYPE_CHECKING:`` blocks (annotations) and function bodies (attributes read lazily)."""
 
 
 def imported(source: str) -> list[str]:
@@ -50,6 +67,19 @@ def imported(source: str) -> list[str]:
                 found.append(f"{base}.{node.module}")
             else:  # from . import x: each name a module
                 found += [f"{base}.{alias.name}" for alias in node.names]
+    return found
+
+
+def imported_at_import(source: str) -> list[str]:
+    """The modules ``source`` (a top-level module) imports when it is imported: its
+    module-level imports, without ``if TYPE_CHECKING:`` blocks and function bodies."""
+    found: list[str] = []
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "a top-level module imports absolutely"
+            found.append(node.module or "")
     return found
 
 
@@ -106,13 +136,40 @@ def test_the_rule_finds_an_import_from_outside_the_core() -> None:
 
 
 @pytest.mark.parametrize("shared", sorted(SHARED))
-def test_a_shared_module_imports_no_more_of_the_package_than_its_own_list(shared: str) -> None:
-    """What the core may import outside itself reaches no check: ``moe_overlap.args`` imports
-    only the errors, which import only the core's error classes."""
+def test_a_shared_module_imports_only_the_shared_modules_at_import(shared: str) -> None:
+    """What the core may import outside itself reaches no check and no engine module when it
+    is imported: ``moe_overlap.args`` imports only the errors; the errors and the Protocols
+    import nothing of the package (their other names are for annotations, or read lazily),
+    so the core importing them starts no import cycle."""
     source = (SRC / f"{shared.rsplit('.', 1)[1]}.py").read_text()
-    package = {n for n in imported(source) if n.split(".")[0] == "moe_overlap"}
-    assert package <= SHARED[shared], sorted(package - SHARED[shared])
-    assert package, f"{shared} imports nothing of the package: is the list still needed?"
+    now = {n for n in imported_at_import(source) if n.split(".")[0] == "moe_overlap"}
+    assert now == SHARED[shared], sorted(now ^ SHARED[shared])
+    assert SHARED[shared] <= set(SHARED)
+    later = {n for n in imported(source) if n.split(".")[0] == "moe_overlap"} - now
+    assert later == DEFERRED[shared], sorted(later ^ DEFERRED[shared])
+
+
+def test_the_protocols_read_the_rule_tables_on_first_use() -> None:
+    """``Contract`` and ``contract_of`` stay importable from ``moe_overlap.protocols``."""
+    from moe_overlap import protocols
+    from moe_overlap.engine import contracts
+
+    assert protocols.Contract is contracts.Contract
+    assert protocols.contract_of is contracts.contract_of
+    with pytest.raises(AttributeError, match="no attribute 'Contracts'"):
+        _ = protocols.Contracts
+
+
+def test_the_import_time_rule_skips_annotations_and_function_bodies() -> None:
+    probe = (
+        "from typing import TYPE_CHECKING\n"
+        "from moe_overlap.errors import ConfigError\n"
+        "if TYPE_CHECKING:\n"
+        "    from moe_overlap.engine.core._state import ChunkState\n"
+        "def f() -> None:\n"
+        "    from moe_overlap.engine import contracts\n"
+    )
+    assert imported_at_import(probe) == ["typing", "moe_overlap.errors"]
 
 
 def _core_imports(module: str) -> set[str]:
@@ -122,17 +179,19 @@ def _core_imports(module: str) -> set[str]:
 
 
 def test_the_protocols_import_nothing_that_imports_them_back() -> None:
-    """core/_protocols.py's imports (annotations included) never reach it again."""
-    seen: set[str] = set()
-    todo = list(_core_imports("_protocols"))
+    """``moe_overlap.protocols``'s imports of the core (annotations included) never reach it
+    again, so debug mode can load it before the rest of the package."""
+    names = imported((SRC / "protocols.py").read_text())
+    todo = [n.rsplit(".", 1)[1] for n in names if n.startswith(f"{PACKAGE}.")]
     assert todo
+    seen: set[str] = set()
     while todo:
         module = todo.pop()
         if module in seen:
             continue
         seen.add(module)
         todo += _core_imports(module)
-    assert "_protocols" not in seen, sorted(seen)
+        assert "moe_overlap.protocols" not in imported((CORE / f"{module}.py").read_text()), module
 
 
 def test_the_megatron_config_fields_are_the_rule_tables() -> None:

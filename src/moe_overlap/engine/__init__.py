@@ -42,8 +42,6 @@ from moe_overlap.engine._owed_wgrad import check_wgrad_done as check_wgrad_done
 from moe_overlap.engine._owed_wgrad import owed_wgrad as owed_wgrad
 from moe_overlap.engine._owed_wgrad import pending_count as pending_count
 from moe_overlap.engine._stream_check import start_from_env as _start_from_env
-from moe_overlap.engine.core._errors import ConfigError as ConfigError
-from moe_overlap.engine.core._errors import MoeOverlapError as MoeOverlapError
 from moe_overlap.engine.core._macro import MacroStep as MacroStep
 from moe_overlap.engine.core._macro import ScheduleMode as ScheduleMode
 from moe_overlap.engine.core._macro import backward_microbatches as backward_microbatches
@@ -76,6 +74,8 @@ from moe_overlap.engine.core._streams import wait_stream as wait_stream
 from moe_overlap.engine.core._wgrad_claims import WgradClaim as WgradClaim
 from moe_overlap.engine.core._wgrad_claims import claim_wgrad as claim_wgrad
 from moe_overlap.engine.core._wgrad_claims import wgrad_claimed as wgrad_claimed
+from moe_overlap.errors import ConfigError as ConfigError
+from moe_overlap.errors import MoeOverlapError as MoeOverlapError
 
 _start_from_env()  # MOE_OVERLAP_STREAM_CHECK=1: the stream-order checker for the whole process
 

@@ -16,6 +16,8 @@ import torch
 from torch import Tensor
 
 from moe_overlap.args import BOOL, Instance, Int, Opt, check_arg
+from moe_overlap.errors import IntegrationError
+from moe_overlap.protocols import PreprocessableModel, SchedulableLayer
 
 from ._bypass_check import check_bypassed
 from ._conformance import (
@@ -44,12 +46,10 @@ from ._stream_check import _ON_ACTIVATE  # pyright: ignore[reportPrivateUsage]
 from ._torch_private import storage_cdata, storage_use_count, tensor_use_count
 from .contracts import Contract, attribute, method
 from .core._chunk_plan import ModelChunkSchedulePlan
-from .core._errors import IntegrationError
 from .core._executor import NodeSource
 from .core._layer_node import TransformerLayerNode
 from .core._microbatch import Microbatch
 from .core._node import ScheduleNode
-from .core._protocols import PreprocessableModel, SchedulableLayer
 from .core._recompute_hold import _HELD as _RECOMPUTE_HELD  # pyright: ignore[reportPrivateUsage]
 from .core._recompute_hold import held_for_recompute
 from .core._runner import ChunkRun

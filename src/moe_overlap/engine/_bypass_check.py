@@ -24,10 +24,11 @@ from typing import NamedTuple, NoReturn, cast
 
 from torch import nn
 
+from moe_overlap.errors import ConfigError
+
 from ._conformance import named
 from ._fsdp_check import check_fsdp, refuse_fsdp
 from ._torch_wrappers import Finding, Kind, find_wrapping
-from .core._errors import ConfigError
 
 __all__ = ["Bypass", "BypassedModule", "check_bypassed", "check_module"]
 

@@ -11,6 +11,17 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import cast
 
+from moe_overlap.errors import IntegrationError
+from moe_overlap.protocols import (
+    CudaGraphModule,
+    FreeInputConfig,
+    MtpSchedulableLayer,
+    PreprocessableModel,
+    SchedulableLayer,
+    WgradLayer,
+    WgradScope,
+)
+
 from .contracts import (
     DISPATCHER_BACKENDS,
     DISPATCHER_TYPES,
@@ -22,16 +33,6 @@ from .contracts import (
     already_checked,
     checks_memoized,
     named,
-)
-from .core._errors import IntegrationError
-from .core._protocols import (
-    CudaGraphModule,
-    FreeInputConfig,
-    MtpSchedulableLayer,
-    PreprocessableModel,
-    SchedulableLayer,
-    WgradLayer,
-    WgradScope,
 )
 
 __all__ = [

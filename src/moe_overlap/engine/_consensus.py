@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 
 from moe_overlap.args import GROUP, check_arg
-
-from .core._errors import ConfigError, ScheduleError
+from moe_overlap.errors import ConfigError, ScheduleError
 
 __all__ = ["Phase", "StepConsensus", "Verdict", "VotedStep", "verdict_error"]
 

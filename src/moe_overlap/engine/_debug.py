@@ -68,9 +68,9 @@ def install_beartype() -> None:
     from beartype.claw import beartype_package
     from beartype.vale import Is
 
+    from moe_overlap import protocols
     from moe_overlap.engine import _hint_errors
-    from moe_overlap.engine.core import _protocols as protocols
-    from moe_overlap.engine.core._errors import TypeHintError
+    from moe_overlap.errors import TypeHintError
 
     overrides: dict[object, object] = {
         kind: Annotated[object, Is[_rules(kind)]]

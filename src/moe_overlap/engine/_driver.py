@@ -10,6 +10,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from moe_overlap.args import BOOL, CALLABLE, Instance, Opt, Real, check_arg
+from moe_overlap.errors import ConfigError, IntegrationError
+from moe_overlap.protocols import PreprocessableModel, StepObserver
 
 from ._attached_checks import inputs_checked
 from ._bypass_check import check_bypassed
@@ -23,12 +25,10 @@ from ._plain_check import check_first_step
 from ._shared_params import AccumulationCount
 from .contracts import OPT_STEP_OBSERVER
 from .core._chunk_plan import ModelChunkSchedulePlan, default_streams, device_of
-from .core._errors import ConfigError, IntegrationError
 from .core._macro import ScheduleMode, backward_microbatches, forward_microbatches, macro_steps
 from .core._microbatch import Microbatch
 from .core._node_schedule import NodeSchedule
 from .core._options import ScheduleOptions
-from .core._protocols import PreprocessableModel, StepObserver
 from .core._runner import check_grad_mode, run_schedule, run_step
 from .core._state import ChunkState
 from .core._steps import Slot

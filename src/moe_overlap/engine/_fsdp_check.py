@@ -7,8 +7,9 @@ from functools import partial
 
 from torch import nn
 
+from moe_overlap.errors import ConfigError
+
 from ._conformance import named
-from .core._errors import ConfigError
 
 __all__ = ["check_fsdp", "refuse_fsdp"]
 

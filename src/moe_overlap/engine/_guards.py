@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from torch import Tensor
 
 from moe_overlap.args import BOOL
+from moe_overlap.protocols import PreprocessableModel, SchedulableLayer
 
 from .contracts import Contract, attribute, method
 from .core._chunk_plan import ModelChunkSchedulePlan
@@ -26,7 +27,6 @@ from .core._hooks import by_hook
 from .core._layer_node import TransformerLayerNode
 from .core._microbatch import Microbatch
 from .core._node import ScheduleNode
-from .core._protocols import PreprocessableModel, SchedulableLayer
 from .core._state import ChunkState
 
 __all__ = ["GUARD", "BaseGuard", "Guard", "attach", "without_guards"]

@@ -31,7 +31,7 @@ from beartype import BeartypeConf
 from beartype.door import is_bearable
 from beartype.roar import BeartypeException
 
-from moe_overlap.engine.core._errors import MoeOverlapError, TypeHintError
+from moe_overlap.errors import MoeOverlapError, TypeHintError
 
 __all__ = ["install"]
 

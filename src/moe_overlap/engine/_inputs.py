@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping
 from typing import cast
 
-from .core._errors import ConfigError, IntegrationError
+from moe_overlap.errors import ConfigError, IntegrationError
+
 from .core._state import ChunkState
 
 __all__ = ["ALWAYS_READ", "DEFAULT_INPUTS", "OPTIONAL_INPUTS", "check_inputs", "read_inputs"]

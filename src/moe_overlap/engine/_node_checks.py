@@ -17,9 +17,10 @@ from typing import cast
 import torch
 from torch import Tensor
 
+from moe_overlap.errors import IntegrationError
+
 from ._torch_private import storage_cdata, storage_use_count, tensor_use_count
 from ._torch_private import tensor_base as _base
-from .core._errors import IntegrationError
 from .core._node_errors import describe_tensor as _describe
 from .core._state import LayerState
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import cast
 
-from .core._errors import ConfigError
+from moe_overlap.errors import ConfigError
+
 from .core._node_schedule import NodeSchedule, microbatch_node_steps
 from .core._steps import ChunkShape, Direction, Slot, Step, StreamKind
 

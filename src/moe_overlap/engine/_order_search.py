@@ -15,8 +15,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import NamedTuple, cast
 
 from moe_overlap.args import NON_NEGATIVE, Instance, Real, check_arg, refuse
+from moe_overlap.errors import ConfigError
 
-from .core._errors import ConfigError
 from .core._macro import (
     MacroStep,
     ScheduleMode,

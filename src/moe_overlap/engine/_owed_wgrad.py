@@ -11,9 +11,9 @@ from typing import NoReturn, cast
 from torch import nn
 
 from moe_overlap.args import refuse
+from moe_overlap.errors import IntegrationError, WgradError
 
 from .contracts import MODEL, PENDING_WGRAD
-from .core._errors import IntegrationError, WgradError
 from .core._wgrad_claims import wgrad_claimed
 
 __all__ = [

@@ -26,12 +26,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from moe_overlap.errors import IntegrationError
+from moe_overlap.protocols import SchedulableLayer
+
 from ._conformance import check_wgrad_layers
 from ._owed_wgrad import check_wgrad_done, declared_wgrad, owed_wgrad, pending_count
 from ._torch_wrappers import has_grad_hooks
 from .core._backward_dw import BackwardDWWrapper
-from .core._errors import IntegrationError
-from .core._protocols import SchedulableLayer
 from .core._streams import AnyStream, current_stream, stream_context, wait_stream
 from .core._wgrad_claims import WgradClaim
 

@@ -30,8 +30,9 @@ from typing import cast
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from moe_overlap.errors import IntegrationError
+
 from ._torch_private import tensor_version
-from .core._errors import IntegrationError
 
 __all__ = ["AccumulationCount"]
 

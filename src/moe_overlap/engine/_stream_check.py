@@ -41,9 +41,10 @@ from typing import Any, cast
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef as _StorageWeakRef
 
+from moe_overlap.errors import StreamError
+
 from ._torch_private import TorchDispatchMode, op_schema, storage_cdata
 from .contracts import Contract, method
-from .core._errors import StreamError
 from .core._stream_observer import CpuStreamObserver
 from .core._stream_observer import observers as _OBSERVERS
 from .core._streams import cpu_default_stream

@@ -40,9 +40,8 @@ from moe_overlap.args import (
     refuse,
     shown,
 )
-
-from .core._errors import ConfigError, IntegrationError, MoeOverlapError
-from .core._protocols import (
+from moe_overlap.errors import ConfigError, IntegrationError, MoeOverlapError
+from moe_overlap.protocols import (
     DeclaresInputs,
     DecoderLike,
     FreeInputConfig,
@@ -62,6 +61,7 @@ from .core._protocols import (
     ValidatesInputs,
     WgradLayer,
 )
+
 from .core._state import ChunkState, LayerState
 
 __all__ = [

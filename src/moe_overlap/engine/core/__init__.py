@@ -15,19 +15,19 @@ other. Each floor imports only the floors below it::
     _node            the base node: forward on a stream between events, backward
     _wgrad_claims    which delayed modules a schedule computes the wgrad of
     _free_input      the free-input policy            _layer_args   what a layer node knows
-    _protocols       the Protocols a model, a layer and an observer implement
     _steps _state    steps and shapes; chunk and layer state; options (and the paired
     _options         orders, _order, and macro steps, _macro, below them); a whole node
                      schedule as data (_node_schedule)
     _streams         streams and events, CUDA or CPU; the microbatch (_microbatch)
     _node_errors     what a node raises itself
-    _errors          the error hierarchy; the hook lists (_hooks), the stream model's
-                     observer and delay hooks (_stream_observer), slot kinds (_kinds),
-                     recompute holds
+    _hooks           the hook lists; the stream model's observer and delay hooks
+                     (_stream_observer), slot kinds (_kinds), recompute holds
 
 It imports no check: only itself, the standard library, torch, typing_extensions and the
-shared top-level module :mod:`moe_overlap.args` (argument specs, ``check_arg``), which
-imports nothing of the package but the errors (``tests/engine/test_core.py``). The checks
+shared top-level modules :mod:`moe_overlap.protocols` (the Protocols a model, a layer and an
+observer implement), :mod:`moe_overlap.args` (argument specs, ``check_arg``) and
+:mod:`moe_overlap.errors` (the error hierarchy), which define what they show and import
+nothing of the package when imported but each other (``tests/engine/test_core.py``). The checks
 (``engine/_attached_checks.py`` and the modules it calls) attach to it from outside: as
 guards on the hook lists of ``_hooks``, each a ``Guard`` (``_guard``), and the stream-order
 checker as the CPU stream model's observer (``_stream_observer``); race shaking

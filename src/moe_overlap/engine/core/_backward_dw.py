@@ -5,10 +5,11 @@ from collections.abc import Iterator
 
 from torch.nn import Parameter
 
+from moe_overlap.protocols import GraphedWgradLayer, SchedulableLayer, WgradScope
+
 from ._free_input import graph_module_names
 from ._hooks import on_pre_dispatch_wgrad_listed
 from ._options import Hook
-from ._protocols import GraphedWgradLayer, SchedulableLayer, WgradScope
 
 __all__ = ["BackwardDWWrapper", "_BackwardDWWrapper"]
 

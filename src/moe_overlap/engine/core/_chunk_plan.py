@@ -8,7 +8,9 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from ._errors import ConfigError, PlanReleasedError, StreamError
+from moe_overlap.errors import ConfigError, PlanReleasedError, StreamError
+from moe_overlap.protocols import PreprocessableModel, SchedulableLayer, StepObserver
+
 from ._hooks import on_inputs_read, on_plan_built, on_plan_started
 from ._layer_node import refresh_collectives
 from ._layer_plan import TransformerLayerSchedulePlan
@@ -16,7 +18,6 @@ from ._microbatch import EMPTY_MICROBATCH, Microbatch
 from ._node import ScheduleNode
 from ._options import ChunkHooks, PostBackwardHook, PostForwardHook, PreHook, ScheduleOptions
 from ._process_nodes import PostProcessNode, PreProcessNode
-from ._protocols import PreprocessableModel, SchedulableLayer, StepObserver
 from ._runner import check_grad_mode, check_grads, run_step
 from ._state import ChunkState
 from ._steps import (

@@ -17,10 +17,11 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
-from ._errors import ScheduleError, freed_memory_hint
+from moe_overlap.errors import ScheduleError
+from moe_overlap.protocols import StepObserver
+
 from ._layer_node import TransformerLayerNode
 from ._node import ScheduleNode
-from ._protocols import StepObserver
 from ._steps import Direction, Role, Step, format_steps
 
 __all__ = ["NodeSource", "Value", "execute_roles"]
@@ -33,6 +34,23 @@ class NodeSource(Protocol):
     @property
     def microbatch_index(self) -> int | None: ...
     def node_for(self, step: Step) -> ScheduleNode: ...
+
+
+_FREED_MEMORY_HINT = (
+    "hint: a tensor released by the free-input policy was read again (a slot returned or "
+    "kept its input, or autograd saved it for backward); rerun with MOE_OVERLAP_DEBUG=1 to "
+    "find the slot at forward, see the free-input rules in docs/integrate.md, or pass "
+    "ScheduleOptions(free_input=False)"
+)
+
+# What torch says when a kernel touches a storage that ``resize_(0)`` emptied.
+_FREED_MESSAGES = ("data is not allocated yet", "setStorage", "out of bounds for storage")
+
+
+def _freed_memory_hint(exc: BaseException) -> str:
+    """:data:`_FREED_MEMORY_HINT` when ``exc`` looks like a read of freed input memory."""
+    text = str(exc)
+    return _FREED_MEMORY_HINT if any(m in text for m in _FREED_MESSAGES) else ""
 
 
 Value = tuple["Tensor | None", ...]
@@ -126,7 +144,7 @@ def _schedule_error(
         for key, p in plans.items()
         if key in (Role.F, Role.B) or p is not None
     )
-    hint = freed_memory_hint(exc)
+    hint = _freed_memory_hint(exc)
     message = (
         f"{position} ({pair}) failed with {type(exc).__name__}: {exc}\n"
         + (f"{hint}\n" if hint else "")

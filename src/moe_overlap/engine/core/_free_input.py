@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 
-from ._protocols import CudaGraphModule, FreeInputConfig
+from moe_overlap.protocols import CudaGraphModule, FreeInputConfig
 
 __all__ = ["CudaGraphModule", "graph_module_names", "should_free_input"]
 

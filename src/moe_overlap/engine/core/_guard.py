@@ -29,11 +29,12 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
+from moe_overlap.protocols import PreprocessableModel, SchedulableLayer
+
 from ._chunk_plan import ModelChunkSchedulePlan
 from ._layer_node import TransformerLayerNode
 from ._microbatch import Microbatch
 from ._node import ScheduleNode
-from ._protocols import PreprocessableModel, SchedulableLayer
 from ._state import ChunkState
 
 __all__ = ["Guard"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ._protocols import FreeInputConfig
+from moe_overlap.protocols import FreeInputConfig
 
 __all__ = ["LayerArgs"]
 

@@ -7,7 +7,9 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import Tensor
 
-from ._errors import IntegrationError, NodeStateError, WgradError
+from moe_overlap.errors import IntegrationError, NodeStateError, WgradError
+from moe_overlap.protocols import FreeInputConfig, SlotFn, StreamProvider, WgradLayer
+
 from ._free_input import should_free_input
 from ._hooks import (
     on_copies_backwarded,
@@ -21,7 +23,6 @@ from ._megatron import layer_args
 from ._node import _OWN_FORWARD, NodePhase, ScheduleNode, _as_tuple, default_backward  # pyright: ignore[reportPrivateUsage]
 from ._node_errors import second_backward_error
 from ._options import Hook
-from ._protocols import FreeInputConfig, SlotFn, StreamProvider, WgradLayer
 from ._slot_recompute import ForwardState, check_same, restore, snapshot
 from ._state import ChunkState, LayerState
 from ._streams import (

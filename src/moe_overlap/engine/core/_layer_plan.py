@@ -8,15 +8,8 @@ from typing import NoReturn, cast
 
 from torch import Tensor
 
-from ._backward_dw import BackwardDWWrapper
-from ._errors import ConfigError, PlanReleasedError
-from ._executor import Value, execute_roles
-from ._hooks import on_layer_started, on_mlp_wgrad_listed
-from ._layer_args import LayerArgs
-from ._layer_node import TransformerLayerNode
-from ._node import NoopScheduleNode, ScheduleNode
-from ._options import ScheduleOptions
-from ._protocols import (
+from moe_overlap.errors import ConfigError, PlanReleasedError
+from moe_overlap.protocols import (
     MtpSchedulableLayer,
     SchedulableLayer,
     SlotFn,
@@ -24,6 +17,14 @@ from ._protocols import (
     StreamProvider,
     WgradLayer,
 )
+
+from ._backward_dw import BackwardDWWrapper
+from ._executor import Value, execute_roles
+from ._hooks import on_layer_started, on_mlp_wgrad_listed
+from ._layer_args import LayerArgs
+from ._layer_node import TransformerLayerNode
+from ._node import NoopScheduleNode, ScheduleNode
+from ._options import ScheduleOptions
 from ._state import ChunkState, LayerState
 from ._steps import LayerShape, Role, Slot, Step, layer_pair_steps
 from ._streams import AnyEvent, StreamPair

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 from typing import cast
 
 from moe_overlap.args import NON_NEGATIVE, OneOf, check_arg, refuse
+from moe_overlap.errors import ConfigError
 
-from ._errors import ConfigError
 from ._kinds import Direction
 from ._step import Step
 

@@ -12,10 +12,10 @@ from typing import cast
 from typing_extensions import get_protocol_members
 
 from moe_overlap.args import BOOL, POSITIVE, Opt, check_arg
+from moe_overlap.errors import ConfigError
+from moe_overlap.protocols import FreeInputConfig
 
-from ._errors import ConfigError
 from ._layer_args import LayerArgs
-from ._protocols import FreeInputConfig
 
 __all__ = ["layer_args"]
 

@@ -10,8 +10,7 @@ from typing import Any
 from torch import Tensor
 
 from moe_overlap.args import ANY, BOOL, TENSOR, Instance, Opt, Spec, check_fields
-
-from ._errors import ConfigError
+from moe_overlap.errors import ConfigError
 
 __all__ = ["EMPTY_MICROBATCH", "Microbatch"]
 

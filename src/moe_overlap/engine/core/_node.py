@@ -16,10 +16,11 @@ from typing import ParamSpec, TypeVar, cast
 
 from torch import Tensor
 
-from ._errors import IntegrationError, NodeStateError
+from moe_overlap.errors import IntegrationError, NodeStateError
+from moe_overlap.protocols import NodeTimer, StreamProvider
+
 from ._hooks import on_before_release, on_node_entered, on_node_forwarded, on_node_left
 from ._node_errors import check_marked
-from ._protocols import NodeTimer, StreamProvider
 from ._streams import (
     AnyEvent,
     CpuEvent,

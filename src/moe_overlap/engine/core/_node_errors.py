@@ -13,7 +13,7 @@ from typing import cast
 
 from torch import Tensor
 
-from ._errors import IntegrationError
+from moe_overlap.errors import IntegrationError
 
 __all__ = ["SECOND_BACKWARD", "check_marked", "describe_tensor", "second_backward_error"]
 

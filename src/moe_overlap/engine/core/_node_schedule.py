@@ -17,8 +17,8 @@ from collections.abc import Iterable
 from typing import cast
 
 from moe_overlap.args import refuse
+from moe_overlap.errors import ConfigError
 
-from ._errors import ConfigError
 from ._kinds import Direction, Slot, StreamKind
 from ._step import Step
 from ._steps import ChunkShape, LayerShape

@@ -9,8 +9,8 @@ from typing import Literal
 from torch import Tensor
 
 from moe_overlap.args import BOOL, CALLABLE, Instance, Items, Mismatch, Opt, Spec, check_fields
+from moe_overlap.errors import ConfigError
 
-from ._errors import ConfigError
 from ._kinds import Slot
 from ._order import ScheduleOrder
 

@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from typing import cast
 
 from moe_overlap.args import refuse
+from moe_overlap.errors import ConfigError
 
-from ._errors import ConfigError
 from ._kinds import Direction, Role, Slot
 from ._step import Step
 

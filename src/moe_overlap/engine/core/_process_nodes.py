@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._errors import IntegrationError
+from moe_overlap.errors import IntegrationError
+from moe_overlap.protocols import PreprocessableModel, StreamProvider
+
 from ._node import _OWN_FORWARD, ScheduleNode  # pyright: ignore[reportPrivateUsage]
-from ._protocols import PreprocessableModel, StreamProvider
 from ._state import ChunkState, PreprocessOutput
 from ._streams import AnyEvent
 

@@ -22,12 +22,13 @@ from typing import Protocol, cast, runtime_checkable
 import torch
 from torch import Tensor
 
-from ._errors import ConfigError, IntegrationError, PlanReleasedError
+from moe_overlap.errors import ConfigError, IntegrationError, PlanReleasedError
+from moe_overlap.protocols import StepObserver
+
 from ._executor import NodeSource, Value, execute_roles
 from ._node import ScheduleNode
 from ._node_schedule import NodeSchedule
 from ._options import ChunkHooks
-from ._protocols import StepObserver
 from ._steps import ChunkShape, Direction, Role, Slot, Step, StreamKind, macro_node_steps
 from ._streams import StreamPair, stream_context, synchronize
 

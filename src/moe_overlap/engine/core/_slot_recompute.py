@@ -20,7 +20,8 @@ from collections.abc import Generator, Sequence
 import torch
 from torch import Tensor
 
-from ._errors import IntegrationError
+from moe_overlap.errors import IntegrationError
+
 from ._state import LayerState
 from ._torch_private import tensor_version
 

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar, cast
 from torch import Tensor
 
 from moe_overlap.args import refuse
+from moe_overlap.errors import IntegrationError, LayerStateAttributeError, NodeStateError
 
-from ._errors import IntegrationError, LayerStateAttributeError, NodeStateError
 from ._microbatch import Microbatch
 
 __all__ = ["ChunkState", "LayerState", "PreprocessOutput"]

@@ -12,8 +12,8 @@ import re
 from typing import NamedTuple, cast
 
 from moe_overlap.args import refuse
+from moe_overlap.errors import ConfigError
 
-from ._errors import ConfigError
 from ._kinds import Direction, Role, Slot, StreamKind
 
 __all__ = ["Step"]

@@ -12,7 +12,8 @@ A node step prints as ``b.L3.combine.B@comm`` and :meth:`Step.parse` reads that 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from ._errors import ConfigError
+from moe_overlap.errors import ConfigError
+
 from ._kinds import Direction, Role, Slot, StreamKind
 from ._order import PairKind, PairOrder, ScheduleOrder
 from ._step import Step

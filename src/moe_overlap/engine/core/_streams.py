@@ -30,8 +30,8 @@ from moe_overlap.args import (
     check_fields,
     refuse,
 )
+from moe_overlap.errors import StreamError
 
-from ._errors import StreamError
 from ._stream_observer import delays as _SHAKING
 from ._stream_observer import observers as _CHECKING
 

@@ -24,7 +24,7 @@ from typing import cast
 
 from torch import nn
 
-from ._protocols import HoldsDelayedModules
+from moe_overlap.protocols import HoldsDelayedModules
 
 __all__ = ["WgradClaim", "claim_wgrad", "claimed_members", "wgrad_claimed"]
 
