@@ -131,3 +131,17 @@ def test_a_parameter_two_nodes_use_is_refused(change: str, delay: bool) -> None:
     mbs = _microbatches(2)
     losses = combined_1f1b(model, mbs)
     assert_matches_plain(model, plain, mbs, losses)
+
+
+def test_a_shared_parameter_unfrozen_after_clean_steps_is_refused() -> None:
+    """Later steps of a clean model skip the walk while nothing was registered and no
+    ``requires_grad`` changed: unfreezing a tied (so far frozen, uncounted) parameter is
+    such a change, and the next step is refused."""
+    model = GPTMoEModel(SMALL)
+    _tie(model)
+    model.embedding.weight.requires_grad_(False)
+    combined_1f1b(model, _microbatches(0))
+    combined_1f1b(model, _microbatches(0))
+    model.embedding.weight.requires_grad_(True)
+    with pytest.raises(TWO_NODES[0], match=TWO_NODES[1]):
+        combined_1f1b(model, _microbatches(1))

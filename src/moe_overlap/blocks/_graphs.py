@@ -62,7 +62,7 @@ from moe_overlap import ConfigError, CudaGraphModule, IntegrationError, WgradErr
 from moe_overlap.args import CALLABLE, POSITIVE, Func, Instance, Items, Opt, check_arg
 from moe_overlap.blocks._delayed_linear import DelayedWgradModule, PendingItem, accumulate_grad
 from moe_overlap.blocks._torch_private import tree_leaves
-from moe_overlap.engine import DEBUG, WgradClaim, wgrad_claimed
+from moe_overlap.engine import DEBUG, WgradClaim, registrations, wgrad_claimed
 
 __all__ = ["GraphedBlock"]
 
@@ -203,23 +203,6 @@ _FN = Func("a callable of tensors", error=IntegrationError)
 _MODULES = Items(Instance(nn.Module, "an nn.Module", error=IntegrationError))
 
 
-class _Registrations:
-    """How many modules, parameters and buffers were registered in the process so far (by
-    torch's global registration hooks): unchanged means no submodule or parameter was
-    set or replaced anywhere, so a block need not walk its modules again."""
-
-    count = 0
-
-    @classmethod
-    def bump(cls, *_: object) -> None:
-        cls.count += 1
-
-
-_HOOKS = (
-    nn.modules.module.register_module_module_registration_hook(_Registrations.bump),
-    nn.modules.module.register_module_parameter_registration_hook(_Registrations.bump),
-    nn.modules.module.register_module_buffer_registration_hook(_Registrations.bump),
-)
 _SCOPE = Instance(
     CudaGraphModule,
     "a CudaGraphModule (it names the scope in errors and wgrad coverage)",
@@ -271,7 +254,7 @@ class GraphedBlock:
         self._signature: _Signature | None = None
         self._key: tuple[object, ...] | None = None
         self._all: tuple[nn.Parameter, ...] | None = None
-        self._walked = -1  # _Registrations.count when the parameters were last walked
+        self._walked = -1  # registrations() when the parameters were last walked
         self._delayed_modules: list[DelayedWgradModule] | None = None
 
     @property
@@ -373,8 +356,8 @@ class GraphedBlock:
         """Every parameter of the modules, walked again when anything was registered since
         the last walk (in debug mode at every call), which catches a submodule or parameter
         replaced by another object since the capture."""
-        if self._all is None or DEBUG or self._walked != _Registrations.count:
-            walked = _Registrations.count
+        if self._all is None or DEBUG or self._walked != registrations():
+            walked = registrations()
             found = tuple(p for _, p in self._named())
             if self._all is not None and (
                 len(found) != len(self._all)

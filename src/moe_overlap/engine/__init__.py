@@ -41,6 +41,7 @@ from moe_overlap.engine._order_search import replay as replay
 from moe_overlap.engine._owed_wgrad import check_wgrad_done as check_wgrad_done
 from moe_overlap.engine._owed_wgrad import owed_wgrad as owed_wgrad
 from moe_overlap.engine._owed_wgrad import pending_count as pending_count
+from moe_overlap.engine._registrations import registrations as registrations
 from moe_overlap.engine._stream_check import start_from_env as _start_from_env
 from moe_overlap.engine.core._macro import MacroStep as MacroStep
 from moe_overlap.engine.core._macro import ScheduleMode as ScheduleMode
@@ -123,6 +124,7 @@ __all__ = [
     "pending_count",  # integrations: ... per module
     "record_event",  # blocks: the all-to-all chunks order their streams as nodes do
     "record_tensor_on",  # blocks: ... and tell the caching allocator
+    "registrations",  # blocks: a graphed block walks its parameters again only after one
     "release_storage",  # blocks: ... and free as the free-input policy does
     "replay",  # plan: replays a step list against measured times
     "stream_context",  # blocks: the all-to-all chunks and the loopback switch streams

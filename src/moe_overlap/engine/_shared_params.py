@@ -17,6 +17,10 @@ embeddings: the node that hands it on adds nothing). More counts than microbatch
 microbatch accumulated it twice. A delayed weight gradient two layers compute by hand
 runs no hook of its own; a module two layers list is refused at plan build instead
 (``check_wgrad_listed``).
+
+A later step of a clean model walks nothing: no module, parameter or buffer registered in
+the process since (:func:`~moe_overlap.engine.registrations`) and no ``requires_grad``
+changed means the same parameters (debug mode walks again at every step).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from torch.utils.hooks import RemovableHandle
 
 from moe_overlap.errors import IntegrationError
 
+from ._debug import DEBUG
+from ._registrations import registrations
 from ._torch_private import tensor_version
 
 __all__ = ["AccumulationCount"]
@@ -45,9 +51,31 @@ _register = cast(
     Tensor.register_post_accumulate_grad_hook,  # pyright: ignore[reportUnknownMemberType]
 )
 
-# The models whose last counted step accumulated each parameter at most once per
-# microbatch, by the parameters they had then.
-_CLEAN: weakref.WeakKeyDictionary[object, _Key] = weakref.WeakKeyDictionary()
+
+class _Clean:
+    """A model whose last counted step accumulated each parameter at most once per
+    microbatch: its parameters then (``key``), and what tells cheaply that they are still
+    those: the process's registration count and each parameter's ``requires_grad``."""
+
+    __slots__ = ("grads", "key", "params", "registered")
+
+    def __init__(self, key: _Key, params: list[Tensor], registered: int) -> None:
+        self.key = key
+        self.params = params
+        self.grads = tuple(p.requires_grad for p in params)
+        self.registered = registered
+
+    def unchanged(self) -> bool:
+        """No parameter or module registered since, no ``requires_grad`` changed (debug
+        mode walks the model again regardless)."""
+        return (
+            not DEBUG
+            and self.registered == registrations()
+            and all(p.requires_grad is g for p, g in zip(self.params, self.grads, strict=True))
+        )
+
+
+_CLEAN: weakref.WeakKeyDictionary[object, _Clean] = weakref.WeakKeyDictionary()
 
 
 class AccumulationCount:
@@ -57,16 +85,28 @@ class AccumulationCount:
     def __init__(self, model: object) -> None:
         self.model = model
         self.key: _Key = ()
+        self.all: list[Tensor] = []
+        self.registered = 0
         self.params: list[Tensor] = []
         self.hooks: list[_Hook] = []
         self.handles: list[RemovableHandle] = []
         self.active = isinstance(model, nn.Module)
         if not isinstance(model, nn.Module):
             return
-        named = list(model.named_parameters(remove_duplicate=False))
-        self.key = tuple((id(p), p.requires_grad) for _, p in named)
+        clean: _Clean | None = None
         with contextlib.suppress(TypeError):  # not weakref-able or not hashable: always
-            self.active = _CLEAN.get(model) != self.key
+            clean = _CLEAN.get(model)
+        if clean is not None and clean.unchanged():  # no walk: the common, later step
+            self.active = False
+            return
+        self.registered = registrations()
+        named = list(model.named_parameters(remove_duplicate=False))
+        self.all = [p for _, p in named]
+        self.key = tuple((id(p), p.requires_grad) for p in self.all)
+        self.active = clean is None or clean.key != self.key
+        if not self.active:  # the same parameters: walk no more until something changes
+            with contextlib.suppress(TypeError):
+                _CLEAN[model] = _Clean(self.key, self.all, self.registered)
         seen: set[int] = set()
         for _, p in named:
             if p.requires_grad and id(p) not in seen:
@@ -105,7 +145,7 @@ class AccumulationCount:
         self.hooks = []
         if not over:
             with contextlib.suppress(TypeError):
-                _CLEAN[self.model] = self.key
+                _CLEAN[self.model] = _Clean(self.key, self.all, self.registered)
             return
         assert isinstance(self.model, nn.Module)
         names: dict[int, list[str]] = {}
