@@ -97,13 +97,17 @@ _V = (Schedule.ZBV, Schedule.DUALPIPEV)
 _SINGLE = (Schedule.GPIPE, Schedule.ONE_F_ONE_B)
 
 
+def _per_rank(schedule: Schedule, layout: Layout) -> int:
+    """Model stages per pipeline rank of a schedule lowered through torch's classes."""
+    return 2 if schedule in _V else 1 if schedule in _SINGLE else layout.vpp
+
+
 def num_stages(schedule: Schedule, layout: Layout) -> int:
     """How many model stages ``schedule`` cuts the model into on ``layout`` (before lowering
     it, which takes time in the number of stages)."""
     if schedule in _MODES and layout.pp == 1 and layout.vpp == 1:
         return 1
-    per = 2 if schedule in _V else 1 if schedule in _SINGLE else layout.vpp
-    return layout.pp * per
+    return layout.pp * _per_rank(schedule, layout)
 
 
 def lower(schedule: Schedule, layout: Layout) -> Lowered:
@@ -118,7 +122,7 @@ def lower(schedule: Schedule, layout: Layout) -> Lowered:
             f"vpp={layout.vpp}; for a pipeline pass 'combined_1f1b' (paired interleaved 1F1B) "
             "or 'dualpipev'"
         )
-    per = 2 if schedule in _V else 1 if schedule in _SINGLE else layout.vpp
+    per = _per_rank(schedule, layout)
     if schedule in _V + _SINGLE and layout.vpp not in (1, per):
         raise ConfigError(
             f"plan: {schedule.value} has {per} stage(s) per pipeline rank, received "
@@ -127,14 +131,14 @@ def lower(schedule: Schedule, layout: Layout) -> Lowered:
     cls = _TORCH[schedule]
     order = schedule_order(cls, pp=pp, stages_per_rank=per, n_microbatches=n)
     rank_of = stage_rank(cls, pp)
-    num_stages = pp * per
+    stages = pp * per
     if schedule is Schedule.COMBINED_1F1B:
-        order = pair_overlap_f_b(order, num_stages=num_stages, stage_to_rank=rank_of)
+        order = pair_overlap_f_b(order, num_stages=stages, stage_to_rank=rank_of)
     ranks = {
         r: [_renamed(cast(_TorchAction, a)) for a in acts if a is not None]
         for r, acts in order.items()
     }
-    return Lowered(ranks, num_stages, {s: rank_of(s) for s in range(num_stages)}, cls)
+    return Lowered(ranks, stages, {s: rank_of(s) for s in range(stages)}, cls)
 
 
 if TYPE_CHECKING:
