@@ -68,7 +68,15 @@ on, as Megatron's; ``compute_only`` (serial with the stand-in as one device copy
    else fails the benchmark (results written, exit 1, no timing unless
    ``--continue-after-inexact``). ``megatron_combined`` is reported, not required.
    ``MOE_OVERLAP_BENCH_PERTURB=<row>`` (``1``: the first library row) adds one ulp to that
-   row's first gradient: the failure path's test.
+   row's first gradient: the failure path's test. ``--exact-runs N`` repeats every step N
+   times against the one reference (a race shows in some runs, not all); ``--shake`` queues
+   seeded random delays (up to ``--max-delay-us``) on the library's streams at node
+   boundaries in every other run, so the streams slide against each other. A row is
+   bit-identical only if every run was; the tables give how many runs differed.
+   The exactness claim for the GPU comes from such a repeated run::
+
+       PYTHONPATH=src:. python3 benchmarks/bench_megatron_1gpu.py --exact-runs 10 --shake \
+           --skip-timing --out DIR
 2. **Timing**: ``--warmup`` untimed then ``--iters`` timed rounds, each running every
    variant once in an order rotated by one per round; milliseconds per step (CUDA events
    on the compute stream), median and spread ((max - min) / min). Then peak memory of one
@@ -140,6 +148,7 @@ from moe_overlap import (
 )
 from moe_overlap.blocks import HostLoopback, LoopbackMode, loopback
 from moe_overlap.steps import search_order
+from moe_overlap.streams import shake
 
 JsonDict = dict[str, Any]
 LOG: list[str] = []
@@ -473,10 +482,32 @@ def snapshot(model: nn.Module, losses: list[Tensor]) -> Run:
 
 
 # --- exactness --------------------------------------------------------------------------------
+def merge(runs: list[JsonDict]) -> JsonDict:
+    """One row from several runs' :func:`compare` results: bit-identical only if every run
+    was; the worst difference; how many runs differed, and which."""
+    bad = [i for i, r in enumerate(runs) if not r["bit_identical"]]
+    first = runs[bad[0]] if bad else runs[0]
+    return {
+        **first,
+        "bit_identical": not bad,
+        "losses_equal": all(r["losses_equal"] for r in runs),
+        "tensors_differing": max(r["tensors_differing"] for r in runs),
+        "max_abs_diff": max(r["max_abs_diff"] for r in runs),
+        "not_finite": any(r["not_finite"] for r in runs),
+        "runs": len(runs),
+        "runs_not_bit_identical": len(bad),
+        "bad_runs": bad[:8],
+    }
+
+
 def exactness(b: Bench, perturb: str | None) -> JsonDict:
-    """Every variant that computes gradients against a ``megatron_plain`` step (module doc)."""
+    """Every variant that computes gradients against a ``megatron_plain`` step (module doc),
+    ``--exact-runs`` times; with ``--shake``, every other run queues seeded random delays on
+    the library's streams at node boundaries (:func:`moe_overlap.streams.shake`: Megatron's
+    own schedule is not shaken)."""
     fns = b.variants()
     names = [k for k in fns if k not in ("compute_only", "comm_only")]
+    runs_n = max(1, int(b.args.exact_runs))
 
     def run(name: str) -> Run:
         b.model.zero_grad(set_to_none=True)
@@ -484,27 +515,48 @@ def exactness(b: Bench, perturb: str | None) -> JsonDict:
         sync(b.device)
         return snapshot(b.model, cast("list[Tensor]", out))
 
-    rows: JsonDict = {}
+    per_run: dict[str, list[JsonDict]] = {}
     with deterministic_kernels(b.device, "sdpa") as kernels:
         want = run("megatron_plain")
-        rows["megatron_plain (run to run)"] = compare(run("megatron_plain"), want)
         library = [n for n in names if n in LIBRARY]
-        for name in names[1:]:
-            got = run(name)
-            if perturb == name or (perturb == "1" and library and name == library[0]):
-                add_ulp(next(iter(got[1].values())))
-            rows[name] = compare(got, want)
-            del got
+        for r in range(runs_n):
+            shaken = bool(b.args.shake) and r % 2 == 1
+            with shake(r, max_us=b.args.max_delay_us) if shaken else contextlib.nullcontext():
+                per_run.setdefault("megatron_plain (run to run)", []).append(
+                    compare(run("megatron_plain"), want)
+                )
+                for name in names[1:]:
+                    got = run(name)
+                    if r == 0 and (
+                        perturb == name or (perturb == "1" and library and name == library[0])
+                    ):
+                        add_ulp(next(iter(got[1].values())))
+                    per_run.setdefault(name, []).append(compare(got, want))
+                    del got
+            if runs_n > 1:
+                log(
+                    f"[exact] run {r + 1}/{runs_n}{' (shaken)' if shaken else ''}: "
+                    + ", ".join(
+                        f"{k} {'ok' if v[-1]['bit_identical'] else 'DIFFERS'}"
+                        for k, v in per_run.items()
+                    )
+                )
     b.model.zero_grad(set_to_none=True)
+    rows = {name: merge(rs) for name, rs in per_run.items()}
     required = [k for k in rows if k != "megatron_combined"]
-    for name, r in rows.items():
+    for name, row in rows.items():
         log(
-            f"[exact] {name:28s} vs megatron_plain: bit_identical={r['bit_identical']!s:5s} "
-            f"differing={r['tensors_differing']}/{r['tensors']} max_abs={r['max_abs_diff']:.3g}"
+            f"[exact] {name:28s} vs megatron_plain: bit_identical={row['bit_identical']!s:5s} "
+            f"runs_differing={row['runs_not_bit_identical']}/{row['runs']} "
+            f"differing={row['tensors_differing']}/{row['tensors']} "
+            f"max_abs={row['max_abs_diff']:.3g}"
         )
     return {
         "kernels": kernels,
         "reference": "megatron_plain",
+        "runs": runs_n,
+        "shaken_runs": runs_n // 2 if b.args.shake else 0,
+        "max_delay_us": b.args.max_delay_us if b.args.shake else 0.0,
         "perturbed": perturb,
         "rows": rows,
         "required_bit_identical": required,
@@ -637,14 +689,18 @@ def markdown(result: JsonDict) -> str:
     exact = result.get("exactness")
     if exact is not None:
         lines += [
-            f"Exactness ({exact['kernels']}), against `megatron_plain`:",
+            f"Exactness ({exact['kernels']}), against `megatron_plain`, "
+            f"{exact.get('runs', 1)} run(s) per variant, {exact.get('shaken_runs', 0)} of them "
+            "with the library's streams shaken:",
             "",
-            "| variant | bit-identical | gradients differing | max abs diff |",
-            "|---|---|---|---|",
+            "| variant | bit-identical | runs differing | gradients differing | max abs diff |",
+            "|---|---|---|---|---|",
         ]
         for name, r in exact["rows"].items():
             lines.append(
                 f"| {name} | {'yes' if r['bit_identical'] else 'no'} | "
+                f"{r.get('runs_not_bit_identical', int(not r['bit_identical']))}"
+                f"/{r.get('runs', 1)} | "
                 f"{r['tensors_differing']}/{r['tensors']} | {r['max_abs_diff']:.3g} |"
             )
         lines.append("")
@@ -702,6 +758,13 @@ def main() -> int:
     p.add_argument("--skip-exact", action="store_true")
     p.add_argument("--skip-timing", action="store_true")
     p.add_argument("--continue-after-inexact", action="store_true")
+    p.add_argument(
+        "--exact-runs", type=int, default=1, help="repeat the exactness pass's steps N times"
+    )
+    p.add_argument(
+        "--shake", action="store_true", help="shake the library's streams every other run"
+    )
+    p.add_argument("--max-delay-us", type=float, default=3000.0, help="shaking's longest delay")
     args = p.parse_args()
     if args.tiny:
         for k, v in dict(

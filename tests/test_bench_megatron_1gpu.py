@@ -68,14 +68,29 @@ def test_bench_megatron_1gpu_smoke(tmp_path: Path) -> None:
 
 
 def test_bench_megatron_1gpu_fails_when_a_step_is_not_bit_identical(tmp_path: Path) -> None:
-    """One ulp in the overlapped step's gradients (Megatron keeping its dispatch input, the
-    workaround a run without the stand-in needs): exit 1 naming it, no timing."""
-    done = _run(tmp_path, "--no-search", "--keep-dispatch-input", perturb="overlapped")
+    """One ulp in the overlapped step's gradients of the first of three runs (Megatron
+    keeping its dispatch input, the workaround a run without the stand-in needs): exit 1
+    naming it, the row counts one run of three, no timing."""
+    done = _run(
+        tmp_path,
+        "--no-search",
+        "--keep-dispatch-input",
+        "--exact-runs",
+        "3",
+        "--shake",
+        perturb="overlapped",
+    )
     assert done.returncode == 1, done.stderr[-3000:]
     assert "EXACTNESS FAILED" in done.stderr
     assert "overlapped is not bit-identical to megatron_plain" in done.stderr
     result = json.loads((tmp_path / "megatron.json").read_text())
-    assert result["exactness"]["failed"] == ["overlapped"]
+    exact = result["exactness"]
+    assert exact["failed"] == ["overlapped"]
+    assert (exact["runs"], exact["shaken_runs"]) == (3, 1)
+    row = exact["rows"]["overlapped"]
+    assert (row["runs"], row["runs_not_bit_identical"], row["bad_runs"]) == (3, 1, [0])
+    assert exact["rows"]["fill_drain"]["runs_not_bit_identical"] == 0
+    assert "| overlapped | no | 1/3 |" in (tmp_path / "megatron.md").read_text()
     assert result["exactness"]["rows"]["megatron_combined"]["bit_identical"]
     assert result["workarounds"]["keep_dispatch_input"] is True
     assert "timing" not in result
