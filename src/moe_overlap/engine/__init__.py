@@ -1,15 +1,16 @@
 """The engine: the schedule core (:mod:`.core`) and the checks attached to it.
 
 The floor every other subpackage stands on; it imports none of them, only the shared
-top-level module :mod:`moe_overlap.args` (the argument specs every subpackage checks its
-arguments with). Its modules are private (``_*.py``), except
-:mod:`moe_overlap.engine.contracts` (each Protocol's rule table), which the other
-subpackages share. ``__all__`` below is what else they use of it, each name with
-who uses it and why; nothing more. Users import from :mod:`moe_overlap` and its public
-modules (:mod:`~moe_overlap.steps`, :mod:`~moe_overlap.streams`,
-:mod:`~moe_overlap.protocols`, :mod:`~moe_overlap.inputs`, :mod:`~moe_overlap.wgrad`,
-:mod:`~moe_overlap.errors`, :mod:`~moe_overlap.megatron`), which re-export the engine's
-private modules directly (``docs/concepts.md`` lists where each name lives).
+top-level modules: :mod:`moe_overlap.args` (the argument specs every subpackage checks its
+arguments with), the errors, the Protocols and :mod:`moe_overlap.microbatch`. Its modules
+are private (``_*.py``), except :mod:`moe_overlap.engine.contracts` (each Protocol's rule
+table), which the other subpackages share. ``__all__`` below is what else they use of it,
+each name with who uses it and why; nothing more. Users import from :mod:`moe_overlap` and
+its public modules (:mod:`~moe_overlap.steps`, :mod:`~moe_overlap.streams`,
+:mod:`~moe_overlap.protocols`, :mod:`~moe_overlap.microbatch`, :mod:`~moe_overlap.inputs`,
+:mod:`~moe_overlap.wgrad`, :mod:`~moe_overlap.errors`, :mod:`~moe_overlap.megatron`), which
+re-export the engine's private modules directly (``docs/concepts.md`` lists where each name
+lives).
 
 Importing the engine attaches the library's checks to the core as guards and, in debug
 mode (``MOE_OVERLAP_DEBUG=1``), installs beartype first, before any other module of the

@@ -17,6 +17,7 @@ from torch import Tensor
 
 from moe_overlap.args import BOOL, Instance, Int, Opt, check_arg
 from moe_overlap.errors import IntegrationError
+from moe_overlap.microbatch import Microbatch
 from moe_overlap.protocols import PreprocessableModel, SchedulableLayer
 
 from ._bypass_check import check_bypassed
@@ -48,7 +49,6 @@ from .contracts import Contract, attribute, method
 from .core._chunk_plan import ModelChunkSchedulePlan
 from .core._executor import NodeSource
 from .core._layer_node import TransformerLayerNode
-from .core._microbatch import Microbatch
 from .core._node import ScheduleNode
 from .core._recompute_hold import _HELD as _RECOMPUTE_HELD  # pyright: ignore[reportPrivateUsage]
 from .core._recompute_hold import held_for_recompute

@@ -11,6 +11,7 @@ from torch import Tensor
 
 from moe_overlap.args import BOOL, CALLABLE, Instance, Opt, Real, check_arg
 from moe_overlap.errors import ConfigError, IntegrationError
+from moe_overlap.microbatch import Microbatch
 from moe_overlap.protocols import PreprocessableModel, StepObserver
 
 from ._attached_checks import inputs_checked
@@ -26,7 +27,6 @@ from ._shared_params import AccumulationCount
 from .contracts import OPT_STEP_OBSERVER
 from .core._chunk_plan import ModelChunkSchedulePlan, default_streams, device_of
 from .core._macro import ScheduleMode, backward_microbatches, forward_microbatches, macro_steps
-from .core._microbatch import Microbatch
 from .core._node_schedule import NodeSchedule
 from .core._options import ScheduleOptions
 from .core._runner import check_grad_mode, run_schedule, run_step

@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from torch import Tensor
 
 from moe_overlap.args import BOOL
+from moe_overlap.microbatch import Microbatch
 from moe_overlap.protocols import PreprocessableModel, SchedulableLayer
 
 from .contracts import Contract, attribute, method
@@ -25,7 +26,6 @@ from .core._chunk_plan import ModelChunkSchedulePlan
 from .core._guard import Guard
 from .core._hooks import by_hook
 from .core._layer_node import TransformerLayerNode
-from .core._microbatch import Microbatch
 from .core._node import ScheduleNode
 from .core._state import ChunkState
 
