@@ -42,6 +42,7 @@ from moe_overlap.engine._order_search import replay as replay
 from moe_overlap.engine._owed_wgrad import check_wgrad_done as check_wgrad_done
 from moe_overlap.engine._owed_wgrad import owed_wgrad as owed_wgrad
 from moe_overlap.engine._owed_wgrad import pending_count as pending_count
+from moe_overlap.engine._recompute_hold import hold_for_recompute as hold_for_recompute
 from moe_overlap.engine._registrations import registrations as registrations
 from moe_overlap.engine._stream_check import start_from_env as _start_from_env
 from moe_overlap.engine.core._macro import MacroStep as MacroStep
@@ -51,7 +52,6 @@ from moe_overlap.engine.core._macro import forward_microbatches as forward_micro
 from moe_overlap.engine.core._macro import macro_steps as macro_steps
 from moe_overlap.engine.core._node_errors import check_marked as check_marked
 from moe_overlap.engine.core._options import Hook as Hook
-from moe_overlap.engine.core._recompute_hold import hold_for_recompute as hold_for_recompute
 from moe_overlap.engine.core._state import ChunkState as ChunkState
 from moe_overlap.engine.core._step import Step as Step
 from moe_overlap.engine.core._steps import ChunkShape as ChunkShape

@@ -42,6 +42,8 @@ from ._node_checks import (
     check_undetached_reads,
 )
 from ._owed_wgrad import check_wgrad_listed
+from ._recompute_hold import _HELD as _RECOMPUTE_HELD  # pyright: ignore[reportPrivateUsage]
+from ._recompute_hold import held_for_recompute
 from ._stream_check import _ACTIVE as _CHECKERS  # pyright: ignore[reportPrivateUsage]
 from ._stream_check import _ON_ACTIVATE  # pyright: ignore[reportPrivateUsage]
 from ._torch_private import storage_cdata, storage_use_count, tensor_use_count
@@ -50,8 +52,6 @@ from .core._chunk_plan import ModelChunkSchedulePlan
 from .core._executor import NodeSource
 from .core._layer_node import TransformerLayerNode
 from .core._node import ScheduleNode
-from .core._recompute_hold import _HELD as _RECOMPUTE_HELD  # pyright: ignore[reportPrivateUsage]
-from .core._recompute_hold import held_for_recompute
 from .core._runner import ChunkRun
 from .core._state import ChunkState
 from .core._steps import ChunkShape
