@@ -5,6 +5,7 @@ drives timelines, the critical-path bound and error messages (``docs/concepts.md
 """
 
 from moe_overlap.engine._node_order_check import check_node_order as check_node_order
+from moe_overlap.engine._node_order_check import microbatch_node_steps as microbatch_node_steps
 from moe_overlap.engine._order_search import OrderSearch as OrderSearch
 from moe_overlap.engine._order_search import ReplayedStep as ReplayedStep
 from moe_overlap.engine._order_search import SlotKey as SlotKey
@@ -22,7 +23,6 @@ from moe_overlap.engine.core._macro import forward_microbatches as forward_micro
 from moe_overlap.engine.core._macro import macro_steps as macro_steps
 from moe_overlap.engine.core._macro import parse_macro as parse_macro
 from moe_overlap.engine.core._node_schedule import NodeSchedule as NodeSchedule
-from moe_overlap.engine.core._node_schedule import microbatch_node_steps as microbatch_node_steps
 from moe_overlap.engine.core._options import ChunkHooks as ChunkHooks
 from moe_overlap.engine.core._order import PairKind as PairKind
 from moe_overlap.engine.core._order import PairOrder as PairOrder
