@@ -9,6 +9,7 @@ Protocols, streams and the errors. The rest lives in named modules:
   observers);
 - :mod:`moe_overlap.streams`: CPU stand-ins and stream helpers;
 - :mod:`moe_overlap.protocols`: every Protocol and its rule table;
+- :mod:`moe_overlap.microbatch`: the :class:`Microbatch` a plan is built from;
 - :mod:`moe_overlap.inputs`: which microbatch inputs a model reads;
 - :mod:`moe_overlap.wgrad`: what a model still owes of its delayed weight gradients;
 - :mod:`moe_overlap.errors`: the error hierarchy;
@@ -30,7 +31,6 @@ from moe_overlap.engine.core._layer_node import TransformerLayerNode as Transfor
 from moe_overlap.engine.core._layer_plan import (
     TransformerLayerSchedulePlan as TransformerLayerSchedulePlan,
 )
-from moe_overlap.engine.core._microbatch import Microbatch as Microbatch
 from moe_overlap.engine.core._node import NoopScheduleNode as NoopScheduleNode
 from moe_overlap.engine.core._node import ScheduleNode as ScheduleNode
 from moe_overlap.engine.core._node import weak_method as weak_method
@@ -56,6 +56,7 @@ from moe_overlap.errors import ScheduleError as ScheduleError
 from moe_overlap.errors import StreamError as StreamError
 from moe_overlap.errors import TypeHintError as TypeHintError
 from moe_overlap.errors import WgradError as WgradError
+from moe_overlap.microbatch import Microbatch as Microbatch
 from moe_overlap.protocols import CudaGraphModule as CudaGraphModule
 from moe_overlap.protocols import MtpSchedulableLayer as MtpSchedulableLayer
 from moe_overlap.protocols import PendingWgrad as PendingWgrad

@@ -4,7 +4,10 @@ A schedule here is an ordered list of typed steps that the runner walks; the sam
 drives timelines, the critical-path bound and error messages (``docs/concepts.md``).
 """
 
+from moe_overlap.engine._microbatch_order import ScheduleMode as ScheduleMode
+from moe_overlap.engine._microbatch_order import macro_steps as macro_steps
 from moe_overlap.engine._node_order_check import check_node_order as check_node_order
+from moe_overlap.engine._node_order_check import microbatch_node_steps as microbatch_node_steps
 from moe_overlap.engine._order_search import OrderSearch as OrderSearch
 from moe_overlap.engine._order_search import ReplayedStep as ReplayedStep
 from moe_overlap.engine._order_search import SlotKey as SlotKey
@@ -15,14 +18,11 @@ from moe_overlap.engine._order_search import replay as replay
 from moe_overlap.engine._order_search import search_order as search_order
 from moe_overlap.engine.core._chunk_plan import run_pair as run_pair
 from moe_overlap.engine.core._macro import MacroStep as MacroStep
-from moe_overlap.engine.core._macro import ScheduleMode as ScheduleMode
 from moe_overlap.engine.core._macro import backward_microbatches as backward_microbatches
 from moe_overlap.engine.core._macro import format_macro as format_macro
 from moe_overlap.engine.core._macro import forward_microbatches as forward_microbatches
-from moe_overlap.engine.core._macro import macro_steps as macro_steps
 from moe_overlap.engine.core._macro import parse_macro as parse_macro
 from moe_overlap.engine.core._node_schedule import NodeSchedule as NodeSchedule
-from moe_overlap.engine.core._node_schedule import microbatch_node_steps as microbatch_node_steps
 from moe_overlap.engine.core._options import ChunkHooks as ChunkHooks
 from moe_overlap.engine.core._order import PairKind as PairKind
 from moe_overlap.engine.core._order import PairOrder as PairOrder

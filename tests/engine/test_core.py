@@ -1,9 +1,9 @@
 """The schedule core (``engine/core``) imports no check: only itself, the standard library,
 torch, typing_extensions and the shared top-level modules ``moe_overlap.args``,
-``moe_overlap.errors`` and ``moe_overlap.protocols``, which import nothing of the package at
-import time but each other. The checks attach to it through its hooks (guards, the CPU
-stream model's observer); where the core keeps a piece a rule table also states, the two
-agree."""
+``moe_overlap.errors``, ``moe_overlap.microbatch`` and ``moe_overlap.protocols``, which import
+nothing of the package at import time but each other. The checks attach to it through its
+hooks (guards, the CPU stream model's observer); where the core keeps a piece a rule table
+also states, the two agree."""
 
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ ALLOWED = frozenset(sys.stdlib_module_names) | {"torch", "typing_extensions", "_
 SHARED: dict[str, set[str]] = {
     "moe_overlap.args": {"moe_overlap.errors"},
     "moe_overlap.errors": set(),
+    "moe_overlap.microbatch": {"moe_overlap.args", "moe_overlap.errors"},
     "moe_overlap.protocols": set(),
 }
 """The shared top-level modules the core may import, each with what of the package it
@@ -40,6 +41,7 @@ imports in turn at import time: only the shared modules, never the engine."""
 DEFERRED: dict[str, set[str]] = {
     "moe_overlap.args": set(),
     "moe_overlap.errors": set(),
+    "moe_overlap.microbatch": set(),
     "moe_overlap.protocols": {
         f"{PACKAGE}._state",  # ChunkState, LayerState: annotations only
         f"{PACKAGE}._steps",  # Step: annotations only
@@ -114,6 +116,7 @@ def test_the_rule_finds_an_import_from_outside_the_core() -> None:
         "from ._node import ScheduleNode\n"
         "from . import _hooks\n"
         "from moe_overlap.args import BOOL\n"
+        "from moe_overlap.microbatch import Microbatch\n"
         "from .. import contracts\n"
         "from moe_overlap.engine._guards import attach\n"
         "from moe_overlap.engine._node_order_check import check_node_order\n"
@@ -138,9 +141,10 @@ def test_the_rule_finds_an_import_from_outside_the_core() -> None:
 @pytest.mark.parametrize("shared", sorted(SHARED))
 def test_a_shared_module_imports_only_the_shared_modules_at_import(shared: str) -> None:
     """What the core may import outside itself reaches no check and no engine module when it
-    is imported: ``moe_overlap.args`` imports only the errors; the errors and the Protocols
-    import nothing of the package (their other names are for annotations, or read lazily),
-    so the core importing them starts no import cycle."""
+    is imported: ``moe_overlap.args`` imports only the errors, ``moe_overlap.microbatch`` the
+    argument specs and the errors; the errors and the Protocols import nothing of the package
+    (their other names are for annotations, or read lazily), so the core importing them starts
+    no import cycle."""
     source = (SRC / f"{shared.rsplit('.', 1)[1]}.py").read_text()
     now = {n for n in imported_at_import(source) if n.split(".")[0] == "moe_overlap"}
     assert now == SHARED[shared], sorted(now ^ SHARED[shared])

@@ -9,7 +9,7 @@ from torch import Tensor
 
 from moe_overlap import ConfigError, combined_1f1b
 from moe_overlap.engine import DEBUG
-from moe_overlap.engine._guards import BaseGuard, Guard, attach
+from moe_overlap.engine._guards import GUARD, BaseGuard, Guard, attach, by_hook
 from moe_overlap.engine.core import _hooks
 
 from .toy_model import ToyConfig, ToyModel, grads, make_microbatches, plain_step
@@ -59,7 +59,7 @@ def recorder() -> Iterator[_Recorder]:
         yield guard
     finally:
         detach()
-    assert all(guard not in hooks for hooks in _hooks.by_hook.values())
+    assert all(guard not in hooks for hooks in by_hook.values())
 
 
 def test_a_guard_is_a_guard() -> None:
@@ -109,6 +109,14 @@ def test_a_guard_refusing_a_plan_stops_the_step_before_any_node() -> None:
     combined_1f1b(model, make_microbatches(2, CONFIG))  # detached: the next step runs
 
 
+def test_the_registry_names_each_hook_list_of_the_core() -> None:
+    """``by_hook`` has one entry per hook of the Guard Protocol, each the core's own list."""
+    assert list(by_hook) == [name for name in GUARD.names if name != "debug_only"]
+    assert sorted(f"on_{name}" for name in by_hook) == sorted(_hooks.__all__)
+    for name, hooks in by_hook.items():
+        assert hooks is getattr(_hooks, f"on_{name}"), name
+
+
 def test_only_overridden_hooks_are_attached_and_debug_only_is_chosen_once() -> None:
     class Release(BaseGuard):
         debug_only = True
@@ -124,10 +132,10 @@ def test_only_overridden_hooks_are_attached_and_debug_only_is_chosen_once() -> N
 
     guard = Release()
     attach(guard, debug=False)()  # not attached outside debug mode: detaching is a no-op
-    assert all(guard not in hooks for hooks in _hooks.by_hook.values())
+    assert all(guard not in hooks for hooks in by_hook.values())
     detach = attach(guard, debug=True)
     try:
-        assert [n for n, hooks in _hooks.by_hook.items() if guard in hooks] == ["before_release"]
+        assert [n for n, hooks in by_hook.items() if guard in hooks] == ["before_release"]
     finally:
         detach()
     assert guard not in _hooks.on_before_release
@@ -136,16 +144,16 @@ def test_only_overridden_hooks_are_attached_and_debug_only_is_chosen_once() -> N
 def test_without_guards_detaches_every_guard_for_the_block_only() -> None:
     from moe_overlap.engine import without_guards
 
-    before = {name: list(hooks) for name, hooks in _hooks.by_hook.items()}
+    before = {name: list(hooks) for name, hooks in by_hook.items()}
     assert _hooks.on_before_release  # the library's checks are attached at import
     seen: list[bool] = []
 
     def fail_inside() -> None:
         with without_guards():
-            seen.append(all(not hooks for hooks in _hooks.by_hook.values()))
+            seen.append(all(not hooks for hooks in by_hook.values()))
             raise RuntimeError("inside")
 
     with pytest.raises(RuntimeError, match="inside"):
         fail_inside()
     assert seen == [True]
-    assert {name: list(hooks) for name, hooks in _hooks.by_hook.items()} == before
+    assert {name: list(hooks) for name, hooks in by_hook.items()} == before

@@ -275,12 +275,19 @@ def test_fields_are_keywords_only() -> None:
 
 
 def test_a_microbatch_copies_and_pickles() -> None:
-    """``Microbatch.__new__`` checks names only: copies, pickles and ``replace`` work."""
+    """``Microbatch.__new__`` checks names only: copies, pickles and ``replace`` work; the
+    class is named by its public module."""
     import dataclasses
     import pickle
 
+    from moe_overlap import microbatch
+
+    assert Microbatch is microbatch.Microbatch
+    assert Microbatch.__module__ == "moe_overlap.microbatch"
     ids = torch.zeros(2, 8, dtype=torch.long)
     mb = Microbatch(input_ids=ids)
-    for other in (copy.copy(mb), pickle.loads(pickle.dumps(mb))):
+    data = pickle.dumps(mb)
+    assert b"moe_overlap.microbatch" in data and b"engine" not in data
+    for other in (copy.copy(mb), pickle.loads(data)):
         assert other.input_ids is not None and torch.equal(other.input_ids, ids)
     assert dataclasses.replace(mb, labels=mb.input_ids).labels is mb.input_ids

@@ -1,15 +1,16 @@
 """The engine: the schedule core (:mod:`.core`) and the checks attached to it.
 
 The floor every other subpackage stands on; it imports none of them, only the shared
-top-level module :mod:`moe_overlap.args` (the argument specs every subpackage checks its
-arguments with). Its modules are private (``_*.py``), except
-:mod:`moe_overlap.engine.contracts` (each Protocol's rule table), which the other
-subpackages share. ``__all__`` below is what else they use of it, each name with
-who uses it and why; nothing more. Users import from :mod:`moe_overlap` and its public
-modules (:mod:`~moe_overlap.steps`, :mod:`~moe_overlap.streams`,
-:mod:`~moe_overlap.protocols`, :mod:`~moe_overlap.inputs`, :mod:`~moe_overlap.wgrad`,
-:mod:`~moe_overlap.errors`, :mod:`~moe_overlap.megatron`), which re-export the engine's
-private modules directly (``docs/concepts.md`` lists where each name lives).
+top-level modules: :mod:`moe_overlap.args` (the argument specs every subpackage checks its
+arguments with), the errors, the Protocols and :mod:`moe_overlap.microbatch`. Its modules
+are private (``_*.py``), except :mod:`moe_overlap.engine.contracts` (each Protocol's rule
+table), which the other subpackages share. ``__all__`` below is what else they use of it,
+each name with who uses it and why; nothing more. Users import from :mod:`moe_overlap` and
+its public modules (:mod:`~moe_overlap.steps`, :mod:`~moe_overlap.streams`,
+:mod:`~moe_overlap.protocols`, :mod:`~moe_overlap.microbatch`, :mod:`~moe_overlap.inputs`,
+:mod:`~moe_overlap.wgrad`, :mod:`~moe_overlap.errors`, :mod:`~moe_overlap.megatron`), which
+re-export the engine's private modules directly (``docs/concepts.md`` lists where each name
+lives).
 
 Importing the engine attaches the library's checks to the core as guards and, in debug
 mode (``MOE_OVERLAP_DEBUG=1``), installs beartype first, before any other module of the
@@ -35,22 +36,22 @@ from moe_overlap.engine._consensus import Verdict as Verdict
 from moe_overlap.engine._consensus import verdict_error as verdict_error
 from moe_overlap.engine._debug import DEBUG as DEBUG
 from moe_overlap.engine._guards import without_guards as without_guards
+from moe_overlap.engine._microbatch_order import ScheduleMode as ScheduleMode
+from moe_overlap.engine._microbatch_order import macro_steps as macro_steps
 from moe_overlap.engine._order_search import SlotKey as SlotKey
 from moe_overlap.engine._order_search import macro_run_steps as macro_run_steps
 from moe_overlap.engine._order_search import replay as replay
 from moe_overlap.engine._owed_wgrad import check_wgrad_done as check_wgrad_done
 from moe_overlap.engine._owed_wgrad import owed_wgrad as owed_wgrad
 from moe_overlap.engine._owed_wgrad import pending_count as pending_count
+from moe_overlap.engine._recompute_hold import hold_for_recompute as hold_for_recompute
 from moe_overlap.engine._registrations import registrations as registrations
 from moe_overlap.engine._stream_check import start_from_env as _start_from_env
 from moe_overlap.engine.core._macro import MacroStep as MacroStep
-from moe_overlap.engine.core._macro import ScheduleMode as ScheduleMode
 from moe_overlap.engine.core._macro import backward_microbatches as backward_microbatches
 from moe_overlap.engine.core._macro import forward_microbatches as forward_microbatches
-from moe_overlap.engine.core._macro import macro_steps as macro_steps
 from moe_overlap.engine.core._node_errors import check_marked as check_marked
 from moe_overlap.engine.core._options import Hook as Hook
-from moe_overlap.engine.core._recompute_hold import hold_for_recompute as hold_for_recompute
 from moe_overlap.engine.core._state import ChunkState as ChunkState
 from moe_overlap.engine.core._step import Step as Step
 from moe_overlap.engine.core._steps import ChunkShape as ChunkShape

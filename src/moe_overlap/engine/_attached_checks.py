@@ -17,6 +17,7 @@ from torch import Tensor
 
 from moe_overlap.args import BOOL, Instance, Int, Opt, check_arg
 from moe_overlap.errors import IntegrationError
+from moe_overlap.microbatch import Microbatch
 from moe_overlap.protocols import PreprocessableModel, SchedulableLayer
 
 from ._bypass_check import check_bypassed
@@ -41,6 +42,8 @@ from ._node_checks import (
     check_undetached_reads,
 )
 from ._owed_wgrad import check_wgrad_listed
+from ._recompute_hold import _HELD as _RECOMPUTE_HELD  # pyright: ignore[reportPrivateUsage]
+from ._recompute_hold import held_for_recompute
 from ._stream_check import _ACTIVE as _CHECKERS  # pyright: ignore[reportPrivateUsage]
 from ._stream_check import _ON_ACTIVATE  # pyright: ignore[reportPrivateUsage]
 from ._torch_private import storage_cdata, storage_use_count, tensor_use_count
@@ -48,10 +51,7 @@ from .contracts import Contract, attribute, method
 from .core._chunk_plan import ModelChunkSchedulePlan
 from .core._executor import NodeSource
 from .core._layer_node import TransformerLayerNode
-from .core._microbatch import Microbatch
 from .core._node import ScheduleNode
-from .core._recompute_hold import _HELD as _RECOMPUTE_HELD  # pyright: ignore[reportPrivateUsage]
-from .core._recompute_hold import held_for_recompute
 from .core._runner import ChunkRun
 from .core._state import ChunkState
 from .core._steps import ChunkShape

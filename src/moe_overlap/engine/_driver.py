@@ -11,6 +11,7 @@ from torch import Tensor
 
 from moe_overlap.args import BOOL, CALLABLE, Instance, Opt, Real, check_arg
 from moe_overlap.errors import ConfigError, IntegrationError
+from moe_overlap.microbatch import Microbatch
 from moe_overlap.protocols import PreprocessableModel, StepObserver
 
 from ._attached_checks import inputs_checked
@@ -19,14 +20,14 @@ from ._conformance import check_model, checks_memoized
 from ._consensus import Phase, VotedStep
 from ._debug import DEBUG
 from ._inputs import check_inputs
+from ._microbatch_order import ScheduleMode, macro_steps
 from ._node_order_check import check_node_order
 from ._owed_wgrad import check_wgrad_done, declared_wgrad, node_schedule_running
 from ._plain_check import check_first_step
 from ._shared_params import AccumulationCount
 from .contracts import OPT_STEP_OBSERVER
 from .core._chunk_plan import ModelChunkSchedulePlan, default_streams, device_of
-from .core._macro import ScheduleMode, backward_microbatches, forward_microbatches, macro_steps
-from .core._microbatch import Microbatch
+from .core._macro import backward_microbatches, forward_microbatches
 from .core._node_schedule import NodeSchedule
 from .core._options import ScheduleOptions
 from .core._runner import check_grad_mode, run_schedule, run_step

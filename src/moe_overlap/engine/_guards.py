@@ -18,18 +18,18 @@ from contextlib import contextmanager
 from torch import Tensor
 
 from moe_overlap.args import BOOL
+from moe_overlap.microbatch import Microbatch
 from moe_overlap.protocols import PreprocessableModel, SchedulableLayer
 
 from .contracts import Contract, attribute, method
+from .core import _hooks
 from .core._chunk_plan import ModelChunkSchedulePlan
 from .core._guard import Guard
-from .core._hooks import by_hook
 from .core._layer_node import TransformerLayerNode
-from .core._microbatch import Microbatch
 from .core._node import ScheduleNode
 from .core._state import ChunkState
 
-__all__ = ["GUARD", "BaseGuard", "Guard", "attach", "without_guards"]
+__all__ = ["GUARD", "BaseGuard", "Guard", "attach", "by_hook", "without_guards"]
 
 
 GUARD: Contract[Guard] = Contract(
@@ -51,6 +51,23 @@ GUARD: Contract[Guard] = Contract(
     method("mlp_wgrad_listed"),
 )
 """Its rule table: :func:`attach` refuses what does not conform."""
+
+by_hook = {
+    "plan_started": _hooks.on_plan_started,
+    "inputs_read": _hooks.on_inputs_read,
+    "plan_built": _hooks.on_plan_built,
+    "node_entered": _hooks.on_node_entered,
+    "node_left": _hooks.on_node_left,
+    "node_forwarded": _hooks.on_node_forwarded,
+    "before_release": _hooks.on_before_release,
+    "node_detached": _hooks.on_node_detached,
+    "slot_returned": _hooks.on_slot_returned,
+    "copies_backwarded": _hooks.on_copies_backwarded,
+    "layer_started": _hooks.on_layer_started,
+    "pre_dispatch_wgrad_listed": _hooks.on_pre_dispatch_wgrad_listed,
+    "mlp_wgrad_listed": _hooks.on_mlp_wgrad_listed,
+}
+"""The core's guard list of each hook, by the hook's name (the Guard Protocol's methods)."""
 
 
 class BaseGuard:

@@ -11,6 +11,9 @@ one that would not keep every result bit-identical to plain ``backward()`` per m
 3. a slot's backward and weight-gradient steps of a microbatch all before the next
    microbatch's backward of that slot, so every parameter accumulates its gradients in
    microbatch order and no layer owes two microbatches' weight gradients at once.
+
+The order of rule 1, each microbatch's steps in plain ``backward()``'s order with the
+recompute steps it may list, is :func:`microbatch_node_steps`.
 """
 
 from __future__ import annotations
@@ -20,12 +23,14 @@ from typing import cast
 
 from moe_overlap.errors import ConfigError
 
-from .core._node_schedule import NodeSchedule, microbatch_node_steps
-from .core._steps import ChunkShape, Direction, Slot, Step, StreamKind
+from .core._node_schedule import NodeSchedule
+from .core._steps import ChunkShape, Direction, LayerShape, Slot, Step, StreamKind
 
-__all__ = ["check_node_order"]
+__all__ = ["check_node_order", "microbatch_node_steps"]
 
 _F, _B, _W, _R = Direction.FORWARD, Direction.BACKWARD, Direction.WGRAD, Direction.RECOMPUTE
+_WGRAD_SLOTS = (Slot.PRE_DISPATCH, Slot.MLP)
+_LAYER_FORWARD = (Slot.PRE_DISPATCH, Slot.DISPATCH, Slot.MLP, Slot.COMBINE)
 
 
 def _bare(step: Step) -> Step:
@@ -189,3 +194,50 @@ def _next_plain(order: list[Step], position: int) -> int:
     while order[p].direction is _W:
         p += 1
     return p
+
+
+def _layer_steps(
+    mb: int, layer: LayerShape, recompute: frozenset[Slot]
+) -> tuple[list[Step], list[Step], list[Step]]:
+    """One layer's forward steps, backward steps (with ``W`` after their backward) and
+    recompute steps, of microbatch ``mb``."""
+    i, moe = layer.index, layer.is_moe
+    slots = _LAYER_FORWARD if moe else (Slot.PRE_DISPATCH, Slot.MLP)
+    forward = [Step(_F, mb, None, i, s, _stream(s, moe)) for s in slots]
+    if layer.has_mtp_post:
+        forward.append(Step(_F, mb, None, i, Slot.MTP_POST, StreamKind.COMP))
+    backward: list[Step] = []
+    if layer.has_mtp_post:
+        backward.append(Step(_B, mb, None, i, Slot.MTP_POST, StreamKind.COMP))
+    for s in reversed(slots):
+        backward.append(Step(_B, mb, None, i, s, _stream(s, moe)))
+        if layer.delay_wgrad and s in _WGRAD_SLOTS:
+            backward.append(Step(_W, mb, None, i, s, StreamKind.COMP))
+    recomputes = [Step(_R, mb, None, i, s, StreamKind.COMP) for s in _WGRAD_SLOTS if s in recompute]
+    return forward, backward, recomputes
+
+
+def _stream(slot: Slot, moe: bool) -> StreamKind:
+    return StreamKind.COMM if moe and slot in (Slot.DISPATCH, Slot.COMBINE) else StreamKind.COMP
+
+
+def microbatch_node_steps(
+    shape: ChunkShape, mb: int, *, recompute: Iterable[Slot] = ()
+) -> tuple[list[Step], list[Step]]:
+    """Microbatch ``mb``'s steps of a chunk of ``shape`` in plain ``backward()``'s order, and
+    the recompute steps it may list (one per recomputed slot of each layer)."""
+    slots = frozenset(recompute)
+    out = [Step(_F, mb, None, None, Slot.PRE_PROCESS, StreamKind.COMP)]
+    backwards: list[Step] = []
+    recomputes: list[Step] = []
+    for layer in shape.layers:
+        forward, backward, r = _layer_steps(mb, layer, slots)
+        out += forward
+        backwards = backward + backwards
+        recomputes += r
+    if shape.has_post_process:
+        out.append(Step(_F, mb, None, None, Slot.POST_PROCESS, StreamKind.COMP))
+        out.append(Step(_B, mb, None, None, Slot.POST_PROCESS, StreamKind.COMP))
+    out += backwards
+    out.append(Step(_B, mb, None, None, Slot.PRE_PROCESS, StreamKind.COMP))
+    return out, recomputes

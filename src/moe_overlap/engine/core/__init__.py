@@ -18,24 +18,29 @@ other. Each floor imports only the floors below it::
     _steps _state    steps and shapes; chunk and layer state; options (and the paired
     _options         orders, _order, and macro steps, _macro, below them); a whole node
                      schedule as data (_node_schedule)
-    _streams         streams and events, CUDA or CPU; the microbatch (_microbatch)
+    _streams         streams and events, CUDA or CPU
     _node_errors     what a node raises itself
     _hooks           the hook lists; the stream model's observer and delay hooks
-                     (_stream_observer), slot kinds (_kinds), recompute holds
+                     (_stream_observer), slot kinds (_kinds)
 
 It imports no check: only itself, the standard library, torch, typing_extensions and the
 shared top-level modules :mod:`moe_overlap.protocols` (the Protocols a model, a layer and an
-observer implement), :mod:`moe_overlap.args` (argument specs, ``check_arg``) and
-:mod:`moe_overlap.errors` (the error hierarchy), which define what they show and import
-nothing of the package when imported but each other (``tests/engine/test_core.py``). The checks
+observer implement), :mod:`moe_overlap.args` (argument specs, ``check_arg``),
+:mod:`moe_overlap.errors` (the error hierarchy) and :mod:`moe_overlap.microbatch` (the
+inputs a plan is built from), which define what they show and import nothing of the package
+when imported but each other (``tests/engine/test_core.py``). The checks
 (``engine/_attached_checks.py`` and the modules it calls) attach to it from outside: as
 guards on the hook lists of ``_hooks``, each a ``Guard`` (``_guard``), and the stream-order
 checker as the CPU stream model's observer (``_stream_observer``); race shaking
 (``engine/_stream_shake.py``) attaches its delays there too. The core calls each attached
 guard at a fixed point; a hook with none attached costs one empty-list test. What checks a
 schedule before the runner runs it stays outside: the exactness rules of a whole node
-schedule (``engine/_node_order_check.py``), and the enumeration of the orders a paired run
-allows (``engine/_order_search.py``).
+schedule with the order each microbatch keeps (``engine/_node_order_check.py``), and the
+enumeration of the orders a paired run allows (``engine/_order_search.py``). So does what
+only the driver or a check reads: the driver's microbatch orders
+(``engine/_microbatch_order.py``: which macro steps ``combined_1f1b`` runs), the registry
+that attaches a guard to its hooks' lists (``engine/_guards.py``) and the inputs a
+recomputed region holds (``engine/_recompute_hold.py``, read by the free-input guard).
 
 Its modules are private to the engine.
 """

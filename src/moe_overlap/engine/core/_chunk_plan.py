@@ -9,12 +9,12 @@ import torch
 from torch import Tensor
 
 from moe_overlap.errors import ConfigError, PlanReleasedError, StreamError
+from moe_overlap.microbatch import Microbatch
 from moe_overlap.protocols import PreprocessableModel, SchedulableLayer, StepObserver
 
 from ._hooks import on_inputs_read, on_plan_built, on_plan_started
 from ._layer_node import refresh_collectives
 from ._layer_plan import TransformerLayerSchedulePlan
-from ._microbatch import EMPTY_MICROBATCH, Microbatch
 from ._node import ScheduleNode
 from ._options import ChunkHooks, PostBackwardHook, PostForwardHook, PreHook, ScheduleOptions
 from ._process_nodes import PostProcessNode, PreProcessNode
@@ -40,6 +40,8 @@ from ._streams import (
 __all__ = ["ModelChunkSchedulePlan", "check_grad_mode", "default_streams", "device_of", "run_pair"]
 
 _DEFAULT_OPTIONS = ScheduleOptions()
+_EMPTY_MICROBATCH = Microbatch()
+"""A microbatch with no input set (what a released plan keeps)."""
 _CPU_STREAMS = StreamPair(comp=cpu_default_stream(), comm=CpuStream("comm"))
 
 
@@ -269,7 +271,7 @@ class ModelChunkSchedulePlan:
         self.layers = []
         self.pre_process = None
         self.post_process = None
-        self.state = ChunkState(EMPTY_MICROBATCH)
+        self.state = ChunkState(_EMPTY_MICROBATCH)
         self.released = True
 
     @staticmethod

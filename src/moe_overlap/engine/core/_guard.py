@@ -29,11 +29,11 @@ from typing import Protocol, runtime_checkable
 
 from torch import Tensor
 
+from moe_overlap.microbatch import Microbatch
 from moe_overlap.protocols import PreprocessableModel, SchedulableLayer
 
 from ._chunk_plan import ModelChunkSchedulePlan
 from ._layer_node import TransformerLayerNode
-from ._microbatch import Microbatch
 from ._node import ScheduleNode
 from ._state import ChunkState
 

@@ -1,7 +1,9 @@
 """The core's hook points: one list of attached guards per hook (see :mod:`._guard`).
 
 The core (plans, nodes) reads these lists on its path and calls each guard in them; it
-imports nothing else of the checks. The lists are mutated in place, never rebound.
+imports nothing else of the checks. The lists are mutated in place, never rebound; the
+registry that attaches a guard to the lists of the hooks it overrides
+(``engine/_guards.py``) names each list by its hook.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ if TYPE_CHECKING:  # annotations only: the Guard Protocol's module imports the p
     from ._guard import Guard
 
 __all__ = [
-    "by_hook",
     "on_before_release",
     "on_copies_backwarded",
     "on_inputs_read",
@@ -42,7 +43,6 @@ if TYPE_CHECKING:  # declared apart: debug mode's beartype checks annotated assi
     on_layer_started: list[Guard]
     on_pre_dispatch_wgrad_listed: list[Guard]
     on_mlp_wgrad_listed: list[Guard]
-    by_hook: dict[str, list[Guard]]
 
 on_plan_started = []
 on_inputs_read = []
@@ -57,19 +57,3 @@ on_copies_backwarded = []
 on_layer_started = []
 on_pre_dispatch_wgrad_listed = []
 on_mlp_wgrad_listed = []
-
-by_hook = {
-    "plan_started": on_plan_started,
-    "inputs_read": on_inputs_read,
-    "plan_built": on_plan_built,
-    "node_entered": on_node_entered,
-    "node_left": on_node_left,
-    "node_forwarded": on_node_forwarded,
-    "before_release": on_before_release,
-    "node_detached": on_node_detached,
-    "slot_returned": on_slot_returned,
-    "copies_backwarded": on_copies_backwarded,
-    "layer_started": on_layer_started,
-    "pre_dispatch_wgrad_listed": on_pre_dispatch_wgrad_listed,
-    "mlp_wgrad_listed": on_mlp_wgrad_listed,
-}

@@ -1,23 +1,20 @@
-"""The microbatch-level schedule as data: which microbatches run forward and backward together.
+"""The microbatch-level steps as data: which microbatches run forward and backward together.
 
-:func:`macro_steps` lists, for ``n`` microbatches and a :class:`ScheduleMode`, the steps
-:func:`~moe_overlap.combined_1f1b` runs, each a :data:`MacroStep`: a tuple of microbatch
-steps (:class:`~moe_overlap.steps.Step` s of a direction and a microbatch), forwards first::
-
-    serial      F0 | B0 | F1 | B1 | ... | B(N-1)
-    overlapped  F0 | F1+B0 | F2+B1 | ... | F(N-1)+B(N-2) | B(N-1)
-    fill-drain  F0+F1 | F2+B0 | ... | F(N-1)+B(N-3) | B(N-2)+B(N-1)
+A :data:`MacroStep` is one run of the runner: a tuple of microbatch steps
+(:class:`~moe_overlap.steps.Step` s of a direction and a microbatch, ``F1``), forwards first,
+at most two microbatches in all. Which macro steps :func:`~moe_overlap.combined_1f1b` runs,
+and in what order, is the driver's (``engine/_microbatch_order.py``: serial, overlapped,
+fill-drain).
 
 A macro step prints as its steps ``+``-joined (``F1+B0``) and a list of them ``" | "``-joined:
 :func:`format_macro` writes that and :func:`parse_macro` reads it back (each step through
 :meth:`Step.parse <moe_overlap.steps.Step.parse>`). Pure functions, tested without a tensor.
 """
 
-import enum
 from collections.abc import Sequence
 from typing import cast
 
-from moe_overlap.args import NON_NEGATIVE, OneOf, check_arg, refuse
+from moe_overlap.args import refuse
 from moe_overlap.errors import ConfigError
 
 from ._kinds import Direction
@@ -25,31 +22,11 @@ from ._step import Step
 
 __all__ = [
     "MacroStep",
-    "ScheduleMode",
     "backward_microbatches",
     "format_macro",
     "forward_microbatches",
-    "macro_steps",
     "parse_macro",
 ]
-
-
-class ScheduleMode(str, enum.Enum):
-    """How :func:`~moe_overlap.combined_1f1b` orders its microbatches."""
-
-    SERIAL = "serial"
-    """Each microbatch's forward then its backward, nothing overlapped (``overlap=False``)."""
-    OVERLAPPED = "overlapped"
-    """Combined 1F1B: forward ``i+1`` overlapped with backward ``i``."""
-    FILL_DRAIN = "fill-drain"
-    """Combined 1F1B whose first two forwards and last two backwards are overlapped too."""
-
-    @classmethod
-    def of(cls, *, overlap: bool, fill_drain: bool) -> "ScheduleMode":
-        """The mode ``combined_1f1b(overlap=..., fill_drain=...)`` runs (checked there)."""
-        if not overlap:
-            return cls.SERIAL
-        return cls.FILL_DRAIN if fill_drain else cls.OVERLAPPED
 
 
 MacroStep = tuple[Step, ...]
@@ -75,27 +52,6 @@ def forward_microbatches(step: Sequence[Step]) -> tuple[int, ...]:
 def backward_microbatches(step: Sequence[Step]) -> tuple[int, ...]:
     """The microbatches ``step`` runs backward, in order (``F1+B0``: ``(0,)``)."""
     return tuple([s.microbatch for s in step if s.direction is _B and s.microbatch is not None])
-
-
-_MODE = OneOf(tuple(ScheduleMode))
-
-
-def macro_steps(n: int, mode: ScheduleMode) -> tuple[MacroStep, ...]:
-    """The steps of ``n`` microbatches in ``mode`` (fill-drain needs two: with one
-    microbatch it is the overlapped order)."""
-    n = check_arg("macro_steps", "n", n, NON_NEGATIVE)
-    mode = check_arg("macro_steps", "mode", mode, _MODE)
-    F, B = _F, _B
-    if mode is ScheduleMode.SERIAL:
-        return tuple(s for i in range(n) for s in ((Step(F, i),), (Step(B, i),)))
-    if n == 0:
-        return ()
-    if mode is ScheduleMode.FILL_DRAIN and n >= 2:
-        first = (Step(F, 0), Step(F, 1))
-        middle = tuple((Step(F, i), Step(B, i - 2)) for i in range(2, n))
-        return (first, *middle, (Step(B, n - 2), Step(B, n - 1)))
-    middle = tuple((Step(F, i), Step(B, i - 1)) for i in range(1, n))
-    return ((Step(F, 0),), *middle, (Step(B, n - 1),))
 
 
 def format_macro(steps: Sequence[MacroStep]) -> str:

@@ -5,10 +5,10 @@ A :class:`NodeSchedule` is what the planner's search returns (``search_schedules
 runs with ``schedule=``: every node step of every microbatch once, each written
 ``[L<layer>.]<slot>.<D><microbatch>[@stream]`` (``L3.mlp.R0@comp``: microbatch 0's
 recompute of layer 3's mlp), in the order the host issues them. Any number of microbatches
-may be in flight. :func:`microbatch_node_steps` lists one microbatch's steps in plain
-``backward()``'s order; the rules that keep a whole schedule exact
-(:func:`~moe_overlap.steps.check_node_order`) are a check the driver runs before the runner,
-outside the core.
+may be in flight. The rules that keep a whole schedule exact
+(:func:`~moe_overlap.steps.check_node_order`, with the order each microbatch keeps,
+:func:`~moe_overlap.steps.microbatch_node_steps`) are a check the driver runs before the
+runner, outside the core.
 """
 
 from __future__ import annotations
@@ -19,15 +19,12 @@ from typing import cast
 from moe_overlap.args import refuse
 from moe_overlap.errors import ConfigError
 
-from ._kinds import Direction, Slot, StreamKind
+from ._kinds import Direction, Slot
 from ._step import Step
-from ._steps import ChunkShape, LayerShape
 
-__all__ = ["NodeSchedule", "microbatch_node_steps"]
+__all__ = ["NodeSchedule"]
 
 _F, _B, _W, _R = Direction.FORWARD, Direction.BACKWARD, Direction.WGRAD, Direction.RECOMPUTE
-_WGRAD_SLOTS = (Slot.PRE_DISPATCH, Slot.MLP)
-_LAYER_FORWARD = (Slot.PRE_DISPATCH, Slot.DISPATCH, Slot.MLP, Slot.COMBINE)
 _GRAMMAR = "[L<layer>.]<slot>.<D><microbatch>[@stream]"
 
 
@@ -115,50 +112,3 @@ def _node_step(index: int, item: object) -> Step:
             f"a slot and F, B, W or R, received {problem}"
         )
     return step
-
-
-def _layer_steps(
-    mb: int, layer: LayerShape, recompute: frozenset[Slot]
-) -> tuple[list[Step], list[Step], list[Step]]:
-    """One layer's forward steps, backward steps (with ``W`` after their backward) and
-    recompute steps, of microbatch ``mb``."""
-    i, moe = layer.index, layer.is_moe
-    slots = _LAYER_FORWARD if moe else (Slot.PRE_DISPATCH, Slot.MLP)
-    forward = [Step(_F, mb, None, i, s, _stream(s, moe)) for s in slots]
-    if layer.has_mtp_post:
-        forward.append(Step(_F, mb, None, i, Slot.MTP_POST, StreamKind.COMP))
-    backward: list[Step] = []
-    if layer.has_mtp_post:
-        backward.append(Step(_B, mb, None, i, Slot.MTP_POST, StreamKind.COMP))
-    for s in reversed(slots):
-        backward.append(Step(_B, mb, None, i, s, _stream(s, moe)))
-        if layer.delay_wgrad and s in _WGRAD_SLOTS:
-            backward.append(Step(_W, mb, None, i, s, StreamKind.COMP))
-    recomputes = [Step(_R, mb, None, i, s, StreamKind.COMP) for s in _WGRAD_SLOTS if s in recompute]
-    return forward, backward, recomputes
-
-
-def _stream(slot: Slot, moe: bool) -> StreamKind:
-    return StreamKind.COMM if moe and slot in (Slot.DISPATCH, Slot.COMBINE) else StreamKind.COMP
-
-
-def microbatch_node_steps(
-    shape: ChunkShape, mb: int, *, recompute: Iterable[Slot] = ()
-) -> tuple[list[Step], list[Step]]:
-    """Microbatch ``mb``'s steps of a chunk of ``shape`` in plain ``backward()``'s order, and
-    the recompute steps it may list (one per recomputed slot of each layer)."""
-    slots = frozenset(recompute)
-    out = [Step(_F, mb, None, None, Slot.PRE_PROCESS, StreamKind.COMP)]
-    backwards: list[Step] = []
-    recomputes: list[Step] = []
-    for layer in shape.layers:
-        forward, backward, r = _layer_steps(mb, layer, slots)
-        out += forward
-        backwards = backward + backwards
-        recomputes += r
-    if shape.has_post_process:
-        out.append(Step(_F, mb, None, None, Slot.POST_PROCESS, StreamKind.COMP))
-        out.append(Step(_B, mb, None, None, Slot.POST_PROCESS, StreamKind.COMP))
-    out += backwards
-    out.append(Step(_B, mb, None, None, Slot.PRE_PROCESS, StreamKind.COMP))
-    return out, recomputes

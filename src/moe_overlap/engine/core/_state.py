@@ -11,8 +11,7 @@ from torch import Tensor
 
 from moe_overlap.args import refuse
 from moe_overlap.errors import IntegrationError, LayerStateAttributeError, NodeStateError
-
-from ._microbatch import Microbatch
+from moe_overlap.microbatch import Microbatch
 
 __all__ = ["ChunkState", "LayerState", "PreprocessOutput"]
 

@@ -4,8 +4,8 @@ A region checkpointed with ``torch.utils.checkpoint`` reruns on its original inp
 backward. Free-input releases a freeing slot's inputs right after its forward; if one of
 them is such an input, the recompute would read released memory, silently (a CPU kernel
 reads an empty storage without raising). :func:`hold_for_recompute` (called by
-:func:`moe_overlap.blocks.recompute`) records the region's inputs; a node about to free
-one raises instead.
+:func:`moe_overlap.blocks.recompute`) records the region's inputs; the free-input guard
+(``_attached_checks.py``) refuses to release one. The schedule core never reads them.
 """
 
 from __future__ import annotations

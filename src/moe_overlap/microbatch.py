@@ -1,4 +1,10 @@
-"""One microbatch's inputs: the value a chunk plan is built from."""
+"""One microbatch's inputs: the value a chunk plan is built from.
+
+:class:`Microbatch` is defined here (pickles name ``moe_overlap.microbatch.Microbatch``)
+and is also at the top level, :class:`moe_overlap.Microbatch`. At import this module loads
+nothing of the package but :mod:`moe_overlap.args` and :mod:`moe_overlap.errors`, so the
+schedule core (``engine/core``) imports it.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +18,7 @@ from torch import Tensor
 from moe_overlap.args import ANY, BOOL, TENSOR, Instance, Opt, Spec, check_fields
 from moe_overlap.errors import ConfigError
 
-__all__ = ["EMPTY_MICROBATCH", "Microbatch"]
+__all__ = ["Microbatch"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -114,7 +120,3 @@ def _check_names(args: tuple[object, ...], fields: Mapping[str, object]) -> None
         f"Microbatch: {name}: expected one of its fields {list(_MICROBATCH)}, received "
         f"{name}=...; {hint}"
     )
-
-
-EMPTY_MICROBATCH = Microbatch()
-"""A microbatch with no input set (what a released plan keeps)."""
