@@ -24,7 +24,7 @@ from typing import cast
 from moe_overlap.errors import ConfigError
 
 from .core._node_schedule import NodeSchedule
-from .core._steps import ChunkShape, Direction, LayerShape, Slot, Step, StreamKind
+from .core._steps import ChunkShape, Direction, LayerShape, Slot, Step, StreamKind, stream_of
 
 __all__ = ["check_node_order", "microbatch_node_steps"]
 
@@ -203,22 +203,18 @@ def _layer_steps(
     recompute steps, of microbatch ``mb``."""
     i, moe = layer.index, layer.is_moe
     slots = _LAYER_FORWARD if moe else (Slot.PRE_DISPATCH, Slot.MLP)
-    forward = [Step(_F, mb, None, i, s, _stream(s, moe)) for s in slots]
+    forward = [Step(_F, mb, None, i, s, stream_of(s, moe)) for s in slots]
     if layer.has_mtp_post:
         forward.append(Step(_F, mb, None, i, Slot.MTP_POST, StreamKind.COMP))
     backward: list[Step] = []
     if layer.has_mtp_post:
         backward.append(Step(_B, mb, None, i, Slot.MTP_POST, StreamKind.COMP))
     for s in reversed(slots):
-        backward.append(Step(_B, mb, None, i, s, _stream(s, moe)))
+        backward.append(Step(_B, mb, None, i, s, stream_of(s, moe)))
         if layer.delay_wgrad and s in _WGRAD_SLOTS:
             backward.append(Step(_W, mb, None, i, s, StreamKind.COMP))
     recomputes = [Step(_R, mb, None, i, s, StreamKind.COMP) for s in _WGRAD_SLOTS if s in recompute]
     return forward, backward, recomputes
-
-
-def _stream(slot: Slot, moe: bool) -> StreamKind:
-    return StreamKind.COMM if moe and slot in (Slot.DISPATCH, Slot.COMBINE) else StreamKind.COMP
 
 
 def microbatch_node_steps(

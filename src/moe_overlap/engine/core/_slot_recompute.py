@@ -22,7 +22,7 @@ from torch import Tensor
 
 from moe_overlap.errors import IntegrationError
 
-from ._state import LayerState
+from ._state import STATE_FIELDS, LayerState
 from ._torch_private import tensor_version
 
 __all__ = ["ForwardState", "LayerStateSnapshot", "check_same", "restore", "snapshot"]
@@ -93,16 +93,13 @@ class ForwardState:
                 torch.cuda.set_rng_state(state, device)
 
 
-_FIELDS = ("residual", "probs", "dispatched_probs", "shared_expert_output", "tokens_per_expert")
-
-
 class LayerStateSnapshot:
     """A layer state's fields, stash and check lists, as a recompute found them."""
 
     __slots__ = ("extras", "fields", "fresh", "kept_as_is", "undetached")
 
     def __init__(self, state: LayerState) -> None:
-        self.fields: tuple[object, ...] = tuple(getattr(state, name) for name in _FIELDS)
+        self.fields: tuple[object, ...] = tuple(getattr(state, name) for name in STATE_FIELDS)
         self.extras = dict(state.extras)
         self.fresh = len(state.fresh)
         self.kept_as_is = len(state.kept_as_is)
@@ -116,7 +113,7 @@ def snapshot(state: LayerState) -> LayerStateSnapshot:
 
 def restore(state: LayerState, saved: LayerStateSnapshot) -> None:
     """Undo what a recompute wrote into ``state`` (it only appends to the check lists)."""
-    for name, value in zip(_FIELDS, saved.fields, strict=True):
+    for name, value in zip(STATE_FIELDS, saved.fields, strict=True):
         object.__setattr__(state, name, value)  # not LayerState's own: nothing is fresh
     state.extras.clear()
     state.extras.update(saved.extras)

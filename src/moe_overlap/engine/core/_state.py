@@ -13,7 +13,7 @@ from moe_overlap.args import refuse
 from moe_overlap.errors import IntegrationError, LayerStateAttributeError, NodeStateError
 from moe_overlap.microbatch import Microbatch
 
-__all__ = ["ChunkState", "LayerState", "PreprocessOutput"]
+__all__ = ["STATE_FIELDS", "ChunkState", "LayerState", "PreprocessOutput"]
 
 _T = TypeVar("_T")
 
@@ -164,7 +164,14 @@ class ChunkState:
         return f"ChunkState({self.microbatch!r}, {done})"
 
 
-_FIELDS = ("residual", "probs", "dispatched_probs", "shared_expert_output", "tokens_per_expert")
+STATE_FIELDS = (
+    "residual",
+    "probs",
+    "dispatched_probs",
+    "shared_expert_output",
+    "tokens_per_expert",
+)
+"""A layer state's named fields (a recompute snapshots and restores these)."""
 
 
 _set = object.__setattr__
@@ -240,7 +247,7 @@ class LayerState:
             except AttributeError:
                 raise LayerStateAttributeError(
                     f"LayerState: cannot set {name!r}; expected one of its fields "
-                    f"{list(_FIELDS)}; keep anything else with "
+                    f"{list(STATE_FIELDS)}; keep anything else with "
                     f"layer_state.stash({name!r}, value) and read it with "
                     f"layer_state.take({name!r}, kind)"
                 ) from None
@@ -251,7 +258,7 @@ class LayerState:
             # Only reached for names that are not fields (slots raise for unset ones first).
             raise LayerStateAttributeError(
                 f"LayerState has no attribute {name!r}; expected one of its fields "
-                f"{list(_FIELDS)}, or a value stashed with stash(key, value) and read with "
+                f"{list(STATE_FIELDS)}, or a value stashed with stash(key, value) and read with "
                 f"take({name!r}, kind)"
             )
 

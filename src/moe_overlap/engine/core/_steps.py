@@ -32,6 +32,7 @@ __all__ = [
     "forward_pair_steps",
     "layer_pair_steps",
     "macro_node_steps",
+    "stream_of",
 ]
 
 
@@ -75,7 +76,8 @@ class ChunkShape:
     has_post_process: bool = True
 
 
-def _stream_of(slot: Slot | None, is_moe: bool) -> StreamKind:
+def stream_of(slot: Slot | None, is_moe: bool) -> StreamKind:
+    """The stream a slot's node runs on: a MoE layer's dispatch and combine on comm."""
     if is_moe and slot in (Slot.DISPATCH, Slot.COMBINE):
         return StreamKind.COMM
     return StreamKind.COMP
@@ -83,7 +85,7 @@ def _stream_of(slot: Slot | None, is_moe: bool) -> StreamKind:
 
 def _node(role: Role | None, layer: LayerShape, slot: Slot | None, direction: Direction) -> Step:
     # Positional: the step lists are built per run, and keywords cost more.
-    return Step(direction, None, role, layer.index, slot, _stream_of(slot, layer.is_moe))
+    return Step(direction, None, role, layer.index, slot, stream_of(slot, layer.is_moe))
 
 
 def _adder(out: list[Step]) -> Callable[[Step, LayerShape | None], None]:
