@@ -19,6 +19,8 @@ import torch
 from torch import Tensor
 
 from moe_overlap import ConfigError, IntegrationError, Microbatch, combined_1f1b
+from moe_overlap.engine import DEBUG
+from tests.conftest import DebugPython
 
 from .test_parity import assert_same
 from .toy_model import ToyConfig, ToyModel, grads, make_microbatches, plain_step
@@ -94,6 +96,11 @@ class _FromHidden(ToyModel):
 
 def test_a_frozen_model_whose_input_requires_grad_runs_as_plain_backward() -> None:
     """Plain backward runs it (the gradient reaches the input): so does the schedule."""
+    input_grads_as_plain_backward()
+
+
+def input_grads_as_plain_backward() -> ToyModel:
+    """The test above; the model it trained."""
     ref = _FromHidden(CONFIG, "dm")
     ref.requires_grad_(False)
     model = copy.deepcopy(ref)
@@ -117,6 +124,27 @@ def test_a_frozen_model_whose_input_requires_grad_runs_as_plain_backward() -> No
     for a, b in zip(leaves, ref_leaves, strict=True):
         assert a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad)
     assert all(p.grad is None for p in model.parameters())
+    return model
+
+
+@pytest.mark.skipif(DEBUG, reason="this session runs the test above in debug mode")
+def test_in_debug_mode_the_first_step_check_skips_an_input_that_requires_grad(
+    debug_python: DebugPython,
+) -> None:
+    """Debug mode's first-step check runs microbatch 0's backward twice more: with an input
+    that requires grad it would add to that input's gradient (or its producer's), so it
+    skips; the step is then as without debug mode."""
+    out = debug_python(
+        """
+        from moe_overlap.engine import DEBUG
+        from moe_overlap.engine._plain_check import first_step_outcome
+        from tests.engine import test_frozen
+        assert DEBUG
+        print(first_step_outcome(test_frozen.input_grads_as_plain_backward()))
+        """
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.strip() == "skipped: an input of the microbatch requires grad"
 
 
 def test_a_loss_no_trainable_parameter_reaches_is_refused() -> None:

@@ -29,7 +29,7 @@ from moe_overlap.errors import ConfigError, IntegrationError
 from ._registrations import registrations
 from .core._microbatch import Microbatch
 
-__all__ = ["check_loss_grad", "check_trainable"]
+__all__ = ["check_loss_grad", "check_trainable", "needs_grad"]
 
 _EVALUATE = "to evaluate, run the model's own forward under torch.no_grad()"
 
@@ -53,7 +53,7 @@ def check_trainable(model: object, microbatches: Sequence[Microbatch], where: st
         return
     decoder: object = getattr(model, "decoder", None)
     given: list[object] = [getattr(decoder, "input_tensor", None), *microbatches]
-    if _needs_grad(given, depth=3) or any(b.requires_grad for b in model.buffers()):
+    if needs_grad(given, depth=3) or any(b.requires_grad for b in model.buffers()):
         return
     n = sum(1 for _ in model.parameters())
     raise ConfigError(
@@ -86,7 +86,7 @@ def check_loss_grad(model: object, loss: Tensor, index: int, where: str) -> None
     )
 
 
-def _needs_grad(value: object, *, depth: int) -> bool:
+def needs_grad(value: object, *, depth: int = 3) -> bool:
     """Whether ``value`` is, or holds within ``depth`` levels (a mapping's values, a list's
     or tuple's items, a dataclass's fields), a tensor that requires grad."""
     if isinstance(value, Tensor):
@@ -102,4 +102,4 @@ def _needs_grad(value: object, *, depth: int) -> bool:
         items = [getattr(value, f.name) for f in dataclasses.fields(value)]
     else:
         return False
-    return any(_needs_grad(item, depth=depth - 1) for item in items)
+    return any(needs_grad(item, depth=depth - 1) for item in items)
