@@ -25,9 +25,9 @@ from typing import cast
 from torch import Tensor, nn
 
 from moe_overlap.errors import ConfigError, IntegrationError
+from moe_overlap.microbatch import Microbatch
 
 from ._registrations import registrations
-from .core._microbatch import Microbatch
 
 __all__ = ["check_loss_grad", "check_trainable", "needs_grad"]
 
