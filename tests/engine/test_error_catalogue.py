@@ -281,7 +281,7 @@ def delay_option_without_delaying_layers(ctx: Ctx) -> None:
     combined_1f1b(ctx.model, ctx.mbs, options=ScheduleOptions(delay_wgrad_compute=True))
 
 
-def share(model: ToyModel, owner: torch.nn.Module, name: str, value: object) -> None:
+def share(model: ToyModel, owner: object, name: str, value: object) -> None:
     """Set ``owner.<name>`` to what another node uses; ``undo_patches`` puts it back."""
     model.__dict__.setdefault("_shared", []).append((owner, name, getattr(owner, name)))
     setattr(owner, name, value)
@@ -314,6 +314,24 @@ def pending_wgrad_from_an_earlier_backward(ctx: Ctx) -> None:
 def step_under_no_grad(ctx: Ctx) -> None:
     with torch.no_grad():
         combined_1f1b(ctx.model, ctx.mbs)
+
+
+def freeze(model: ToyModel) -> None:
+    """Freeze every parameter; ``undo_patches`` unfreezes them."""
+    for p in model.parameters():
+        share(model, p, "requires_grad", False)
+
+
+def every_parameter_frozen(ctx: Ctx) -> None:
+    freeze(ctx.model)  # plain loss.backward(): "element 0 of tensors does not require grad"
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
+def loss_no_trainable_parameter_reaches(ctx: Ctx) -> None:
+    freeze(ctx.model)  # the one trainable parameter is used by nothing
+    ctx.model.register_parameter("unused", None)
+    share(ctx.model, ctx.model, "unused", torch.nn.Parameter(torch.zeros(1)))
+    combined_1f1b(ctx.model, ctx.mbs)
 
 
 def step_under_inference_mode(ctx: Ctx) -> None:
@@ -1217,6 +1235,18 @@ CASES = [
     ),
     Case(step_under_no_grad, ConfigError, r"combined_1f1b: expected autograd enabled.*no_grad"),
     Case(step_under_inference_mode, ConfigError, r"received grad mode off \(torch\.inference_mode"),
+    Case(
+        every_parameter_frozen,
+        ConfigError,
+        r"combined_1f1b: ToyModel: expected a step with something to differentiate .*received "
+        r"a model whose \d+ parameters are all frozen.*plain loss\.backward\(\) refuses",
+    ),
+    Case(
+        loss_no_trainable_parameter_reaches,
+        IntegrationError,
+        r"combined_1f1b: ToyModel\._postprocess: expected the loss of microbatches\[0\] to "
+        r"require grad .*received a loss without grad",
+    ),
     Case(run_under_no_grad, ConfigError, r"ModelChunkSchedulePlan\.run: expected autograd enabled"),
     Case(
         slot_output_cut_from_graph,

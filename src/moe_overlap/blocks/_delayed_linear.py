@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, cast, overload, runtime_checkable
 
@@ -132,7 +132,7 @@ class GroupSizes(Sequence[int]):
     __slots__ = ("_count", "_host", "_sizes", "ids", "offsets", "total")
 
     def __init__(
-        self, sizes: Sequence[int], offsets: Tensor | None = None, ids: Tensor | None = None
+        self, sizes: Iterable[int], offsets: Tensor | None = None, ids: Tensor | None = None
     ) -> None:
         self._sizes: tuple[int, ...] | None = check_arg("GroupSizes", "sizes", sizes, _SIZES)
         self._count = len(self._sizes)

@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import gc
 import weakref
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any, cast
@@ -230,7 +230,7 @@ class GraphedBlock:
     def __init__(
         self,
         fn: Callable[..., object],
-        modules: Sequence[nn.Module] | Callable[[], Sequence[nn.Module]],
+        modules: Iterable[nn.Module] | Callable[[], Sequence[nn.Module]],
         scope: CudaGraphModule,
         *,
         label: str,

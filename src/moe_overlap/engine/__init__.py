@@ -46,6 +46,7 @@ from moe_overlap.engine._owed_wgrad import owed_wgrad as owed_wgrad
 from moe_overlap.engine._owed_wgrad import pending_count as pending_count
 from moe_overlap.engine._recompute_hold import hold_for_recompute as hold_for_recompute
 from moe_overlap.engine._registrations import registrations as registrations
+from moe_overlap.engine._shared_params import StageAccumulations as StageAccumulations
 from moe_overlap.engine._stream_check import start_from_env as _start_from_env
 from moe_overlap.engine.core._macro import MacroStep as MacroStep
 from moe_overlap.engine.core._macro import backward_microbatches as backward_microbatches
@@ -101,6 +102,7 @@ __all__ = [
     "ScheduleMode",  # plan: the driver's microbatch orders
     "Slot",  # plan: a step's slot in its cost tables
     "SlotKey",  # plan: keys the measured slot times the order search reads
+    "StageAccumulations",  # integrations: a prepared schedule counts shared parameters
     "Step",  # plan: simulates the engine's steps
     "StepConsensus",  # integrations: the vote after a step under expert parallelism
     "StreamKind",  # plan: a step's stream in its simulation

@@ -25,6 +25,7 @@ from ._node_order_check import check_node_order
 from ._owed_wgrad import check_wgrad_done, declared_wgrad, node_schedule_running
 from ._plain_check import check_first_step
 from ._shared_params import AccumulationCount
+from ._trainable import check_loss_grad, check_trainable
 from .contracts import OPT_STEP_OBSERVER
 from .core._chunk_plan import ModelChunkSchedulePlan, default_streams, device_of
 from .core._macro import backward_microbatches, forward_microbatches
@@ -97,7 +98,10 @@ def combined_1f1b(
     The arguments are checked once per call (:class:`~moe_overlap.ConfigError`):
     ``microbatches`` a non-empty sequence of :class:`Microbatch` (not a generator),
     ``overlap`` a bool, ``loss_scale`` a finite int or float, autograd enabled (not under
-    ``torch.no_grad()`` / ``torch.inference_mode()``).
+    ``torch.no_grad()`` / ``torch.inference_mode()``), something to differentiate (a model
+    with every parameter frozen and no input that requires grad is refused, as plain
+    ``loss.backward()`` refuses its loss; a loss that comes out without grad otherwise is
+    an :class:`~moe_overlap.IntegrationError`).
 
     If a node fails, :class:`~moe_overlap.ScheduleError` says where; streams are
     synchronized and every plan released, so the model can run the next step. The
@@ -164,6 +168,7 @@ def _step(
         mode = _schedule_mode(overlap, fill_drain, schedule, len(microbatches))
         _check_inputs(model, microbatches)
         check_grad_mode("combined_1f1b")
+        check_trainable(model, microbatches, "combined_1f1b")  # plain backward() would refuse
         declared = declared_wgrad(model)
         check_wgrad_done(
             model, when="before the step (left from an earlier one)", declared=declared
@@ -229,7 +234,7 @@ def _run(
                 outputs = [out] if fs else []
             else:  # the fill or the drain
                 outputs = run_step(fs, bs, grads, where="combined_1f1b", observer=observer)
-            losses += [_check_loss(model, out) for out in outputs]
+            losses += [_check_loss(model, out, i) for i, out in zip(forward, outputs, strict=True)]
             for i in backward:
                 del live[i]
     finally:
@@ -285,7 +290,7 @@ def _run_schedule(
         return ahead.pop() if ahead and mb == first else build(mb)
 
     def output_grad(mb: int, out: Tensor | None) -> Tensor:
-        loss = _check_loss(model, out)
+        loss = _check_loss(model, out, mb)
         losses[mb] = loss
         return torch.full_like(loss, loss_scale)
 
@@ -377,11 +382,13 @@ def _schedule_mode(
     return ScheduleMode.of(overlap=overlap, fill_drain=fill_drain)
 
 
-def _check_loss(model: PreprocessableModel, out: Tensor | None) -> Tensor:
+def _check_loss(model: PreprocessableModel, out: Tensor | None, index: int) -> Tensor:
+    """Microbatch ``index``'s loss: a scalar that requires grad."""
     if out is None or out.numel() != 1:
         got = "nothing" if out is None else f"a tensor of shape {tuple(out.shape)}"
         raise IntegrationError(
             f"combined_1f1b: {type(model).__name__}._postprocess must return a scalar loss "
             f"(model.post_process true, labels given), received {got}"
         )
+    check_loss_grad(model, out, index, "combined_1f1b")
     return out

@@ -13,11 +13,19 @@ argument whose check, run again with the same configuration, raises (or fails: t
 came from beartype's report of the violation) is the one. An exception that no argument's
 check reproduces came from the call itself and passes unchanged. Only this package's objects
 are wrapped; what another package's import hook decorates is left as beartype made it.
+
+A dataclass's ``__init__`` whose arguments beartype refuses runs unchecked instead, as
+without debug mode, and its ``__post_init__`` (the library's field specs, ``check_fields``)
+decides: what it accepts stands if every field it stored then fits the field's annotation
+(a list or a generator the specs store as a tuple where the field says ``tuple[X, ...]``);
+what it refuses, or a stored field that still breaks its annotation, raises beartype's
+error. The same value is then accepted or refused with and without debug mode.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import importlib
 import inspect
@@ -98,6 +106,10 @@ def _checked(beartype: _Decorate, obj: object, options: dict[str, Any]) -> Any:
             old = members.get(name)
             if new is not old:
                 translated = _member(new, old, conf)
+                if name == "__init__" and _is_record(kind) and _is_function(old):
+                    translated = _fields_decide(
+                        cast("Callable[..., Any]", translated), cast(_Decorate, old), conf
+                    )
                 if translated is not new:
                     setattr(kind, name, translated)
     return out
@@ -109,6 +121,11 @@ def _nested(kind: type) -> Iterable[type]:
     for name, value in vars(kind).items():
         if isinstance(value, type) and value.__qualname__ == f"{kind.__qualname__}.{name}":
             yield from _nested(value)
+
+
+def _is_record(kind: type) -> bool:
+    """Whether ``kind`` is a dataclass (its ``__init__`` made from its fields)."""
+    return dataclasses.is_dataclass(kind)
 
 
 def _is_function(obj: object) -> bool:
@@ -153,6 +170,71 @@ def _translating(checked: Callable[..., Any], conf: BeartypeConf) -> Callable[..
 
     setattr(call, _WRAPPED, True)
     return call
+
+
+def _fields_decide(
+    checked: Callable[..., Any], plain: Callable[..., Any], conf: BeartypeConf
+) -> Callable[..., Any]:
+    """A dataclass's ``__init__`` (``checked``: beartype's, translating; ``plain``: the
+    dataclass's own): where beartype refuses an argument, ``plain`` decides (the module
+    doc says how)."""
+
+    @functools.wraps(checked)
+    def init(self: object, *args: Any, **kwargs: Any) -> None:
+        try:
+            checked(self, *args, **kwargs)
+        except TypeHintError as refused:
+            if not _breaks_a_hint(checked, conf, (self, *args), kwargs):
+                raise  # raised by the call itself, not by an argument's check
+            try:
+                plain(self, *args, **kwargs)
+            except Exception:  # refused without debug mode too (its error is the context)
+                raise refused  # noqa: B904 - chained to the library's error as its context
+            if not _fields_fit(self, checked, conf):
+                raise
+
+    setattr(init, _WRAPPED, True)
+    return init
+
+
+def _breaks_a_hint(
+    checked: Callable[..., Any],
+    conf: BeartypeConf,
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+) -> bool:
+    """Whether an argument of ``checked(*args, **kwargs)`` breaks its annotation."""
+    try:
+        bound = inspect.signature(checked).bind(*args, **kwargs)
+    except (TypeError, ValueError):
+        return False
+    hints = _hints(checked)
+    for name, value in bound.arguments.items():
+        hint = hints.get(name)
+        if hint is None or isinstance(hint, str):
+            continue
+        try:
+            if not is_bearable(value, cast(Any, hint), conf=conf):
+                return True
+        except Exception:  # a check that raises: _translating named it
+            return True
+    return False
+
+
+def _fields_fit(obj: object, checked: Callable[..., Any], conf: BeartypeConf) -> bool:
+    """Whether every field of the dataclass instance ``obj`` fits its annotation (as
+    ``checked``, its ``__init__``, declares it)."""
+    hints = _hints(checked)
+    for field in dataclasses.fields(cast(Any, obj)):
+        hint = hints.get(field.name)
+        if hint is None or isinstance(hint, str):
+            continue
+        try:
+            if not is_bearable(getattr(obj, field.name), cast(Any, hint), conf=conf):
+                return False
+        except Exception:
+            return False
+    return True
 
 
 def _argument_error(

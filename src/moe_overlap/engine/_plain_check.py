@@ -32,6 +32,7 @@ from moe_overlap.protocols import SchedulableLayer
 from ._conformance import check_wgrad_layers
 from ._owed_wgrad import check_wgrad_done, declared_wgrad, owed_wgrad, pending_count
 from ._torch_wrappers import has_grad_hooks
+from ._trainable import needs_grad
 from .core._backward_dw import BackwardDWWrapper
 from .core._streams import AnyStream, current_stream, stream_context, wait_stream
 from .core._wgrad_claims import WgradClaim
@@ -241,10 +242,11 @@ def check_first_step(
     stream, ordered after the caller's stream and before it as the schedule's own work is.
     Raises :class:`~moe_overlap.IntegrationError` naming the first difference beyond
     :data:`GRAD_RTOL` / :data:`GRAD_ATOL` / :data:`LOSS_RTOL`; skips, marking the model as
-    checked, a model without a usable plain forward (:func:`plain_call`), one that is not
-    a whole model, FSDP2-sharded, whose parameters carry gradient hooks or a
-    ``main_grad``, or whose forward raises or returns other than a scalar tensor requiring
-    grad (:func:`first_step_outcome` says which). Leaves ``.grad``, the RNG states and the
+    checked, a model without a usable plain forward (:func:`plain_call`), a microbatch with
+    an input that requires grad (the check's backward passes would add to its gradient),
+    a model that is not a whole model, FSDP2-sharded, whose parameters carry gradient hooks
+    or a ``main_grad``, or whose forward raises or returns other than a scalar tensor
+    requiring grad (:func:`first_step_outcome` says which). Leaves ``.grad``, the RNG states and the
     buffers as it found them, and no delayed weight gradient pending.
     """
     if first_step_outcome(model) is not None:
@@ -256,6 +258,9 @@ def check_first_step(
     params = _parameters(model)
     if params is None:
         _mark(model, "skipped: no parameters() to compare")
+        return
+    if needs_grad(microbatch):  # its gradient, or its producer's, would take the check's too
+        _mark(model, "skipped: an input of the microbatch requires grad")
         return
     reason = _skip_reason(model, params)
     if reason is not None:

@@ -21,18 +21,26 @@ runs no hook of its own; a module two layers list is refused at plan build inste
 A later step of a clean model walks nothing: no module, parameter or buffer registered in
 the process since (:func:`~moe_overlap.engine.registrations`) and no ``requires_grad``
 changed means the same parameters (debug mode walks again at every step).
+
+A prepared pipelining schedule (``integrations/pipelining``) counts the same way over the
+stage modules of its rank (:class:`StageAccumulations`), against torch's own schedule: that
+runs one backward per stage and microbatch, so a parameter may be accumulated once per
+backward of each stage holding it (an embedding tied to the output layer of another stage
+on the rank is added twice per microbatch by torch's run too); more is a parameter two
+nodes of one stage accumulate.
 """
 
 from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import cast
 
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
+from typing_extensions import Self
 
 from moe_overlap.errors import IntegrationError
 
@@ -40,9 +48,9 @@ from ._debug import DEBUG
 from ._registrations import registrations
 from ._torch_private import tensor_version
 
-__all__ = ["AccumulationCount"]
+__all__ = ["AccumulationCount", "StageAccumulations"]
 
-_Key = tuple[tuple[int, bool], ...]
+_Key = tuple[tuple[int, int, bool], ...]
 _Seen = tuple[int, int] | None
 
 # torch leaves the hook's type unannotated; its signature, given once.
@@ -78,42 +86,49 @@ class _Clean:
 _CLEAN: weakref.WeakKeyDictionary[object, _Clean] = weakref.WeakKeyDictionary()
 
 
-class AccumulationCount:
-    """Count each trainable parameter's gradient accumulations during a step (a context),
-    then :meth:`check` them against the microbatches the step ran."""
+class _Count:
+    """Hooks counting the accumulations of the trainable parameters of ``modules`` (each
+    parameter once) during a step (a context); nothing is walked or hooked while the
+    modules are unchanged since ``owner``'s last clean step."""
 
-    def __init__(self, model: object) -> None:
-        self.model = model
+    def __init__(self, owner: object, modules: Sequence[object]) -> None:
+        self.owner = owner
         self.key: _Key = ()
         self.all: list[Tensor] = []
         self.registered = 0
         self.params: list[Tensor] = []
+        self.holders: list[tuple[int, ...]] = []  # per parameter: the modules holding it
         self.hooks: list[_Hook] = []
         self.handles: list[RemovableHandle] = []
-        self.active = isinstance(model, nn.Module)
-        if not isinstance(model, nn.Module):
+        self.active = all(isinstance(m, nn.Module) for m in modules)
+        if not self.active:
             return
         clean: _Clean | None = None
         with contextlib.suppress(TypeError):  # not weakref-able or not hashable: always
-            clean = _CLEAN.get(model)
+            clean = _CLEAN.get(owner)
         if clean is not None and clean.unchanged():  # no walk: the common, later step
             self.active = False
             return
         self.registered = registrations()
-        named = list(model.named_parameters(remove_duplicate=False))
+        named = [
+            (i, p)
+            for i, m in enumerate(cast("Sequence[nn.Module]", modules))
+            for _, p in m.named_parameters(remove_duplicate=False)
+        ]
         self.all = [p for _, p in named]
-        self.key = tuple((id(p), p.requires_grad) for p in self.all)
+        self.key = tuple((i, id(p), p.requires_grad) for i, p in named)
         self.active = clean is None or clean.key != self.key
         if not self.active:  # the same parameters: walk no more until something changes
-            with contextlib.suppress(TypeError):
-                _CLEAN[model] = _Clean(self.key, self.all, self.registered)
-        seen: set[int] = set()
-        for _, p in named:
-            if p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                self.params.append(p)
+            self._mark_clean()
+        holders: dict[int, set[int]] = {}
+        for i, p in named:
+            if p.requires_grad:
+                if id(p) not in holders:
+                    self.params.append(p)
+                holders.setdefault(id(p), set()).add(i)
+        self.holders = [tuple(sorted(holders[id(p)])) for p in self.params]
 
-    def __enter__(self) -> AccumulationCount:
+    def __enter__(self) -> Self:
         if self.active:
             self.hooks = [_Hook(p) for p in self.params]
             self.handles = [
@@ -131,30 +146,65 @@ class AccumulationCount:
             handle.remove()
         self.handles = []
 
+    def _over(self, allowed: Callable[[tuple[int, ...]], int]) -> dict[int, int]:
+        """The parameters (by ``id``) accumulated more often than ``allowed`` of the
+        modules holding them, with their counts; none: the owner is remembered as clean
+        (its next steps count nothing until its parameters change)."""
+        if not self.active:
+            return {}
+        found = {
+            id(p): h.count
+            for p, h, held in zip(self.params, self.hooks, self.holders, strict=True)
+            if h.count > allowed(held)
+        }
+        self.hooks = []
+        if not found:
+            self._mark_clean()
+        return found
+
+    def _mark_clean(self) -> None:
+        with contextlib.suppress(TypeError):
+            _CLEAN[self.owner] = _Clean(self.key, self.all, self.registered)
+
+
+def _shown(over: dict[int, int], named: Iterable[tuple[str, Tensor]]) -> list[str]:
+    """``name = other name (n accumulations)`` for each parameter of ``over`` (at most
+    four, then how many more)."""
+    names: dict[int, list[str]] = {}
+    for name, p in named:
+        if id(p) in over and name not in names.setdefault(id(p), []):
+            names[id(p)].append(name)
+    shown = [f"{' = '.join(names[key])} ({n} accumulations)" for key, n in over.items()]
+    if len(shown) > 4:
+        shown = [*shown[:4], f"... {len(shown) - 4} more"]
+    return shown
+
+
+_FIX = (
+    "This step's gradients are not exact: zero them (model.zero_grad(set_to_none=True)). "
+    "Give each node its own parameters (untie the weights, copy.deepcopy the shared "
+    "module), or have one node hand its part of the gradient to the other, so that .grad "
+    "is written once per microbatch"
+)
+
+
+class AccumulationCount(_Count):
+    """Count each trainable parameter's gradient accumulations during a step (a context),
+    then :meth:`check` them against the microbatches the step ran."""
+
+    def __init__(self, model: object) -> None:
+        super().__init__(model, [model])
+        self.model = model
+
     def check(self, microbatches: int) -> None:
         """Raise if a parameter was accumulated more often than ``microbatches`` times;
         else remember the model as clean (its next steps count nothing until its
         parameters change)."""
-        if not self.active:
-            return
-        over = {
-            id(p): h.count
-            for p, h in zip(self.params, self.hooks, strict=True)
-            if h.count > microbatches
-        }
-        self.hooks = []
+        over = self._over(lambda _: microbatches)
         if not over:
-            with contextlib.suppress(TypeError):
-                _CLEAN[self.model] = _Clean(self.key, self.all, self.registered)
             return
         assert isinstance(self.model, nn.Module)
-        names: dict[int, list[str]] = {}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            if id(p) in over:
-                names.setdefault(id(p), []).append(name)
-        shown = [f"{' = '.join(names[key])} ({n} accumulations)" for key, n in over.items()]
-        if len(shown) > 4:
-            shown = [*shown[:4], f"... {len(shown) - 4} more"]
+        shown = _shown(over, self.model.named_parameters(remove_duplicate=False))
         raise IntegrationError(
             f"combined_1f1b: {type(self.model).__name__}: expected each parameter's gradient "
             "accumulated into .grad at most once per microbatch (by one node's backward), "
@@ -162,10 +212,44 @@ class AccumulationCount:
             "two nodes use the parameter (an output layer tied to the embedding, a module "
             "shared by two layers, a layer listed twice) and each adds its part on its own, "
             "between other microbatches' parts, in another order than plain backward() (not "
-            "bit-identical). This step's gradients are not exact: zero them "
-            "(model.zero_grad(set_to_none=True)). Give each node its own parameters (untie "
-            "the weights, copy.deepcopy the shared module), or have one node hand its part "
-            "of the gradient to the other, so that .grad is written once per microbatch"
+            f"bit-identical). {_FIX}"
+        )
+
+
+class StageAccumulations(_Count):
+    """:class:`AccumulationCount` over the stage modules of a prepared pipelining schedule
+    on one rank (``stages``: each stage's name and module; ``owner``: what is remembered
+    as clean), checked against the backwards each stage ran."""
+
+    def __init__(self, owner: object, stages: Sequence[tuple[str, object]]) -> None:
+        super().__init__(owner, [module for _, module in stages])
+        self.stages = stages
+
+    def check(self, backwards: Sequence[int], where: str) -> None:
+        """Raise if a parameter was accumulated more often than the backwards run by the
+        stages holding it (``backwards[i]``: stage ``i``'s); else remember ``owner`` as
+        clean."""
+        over = self._over(lambda held: sum(backwards[i] for i in held))
+        if not over:
+            return
+        named = [
+            (name, p)
+            for _, m in self.stages
+            for name, p in cast("nn.Module", m).named_parameters(remove_duplicate=False)
+        ]
+        held = {
+            i for p, h in zip(self.params, self.holders, strict=True) if id(p) in over for i in h
+        }
+        stages = ", ".join(name for i, (name, _) in enumerate(self.stages) if i in held)
+        raise IntegrationError(
+            f"{where}: {stages}: expected each parameter's gradient accumulated into .grad "
+            "at most once per backward of each stage holding it (torch's own schedule runs "
+            "one backward per stage and microbatch), received more accumulations than those "
+            f"backwards for {_shown(over, named)}: two nodes of a stage use the parameter "
+            "(an output layer tied to the embedding, a module shared by two layers, a layer "
+            "listed twice) and each adds its part on its own, between other microbatches' "
+            "parts, in another order than torch's one backward of the stage (not "
+            f"bit-identical). {_FIX}"
         )
 
 

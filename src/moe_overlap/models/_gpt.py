@@ -14,7 +14,7 @@ addition is not associative across microbatches. Tying them anyway is refused:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import cast
 
 import torch
@@ -77,7 +77,7 @@ class Decoder(nn.Module):
     global index of the first layer (a pipeline stage's ``layers.start``).
     """
 
-    def __init__(self, layers: list[GPTLayer], *, start: int = 0) -> None:
+    def __init__(self, layers: Iterable[GPTLayer], *, start: int = 0) -> None:
         super().__init__()
         layers = list(check_arg("Decoder", "layers", layers, _LAYERS))
         self.layers = StageLayers(layers, start=start)

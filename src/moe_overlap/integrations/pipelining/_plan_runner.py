@@ -17,7 +17,13 @@ import torch
 from torch import Tensor, nn
 
 from moe_overlap import IntegrationError, ModelChunkSchedulePlan, NodeStateError, ScheduleOptions
-from moe_overlap.engine import check_model, check_wgrad_done, owed_wgrad, pending_count
+from moe_overlap.engine import (
+    StageAccumulations,
+    check_model,
+    check_wgrad_done,
+    owed_wgrad,
+    pending_count,
+)
 from moe_overlap.integrations.pipelining import _torch
 from moe_overlap.integrations.pipelining._stage_checks import stage_microbatch, stage_name
 from moe_overlap.integrations.pipelining._torch import Action, Context, Stage
@@ -36,6 +42,7 @@ class _Forwarded:
     plan: ModelChunkSchedulePlan
     inputs: list[object]  # the stage's flat inputs, as torch caches them (their grads go back)
     leaf: Tensor | None  # last stage: the output handed to loss_fn (a leaf)
+    needs_grad: bool  # the stage output requires grad (else its backward computes nothing)
 
 
 @dataclass(slots=True)
@@ -52,7 +59,7 @@ class BackwardCall:
     stage: Stage
     key: Key
     forwarded: _Forwarded | None  # None: the stage has no backward
-    grad: Tensor | None
+    grad: Tensor | None  # None: nothing to run (nothing of the stage needs a gradient)
 
 
 class PlanRunner:
@@ -78,6 +85,9 @@ class PlanRunner:
         self.return_outputs = True
         self.loss_kwargs: dict[str, Any] | None = None
         self._first_action = True
+        self._order = sorted(stages)  # the stages' positions in the count below
+        self._counted: StageAccumulations | None = None  # a parameter two nodes accumulate
+        self._backwards = [0] * len(self._order)  # per stage: backwards run this step
 
     @property
     def rank(self) -> int:
@@ -93,6 +103,11 @@ class PlanRunner:
                 when=f"before a pipeline step (stage {index}, left from an earlier step)",
             )
         self._first_action = True
+        self._backwards = [0] * len(self._order)
+        if torch.is_grad_enabled() and any(s.has_backward for s in self.stages.values()):
+            # Counted at the first step and whenever the parameters change (as combined_1f1b).
+            stages = [(stage_name(self.stages[i]), self.stages[i].submod) for i in self._order]
+            self._counted = StageAccumulations(self, stages).__enter__()
 
     def _after_shape_inference(self) -> None:
         """torch's shape inference (first step, 2.13) runs the plain backward: weight
@@ -115,6 +130,9 @@ class PlanRunner:
             )
 
     def end_step(self) -> None:
+        counted, self._counted = self._counted, None
+        if counted is not None:
+            counted.__exit__(None, None, None)
         left = sorted(self.live) + sorted(self.held)
         if left:
             self.release()
@@ -125,10 +143,15 @@ class PlanRunner:
             )
         for index, stage in self.stages.items():
             check_wgrad_done(stage.submod, when=f"at the end of a pipeline step (stage {index})")
+        if counted is not None:
+            counted.check(self._backwards, f"pipeline rank {self.rank}")
 
     def abort_step(self) -> None:
         """After a failed step: release the plans and torch's per-step state (the loss
         list is indexed by microbatch; stale entries would be read as the next step's)."""
+        counted, self._counted = self._counted, None
+        if counted is not None:
+            counted.__exit__(None, None, None)
         self.release()
         _torch.clear_step_state(self.schedule)
 
@@ -204,7 +227,9 @@ class PlanRunner:
         """One :meth:`ModelChunkSchedulePlan.run`; a later stage's input goes in as
         ``decoder.input_tensor`` (read by the pre-process node, first step of the run)."""
         f_plan = f.plan if f is not None else None
-        b_plan = b.forwarded.plan if b is not None and b.forwarded is not None else None
+        b_plan = None
+        if b is not None and b.forwarded is not None and b.grad is not None:
+            b_plan = b.forwarded.plan
         if f_plan is None and b_plan is None:
             return None
         decoder = None
@@ -238,7 +263,7 @@ class PlanRunner:
             inputs = _torch.flatten_args(call.args) + _torch.flatten_args(call.kwargs)
             _torch.cache_forward(stage, mb, result, inputs)
             _torch.validate_outputs(stage, (result,))
-            self.live[call.key] = _Forwarded(call.plan, inputs, leaf)
+            self.live[call.key] = _Forwarded(call.plan, inputs, leaf, out.requires_grad)
         _torch.compute_loss(sched, stage, output, targets, mb, self.loss_kwargs)
         if index + 1 in self.stages:  # torch's V-schedule hand-off between local stages
             _torch.hand_forward(self.stages[index + 1], output, mb)
@@ -269,6 +294,7 @@ class PlanRunner:
                 f"pipeline rank {self.rank}: {action} (backward of stage {index}, "
                 f"microbatch {mb}) without its forward through moe_overlap"
             )
+        self._backwards[self._order.index(index)] += 1
         _torch.drop_forward(stage, mb)
         grad: object
         if stage.is_last:
@@ -277,6 +303,12 @@ class PlanRunner:
             grads = _torch.received_grads(stage, mb)
             _torch.validate_output_grads(stage, grads)
             grad = grads[0] if len(grads) == 1 else None
+        if grad is None and (stage.is_last or not forwarded.needs_grad):
+            # Nothing of the stage needs a gradient (frozen, its input needs none) or the
+            # loss reaches none of it: torch's backward skips such an output and computes
+            # nothing; no plan backward either (the stage's input gradients stay None).
+            forwarded.plan.release_state()
+            return BackwardCall(stage, key, forwarded, None)
         if not isinstance(grad, Tensor):
             forwarded.plan.release_state()
             raise IntegrationError(
@@ -304,7 +336,9 @@ class PlanRunner:
 def _loss_grad(stage: Stage, forwarded: _Forwarded, loss: object, *, full: bool) -> Tensor | None:
     """The last stage's output gradient: the loss's backward into the leaf handed to
     ``loss_fn`` (a full backward also reaches ``loss_fn``'s own parameters, as torch's
-    does; an input backward computes the output gradient only, as torch's does)."""
+    does; an input backward computes the output gradient only, as torch's does). ``None``
+    where the loss reaches no gradient of the stage: a loss that needs no grad (torch's
+    backward skips it) or a leaf that needs none (a frozen stage fed no grad)."""
     leaf = forwarded.leaf
     assert leaf is not None
     if not isinstance(loss, Tensor):
@@ -313,9 +347,13 @@ def _loss_grad(stage: Stage, forwarded: _Forwarded, loss: object, *, full: bool)
             f"schedule's loss, received {type(loss).__name__}; build the schedule with a "
             "loss_fn"
         )
+    if not loss.requires_grad:
+        return None
     if full:
         torch.autograd.backward(loss)
         return leaf.grad
-    (grad,) = torch.autograd.grad(loss, leaf)
+    grad = None
+    if leaf.requires_grad:
+        (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True)
     loss.detach_()  # torch's input backward detaches the loss it started from
     return grad

@@ -87,6 +87,14 @@ def prepare_schedule(
     ``padding_mask``), each a tensor or ``None`` that the stage module's ``forward`` takes
     and the model reads.
 
+    Frozen parameters run as in torch's own schedule: a stage whose output needs no grad
+    runs no backward, a loss that needs no grad backs nothing. A parameter two nodes of
+    one stage use (a module shared by two layers of the stage) would be added to ``.grad``
+    in another order than torch's one backward of the stage: counted at the first step and
+    whenever the parameters change, it is an :class:`~moe_overlap.IntegrationError` when the
+    step returns (one tied across two stages of the rank is added once per stage, as by
+    torch's run).
+
     A failure inside a plan raises :class:`~moe_overlap.ScheduleError` naming the pipeline
     rank, the action (stage, microbatch) and the plan step. After every step, failed or
     not, the ranks agree on its outcome (one all-reduce of a per-rank flag over
