@@ -1155,6 +1155,16 @@ NAMED_NONSENSE: list[tuple[Callable[[], object], str, str | None]] = [
         "scope",
     ),
     (
+        lambda: b.GroupSizes(bad({3, 1})),
+        r"GroupSizes: sizes must be a sequence, .*received set \{1, 3\} \(a set has no order",
+        None,
+    ),
+    (
+        lambda: Decoder(bad({DenseLayer(tiny_config(), 0, None)})),
+        r"(?s)Decoder: layers must be a sequence, .*received set .*a set has no order: give a list",
+        None,
+    ),
+    (
         lambda: fsdp.fully_shard_slots(tiny_model()),
         r"fully_shard_slots: expected a process group .*not initialized",
         None,

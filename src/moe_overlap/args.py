@@ -41,6 +41,7 @@ import dataclasses
 import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from enum import Enum
 from typing import TYPE_CHECKING, Generic, TypeVar, cast
 
@@ -329,9 +330,11 @@ class Opt(Spec["T | None"]):
 
 class Items(Spec[tuple[T, ...]]):
     """A collection (any iterable but a string, bytes or a mapping) of what ``item``
-    accepts, with at least ``min_len`` items; returned as a tuple of the checked items."""
+    accepts, with at least ``min_len`` items; returned as a tuple of the checked items.
+    ``ordered``: the items' order means something (one per layer, in order), so a set,
+    whose order is its hashing's, is refused."""
 
-    __slots__ = ("item", "min_len")
+    __slots__ = ("item", "min_len", "ordered")
 
     def __init__(
         self,
@@ -340,19 +343,24 @@ class Items(Spec[tuple[T, ...]]):
         expects: str | None = None,
         min_len: int = 0,
         hint: str = "",
+        ordered: bool = False,
     ) -> None:
-        words = expects or f"a collection, each item {item.expects}"
+        words = expects or f"a {'sequence' if ordered else 'collection'}, each item {item.expects}"
         if min_len and expects is None:
-            words = f"a collection of at least {min_len} items, each {item.expects}"
+            kind = "sequence" if ordered else "collection"
+            words = f"a {kind} of at least {min_len} items, each {item.expects}"
         super().__init__(words, error=item.error, hint=hint or item.hint)
         self.item = item
         self.min_len = min_len
+        self.ordered = ordered
 
     def check(self, value: object) -> tuple[T, ...]:
         if isinstance(value, (str, bytes, Mapping, torch.Tensor)) or not isinstance(
             value, Iterable
         ):
             raise Mismatch
+        if self.ordered and isinstance(value, AbstractSet):
+            raise Mismatch("a set has no order: give a list or tuple, in order")
         items = tuple(cast("Iterable[object]", value))
         out: list[T] = []
         for i, item in enumerate(items):

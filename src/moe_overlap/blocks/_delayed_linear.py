@@ -61,6 +61,7 @@ _PARAMETER = Instance(nn.Parameter, "an nn.Parameter (the weight)")
 _SIZES = Items(
     NON_NEGATIVE,
     hint="one row count per group, in order (sizes on the device: GroupSizes.on_device)",
+    ordered=True,
 )
 
 

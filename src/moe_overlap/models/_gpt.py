@@ -66,7 +66,7 @@ REFERENCE_INPUTS = ("position_ids", "attention_mask", "labels", "loss_mask", "pa
 _CONFIG = Instance(GPTMoEConfig, "a GPTMoEConfig")
 _GROUP = Opt(GROUP)
 _LAYERS: Items[GPTLayer] = Items(
-    Instance[GPTLayer]((DenseLayer, MoELayer), "a DenseLayer or MoELayer")
+    Instance[GPTLayer]((DenseLayer, MoELayer), "a DenseLayer or MoELayer"), ordered=True
 )
 
 

@@ -165,7 +165,7 @@ _SPACE_SPECS: dict[str, Spec[object]] = {
     "chunk_overhead_ms": _MS,
     "delay_wgrad": _some(BOOL),
     "wgrad_share": Items(
-        Items(Instance(object, "a Slot or a share"), min_len=2),
+        Items(Instance(object, "a Slot or a share"), min_len=2, ordered=True),
         expects="(Slot, share) pairs",
     ),
     "recompute": _some(Instance(Recompute, "a Recompute")),

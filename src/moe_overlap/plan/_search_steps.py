@@ -208,7 +208,7 @@ class ScheduleGraph:
 
 _GRAPH_SPECS: dict[str, Spec[object]] = {
     "microbatches": POSITIVE,
-    "moe": Items(BOOL, expects="one bool per layer (True: a MoE layer)", min_len=1),
+    "moe": Items(BOOL, expects="one bool per layer (True: a MoE layer)", min_len=1, ordered=True),
     "chunks": POSITIVE,
     "delay_wgrad": BOOL,
     "recompute": Instance(frozenset, "a frozenset of (microbatch, layer, slot)"),

@@ -58,8 +58,10 @@ def _times_spec() -> Instance[Mapping[object, object]]:
 
 _COSTS_SPECS = {
     "times": _times_spec(),
-    "moe": Items(BOOL, expects="one bool per layer (True: an MoE layer)", min_len=1),
-    "activation_bytes": Items(_MS, expects="one byte count per layer (or none: unknown)"),
+    "moe": Items(BOOL, expects="one bool per layer (True: an MoE layer)", min_len=1, ordered=True),
+    "activation_bytes": Items(
+        _MS, expects="one byte count per layer (or none: unknown)", ordered=True
+    ),
     "pre_activation_bytes": _MS,
     "post_activation_bytes": _MS,
     "p2p_ms": _MS,
