@@ -5,7 +5,9 @@ model (8 layers, 8 microbatches) under a call counter (``sys.setprofile``) with
 ``PYTHONPATH`` set to each ``src`` folder in turn and prints the function calls (Python and
 C) per node of a serial and an overlapped ``combined_1f1b`` step, and the functions whose call counts differ most (``--modes``: also ``fill_drain``, and
 today's orders run as node schedules, ``node:serial`` / ``node:overlapped`` /
-``node:fill_drain``: the same steps through the schedule runner's data path). A call
+``node:fill_drain``: the same steps through the schedule runner's data path; ``hand``: the
+overlapped order driven by hand, one ``ModelChunkSchedulePlan.run`` per macro step, as
+Megatron-Core's loop drives plans). A call
 count is the same on every machine and every run, so a change of the per-node path shows
 even on a loaded 2-core machine; what each call costs is ``ab_host.py``'s to measure.
 """
@@ -26,7 +28,7 @@ import gc, json, re, sys
 sys.path.insert(0, {str(HERE)!r})
 import torch
 import bench_host as bh
-from moe_overlap import Microbatch, combined_1f1b, make_streams
+from moe_overlap import Microbatch, ModelChunkSchedulePlan, combined_1f1b, make_streams
 
 torch.set_num_threads(1)
 model = bh.TrivialModel(8)
@@ -35,7 +37,20 @@ streams = make_streams("cpu")
 out = {{}}
 
 
+def hand():
+    # Megatron-Core's loop by hand: F0 | F1+B0 | ... | B(N-1), one plan run per macro step.
+    back, loss = None, None
+    for i, mb in enumerate(mbs):
+        plan = ModelChunkSchedulePlan(model, mb, index=i, streams=streams)
+        grad = torch.ones_like(loss) if back is not None else None
+        loss = ModelChunkSchedulePlan.run(plan, back, b_grad=grad)
+        back = plan
+    ModelChunkSchedulePlan.run(None, back, b_grad=torch.ones_like(loss))
+
+
 def runner(mode):
+    if mode == "hand":
+        return hand
     if not mode.startswith("node:"):
         kw = dict(overlap=mode != "serial", fill_drain=mode == "fill_drain")
         return lambda: combined_1f1b(model, mbs, streams=streams, **kw)
@@ -77,7 +92,15 @@ print(json.dumps(out))
 NODES_PER_STEP = 8 * (8 * 4 + 2) * 2  # microbatches x (4 slots x layers + pre/post) x F/B
 
 
-MODES = ("serial", "overlapped", "fill_drain", "node:serial", "node:overlapped", "node:fill_drain")
+MODES = (
+    "serial",
+    "overlapped",
+    "fill_drain",
+    "node:serial",
+    "node:overlapped",
+    "node:fill_drain",
+    "hand",
+)
 
 
 def _calls(src: str, modes: list[str]) -> dict[str, dict[str, int]]:

@@ -293,6 +293,20 @@ def parameter_used_by_two_nodes(ctx: Ctx) -> None:
     combined_1f1b(model, ctx.mbs)
 
 
+def backed_by_hand(ctx: Ctx) -> None:
+    """Microbatch 0 driven by hand: its forward run, then the run that backs it."""
+    p0 = plan(ctx)
+    loss = ModelChunkSchedulePlan.run(p0, None)
+    assert loss is not None
+    ModelChunkSchedulePlan.run(None, p0, b_grad=torch.ones_like(loss))
+
+
+def parameter_used_by_two_nodes_by_hand(ctx: Ctx) -> None:
+    model = ctx.model  # as parameter_used_by_two_nodes, the plans driven by hand
+    share(model, model.output, "weight", model.embedding.weight)
+    backed_by_hand(ctx)
+
+
 def delayed_module_listed_by_two_layers(ctx: Ctx) -> None:
     layers = ctx.model.decoder.layers  # both layers list the one attention for delayed wgrad
     share(ctx.model, layers[1], "attn", layers[0].attn)
@@ -332,6 +346,18 @@ def loss_no_trainable_parameter_reaches(ctx: Ctx) -> None:
     ctx.model.register_parameter("unused", None)
     share(ctx.model, ctx.model, "unused", torch.nn.Parameter(torch.zeros(1)))
     combined_1f1b(ctx.model, ctx.mbs)
+
+
+def every_parameter_frozen_by_hand(ctx: Ctx) -> None:
+    freeze(ctx.model)
+    backed_by_hand(ctx)
+
+
+def loss_no_trainable_parameter_reaches_by_hand(ctx: Ctx) -> None:
+    freeze(ctx.model)
+    ctx.model.register_parameter("unused", None)
+    share(ctx.model, ctx.model, "unused", torch.nn.Parameter(torch.zeros(1)))
+    backed_by_hand(ctx)
 
 
 def step_under_inference_mode(ctx: Ctx) -> None:
@@ -1210,6 +1236,14 @@ CASES = [
         r"tied to the embedding.*zero them.*untie the weights",
     ),
     Case(
+        parameter_used_by_two_nodes_by_hand,
+        IntegrationError,
+        r"ModelChunkSchedulePlan\.run: ToyModel: expected each parameter's gradient "
+        r"accumulated into \.grad at most once per microbatch .*received more accumulations "
+        r"than the 1 microbatch the run backs \(microbatch 0\) for \['embedding\.weight = "
+        r"output\.weight \(2 accumulations\)'\].*zero them.*untie the weights",
+    ),
+    Case(
         delayed_module_listed_by_two_layers,
         WgradError,
         r"ToyModel\.decoder\.layers\[1\]: expected the modules its pre_dispatch_wgrad\(\) / "
@@ -1246,6 +1280,20 @@ CASES = [
         IntegrationError,
         r"combined_1f1b: ToyModel\._postprocess: expected the loss of microbatches\[0\] to "
         r"require grad .*received a loss without grad",
+    ),
+    Case(
+        every_parameter_frozen_by_hand,
+        ConfigError,
+        r"ModelChunkSchedulePlan\.run: ToyModel: expected a step with something to "
+        r"differentiate .*received a model whose \d+ parameters are all frozen.*plain "
+        r"loss\.backward\(\) refuses",
+    ),
+    Case(
+        loss_no_trainable_parameter_reaches_by_hand,
+        IntegrationError,
+        r"ModelChunkSchedulePlan\.run: ToyModel\._postprocess: expected the loss of "
+        r"microbatch 0 \(the backward plan's output\) to require grad .*received a loss "
+        r"without grad",
     ),
     Case(run_under_no_grad, ConfigError, r"ModelChunkSchedulePlan\.run: expected autograd enabled"),
     Case(

@@ -2,8 +2,10 @@
 
 Always on: a plan's model and microbatch (wrappers the schedule would skip, the Protocol
 members, the input fields), its delayed-wgrad modules and FSDP units, a node's outputs still
-in the graph, and nothing in use living in a freed input (debug mode walks the references
-every time). The CPU stream-order checker attaches its own guard while it is active.
+in the graph, nothing in use living in a freed input (debug mode walks the references
+every time), and what ``combined_1f1b`` checks of its step, per run of plans driven by hand
+(:mod:`._hand_run_checks`). The CPU stream-order checker attaches its own guard while it is
+active.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ._conformance import (
 from ._debug import DEBUG
 from ._fsdp_check import check_fsdp
 from ._guards import BaseGuard, attach
+from ._hand_run_checks import HandRunChecks
 from ._inputs import check_inputs
 from ._node_checks import (
     check_copies_unused,
@@ -297,7 +300,16 @@ def _attach_labels() -> Callable[[], None]:
 
 
 _ON_ACTIVATE.append(_attach_labels)
-for _guard in (_PlanChecks(), _LayerChecks(), _InGraph(), _FreeInput(), _OwnLeaves(), _Handoffs()):
+_GUARDS = (
+    _PlanChecks(),
+    _LayerChecks(),
+    _InGraph(),
+    _FreeInput(),
+    _OwnLeaves(),
+    _Handoffs(),
+    HandRunChecks(),
+)
+for _guard in _GUARDS:
     attach(_guard, debug=DEBUG)
 
 

@@ -24,7 +24,7 @@ from ._microbatch_order import ScheduleMode, macro_steps
 from ._node_order_check import check_node_order
 from ._owed_wgrad import check_wgrad_done, declared_wgrad, node_schedule_running
 from ._plain_check import check_first_step
-from ._shared_params import AccumulationCount
+from ._shared_params import AccumulationCount, counted_step
 from ._trainable import check_loss_grad, check_trainable
 from .contracts import OPT_STEP_OBSERVER
 from .core._chunk_plan import ModelChunkSchedulePlan, default_streams, device_of
@@ -174,22 +174,23 @@ def _step(
             model, when="before the step (left from an earlier one)", declared=declared
         )
         vote.phase = Phase.DURING  # from here on, the step communicates
-        if DEBUG:  # the model's first step: its schedule and its plain forward agree
-            first = [microbatches[0]]
-            alone = ScheduleMode.OVERLAPPED if isinstance(mode, NodeSchedule) else mode
-            pair = streams if streams is not None else default_streams(device_of(first[0]))
-            check_first_step(
-                model,
-                microbatches[0],
-                lambda: _run(model, first, alone, options, streams, loss_scale, None, None),
-                loss_scale,
-                compute=pair.comp,
-            )
-        counted = AccumulationCount(model)  # a parameter two nodes accumulate
-        with inputs_checked(microbatches), counted:  # inputs: checked above, not per plan
-            losses = _run(
-                model, microbatches, mode, options, streams, loss_scale, on_plan, observer
-            )
+        with counted_step(model):  # its runs are the step's: counted and checked here
+            if DEBUG:  # the model's first step: its schedule and its plain forward agree
+                first = [microbatches[0]]
+                alone = ScheduleMode.OVERLAPPED if isinstance(mode, NodeSchedule) else mode
+                pair = streams if streams is not None else default_streams(device_of(first[0]))
+                check_first_step(
+                    model,
+                    microbatches[0],
+                    lambda: _run(model, first, alone, options, streams, loss_scale, None, None),
+                    loss_scale,
+                    compute=pair.comp,
+                )
+            counted = AccumulationCount(model)  # a parameter two nodes accumulate
+            with inputs_checked(microbatches), counted:  # inputs: checked above, not per plan
+                losses = _run(
+                    model, microbatches, mode, options, streams, loss_scale, on_plan, observer
+                )
     vote.phase = Phase.AFTER  # every all-to-all of the step completed
     check_wgrad_done(model, when="when combined_1f1b returns", declared=declared)
     counted.check(len(microbatches))

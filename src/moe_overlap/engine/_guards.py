@@ -12,7 +12,7 @@ hooks do nothing) and overrides the hooks it needs; only those are called.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 
 from torch import Tensor
@@ -27,6 +27,7 @@ from .core._chunk_plan import ModelChunkSchedulePlan
 from .core._guard import Guard
 from .core._layer_node import TransformerLayerNode
 from .core._node import ScheduleNode
+from .core._runner import ChunkRun
 from .core._state import ChunkState
 
 __all__ = ["GUARD", "BaseGuard", "Guard", "attach", "by_hook", "without_guards"]
@@ -49,6 +50,8 @@ GUARD: Contract[Guard] = Contract(
     method("layer_started"),
     method("pre_dispatch_wgrad_listed"),
     method("mlp_wgrad_listed"),
+    method("backward_started"),
+    method("backward_ended"),
 )
 """Its rule table: :func:`attach` refuses what does not conform."""
 
@@ -66,6 +69,8 @@ by_hook = {
     "layer_started": _hooks.on_layer_started,
     "pre_dispatch_wgrad_listed": _hooks.on_pre_dispatch_wgrad_listed,
     "mlp_wgrad_listed": _hooks.on_mlp_wgrad_listed,
+    "backward_started": _hooks.on_backward_started,
+    "backward_ended": _hooks.on_backward_ended,
 }
 """The core's guard list of each hook, by the hook's name (the Guard Protocol's methods)."""
 
@@ -133,6 +138,12 @@ class BaseGuard:
         self, layer: SchedulableLayer, listed: object, where: Callable[[], str]
     ) -> None:
         del layer, listed, where
+
+    def backward_started(self, plans: Sequence[ChunkRun], where: str) -> None:
+        del plans, where
+
+    def backward_ended(self, plans: Sequence[ChunkRun], where: str, failed: bool) -> None:
+        del plans, where, failed
 
 
 def attach(guard: Guard, *, debug: bool) -> Callable[[], None]:

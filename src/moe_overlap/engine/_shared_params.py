@@ -19,8 +19,19 @@ runs no hook of its own; a module two layers list is refused at plan build inste
 (``check_wgrad_listed``).
 
 A later step of a clean model walks nothing: no module, parameter or buffer registered in
-the process since (:func:`~moe_overlap.engine.registrations`) and no ``requires_grad``
-changed means the same parameters (debug mode walks again at every step).
+the process since (:func:`~moe_overlap.engine.registrations`) and no parameter frozen then
+unfrozen since means the same parameters counted (debug mode walks again at every step). A
+parameter frozen since accumulates nothing; unfrozen again, it is accumulated as when it
+was counted.
+
+A hand-driven :meth:`ModelChunkSchedulePlan.run <moe_overlap.ModelChunkSchedulePlan.run>`
+(or ``run_pair``) has no step the library knows: each run that backs plans is counted
+(:class:`RunAccumulations`, the same count and memo as :func:`~moe_overlap.combined_1f1b`'s
+for one model), against one accumulation per plan it backs. A microbatch's backward runs
+whole inside the run that backs its plan (its delayed weight gradients too), and a
+forward accumulates nothing, so that count is the microbatch's. Runs inside a step that
+counts its own (:func:`counted_step`: ``combined_1f1b``, a prepared pipelining schedule)
+are that step's.
 
 A prepared pipelining schedule (``integrations/pipelining``) counts the same way over the
 stage modules of its rank (:class:`StageAccumulations`), against torch's own schedule: that
@@ -33,8 +44,9 @@ nodes of one stage accumulate.
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from types import TracebackType
 from typing import cast
 
@@ -48,7 +60,13 @@ from ._debug import DEBUG
 from ._registrations import registrations
 from ._torch_private import tensor_version
 
-__all__ = ["AccumulationCount", "StageAccumulations"]
+__all__ = [
+    "AccumulationCount",
+    "RunAccumulations",
+    "StageAccumulations",
+    "counted_step",
+    "in_counted_step",
+]
 
 _Key = tuple[tuple[int, int, bool], ...]
 _Seen = tuple[int, int] | None
@@ -63,27 +81,60 @@ _register = cast(
 class _Clean:
     """A model whose last counted step accumulated each parameter at most once per
     microbatch: its parameters then (``key``), and what tells cheaply that they are still
-    those: the process's registration count and each parameter's ``requires_grad``."""
+    those: the process's registration count and the parameters then frozen (``frozen``)."""
 
-    __slots__ = ("grads", "key", "params", "registered")
+    __slots__ = ("frozen", "key", "registered")
 
     def __init__(self, key: _Key, params: list[Tensor], registered: int) -> None:
         self.key = key
-        self.params = params
-        self.grads = tuple(p.requires_grad for p in params)
+        self.frozen = [p for p in params if not p.requires_grad]
         self.registered = registered
 
     def unchanged(self) -> bool:
-        """No parameter or module registered since, no ``requires_grad`` changed (debug
-        mode walks the model again regardless)."""
-        return (
-            not DEBUG
-            and self.registered == registrations()
-            and all(p.requires_grad is g for p, g in zip(self.params, self.grads, strict=True))
-        )
+        """No parameter or module registered since, no parameter then frozen unfrozen (one
+        then trainable and frozen since accumulates nothing; debug mode walks the model
+        again regardless)."""
+        if DEBUG or self.registered != registrations():
+            return False
+        return not (self.frozen and any(p.requires_grad for p in self.frozen))
 
 
 _CLEAN: weakref.WeakKeyDictionary[object, _Clean] = weakref.WeakKeyDictionary()
+
+
+class _Steps(threading.local):
+    """The steps running now on this thread that count their own runs
+    (:func:`counted_step`)."""
+
+    def __init__(self) -> None:
+        self.running: list[object] = []
+
+    def drop(self, owner: object) -> None:
+        for i, step in enumerate(self.running):
+            if step is owner:
+                del self.running[i]
+                return
+
+
+_STEPS = _Steps()
+
+
+@contextlib.contextmanager
+def counted_step(owner: object) -> Generator[None]:
+    """Inside the block, plan runs on this thread are ``owner``'s step's, which counts
+    their accumulations and checks their losses itself: a run counts nothing of its own
+    (:func:`in_counted_step`)."""
+    _STEPS.running.append(owner)
+    try:
+        yield
+    finally:
+        _STEPS.drop(owner)
+
+
+def in_counted_step() -> bool:
+    """Whether a step that counts its own runs is running on this thread
+    (:func:`counted_step`)."""
+    return bool(_STEPS.running)
 
 
 class _Count:
@@ -188,6 +239,19 @@ _FIX = (
 )
 
 
+def _two_nodes(head: str, than: str, shown: list[str]) -> IntegrationError:
+    """The refusal of :class:`AccumulationCount` and :class:`RunAccumulations`: ``head``
+    names the caller and the model, ``than`` what the counts exceed."""
+    return IntegrationError(
+        f"{head}: expected each parameter's gradient accumulated into .grad at most once per "
+        f"microbatch (by one node's backward), received more accumulations than {than} for "
+        f"{shown}: two nodes use the parameter (an output layer tied to the embedding, a "
+        "module shared by two layers, a layer listed twice) and each adds its part on its "
+        "own, between other microbatches' parts, in another order than plain backward() "
+        f"(not bit-identical). {_FIX}"
+    )
+
+
 class AccumulationCount(_Count):
     """Count each trainable parameter's gradient accumulations during a step (a context),
     then :meth:`check` them against the microbatches the step ran."""
@@ -205,15 +269,47 @@ class AccumulationCount(_Count):
             return
         assert isinstance(self.model, nn.Module)
         shown = _shown(over, self.model.named_parameters(remove_duplicate=False))
-        raise IntegrationError(
-            f"combined_1f1b: {type(self.model).__name__}: expected each parameter's gradient "
-            "accumulated into .grad at most once per microbatch (by one node's backward), "
-            f"received more accumulations than the {microbatches} microbatches for {shown}: "
-            "two nodes use the parameter (an output layer tied to the embedding, a module "
-            "shared by two layers, a layer listed twice) and each adds its part on its own, "
-            "between other microbatches' parts, in another order than plain backward() (not "
-            f"bit-identical). {_FIX}"
+        head = f"combined_1f1b: {type(self.model).__name__}"
+        raise _two_nodes(head, f"the {microbatches} microbatches", shown)
+
+
+class RunAccumulations(_Count):
+    """:class:`AccumulationCount` over one hand-driven run: ``models`` holds the model of
+    each plan the run backs (one model: remembered clean as ``combined_1f1b`` remembers it;
+    several, which a run may back together but no model is remembered for: counted every
+    run), checked against the plans holding each parameter."""
+
+    def __init__(self, models: Sequence[object]) -> None:
+        distinct = [models[0]]  # the models, each once (one, but for an odd run_pair)
+        for model in models[1:]:
+            if not any(model is seen for seen in distinct):
+                distinct.append(model)
+        super().__init__(distinct[0] if len(distinct) == 1 else None, distinct)
+        self.models = distinct
+        self.backs = (
+            [len(models)]
+            if len(distinct) == 1
+            else [sum(1 for m in models if m is model) for model in distinct]
         )
+
+    def check(self, where: str, microbatches: Sequence[int | None]) -> None:
+        """Raise if a parameter was accumulated more often than the plans of the run
+        holding it (``microbatches``: their indices, for the message); else remember the
+        model as clean."""
+        over = self._over(lambda held: sum(self.backs[i] for i in held))
+        if not over:
+            return
+        modules = cast("list[nn.Module]", self.models)
+        named = [(n, p) for m in modules for n, p in m.named_parameters(remove_duplicate=False)]
+        names = ", ".join(type(m).__name__ for m in modules)
+        n = len(microbatches)
+        than = (
+            f"the 1 microbatch the run backs (microbatch {microbatches[0]})"
+            if n == 1
+            else f"the {n} microbatches the run backs (microbatches "
+            f"{', '.join(str(i) for i in microbatches)})"
+        )
+        raise _two_nodes(f"{where}: {names}", than, _shown(over, named))
 
 
 class StageAccumulations(_Count):
@@ -224,6 +320,19 @@ class StageAccumulations(_Count):
     def __init__(self, owner: object, stages: Sequence[tuple[str, object]]) -> None:
         super().__init__(owner, [module for _, module in stages])
         self.stages = stages
+
+    def __enter__(self) -> Self:
+        _STEPS.running.append(self)  # the step's plan runs are counted here (counted_step)
+        return super().__enter__()
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        trace: TracebackType | None,
+    ) -> None:
+        _STEPS.drop(self)
+        super().__exit__(kind, error, trace)
 
     def check(self, backwards: Sequence[int], where: str) -> None:
         """Raise if a parameter was accumulated more often than the backwards run by the

@@ -12,6 +12,10 @@ checks such a step would complete, computing nothing.
 is looked at first at the next step: while it still requires grad and nothing was
 registered in the process since, the model trains); :func:`check_loss_grad` refuses any
 other loss without grad when it comes out (an :class:`~moe_overlap.IntegrationError`).
+
+A hand-driven run has no step the library knows, and a forward alone is what plain
+``forward`` allows: :func:`check_backed_output` refuses the run that would back a plan
+whose output needs no grad, before any of its steps, with the same two errors.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from moe_overlap.microbatch import Microbatch
 
 from ._registrations import registrations
 
-__all__ = ["check_loss_grad", "check_trainable", "needs_grad"]
+__all__ = ["check_backed_output", "check_loss_grad", "check_trainable", "needs_grad"]
 
 _EVALUATE = "to evaluate, run the model's own forward under torch.no_grad()"
 
@@ -70,19 +74,60 @@ def check_loss_grad(model: object, loss: Tensor, index: int, where: str) -> None
     """Refuse microbatch ``index``'s loss when it does not require grad."""
     if loss.requires_grad:
         return
-    partial = (
+    raise _loss_without_grad(model, f"the loss of microbatches[{index}]", bool(index), where)
+
+
+def check_backed_output(
+    model: object,
+    output: Tensor,
+    microbatch: Microbatch,
+    index: int | None,
+    where: str,
+    *,
+    loss: bool,
+) -> None:
+    """Refuse to back a hand-driven plan (microbatch ``index`` of ``model``) whose
+    ``output`` (``loss``: its post-process's loss) does not require grad, as plain
+    ``backward()`` refuses it: a frozen model as :func:`check_trainable`, anything else
+    as :func:`check_loss_grad`."""
+    if output.requires_grad:
+        return
+    check_trainable(model, [microbatch], where)
+    partial = bool(index)
+    if loss:
+        what = f"the loss of microbatch {index} (the backward plan's output)"
+        raise _loss_without_grad(model, what, partial, where)
+    raise IntegrationError(
+        f"{where}: {type(model).__name__}: expected the output of microbatch {index} (the "
+        "backward plan's, which b_grad is the gradient of) to require grad (plain "
+        "output.backward(b_grad) refuses one that does not: element 0 of tensors does not "
+        "require grad), received an output without grad: it is cut from the trainable "
+        "parameters (a .detach() or torch.no_grad() in a slot, or no trainable parameter "
+        "and no input that requires grad on its path). Return the output autograd recorded; "
+        "a stage with nothing to differentiate has no backward to run: release its plan "
+        f"(plan.release_state()) instead.{_partial(partial)}"
+    )
+
+
+def _loss_without_grad(model: object, what: str, partial: bool, where: str) -> IntegrationError:
+    """A loss (``what``: which) that does not require grad; ``partial``: earlier
+    microbatches' gradients were accumulated."""
+    return IntegrationError(
+        f"{where}: {type(model).__name__}._postprocess: expected {what} to require grad "
+        "(plain loss.backward() refuses one that does not: element 0 of tensors does not "
+        "require grad), received a loss without grad: it is cut from the trainable "
+        "parameters (a .detach(), .item() or torch.no_grad() in _postprocess, or no "
+        "trainable parameter on its path). Return the loss autograd recorded; "
+        f"{_EVALUATE}.{_partial(partial)}"
+    )
+
+
+def _partial(partial: bool) -> str:
+    return (
         " The gradients this step accumulated before are partial: zero them "
         "(model.zero_grad(set_to_none=True))."
-        if index
+        if partial
         else ""
-    )
-    raise IntegrationError(
-        f"{where}: {type(model).__name__}._postprocess: expected the loss of "
-        f"microbatches[{index}] to require grad (plain loss.backward() refuses one that does "
-        "not: element 0 of tensors does not require grad), received a loss without grad: "
-        "it is cut from the trainable parameters (a .detach(), .item() or torch.no_grad() "
-        "in _postprocess, or no trainable parameter on its path). Return the loss autograd "
-        f"recorded; {_EVALUATE}.{partial}"
     )
 
 

@@ -17,6 +17,10 @@ meets them::
     node_detached(node, copy)                    a layer slot handed a tensor on (node.detach)
     slot_returned(node, inputs, output)          a layer slot's function returned
     copies_backwarded(node, copies)              a layer slot's backward ran from its copies
+    backward_started(plans, where)               a run of backward plans: its arguments checked,
+                                                 before its first step
+    backward_ended(plans, where, failed)         ... after its last step and the backward
+                                                 plans' release; also when a step failed
 
 The guards themselves, their base class and the registry that attaches them live outside
 the core (``engine/_guards.py``, ``engine/_attached_checks.py``).
@@ -24,7 +28,7 @@ the core (``engine/_guards.py``, ``engine/_attached_checks.py``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol, runtime_checkable
 
 from torch import Tensor
@@ -35,6 +39,7 @@ from moe_overlap.protocols import PreprocessableModel, SchedulableLayer
 from ._chunk_plan import ModelChunkSchedulePlan
 from ._layer_node import TransformerLayerNode
 from ._node import ScheduleNode
+from ._runner import ChunkRun
 from ._state import ChunkState
 
 __all__ = ["Guard"]
@@ -82,3 +87,5 @@ class Guard(Protocol):
     def mlp_wgrad_listed(
         self, layer: SchedulableLayer, listed: object, where: Callable[[], str]
     ) -> None: ...
+    def backward_started(self, plans: Sequence[ChunkRun], where: str) -> None: ...
+    def backward_ended(self, plans: Sequence[ChunkRun], where: str, failed: bool) -> None: ...

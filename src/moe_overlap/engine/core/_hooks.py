@@ -14,6 +14,8 @@ if TYPE_CHECKING:  # annotations only: the Guard Protocol's module imports the p
     from ._guard import Guard
 
 __all__ = [
+    "on_backward_ended",
+    "on_backward_started",
     "on_before_release",
     "on_copies_backwarded",
     "on_inputs_read",
@@ -43,6 +45,8 @@ if TYPE_CHECKING:  # declared apart: debug mode's beartype checks annotated assi
     on_layer_started: list[Guard]
     on_pre_dispatch_wgrad_listed: list[Guard]
     on_mlp_wgrad_listed: list[Guard]
+    on_backward_started: list[Guard]
+    on_backward_ended: list[Guard]
 
 on_plan_started = []
 on_inputs_read = []
@@ -57,3 +61,5 @@ on_copies_backwarded = []
 on_layer_started = []
 on_pre_dispatch_wgrad_listed = []
 on_mlp_wgrad_listed = []
+on_backward_started = []
+on_backward_ended = []

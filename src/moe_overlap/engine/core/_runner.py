@@ -4,14 +4,16 @@ steps; or a whole :class:`~moe_overlap.steps.NodeSchedule` (:func:`run_schedule`
 :func:`run_step` is what :func:`~moe_overlap.combined_1f1b`, :meth:`ModelChunkSchedulePlan.run
 <moe_overlap.ModelChunkSchedulePlan.run>` and :func:`~moe_overlap.steps.run_pair` run::
 
-    1. refuse released plans and misshaped output gradients
+    1. refuse released plans and misshaped output gradients; the guards' backward_started
     2. list the steps of the macro step        (chunk_steps, forward/backward_pair_steps)
     3. every plan waits for the caller's stream
     4. walk the steps, each on its role's plan  (execute_roles)
     5. the caller's stream waits for every plan
-    6. release the backward plans; hand the forward outputs to the caller
+    6. release the backward plans; the guards' backward_ended; hand the forward outputs
+       to the caller
 
-On failure (step 4) every plan is released after the device is synchronized.
+On failure (step 4, or a guard refusing in step 6) every plan is released after the
+device is synchronized.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from moe_overlap.errors import ConfigError, IntegrationError, PlanReleasedError
 from moe_overlap.protocols import StepObserver
 
 from ._executor import NodeSource, Value, execute_roles
+from ._hooks import on_backward_ended, on_backward_started
 from ._node import ScheduleNode
 from ._node_schedule import NodeSchedule
 from ._options import ChunkHooks
@@ -100,6 +103,9 @@ def run_step(
         label = f"{where}: b_grad" if len(backward) == 1 else f"{where}: b_grads[{i}]"
         plan.check_output_grad(label, grad)
     check_grad_mode(where)
+    if backward:
+        for guard in on_backward_started:  # hand-driven runs' checks (moe_overlap.engine._guards)
+            guard.backward_started(backward, where)
     # 2. the steps
     steps = macro_node_steps(
         [p.shape for p in forward],
@@ -129,13 +135,26 @@ def run_step(
         _run_hook(hooks, step, roles[step.role], values)
 
     # 4. walk the steps
-    execute_roles(steps, roles, values, run_hook=run_hook, on_error=on_error, observer=observer)
+    try:
+        execute_roles(steps, roles, values, run_hook=run_hook, on_error=on_error, observer=observer)
+    except BaseException:
+        if backward:
+            for guard in on_backward_ended:
+                guard.backward_ended(backward, where, True)
+        raise
     # 5. the caller's stream waits for every plan
     for plan in plans:
         plan.wait_current_stream()
     # 6. release the backwards; hand the forwards' outputs to the caller
     for plan in backward:
         plan.release_state()
+    if backward and on_backward_ended:
+        try:
+            for guard in on_backward_ended:
+                guard.backward_ended(backward, where, False)
+        except BaseException:
+            on_error()  # refused: the forward plans go too
+            raise
     outputs: list[Tensor | None] = []
     for role, plan in zip(_FORWARD_ROLES[: len(forward)], forward, strict=True):
         value = values[role]
