@@ -121,7 +121,8 @@ class SearchSpace:
     ``improve_window``: the local search run from each frontier point (a step moved past up
     to that many steps of its stream; 0 passes: none); ``one_event``: time every order as
     the engine runs it, each microbatch's steps in issue order
-    (:attr:`ScheduleGraph.one_event`; off: each step waits only for the steps it reads).
+    (:attr:`~moe_overlap.plan.ScheduleGraph.one_event`; off: each step waits only for the
+    steps it reads).
     """
 
     chunks: tuple[int, ...] = (1, 2, 4)

@@ -4,9 +4,9 @@ A searched schedule is one issue order of :class:`SearchStep` s (``None``: a joi
 later step waits for every earlier one) over two in-order streams, as the engine issues
 its steps: a step starts when its stream is free and the steps it reads have ended (a
 delayed weight-gradient step waits for its stream only); with
-:attr:`ScheduleGraph.one_event`, also when the step of its microbatch issued before it has
-ended, as the engine's one event per microbatch orders them. What may change from today's
-schedules, each choice keeping every result exact:
+:attr:`~moe_overlap.plan.ScheduleGraph.one_event`, also when the step of its microbatch
+issued before it has ended, as the engine's one event per microbatch orders them. What may
+change from today's schedules, each choice keeping every result exact:
 
 - **chunks** (``K``): a MoE layer's dispatch, mlp and combine of one microbatch run as
   ``K`` pieces, chunk ``j``'s mlp after its dispatch chunk and its combine after its mlp
@@ -543,10 +543,11 @@ def replay_order(
 
     A step starts when its stream is free and the steps it reads have ended (a ``W`` step:
     its stream only); with ``graph.one_event`` also when its microbatch's step issued
-    before it (not a ``W``) has ended. A communication step takes ``1 + comm_contention`` times its time when it starts while
-    another microbatch is in flight (between its first step's start and its last step's
-    end): the planner's paired runs, timed by what runs at once rather than by runs. An
-    order that is not exact for ``graph`` is refused (:func:`check_exact`)."""
+    before it (not a ``W``) has ended. A communication step takes ``1 + comm_contention``
+    times its time when it starts while another microbatch is in flight (between its first
+    step's start and its last step's end): the planner's paired runs, timed by what runs at
+    once rather than by runs. An order that is not exact for ``graph`` is refused
+    (:func:`check_exact`)."""
     check_exact(order, graph)
     preds = {s: p for mb in range(graph.microbatches) for s, p in graph.microbatch_steps(mb)}
     steps = [s for s in order if s is not None]
