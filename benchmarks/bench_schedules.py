@@ -59,7 +59,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import cast
+from typing import NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -81,9 +81,16 @@ from bench_overlap import (  # the sibling benchmark's steps and passes
     time_interleaved,
 )
 from moe_slice import LoopbackMode, MoESliceLayer, MoESliceModel, SliceConfig
-from node_timing import Clock
+from node_timing import Clock, NodeRecorder
 
-from moe_overlap import ChunkState, ConfigError, MoeOverlapError, ScheduleOptions, combined_1f1b
+from moe_overlap import (
+    ChunkState,
+    ConfigError,
+    MoeOverlapError,
+    ScheduleOptions,
+    StreamPair,
+    combined_1f1b,
+)
 from moe_overlap.blocks import PlainContext, discard_wgrad
 from moe_overlap.plan import (
     ActivationModel,
@@ -105,9 +112,16 @@ FRONTIER = Path(__file__).resolve().parent / "results" / "frontier" / "frontier.
 TODAY = ("serial", "overlapped", "fill_drain", "fill_drain_recompute")
 
 
-def searched(b: Bench, schedule: NodeSchedule) -> Callable[[], object]:
+def searched(
+    b: Bench,
+    schedule: NodeSchedule,
+    *,
+    on_plan: NodeRecorder | None = None,
+    streams: StreamPair | None = None,
+) -> Callable[[], object]:
     """One step of ``schedule`` with the options its steps need (``W``: delayed weight
-    gradients; ``R``: those slots recomputed)."""
+    gradients; ``R``: those slots recomputed), on ``streams`` (default ``b.pair``), each
+    plan handed to ``on_plan``."""
     steps = schedule.steps
     delay = any(s.direction is Direction.WGRAD for s in steps)
     slots = tuple(
@@ -118,9 +132,12 @@ def searched(b: Bench, schedule: NodeSchedule) -> Callable[[], object]:
     )
     options = ScheduleOptions(delay_wgrad_compute=delay, recompute=slots)
     model = b.model
+    pair = b.pair if streams is None else streams
 
     def run() -> object:
-        return combined_1f1b(model, b.mbs, streams=b.pair, options=options, schedule=schedule)
+        return combined_1f1b(
+            model, b.mbs, streams=pair, options=options, schedule=schedule, on_plan=on_plan
+        )
 
     return switched(lambda: model.set_delay_wgrad(delay), lambda: model.set_delay_wgrad(False), run)
 
@@ -160,6 +177,16 @@ def _search_step(step: Step) -> SearchStep:
     )
 
 
+class Replay(NamedTuple):
+    """One variant's order as the planner replays it: the graph, the order (``None``: a
+    join), the step milliseconds and each step's ``(step, start ms, end ms)``."""
+
+    graph: ScheduleGraph
+    order: list[SearchStep | None]
+    step_ms: float
+    spans: tuple[tuple[SearchStep, float, float], ...]
+
+
 def predict(
     profile: list[JsonDict], config: JsonDict, *, num_layers: int, contention: float
 ) -> dict[str, float]:
@@ -170,12 +197,27 @@ def predict(
     ``config``'s ``best_order`` on the graph its steps and name say (delayed weight
     gradients, recomputed slots, recompute started early), each replayed
     (:func:`~moe_overlap.plan.replay_order`) with the search's default shares."""
+    replays = replayed(profile, config, num_layers=num_layers, contention=contention)
+    return {k: r.step_ms for k, r in replays.items()}
+
+
+def replayed(
+    profile: list[JsonDict],
+    config: JsonDict,
+    *,
+    num_layers: int,
+    contention: float,
+    one_event: bool = False,
+) -> dict[str, Replay]:
+    """:func:`predict`'s replays, whole; with ``one_event``, each on its graph with
+    :attr:`~moe_overlap.plan.ScheduleGraph.one_event` (the engine's one event per
+    microbatch)."""
     costs = costs_from_profile(
         load_profile(profile), num_layers=num_layers, comm_contention=contention
     )
     n = cast(int, config["microbatches"])
     steps = [_search_step(s) for s in NodeSchedule.parse(cast(str, config["best_order"])).steps]
-    base = ScheduleGraph(microbatches=n, moe=costs.moe)
+    base = ScheduleGraph(microbatches=n, moe=costs.moe, one_event=one_event)
     every = Recompute((Slot.PRE_DISPATCH, Slot.MLP)).triples(n, num_layers)
     recomputed = base.replace(recompute=every)
     name = cast(str, cast(JsonDict, config["targets"])["best"])
@@ -189,7 +231,7 @@ def predict(
     orders["searched"] = (best, steps)
     space = SearchSpace()  # the shares and recompute cost frontier.py searched with
     memory = ActivationModel(units={})  # only the step time is read
-    out: dict[str, float] = {}
+    out: dict[str, Replay] = {}
     for k, (graph, order) in orders.items():
         times = StepTimes(
             times=costs.times,
@@ -198,7 +240,8 @@ def predict(
             comm_contention=costs.comm_contention,
             delay_wgrad=graph.delay_wgrad,
         )
-        out[k] = replay_order(order, graph, times, memory).step_ms
+        r = replay_order(order, graph, times, memory)
+        out[k] = Replay(graph, list(order), r.step_ms, r.spans)
     return out
 
 

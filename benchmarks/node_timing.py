@@ -1,9 +1,10 @@
 """Per-node device timing, the critical-path bound and the timeline of a schedule.
 
 :class:`NodeRecorder` is an ``on_plan`` callback: it wraps every node of a plan, per
-instance, so each forward / backward / delayed-wgrad body records a start and an end event
-on the stream it runs on. The start is recorded after the node's wait on its microbatch's
-event, so a duration is the node's own work, not its wait.
+instance, so each forward / backward / delayed-wgrad / recompute body records a start and an
+end event on the stream it runs on. The start is recorded after the node's wait on its
+microbatch's event, so a duration is the node's own work, not its wait. Each span also
+keeps when the host issued it (the host clock from the same origin).
 
 :func:`critical_path_ms` replays the schedule's step lists (:func:`moe_overlap.steps.chunk_steps`)
 with those durations (:func:`moe_overlap.steps.makespan`): a step starts when its stream is
@@ -108,12 +109,15 @@ class NodeKey(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class NodeSpan:
-    """A node execution placed on the timeline, in ms from the step's start."""
+    """A node execution placed on the timeline, in ms from the step's start; ``issued_ms``:
+    when the host issued its start mark, on the host clock from the same origin (``None``:
+    not recorded)."""
 
     key: NodeKey
     stream: StreamKind
     start_ms: float
     end_ms: float
+    issued_ms: float | None = None
 
 
 class _Pending(NamedTuple):
@@ -121,6 +125,7 @@ class _Pending(NamedTuple):
     stream: StreamKind
     start: torch.cuda.Event | float
     end: torch.cuda.Event | float
+    issued: float
 
 
 _COMM_SLOTS = (Slot.DISPATCH, Slot.COMBINE)
@@ -131,12 +136,15 @@ class NodeRecorder:
 
     def __init__(self, device: torch.device) -> None:
         self.clock = Clock(device)
+        self.host_origin = time.perf_counter()
         self.origin = self.clock.mark()
         self.pending: list[_Pending] = []
         self.shapes: dict[int, ChunkShape] = {}
 
     def start(self) -> None:
-        """Record the step's time origin on the current (compute) stream."""
+        """Record the step's time origin on the current (compute) stream (and the host's:
+        with the device idle, as after a synchronize, the two clocks start together)."""
+        self.host_origin = time.perf_counter()
         self.origin = self.clock.mark()
 
     def __call__(self, plan: ModelChunkSchedulePlan) -> None:
@@ -155,10 +163,11 @@ class NodeRecorder:
                 self._wrap(node, mb, layer, slot)
 
     def _timed(self, key: NodeKey, stream: StreamKind, body: Callable[[], _T]) -> _T:
+        issued = time.perf_counter()
         start = self.clock.mark()
         out = body()
         end = self.clock.mark()
-        self.pending.append(_Pending(key, stream, start, end))
+        self.pending.append(_Pending(key, stream, start, end, issued))
         return out
 
     def _wrap(self, node: ScheduleNode, mb: int, layer: int | None, slot: Slot) -> None:
@@ -166,9 +175,14 @@ class NodeRecorder:
         fwd, bwd = node.forward_func, node.backward_impl
         f_key = NodeKey(mb, layer, slot, Direction.FORWARD)
         b_key = NodeKey(mb, layer, slot, Direction.BACKWARD)
+        forwarding = [False]  # inside the forward: its forward_impl call is not a recompute
 
         def forward_func(*args: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
-            return self._timed(f_key, stream, lambda: fwd(*args))
+            forwarding[0] = True
+            try:
+                return self._timed(f_key, stream, lambda: fwd(*args))
+            finally:
+                forwarding[0] = False
 
         def backward_impl(
             outputs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor | None, ...]
@@ -183,6 +197,18 @@ class NodeRecorder:
             dw = node.backward_dw
             w_key = NodeKey(mb, layer, slot, Direction.WGRAD)
             setattr(node, "backward_dw", lambda: self._timed(w_key, stream, dw))  # noqa: B010
+        if isinstance(node, TransformerLayerNode) and node.recomputes:
+            # A recompute step (R) runs the slot's forward_impl again on the node's stream,
+            # after its event wait: timed there, unless the forward itself is calling it.
+            impl = node.forward_impl
+            r_key = NodeKey(mb, layer, slot, Direction.RECOMPUTE)
+
+            def forward_impl(*args: torch.Tensor | None) -> torch.Tensor | tuple[torch.Tensor, ...]:
+                if forwarding[0]:
+                    return impl(*args)
+                return self._timed(r_key, stream, lambda: impl(*args))
+
+            setattr(node, "forward_impl", forward_impl)  # noqa: B010 - a method, per instance
 
     def spans(self) -> list[NodeSpan]:
         """The recorded node executions (call after synchronizing)."""
@@ -192,6 +218,7 @@ class NodeRecorder:
                 p.stream,
                 Clock.ms(self.origin, p.start),
                 Clock.ms(self.origin, p.end),
+                (p.issued - self.host_origin) * 1e3,
             )
             for p in self.pending
         ]
@@ -296,40 +323,61 @@ def write_chrome_trace(spans: Sequence[NodeSpan], path: Path, *, title: str) -> 
     path.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
 
 
-def write_gantt_png(spans: Sequence[NodeSpan], path: Path, *, title: str) -> None:
+def write_gantt_png(
+    spans: Sequence[NodeSpan],
+    path: Path,
+    *,
+    title: str,
+    compare: Sequence[NodeSpan] | None = None,
+    labels: tuple[str, str] = ("measured", "predicted"),
+) -> None:
     """A per-stream Gantt chart titled ``title``: forward slots blue, backward orange, weight
-    gradients green (a legend says so), one row per stream."""
+    gradients green, recomputes purple (a legend says so), one row per stream; with
+    ``compare``, its two rows under ``spans``' (``labels`` name the two timelines)."""
     plt = pyplot()
     colors = {
         Direction.FORWARD: "#4C78A8",
         Direction.BACKWARD: "#F58518",
         Direction.WGRAD: "#54A24B",
+        Direction.RECOMPUTE: "#B279A2",
     }
-    rows = {StreamKind.COMP: 1, StreamKind.COMM: 0}
-    fig, ax = plt.subplots(figsize=(16, 3.2))
-    for s in spans:
-        ax.broken_barh(
-            [(s.start_ms, s.end_ms - s.start_ms)],
-            (rows[s.stream] - 0.4, 0.8),
-            facecolors=colors.get(s.key.direction, "#999999"),
-            edgecolors="black",
-            linewidth=0.3,
-        )
-        if s.end_ms - s.start_ms > 0.02 * max(x.end_ms for x in spans):
-            ax.text(
-                (s.start_ms + s.end_ms) / 2,
-                rows[s.stream],
-                f"{s.key.microbatch}{s.key.slot.value[:3]}{s.key.direction.value}",
-                ha="center",
-                va="center",
-                fontsize=6,
+    timelines = [(spans, 2 if compare is not None else 0)]
+    if compare is not None:
+        timelines.append((compare, 0))
+    fig, ax = plt.subplots(figsize=(16, 3.2 if compare is None else 5.0))
+    longest = max((x.end_ms for group, _ in timelines for x in group), default=1.0)
+    for group, base in timelines:
+        rows = {StreamKind.COMP: base + 1, StreamKind.COMM: base}
+        for s in group:
+            ax.broken_barh(
+                [(s.start_ms, s.end_ms - s.start_ms)],
+                (rows[s.stream] - 0.4, 0.8),
+                facecolors=colors.get(s.key.direction, "#999999"),
+                edgecolors="black",
+                linewidth=0.3,
             )
-    ax.set_yticks([0, 1], ["comm stream", "comp stream"])
-    ax.set_xlabel("time from the step's start (ms); bars: microbatch, slot, F/B/W")
+            if s.end_ms - s.start_ms > 0.02 * longest:
+                ax.text(
+                    (s.start_ms + s.end_ms) / 2,
+                    rows[s.stream],
+                    f"{s.key.microbatch}{s.key.slot.value[:3]}{s.key.direction.value}",
+                    ha="center",
+                    va="center",
+                    fontsize=6,
+                )
+    if compare is None:
+        ax.set_yticks([0, 1], ["comm stream", "comp stream"])
+    else:
+        ticks = [f"{labels[1]} comm", f"{labels[1]} comp", f"{labels[0]} comm"]
+        ax.set_yticks([0, 1, 2, 3], [*ticks, f"{labels[0]} comp"])
+    ax.set_xlabel("time from the step's start (ms); bars: microbatch, slot, F/B/W/R")
     ax.set_title(title)
     patches: Any = importlib.import_module("matplotlib.patches")
     names = {Direction.FORWARD: "forward", Direction.BACKWARD: "backward"}
     names[Direction.WGRAD] = "weight gradient"
+    shown = {s.key.direction for group, _ in timelines for s in group}
+    if Direction.RECOMPUTE in shown:
+        names[Direction.RECOMPUTE] = "recompute"
     handles = [
         patches.Patch(facecolor=colors[d], edgecolor="black", label=n) for d, n in names.items()
     ]

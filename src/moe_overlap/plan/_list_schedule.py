@@ -7,7 +7,8 @@ cross-microbatch order) are issued, those that could start earliest (within
 only while fewer than ``in_flight`` are in flight, ``stagger`` steps after the one before
 it, and while the activations alive stay under a cap. :func:`improve` moves single steps
 of an order to shorten it. Both time an order as :func:`~moe_overlap.plan.replay_order`
-does, on integers.
+does, on integers (with :attr:`~moe_overlap.plan.ScheduleGraph.one_event`, each
+microbatch's steps but ``W`` also in issue order).
 """
 
 import itertools
@@ -72,6 +73,7 @@ class ScheduleIds:
         self.mb = [s.microbatch for s in self.steps]
         self.comm = [s.stream is StreamKind.COMM for s in self.steps]
         self.wgrad = [s.direction is Direction.WGRAD for s in self.steps]
+        self.one_event = graph.one_event
         self.ms = [times.base_ms(s) for s in self.steps]
         events = [memory.events(s, graph) for s in self.steps]
         self.alloc = [a for a, _ in events]
@@ -150,6 +152,7 @@ def schedule_ids(
     ready = [i for i, c in enumerate(waiting) if c == 0]
     end = [0.0] * len(g.steps)
     free = [0.0, 0.0]
+    event = [0.0] * len(g.count)  # per microbatch: when its last F/B/R step ends (one_event)
     left = list(g.count)
     issued = [0] * len(g.count)
     started: set[int] = set()
@@ -180,10 +183,14 @@ def schedule_ids(
             if not g.wgrad[i]:
                 for p in g.data[i]:
                     est = max(est, end[p])
+                if g.one_event:
+                    est = max(est, event[m])
             cands.append((est, i))
         if not cands:  # the cap blocks everything: let the oldest waiting step go
             i = min(ready, key=lambda j: (g.mb[j], g.seq[j]))
             est = max([free[g.comm[i]], *(end[p] for p in g.data[i])])
+            if g.one_event and not g.wgrad[i]:
+                est = max(est, event[g.mb[i]])
             cands = [(est, i)]
         first = min(e for e, _ in cands)
         _, est, i = min((prio[i], e, i) for e, i in cands if e <= first + slack_ms)
@@ -198,6 +205,8 @@ def schedule_ids(
         ):
             ms *= factor
         end[i] = est + ms
+        if not g.wgrad[i]:
+            event[m] = end[i]
         last_end[m] = max(last_end.get(m, 0.0), end[i])
         free[g.comm[i]] = end[i]
         live += g.alloc[i] - g.freed[i]
@@ -228,13 +237,18 @@ def replay_ids(g: ScheduleIds, ids: Sequence[int], factor: float) -> tuple[float
     def place(flags: list[bool]) -> list[tuple[float, float]]:
         end = [0.0] * len(g.steps)
         free = [0.0, 0.0]
+        event = [0.0] * len(g.count)
         out: list[tuple[float, float]] = []
         for k, i in enumerate(ids):
             start = free[g.comm[i]]
             if not g.wgrad[i]:
                 for q in g.data[i]:
                     start = max(start, end[q])
+                if g.one_event:
+                    start = max(start, event[g.mb[i]])
             end[i] = free[g.comm[i]] = start + (g.ms[i] * factor if flags[k] else g.ms[i])
+            if not g.wgrad[i]:
+                event[g.mb[i]] = end[i]
             out.append((start, end[i]))
         return out
 

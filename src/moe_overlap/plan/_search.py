@@ -119,7 +119,10 @@ class SearchSpace:
     step with priority may start than the earliest; ``random_orders``: extra runs per
     combination with random priorities (from ``seed``); ``improve_passes`` and
     ``improve_window``: the local search run from each frontier point (a step moved past up
-    to that many steps of its stream; 0 passes: none).
+    to that many steps of its stream; 0 passes: none); ``one_event``: time every order as
+    the engine runs it, each microbatch's steps in issue order
+    (:attr:`~moe_overlap.plan.ScheduleGraph.one_event`; off: each step waits only for the
+    steps it reads).
     """
 
     chunks: tuple[int, ...] = (1, 2, 4)
@@ -144,6 +147,7 @@ class SearchSpace:
     seed: int = 0
     improve_passes: int = 1
     improve_window: int = 3
+    one_event: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, _SPACE_SPECS)
@@ -180,6 +184,7 @@ _SPACE_SPECS: dict[str, Spec[object]] = {
     "seed": Int(),
     "improve_passes": NON_NEGATIVE,
     "improve_window": POSITIVE,
+    "one_event": BOOL,
 }
 
 
@@ -381,7 +386,7 @@ def search_schedules(
     memory = check_arg(where, "memory", memory, Instance(ActivationModel, "an ActivationModel"))
     space = check_arg(where, "space", space, Opt(Instance(SearchSpace, "a SearchSpace")))
     space = space or SearchSpace()
-    base = ScheduleGraph(microbatches=microbatches, moe=costs.moe)
+    base = ScheduleGraph(microbatches=microbatches, moe=costs.moe, one_event=space.one_event)
     share = dict(space.wgrad_share)
 
     def times_of(graph: ScheduleGraph) -> StepTimes:

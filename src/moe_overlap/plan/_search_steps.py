@@ -3,8 +3,10 @@
 A searched schedule is one issue order of :class:`SearchStep` s (``None``: a join, every
 later step waits for every earlier one) over two in-order streams, as the engine issues
 its steps: a step starts when its stream is free and the steps it reads have ended (a
-delayed weight-gradient step waits for its stream only). What may change from today's
-schedules, each choice keeping every result exact:
+delayed weight-gradient step waits for its stream only); with
+:attr:`~moe_overlap.plan.ScheduleGraph.one_event`, also when the step of its microbatch
+issued before it has ended, as the engine's one event per microbatch orders them. What may
+change from today's schedules, each choice keeping every result exact:
 
 - **chunks** (``K``): a MoE layer's dispatch, mlp and combine of one microbatch run as
   ``K`` pieces, chunk ``j``'s mlp after its dispatch chunk and its combine after its mlp
@@ -98,6 +100,15 @@ class ScheduleGraph:
     node runs it today), or with ``early_recompute`` as soon as the layer's backward
     begins (in the shadow of its communication); ``pre_post``: the model has pre- and
     post-process steps.
+
+    ``one_event``: each microbatch's forward, backward and recompute steps also wait for
+    the one of them issued before it, as :func:`~moe_overlap.combined_1f1b` runs a
+    :class:`~moe_overlap.steps.NodeSchedule`: every node of a microbatch waits on and
+    records the microbatch's one event (a ``W`` step does neither). Without it (the
+    default, what the search has always assumed) a step waits only for the steps it reads,
+    so an early recompute runs beside its layer's combine backward, where the engine runs
+    them one after the other in issue order. Unchunked orders with no early recompute
+    replay the same either way.
     """
 
     microbatches: int
@@ -107,6 +118,7 @@ class ScheduleGraph:
     recompute: frozenset[tuple[int, int, Slot]] = frozenset()
     early_recompute: bool = False
     pre_post: bool = True
+    one_event: bool = False
 
     def __post_init__(self) -> None:
         check_fields(self, _GRAPH_SPECS)
@@ -214,6 +226,7 @@ _GRAPH_SPECS: dict[str, Spec[object]] = {
     "recompute": Instance(frozenset, "a frozenset of (microbatch, layer, slot)"),
     "early_recompute": BOOL,
     "pre_post": BOOL,
+    "one_event": BOOL,
 }
 _SHARE = Real(min=0.0)
 _MS = Real(min=0.0)
@@ -528,10 +541,13 @@ def replay_order(
 ) -> Replayed:
     """Place ``order``'s steps on two in-order streams; its step time and peak units.
 
-    A communication step takes ``1 + comm_contention`` times its time when it starts while
-    another microbatch is in flight (between its first step's start and its last step's
-    end): the planner's paired runs, timed by what runs at once rather than by runs. An
-    order that is not exact for ``graph`` is refused (:func:`check_exact`)."""
+    A step starts when its stream is free and the steps it reads have ended (a ``W`` step:
+    its stream only); with ``graph.one_event`` also when its microbatch's step issued
+    before it (not a ``W``) has ended. A communication step takes ``1 + comm_contention``
+    times its time when it starts while another microbatch is in flight (between its first
+    step's start and its last step's end): the planner's paired runs, timed by what runs at
+    once rather than by runs. An order that is not exact for ``graph`` is refused
+    (:func:`check_exact`)."""
     check_exact(order, graph)
     preds = {s: p for mb in range(graph.microbatches) for s, p in graph.microbatch_steps(mb)}
     steps = [s for s in order if s is not None]
@@ -539,11 +555,13 @@ def replay_order(
     comm = [s.stream is COMM for s in steps]
     base = [times.base_ms(s) for s in steps]
     factor = 1.0 + times.comm_contention
+    chained = graph.one_event
 
     def place(flags: list[bool]) -> list[tuple[float, float]]:
         free = {COMP: 0.0, COMM: 0.0}
         floor = 0.0
         end: dict[SearchStep, float] = {}
+        event: dict[int, float] = {}  # per microbatch: when its last F/B/R step ends
         out: list[tuple[float, float]] = []
         for item in order:
             if item is None:
@@ -553,8 +571,12 @@ def replay_order(
             start = max(free[item.stream], floor)
             if item.direction is not W:
                 start = max([start, *(end[p] for p in preds[item])])
+                if chained:
+                    start = max(start, event.get(item.microbatch, 0.0))
             stop = start + base[k] * (factor if flags[k] else 1.0)
             free[item.stream] = end[item] = stop
+            if item.direction is not W:
+                event[item.microbatch] = stop
             out.append((start, stop))
         return out
 

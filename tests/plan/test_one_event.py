@@ -1,0 +1,169 @@
+"""``ScheduleGraph.one_event``: the planner's replay with each microbatch's steps in issue
+order, as the engine's one event per microbatch runs them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from moe_overlap.errors import ConfigError
+from moe_overlap.plan import (
+    ActivationModel,
+    Costs,
+    Recompute,
+    ScheduleGraph,
+    SearchSpace,
+    SearchStep,
+    StepTimes,
+    check_exact,
+    costs_from_profile,
+    load_profile,
+    replay_order,
+    search_schedules,
+    today_orders,
+)
+from moe_overlap.plan._list_schedule import RULES, ScheduleIds, list_schedule, replay_ids
+from moe_overlap.steps import Direction, Slot, StreamKind
+
+ROUND9 = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "round9" / "results.json"
+F, B, W = Direction.FORWARD, Direction.BACKWARD, Direction.WGRAD
+PRE, DISPATCH, MLP, COMBINE = Slot.PRE_DISPATCH, Slot.DISPATCH, Slot.MLP, Slot.COMBINE
+COMP, COMM = StreamKind.COMP, StreamKind.COMM
+MEMORY = ActivationModel.of_layer(hidden=4096, moe_ffn=2048, top_k=8, static_units=140.0)
+
+
+@pytest.fixture(scope="module")
+def main_costs() -> Costs:
+    """The main configuration's measured serial profile (H200), contention as validated."""
+    row = json.loads(ROUND9.read_text())["results"][0]
+    profile = load_profile(row["order_search"]["serial_slot_durations"])
+    return costs_from_profile(profile, num_layers=4, comm_contention=0.05525)
+
+
+def _times(costs: Costs, graph: ScheduleGraph) -> StepTimes:
+    return StepTimes(
+        times=costs.times,
+        comm_contention=costs.comm_contention,
+        delay_wgrad=graph.delay_wgrad,
+    )
+
+
+def test_an_early_recompute_issued_first_delays_the_combine_backward() -> None:
+    """One microbatch, one MoE layer, its mlp recomputed early and issued before the
+    combine backward: without ``one_event`` the combine backward starts with the recompute
+    (it reads only the step before both); with it, after the recompute (the engine's
+    event)."""
+    graph = ScheduleGraph(
+        microbatches=1,
+        moe=(True,),
+        pre_post=False,
+        recompute=frozenset({(0, 0, MLP)}),
+        early_recompute=True,
+    )
+    times = StepTimes(
+        times={(0, s, d): 1.0 for s in (PRE, DISPATCH, MLP, COMBINE) for d in (F, B)},
+    )
+    forward = [SearchStep(0, 0, s, F, st) for s, st in ((PRE, COMP), (DISPATCH, COMM))]
+    forward += [SearchStep(0, 0, MLP, F, COMP), SearchStep(0, 0, COMBINE, F, COMM)]
+    recompute = SearchStep(0, 0, MLP, F, COMP, recompute=True)
+    combine = SearchStep(0, 0, COMBINE, B, COMM)
+    backward = [SearchStep(0, 0, s, B, st) for s, st in ((MLP, COMP), (DISPATCH, COMM))]
+    order = [*forward, recompute, combine, *backward, SearchStep(0, 0, PRE, B, COMP)]
+    check_exact(order, graph)
+
+    def span(one_event: bool, step: SearchStep) -> tuple[float, float]:
+        g = graph.replace(one_event=one_event)
+        spans = replay_order(order, g, times, MEMORY).spans
+        return next((lo, hi) for s, lo, hi in spans if s == step)
+
+    assert span(False, recompute) == span(False, combine) == (4.0, 5.0)
+    assert span(True, recompute) == (4.0, 5.0)
+    assert span(True, combine) == (5.0, 6.0)
+    ms = {
+        one: replay_order(order, graph.replace(one_event=one), times, MEMORY).step_ms
+        for one in (False, True)
+    }
+    assert ms == {False: 8.0, True: 9.0}
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_orders_without_early_recompute_replay_the_same(main_costs: Costs, n: int) -> None:
+    """Today's orders (plain, and with pre-dispatch and mlp recomputed before their
+    backward): each microbatch's steps already wait for one another in issue order."""
+    base = ScheduleGraph(microbatches=n, moe=main_costs.moe)
+    rc = base.replace(recompute=Recompute((PRE, MLP)).triples(n, 4))
+    for graph in (base, rc):
+        times = _times(main_costs, graph)
+        for name, order in today_orders(graph).items():
+            plain = replay_order(order, graph, times, MEMORY)
+            chained = replay_order(order, graph.replace(one_event=True), times, MEMORY)
+            assert chained.step_ms == pytest.approx(plain.step_ms, rel=1e-12), name
+            assert chained.spans == plain.spans, name
+
+
+def test_the_list_scheduler_reports_what_the_replay_gives(main_costs: Costs) -> None:
+    """With ``one_event`` the list scheduler and its integer replay time an order as
+    :func:`replay_order` does (an early recompute is where they differ from without)."""
+    graph = ScheduleGraph(
+        microbatches=3,
+        moe=main_costs.moe,
+        delay_wgrad=True,
+        recompute=Recompute((PRE, MLP)).triples(3, 4),
+        early_recompute=True,
+        one_event=True,
+    )
+    times = _times(main_costs, graph)
+    g = ScheduleIds(graph, times, MEMORY)
+    index = {s: i for i, s in enumerate(g.steps)}
+    slower = 0
+    for rule in RULES:
+        order, ms, units = list_schedule(graph, times, MEMORY, rule=rule, in_flight=3)
+        check_exact(order, graph)
+        r = replay_order(order, graph, times, MEMORY)
+        assert (r.step_ms, r.peak_units) == pytest.approx((ms, units))
+        ids = [index[s] for s in order]
+        assert replay_ids(g, ids, 1.0 + times.comm_contention) == pytest.approx((ms, units))
+        free = replay_order(order, graph.replace(one_event=False), times, MEMORY).step_ms
+        assert free <= ms + 1e-9  # waiting for more never makes a step shorter
+        slower += free < ms - 1e-9
+    assert slower  # some rule issues a recompute ahead of its combine backward
+
+
+def test_the_search_times_its_orders_with_one_event(main_costs: Costs) -> None:
+    costs = main_costs.replace(
+        moe=(True, True), times={k: v for k, v in main_costs.times.items() if k[0] in (0, 1, None)}
+    )
+    space = SearchSpace(
+        chunks=(1,),
+        delay_wgrad=(True,),
+        recompute=(Recompute((PRE, MLP)),),
+        early_recompute=(True,),
+        in_flight=(2,),
+        stagger=(0,),
+        memory_caps=(None,),
+        rules=("oldest", "backward"),
+        slack_ms=(0.0,),
+        one_event=True,
+    )
+    res = search_schedules(costs, 2, MEMORY, space)
+    assert res.frontier
+    for point in res.frontier:
+        assert point.graph.one_event
+        times = StepTimes(
+            times=costs.times,
+            wgrad_share=dict(space.wgrad_share),
+            recompute_cost=space.recompute_cost,
+            comm_contention=costs.comm_contention,
+            delay_wgrad=point.graph.delay_wgrad,
+        )
+        got = replay_order(point.order, point.graph, times, MEMORY).step_ms
+        assert got == pytest.approx(point.step_ms)
+
+
+def test_a_one_event_that_is_not_a_bool_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"ScheduleGraph\.one_event: expected a bool"):
+        ScheduleGraph(microbatches=1, moe=(True,), one_event=1)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+    with pytest.raises(ConfigError, match=r"SearchSpace\.one_event: expected a bool"):
+        SearchSpace(one_event="yes")  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]

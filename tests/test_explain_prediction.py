@@ -1,0 +1,128 @@
+"""``benchmarks/explain_prediction.py``: the CPU smoke run, its analysis on a made-up
+timeline, and its chart (the figures come from a GPU)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from moe_overlap.steps import Direction, Slot, StreamKind
+from tests import forked
+from tests.figures import check_figure, saved_figures
+from tests.gloo_ranks import SCRIPT_ENV
+
+ROOT = Path(__file__).resolve().parents[1]
+F, B, W, R = Direction.FORWARD, Direction.BACKWARD, Direction.WGRAD, Direction.RECOMPUTE
+COMP, COMM = StreamKind.COMP, StreamKind.COMM
+
+
+def _module(name: str, monkeypatch: pytest.MonkeyPatch) -> Any:
+    """``benchmarks/<name>.py`` as the scripts import each other; the path, the environment
+    and the benchmark modules it brought in are put back after the test."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    monkeypatch.setenv(
+        "CUBLAS_WORKSPACE_CONFIG", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    )
+    before = set(sys.modules)
+    module = importlib.import_module(name)
+    for added in set(sys.modules) - before:
+        where = getattr(sys.modules[added], "__file__", None)
+        if where is not None and Path(where).parent == ROOT / "benchmarks":
+            monkeypatch.delitem(sys.modules, added)
+    return module
+
+
+def test_the_smoke_run_explains_both_rows(tmp_path: Path) -> None:
+    """Tiny, on the CPU: both rows against both models, every measured node matched with a
+    predicted one (the searched row's W and R steps included), every file written and
+    named."""
+    argv = [sys.executable, str(ROOT / "benchmarks" / "explain_prediction.py")]
+    argv += ["--device", "cpu", "--tiny", "--warmup", "0", "--repeats", "1", "--out", str(tmp_path)]
+    done = forked.run(argv, timeout=300, cwd=ROOT, env=dict(SCRIPT_ENV))
+    assert done.returncode == 0, done.stderr[-3000:]
+    doc = json.loads((tmp_path / "explain.json").read_text())
+    (result,) = doc["results"]
+    written = [*result["pngs"], str(tmp_path / "explain.json"), str(tmp_path / "explain.md")]
+    for path in written:
+        assert Path(path).is_file(), path
+        assert f"wrote {path}" in done.stdout
+    assert result["name"] == "main N=4"
+    for row in ("overlapped", "searched"):
+        explained = result["rows"][row]
+        assert explained["nodes"] == len(result["timelines"]["measured"][row])
+        for model in ("planner", "one_event", "one_event_measured_w"):
+            m = explained["models"][model]
+            assert m["only_measured"] == [] and m["only_predicted"] == [], (row, model)
+            assert m["predicted_step_ms"] > 0 and m["drift"]["largest"]
+            assert set(m["streams"]) == {"comp", "comm"}
+    kinds = {k["kind"]: k for k in result["rows"]["searched"]["models"]["planner"]["kinds"]}
+    for kind in ("mlp.R@comp", "pre_dispatch.R@comp", "mlp.W@comp", "pre_dispatch.W@comp"):
+        assert kinds[kind]["count"] == 16, kind  # 4 microbatches x 4 layers
+        assert kinds[kind]["uncontended_ms"] is not None, kind
+    assert "## main N=4" in (tmp_path / "explain.md").read_text()
+
+
+def test_each_node_waits_for_what_ended_last(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A made-up timeline: the previous node on the stream, the microbatch's previous
+    node on the other stream (not past a ``W``), the host's issue, or nothing recorded."""
+    ex = _module("explain_prediction", monkeypatch)
+    nt = _module("node_timing", monkeypatch)
+
+    def node(mb: int, slot: Slot, d: Direction, stream: StreamKind, t: tuple[float, ...]) -> Any:
+        return ex.Node(nt.NodeKey(mb, 0, slot, d), stream, *t)
+
+    nodes = [
+        node(0, Slot.MLP, F, COMP, (0.0, 2.0, 0.0)),
+        node(0, Slot.COMBINE, F, COMM, (2.0, 3.0, 0.1)),  # its microbatch's mlp
+        node(1, Slot.MLP, F, COMP, (2.0, 4.0, 0.2)),  # the stream
+        node(0, Slot.MLP, W, COMP, (4.0, 5.0, 0.3)),  # the stream (a W waits for no event)
+        node(1, Slot.COMBINE, F, COMM, (9.0, 10.0, 9.0)),  # the host issued it late
+        node(0, Slot.MLP, B, COMP, (7.0, 8.0, 0.4)),  # nothing recorded: 2 ms unexplained
+    ]
+    got = ex.waits(nodes, None, event=True)
+    seen = [(w.what, None if w.on is None else w.on.label()) for w in got.values()]
+    assert seen == [
+        ("host", None),  # issued at the origin, started then
+        ("event", "mb0.L0.mlp.F"),
+        ("stream", "mb0.L0.mlp.F"),
+        ("stream", "mb1.L0.mlp.F"),
+        ("host", None),
+        ("none", None),
+    ]
+    assert got[nodes[-1].key].gap_ms == pytest.approx(2.0)
+    # the model ran each node 1 ms earlier from the host's one on: only that node grew
+    model = [
+        ex.Node(n.key, n.stream, n.start - (n.start >= 9), n.end - (n.start >= 9)) for n in nodes
+    ]
+    want = ex.waits(model, None, event=True)
+    d = ex.drift(nodes, model, got, want, top=1, threshold_ms=0.5)
+    assert [x["node"] for x in d["largest"]] == ["mb1.L0.combine.F"]
+    assert d["largest"][0]["growth_ms"] == pytest.approx(1.0)
+
+
+def test_the_comparison_chart_says_what_it_shows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    figures = saved_figures(monkeypatch)
+    nt = _module("node_timing", monkeypatch)
+    spans = [
+        nt.NodeSpan(nt.NodeKey(0, 0, Slot.MLP, d), COMP, i, i + 1.0)
+        for i, d in enumerate((F, R, B, W))
+    ]
+    later = [nt.NodeSpan(s.key, s.stream, s.start_ms + 0.5, s.end_ms + 0.5) for s in spans]
+    nt.write_gantt_png(later, tmp_path / "t.png", title="searched: measured above", compare=spans)
+    (fig,) = figures
+    check_figure(
+        fig,
+        title=["searched: measured above"],
+        x_unit="(ms)",
+        legend={"forward", "backward", "weight gradient", "recompute"},
+    )
+    ticks = [t.get_text() for t in fig.axes[0].get_yticklabels()]
+    assert ticks == ["predicted comm", "predicted comp", "measured comm", "measured comp"]
