@@ -334,3 +334,58 @@ def test_a_copy_of_a_module_owing_weight_gradients_is_refused() -> None:
     lin.backward_dw()
     dup = copy.deepcopy(lin)
     assert dup.pending_wgrad == 0 and dup._pending is not lin._pending
+
+
+def _plain_steps(model: GPTMoEModel, data: list[Any]) -> list[torch.Tensor]:
+    """Plain ``loss.backward()`` per microbatch (the delayed wgrad of each finished)."""
+    losses = []
+    for mb in data:
+        loss = model(mb.input_ids, mb.position_ids, labels=mb.labels, loss_mask=mb.loss_mask)
+        loss.backward()
+        finish_wgrad(model)
+        losses.append(loss.detach())
+    return losses
+
+
+def _assert_same_dtype_grads(a: GPTMoEModel, b: GPTMoEModel) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        assert p.grad.dtype == q.grad.dtype, name
+        assert torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_delayed_wgrad_under_autocast_is_exact(chunks: int) -> None:
+    """Under ``torch.autocast`` a delayed weight gradient comes out in bfloat16, as the
+    immediate one does inside autograd, which casts it to the weight's dtype before
+    accumulating: so does ``backward_dw`` (each of a chunked expert's parts before the
+    sum). It used to assign the bfloat16 tensor to the float32 ``.grad`` (a RuntimeError
+    in the middle of the step)."""
+    config = dataclasses.replace(SMALL, delay_wgrad_compute=True, moe_a2a_chunks=chunks)
+    scheduled, plain = GPTMoEModel(config), GPTMoEModel(config)
+    data = microbatches(3, vocab=SMALL.vocab_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(2):  # the second step accumulates into .grad
+            losses = combined_1f1b(scheduled, data, fill_drain=True)
+            expected = _plain_steps(plain, data)
+            assert all(torch.equal(a, b) for a, b in zip(losses, expected, strict=True))
+    _assert_same_dtype_grads(scheduled, plain)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_delayed_wgrad_into_a_grad_dtype_is_exact(chunks: int) -> None:
+    """``param.grad_dtype = torch.float32`` on a bfloat16 model (float32 gradients):
+    autograd casts each part before accumulating, and so does ``backward_dw``."""
+    if not hasattr(torch.nn.Parameter(torch.zeros(1)), "grad_dtype"):
+        pytest.skip("this torch has no Tensor.grad_dtype")
+    config = dataclasses.replace(
+        SMALL, delay_wgrad_compute=True, dtype=torch.bfloat16, moe_a2a_chunks=chunks
+    )
+    scheduled, plain = GPTMoEModel(config), GPTMoEModel(config)
+    for p in [*scheduled.parameters(), *plain.parameters()]:
+        p.grad_dtype = torch.float32
+    data = microbatches(3, vocab=SMALL.vocab_size)
+    losses = combined_1f1b(scheduled, data)
+    assert all(torch.equal(a, b) for a, b in zip(losses, _plain_steps(plain, data), strict=True))
+    _assert_same_dtype_grads(scheduled, plain)
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in plain.parameters())
