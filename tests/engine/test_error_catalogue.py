@@ -365,6 +365,11 @@ def step_under_inference_mode(ctx: Ctx) -> None:
         combined_1f1b(ctx.model, ctx.mbs)
 
 
+def step_under_inference_mode_with_enable_grad(ctx: Ctx) -> None:
+    with torch.inference_mode(), torch.enable_grad():  # grad mode on, nothing recorded
+        combined_1f1b(ctx.model, ctx.mbs)
+
+
 def run_under_no_grad(ctx: Ctx) -> None:
     p0 = plan(ctx)
     with torch.no_grad():
@@ -1269,6 +1274,12 @@ CASES = [
     ),
     Case(step_under_no_grad, ConfigError, r"combined_1f1b: expected autograd enabled.*no_grad"),
     Case(step_under_inference_mode, ConfigError, r"received grad mode off \(torch\.inference_mode"),
+    Case(
+        step_under_inference_mode_with_enable_grad,
+        ConfigError,
+        r"combined_1f1b: expected autograd recording .*received grad mode on inside "
+        r"torch\.inference_mode\(\).*call it outside torch\.inference_mode\(\)",
+    ),
     Case(
         every_parameter_frozen,
         ConfigError,

@@ -180,9 +180,19 @@ def check_grads(where: str, value: object) -> tuple[object, object]:
 
 
 def check_grad_mode(where: str) -> None:
-    """Raise :class:`~moe_overlap.ConfigError` unless autograd records (a training step)."""
+    """Raise :class:`~moe_overlap.ConfigError` unless autograd records (a training step):
+    grad mode on, and not inside ``torch.inference_mode()`` (where ``torch.enable_grad()``
+    turns grad mode on but nothing made there can be saved for backward)."""
     if torch.is_grad_enabled():
-        return
+        if not torch.is_inference_mode_enabled():
+            return
+        raise ConfigError(
+            f"{where}: expected autograd recording (the schedule runs forward and backward), "
+            "received grad mode on inside torch.inference_mode() (torch.enable_grad() there "
+            "records nothing: tensors made under inference mode cannot be saved for "
+            "backward, and the step would fail in its first slot); call it outside "
+            "torch.inference_mode()"
+        )
     mode = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
     raise ConfigError(
         f"{where}: expected autograd enabled (the schedule runs forward and backward), "
