@@ -389,3 +389,64 @@ def test_delayed_wgrad_into_a_grad_dtype_is_exact(chunks: int) -> None:
     assert all(torch.equal(a, b) for a, b in zip(losses, _plain_steps(plain, data), strict=True))
     _assert_same_dtype_grads(scheduled, plain)
     assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in plain.parameters())
+
+
+_HOOKED = (
+    r"GPTMoEModel: decoder\.layers\.1\.experts\.fc1\.weight: expected no gradient hook on a "
+    r"weight whose gradient the schedule delays .*received 1 hook .*before backward_dw\(\) "
+    r"computes its gradient.*delay_wgrad_compute=False"
+)
+
+
+@pytest.mark.parametrize("kind", ["register_hook", "post_accumulate"])
+def test_a_gradient_hook_on_a_delayed_weight_is_refused(kind: str) -> None:
+    """Autograd runs a weight's hooks when the backward reaches it, before ``backward_dw``
+    computes the delayed gradient (``register_hook``'s with ``None``): an optimizer
+    stepped in a post-accumulate-grad hook saw ``.grad`` without the microbatch's part. The
+    plan is refused when built, before anything runs; without the hook the step is exact."""
+    config = dataclasses.replace(SMALL, delay_wgrad_compute=True)
+    scheduled, plain = GPTMoEModel(config), GPTMoEModel(config)
+    data = microbatches(2, vocab=SMALL.vocab_size)
+    weight = scheduled.get_parameter("decoder.layers.1.experts.fc1.weight")
+    seen: list[torch.Tensor | None] = []
+    if kind == "register_hook":
+        handle = weight.register_hook(seen.append)  # type: ignore[no-untyped-call]
+    else:
+        handle = weight.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+            lambda p: seen.append(p.grad)
+        )
+    with pytest.raises(WgradError, match=_HOOKED):
+        combined_1f1b(scheduled, data)
+    with pytest.raises(WgradError, match=_HOOKED):  # plans driven by hand, when built
+        ModelChunkSchedulePlan(scheduled, data[0], index=0)
+    assert seen == [] and all(p.grad is None for p in scheduled.parameters())
+    handle.remove()
+    losses = combined_1f1b(scheduled, data)
+    assert all(torch.equal(a, b) for a, b in zip(losses, _plain_steps(plain, data), strict=True))
+    _assert_same_dtype_grads(scheduled, plain)
+
+
+def test_gradient_hooks_on_weights_autograd_accumulates_run_as_in_plain_backward() -> None:
+    """A hook on a parameter whose gradient is not delayed (the embedding, a router, a
+    norm; a delayed weight that is frozen) is accepted: it runs as often, seeing the same
+    ``.grad``, as under plain ``backward()``."""
+    config = dataclasses.replace(SMALL, delay_wgrad_compute=True)
+    scheduled, plain = GPTMoEModel(config), GPTMoEModel(config)
+    seen: dict[str, list[list[torch.Tensor]]] = {}
+    for model in (scheduled, plain):
+        frozen = model.get_parameter("decoder.layers.2.experts.fc2.weight")
+        frozen.register_hook(lambda g: g)  # type: ignore[no-untyped-call]
+        frozen.requires_grad_(False)  # frozen after: the hook stays, never runs
+        views = seen.setdefault("scheduled" if model is scheduled else "plain", [])
+        for name in ("embedding.weight", "decoder.layers.1.router.weight", "final_norm.weight"):
+            p = model.get_parameter(name)
+            views.append([])
+            p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                lambda q, got=views[-1]: got.append(q.grad.clone())
+            )
+    data = microbatches(3, vocab=SMALL.vocab_size)
+    losses = combined_1f1b(scheduled, data)
+    assert all(torch.equal(a, b) for a, b in zip(losses, _plain_steps(plain, data), strict=True))
+    for got, want in zip(seen["scheduled"], seen["plain"], strict=True):
+        assert len(got) == len(want) == 3
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

@@ -50,6 +50,7 @@ from ._recompute_hold import held_for_recompute
 from ._stream_check import _ACTIVE as _CHECKERS  # pyright: ignore[reportPrivateUsage]
 from ._stream_check import _ON_ACTIVATE  # pyright: ignore[reportPrivateUsage]
 from ._torch_private import storage_cdata, storage_use_count, tensor_use_count
+from ._wgrad_hooks import check_wgrad_hooks
 from .contracts import Contract, attribute, method
 from .core._chunk_plan import ModelChunkSchedulePlan
 from .core._executor import NodeSource
@@ -89,7 +90,9 @@ class _PlanChecks(BaseGuard):
         layers = model.decoder.layers
         delayed = any(lp.shape.delay_wgrad for lp in plan.layers)
         if delayed:
-            check_wgrad_listed(model, list(layers), [lp.wgrad_parts for lp in plan.layers])
+            parts = [lp.wgrad_parts for lp in plan.layers]
+            check_wgrad_listed(model, list(layers), parts)
+            check_wgrad_hooks(model, parts)  # hooks autograd would run before backward_dw
         check_fsdp(model, layers, delayed=delayed)
 
 
