@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import re
 from typing import Any
 
 import pytest
@@ -450,3 +451,36 @@ def test_gradient_hooks_on_weights_autograd_accumulates_run_as_in_plain_backward
     for got, want in zip(seen["scheduled"], seen["plain"], strict=True):
         assert len(got) == len(want) == 3
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+class _Scaled(torch.nn.Module):
+    """A parametrization: the weight is computed from the parameter it replaces."""
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w * 1.5
+
+
+def test_a_parametrized_delayed_weight_is_refused_before_any_gradient() -> None:
+    """``torch.nn.utils.parametrize`` makes ``fc1.weight`` a tensor computed at every read:
+    ``backward_dw()`` wrote the delayed gradient to that throwaway tensor, and the parameter
+    it is computed from got none (silently). Refused at the slot's first forward inside a
+    schedule; plain ``backward()`` (unclaimed: computed at once) still reaches it."""
+    config = dataclasses.replace(SMALL, delay_wgrad_compute=True)
+    model = GPTMoEModel(config)
+    fc1 = model.get_submodule("decoder.layers.0.mlp.fc1")
+    assert isinstance(fc1, DelayedWgradLinear)
+    torch.nn.utils.parametrize.register_parametrization(fc1, "weight", _Scaled())
+    data = microbatches(2, vocab=SMALL.vocab_size)
+    with pytest.raises(ScheduleError, match=r"layer 0, slot mlp, forward") as error:
+        combined_1f1b(model, data)
+    assert isinstance(error.value.__cause__, ConfigError)
+    assert re.search(
+        r"decoder\.layers\.0\.mlp\.fc1: expected a leaf weight \(an nn\.Parameter\) to "
+        r"accumulate a delayed weight gradient into, received a computed one .*"
+        r"delay_wgrad_compute=False\), or remove the parametrization",
+        str(error.value.__cause__),
+    )
+    assert all(p.grad is None for p in model.parameters())
+    _plain_steps(model, data[:1])
+    original = model.get_parameter("decoder.layers.0.mlp.fc1.parametrizations.weight.original")
+    assert original.grad is not None and bool(original.grad.abs().sum() > 0)

@@ -376,7 +376,18 @@ class DelayedWgradModule(nn.Module):
         return len(self._pending)
 
     def _apply_kernel(self, x: Tensor, kernel: MatmulKernel) -> Tensor:
-        return _delayable_matmul(x, self.weight, kernel, self)
+        weight = self.weight  # a parametrization computes it anew at every read
+        if not weight.is_leaf and self.delay_wgrad and wgrad_claimed(self):
+            raise ConfigError(
+                f"{self.label}: expected a leaf weight (an nn.Parameter) to accumulate a "
+                "delayed weight gradient into, received a computed one (a parametrization: "
+                "torch.nn.utils.parametrize, weight_norm, spectral_norm): backward_dw() "
+                "would write the gradient to that computed tensor and the parameters it is "
+                "computed from would get none, where plain backward() reaches them. Build "
+                "the model without delayed weight gradients (delay_wgrad_compute=False), or "
+                "remove the parametrization"
+            )
+        return _delayable_matmul(x, weight, kernel, self)
 
     def defer_wgrad(
         self, x: Tensor, grad_y: Tensor, kernel: MatmulKernel, keep: object = None
