@@ -314,6 +314,14 @@ def delayed_module_listed_by_two_layers(ctx: Ctx) -> None:
     combined_1f1b(ctx.model, ctx.mbs, options=ScheduleOptions(delay_wgrad_compute=True))
 
 
+def grad_hook_on_delayed_weight(ctx: Ctx) -> None:
+    ctx.model.set_delay(True)  # autograd would run the hook before backward_dw computes
+    weight = layer0(ctx).attn.weight
+    hook = weight.register_post_accumulate_grad_hook(lambda p: None)  # type: ignore[no-untyped-call]
+    ctx.model.__dict__.setdefault("_handles", []).append(hook)  # undo_patches removes it
+    combined_1f1b(ctx.model, ctx.mbs)
+
+
 def undeclared_delayed_module(ctx: Ctx) -> None:
     layer0(ctx).attn.delay = True  # delays, but the layer does not list it
     combined_1f1b(ctx.model, ctx.mbs)
@@ -362,6 +370,11 @@ def loss_no_trainable_parameter_reaches_by_hand(ctx: Ctx) -> None:
 
 def step_under_inference_mode(ctx: Ctx) -> None:
     with torch.inference_mode():
+        combined_1f1b(ctx.model, ctx.mbs)
+
+
+def step_under_inference_mode_with_enable_grad(ctx: Ctx) -> None:
+    with torch.inference_mode(), torch.enable_grad():  # grad mode on, nothing recorded
         combined_1f1b(ctx.model, ctx.mbs)
 
 
@@ -1252,6 +1265,14 @@ CASES = [
         r"decoder\.layers\.1\.attn\.weight'\].*copy\.deepcopy the shared one",
     ),
     Case(
+        grad_hook_on_delayed_weight,
+        WgradError,
+        r"ToyModel: decoder\.layers\.0\.attn\.weight: expected no gradient hook on a weight "
+        r"whose gradient the schedule delays .*received 1 hook \(grad_hook_on_delayed_weight"
+        r"\.<locals>\.<lambda>\).*before backward_dw\(\) computes its gradient.*"
+        r"delay_wgrad_compute=False\), or remove the hook",
+    ),
+    Case(
         undeclared_delayed_module,
         WgradError,
         r"computed when combined_1f1b returns.*'decoder\.layers\.0\.attn \(DelayedLinear\)': 2",
@@ -1269,6 +1290,12 @@ CASES = [
     ),
     Case(step_under_no_grad, ConfigError, r"combined_1f1b: expected autograd enabled.*no_grad"),
     Case(step_under_inference_mode, ConfigError, r"received grad mode off \(torch\.inference_mode"),
+    Case(
+        step_under_inference_mode_with_enable_grad,
+        ConfigError,
+        r"combined_1f1b: expected autograd recording .*received grad mode on inside "
+        r"torch\.inference_mode\(\).*call it outside torch\.inference_mode\(\)",
+    ),
     Case(
         every_parameter_frozen,
         ConfigError,
@@ -1813,6 +1840,8 @@ def undo_patches(model: ToyModel) -> None:
             layer.__dict__.pop(name, None)
     for owner, name, value in reversed(model.__dict__.pop("_shared", [])):
         setattr(owner, name, value)
+    for handle in model.__dict__.pop("_handles", []):
+        handle.remove()
     model.set_delay(False)
     for module in model.modules():
         if isinstance(module, DelayedLinear):

@@ -572,8 +572,8 @@ def _seeded(seed: int) -> Iterator[None]:
 
 
 @pytest.mark.parametrize("where", [None, "early"])
-@pytest.mark.parametrize("fill_drain", [False, True])
-def test_dropout_recomputes_the_same_mask(where: str | None, fill_drain: bool) -> None:
+def test_dropout_recomputes_the_same_mask(where: str | None) -> None:
+    """(With ``fill_drain`` a forward that draws is refused: tests/engine/test_random_draws.py.)"""
     config = ToyConfig()
     ref = dropout_model(config, "mdm")
     mbs = make_microbatches(3, config)
@@ -583,7 +583,7 @@ def test_dropout_recomputes_the_same_mask(where: str | None, fill_drain: bool) -
         model = copy.deepcopy(ref)
         options = ScheduleOptions(recompute=recompute, order=recompute_order(where))
         with _seeded(seed):
-            losses = combined_1f1b(model, mbs, options=options, fill_drain=fill_drain)
+            losses = combined_1f1b(model, mbs, options=options)
             after = torch.get_rng_state()  # the recompute puts the caller's state back
         runs.append((model, losses, after))
     (kept, kept_losses, kept_rng), (model, losses, rng), (_, other_losses, _) = runs

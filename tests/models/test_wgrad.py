@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import gc
+import re
 from typing import Any
 
 import pytest
@@ -334,3 +335,152 @@ def test_a_copy_of_a_module_owing_weight_gradients_is_refused() -> None:
     lin.backward_dw()
     dup = copy.deepcopy(lin)
     assert dup.pending_wgrad == 0 and dup._pending is not lin._pending
+
+
+def _plain_steps(model: GPTMoEModel, data: list[Any]) -> list[torch.Tensor]:
+    """Plain ``loss.backward()`` per microbatch (the delayed wgrad of each finished)."""
+    losses = []
+    for mb in data:
+        loss = model(mb.input_ids, mb.position_ids, labels=mb.labels, loss_mask=mb.loss_mask)
+        loss.backward()
+        finish_wgrad(model)
+        losses.append(loss.detach())
+    return losses
+
+
+def _assert_same_dtype_grads(a: GPTMoEModel, b: GPTMoEModel) -> None:
+    for (name, p), q in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None, name
+        assert p.grad.dtype == q.grad.dtype, name
+        assert torch.equal(p.grad, q.grad), name
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_delayed_wgrad_under_autocast_is_exact(chunks: int) -> None:
+    """Under ``torch.autocast`` a delayed weight gradient comes out in bfloat16, as the
+    immediate one does inside autograd, which casts it to the weight's dtype before
+    accumulating: so does ``backward_dw`` (each of a chunked expert's parts before the
+    sum). It used to assign the bfloat16 tensor to the float32 ``.grad`` (a RuntimeError
+    in the middle of the step)."""
+    config = dataclasses.replace(SMALL, delay_wgrad_compute=True, moe_a2a_chunks=chunks)
+    scheduled, plain = GPTMoEModel(config), GPTMoEModel(config)
+    data = microbatches(3, vocab=SMALL.vocab_size)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(2):  # the second step accumulates into .grad
+            losses = combined_1f1b(scheduled, data, fill_drain=True)
+            expected = _plain_steps(plain, data)
+            assert all(torch.equal(a, b) for a, b in zip(losses, expected, strict=True))
+    _assert_same_dtype_grads(scheduled, plain)
+
+
+@pytest.mark.parametrize("chunks", [1, 2])
+def test_delayed_wgrad_into_a_grad_dtype_is_exact(chunks: int) -> None:
+    """``param.grad_dtype = torch.float32`` on a bfloat16 model (float32 gradients):
+    autograd casts each part before accumulating, and so does ``backward_dw``."""
+    if not hasattr(torch.nn.Parameter(torch.zeros(1)), "grad_dtype"):
+        pytest.skip("this torch has no Tensor.grad_dtype")
+    config = dataclasses.replace(
+        SMALL, delay_wgrad_compute=True, dtype=torch.bfloat16, moe_a2a_chunks=chunks
+    )
+    scheduled, plain = GPTMoEModel(config), GPTMoEModel(config)
+    for p in [*scheduled.parameters(), *plain.parameters()]:
+        p.grad_dtype = torch.float32
+    data = microbatches(3, vocab=SMALL.vocab_size)
+    losses = combined_1f1b(scheduled, data)
+    assert all(torch.equal(a, b) for a, b in zip(losses, _plain_steps(plain, data), strict=True))
+    _assert_same_dtype_grads(scheduled, plain)
+    assert all(p.grad is not None and p.grad.dtype == torch.float32 for p in plain.parameters())
+
+
+_HOOKED = (
+    r"GPTMoEModel: decoder\.layers\.1\.experts\.fc1\.weight: expected no gradient hook on a "
+    r"weight whose gradient the schedule delays .*received 1 hook .*before backward_dw\(\) "
+    r"computes its gradient.*delay_wgrad_compute=False"
+)
+
+
+@pytest.mark.parametrize("kind", ["register_hook", "post_accumulate"])
+def test_a_gradient_hook_on_a_delayed_weight_is_refused(kind: str) -> None:
+    """Autograd runs a weight's hooks when the backward reaches it, before ``backward_dw``
+    computes the delayed gradient (``register_hook``'s with ``None``): an optimizer
+    stepped in a post-accumulate-grad hook saw ``.grad`` without the microbatch's part. The
+    plan is refused when built, before anything runs; without the hook the step is exact."""
+    config = dataclasses.replace(SMALL, delay_wgrad_compute=True)
+    scheduled, plain = GPTMoEModel(config), GPTMoEModel(config)
+    data = microbatches(2, vocab=SMALL.vocab_size)
+    weight = scheduled.get_parameter("decoder.layers.1.experts.fc1.weight")
+    seen: list[torch.Tensor | None] = []
+    if kind == "register_hook":
+        handle = weight.register_hook(seen.append)  # type: ignore[no-untyped-call]
+    else:
+        handle = weight.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+            lambda p: seen.append(p.grad)
+        )
+    with pytest.raises(WgradError, match=_HOOKED):
+        combined_1f1b(scheduled, data)
+    with pytest.raises(WgradError, match=_HOOKED):  # plans driven by hand, when built
+        ModelChunkSchedulePlan(scheduled, data[0], index=0)
+    assert seen == [] and all(p.grad is None for p in scheduled.parameters())
+    handle.remove()
+    losses = combined_1f1b(scheduled, data)
+    assert all(torch.equal(a, b) for a, b in zip(losses, _plain_steps(plain, data), strict=True))
+    _assert_same_dtype_grads(scheduled, plain)
+
+
+def test_gradient_hooks_on_weights_autograd_accumulates_run_as_in_plain_backward() -> None:
+    """A hook on a parameter whose gradient is not delayed (the embedding, a router, a
+    norm; a delayed weight that is frozen) is accepted: it runs as often, seeing the same
+    ``.grad``, as under plain ``backward()``."""
+    config = dataclasses.replace(SMALL, delay_wgrad_compute=True)
+    scheduled, plain = GPTMoEModel(config), GPTMoEModel(config)
+    seen: dict[str, list[list[torch.Tensor]]] = {}
+    for model in (scheduled, plain):
+        frozen = model.get_parameter("decoder.layers.2.experts.fc2.weight")
+        frozen.register_hook(lambda g: g)  # type: ignore[no-untyped-call]
+        frozen.requires_grad_(False)  # frozen after: the hook stays, never runs
+        views = seen.setdefault("scheduled" if model is scheduled else "plain", [])
+        for name in ("embedding.weight", "decoder.layers.1.router.weight", "final_norm.weight"):
+            p = model.get_parameter(name)
+            views.append([])
+            p.register_post_accumulate_grad_hook(  # type: ignore[no-untyped-call]
+                lambda q, got=views[-1]: got.append(q.grad.clone())
+            )
+    data = microbatches(3, vocab=SMALL.vocab_size)
+    losses = combined_1f1b(scheduled, data)
+    assert all(torch.equal(a, b) for a, b in zip(losses, _plain_steps(plain, data), strict=True))
+    for got, want in zip(seen["scheduled"], seen["plain"], strict=True):
+        assert len(got) == len(want) == 3
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+class _Scaled(torch.nn.Module):
+    """A parametrization: the weight is computed from the parameter it replaces."""
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        return w * 1.5
+
+
+def test_a_parametrized_delayed_weight_is_refused_before_any_gradient() -> None:
+    """``torch.nn.utils.parametrize`` makes ``fc1.weight`` a tensor computed at every read:
+    ``backward_dw()`` wrote the delayed gradient to that throwaway tensor, and the parameter
+    it is computed from got none (silently). Refused at the slot's first forward inside a
+    schedule; plain ``backward()`` (unclaimed: computed at once) still reaches it."""
+    config = dataclasses.replace(SMALL, delay_wgrad_compute=True)
+    model = GPTMoEModel(config)
+    fc1 = model.get_submodule("decoder.layers.0.mlp.fc1")
+    assert isinstance(fc1, DelayedWgradLinear)
+    torch.nn.utils.parametrize.register_parametrization(fc1, "weight", _Scaled())
+    data = microbatches(2, vocab=SMALL.vocab_size)
+    with pytest.raises(ScheduleError, match=r"layer 0, slot mlp, forward") as error:
+        combined_1f1b(model, data)
+    assert isinstance(error.value.__cause__, ConfigError)
+    assert re.search(
+        r"decoder\.layers\.0\.mlp\.fc1: expected a leaf weight \(an nn\.Parameter\) to "
+        r"accumulate a delayed weight gradient into, received a computed one .*"
+        r"delay_wgrad_compute=False\), or remove the parametrization",
+        str(error.value.__cause__),
+    )
+    assert all(p.grad is None for p in model.parameters())
+    _plain_steps(model, data[:1])
+    original = model.get_parameter("decoder.layers.0.mlp.fc1.parametrizations.weight.original")
+    assert original.grad is not None and bool(original.grad.abs().sum() > 0)

@@ -8,8 +8,8 @@ backward computes only the input gradient and queues ``(input, grad_output)`` wh
 schedule claims the module (:mod:`moe_overlap.wgrad`: a plan whose layer lists it, or
 :func:`~moe_overlap.wgrad.claim_wgrad`); :meth:`DelayedWgradModule.backward_dw` later
 computes the weight gradient with *the same expression* and accumulates it as autograd
-would (assign when ``grad`` is ``None``, else add in place), so delayed and immediate
-results are bit-identical. Unclaimed (a plain ``loss.backward()``, another adapter's
+would (cast to the gradient's dtype, e.g. from an autocast dtype; assign when ``grad`` is
+``None``, else add in place), so delayed and immediate results are bit-identical. Unclaimed (a plain ``loss.backward()``, another adapter's
 schedule, a deep copy), backward computes the weight gradient at once, as with
 ``delay_wgrad`` off: nothing is ever queued that nothing would compute.
 """
@@ -376,7 +376,18 @@ class DelayedWgradModule(nn.Module):
         return len(self._pending)
 
     def _apply_kernel(self, x: Tensor, kernel: MatmulKernel) -> Tensor:
-        return _delayable_matmul(x, self.weight, kernel, self)
+        weight = self.weight  # a parametrization computes it anew at every read
+        if not weight.is_leaf and self.delay_wgrad and wgrad_claimed(self):
+            raise ConfigError(
+                f"{self.label}: expected a leaf weight (an nn.Parameter) to accumulate a "
+                "delayed weight gradient into, received a computed one (a parametrization: "
+                "torch.nn.utils.parametrize, weight_norm, spectral_norm): backward_dw() "
+                "would write the gradient to that computed tensor and the parameters it is "
+                "computed from would get none, where plain backward() reaches them. Build "
+                "the model without delayed weight gradients (delay_wgrad_compute=False), or "
+                "remove the parametrization"
+            )
+        return _delayable_matmul(x, weight, kernel, self)
 
     def defer_wgrad(
         self, x: Tensor, grad_y: Tensor, kernel: MatmulKernel, keep: object = None
@@ -432,7 +443,7 @@ class DelayedWgradModule(nn.Module):
         item = self._pending.popleft()
         with torch.no_grad():  # no graph behind the gradient, whoever calls this
             grad_w = item.kernel.wgrad(item.x, item.grad_y)
-            accumulate_grad(self.weight, grad_w)
+            accumulate_grad(self.weight, _as_grad_dtype(self.weight, grad_w))
 
     def _backward_dw_calls(self, calls: int) -> None:
         """One backward pass's ``calls`` weight gradients: summed in the order they were
@@ -448,7 +459,8 @@ class DelayedWgradModule(nn.Module):
             total: Tensor | None = None
             for _ in range(calls):
                 item = self._pending.popleft()
-                grad_w = item.kernel.wgrad(item.x, item.grad_y)
+                # each cast before the sum, as autograd casts every part it then sums
+                grad_w = _as_grad_dtype(self.weight, item.kernel.wgrad(item.x, item.grad_y))
                 total = grad_w if total is None else total + grad_w
             assert total is not None
             accumulate_grad(self.weight, total)
@@ -475,8 +487,18 @@ class DelayedWgradModule(nn.Module):
         return copied
 
 
+def _as_grad_dtype(param: Tensor, grad: Tensor) -> Tensor:
+    """``grad`` in the dtype ``param``'s gradient takes, as autograd casts a gradient
+    before accumulating it: ``param.grad_dtype`` where torch has it (``None`` there: any
+    dtype, unchanged), else ``param.dtype``. A weight gradient computed under
+    ``torch.autocast`` comes out in the autocast dtype."""
+    want = cast("torch.dtype | None", getattr(param, "grad_dtype", param.dtype))
+    return grad if want is None or grad.dtype == want else grad.to(want)
+
+
 def accumulate_grad(param: nn.Parameter, grad: Tensor) -> None:
-    """What ``AccumulateGrad`` does for a dense grad: assign first, add in place after.
+    """What ``AccumulateGrad`` does for a dense grad: cast to the parameter's gradient
+    dtype (as autograd does), assign first, add in place after.
 
     ``grad`` becomes ``param.grad`` when there is none: pass a tensor nothing else writes.
     A ``grad`` of another shape than ``param`` (which ``add_`` would broadcast) is a
@@ -488,6 +510,7 @@ def accumulate_grad(param: nn.Parameter, grad: Tensor) -> None:
         raise refuse(
             "accumulate_grad: grad", f"a Tensor of the parameter's shape {list(param.shape)}", grad
         )
+    grad = _as_grad_dtype(param, grad)
     if param.grad is None:
         param.grad = grad
     else:

@@ -3,8 +3,9 @@
 Always on: a plan's model and microbatch (wrappers the schedule would skip, the Protocol
 members, the input fields), its delayed-wgrad modules and FSDP units, a node's outputs still
 in the graph, nothing in use living in a freed input (debug mode walks the references
-every time), and what ``combined_1f1b`` checks of its step, per run of plans driven by hand
-(:mod:`._hand_run_checks`). The CPU stream-order checker attaches its own guard while it is
+every time), what ``combined_1f1b`` checks of its step, per run of plans driven by hand
+(:mod:`._hand_run_checks`), and no random draw in a forward step that runs ahead of an
+earlier microbatch's (:mod:`._random_draws`). The CPU stream-order checker attaches its own guard while it is
 active.
 """
 
@@ -45,11 +46,13 @@ from ._node_checks import (
     check_undetached_reads,
 )
 from ._owed_wgrad import check_wgrad_listed
+from ._random_draws import RandomDraws
 from ._recompute_hold import _HELD as _RECOMPUTE_HELD  # pyright: ignore[reportPrivateUsage]
 from ._recompute_hold import held_for_recompute
 from ._stream_check import _ACTIVE as _CHECKERS  # pyright: ignore[reportPrivateUsage]
 from ._stream_check import _ON_ACTIVATE  # pyright: ignore[reportPrivateUsage]
 from ._torch_private import storage_cdata, storage_use_count, tensor_use_count
+from ._wgrad_hooks import check_wgrad_hooks
 from .contracts import Contract, attribute, method
 from .core._chunk_plan import ModelChunkSchedulePlan
 from .core._executor import NodeSource
@@ -89,7 +92,9 @@ class _PlanChecks(BaseGuard):
         layers = model.decoder.layers
         delayed = any(lp.shape.delay_wgrad for lp in plan.layers)
         if delayed:
-            check_wgrad_listed(model, list(layers), [lp.wgrad_parts for lp in plan.layers])
+            parts = [lp.wgrad_parts for lp in plan.layers]
+            check_wgrad_listed(model, list(layers), parts)
+            check_wgrad_hooks(model, parts)  # hooks autograd would run before backward_dw
         check_fsdp(model, layers, delayed=delayed)
 
 
@@ -308,6 +313,7 @@ _GUARDS = (
     _OwnLeaves(),
     _Handoffs(),
     HandRunChecks(),
+    RandomDraws(),
 )
 for _guard in _GUARDS:
     attach(_guard, debug=DEBUG)

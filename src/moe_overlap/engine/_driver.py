@@ -72,7 +72,11 @@ def combined_1f1b(
 
         F0+F1 | F2+B0 | F3+B1 | ... | F(N-1)+B(N-3) | B(N-2)+B(N-1)
 
-    keeping one more microbatch's activations alive throughout.
+    keeping one more microbatch's activations alive throughout. A forward that draws random
+    numbers (dropout) then draws them in another order than plain training: a forward step
+    that runs ahead of an earlier microbatch's forward (here or in a ``schedule``) and
+    moves torch's default generator is refused at that step (a
+    :class:`~moe_overlap.ScheduleError` from a :class:`~moe_overlap.ConfigError`).
 
     ``schedule`` (a :class:`~moe_overlap.steps.NodeSchedule`, what the planner's
     :func:`~moe_overlap.plan.search_schedules` returns) replaces those orders with any

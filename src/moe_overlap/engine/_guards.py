@@ -52,6 +52,8 @@ GUARD: Contract[Guard] = Contract(
     method("mlp_wgrad_listed"),
     method("backward_started"),
     method("backward_ended"),
+    method("ahead_entered"),
+    method("ahead_left"),
 )
 """Its rule table: :func:`attach` refuses what does not conform."""
 
@@ -71,6 +73,8 @@ by_hook = {
     "mlp_wgrad_listed": _hooks.on_mlp_wgrad_listed,
     "backward_started": _hooks.on_backward_started,
     "backward_ended": _hooks.on_backward_ended,
+    "ahead_entered": _hooks.on_ahead_entered,
+    "ahead_left": _hooks.on_ahead_left,
 }
 """The core's guard list of each hook, by the hook's name (the Guard Protocol's methods)."""
 
@@ -144,6 +148,12 @@ class BaseGuard:
 
     def backward_ended(self, plans: Sequence[ChunkRun], where: str, failed: bool) -> None:
         del plans, where, failed
+
+    def ahead_entered(self, node: ScheduleNode) -> None:
+        del node
+
+    def ahead_left(self, node: ScheduleNode) -> None:
+        del node
 
 
 def attach(guard: Guard, *, debug: bool) -> Callable[[], None]:

@@ -66,6 +66,7 @@ __all__ = [
     "StageAccumulations",
     "counted_step",
     "in_counted_step",
+    "is_count_hook",
 ]
 
 _Key = tuple[tuple[int, int, bool], ...]
@@ -376,6 +377,12 @@ class _Hook:
         if now != self.seen:
             self.seen = now
             self.count += 1
+
+
+def is_count_hook(hook: object) -> bool:
+    """Whether ``hook`` is one of the counts' post-accumulate-grad hooks (the library's own,
+    on a parameter while a step counts)."""
+    return isinstance(hook, _Hook)
 
 
 def _state(param: Tensor) -> _Seen:

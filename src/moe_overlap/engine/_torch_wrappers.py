@@ -33,7 +33,15 @@ from ._torch_private import (
     optimized_module_class,
 )
 
-__all__ = ["Finding", "Kind", "find_wrapping", "has_grad_hooks", "inner_module"]
+__all__ = [
+    "Finding",
+    "Kind",
+    "find_wrapping",
+    "grad_hooks",
+    "has_grad_hooks",
+    "hook_name",
+    "inner_module",
+]
 
 
 class Kind(enum.Enum):
@@ -176,3 +184,19 @@ def has_grad_hooks(t: Tensor) -> bool:
     """Whether hooks run on ``t``'s gradient (``register_hook``,
     ``register_post_accumulate_grad_hook``)."""
     return any(bool(getattr(t, name, None)) for name in GRAD_HOOKS)
+
+
+def grad_hooks(t: Tensor) -> list[object]:
+    """The hooks that run on ``t``'s gradient (``register_hook``'s, then
+    ``register_post_accumulate_grad_hook``'s)."""
+    found: list[object] = []
+    for name in GRAD_HOOKS:
+        hooks: object = getattr(t, name, None)
+        if isinstance(hooks, dict) and hooks:
+            found += cast("dict[int, object]", hooks).values()
+    return found
+
+
+def hook_name(hook: object) -> str:
+    """A hook's name in messages: its qualified name, else its class's."""
+    return _hook_name(hook)

@@ -12,7 +12,7 @@ and the steps around it, after the caller's cleanup ran; a ``BaseException`` tha
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
 from torch import Tensor
@@ -20,11 +20,12 @@ from torch import Tensor
 from moe_overlap.errors import ScheduleError
 from moe_overlap.protocols import StepObserver
 
+from ._hooks import on_ahead_entered, on_ahead_left
 from ._layer_node import TransformerLayerNode
 from ._node import ScheduleNode
 from ._steps import Direction, Role, Step, format_steps
 
-__all__ = ["NodeSource", "Value", "execute_roles"]
+__all__ = ["NodeSource", "Value", "ahead_forward_steps", "execute_roles"]
 
 
 @runtime_checkable
@@ -66,6 +67,7 @@ def execute_roles(
     run_hook: Callable[[Step], None] | None = None,
     on_error: Callable[[], None] | None = None,
     observer: StepObserver | None = None,
+    ahead: Collection[int] = (),
 ) -> None:
     """Run ``steps`` in order, each on the plan of its role (or, without one, of its
     microbatch), threading ``values[role]`` (the tensors flowing forward, or the grads
@@ -74,6 +76,8 @@ def execute_roles(
 
     With an ``observer``, each non-hook step's node holds the observer's timer for
     ``step`` while it runs (``node.timer``), and ``None`` again afterwards, also on failure.
+    The forward steps at the indices ``ahead`` (:func:`ahead_forward_steps`) run between
+    the guards' ``ahead_entered`` and ``ahead_left``.
     """
     for index, step in enumerate(steps):
         try:
@@ -89,7 +93,14 @@ def execute_roles(
                 node.timer = observer.timer(step, source.microbatch_index)
             try:
                 if step.direction is Direction.FORWARD:
-                    values[key] = node.forward(*values[key])
+                    if index in ahead:
+                        for guard in on_ahead_entered:
+                            guard.ahead_entered(node)
+                        values[key] = node.forward(*values[key])
+                        for guard in on_ahead_left:
+                            guard.ahead_left(node)
+                    else:
+                        values[key] = node.forward(*values[key])
                 elif step.direction is Direction.BACKWARD:
                     values[key] = node.backward(*values[key])
                 elif step.direction is Direction.WGRAD:
@@ -106,6 +117,30 @@ def execute_roles(
             if not isinstance(exc, Exception):  # KeyboardInterrupt, SystemExit: unchanged
                 raise
             raise _schedule_error(steps, index, plans, exc) from exc
+
+
+def ahead_forward_steps(
+    steps: Sequence[Step], rank: Callable[[Step], int | None]
+) -> frozenset[int]:
+    """The indices of the forward steps of ``steps`` that run ahead of an earlier
+    microbatch's forward: a step of microbatch ``rank(step)`` with a forward step of a
+    lower rank after it. Plain training runs each microbatch's forward whole, in order; a
+    step order with none ahead runs the forward steps in that order too (its other steps
+    are backward, weight-gradient and recompute steps)."""
+    ahead: set[int] = set()
+    earliest: int | None = None  # the lowest rank of the forward steps after this one
+    for index in range(len(steps) - 1, -1, -1):
+        step = steps[index]
+        if step.direction is not Direction.FORWARD:
+            continue
+        rank_of = rank(step)
+        if rank_of is None:
+            continue
+        if earliest is not None and earliest < rank_of:
+            ahead.add(index)
+        if earliest is None or rank_of < earliest:
+            earliest = rank_of
+    return frozenset(ahead)
 
 
 _ROLE_NAMES: dict[Role | None, str] = {

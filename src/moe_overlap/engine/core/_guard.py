@@ -21,6 +21,10 @@ meets them::
                                                  before its first step
     backward_ended(plans, where, failed)         ... after its last step and the backward
                                                  plans' release; also when a step failed
+    ahead_entered(node)                          a forward step that runs ahead of an earlier
+                                                 microbatch's forward starts (a step order
+                                                 interleaving two microbatches' forwards)
+    ahead_left(node)                             ... and returned
 
 The guards themselves, their base class and the registry that attaches them live outside
 the core (``engine/_guards.py``, ``engine/_attached_checks.py``).
@@ -89,3 +93,5 @@ class Guard(Protocol):
     ) -> None: ...
     def backward_started(self, plans: Sequence[ChunkRun], where: str) -> None: ...
     def backward_ended(self, plans: Sequence[ChunkRun], where: str, failed: bool) -> None: ...
+    def ahead_entered(self, node: ScheduleNode) -> None: ...
+    def ahead_left(self, node: ScheduleNode) -> None: ...

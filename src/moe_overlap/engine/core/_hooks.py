@@ -14,6 +14,8 @@ if TYPE_CHECKING:  # annotations only: the Guard Protocol's module imports the p
     from ._guard import Guard
 
 __all__ = [
+    "on_ahead_entered",
+    "on_ahead_left",
     "on_backward_ended",
     "on_backward_started",
     "on_before_release",
@@ -47,6 +49,8 @@ if TYPE_CHECKING:  # declared apart: debug mode's beartype checks annotated assi
     on_mlp_wgrad_listed: list[Guard]
     on_backward_started: list[Guard]
     on_backward_ended: list[Guard]
+    on_ahead_entered: list[Guard]
+    on_ahead_left: list[Guard]
 
 on_plan_started = []
 on_inputs_read = []
@@ -63,3 +67,5 @@ on_pre_dispatch_wgrad_listed = []
 on_mlp_wgrad_listed = []
 on_backward_started = []
 on_backward_ended = []
+on_ahead_entered = []
+on_ahead_left = []

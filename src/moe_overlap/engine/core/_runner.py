@@ -27,7 +27,7 @@ from torch import Tensor
 from moe_overlap.errors import ConfigError, IntegrationError, PlanReleasedError
 from moe_overlap.protocols import StepObserver
 
-from ._executor import NodeSource, Value, execute_roles
+from ._executor import NodeSource, Value, ahead_forward_steps, execute_roles
 from ._hooks import on_backward_ended, on_backward_started
 from ._node import ScheduleNode
 from ._node_schedule import NodeSchedule
@@ -134,9 +134,18 @@ def run_step(
     def run_hook(step: Step) -> None:
         _run_hook(hooks, step, roles[step.role], values)
 
-    # 4. walk the steps
+    # 4. walk the steps (the second of two forwards watched where it runs ahead)
+    ahead = ahead_forward_steps(steps, _forward_rank) if len(forward) > 1 else ()
     try:
-        execute_roles(steps, roles, values, run_hook=run_hook, on_error=on_error, observer=observer)
+        execute_roles(
+            steps,
+            roles,
+            values,
+            run_hook=run_hook,
+            on_error=on_error,
+            observer=observer,
+            ahead=ahead,
+        )
     except BaseException:
         if backward:
             for guard in on_backward_ended:
@@ -180,9 +189,19 @@ def check_grads(where: str, value: object) -> tuple[object, object]:
 
 
 def check_grad_mode(where: str) -> None:
-    """Raise :class:`~moe_overlap.ConfigError` unless autograd records (a training step)."""
+    """Raise :class:`~moe_overlap.ConfigError` unless autograd records (a training step):
+    grad mode on, and not inside ``torch.inference_mode()`` (where ``torch.enable_grad()``
+    turns grad mode on but nothing made there can be saved for backward)."""
     if torch.is_grad_enabled():
-        return
+        if not torch.is_inference_mode_enabled():
+            return
+        raise ConfigError(
+            f"{where}: expected autograd recording (the schedule runs forward and backward), "
+            "received grad mode on inside torch.inference_mode() (torch.enable_grad() there "
+            "records nothing: tensors made under inference mode cannot be saved for "
+            "backward, and the step would fail in its first slot); call it outside "
+            "torch.inference_mode()"
+        )
     mode = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
     raise ConfigError(
         f"{where}: expected autograd enabled (the schedule runs forward and backward), "
@@ -272,9 +291,30 @@ def run_schedule(
             synchronize(plan.streams.comp)  # the whole device: both streams
             plan.release_state()
 
-    execute_roles(steps, plans, values, run_hook=run_hook, on_error=on_error, observer=observer)
+    ahead = ahead_forward_steps(steps, _microbatch_rank)  # forwards interleaved
+    execute_roles(
+        steps,
+        plans,
+        values,
+        run_hook=run_hook,
+        on_error=on_error,
+        observer=observer,
+        ahead=ahead,
+    )
     for plan in done:  # 4.
         plan.wait_current_stream()
+
+
+def _forward_rank(step: Step) -> int | None:
+    """A macro step's forward roles in microbatch order: the first forward is the earlier."""
+    return _FORWARD_RANKS.get(step.role)
+
+
+_FORWARD_RANKS: dict[Role | None, int] = {Role.F: 0, Role.F2: 1}
+
+
+def _microbatch_rank(step: Step) -> int | None:
+    return step.microbatch
 
 
 def _with_lifecycle(steps: Sequence[Step]) -> list[Step]:
