@@ -484,3 +484,73 @@ def test_a_parametrized_delayed_weight_is_refused_before_any_gradient() -> None:
     _plain_steps(model, data[:1])
     original = model.get_parameter("decoder.layers.0.mlp.fc1.parametrizations.weight.original")
     assert original.grad is not None and bool(original.grad.abs().sum() > 0)
+
+
+_BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize("delay", [False, True])
+def test_a_linear_under_autocast_around_forward_only_is_nn_linear(delay: bool) -> None:
+    """torch's recommended autocast use: the forward inside ``torch.autocast``,
+    ``backward()`` (and here ``backward_dw()``) outside. The linear's backward runs under
+    its forward's autocast state, as ``torch.amp.custom_bwd`` runs one, and so does the
+    delayed weight gradient: bit-identical to ``nn.Linear``. The backward used to multiply
+    the bfloat16 output gradient by the float32 weight (a RuntimeError)."""
+    lin = _linear(delay, torch.float32)
+    ref = torch.nn.Linear(5, 3, bias=False)
+    with torch.no_grad():
+        ref.weight.copy_(lin.weight)
+    x = torch.randn(4, 2, 5)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=_BF16):
+        ya, yb = lin(xa), ref(xb)
+    gy = torch.randn(4, 2, 3, dtype=_BF16)
+    with claim_wgrad(lin):
+        ya.backward(gy)
+    if delay:
+        assert lin.weight.grad is None and lin.pending_wgrad == 1
+        lin.backward_dw()
+    yb.backward(gy)
+    assert ya.dtype == _BF16 and torch.equal(ya, yb)
+    for got, want in ((xa.grad, xb.grad), (lin.weight.grad, ref.weight.grad)):
+        assert got is not None and want is not None
+        assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+
+
+def test_a_delayed_weight_gradient_is_computed_under_its_forward_autocast_state() -> None:
+    """``backward_dw()`` inside ``torch.autocast`` for a forward that ran outside computes
+    in float32, as the immediate gradient was (it used to compute in bfloat16)."""
+    now, later = _linear(False, torch.float32), _linear(True, torch.float32)
+    x, gy = torch.randn(7, 5), torch.randn(7, 3)
+    now(x.clone().requires_grad_()).backward(gy)
+    with claim_wgrad(later):
+        later(x.clone().requires_grad_()).backward(gy)
+    with torch.autocast("cpu", dtype=_BF16):
+        later.backward_dw()
+    assert now.weight.grad is not None and later.weight.grad is not None
+    assert torch.equal(now.weight.grad, later.weight.grad)
+
+
+@pytest.mark.parametrize("delay", [False, True])
+def test_autocast_around_forward_only_matches_the_schedule_under_autocast(delay: bool) -> None:
+    """The reference model with its forward alone under ``torch.autocast`` (plain
+    ``backward()`` outside; with delayed weight gradients, the backward claimed and
+    ``finish_wgrad`` outside too) is bit-identical to ``combined_1f1b`` run inside it."""
+    config = dataclasses.replace(SMALL, delay_wgrad_compute=delay)
+    scheduled, plain = GPTMoEModel(config), GPTMoEModel(config)
+    data = microbatches(3, vocab=SMALL.vocab_size)
+    expected = []
+    for mb in data:
+        with torch.autocast("cpu", dtype=_BF16):
+            loss = plain(mb.input_ids, mb.position_ids, labels=mb.labels, loss_mask=mb.loss_mask)
+        with claim_wgrad(plain):
+            loss.backward()
+        assert {m.pending_wgrad for m in plain.modules() if isinstance(m, DelayedWgradModule)} == {
+            int(delay)
+        }
+        finish_wgrad(plain)
+        expected.append(loss.detach())
+    with torch.autocast("cpu", dtype=_BF16):
+        losses = combined_1f1b(scheduled, data)
+    assert all(torch.equal(a, b) for a, b in zip(losses, expected, strict=True))
+    _assert_same_dtype_grads(scheduled, plain)

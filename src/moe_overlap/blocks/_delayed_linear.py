@@ -39,6 +39,7 @@ from moe_overlap.args import (
     check_arg,
     refuse,
 )
+from moe_overlap.blocks._autocast import AutocastState
 from moe_overlap.blocks._torch_private import grouped_mm, has_grouped_mm
 from moe_overlap.engine import wgrad_claimed
 from moe_overlap.engine.contracts import Contract, method
@@ -327,13 +328,23 @@ class PendingItem:
     """One backward's owed weight gradient: ``kernel.wgrad(x, grad_y)``.
 
     ``keep`` is whatever must stay alive until the gradient is computed (a CUDA graph's
-    lease on the static buffers ``x`` and ``grad_y`` live in), else ``None``.
+    lease on the static buffers ``x`` and ``grad_y`` live in), else ``None``. ``autocast``
+    is the autocast state the module's forward ran under, which :meth:`wgrad` computes it
+    under, as the immediate weight gradient is (``None``: under the caller's).
     """
 
     x: Tensor
     grad_y: Tensor
     kernel: MatmulKernel
     keep: object = None
+    autocast: AutocastState | None = None
+
+    def wgrad(self) -> Tensor:
+        """``kernel.wgrad(x, grad_y)`` under :attr:`autocast`."""
+        if self.autocast is None:
+            return self.kernel.wgrad(self.x, self.grad_y)
+        with self.autocast.restored():
+            return self.kernel.wgrad(self.x, self.grad_y)
 
 
 class DelayedWgradModule(nn.Module):
@@ -390,10 +401,19 @@ class DelayedWgradModule(nn.Module):
         return _delayable_matmul(x, weight, kernel, self)
 
     def defer_wgrad(
-        self, x: Tensor, grad_y: Tensor, kernel: MatmulKernel, keep: object = None
+        self,
+        x: Tensor,
+        grad_y: Tensor,
+        kernel: MatmulKernel,
+        keep: object = None,
+        autocast: AutocastState | None = None,
     ) -> None:
-        """Queue ``kernel.wgrad(x, grad_y)`` for a later :meth:`backward_dw`."""
-        self._pending.append(PendingItem(x, grad_y, kernel, keep))
+        """Queue ``kernel.wgrad(x, grad_y)`` for a later :meth:`backward_dw`, to compute
+        under ``autocast`` (default: the current autocast state of ``x``'s device type,
+        which the module's backward set to its forward's)."""
+        if autocast is None:
+            autocast = AutocastState.of(x.device.type)
+        self._pending.append(PendingItem(x, grad_y, kernel, keep, autocast))
 
     def take_pending_since(self, count: int) -> list[PendingItem]:
         """Remove and return the items queued after the first ``count`` (a graph capture's)."""
@@ -442,7 +462,7 @@ class DelayedWgradModule(nn.Module):
             return
         item = self._pending.popleft()
         with torch.no_grad():  # no graph behind the gradient, whoever calls this
-            grad_w = item.kernel.wgrad(item.x, item.grad_y)
+            grad_w = item.wgrad()
             accumulate_grad(self.weight, _as_grad_dtype(self.weight, grad_w))
 
     def _backward_dw_calls(self, calls: int) -> None:
@@ -460,7 +480,7 @@ class DelayedWgradModule(nn.Module):
             for _ in range(calls):
                 item = self._pending.popleft()
                 # each cast before the sum, as autograd casts every part it then sums
-                grad_w = _as_grad_dtype(self.weight, item.kernel.wgrad(item.x, item.grad_y))
+                grad_w = _as_grad_dtype(self.weight, item.wgrad())
                 total = grad_w if total is None else total + grad_w
             assert total is not None
             accumulate_grad(self.weight, total)
@@ -531,6 +551,7 @@ class _DelayableMatmul(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.kernel = kernel
         ctx.owner = owner
+        ctx.autocast = AutocastState.of(x.device.type)  # as torch.amp.custom_fwd records it
         return kernel.forward(x, weight)
 
     @staticmethod
@@ -546,13 +567,18 @@ class _DelayableMatmul(torch.autograd.Function):
         owner: DelayedWgradModule = ctx.owner
         needs_x: bool = ctx.needs_input_grad[0]
         needs_w: bool = ctx.needs_input_grad[1]
-        grad_x = kernel.dgrad(grad_y, weight) if needs_x else None
+        autocast: AutocastState = ctx.autocast
         grad_w: Tensor | None = None
-        if needs_w:
-            if owner.delay_wgrad and wgrad_claimed(owner):
-                owner.defer_wgrad(x, grad_y, kernel)
-            else:  # nothing will run backward_dw for it: now, as autograd accumulates it
-                grad_w = kernel.wgrad(x, grad_y)
+        # Under the forward's autocast state, as torch.amp.custom_bwd runs a backward: a
+        # forward under autocast and a backward outside it (torch's recommended use) give
+        # a bfloat16 grad_y here, multiplied by the float32 weight as autocast casts it.
+        with autocast.restored():
+            grad_x = kernel.dgrad(grad_y, weight) if needs_x else None
+            if needs_w:
+                if owner.delay_wgrad and wgrad_claimed(owner):
+                    owner.defer_wgrad(x, grad_y, kernel, autocast=autocast)
+                else:  # nothing will run backward_dw for it: now, as autograd accumulates it
+                    grad_w = kernel.wgrad(x, grad_y)
         return grad_x, grad_w, None, None
 
 
