@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import gc
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from moe_overlap.blocks import (
     DelayedWgradGroupedLinear,
     DelayedWgradLinear,
     DelayedWgradModule,
+    accumulate_grad,
     discard_wgrad,
     finish_wgrad,
 )
@@ -580,3 +582,95 @@ def test_flipping_delay_wgrad_after_construction_is_refused_at_once() -> None:
     losses = combined_1f1b(scheduled, data)
     assert all(torch.equal(a, b) for a, b in zip(losses, _plain_steps(plain, data), strict=True))
     _assert_same_dtype_grads(scheduled, plain)
+
+
+def _restrided(lin: DelayedWgradModule, layout: str) -> None:
+    """``lin.weight`` replaced by a parameter of the same values in another layout."""
+    w = lin.weight.detach()
+    if layout == "transposed":  # the storage of the transpose: strides (..., 1, rows)
+        lin.weight = torch.nn.Parameter(w.transpose(-2, -1).contiguous().transpose(-2, -1))
+    elif layout == "strided":  # every other column of a wider tensor: not dense
+        wide = torch.zeros(*w.shape[:-1], 2 * w.shape[-1])
+        wide[..., ::2] = w
+        lin.weight = torch.nn.Parameter(wide[..., ::2])
+
+
+@pytest.mark.parametrize("layout", ["default", "transposed", "strided"])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_delayed_weight_gradient_is_laid_out_as_plain_backward_lays_it_out(
+    layout: str, grouped: bool
+) -> None:
+    """torch's gradient layout contract: a first gradient takes a dense parameter's
+    strides (contiguous for another parameter), so bucket views and optimizers see what
+    plain ``backward()`` gives. ``backward_dw`` assigned the weight gradient with its own
+    strides (contiguous where a transposed-storage weight's are ``(1, rows)``)."""
+    grads: list[torch.Tensor] = []
+    for delay in (False, True):
+        torch.manual_seed(0)
+        lin: DelayedWgradModule
+        if grouped:
+            lin = DelayedWgradGroupedLinear(2, 5, 3, delay_wgrad=delay)
+        else:
+            lin = DelayedWgradLinear(5, 3, delay_wgrad=delay)
+        torch.nn.init.normal_(lin.weight)
+        _restrided(lin, layout)
+        x = torch.randn(6, 5)
+        with claim_wgrad(lin):
+            y = lin(x, [4, 2]) if grouped else lin(x)
+            y.square().sum().backward()
+        if delay:
+            lin.backward_dw()
+        assert lin.weight.grad is not None
+        grads.append(lin.weight.grad)
+        if layout != "strided":
+            assert lin.weight.grad.stride() == lin.weight.stride()
+    now, later = grads
+    assert later.stride() == now.stride() and torch.equal(later, now)
+
+
+class _Hand(torch.autograd.Function):
+    """Identity whose backward hands autograd the gradient in ``box`` (and keeps no
+    reference to it: a fresh gradient, as a backward's output is)."""
+
+    @staticmethod
+    def forward(ctx: Any, p: torch.Tensor, box: list[torch.Tensor]) -> torch.Tensor:
+        ctx.box = box
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.box.pop(), None
+
+
+def _laid_out(layout: str) -> torch.Tensor:
+    torch.manual_seed(1)
+    if layout == "transposed":
+        return torch.randn(3, 4).t()
+    if layout == "strided":
+        return torch.randn(4, 6)[:, ::2]
+    return torch.randn(1, 3) if layout == "size-1 dim" else torch.randn(4, 3)
+
+
+@pytest.mark.parametrize("layout", ["default", "transposed", "size-1 dim", "strided"])
+def test_accumulate_grad_lays_a_first_gradient_out_as_autograd_does(layout: str) -> None:
+    """A gradient of other strides than the parameter's (transposed, broadcast) is copied
+    into the parameter's layout (a dense one) or a contiguous one (another), as
+    ``AccumulateGrad`` copies it; one that obeys the contract is kept as it is."""
+    shape = _laid_out(layout).shape
+    makers: list[Callable[[], torch.Tensor]] = [
+        lambda: torch.randn(shape[::-1]).t(),
+        lambda: torch.randn(shape),
+        lambda: torch.randn(shape[-1]).expand(shape),
+        lambda: torch.randn(shape[::-1]).t().contiguous(),
+    ]
+    for make in makers:
+        torch.manual_seed(2)
+        mine = torch.nn.Parameter(_laid_out(layout))
+        accumulate_grad(mine, make())
+        torch.manual_seed(2)
+        ref = torch.nn.Parameter(_laid_out(layout))
+        _hand: Any = _Hand.apply
+        _hand(ref, [make()]).sum().backward()
+        assert mine.grad is not None and ref.grad is not None
+        assert mine.grad.stride() == ref.grad.stride()
+        assert torch.equal(mine.grad, ref.grad)

@@ -539,9 +539,11 @@ def accumulate_grad(param: nn.Parameter, grad: Tensor) -> None:
     """What ``AccumulateGrad`` does for a dense grad: cast to the parameter's gradient
     dtype (as autograd does), assign first, add in place after.
 
-    ``grad`` becomes ``param.grad`` when there is none: pass a tensor nothing else writes.
-    A ``grad`` of another shape than ``param`` (which ``add_`` would broadcast) is a
-    :class:`~moe_overlap.ConfigError`.
+    ``grad`` becomes ``param.grad`` when there is none (pass a tensor nothing else
+    writes), laid out as autograd lays out a first gradient (torch's gradient layout
+    contract): with ``param``'s strides for a dense non-overlapping ``param`` (a copy when
+    ``grad``'s differ), contiguous for any other. A ``grad`` of another shape than
+    ``param`` (which ``add_`` would broadcast) is a :class:`~moe_overlap.ConfigError`.
     """
     if not isinstance(cast(object, param), Tensor):
         raise refuse("accumulate_grad: param", "an nn.Parameter", param)
@@ -551,9 +553,36 @@ def accumulate_grad(param: nn.Parameter, grad: Tensor) -> None:
         )
     grad = _as_grad_dtype(param, grad)
     if param.grad is None:
-        param.grad = grad
+        param.grad = _laid_out_like(param, grad)
     else:
         param.grad.add_(grad)
+
+
+def _laid_out_like(param: Tensor, grad: Tensor) -> Tensor:
+    """``grad`` as ``AccumulateGrad`` stores a parameter's first gradient: as it is when it
+    obeys the layout contract, else copied into ``param``'s strides (dense non-overlapping
+    ``param``) or into a contiguous tensor (any other)."""
+    if not _non_overlapping_and_dense(param):
+        return grad if grad.is_contiguous() else grad.contiguous()
+    sizes, want, have = param.shape, param.stride(), grad.stride()
+    # size-1 dims: any stride but 0 (a 0 there is a broadcast view)
+    if all(h == w if n != 1 else h != 0 for n, w, h in zip(sizes, want, have, strict=True)):
+        return grad
+    out = torch.empty_strided(sizes, want, dtype=grad.dtype, device=grad.device)
+    return out.copy_(grad)
+
+
+def _non_overlapping_and_dense(t: Tensor) -> bool:
+    """Whether ``t``'s elements fill its storage span exactly once in some dim order
+    (torch's ``is_non_overlapping_and_dense``): size-1 dims aside, the strides sorted
+    ascending are 1 and the running products of the sizes."""
+    dims = sorted((s, n) for n, s in zip(t.shape, t.stride(), strict=True) if n >= 2)
+    want = 1
+    for stride, size in dims:
+        if stride != want:
+            return False
+        want *= size
+    return True
 
 
 class _DelayableMatmul(torch.autograd.Function):
