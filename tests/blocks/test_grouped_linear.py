@@ -67,3 +67,36 @@ def test_sizes_that_do_not_cover_the_rows_are_refused() -> None:
         layer(torch.randn(5, 4), [2, 2, 2])
     with pytest.raises(ConfigError, match=r"padded input \[groups=3"):
         layer(torch.randn(2, 2, 4), ())
+
+
+@pytest.mark.parametrize("delay", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_autocast_around_forward_only_matches_one_linear_per_group(
+    delay: bool, padded: bool
+) -> None:
+    """The forward inside ``torch.autocast`` (bfloat16), ``backward()`` and
+    ``backward_dw()`` outside: bit-identical to one ``F.linear`` per group under the same
+    autocast, input and weight gradients alike. The backward used to multiply the
+    bfloat16 output gradient by the float32 weight (a RuntimeError)."""
+    layer = _linear(delay)
+    weight = layer.weight.detach().clone().requires_grad_()
+    x = torch.randn(3, 2, 4) if padded else torch.randn(5, 4)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    sizes = GroupSizes([2, 0, 3])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ya = layer(xa, () if padded else sizes)
+        if padded:
+            yb = torch.stack([F.linear(xb[g], weight[g]) for g in range(3)])
+        else:
+            yb = torch.cat([F.linear(xb[:2], weight[0]), F.linear(xb[2:], weight[2])])
+    gy = torch.randn(ya.shape, dtype=torch.bfloat16)
+    with claim_wgrad(layer):
+        ya.backward(gy)
+    if delay:
+        layer.backward_dw()
+    torch.autograd.backward(yb, gy)
+    assert ya.dtype == torch.bfloat16 and torch.equal(ya, yb)
+    assert xa.grad is not None and xb.grad is not None and torch.equal(xa.grad, xb.grad)
+    grad, ref = layer.weight.grad, weight.grad
+    assert grad is not None and ref is not None
+    assert grad.dtype == torch.float32 and torch.equal(grad, ref)

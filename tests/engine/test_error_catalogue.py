@@ -245,6 +245,14 @@ def streams_for_another_device(ctx: Ctx) -> None:
     make_streams("meta")
 
 
+def inputs_on_meta(ctx: Ctx) -> None:
+    mbs = [
+        dataclasses.replace(mb, input_ids=torch.empty(2, 8, dtype=torch.long, device="meta"))
+        for mb in ctx.mbs
+    ]
+    combined_1f1b(ctx.model, mbs)
+
+
 def event_stream_mismatch(ctx: Ctx) -> None:
     fake: Any = object()
     with use_stream(CpuStream(), fake):
@@ -1213,7 +1221,17 @@ CASES = [
     ),
     Case(unknown_slot_name, ConfigError, r"unknown slot or stream in 'f\.L0\.attention\.F@comp'"),
     Case(
-        streams_for_another_device, StreamError, r"expected a 'cpu' or 'cuda' device, received meta"
+        streams_for_another_device,
+        StreamError,
+        r"expected a 'cpu' or 'cuda' device, received meta; pass the device the model and its "
+        r"inputs are on .*model\.to_empty\(device=\.\.\.\)",
+    ),
+    Case(
+        inputs_on_meta,
+        StreamError,
+        r"schedule: expected a cpu or cuda device, received meta \(the device of the "
+        r"microbatch's input_ids.*; put the model and its inputs on 'cpu' or 'cuda' \(a model "
+        r"built on 'meta': materialize it first with model\.to_empty\(device=\.\.\.\)",
     ),
     Case(
         event_stream_mismatch,
@@ -1221,7 +1239,11 @@ CASES = [
         r"paired with a CUDA event",
         debug=hint("use_stream.__init__", "event", "CpuEvent"),
     ),
-    Case(unrecorded_event_timing, StreamError, r"both events must be recorded first"),
+    Case(
+        unrecorded_event_timing,
+        StreamError,
+        r"both events must be recorded first .*; call record\(\) on both",
+    ),
     Case(
         weak_method_on_function,
         IntegrationError,

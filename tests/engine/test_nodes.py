@@ -36,7 +36,13 @@ from moe_overlap import (
     weak_method,
 )
 from moe_overlap.engine import DEBUG
-from moe_overlap.engine.core._streams import reset_streams, use_stream
+from moe_overlap.engine.core._streams import (
+    record_event,
+    reset_streams,
+    use_stream,
+    wait_event,
+    wait_stream,
+)
 from moe_overlap.megatron import layer_args, layer_schedule_plan
 from moe_overlap.streams import CpuEvent, CpuStream
 
@@ -281,6 +287,31 @@ def test_cpu_streams_and_events() -> None:
     assert pair.comp.record_event().query()
     with pytest.raises(StreamError, match="expected a 'cpu' or 'cuda' device"):
         make_streams("meta")
+
+
+def test_refusals_of_a_stream_and_event_of_different_devices_say_what_to_do() -> None:
+    """A CPU event with a CUDA stream (or the reverse): the refusal names both, says what
+    was expected and how to make a matching pair."""
+    fake: Any = object()  # not a CpuStream: the CUDA side, as far as the check goes
+    fix = r"make .*for the model's device \(make_"
+    with pytest.raises(
+        StreamError,
+        match=r"record_event: .*expected an event and a stream "
+        r"of one device kind.*" + fix,
+    ):
+        record_event(CpuEvent(), fake)
+    with pytest.raises(
+        StreamError,
+        match=r"wait_event: .*expected a stream and an event "
+        r"of one device kind.*" + fix,
+    ):
+        wait_event(CpuEvent(), fake)
+    with pytest.raises(
+        StreamError,
+        match=r"wait_stream: .*expected two streams of one "
+        r"device kind.*" + fix,
+    ):
+        wait_stream(CpuStream(), fake)
 
 
 def test_global_streams_first_call_wins() -> None:

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 import gc
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -23,6 +24,7 @@ from moe_overlap.blocks import (
     DelayedWgradGroupedLinear,
     DelayedWgradLinear,
     DelayedWgradModule,
+    accumulate_grad,
     discard_wgrad,
     finish_wgrad,
 )
@@ -484,3 +486,191 @@ def test_a_parametrized_delayed_weight_is_refused_before_any_gradient() -> None:
     _plain_steps(model, data[:1])
     original = model.get_parameter("decoder.layers.0.mlp.fc1.parametrizations.weight.original")
     assert original.grad is not None and bool(original.grad.abs().sum() > 0)
+
+
+_BF16 = torch.bfloat16
+
+
+@pytest.mark.parametrize("delay", [False, True])
+def test_a_linear_under_autocast_around_forward_only_is_nn_linear(delay: bool) -> None:
+    """torch's recommended autocast use: the forward inside ``torch.autocast``,
+    ``backward()`` (and here ``backward_dw()``) outside. The linear's backward runs under
+    its forward's autocast state, as ``torch.amp.custom_bwd`` runs one, and so does the
+    delayed weight gradient: bit-identical to ``nn.Linear``. The backward used to multiply
+    the bfloat16 output gradient by the float32 weight (a RuntimeError)."""
+    lin = _linear(delay, torch.float32)
+    ref = torch.nn.Linear(5, 3, bias=False)
+    with torch.no_grad():
+        ref.weight.copy_(lin.weight)
+    x = torch.randn(4, 2, 5)
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=_BF16):
+        ya, yb = lin(xa), ref(xb)
+    gy = torch.randn(4, 2, 3, dtype=_BF16)
+    with claim_wgrad(lin):
+        ya.backward(gy)
+    if delay:
+        assert lin.weight.grad is None and lin.pending_wgrad == 1
+        lin.backward_dw()
+    yb.backward(gy)
+    assert ya.dtype == _BF16 and torch.equal(ya, yb)
+    for got, want in ((xa.grad, xb.grad), (lin.weight.grad, ref.weight.grad)):
+        assert got is not None and want is not None
+        assert got.dtype == want.dtype == torch.float32 and torch.equal(got, want)
+
+
+def test_a_delayed_weight_gradient_is_computed_under_its_forward_autocast_state() -> None:
+    """``backward_dw()`` inside ``torch.autocast`` for a forward that ran outside computes
+    in float32, as the immediate gradient was (it used to compute in bfloat16)."""
+    now, later = _linear(False, torch.float32), _linear(True, torch.float32)
+    x, gy = torch.randn(7, 5), torch.randn(7, 3)
+    now(x.clone().requires_grad_()).backward(gy)
+    with claim_wgrad(later):
+        later(x.clone().requires_grad_()).backward(gy)
+    with torch.autocast("cpu", dtype=_BF16):
+        later.backward_dw()
+    assert now.weight.grad is not None and later.weight.grad is not None
+    assert torch.equal(now.weight.grad, later.weight.grad)
+
+
+@pytest.mark.parametrize("delay", [False, True])
+def test_autocast_around_forward_only_matches_the_schedule_under_autocast(delay: bool) -> None:
+    """The reference model with its forward alone under ``torch.autocast`` (plain
+    ``backward()`` outside; with delayed weight gradients, the backward claimed and
+    ``finish_wgrad`` outside too) is bit-identical to ``combined_1f1b`` run inside it."""
+    config = dataclasses.replace(SMALL, delay_wgrad_compute=delay)
+    scheduled, plain = GPTMoEModel(config), GPTMoEModel(config)
+    data = microbatches(3, vocab=SMALL.vocab_size)
+    expected = []
+    for mb in data:
+        with torch.autocast("cpu", dtype=_BF16):
+            loss = plain(mb.input_ids, mb.position_ids, labels=mb.labels, loss_mask=mb.loss_mask)
+        with claim_wgrad(plain):
+            loss.backward()
+        assert {m.pending_wgrad for m in plain.modules() if isinstance(m, DelayedWgradModule)} == {
+            int(delay)
+        }
+        finish_wgrad(plain)
+        expected.append(loss.detach())
+    with torch.autocast("cpu", dtype=_BF16):
+        losses = combined_1f1b(scheduled, data)
+    assert all(torch.equal(a, b) for a, b in zip(losses, expected, strict=True))
+    _assert_same_dtype_grads(scheduled, plain)
+
+
+def test_flipping_delay_wgrad_after_construction_is_refused_at_once() -> None:
+    """``delay_wgrad`` is fixed when a module is built: the layer lists the module for
+    ``backward_dw()`` by it. Flipped to False, the backward computed the gradient at once
+    and the schedule's ``backward_dw()`` raised mid-step, after some gradients were
+    accumulated; the flip itself is refused now, and the module stays as it was."""
+    config = dataclasses.replace(SMALL, delay_wgrad_compute=True)
+    scheduled, plain = GPTMoEModel(config), GPTMoEModel(config)
+    fc1 = scheduled.get_submodule("decoder.layers.1.experts.fc1")
+    assert isinstance(fc1, DelayedWgradModule)
+    with pytest.raises(
+        ConfigError,
+        match=r"decoder\.layers\.1\.experts\.fc1: delay_wgrad expected True \(fixed when the "
+        r"module is built.*received False.*Build the model \(or the module\) with "
+        r"delay_wgrad_compute=False",
+    ):
+        fc1.delay_wgrad = False
+    with pytest.raises(ConfigError, match=r"delay_wgrad must be a bool"):
+        fc1.delay_wgrad = 0  # type: ignore[assignment]  # pyright: ignore[reportAttributeAccessIssue]
+    fc1.delay_wgrad = True  # the value it has
+    assert fc1.delay_wgrad is True
+    data = microbatches(2, vocab=SMALL.vocab_size)
+    losses = combined_1f1b(scheduled, data)
+    assert all(torch.equal(a, b) for a, b in zip(losses, _plain_steps(plain, data), strict=True))
+    _assert_same_dtype_grads(scheduled, plain)
+
+
+def _restrided(lin: DelayedWgradModule, layout: str) -> None:
+    """``lin.weight`` replaced by a parameter of the same values in another layout."""
+    w = lin.weight.detach()
+    if layout == "transposed":  # the storage of the transpose: strides (..., 1, rows)
+        lin.weight = torch.nn.Parameter(w.transpose(-2, -1).contiguous().transpose(-2, -1))
+    elif layout == "strided":  # every other column of a wider tensor: not dense
+        wide = torch.zeros(*w.shape[:-1], 2 * w.shape[-1])
+        wide[..., ::2] = w
+        lin.weight = torch.nn.Parameter(wide[..., ::2])
+
+
+@pytest.mark.parametrize("layout", ["default", "transposed", "strided"])
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_delayed_weight_gradient_is_laid_out_as_plain_backward_lays_it_out(
+    layout: str, grouped: bool
+) -> None:
+    """torch's gradient layout contract: a first gradient takes a dense parameter's
+    strides (contiguous for another parameter), so bucket views and optimizers see what
+    plain ``backward()`` gives. ``backward_dw`` assigned the weight gradient with its own
+    strides (contiguous where a transposed-storage weight's are ``(1, rows)``)."""
+    grads: list[torch.Tensor] = []
+    for delay in (False, True):
+        torch.manual_seed(0)
+        lin: DelayedWgradModule
+        if grouped:
+            lin = DelayedWgradGroupedLinear(2, 5, 3, delay_wgrad=delay)
+        else:
+            lin = DelayedWgradLinear(5, 3, delay_wgrad=delay)
+        torch.nn.init.normal_(lin.weight)
+        _restrided(lin, layout)
+        x = torch.randn(6, 5)
+        with claim_wgrad(lin):
+            y = lin(x, [4, 2]) if grouped else lin(x)
+            y.square().sum().backward()
+        if delay:
+            lin.backward_dw()
+        assert lin.weight.grad is not None
+        grads.append(lin.weight.grad)
+        if layout != "strided":
+            assert lin.weight.grad.stride() == lin.weight.stride()
+    now, later = grads
+    assert later.stride() == now.stride() and torch.equal(later, now)
+
+
+class _Hand(torch.autograd.Function):
+    """Identity whose backward hands autograd the gradient in ``box`` (and keeps no
+    reference to it: a fresh gradient, as a backward's output is)."""
+
+    @staticmethod
+    def forward(ctx: Any, p: torch.Tensor, box: list[torch.Tensor]) -> torch.Tensor:
+        ctx.box = box
+        return p.view_as(p)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return ctx.box.pop(), None
+
+
+def _laid_out(layout: str) -> torch.Tensor:
+    torch.manual_seed(1)
+    if layout == "transposed":
+        return torch.randn(3, 4).t()
+    if layout == "strided":
+        return torch.randn(4, 6)[:, ::2]
+    return torch.randn(1, 3) if layout == "size-1 dim" else torch.randn(4, 3)
+
+
+@pytest.mark.parametrize("layout", ["default", "transposed", "size-1 dim", "strided"])
+def test_accumulate_grad_lays_a_first_gradient_out_as_autograd_does(layout: str) -> None:
+    """A gradient of other strides than the parameter's (transposed, broadcast) is copied
+    into the parameter's layout (a dense one) or a contiguous one (another), as
+    ``AccumulateGrad`` copies it; one that obeys the contract is kept as it is."""
+    shape = _laid_out(layout).shape
+    makers: list[Callable[[], torch.Tensor]] = [
+        lambda: torch.randn(shape[::-1]).t(),
+        lambda: torch.randn(shape),
+        lambda: torch.randn(shape[-1]).expand(shape),
+        lambda: torch.randn(shape[::-1]).t().contiguous(),
+    ]
+    for make in makers:
+        torch.manual_seed(2)
+        mine = torch.nn.Parameter(_laid_out(layout))
+        accumulate_grad(mine, make())
+        torch.manual_seed(2)
+        ref = torch.nn.Parameter(_laid_out(layout))
+        _hand: Any = _Hand.apply
+        _hand(ref, [make()]).sum().backward()
+        assert mine.grad is not None and ref.grad is not None
+        assert mine.grad.stride() == ref.grad.stride()
+        assert torch.equal(mine.grad, ref.grad)

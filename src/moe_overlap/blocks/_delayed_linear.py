@@ -39,6 +39,7 @@ from moe_overlap.args import (
     check_arg,
     refuse,
 )
+from moe_overlap.blocks._autocast import AutocastState
 from moe_overlap.blocks._torch_private import grouped_mm, has_grouped_mm
 from moe_overlap.engine import wgrad_claimed
 from moe_overlap.engine.contracts import Contract, method
@@ -327,13 +328,23 @@ class PendingItem:
     """One backward's owed weight gradient: ``kernel.wgrad(x, grad_y)``.
 
     ``keep`` is whatever must stay alive until the gradient is computed (a CUDA graph's
-    lease on the static buffers ``x`` and ``grad_y`` live in), else ``None``.
+    lease on the static buffers ``x`` and ``grad_y`` live in), else ``None``. ``autocast``
+    is the autocast state the module's forward ran under, which :meth:`wgrad` computes it
+    under, as the immediate weight gradient is (``None``: under the caller's).
     """
 
     x: Tensor
     grad_y: Tensor
     kernel: MatmulKernel
     keep: object = None
+    autocast: AutocastState | None = None
+
+    def wgrad(self) -> Tensor:
+        """``kernel.wgrad(x, grad_y)`` under :attr:`autocast`."""
+        if self.autocast is None:
+            return self.kernel.wgrad(self.x, self.grad_y)
+        with self.autocast.restored():
+            return self.kernel.wgrad(self.x, self.grad_y)
 
 
 class DelayedWgradModule(nn.Module):
@@ -343,7 +354,9 @@ class DelayedWgradModule(nn.Module):
     model sets it to the module's qualified name). :attr:`calls_per_backward` (default 1):
     how many times the module runs per forward pass. ``delay_wgrad`` says the module may
     delay; it does only while claimed (see the module doc), so every backward outside a
-    schedule that runs its ``backward_dw()`` leaves its gradient in ``.grad``.
+    schedule that runs its ``backward_dw()`` leaves its gradient in ``.grad``. It is fixed
+    when the module is built (the model's layers list the module for ``backward_dw()`` by
+    it): setting it to the other value raises :class:`~moe_overlap.ConfigError`.
     """
 
     weight: nn.Parameter
@@ -352,10 +365,27 @@ class DelayedWgradModule(nn.Module):
         super().__init__()
         w = type(self).__name__
         self.weight = check_arg(w, "weight", weight, _PARAMETER)
-        self.delay_wgrad = check_arg(w, "delay_wgrad", delay_wgrad, BOOL)
+        self._delay_wgrad = check_arg(w, "delay_wgrad", delay_wgrad, BOOL)
         self.label = type(self).__name__
         self._pending: deque[PendingItem] = deque()
         self._calls = 1
+
+    @property
+    def delay_wgrad(self) -> bool:
+        """Whether the module may delay its weight gradient (fixed when built)."""
+        return self._delay_wgrad
+
+    @delay_wgrad.setter
+    def delay_wgrad(self, delay: bool) -> None:
+        delay = check_arg(self.label, "delay_wgrad", delay, BOOL)
+        if delay != self._delay_wgrad:
+            raise ConfigError(
+                f"{self.label}: delay_wgrad expected {self._delay_wgrad} (fixed when the module "
+                f"is built: its layer lists it for backward_dw() or not by it), received "
+                f"{delay}: a schedule would then call backward_dw() for a gradient backward "
+                "already computed, or never compute one it delayed. Build the model (or the "
+                f"module) with delay_wgrad_compute={delay} (delay_wgrad={delay}) instead"
+            )
 
     @property
     def calls_per_backward(self) -> int:
@@ -390,10 +420,19 @@ class DelayedWgradModule(nn.Module):
         return _delayable_matmul(x, weight, kernel, self)
 
     def defer_wgrad(
-        self, x: Tensor, grad_y: Tensor, kernel: MatmulKernel, keep: object = None
+        self,
+        x: Tensor,
+        grad_y: Tensor,
+        kernel: MatmulKernel,
+        keep: object = None,
+        autocast: AutocastState | None = None,
     ) -> None:
-        """Queue ``kernel.wgrad(x, grad_y)`` for a later :meth:`backward_dw`."""
-        self._pending.append(PendingItem(x, grad_y, kernel, keep))
+        """Queue ``kernel.wgrad(x, grad_y)`` for a later :meth:`backward_dw`, to compute
+        under ``autocast`` (default: the current autocast state of ``x``'s device type,
+        which the module's backward set to its forward's)."""
+        if autocast is None:
+            autocast = AutocastState.of(x.device.type)
+        self._pending.append(PendingItem(x, grad_y, kernel, keep, autocast))
 
     def take_pending_since(self, count: int) -> list[PendingItem]:
         """Remove and return the items queued after the first ``count`` (a graph capture's)."""
@@ -442,7 +481,7 @@ class DelayedWgradModule(nn.Module):
             return
         item = self._pending.popleft()
         with torch.no_grad():  # no graph behind the gradient, whoever calls this
-            grad_w = item.kernel.wgrad(item.x, item.grad_y)
+            grad_w = item.wgrad()
             accumulate_grad(self.weight, _as_grad_dtype(self.weight, grad_w))
 
     def _backward_dw_calls(self, calls: int) -> None:
@@ -460,7 +499,7 @@ class DelayedWgradModule(nn.Module):
             for _ in range(calls):
                 item = self._pending.popleft()
                 # each cast before the sum, as autograd casts every part it then sums
-                grad_w = _as_grad_dtype(self.weight, item.kernel.wgrad(item.x, item.grad_y))
+                grad_w = _as_grad_dtype(self.weight, item.wgrad())
                 total = grad_w if total is None else total + grad_w
             assert total is not None
             accumulate_grad(self.weight, total)
@@ -500,9 +539,11 @@ def accumulate_grad(param: nn.Parameter, grad: Tensor) -> None:
     """What ``AccumulateGrad`` does for a dense grad: cast to the parameter's gradient
     dtype (as autograd does), assign first, add in place after.
 
-    ``grad`` becomes ``param.grad`` when there is none: pass a tensor nothing else writes.
-    A ``grad`` of another shape than ``param`` (which ``add_`` would broadcast) is a
-    :class:`~moe_overlap.ConfigError`.
+    ``grad`` becomes ``param.grad`` when there is none (pass a tensor nothing else
+    writes), laid out as autograd lays out a first gradient (torch's gradient layout
+    contract): with ``param``'s strides for a dense non-overlapping ``param`` (a copy when
+    ``grad``'s differ), contiguous for any other. A ``grad`` of another shape than
+    ``param`` (which ``add_`` would broadcast) is a :class:`~moe_overlap.ConfigError`.
     """
     if not isinstance(cast(object, param), Tensor):
         raise refuse("accumulate_grad: param", "an nn.Parameter", param)
@@ -512,9 +553,36 @@ def accumulate_grad(param: nn.Parameter, grad: Tensor) -> None:
         )
     grad = _as_grad_dtype(param, grad)
     if param.grad is None:
-        param.grad = grad
+        param.grad = _laid_out_like(param, grad)
     else:
         param.grad.add_(grad)
+
+
+def _laid_out_like(param: Tensor, grad: Tensor) -> Tensor:
+    """``grad`` as ``AccumulateGrad`` stores a parameter's first gradient: as it is when it
+    obeys the layout contract, else copied into ``param``'s strides (dense non-overlapping
+    ``param``) or into a contiguous tensor (any other)."""
+    if not _non_overlapping_and_dense(param):
+        return grad if grad.is_contiguous() else grad.contiguous()
+    sizes, want, have = param.shape, param.stride(), grad.stride()
+    # size-1 dims: any stride but 0 (a 0 there is a broadcast view)
+    if all(h == w if n != 1 else h != 0 for n, w, h in zip(sizes, want, have, strict=True)):
+        return grad
+    out = torch.empty_strided(sizes, want, dtype=grad.dtype, device=grad.device)
+    return out.copy_(grad)
+
+
+def _non_overlapping_and_dense(t: Tensor) -> bool:
+    """Whether ``t``'s elements fill its storage span exactly once in some dim order
+    (torch's ``is_non_overlapping_and_dense``): size-1 dims aside, the strides sorted
+    ascending are 1 and the running products of the sizes."""
+    dims = sorted((s, n) for n, s in zip(t.shape, t.stride(), strict=True) if n >= 2)
+    want = 1
+    for stride, size in dims:
+        if stride != want:
+            return False
+        want *= size
+    return True
 
 
 class _DelayableMatmul(torch.autograd.Function):
@@ -531,6 +599,7 @@ class _DelayableMatmul(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.kernel = kernel
         ctx.owner = owner
+        ctx.autocast = AutocastState.of(x.device.type)  # as torch.amp.custom_fwd records it
         return kernel.forward(x, weight)
 
     @staticmethod
@@ -546,13 +615,18 @@ class _DelayableMatmul(torch.autograd.Function):
         owner: DelayedWgradModule = ctx.owner
         needs_x: bool = ctx.needs_input_grad[0]
         needs_w: bool = ctx.needs_input_grad[1]
-        grad_x = kernel.dgrad(grad_y, weight) if needs_x else None
+        autocast: AutocastState = ctx.autocast
         grad_w: Tensor | None = None
-        if needs_w:
-            if owner.delay_wgrad and wgrad_claimed(owner):
-                owner.defer_wgrad(x, grad_y, kernel)
-            else:  # nothing will run backward_dw for it: now, as autograd accumulates it
-                grad_w = kernel.wgrad(x, grad_y)
+        # Under the forward's autocast state, as torch.amp.custom_bwd runs a backward: a
+        # forward under autocast and a backward outside it (torch's recommended use) give
+        # a bfloat16 grad_y here, multiplied by the float32 weight as autocast casts it.
+        with autocast.restored():
+            grad_x = kernel.dgrad(grad_y, weight) if needs_x else None
+            if needs_w:
+                if owner.delay_wgrad and wgrad_claimed(owner):
+                    owner.defer_wgrad(x, grad_y, kernel, autocast=autocast)
+                else:  # nothing will run backward_dw for it: now, as autograd accumulates it
+                    grad_w = kernel.wgrad(x, grad_y)
         return grad_x, grad_w, None, None
 
 

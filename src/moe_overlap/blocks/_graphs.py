@@ -155,7 +155,9 @@ class _GraphedFn(torch.autograd.Function):
         grad_inputs = [g.clone() if g is not None else None for g in copy.grad_inputs]
         if _claimed(block, copy):
             for module, item in copy.deferred:
-                module.defer_wgrad(item.x, item.grad_y, item.kernel, keep=lease)
+                module.defer_wgrad(
+                    item.x, item.grad_y, item.kernel, keep=lease, autocast=item.autocast
+                )
         elif copy.deferred:  # no schedule will run backward_dw: the weight gradients now
             assert copy.wgrad is not None
             copy.wgrad.replay()
@@ -532,7 +534,7 @@ class GraphedBlock:
         if deferred:
             copy.wgrad = torch.cuda.CUDAGraph()
             with torch.no_grad(), torch.cuda.graph(copy.wgrad, pool=pool):
-                copy.wgrad_out = tuple(i.kernel.wgrad(i.x, i.grad_y) for _, i in deferred)
+                copy.wgrad_out = tuple(i.wgrad() for _, i in deferred)
         self.stats.captures += 1
         return copy
 

@@ -50,7 +50,13 @@ def default_streams(device: torch.device) -> StreamPair:
     if device.type == "cpu":
         return _CPU_STREAMS
     if device.type != "cuda":
-        raise StreamError(f"schedule: expected a cpu or cuda device, received {device}")
+        raise StreamError(
+            f"schedule: expected a cpu or cuda device, received {device} (the device of "
+            "the microbatch's input_ids, else decoder_input, else labels); put the model and "
+            "its inputs on 'cpu' or 'cuda' (a model built on 'meta': materialize it first "
+            "with model.to_empty(device=...) and load or initialize its weights, then pass "
+            "real tensors)"
+        )
     return set_streams(device=device)
 
 

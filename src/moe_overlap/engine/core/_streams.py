@@ -151,7 +151,8 @@ class CpuEvent:
             raise StreamError(
                 "CpuEvent.elapsed_time: both events must be recorded first "
                 f"(start recorded: {self._time is not None}, "
-                f"end recorded: {end_event._time is not None})"
+                f"end recorded: {end_event._time is not None}); call record() on both, "
+                "the start before the end, then elapsed_time"
             )
         return (end_event._time - self._time) * 1e3
 
@@ -172,7 +173,8 @@ class StreamPair:
         if isinstance(self.comp, CpuStream) != isinstance(self.comm, CpuStream):
             raise StreamError(
                 "StreamPair: expected compute and communication streams of one device type, "
-                f"received comp={self.comp!r}, comm={self.comm!r}"
+                f"received comp={self.comp!r}, comm={self.comm!r}; make both for one device "
+                "(make_streams(device))"
             )
 
     def comp_provider(self) -> AnyStream:
@@ -254,16 +256,22 @@ def _stream_device(device: object, where: str) -> torch.device:
     except (RuntimeError, ValueError) as bad:
         raise refuse(f"{where}: device", "a device string torch knows", device) from bad
     if dev.type not in ("cpu", "cuda"):
-        raise StreamError(f"{where}: expected a 'cpu' or 'cuda' device, received {dev}")
+        raise StreamError(
+            f"{where}: expected a 'cpu' or 'cuda' device, received {dev}; pass the device "
+            "the model and its inputs are on (a model built on 'meta' runs nowhere: "
+            "materialize it first with model.to_empty(device=...) and load or initialize "
+            "its weights)"
+        )
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise StreamError(
             f"{where}: expected a 'cpu' or 'cuda' device, received {dev}, but CUDA is not "
-            "available in this process"
+            "available in this process; pass 'cpu', or run where torch.cuda.is_available()"
         )
     if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
         raise StreamError(
             f"{where}: expected a CUDA device this process sees (0 .. "
-            f"{torch.cuda.device_count() - 1}), received {dev}"
+            f"{torch.cuda.device_count() - 1}), received {dev}; pass one of those "
+            "(CUDA_VISIBLE_DEVICES sets which devices the process sees)"
         )
     return dev
 
@@ -282,7 +290,11 @@ def record_event(event: AnyEvent, stream: AnyStream) -> None:
     elif not isinstance(stream, CpuStream):
         event.record(stream)
         return
-    raise StreamError(f"record_event: {event!r} cannot be recorded on {stream!r}")
+    raise StreamError(
+        f"record_event: {event!r} cannot be recorded on {stream!r}: expected an event and a "
+        "stream of one device kind (both CPU or both CUDA); make both for the model's device "
+        "(make_event(device), make_streams(device))"
+    )
 
 
 def wait_event(event: AnyEvent, stream: AnyStream) -> None:
@@ -294,7 +306,11 @@ def wait_event(event: AnyEvent, stream: AnyStream) -> None:
     elif not isinstance(stream, CpuStream):
         event.wait(stream)
         return
-    raise StreamError(f"wait_event: {stream!r} cannot wait for {event!r}")
+    raise StreamError(
+        f"wait_event: {stream!r} cannot wait for {event!r}: expected a stream and an event "
+        "of one device kind (both CPU or both CUDA); make both for the model's device "
+        "(make_streams(device), make_event(device))"
+    )
 
 
 def wait_stream(stream: AnyStream, other: AnyStream) -> None:
@@ -306,7 +322,11 @@ def wait_stream(stream: AnyStream, other: AnyStream) -> None:
     elif not isinstance(other, CpuStream):
         stream.wait_stream(other)
         return
-    raise StreamError(f"wait_stream: {stream!r} cannot wait for {other!r}")
+    raise StreamError(
+        f"wait_stream: {stream!r} cannot wait for {other!r}: expected two streams of one "
+        "device kind (both CPU or both CUDA); make them for the model's device "
+        "(make_streams(device))"
+    )
 
 
 class use_stream:  # lower case: used like a function, as torch.cuda.stream

@@ -1,0 +1,49 @@
+"""The autocast state a custom autograd Function's forward ran under, for its backward.
+
+``torch.autocast`` changes what a forward computes (a matrix product in bfloat16), and a
+backward usually runs outside it (``with torch.autocast(...): loss = model(x)``, then
+``loss.backward()``). torch's own ops are made for that; a custom
+``torch.autograd.Function`` is not: its backward would multiply a bfloat16 gradient by a
+float32 weight. ``torch.amp.custom_fwd`` / ``custom_bwd`` record the forward's state and run
+the backward under it, for one device type fixed when the Function is defined;
+:class:`AutocastState` does the same for the device type of the Function's input, found
+when it runs (CPU or CUDA), and lets a delayed weight gradient be computed later under the
+state its forward saw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Generator
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["AutocastState"]
+
+
+@dataclass(frozen=True, slots=True)
+class AutocastState:
+    """Whether autocast is on for ``device_type`` and its dtype (``None``: a device type
+    autocast does not support, e.g. ``meta``: nothing to restore)."""
+
+    device_type: str
+    enabled: bool
+    dtype: torch.dtype | None
+
+    @classmethod
+    def of(cls, kind: str) -> AutocastState:
+        """The current state for the device type ``kind`` (what ``custom_fwd`` records)."""
+        if not torch.amp.is_autocast_available(kind):
+            return cls(kind, False, None)
+        return cls(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
+
+    @contextlib.contextmanager
+    def restored(self) -> Generator[None]:
+        """Run the block under this state (what ``custom_bwd`` does); no autocast context
+        is entered where the current state is this one already."""
+        if self.dtype is None or AutocastState.of(self.device_type) == self:
+            yield
+            return
+        with torch.autocast(self.device_type, dtype=self.dtype, enabled=self.enabled):
+            yield
