@@ -558,32 +558,6 @@ def test_autocast_around_forward_only_matches_the_schedule_under_autocast(delay:
     _assert_same_dtype_grads(scheduled, plain)
 
 
-def test_flipping_delay_wgrad_after_construction_is_refused_at_once() -> None:
-    """``delay_wgrad`` is fixed when a module is built: the layer lists the module for
-    ``backward_dw()`` by it. Flipped to False, the backward computed the gradient at once
-    and the schedule's ``backward_dw()`` raised mid-step, after some gradients were
-    accumulated; the flip itself is refused now, and the module stays as it was."""
-    config = dataclasses.replace(SMALL, delay_wgrad_compute=True)
-    scheduled, plain = GPTMoEModel(config), GPTMoEModel(config)
-    fc1 = scheduled.get_submodule("decoder.layers.1.experts.fc1")
-    assert isinstance(fc1, DelayedWgradModule)
-    with pytest.raises(
-        ConfigError,
-        match=r"decoder\.layers\.1\.experts\.fc1: delay_wgrad expected True \(fixed when the "
-        r"module is built.*received False.*Build the model \(or the module\) with "
-        r"delay_wgrad_compute=False",
-    ):
-        fc1.delay_wgrad = False
-    with pytest.raises(ConfigError, match=r"delay_wgrad must be a bool"):
-        fc1.delay_wgrad = 0  # type: ignore[assignment]  # pyright: ignore[reportAttributeAccessIssue]
-    fc1.delay_wgrad = True  # the value it has
-    assert fc1.delay_wgrad is True
-    data = microbatches(2, vocab=SMALL.vocab_size)
-    losses = combined_1f1b(scheduled, data)
-    assert all(torch.equal(a, b) for a, b in zip(losses, _plain_steps(plain, data), strict=True))
-    _assert_same_dtype_grads(scheduled, plain)
-
-
 def _restrided(lin: DelayedWgradModule, layout: str) -> None:
     """``lin.weight`` replaced by a parameter of the same values in another layout."""
     w = lin.weight.detach()

@@ -354,9 +354,7 @@ class DelayedWgradModule(nn.Module):
     model sets it to the module's qualified name). :attr:`calls_per_backward` (default 1):
     how many times the module runs per forward pass. ``delay_wgrad`` says the module may
     delay; it does only while claimed (see the module doc), so every backward outside a
-    schedule that runs its ``backward_dw()`` leaves its gradient in ``.grad``. It is fixed
-    when the module is built (the model's layers list the module for ``backward_dw()`` by
-    it): setting it to the other value raises :class:`~moe_overlap.ConfigError`.
+    schedule that runs its ``backward_dw()`` leaves its gradient in ``.grad``.
     """
 
     weight: nn.Parameter
@@ -365,27 +363,10 @@ class DelayedWgradModule(nn.Module):
         super().__init__()
         w = type(self).__name__
         self.weight = check_arg(w, "weight", weight, _PARAMETER)
-        self._delay_wgrad = check_arg(w, "delay_wgrad", delay_wgrad, BOOL)
+        self.delay_wgrad = check_arg(w, "delay_wgrad", delay_wgrad, BOOL)
         self.label = type(self).__name__
         self._pending: deque[PendingItem] = deque()
         self._calls = 1
-
-    @property
-    def delay_wgrad(self) -> bool:
-        """Whether the module may delay its weight gradient (fixed when built)."""
-        return self._delay_wgrad
-
-    @delay_wgrad.setter
-    def delay_wgrad(self, delay: bool) -> None:
-        delay = check_arg(self.label, "delay_wgrad", delay, BOOL)
-        if delay != self._delay_wgrad:
-            raise ConfigError(
-                f"{self.label}: delay_wgrad expected {self._delay_wgrad} (fixed when the module "
-                f"is built: its layer lists it for backward_dw() or not by it), received "
-                f"{delay}: a schedule would then call backward_dw() for a gradient backward "
-                "already computed, or never compute one it delayed. Build the model (or the "
-                f"module) with delay_wgrad_compute={delay} (delay_wgrad={delay}) instead"
-            )
 
     @property
     def calls_per_backward(self) -> int:
