@@ -558,6 +558,31 @@ def test_autocast_around_forward_only_matches_the_schedule_under_autocast(delay:
     _assert_same_dtype_grads(scheduled, plain)
 
 
+def test_a_listed_module_whose_delay_was_turned_off_is_refused_at_plan_build() -> None:
+    """A delayable linear its layer lists for ``backward_dw()``, its ``delay_wgrad`` set to
+    False after it was built: its backward would compute the gradient at once and the
+    layer's ``backward_dw()`` refused it mid-step, after gradients were accumulated. Now a
+    ``WgradError`` when the plan is built, nothing run; set back, the step is exact."""
+    config = dataclasses.replace(SMALL, delay_wgrad_compute=True)
+    scheduled, plain = GPTMoEModel(config), GPTMoEModel(config)
+    fc1 = scheduled.get_submodule("decoder.layers.1.experts.fc1")
+    assert isinstance(fc1, DelayedWgradModule)
+    data = microbatches(2, vocab=SMALL.vocab_size)
+    fc1.delay_wgrad = False
+    with pytest.raises(
+        WgradError,
+        match=r"decoder\.layers\.1\.experts\.fc1 \(DelayedWgradGroupedLinear\): expected "
+        r"delay_wgrad=True of a module decoder\.layers\[1\] lists for backward_dw\(\).*"
+        r"received delay_wgrad=False",
+    ):
+        combined_1f1b(scheduled, data)
+    assert all(p.grad is None for p in scheduled.parameters())
+    fc1.delay_wgrad = True
+    losses = combined_1f1b(scheduled, data)
+    assert all(torch.equal(a, b) for a, b in zip(losses, _plain_steps(plain, data), strict=True))
+    _assert_same_dtype_grads(scheduled, plain)
+
+
 def _restrided(lin: DelayedWgradModule, layout: str) -> None:
     """``lin.weight`` replaced by a parameter of the same values in another layout."""
     w = lin.weight.detach()

@@ -13,6 +13,7 @@ from torch import nn
 from moe_overlap.args import refuse
 from moe_overlap.errors import IntegrationError, WgradError
 
+from ._registrations import registrations
 from .contracts import MODEL, PENDING_WGRAD
 from .core._wgrad_claims import wgrad_claimed
 
@@ -299,6 +300,11 @@ def check_wgrad_listed(
     """
     if not any(parts):
         return
+    for listed in parts:
+        for part in listed:
+            for module in _delayables(part):
+                if getattr(module, "delay_wgrad", True) is False:
+                    _undelayed(model, parts, part, module)
     key = (tuple(map(id, layers)), tuple(tuple(map(id, p)) for p in parts))
     try:
         entry = _COVERED.get(model)
@@ -309,6 +315,44 @@ def check_wgrad_listed(
     frozen = _scan(model, layers, parts)
     with contextlib.suppress(TypeError):
         _COVERED[model] = _Covered(key, frozen)
+
+
+_DELAYABLES: weakref.WeakKeyDictionary[nn.Module, tuple[int, tuple[nn.Module, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Per listed module: :func:`registrations` then, and its modules with a ``delay_wgrad``."""
+
+
+def _delayables(part: object) -> tuple[nn.Module, ...]:
+    """The modules of a listed module (itself included) with a bool ``delay_wgrad`` (the
+    library's delayable linears), looked up again only after a module or parameter was
+    registered in the process."""
+    if not isinstance(part, nn.Module):
+        return ()
+    now = registrations()
+    found = _DELAYABLES.get(part)
+    if found is not None and found[0] == now:
+        return found[1]
+    mods = tuple(m for m in part.modules() if isinstance(getattr(m, "delay_wgrad", None), bool))
+    _DELAYABLES[part] = (now, mods)
+    return mods
+
+
+def _undelayed(
+    model: object, parts: Sequence[Sequence[object]], part: object, module: object
+) -> NoReturn:
+    """A delayable linear in a module a layer lists for ``backward_dw()``, whose
+    ``delay_wgrad`` is off (set after it was built): its backward computes the weight
+    gradient at once, and the layer's ``backward_dw()`` would refuse it mid-step."""
+    index = next(i for i, listed in enumerate(parts) if any(p is part for p in listed))
+    name = wgrad_namer(model, declared_wgrad(model))(module)
+    raise WgradError(
+        f"{name}: expected delay_wgrad=True of a module decoder.layers[{index}] lists for "
+        "backward_dw() (pre_dispatch_wgrad() / mlp_wgrad()), received delay_wgrad=False "
+        "(set after the layer was built?): its backward would compute the weight gradient "
+        "at once and the layer's backward_dw() would refuse it mid-step. Build the model "
+        "with the delay wanted (delay_wgrad_compute), or set delay_wgrad back to True"
+    )
 
 
 def _scan(
