@@ -90,3 +90,101 @@ def test_every_example_flag_has_help_with_its_default() -> None:
                 missing.append(f"{script.name}:{node.lineno} {flag}")
     assert seen, "no add_argument calls found in examples/*.py"
     assert not missing, f"example flags without help naming their default: {missing}"
+
+
+def test_every_command_says_what_it_does() -> None:
+    for name, parser in _commands().items():
+        assert parser.description and len(parser.description.split()) >= 8, name
+        assert parser.description.split()[0] in " ".join(parser.format_help().split()), name
+
+
+_MISUSES: dict[str, tuple[list[str], str]] = {
+    "hf-config-missing": (
+        ["plan", "--hf-config", "{tmp}/nope.json"],
+        "plan --hf-config: expected a readable JSON file, received '{tmp}/nope.json' (No such",
+    ),
+    "hf-config-folder": (
+        ["plan", "--hf-config", "{tmp}"],
+        "plan --hf-config: expected a readable JSON file, received '{tmp}' (Is a directory)",
+    ),
+    "hf-config-not-json": (
+        ["plan", "--hf-config", "{tmp}/bad.json"],
+        "plan --hf-config: expected a JSON file, received '{tmp}/bad.json', which is not JSON",
+    ),
+    "hf-config-list": (
+        ["plan", "--hf-config", "{tmp}/list.json"],
+        "plan --hf-config: expected a JSON object (a config.json), received list",
+    ),
+    "profile-missing": (
+        ["plan", "--profile", "{tmp}/nope.json", "--layers", "4"],
+        "plan --profile: expected a readable JSON file, received '{tmp}/nope.json'",
+    ),
+    "profile-not-json": (
+        ["plan", "--profile", "{tmp}/bad.json", "--layers", "4"],
+        "plan --profile: expected a JSON file, received '{tmp}/bad.json', which is not JSON",
+    ),
+    "profile-rows-not-objects": (
+        ["plan", "--profile", "{tmp}/list.json", "--layers", "4"],
+        "plan --profile: expected rows that are JSON objects",
+    ),
+    "plan-out-is-a-file": (
+        ["plan", "--out", "{tmp}/bad.json"],
+        "plan --out: expected a folder that can be created and written, received "
+        "'{tmp}/bad.json' (File exists); pass another folder",
+    ),
+    "layers-without-profile": (["plan", "--layers", "4"], "received --layers, which it would"),
+    "choose-flags-without-choose": (
+        ["plan", "--memory-budget", "1.5", "--quick", "--top-k", "2"],
+        "plan: expected only flags this run uses (no --profile, no --choose), received "
+        "--top-k --memory-budget --quick, which it would ignore",
+    ),
+    "static-share-without-choose": (
+        ["plan", "--static-share", "0.5"],
+        "received --static-share, which it would ignore",
+    ),
+    "sizes-without-profile": (
+        ["plan", "--choose", "--hidden", "64"],
+        "(no --profile, --choose), received --hidden, which it would ignore",
+    ),
+    "schedule-with-choose": (
+        ["plan", "--choose", "--schedule", "1f1b"],
+        "received --schedule, which it would ignore",
+    ),
+    "machine-with-profile": (
+        ["plan", "--profile", "{tmp}/list.json", "--layers", "4", "--machine", "h100"],
+        "(--profile gives the costs, no --choose), received --machine, which it would ignore",
+    ),
+    "demo-lr-nan": (
+        ["demo", "--lr", "nan", "--out", "{tmp}/d"],
+        "demo --lr: expected a finite learning rate >= 0, received nan",
+    ),
+    "demo-lr-negative": (["demo", "--lr", "-1", "--out", "{tmp}/d"], "received -1.0"),
+    "demo-ep-0": (
+        ["demo", "--ep", "0", "--out", "{tmp}/d"],
+        "demo --ep: expected an expert-parallel size >= 1, received 0",
+    ),
+    "demo-out-is-a-file": (
+        ["demo", "--out", "{tmp}/bad.json"],
+        "demo --out: expected a folder that can be created, received '{tmp}/bad.json' (File",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_MISUSES))
+def test_a_misuse_is_one_line_and_exit_status_2(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A wrong file, folder, number or flag combination is refused in one line before any
+    work, never a traceback nor a run that ignores a flag."""
+    (tmp_path / "bad.json").write_text('{"a":\n')
+    (tmp_path / "list.json").write_text("[1, 2]\n")
+    argv, expected = _MISUSES[case]
+    with pytest.raises(SystemExit) as done:
+        main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    assert done.value.code == 2
+    captured = capsys.readouterr()
+    (line,) = captured.err.splitlines()
+    command = argv[0]
+    assert line.startswith(f"moe-overlap {command}: error: "), line
+    assert expected.replace("{tmp}", str(tmp_path)) in line, line
+    assert not captured.out, captured.out

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import os
 import sys
 from collections.abc import Callable
@@ -210,6 +211,17 @@ def run_demo(args: DemoArgs) -> int:
             f"demo: expected steps and microbatches >= 1, received {args.steps} and "
             f"{args.microbatches}"
         )
+    if not math.isfinite(args.lr) or args.lr < 0:
+        raise ConfigError(f"demo --lr: expected a finite learning rate >= 0, received {args.lr}")
+    if args.ep is not None and args.ep < 1:
+        raise ConfigError(f"demo --ep: expected an expert-parallel size >= 1, received {args.ep}")
+    try:  # a wrong --out fails before the training, not after it
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"demo --out: expected a folder that can be created, received {str(args.out)!r} "
+            f"({e.strerror or e}); pass another folder"
+        ) from None
     device = _pick_device(args.device)
     if device.type == "cuda":
         # Bit-identity on a GPU needs deterministic kernels (cuBLAS needs this before init).

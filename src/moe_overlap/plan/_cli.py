@@ -2,7 +2,9 @@
 
 import argparse
 import dataclasses
+import errno
 import json
+import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
@@ -66,7 +68,7 @@ def add_plan_parser(sub: _Subparsers) -> None:
     p.add_argument(
         "--layers",
         type=int,
-        help="the model's layer count; needed with --profile, unused otherwise (default: none)",
+        help="the model's layer count; needed with --profile, refused without it (default: none)",
     )
     p.add_argument(
         "--seq-len", type=int, default=4096, help="tokens per sequence (default: %(default)s)"
@@ -136,9 +138,11 @@ def add_plan_parser(sub: _Subparsers) -> None:
         "created if missing; with --choose, choice.json (default: none, print only)",
     )
     c = p.add_argument_group(
-        "choosing a schedule (one pipeline rank; --schedule is not used)",
+        "choosing a schedule (one pipeline rank; --schedule is refused)",
         "Say which exact schedule combined_1f1b should run: the fastest of today's and the "
-        "searched ones within --memory-budget, and how to run it.",
+        "searched ones within --memory-budget, and how to run it. These flags are refused "
+        "without --choose; with --profile, so are --machine, --mfu, --seq-len and "
+        "--micro-batch-size.",
     )
     c.add_argument(
         "--choose",
@@ -178,13 +182,105 @@ def add_plan_parser(sub: _Subparsers) -> None:
     )
 
 
+def _read_json(flag: str, path: Path) -> object:
+    """The JSON in the file ``path`` given as ``flag``; a missing, unreadable or malformed
+    file is a :class:`ConfigError` naming the flag."""
+    try:
+        return cast(object, json.loads(path.read_text(encoding="utf-8")))
+    except OSError as e:
+        raise ConfigError(
+            f"plan {flag}: expected a readable JSON file, received {str(path)!r} "
+            f"({e.strerror or e}); pass the path of the file"
+        ) from None
+    except ValueError as e:  # json.JSONDecodeError, UnicodeDecodeError
+        raise ConfigError(
+            f"plan {flag}: expected a JSON file, received {str(path)!r}, which is not JSON "
+            f"({e}); pass the path of the file"
+        ) from None
+
+
+def _out_folder(where: str, out: Path) -> Path:
+    """``out`` created if missing; a path that cannot be a folder is a :class:`ConfigError`."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if not os.access(out, os.W_OK):
+            raise PermissionError(errno.EACCES, "Permission denied")
+    except OSError as e:
+        raise ConfigError(
+            f"{where} --out: expected a folder that can be created and written, received "
+            f"{str(out)!r} ({e.strerror or e}); pass another folder"
+        ) from None
+    return out
+
+
+def _refuse_unused(ns: argparse.Namespace) -> None:
+    """Refuse a flag this command line would not use, rather than ignore it."""
+    defaults = {"--layers": None, "--memory-budget": None, "--static-share": 0.0}
+    given = {
+        "--layers": ns.layers,
+        "--memory-budget": ns.memory_budget,
+        "--static-share": ns.static_share,
+        "--quick": ns.quick or None,
+        "--hidden": ns.hidden,
+        "--moe-ffn": ns.moe_ffn,
+        "--top-k": ns.top_k,
+    }
+    given = {k: v for k, v in given.items() if v is not None and v != defaults.get(k)}
+    unused: list[str] = []
+    if ns.profile is None:
+        unused += [k for k in ("--layers", "--hidden", "--moe-ffn", "--top-k") if k in given]
+    else:
+        model_flags = {
+            "--machine": (ns.machine, "h800"),
+            "--mfu": (ns.mfu, None),
+            "--seq-len": (ns.seq_len, 4096),
+            "--micro-batch-size": (ns.micro_batch_size, 1),
+        }
+        unused += [k for k, (v, d) in model_flags.items() if v != d]
+    if not ns.choose:
+        choose_only = ("--memory-budget", "--static-share", "--quick", "--hidden", "--moe-ffn")
+        unused += [k for k in (*choose_only, "--top-k") if k in given and k not in unused]
+    elif list(ns.schedule) != list(_DEFAULT_SCHEDULES):
+        unused.append("--schedule")
+    if unused:
+        why = "--profile gives the costs" if ns.profile is not None else "no --profile"
+        mode = "--choose" if ns.choose else "no --choose"
+        raise ConfigError(
+            f"plan: expected only flags this run uses ({why}, {mode}), received "
+            f"{' '.join(unused)}, which it would ignore; drop them (see plan --help)"
+        )
+
+
 def _model(ns: argparse.Namespace) -> ModelSpec:
     if ns.hf_config is not None:
-        config = json.loads(Path(ns.hf_config).read_text(encoding="utf-8"))
+        config = _read_json("--hf-config", Path(ns.hf_config))
+        if not isinstance(config, dict):
+            raise ConfigError(
+                f"plan --hf-config: expected a JSON object (a config.json), received "
+                f"{type(config).__name__} in {str(ns.hf_config)!r}; pass a model's config.json"
+            )
+        config = cast("dict[str, object]", config)
         return ModelSpec.from_hf_config(
             config, seq_len=ns.seq_len, micro_batch_size=ns.micro_batch_size
         )
     return ModelSpec.preset(ns.model, seq_len=ns.seq_len, micro_batch_size=ns.micro_batch_size)
+
+
+def _check_profile_file(path: Path) -> Path:
+    """``path`` once it reads as JSON whose rows (if a list) are objects; the rest of the
+    checks are :func:`load_profile`'s."""
+    data = _read_json("--profile", path)
+    if isinstance(data, dict) and "serial_slot_durations" in data:
+        data = cast("dict[str, object]", data)["serial_slot_durations"]
+    if isinstance(data, list):
+        bad = [r for r in cast("list[object]", data) if not isinstance(r, dict)]
+        if bad:
+            raise ConfigError(
+                f"plan --profile: expected rows that are JSON objects {{'layer', 'slot', "
+                f"'direction', 'ms'}} in {str(path)!r}, received {bad[0]!r}; pass a serial "
+                "profile"
+            )
+    return path
 
 
 def _costs(ns: argparse.Namespace, layout: Layout) -> tuple[Costs, str]:
@@ -192,7 +288,7 @@ def _costs(ns: argparse.Namespace, layout: Layout) -> tuple[Costs, str]:
         layers = cast("int | None", ns.layers)
         if layers is None:
             raise ConfigError("plan: --profile needs --layers (the model's layer count)")
-        profile = load_profile(cast(Path, ns.profile))
+        profile = load_profile(_check_profile_file(cast(Path, ns.profile)))
         costs = costs_from_profile(
             profile,
             num_layers=layers,
@@ -223,6 +319,9 @@ def _costs(ns: argparse.Namespace, layout: Layout) -> tuple[Costs, str]:
 
 def run_plan(ns: argparse.Namespace) -> int:
     """Run the ``plan`` command; 0 on success."""
+    _refuse_unused(ns)
+    if ns.out is not None:  # a wrong --out fails before the work, not after it
+        _out_folder("plan", cast(Path, ns.out))
     layout = Layout(ep=ns.ep, pp=ns.pp, dp=ns.dp, vpp=ns.vpp, microbatches=ns.microbatches)
     if ns.choose and (layout.pp != 1 or layout.vpp != 1):
         raise ConfigError(
@@ -257,7 +356,7 @@ def run_plan(ns: argparse.Namespace) -> int:
         )
     out = cast("Path | None", ns.out)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
+        _out_folder("plan", out)
         data = {"costs": what, "plans": [p.to_json() for p in plans]}
         path = out / "plan.json"
         path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
@@ -316,7 +415,7 @@ def _run_choose(ns: argparse.Namespace, costs: Costs) -> int:
         print(f"  schedule (NodeSchedule.parse reads it): {choice.schedule}")
     out = cast("Path | None", ns.out)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
+        _out_folder("plan --choose", out)
         c = choice.chosen
         data = {
             "kind": choice.kind,
