@@ -197,6 +197,17 @@ def _fields_decide(
     return init
 
 
+def _fits(value: object, hint: object, conf: BeartypeConf) -> bool:
+    """Whether ``value`` fits ``hint`` (no hint, or a string one, fits anything; a check
+    that raises does not fit: _translating named it)."""
+    if hint is None or isinstance(hint, str):
+        return True
+    try:
+        return is_bearable(value, cast(Any, hint), conf=conf)
+    except Exception:
+        return False
+
+
 def _breaks_a_hint(
     checked: Callable[..., Any],
     conf: BeartypeConf,
@@ -209,32 +220,17 @@ def _breaks_a_hint(
     except (TypeError, ValueError):
         return False
     hints = _hints(checked)
-    for name, value in bound.arguments.items():
-        hint = hints.get(name)
-        if hint is None or isinstance(hint, str):
-            continue
-        try:
-            if not is_bearable(value, cast(Any, hint), conf=conf):
-                return True
-        except Exception:  # a check that raises: _translating named it
-            return True
-    return False
+    return not all(_fits(v, hints.get(n), conf) for n, v in bound.arguments.items())
 
 
 def _fields_fit(obj: object, checked: Callable[..., Any], conf: BeartypeConf) -> bool:
     """Whether every field of the dataclass instance ``obj`` fits its annotation (as
     ``checked``, its ``__init__``, declares it)."""
     hints = _hints(checked)
-    for field in dataclasses.fields(cast(Any, obj)):
-        hint = hints.get(field.name)
-        if hint is None or isinstance(hint, str):
-            continue
-        try:
-            if not is_bearable(getattr(obj, field.name), cast(Any, hint), conf=conf):
-                return False
-        except Exception:
-            return False
-    return True
+    return all(
+        _fits(getattr(obj, f.name), hints.get(f.name), conf)
+        for f in dataclasses.fields(cast(Any, obj))
+    )
 
 
 def _argument_error(
