@@ -48,7 +48,7 @@ from moe_overlap.steps import (
     backward_pair_steps,
     layer_pair_steps,
 )
-from moe_overlap.streams import stream_order_check
+from moe_overlap.streams import CpuEvent, CpuStream, stream_order_check
 from tests.models._helpers import SMALL, assert_matches_plain
 
 from .test_order import sample_orders
@@ -361,6 +361,36 @@ def test_recompute_runs_once_between_forward_and_backward() -> None:
     ModelChunkSchedulePlan.run(None, plan, torch.ones_like(loss))
     with pytest.raises(NodeStateError, match=_PHASE + "done"):
         mlp.recompute()
+
+
+def test_a_recompute_waits_for_its_microbatch_s_event_and_records_none() -> None:
+    """Only the slot's own backward, later on the same stream, reads a recompute, so the
+    microbatch's next steps on the other stream (its combine backward) do not wait for it:
+    the recompute records no event (the planner's model of an early recompute)."""
+    plan, _ = _plan()
+    loss = ModelChunkSchedulePlan.run(plan, None)
+    assert loss is not None
+    mlp = plan.layers[0].nodes[Slot.MLP]
+    calls: list[str] = []
+
+    class Spy(CpuEvent):
+        __slots__ = ()
+
+        def wait(self, stream: CpuStream | None = None) -> None:
+            calls.append("wait")
+            super().wait(stream)
+
+        def record(self, stream: CpuStream | None = None) -> None:
+            calls.append("record")
+            super().record(stream)
+
+    event, mlp.event = mlp.event, Spy()
+    try:
+        mlp.recompute()
+    finally:
+        mlp.event = event
+    assert calls == ["wait"]
+    ModelChunkSchedulePlan.run(None, plan, torch.ones_like(loss))
 
 
 def test_a_recompute_leaves_the_layer_state_as_it_found_it() -> None:

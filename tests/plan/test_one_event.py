@@ -50,11 +50,11 @@ def _times(costs: Costs, graph: ScheduleGraph) -> StepTimes:
     )
 
 
-def test_an_early_recompute_issued_first_delays_the_combine_backward() -> None:
-    """One microbatch, one MoE layer, its mlp recomputed early and issued before the
-    combine backward: without ``one_event`` the combine backward starts with the recompute
-    (it reads only the step before both); with it, after the recompute (the engine's
-    event)."""
+def test_a_recompute_waits_for_its_microbatch_s_event_and_delays_nothing() -> None:
+    """One microbatch, one MoE layer, its mlp recomputed early. With ``one_event`` a
+    recompute waits for the microbatch's forward or backward step issued before it (the
+    engine's event) but records nothing: issued before the combine backward it runs beside
+    it, as without ``one_event``; issued after it, it waits for it."""
     graph = ScheduleGraph(
         microbatches=1,
         moe=(True,),
@@ -70,22 +70,32 @@ def test_an_early_recompute_issued_first_delays_the_combine_backward() -> None:
     recompute = SearchStep(0, 0, MLP, F, COMP, recompute=True)
     combine = SearchStep(0, 0, COMBINE, B, COMM)
     backward = [SearchStep(0, 0, s, B, st) for s, st in ((MLP, COMP), (DISPATCH, COMM))]
-    order = [*forward, recompute, combine, *backward, SearchStep(0, 0, PRE, B, COMP)]
-    check_exact(order, graph)
+    first = [*forward, recompute, combine, *backward, SearchStep(0, 0, PRE, B, COMP)]
+    after = [*forward, combine, recompute, *backward, SearchStep(0, 0, PRE, B, COMP)]
+    for order in (first, after):
+        check_exact(order, graph)
 
-    def span(one_event: bool, step: SearchStep) -> tuple[float, float]:
+    def span(order: list[SearchStep], one_event: bool, step: SearchStep) -> tuple[float, float]:
         g = graph.replace(one_event=one_event)
         spans = replay_order(order, g, times, MEMORY).spans
         return next((lo, hi) for s, lo, hi in spans if s == step)
 
-    assert span(False, recompute) == span(False, combine) == (4.0, 5.0)
-    assert span(True, recompute) == (4.0, 5.0)
-    assert span(True, combine) == (5.0, 6.0)
+    for one_event in (False, True):
+        assert span(first, one_event, recompute) == span(first, one_event, combine) == (4, 5)
+    assert span(after, False, recompute) == span(after, False, combine) == (4.0, 5.0)
+    assert span(after, True, combine) == (4.0, 5.0)
+    assert span(after, True, recompute) == (5.0, 6.0)
     ms = {
-        one: replay_order(order, graph.replace(one_event=one), times, MEMORY).step_ms
+        (name, one): replay_order(order, graph.replace(one_event=one), times, MEMORY).step_ms
+        for name, order in (("first", first), ("after", after))
         for one in (False, True)
     }
-    assert ms == {False: 8.0, True: 9.0}
+    assert ms == {
+        ("first", False): 8.0,
+        ("first", True): 8.0,
+        ("after", False): 8.0,
+        ("after", True): 9.0,
+    }
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])

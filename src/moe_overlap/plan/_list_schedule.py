@@ -8,7 +8,7 @@ only while fewer than ``in_flight`` are in flight, ``stagger`` steps after the o
 it, and while the activations alive stay under a cap. :func:`improve` moves single steps
 of an order to shorten it. Both time an order as :func:`~moe_overlap.plan.replay_order`
 does, on integers (with :attr:`~moe_overlap.plan.ScheduleGraph.one_event`, each
-microbatch's steps but ``W`` also in issue order).
+microbatch's steps but ``W`` also after its forward and backward steps issued before them).
 """
 
 import itertools
@@ -73,6 +73,8 @@ class ScheduleIds:
         self.mb = [s.microbatch for s in self.steps]
         self.comm = [s.stream is StreamKind.COMM for s in self.steps]
         self.wgrad = [s.direction is Direction.WGRAD for s in self.steps]
+        # one_event: the steps that record their microbatch's event (forward and backward)
+        self.records = [not (w or s.recompute) for w, s in zip(self.wgrad, self.steps, strict=True)]
         self.one_event = graph.one_event
         self.ms = [times.base_ms(s) for s in self.steps]
         events = [memory.events(s, graph) for s in self.steps]
@@ -152,7 +154,7 @@ def schedule_ids(
     ready = [i for i, c in enumerate(waiting) if c == 0]
     end = [0.0] * len(g.steps)
     free = [0.0, 0.0]
-    event = [0.0] * len(g.count)  # per microbatch: when its last F/B/R step ends (one_event)
+    event = [0.0] * len(g.count)  # per microbatch: when its last F/B step ends (one_event)
     left = list(g.count)
     issued = [0] * len(g.count)
     started: set[int] = set()
@@ -205,7 +207,7 @@ def schedule_ids(
         ):
             ms *= factor
         end[i] = est + ms
-        if not g.wgrad[i]:
+        if g.records[i]:
             event[m] = end[i]
         last_end[m] = max(last_end.get(m, 0.0), end[i])
         free[g.comm[i]] = end[i]
@@ -247,7 +249,7 @@ def replay_ids(g: ScheduleIds, ids: Sequence[int], factor: float) -> tuple[float
                 if g.one_event:
                     start = max(start, event[g.mb[i]])
             end[i] = free[g.comm[i]] = start + (g.ms[i] * factor if flags[k] else g.ms[i])
-            if not g.wgrad[i]:
+            if g.records[i]:
                 event[g.mb[i]] = end[i]
             out.append((start, end[i]))
         return out

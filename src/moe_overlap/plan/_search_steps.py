@@ -4,8 +4,8 @@ A searched schedule is one issue order of :class:`SearchStep` s (``None``: a joi
 later step waits for every earlier one) over two in-order streams, as the engine issues
 its steps: a step starts when its stream is free and the steps it reads have ended (a
 delayed weight-gradient step waits for its stream only); with
-:attr:`~moe_overlap.plan.ScheduleGraph.one_event`, also when the step of its microbatch
-issued before it has ended, as the engine's one event per microbatch orders them. What may
+:attr:`~moe_overlap.plan.ScheduleGraph.one_event`, also when its microbatch's forward or
+backward step issued before it has ended, as the engine's one event per microbatch orders them. What may
 change from today's schedules, each choice keeping every result exact:
 
 - **chunks** (``K``): a MoE layer's dispatch, mlp and combine of one microbatch run as
@@ -102,13 +102,13 @@ class ScheduleGraph:
     post-process steps.
 
     ``one_event``: each microbatch's forward, backward and recompute steps also wait for
-    the one of them issued before it, as :func:`~moe_overlap.combined_1f1b` runs a
-    :class:`~moe_overlap.steps.NodeSchedule`: every node of a microbatch waits on and
-    records the microbatch's one event (a ``W`` step does neither). Without it (the
-    default, what the search has always assumed) a step waits only for the steps it reads,
-    so an early recompute runs beside its layer's combine backward, where the engine runs
-    them one after the other in issue order. Unchunked orders with no early recompute
-    replay the same either way.
+    the last forward or backward step of it issued before them, as
+    :func:`~moe_overlap.combined_1f1b` runs a :class:`~moe_overlap.steps.NodeSchedule`:
+    every forward and backward node of a microbatch waits on and records the microbatch's
+    one event, a recompute waits on it without recording it (its slot's backward, on its
+    stream, is its only reader), a ``W`` step does neither. Without it (the default) a step
+    waits only for the steps it reads. Unchunked orders with no early recompute replay the
+    same either way.
     """
 
     microbatches: int
@@ -542,8 +542,8 @@ def replay_order(
     """Place ``order``'s steps on two in-order streams; its step time and peak units.
 
     A step starts when its stream is free and the steps it reads have ended (a ``W`` step:
-    its stream only); with ``graph.one_event`` also when its microbatch's step issued
-    before it (not a ``W``) has ended. A communication step takes ``1 + comm_contention``
+    its stream only); with ``graph.one_event`` also when its microbatch's forward or
+    backward step issued before it has ended. A communication step takes ``1 + comm_contention``
     times its time when it starts while another microbatch is in flight (between its first
     step's start and its last step's end): the planner's paired runs, timed by what runs at
     once rather than by runs. An order that is not exact for ``graph`` is refused
@@ -575,7 +575,7 @@ def replay_order(
                     start = max(start, event.get(item.microbatch, 0.0))
             stop = start + base[k] * (factor if flags[k] else 1.0)
             free[item.stream] = end[item] = stop
-            if item.direction is not W:
+            if item.direction is not W and not item.recompute:
                 event[item.microbatch] = stop
             out.append((start, stop))
         return out

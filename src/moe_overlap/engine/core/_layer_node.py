@@ -29,7 +29,7 @@ from ._streams import (
     AnyEvent,
     abandon_stream,
     enter_stream,
-    leave_stream,
+    leave_stream_unrecorded,
     record_tensor_on,
     stream_context,
 )
@@ -266,9 +266,10 @@ class TransformerLayerNode(ScheduleNode):
 
         Once, after forward and before backward (:class:`~moe_overlap.NodeStateError`
         otherwise; a node whose slot is not recomputed refuses every call). Runs on the
-        node's stream after the microbatch's event, as backward does, on the random and
-        autocast state of the forward (the caller's random state is put back after), on the
-        kept inputs; what the slot writes into the layer state is undone. The recomputed
+        node's stream after the microbatch's event, as backward does, but records no event
+        (the slot's own backward, later on that stream, is its only reader); on the random
+        and autocast state of the forward (the caller's random state is put back after), on
+        the kept inputs; what the slot writes into the layer state is undone. The recomputed
         outputs replace the handed-on copies in ``outputs``, for backward. A backward that
         finds the slot not yet recomputed recomputes it first.
         """
@@ -296,7 +297,11 @@ class TransformerLayerNode(ScheduleNode):
             except BaseException as exc:
                 abandon_stream(switch, exc)
                 raise
-            leave_stream(stream, event, switch)
+            # Waited for the microbatch's event, not recorded: only the slot's own
+            # backward, later on this stream, reads what the recompute made, so the
+            # microbatch's next steps on the other stream (its combine backward) need not
+            # wait for it.
+            leave_stream_unrecorded(switch)
         finally:
             for guard in on_node_left:
                 guard.node_left(self)

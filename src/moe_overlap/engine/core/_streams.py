@@ -56,6 +56,7 @@ __all__ = [
     "get_comm_stream",
     "get_comp_stream",
     "leave_stream",
+    "leave_stream_unrecorded",
     "make_event",
     "make_streams",
     "record_event",
@@ -405,6 +406,13 @@ def leave_stream(
     elif _CHECKING:
         _CHECKING[-1].exit()
     event.record(stream)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]  # one device kind: enter_stream checked
+
+
+def leave_stream_unrecorded(switch: contextlib.AbstractContextManager[object] | None) -> None:
+    """:func:`leave_stream` without the event: switch back, record nothing. For work that
+    only later work on the same stream reads (a recompute, read by its own backward), so
+    the event's other waiters need not wait for it."""
+    _leave_switch(switch, None, None, None)
 
 
 def abandon_stream(
