@@ -673,3 +673,25 @@ def test_accumulate_grad_lays_a_first_gradient_out_as_autograd_does(layout: str)
         assert mine.grad is not None and ref.grad is not None
         assert mine.grad.stride() == ref.grad.stride()
         assert torch.equal(mine.grad, ref.grad)
+
+
+def test_a_linear_does_not_ask_autocast_availability_per_call_on_common_devices(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torch.compile before torch 2.13 cannot trace ``torch.amp.is_autocast_available``
+    inside an autograd Function's forward (a compiled block with a delayable linear failed
+    on the GPU with torch 2.11): the answer for common device types is asked once, at
+    import, and a forward and backward run with the function made to fail."""
+
+    def refuse(kind: str) -> bool:
+        raise AssertionError(f"is_autocast_available({kind!r}) asked per call")
+
+    monkeypatch.setattr(torch.amp, "is_autocast_available", refuse)
+    for delay in (False, True):
+        lin = _linear(delay, torch.float32)
+        x = torch.randn(7, 5, requires_grad=True)
+        with claim_wgrad(lin):
+            lin(x).sum().backward()
+        if delay:
+            lin.backward_dw()
+        assert lin.weight.grad is not None and x.grad is not None

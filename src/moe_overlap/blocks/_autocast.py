@@ -21,6 +21,14 @@ import torch
 
 __all__ = ["AutocastState"]
 
+_AVAILABLE: dict[str, bool] = {
+    kind: torch.amp.is_autocast_available(kind)
+    for kind in ("cpu", "cuda", "xpu", "mps", "hpu")
+}
+"""Whether autocast supports each common device type, asked once at import: torch.compile
+before torch 2.13 cannot trace ``torch.amp.is_autocast_available`` inside an autograd
+Function's forward (an error, not a graph break), and a delayable linear asks it there."""
+
 
 @dataclass(frozen=True, slots=True)
 class AutocastState:
@@ -34,7 +42,10 @@ class AutocastState:
     @classmethod
     def of(cls, kind: str) -> AutocastState:
         """The current state for the device type ``kind`` (what ``custom_fwd`` records)."""
-        if not torch.amp.is_autocast_available(kind):
+        available = _AVAILABLE.get(kind)
+        if available is None:  # a rarer device type: asked each time (eager only before 2.13)
+            available = torch.amp.is_autocast_available(kind)
+        if not available:
             return cls(kind, False, None)
         return cls(kind, torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
 
