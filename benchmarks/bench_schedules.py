@@ -51,6 +51,7 @@ main table's. On the CPU the graphed twins run eagerly (plumbing only). Writes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -196,7 +197,9 @@ def predict(
     recompute, pre-dispatch and mlp of every layer), the searched one from
     ``config``'s ``best_order`` on the graph its steps and name say (delayed weight
     gradients, recomputed slots, recompute started early), each replayed
-    (:func:`~moe_overlap.plan.replay_order`) with the search's default shares."""
+    (:func:`~moe_overlap.plan.replay_order`) with the shares, recompute cost and event
+    model the frontier was searched with (``config["space"]``; the planner's defaults
+    where the frontier names none)."""
     replays = replayed(profile, config, num_layers=num_layers, contention=contention)
     return {k: r.step_ms for k, r in replays.items()}
 
@@ -209,9 +212,11 @@ def replayed(
     contention: float,
     one_event: bool = False,
 ) -> dict[str, Replay]:
-    """:func:`predict`'s replays, whole; with ``one_event``, each on its graph with
-    :attr:`~moe_overlap.plan.ScheduleGraph.one_event` (the engine's one event per
-    microbatch)."""
+    """:func:`predict`'s replays, whole; with ``one_event`` (or a frontier searched with
+    it), each on its graph with :attr:`~moe_overlap.plan.ScheduleGraph.one_event` (the
+    engine's one event per microbatch)."""
+    space = space_of(config)
+    one_event = one_event or space.one_event
     costs = costs_from_profile(
         load_profile(profile), num_layers=num_layers, comm_contention=contention
     )
@@ -229,7 +234,6 @@ def replayed(
     orders = {k: (base, today_orders(base)[k]) for k in ("serial", "overlapped", "fill_drain")}
     orders["fill_drain_recompute"] = (recomputed, today_orders(recomputed)["fill_drain"])
     orders["searched"] = (best, steps)
-    space = SearchSpace()  # the shares and recompute cost frontier.py searched with
     memory = ActivationModel(units={})  # only the step time is read
     out: dict[str, Replay] = {}
     for k, (graph, order) in orders.items():
@@ -243,6 +247,23 @@ def replayed(
         r = replay_order(order, graph, times, memory)
         out[k] = Replay(graph, list(order), r.step_ms, r.spans)
     return out
+
+
+def space_of(config: JsonDict) -> SearchSpace:
+    """The search space's shares, recompute cost and event model the frontier of
+    ``config`` was searched with (its ``space``, which ``main`` copies from the
+    frontier's top level; the planner's defaults for what it does not name)."""
+    given = cast(JsonDict, config.get("space", {}))
+    default = SearchSpace()
+    shares = cast("dict[str, float] | None", given.get("wgrad_share"))
+    return dataclasses.replace(
+        default,
+        wgrad_share=default.wgrad_share
+        if shares is None
+        else tuple((Slot(k), float(v)) for k, v in shares.items()),
+        recompute_cost=float(cast(float, given.get("recompute_cost", default.recompute_cost))),
+        one_event=bool(given.get("one_event", False)),
+    )
 
 
 def peak_gb(b: Bench, fn: Callable[[], object]) -> float | None:
@@ -643,7 +664,11 @@ def main(argv: list[str] | None = None) -> None:
     frontier = cast(JsonDict, json.loads(args.frontier.read_text("utf-8")))
     configs = cast("list[JsonDict]", frontier["configs"])
     contention = cast(float, frontier["comm_contention"])
-    chosen = [c for c in configs if args.configs is None or c["name"] in args.configs]
+    chosen = [
+        {**c, "space": frontier.get("space", {})}
+        for c in configs
+        if args.configs is None or c["name"] in args.configs
+    ]
     results: list[JsonDict] = []
     hosts: list[JsonDict] = []
     for c in chosen:

@@ -2,6 +2,7 @@
 
     python benchmarks/frontier.py --out DIR            # several minutes on one CPU core
     python benchmarks/frontier.py --out DIR --quick    # a smaller space, under a minute
+    python benchmarks/frontier.py --out DIR --one-event --wgrad-share mlp=0.5 pre_dispatch=0
 
 For the three configurations of ``benchmarks/results/round9/results.json`` that the
 planner was validated on (hidden 4096, 4096 tokens, 4 MoE layers: expert FFN 2048 with 4
@@ -14,6 +15,13 @@ the machine's ``comm_contention`` fitted on the main configuration's overlapped 
 frontier schedule with its issue order, today's schedules, the validation, the targets),
 ``DIR/frontier.md`` (the tables) and, with matplotlib (the ``demo`` extra),
 ``DIR/frontier.png``. Standard library and moe_overlap only (CPU).
+
+``--one-event`` times every order as the engine runs it (one event per microbatch:
+:attr:`moe_overlap.plan.SearchSpace.one_event`); ``--wgrad-share`` sets the share of a
+slot's backward that a delayed weight gradient moves out of it (the benchmark slice,
+``benchmarks/moe_slice.py``, delays the experts' weights only: ``pre_dispatch=0``).
+Both are written into ``frontier.json``'s ``space``, which ``bench_schedules.py`` replays
+with.
 """
 
 from __future__ import annotations
@@ -335,11 +343,48 @@ def _png(configs: list[Json], path: Path) -> Path | None:
     return path
 
 
+def _shares(
+    p: argparse.ArgumentParser, given: list[str] | None
+) -> tuple[tuple[Slot, float], ...] | None:
+    """``--wgrad-share``'s ``SLOT=SHARE`` words as the search space's pairs (``None``: not
+    given); a bad word is the parser's one-line error."""
+    if given is None:
+        return None
+    out: dict[Slot, float] = {}
+    for word in given:
+        name, _, value = word.partition("=")
+        try:
+            slot, share = Slot(name), float(value)
+        except ValueError:
+            p.error(f"--wgrad-share: expected SLOT=SHARE (mlp or pre_dispatch), got {word!r}")
+        if slot not in (Slot.MLP, Slot.PRE_DISPATCH) or not 0.0 <= share <= 1.0 or slot in out:
+            p.error(
+                f"--wgrad-share: expected mlp or pre_dispatch, once each, with a share in "
+                f"[0, 1], got {word!r}"
+            )
+        out[slot] = share
+    return tuple(out.items())
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="folder to write into (required)")
     p.add_argument("--quick", action="store_true", help="a smaller space (default: off)")
+    p.add_argument(
+        "--one-event",
+        action="store_true",
+        help="time orders as the engine runs them, one event per microbatch (default: off)",
+    )
+    p.add_argument(
+        "--wgrad-share",
+        nargs="+",
+        default=None,
+        metavar="SLOT=SHARE",
+        help="share of a slot's backward a delayed weight gradient takes, per slot "
+        "(mlp, pre_dispatch; a slot not named: 0; default: mlp=0.5 pre_dispatch=0.35)",
+    )
     args = p.parse_args()
+    shares = _shares(p, cast("list[str] | None", args.wgrad_share))
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     results = cast(Json, json.loads(SOURCE.read_text()))
@@ -382,6 +427,9 @@ def main() -> None:
             slack_ms=(0.0,),
             improve_passes=0,
         )
+    space = dataclasses.replace(
+        space, one_event=args.one_event, wgrad_share=shares or space.wgrad_share
+    )
     configs: list[Json] = []
     started = time.monotonic()
     for name, ffn, n, kind in CONFIGS:
@@ -449,7 +497,14 @@ def main() -> None:
             f"({time.monotonic() - started:.0f} s)"
         )
     summary: Json = {
-        "command": "python benchmarks/frontier.py --out DIR" + (" --quick" if args.quick else ""),
+        "command": " ".join(
+            [
+                "python benchmarks/frontier.py --out DIR",
+                *(["--quick"] if args.quick else []),
+                *(["--one-event"] if args.one_event else []),
+                *(["--wgrad-share", *args.wgrad_share] if args.wgrad_share else []),
+            ]
+        ),
         "source": str(SOURCE.relative_to(ROOT)),
         "comm_contention": contention,
         "activations": {
@@ -463,6 +518,8 @@ def main() -> None:
             "chunks": space.chunks,
             "chunk_overhead_ms": space.chunk_overhead_ms,
             "wgrad_share": {s.value: v for s, v in space.wgrad_share},
+            "one_event": space.one_event,
+            "recompute_cost": space.recompute_cost,
             "recompute": [str(r) for r in space.recompute],
             "in_flight": space.in_flight,
             "memory_caps": space.memory_caps,

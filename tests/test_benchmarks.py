@@ -7,6 +7,7 @@ Each run is a single-threaded process (forked from a zygote that imported torch,
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import importlib.util
 import json
@@ -181,13 +182,20 @@ def test_bench_schedules_smoke(ran: Ran) -> None:
 FrontierRows = list[tuple[dict[str, Any], dict[str, Any]]]
 
 
-def _frontier_rows() -> tuple[dict[str, Any], FrontierRows]:
-    """The committed frontier, and each of its configurations with the round-9 row (serial
-    profile, measured steps) it was searched from."""
-    frontier = json.loads((ROOT / "benchmarks/results/frontier/frontier.json").read_text())
+FRONTIERS = ("frontier", "frontier_one_event")
+"""The committed frontiers: the planner's defaults, and one searched as the engine runs
+(one event per microbatch) with the benchmark slice's weight-gradient shares."""
+
+
+def _frontier_rows(name: str = "frontier") -> tuple[dict[str, Any], FrontierRows]:
+    """The committed frontier ``name``, and each of its configurations (with the search
+    space, as ``bench_schedules.py`` hands it on) with the round-9 row (serial profile,
+    measured steps) it was searched from."""
+    frontier = json.loads((ROOT / f"benchmarks/results/{name}/frontier.json").read_text())
     source = json.loads((ROOT / "benchmarks/results/round9/results.json").read_text())
     pairs: FrontierRows = []
     for config in frontier["configs"]:
+        config = {**config, "space": frontier["space"]}
         (row,) = (
             r
             for r in source["results"]
@@ -197,11 +205,15 @@ def _frontier_rows() -> tuple[dict[str, Any], FrontierRows]:
     return frontier, pairs
 
 
-def test_bench_schedules_predicts_as_the_frontier_does(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("name", FRONTIERS)
+def test_bench_schedules_predicts_as_the_frontier_does(
+    monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
     """From the round-9 profiles the frontier was searched from, the benchmark's prediction
-    of every row is the frontier's committed one (today's and the searched order's)."""
+    of every row is the frontier's committed one (today's and the searched order's), with
+    the shares and event model the frontier was searched with."""
     bench = _benchmark_module("bench_schedules", monkeypatch)
-    frontier, pairs = _frontier_rows()
+    frontier, pairs = _frontier_rows(name)
     for config, row in pairs:
         got = bench.predict(
             row["order_search"]["serial_slot_durations"],
@@ -212,6 +224,22 @@ def test_bench_schedules_predicts_as_the_frontier_does(monkeypatch: pytest.Monke
         want = {k: config["today"][k]["step_ms"] for k in bench.TODAY}
         want["searched"] = config["targets"]["best_ms"]
         assert got == pytest.approx(want, rel=1e-9), config["name"]
+
+
+def test_frontier_reads_weight_gradient_shares_and_refuses_bad_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--wgrad-share`` gives the search space's pairs; a slot without a weight gradient,
+    a share outside [0, 1], a slot twice or a word without ``=`` is a one-line error."""
+    frontier = _benchmark_module("frontier", monkeypatch)
+    parser = argparse.ArgumentParser()
+    got = frontier._shares(parser, ["mlp=0.5", "pre_dispatch=0"])
+    assert got == ((Slot.MLP, 0.5), (Slot.PRE_DISPATCH, 0.0))
+    assert frontier._shares(parser, None) is None
+    for bad in (["dispatch=0.1"], ["mlp=1.5"], ["mlp=0.5", "mlp=0.4"], ["mlp"], ["x=1"]):
+        with pytest.raises(SystemExit) as exc:
+            frontier._shares(parser, bad)
+        assert exc.value.code == 2
 
 
 def test_bench_schedules_fits_the_frontier_s_contention(monkeypatch: pytest.MonkeyPatch) -> None:
