@@ -22,8 +22,7 @@ import torch
 __all__ = ["AutocastState"]
 
 _AVAILABLE: dict[str, bool] = {
-    kind: torch.amp.is_autocast_available(kind)
-    for kind in ("cpu", "cuda", "xpu", "mps", "hpu")
+    kind: torch.amp.is_autocast_available(kind) for kind in ("cpu", "cuda", "xpu", "mps", "hpu")
 }
 """Whether autocast supports each common device type, asked once at import: torch.compile
 before torch 2.13 cannot trace ``torch.amp.is_autocast_available`` inside an autograd
