@@ -51,6 +51,7 @@ from moe_overlap.engine._recompute_hold import hold_for_recompute as hold_for_re
 from moe_overlap.engine._registrations import registrations as registrations
 from moe_overlap.engine._shared_params import StageAccumulations as StageAccumulations
 from moe_overlap.engine._stream_check import start_from_env as _start_from_env
+from moe_overlap.engine._stream_setup import make_event as make_event
 from moe_overlap.engine.core._node_errors import check_marked as check_marked
 from moe_overlap.engine.core._options import Hook as Hook
 from moe_overlap.engine.core._state import ChunkState as ChunkState
@@ -67,7 +68,6 @@ from moe_overlap.engine.core._streams import AnyStream as AnyStream
 from moe_overlap.engine.core._streams import CpuStream as CpuStream
 from moe_overlap.engine.core._streams import cpu_default_stream as cpu_default_stream
 from moe_overlap.engine.core._streams import current_stream as current_stream
-from moe_overlap.engine.core._streams import make_event as make_event
 from moe_overlap.engine.core._streams import record_event as record_event
 from moe_overlap.engine.core._streams import record_tensor_on as record_tensor_on
 from moe_overlap.engine.core._streams import release_storage as release_storage

@@ -30,10 +30,10 @@ from ._streams import (
     StreamPair,
     cpu_default_stream,
     current_stream,
-    make_event,
+    device_streams,
+    new_event,
     record_event,
     record_tensor_on,
-    set_streams,
     wait_event,
 )
 
@@ -57,7 +57,7 @@ def default_streams(device: torch.device) -> StreamPair:
             "with model.to_empty(device=...) and load or initialize its weights, then pass "
             "real tensors)"
         )
-    return set_streams(device=device)
+    return device_streams(device)
 
 
 def device_of(mb: Microbatch) -> torch.device:
@@ -129,7 +129,7 @@ class ModelChunkSchedulePlan:
         self.microbatch_index = index
         """The microbatch number shown in errors and timelines (``index``)."""
         self.vp_stage = vp_stage
-        self.event = make_event(streams.device)
+        self.event = new_event(streams.device)
         self.state = state
         for guard in on_inputs_read:  # the fields the model reads
             guard.inputs_read(model, microbatch, state, where)
