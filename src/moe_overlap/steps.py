@@ -21,7 +21,7 @@ from moe_overlap.engine._order_search import makespan as makespan
 from moe_overlap.engine._order_search import predict_ms as predict_ms
 from moe_overlap.engine._order_search import replay as replay
 from moe_overlap.engine._order_search import search_order as search_order
-from moe_overlap.engine.core._chunk_plan import run_pair as run_pair
+from moe_overlap.engine._run_pair import run_pair as run_pair
 from moe_overlap.engine.core._node_schedule import NodeSchedule as NodeSchedule
 from moe_overlap.engine.core._options import ChunkHooks as ChunkHooks
 from moe_overlap.engine.core._order import PairKind as PairKind

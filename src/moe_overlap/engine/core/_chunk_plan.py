@@ -18,7 +18,7 @@ from ._layer_plan import TransformerLayerSchedulePlan
 from ._node import ScheduleNode
 from ._options import ChunkHooks, PostBackwardHook, PostForwardHook, PreHook, ScheduleOptions
 from ._process_nodes import PostProcessNode, PreProcessNode
-from ._runner import check_grad_mode, check_grads, run_step
+from ._runner import check_grad_mode, run_step
 from ._state import ChunkState
 from ._steps import (
     ChunkShape,
@@ -37,7 +37,7 @@ from ._streams import (
     wait_event,
 )
 
-__all__ = ["ModelChunkSchedulePlan", "check_grad_mode", "default_streams", "device_of", "run_pair"]
+__all__ = ["ModelChunkSchedulePlan", "check_grad_mode", "default_streams", "device_of"]
 
 _DEFAULT_OPTIONS = ScheduleOptions()
 _EMPTY_MICROBATCH = Microbatch()
@@ -322,29 +322,6 @@ class ModelChunkSchedulePlan:
             observer=observer,
         )
         return outputs[0] if outputs else None
-
-
-def run_pair(
-    first: ModelChunkSchedulePlan,
-    second: ModelChunkSchedulePlan,
-    *,
-    b_grads: tuple[Tensor, Tensor] | None = None,
-    observer: StepObserver | None = None,
-) -> tuple[Tensor | None, Tensor | None]:
-    """Two forwards (``b_grads`` ``None``) or two backwards of one model, overlapped.
-
-    The fill and the drain of combined 1F1B (:func:`~moe_overlap.steps.forward_pair_steps`,
-    :func:`~moe_overlap.steps.backward_pair_steps`): each microbatch's all-to-all runs under the
-    other's compute, ``first`` one slot ahead. Returns both forwards' outputs (the losses),
-    or ``(None, None)`` after the backwards, which release both plans; on failure both are
-    released, after synchronizing streams. One :func:`run_step` of the runner.
-    """
-    if b_grads is None:
-        out0, out1 = run_step([first, second], [], [], where="run_pair", observer=observer)
-        return out0, out1
-    grads = check_grads("run_pair", b_grads)
-    run_step([], [first, second], grads, where="run_pair", observer=observer)
-    return None, None
 
 
 def _dtype(t: Tensor) -> str:
