@@ -14,7 +14,7 @@ from types import ModuleType
 import pytest
 import torch
 
-from moe_overlap.engine.core._streams import reset_streams
+from moe_overlap.streams import reset_streams
 from tests import forked
 from tests.debug_interpreter import DebugInterpreter
 from tests.gloo_ranks import SCRIPT_ENV, run_ranks, worker_env

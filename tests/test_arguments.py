@@ -299,7 +299,7 @@ def _set_streams(**kwargs: Any) -> object:
     try:
         return mo.set_streams(**kwargs)
     finally:
-        from moe_overlap.engine.core._streams import reset_streams
+        from moe_overlap.streams import reset_streams
 
         reset_streams()
 

@@ -23,6 +23,12 @@ time with beartype; otherwise beartype is not imported and nothing is wrapped.
 """
 
 from moe_overlap.engine._driver import combined_1f1b as combined_1f1b
+from moe_overlap.engine._stream_setup import get_comm_stream as get_comm_stream
+from moe_overlap.engine._stream_setup import get_comp_stream as get_comp_stream
+from moe_overlap.engine._stream_setup import make_event as make_event
+from moe_overlap.engine._stream_setup import make_streams as make_streams
+from moe_overlap.engine._stream_setup import set_streams as set_streams
+from moe_overlap.engine._weak_method import weak_method as weak_method
 from moe_overlap.engine.core._backward_dw import BackwardDWWrapper as BackwardDWWrapper
 from moe_overlap.engine.core._chunk_plan import ModelChunkSchedulePlan as ModelChunkSchedulePlan
 from moe_overlap.engine.core._free_input import should_free_input as should_free_input
@@ -33,7 +39,6 @@ from moe_overlap.engine.core._layer_plan import (
 )
 from moe_overlap.engine.core._node import NoopScheduleNode as NoopScheduleNode
 from moe_overlap.engine.core._node import ScheduleNode as ScheduleNode
-from moe_overlap.engine.core._node import weak_method as weak_method
 from moe_overlap.engine.core._options import ScheduleOptions as ScheduleOptions
 from moe_overlap.engine.core._process_nodes import PostProcessNode as PostProcessNode
 from moe_overlap.engine.core._process_nodes import PreProcessNode as PreProcessNode
@@ -41,11 +46,6 @@ from moe_overlap.engine.core._state import ChunkState as ChunkState
 from moe_overlap.engine.core._state import LayerState as LayerState
 from moe_overlap.engine.core._state import PreprocessOutput as PreprocessOutput
 from moe_overlap.engine.core._streams import StreamPair as StreamPair
-from moe_overlap.engine.core._streams import get_comm_stream as get_comm_stream
-from moe_overlap.engine.core._streams import get_comp_stream as get_comp_stream
-from moe_overlap.engine.core._streams import make_event as make_event
-from moe_overlap.engine.core._streams import make_streams as make_streams
-from moe_overlap.engine.core._streams import set_streams as set_streams
 from moe_overlap.errors import ConfigError as ConfigError
 from moe_overlap.errors import IntegrationError as IntegrationError
 from moe_overlap.errors import LayerStateAttributeError as LayerStateAttributeError

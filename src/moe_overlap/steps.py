@@ -4,6 +4,11 @@ A schedule here is an ordered list of typed steps that the runner walks; the sam
 drives timelines, the critical-path bound and error messages (``docs/concepts.md``).
 """
 
+from moe_overlap.engine._macro_steps import MacroStep as MacroStep
+from moe_overlap.engine._macro_steps import backward_microbatches as backward_microbatches
+from moe_overlap.engine._macro_steps import format_macro as format_macro
+from moe_overlap.engine._macro_steps import forward_microbatches as forward_microbatches
+from moe_overlap.engine._macro_steps import parse_macro as parse_macro
 from moe_overlap.engine._microbatch_order import ScheduleMode as ScheduleMode
 from moe_overlap.engine._microbatch_order import macro_steps as macro_steps
 from moe_overlap.engine._node_order_check import check_node_order as check_node_order
@@ -16,12 +21,7 @@ from moe_overlap.engine._order_search import makespan as makespan
 from moe_overlap.engine._order_search import predict_ms as predict_ms
 from moe_overlap.engine._order_search import replay as replay
 from moe_overlap.engine._order_search import search_order as search_order
-from moe_overlap.engine.core._chunk_plan import run_pair as run_pair
-from moe_overlap.engine.core._macro import MacroStep as MacroStep
-from moe_overlap.engine.core._macro import backward_microbatches as backward_microbatches
-from moe_overlap.engine.core._macro import format_macro as format_macro
-from moe_overlap.engine.core._macro import forward_microbatches as forward_microbatches
-from moe_overlap.engine.core._macro import parse_macro as parse_macro
+from moe_overlap.engine._run_pair import run_pair as run_pair
 from moe_overlap.engine.core._node_schedule import NodeSchedule as NodeSchedule
 from moe_overlap.engine.core._options import ChunkHooks as ChunkHooks
 from moe_overlap.engine.core._order import PairKind as PairKind

@@ -16,13 +16,13 @@ from moe_overlap import set_streams as set_streams
 from moe_overlap.engine._stream_check import StreamOrderChecker as StreamOrderChecker
 from moe_overlap.engine._stream_check import StreamOrderError as StreamOrderError
 from moe_overlap.engine._stream_check import stream_order_check as stream_order_check
+from moe_overlap.engine._stream_setup import reset_streams as reset_streams
 from moe_overlap.engine._stream_shake import shake as shake
 from moe_overlap.engine.core._streams import AnyEvent as AnyEvent
 from moe_overlap.engine.core._streams import AnyStream as AnyStream
 from moe_overlap.engine.core._streams import CpuEvent as CpuEvent
 from moe_overlap.engine.core._streams import CpuStream as CpuStream
 from moe_overlap.engine.core._streams import cpu_default_stream as cpu_default_stream
-from moe_overlap.engine.core._streams import reset_streams as reset_streams
 
 __all__ = [
     "AnyEvent",

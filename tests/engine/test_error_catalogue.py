@@ -38,7 +38,7 @@ from moe_overlap import (
     weak_method,
 )
 from moe_overlap.engine import DEBUG
-from moe_overlap.engine.core._streams import use_stream
+from moe_overlap.engine._use_stream import use_stream
 from moe_overlap.megatron import layer_args
 from moe_overlap.steps import Step, run_pair
 from moe_overlap.streams import CpuEvent, CpuStream

@@ -36,15 +36,10 @@ from moe_overlap import (
     weak_method,
 )
 from moe_overlap.engine import DEBUG
-from moe_overlap.engine.core._streams import (
-    record_event,
-    reset_streams,
-    use_stream,
-    wait_event,
-    wait_stream,
-)
+from moe_overlap.engine._use_stream import use_stream
+from moe_overlap.engine.core._streams import record_event, wait_event, wait_stream
 from moe_overlap.megatron import layer_args, layer_schedule_plan
-from moe_overlap.streams import CpuEvent, CpuStream
+from moe_overlap.streams import CpuEvent, CpuStream, reset_streams
 
 CPU = CpuStream("test")
 

@@ -36,6 +36,9 @@ from moe_overlap.engine._consensus import Verdict as Verdict
 from moe_overlap.engine._consensus import verdict_error as verdict_error
 from moe_overlap.engine._debug import DEBUG as DEBUG
 from moe_overlap.engine._guards import without_guards as without_guards
+from moe_overlap.engine._macro_steps import MacroStep as MacroStep
+from moe_overlap.engine._macro_steps import backward_microbatches as backward_microbatches
+from moe_overlap.engine._macro_steps import forward_microbatches as forward_microbatches
 from moe_overlap.engine._microbatch_order import ScheduleMode as ScheduleMode
 from moe_overlap.engine._microbatch_order import macro_steps as macro_steps
 from moe_overlap.engine._order_search import SlotKey as SlotKey
@@ -48,9 +51,7 @@ from moe_overlap.engine._recompute_hold import hold_for_recompute as hold_for_re
 from moe_overlap.engine._registrations import registrations as registrations
 from moe_overlap.engine._shared_params import StageAccumulations as StageAccumulations
 from moe_overlap.engine._stream_check import start_from_env as _start_from_env
-from moe_overlap.engine.core._macro import MacroStep as MacroStep
-from moe_overlap.engine.core._macro import backward_microbatches as backward_microbatches
-from moe_overlap.engine.core._macro import forward_microbatches as forward_microbatches
+from moe_overlap.engine._stream_setup import make_event as make_event
 from moe_overlap.engine.core._node_errors import check_marked as check_marked
 from moe_overlap.engine.core._options import Hook as Hook
 from moe_overlap.engine.core._state import ChunkState as ChunkState
@@ -67,7 +68,6 @@ from moe_overlap.engine.core._streams import AnyStream as AnyStream
 from moe_overlap.engine.core._streams import CpuStream as CpuStream
 from moe_overlap.engine.core._streams import cpu_default_stream as cpu_default_stream
 from moe_overlap.engine.core._streams import current_stream as current_stream
-from moe_overlap.engine.core._streams import make_event as make_event
 from moe_overlap.engine.core._streams import record_event as record_event
 from moe_overlap.engine.core._streams import record_tensor_on as record_tensor_on
 from moe_overlap.engine.core._streams import release_storage as release_storage

@@ -20,6 +20,7 @@ from ._conformance import check_model, checks_memoized
 from ._consensus import Phase, VotedStep
 from ._debug import DEBUG
 from ._inputs import check_inputs
+from ._macro_steps import backward_microbatches, forward_microbatches
 from ._microbatch_order import ScheduleMode, macro_steps
 from ._node_order_check import check_node_order
 from ._owed_wgrad import check_wgrad_done, declared_wgrad, node_schedule_running
@@ -28,7 +29,6 @@ from ._shared_params import AccumulationCount, counted_step
 from ._trainable import check_loss_grad, check_trainable
 from .contracts import OPT_STEP_OBSERVER
 from .core._chunk_plan import ModelChunkSchedulePlan, default_streams, device_of
-from .core._macro import backward_microbatches, forward_microbatches
 from .core._node_schedule import NodeSchedule
 from .core._options import ScheduleOptions
 from .core._runner import check_grad_mode, run_schedule, run_step

@@ -7,8 +7,8 @@
     overlapped  F0 | F1+B0 | F2+B1 | ... | F(N-1)+B(N-2) | B(N-1)
     fill-drain  F0+F1 | F2+B0 | ... | F(N-1)+B(N-3) | B(N-2)+B(N-1)
 
-The macro step itself, its microbatches and its text form are the schedule core's step data
-(``core/_macro.py``); the core's runner runs any one of them, whichever order lists it.
+The macro step itself, its microbatches and its text form live beside these orders
+(``_macro_steps.py``); the core's runner runs any one of them, whichever order lists it.
 Pure functions, tested without a tensor.
 """
 
@@ -16,8 +16,8 @@ import enum
 
 from moe_overlap.args import NON_NEGATIVE, OneOf, check_arg
 
+from ._macro_steps import MacroStep
 from .core._kinds import Direction
-from .core._macro import MacroStep
 from .core._step import Step
 
 __all__ = ["ScheduleMode", "macro_steps"]

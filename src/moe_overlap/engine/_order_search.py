@@ -17,8 +17,8 @@ from typing import NamedTuple, cast
 from moe_overlap.args import NON_NEGATIVE, Instance, Real, check_arg, refuse
 from moe_overlap.errors import ConfigError
 
+from ._macro_steps import MacroStep, backward_microbatches, format_macro, forward_microbatches
 from ._microbatch_order import ScheduleMode, macro_steps
-from .core._macro import MacroStep, backward_microbatches, format_macro, forward_microbatches
 from .core._order import PairKind, PairOrder, ScheduleOrder, before
 from .core._steps import (
     ChunkShape,

@@ -16,9 +16,9 @@ other. Each floor imports only the floors below it::
     _wgrad_claims    which delayed modules a schedule computes the wgrad of
     _free_input      the free-input policy            _layer_args   what a layer node knows
     _steps _state    steps and shapes; chunk and layer state; options (and the paired
-    _options         orders, _order, and macro steps, _macro, below them); a whole node
-                     schedule as data (_node_schedule)
-    _streams         streams and events, CUDA or CPU
+    _options         orders, _order, below them); a whole node schedule as data
+                     (_node_schedule)
+    _streams         streams and events, CUDA or CPU, and each device's default pair
     _node_errors     what a node raises itself
     _hooks           the hook lists; the stream model's observer and delay hooks
                      (_stream_observer), slot kinds (_kinds)
@@ -38,9 +38,15 @@ schedule before the runner runs it stays outside: the exactness rules of a whole
 schedule with the order each microbatch keeps (``engine/_node_order_check.py``), and the
 enumeration of the orders a paired run allows (``engine/_order_search.py``). So does what
 only the driver or a check reads: the driver's microbatch orders
-(``engine/_microbatch_order.py``: which macro steps ``combined_1f1b`` runs), the registry
+(``engine/_microbatch_order.py``: which macro steps ``combined_1f1b`` runs) and the macro
+steps as data (``engine/_macro_steps.py``: their microbatches, their text), the registry
 that attaches a guard to its hooks' lists (``engine/_guards.py``) and the inputs a
 recomputed region holds (``engine/_recompute_hold.py``, read by the free-input guard).
+And what only a caller asks for, on the core's runner and streams: two forwards or two
+backwards run by hand (``engine/_run_pair.py``), streams and events made for a device it
+names, the device checked, and its default pair set (``engine/_stream_setup.py``), the
+context-manager form of a node's stream steps (``engine/_use_stream.py``) and a bound method
+held weakly (``engine/_weak_method.py``).
 
 Its modules are private to the engine.
 """

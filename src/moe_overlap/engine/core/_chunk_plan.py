@@ -18,7 +18,7 @@ from ._layer_plan import TransformerLayerSchedulePlan
 from ._node import ScheduleNode
 from ._options import ChunkHooks, PostBackwardHook, PostForwardHook, PreHook, ScheduleOptions
 from ._process_nodes import PostProcessNode, PreProcessNode
-from ._runner import check_grad_mode, check_grads, run_step
+from ._runner import check_grad_mode, run_step
 from ._state import ChunkState
 from ._steps import (
     ChunkShape,
@@ -30,14 +30,14 @@ from ._streams import (
     StreamPair,
     cpu_default_stream,
     current_stream,
-    make_event,
+    device_streams,
+    new_event,
     record_event,
     record_tensor_on,
-    set_streams,
     wait_event,
 )
 
-__all__ = ["ModelChunkSchedulePlan", "check_grad_mode", "default_streams", "device_of", "run_pair"]
+__all__ = ["ModelChunkSchedulePlan", "check_grad_mode", "default_streams", "device_of"]
 
 _DEFAULT_OPTIONS = ScheduleOptions()
 _EMPTY_MICROBATCH = Microbatch()
@@ -57,7 +57,7 @@ def default_streams(device: torch.device) -> StreamPair:
             "with model.to_empty(device=...) and load or initialize its weights, then pass "
             "real tensors)"
         )
-    return set_streams(device=device)
+    return device_streams(device)
 
 
 def device_of(mb: Microbatch) -> torch.device:
@@ -129,7 +129,7 @@ class ModelChunkSchedulePlan:
         self.microbatch_index = index
         """The microbatch number shown in errors and timelines (``index``)."""
         self.vp_stage = vp_stage
-        self.event = make_event(streams.device)
+        self.event = new_event(streams.device)
         self.state = state
         for guard in on_inputs_read:  # the fields the model reads
             guard.inputs_read(model, microbatch, state, where)
@@ -322,29 +322,6 @@ class ModelChunkSchedulePlan:
             observer=observer,
         )
         return outputs[0] if outputs else None
-
-
-def run_pair(
-    first: ModelChunkSchedulePlan,
-    second: ModelChunkSchedulePlan,
-    *,
-    b_grads: tuple[Tensor, Tensor] | None = None,
-    observer: StepObserver | None = None,
-) -> tuple[Tensor | None, Tensor | None]:
-    """Two forwards (``b_grads`` ``None``) or two backwards of one model, overlapped.
-
-    The fill and the drain of combined 1F1B (:func:`~moe_overlap.steps.forward_pair_steps`,
-    :func:`~moe_overlap.steps.backward_pair_steps`): each microbatch's all-to-all runs under the
-    other's compute, ``first`` one slot ahead. Returns both forwards' outputs (the losses),
-    or ``(None, None)`` after the backwards, which release both plans; on failure both are
-    released, after synchronizing streams. One :func:`run_step` of the runner.
-    """
-    if b_grads is None:
-        out0, out1 = run_step([first, second], [], [], where="run_pair", observer=observer)
-        return out0, out1
-    grads = check_grads("run_pair", b_grads)
-    run_step([], [first, second], grads, where="run_pair", observer=observer)
-    return None, None
 
 
 def _dtype(t: Tensor) -> str:

@@ -35,7 +35,7 @@ from ._options import ChunkHooks
 from ._steps import ChunkShape, Direction, Role, Slot, Step, StreamKind, macro_node_steps
 from ._streams import StreamPair, stream_context, synchronize
 
-__all__ = ["ChunkRun", "check_grad_mode", "check_grads", "run_schedule", "run_step"]
+__all__ = ["ChunkRun", "check_grad_mode", "run_schedule", "run_step"]
 
 
 @runtime_checkable
@@ -171,21 +171,6 @@ def run_step(
         plan.hand_to_caller(out)
         outputs.append(out)
     return outputs
-
-
-def check_grads(where: str, value: object) -> tuple[object, object]:
-    """``run_pair``'s ``b_grads`` as two values, or a :class:`~moe_overlap.ConfigError`."""
-    if isinstance(value, tuple):
-        items: tuple[object, ...] = value  # pyright: ignore[reportUnknownVariableType]
-        if len(items) == 2:
-            return items[0], items[1]
-        received = f"a tuple of length {len(items)}"
-    else:
-        received = type(value).__name__
-    raise ConfigError(
-        f"{where}: expected b_grads as a tuple of two tensors (the gradients of the two "
-        f"plans' outputs) or None, received {received}"
-    )
 
 
 def check_grad_mode(where: str) -> None:

@@ -6,8 +6,10 @@ objects with the methods the schedule calls that do nothing (CPU work is already
 so the whole schedule runs, exactly, on a laptop.
 
 Streams can be passed explicitly (a :class:`~moe_overlap.StreamPair`) or, for code ported from
-Megatron-Core, taken from each device's defaults through :func:`~moe_overlap.set_streams` /
-:func:`~moe_overlap.get_comp_stream` / :func:`~moe_overlap.get_comm_stream`.
+Megatron-Core, taken from each device's defaults (:data:`default_pairs`). Making streams and
+events for a device a caller names, and setting its defaults, checks that device first:
+``engine/_stream_setup.py`` (:func:`~moe_overlap.make_streams`,
+:func:`~moe_overlap.set_streams`, ...); the core takes devices already checked.
 """
 
 from __future__ import annotations
@@ -21,15 +23,7 @@ from typing import Union, cast
 
 import torch
 
-from moe_overlap.args import (
-    BOOL,
-    Instance,
-    Opt,
-    Spec,
-    check_arg,
-    check_fields,
-    refuse,
-)
+from moe_overlap.args import BOOL, Instance, Spec, check_arg, check_fields
 from moe_overlap.errors import StreamError
 
 from ._stream_observer import delays as _SHAKING
@@ -43,6 +37,7 @@ from ._torch_private import cuda_current_stream as _cuda_current_stream
 from ._torch_private import cuda_set_stream as _cuda_set_stream
 
 __all__ = [
+    "STREAM_SPEC",
     "AnyEvent",
     "AnyStream",
     "CpuEvent",
@@ -51,23 +46,21 @@ __all__ = [
     "abandon_stream",
     "cpu_default_stream",
     "current_stream",
-    "default_device",
+    "default_pairs",
+    "device_key",
+    "device_streams",
     "enter_stream",
-    "get_comm_stream",
-    "get_comp_stream",
     "leave_stream",
     "leave_stream_unrecorded",
-    "make_event",
-    "make_streams",
+    "leave_switch",
+    "new_event",
+    "pair_error",
     "record_event",
     "record_tensor_on",
     "release_storage",
-    "reset_streams",
-    "set_streams",
     "stream_context",
     "stream_device",
     "synchronize",
-    "use_stream",
     "wait_event",
     "wait_stream",
 ]
@@ -191,15 +184,9 @@ class StreamPair:
         return stream_device(self.comp)
 
 
-_STREAM = Instance((torch.cuda.Stream, CpuStream), "a torch.cuda.Stream or CpuStream")
-_OPT_STREAM = Opt(_STREAM)
-_PAIR: dict[str, Spec[object]] = {"comp": _STREAM, "comm": _STREAM}
+STREAM_SPEC = Instance((torch.cuda.Stream, CpuStream), "a torch.cuda.Stream or CpuStream")
+_PAIR: dict[str, Spec[object]] = {"comp": STREAM_SPEC, "comm": STREAM_SPEC}
 _NAME = Instance(str, "a str")
-
-
-def default_device() -> torch.device:
-    """``cuda`` when a GPU is present, else ``cpu``."""
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def stream_device(stream: AnyStream) -> torch.device:
@@ -209,24 +196,6 @@ def stream_device(stream: AnyStream) -> torch.device:
     return torch.device("cuda")
 
 
-def make_streams(
-    device: torch.device | str | None = None, *, high_priority_comm: bool = False
-) -> StreamPair:
-    """Make a compute/communication stream pair for ``device``.
-
-    On CUDA the compute stream is the current stream and the communication stream is a
-    new stream, of the highest priority when ``high_priority_comm`` is set.
-    """
-    check_arg("make_streams", "high_priority_comm", high_priority_comm, BOOL)
-    dev = _stream_device(device, "make_streams")
-    if dev.type == "cpu":
-        return StreamPair(comp=_CPU_DEFAULT, comm=CpuStream("comm"))
-    comp = torch.cuda.current_stream(dev)
-    # priority_range() gives (lowest, highest); lower numbers are higher priorities.
-    priority = comp.priority_range()[1] if high_priority_comm else 0
-    return StreamPair(comp=comp, comm=_new_cuda_stream(device=dev, priority=priority))
-
-
 _CPU_DEFAULT = CpuStream("comp")
 
 
@@ -234,47 +203,6 @@ def cpu_default_stream() -> CpuStream:
     """The CPU's stand-in for CUDA's default stream: the compute stream of every pair
     :func:`make_streams` makes for the CPU, and the current stream outside ``use_stream``."""
     return _CPU_DEFAULT
-
-
-def make_event(device: torch.device | str | None = None) -> AnyEvent:
-    """A new event: a ``torch.cuda.Event`` on CUDA, a :class:`~moe_overlap.streams.CpuEvent` on CPU."""
-    dev = _stream_device(device, "make_event")
-    if dev.type == "cpu":
-        return CpuEvent()
-    return _new_cuda_event()
-
-
-_DEVICE_LIKE = Opt(Instance((str, torch.device), "a torch.device or device string"))
-
-
-def _stream_device(device: object, where: str) -> torch.device:
-    """``device`` (default: :func:`default_device`) as a ``cpu`` or usable ``cuda`` device."""
-    check_arg(where, "device", device, _DEVICE_LIKE)
-    if device is None:
-        return default_device()
-    try:
-        dev = torch.device(cast("str | torch.device", device))
-    except (RuntimeError, ValueError) as bad:
-        raise refuse(f"{where}: device", "a device string torch knows", device) from bad
-    if dev.type not in ("cpu", "cuda"):
-        raise StreamError(
-            f"{where}: expected a 'cpu' or 'cuda' device, received {dev}; pass the device "
-            "the model and its inputs are on (a model built on 'meta' runs nowhere: "
-            "materialize it first with model.to_empty(device=...) and load or initialize "
-            "its weights)"
-        )
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise StreamError(
-            f"{where}: expected a 'cpu' or 'cuda' device, received {dev}, but CUDA is not "
-            "available in this process; pass 'cpu', or run where torch.cuda.is_available()"
-        )
-    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
-        raise StreamError(
-            f"{where}: expected a CUDA device this process sees (0 .. "
-            f"{torch.cuda.device_count() - 1}), received {dev}; pass one of those "
-            "(CUDA_VISIBLE_DEVICES sets which devices the process sees)"
-        )
-    return dev
 
 
 # torch leaves these constructors unannotated; give them types once, here.
@@ -330,41 +258,8 @@ def wait_stream(stream: AnyStream, other: AnyStream) -> None:
     )
 
 
-class use_stream:  # lower case: used like a function, as torch.cuda.stream
-    """Wait for ``event`` on ``stream``, run the body on ``stream``, then record ``event``.
-
-    This is how one microbatch's nodes on different streams stay ordered: they all share
-    one event, so each node starts after the previous one, whichever stream it ran on.
-    The event is not recorded when the body raises. Nodes call its three steps directly
-    (:func:`enter_stream`, :func:`leave_stream`, :func:`abandon_stream`): no context
-    manager object on their hot path.
-    """
-
-    __slots__ = ("_event", "_stream", "_switch")
-
-    def __init__(self, stream: AnyStream, event: AnyEvent) -> None:
-        if isinstance(stream, CpuStream) != isinstance(event, CpuEvent):
-            raise _pair_error(stream, event)
-        self._stream = stream
-        self._event = event
-        self._switch: contextlib.AbstractContextManager[object] | None = None
-
-    def __enter__(self) -> None:
-        self._switch = enter_stream(self._stream, self._event)
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if exc_type is None:
-            leave_stream(self._stream, self._event, self._switch)
-        else:
-            _leave_switch(self._switch, exc_type, exc, tb)
-
-
-def _pair_error(stream: object, event: object) -> StreamError:
+def pair_error(stream: object, event: object) -> StreamError:
+    """The error for a stream and an event of two device kinds (``use_stream`` too)."""
     kinds = ("CPU", "CUDA") if isinstance(stream, CpuStream) else ("CUDA", "CPU")
     return StreamError(
         f"use_stream: a {kinds[0]} stream {stream!r} was paired with a {kinds[1]} "
@@ -375,19 +270,19 @@ def _pair_error(stream: object, event: object) -> StreamError:
 def enter_stream(
     stream: AnyStream, event: AnyEvent
 ) -> contextlib.AbstractContextManager[object] | None:
-    """:class:`use_stream`'s entry as one call (a node's hot path): check that ``stream``
+    """``use_stream``'s entry as one call (a node's hot path): check that ``stream``
     and ``event`` are of one device kind, make ``stream`` wait for ``event``, switch to
     ``stream``. Returns the CUDA stream switch (``None`` on CPU) for :func:`leave_stream`
     or :func:`abandon_stream`, one of which must follow."""
     if isinstance(stream, CpuStream):
         if not isinstance(event, CpuEvent):
-            raise _pair_error(stream, event)
+            raise pair_error(stream, event)
         event.wait(stream)
         if _CHECKING:
             _CHECKING[-1].enter(stream)
         return None
     if isinstance(event, CpuEvent):
-        raise _pair_error(stream, event)
+        raise pair_error(stream, event)
     switch = _cuda_switch(stream)
     event.wait(stream)
     switch.__enter__()
@@ -399,7 +294,7 @@ def enter_stream(
 def leave_stream(
     stream: AnyStream, event: AnyEvent, switch: contextlib.AbstractContextManager[object] | None
 ) -> None:
-    """:class:`use_stream`'s exit after its body returned: switch back, record ``event``
+    """``use_stream``'s exit after its body returned: switch back, record ``event``
     on ``stream``."""
     if switch is not None:
         switch.__exit__(None, None, None)
@@ -412,18 +307,18 @@ def leave_stream_unrecorded(switch: contextlib.AbstractContextManager[object] | 
     """:func:`leave_stream` without the event: switch back, record nothing. For work that
     only later work on the same stream reads (a recompute, read by its own backward), so
     the event's other waiters need not wait for it."""
-    _leave_switch(switch, None, None, None)
+    leave_switch(switch, None, None, None)
 
 
 def abandon_stream(
     switch: contextlib.AbstractContextManager[object] | None, exc: BaseException
 ) -> None:
-    """:class:`use_stream`'s exit after its body raised ``exc``: switch back, record
+    """``use_stream``'s exit after its body raised ``exc``: switch back, record
     nothing."""
-    _leave_switch(switch, type(exc), exc, exc.__traceback__)
+    leave_switch(switch, type(exc), exc, exc.__traceback__)
 
 
-def _leave_switch(
+def leave_switch(
     switch: contextlib.AbstractContextManager[object] | None,
     exc_type: type[BaseException] | None,
     exc: BaseException | None,
@@ -548,82 +443,32 @@ def record_tensor_on(tensor: torch.Tensor, stream: AnyStream) -> None:
         tensor.record_stream(stream)
 
 
-_DEFAULTS: dict[torch.device, StreamPair] = {}
-"""The default streams of each device (``cuda:i`` with its index, or ``cpu``)."""
+default_pairs: dict[torch.device, StreamPair] = {}
+"""The default streams of each device (``cuda:i`` with its index, or ``cpu``): what
+:func:`~moe_overlap.set_streams` sets and :func:`device_streams` reads."""
 
 
-def _device_key(dev: torch.device) -> torch.device:
+def device_key(dev: torch.device) -> torch.device:
     """``dev`` with its index (a bare ``cuda`` is the current CUDA device)."""
     if dev.type == "cuda" and cast("int | None", dev.index) is None:  # torch types it int
         return torch.device("cuda", torch.cuda.current_device())
     return dev
 
 
-def _pair_device(comp: AnyStream | None, comm: AnyStream | None) -> torch.device | None:
-    """The device of the given streams (``None`` without any)."""
-    given = comp if comp is not None else comm
-    if given is None:
-        return None
-    return torch.device("cpu") if isinstance(given, CpuStream) else _device_key(given.device)
+def device_streams(device: torch.device) -> StreamPair:
+    """The default streams of the CUDA ``device`` of a tensor, made on first use as
+    :func:`~moe_overlap.set_streams` makes them (its current stream and a new one)."""
+    key = device_key(device)
+    known = default_pairs.get(key)
+    if known is None:
+        comp = torch.cuda.current_stream(key)
+        comm = _new_cuda_stream(device=key, priority=0)
+        known = default_pairs[key] = StreamPair(comp=comp, comm=comm)
+    return known
 
 
-def set_streams(
-    comp_stream: AnyStream | None = None,
-    comm_stream: AnyStream | None = None,
-    *,
-    device: torch.device | str | None = None,
-    high_priority_comm: bool = False,
-) -> StreamPair:
-    """Set the default streams of a device (Megatron-Core style) and return them.
-
-    Each device has its own pair: ``device`` (default: :func:`~moe_overlap.default_device`,
-    the current CUDA device or the CPU), or the device of the streams passed. The first
-    call for a device wins, as in Megatron-Core, unless streams are passed explicitly,
-    which replace that device's. Unset streams default to :func:`~moe_overlap.make_streams`
-    for the device. A stream of another device than ``device`` is a
-    :class:`~moe_overlap.StreamError`.
-    """
-    check_arg("set_streams", "comp_stream", comp_stream, _OPT_STREAM)
-    check_arg("set_streams", "comm_stream", comm_stream, _OPT_STREAM)
-    given = _pair_device(comp_stream, comm_stream)
-    if device is not None or given is None:
-        key = _device_key(_stream_device(device, "set_streams"))
-    else:
-        key = given
-    if given is not None and given != key:
-        raise StreamError(
-            f"set_streams: expected streams of {key}, received "
-            f"comp={comp_stream!r}, comm={comm_stream!r} (on {given}); pass streams of the "
-            "device, or leave device unset"
-        )
-    known = _DEFAULTS.get(key)
-    if known is not None and comp_stream is None and comm_stream is None:
-        return known
-    made = (
-        make_streams(key, high_priority_comm=high_priority_comm)
-        if comp_stream is None or comm_stream is None
-        else None
-    )
-    pair = StreamPair(
-        comp=comp_stream if comp_stream is not None else cast(StreamPair, made).comp,
-        comm=comm_stream if comm_stream is not None else cast(StreamPair, made).comm,
-    )
-    _DEFAULTS[key] = pair
-    return pair
-
-
-def reset_streams() -> None:
-    """Forget every device's default streams (tests and device switches)."""
-    _DEFAULTS.clear()
-
-
-def get_comp_stream(*, device: torch.device | str | None = None) -> AnyStream:
-    """The default compute stream of ``device`` (the current one without it); set on first
-    use (:func:`~moe_overlap.set_streams`)."""
-    return set_streams(device=device).comp
-
-
-def get_comm_stream(*, device: torch.device | str | None = None) -> AnyStream:
-    """The default communication stream of ``device`` (the current one without it); set on
-    first use (:func:`~moe_overlap.set_streams`)."""
-    return set_streams(device=device).comm
+def new_event(device: torch.device) -> AnyEvent:
+    """A new event for the ``cpu`` or ``cuda`` device of a :class:`StreamPair`."""
+    if device.type == "cpu":
+        return CpuEvent()
+    return _new_cuda_event()

@@ -3,7 +3,7 @@
 A :data:`MacroStep` is one run of the runner: a tuple of microbatch steps
 (:class:`~moe_overlap.steps.Step` s of a direction and a microbatch, ``F1``), forwards first,
 at most two microbatches in all. Which macro steps :func:`~moe_overlap.combined_1f1b` runs,
-and in what order, is the driver's (``engine/_microbatch_order.py``: serial, overlapped,
+and in what order, is the driver's (``_microbatch_order.py``: serial, overlapped,
 fill-drain).
 
 A macro step prints as its steps ``+``-joined (``F1+B0``) and a list of them ``" | "``-joined:
@@ -17,8 +17,8 @@ from typing import cast
 from moe_overlap.args import refuse
 from moe_overlap.errors import ConfigError
 
-from ._kinds import Direction
-from ._step import Step
+from .core._kinds import Direction
+from .core._step import Step
 
 __all__ = [
     "MacroStep",
