@@ -150,6 +150,14 @@ _MISUSES: dict[str, tuple[list[str], str]] = {
         ["plan", "--choose", "--schedule", "1f1b"],
         "received --schedule, which it would ignore",
     ),
+    "dp-with-choose": (
+        ["plan", "--choose", "--dp", "4"],
+        "(no --profile, --choose), received --dp, which it would ignore",
+    ),
+    "ep-with-profile-and-choose": (
+        ["plan", "--choose", "--profile", "{tmp}/list.json", "--layers", "4", "--ep", "4"],
+        "(--profile gives the costs, --choose), received --ep, which it would ignore",
+    ),
     "machine-with-profile": (
         ["plan", "--profile", "{tmp}/list.json", "--layers", "4", "--machine", "h100"],
         "(--profile gives the costs, no --choose), received --machine, which it would ignore",

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import cast
 
 import pytest
 
@@ -240,6 +241,25 @@ def test_profile_rows_and_tiling() -> None:
         load_profile([{"layer": 0, "slot": "nope", "direction": "F", "ms": 1.0}])
     with pytest.raises(ConfigError, match="milliseconds"):
         load_profile([{"layer": 0, "slot": "mlp", "direction": "F", "ms": -1.0}])
+
+
+def test_load_profile_refuses_what_is_not_rows(tmp_path: Path) -> None:
+    """Rows that are not mappings, a source that is neither a path nor rows, a missing or
+    unreadable file: the library's own error naming what was received (they were a bare
+    TypeError, FileNotFoundError or JSONDecodeError)."""
+    with pytest.raises(ConfigError, match=r"each row a mapping .* received int 1"):
+        load_profile(cast("list[dict[str, object]]", [1, 2]))
+    with pytest.raises(ConfigError, match="received NoneType None"):
+        load_profile(cast("list[dict[str, object]]", [None]))
+    with pytest.raises(ConfigError, match="a path or rows .* received int 5"):
+        load_profile(cast("list[dict[str, object]]", 5))
+    missing = tmp_path / "missing.json"
+    with pytest.raises(ConfigError, match="readable JSON file .*missing.json"):
+        load_profile(missing)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(ConfigError, match="readable JSON file .*broken.json"):
+        load_profile(broken)
 
 
 def test_refusals() -> None:

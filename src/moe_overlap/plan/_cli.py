@@ -240,8 +240,15 @@ def _refuse_unused(ns: argparse.Namespace) -> None:
     if not ns.choose:
         choose_only = ("--memory-budget", "--static-share", "--quick", "--hidden", "--moe-ffn")
         unused += [k for k in (*choose_only, "--top-k") if k in given and k not in unused]
-    elif list(ns.schedule) != list(_DEFAULT_SCHEDULES):
-        unused.append("--schedule")
+    else:
+        if list(ns.schedule) != list(_DEFAULT_SCHEDULES):
+            unused.append("--schedule")
+        # one rank's schedule: replicas do not change it; a profile already holds the
+        # all-to-alls of its expert-parallel size
+        if ns.dp != 1:
+            unused.append("--dp")
+        if ns.profile is not None and ns.ep != 8:
+            unused.append("--ep")
     if unused:
         why = "--profile gives the costs" if ns.profile is not None else "no --profile"
         mode = "--choose" if ns.choose else "no --choose"

@@ -16,7 +16,13 @@ from moe_overlap.engine import ConfigError, Direction, Slot, SlotKey
 __all__ = ["load_profile", "profile_times"]
 
 
-def _row_key(row: Mapping[str, object], where: str) -> tuple[SlotKey, float]:
+def _row_key(given: object, where: str) -> tuple[SlotKey, float]:
+    if not isinstance(given, Mapping):
+        raise ConfigError(
+            f"{where}: expected each row a mapping {{'layer', 'slot', 'direction', 'ms'}}, "
+            f"received {type(given).__name__} {given!r}"
+        )
+    row = cast("Mapping[str, object]", given)
     try:
         layer = row["layer"]
         slot = Slot(row["slot"])
@@ -41,13 +47,25 @@ def load_profile(
     holding the rows (a list, or an object with ``serial_slot_durations``)."""
     where = "load_profile"
     if isinstance(source, (str, os.PathLike)):
-        with open(source, encoding="utf-8") as f:
-            data = cast(object, json.load(f))
+        try:
+            with open(source, encoding="utf-8") as f:
+                data = cast(object, json.load(f))
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"{where}: expected a readable JSON file of profile rows at "
+                f"{os.fspath(source)!r}, could not read it ({e}); give a file of "
+                f"{{'layer', 'slot', 'direction', 'ms'}} rows (a benchmark's serial_slot_durations)"
+            ) from None
         if isinstance(data, dict) and "serial_slot_durations" in data:
             data = cast("dict[str, object]", data)["serial_slot_durations"]
         if not isinstance(data, list):
             raise ConfigError(f"{where}: expected a JSON list of rows in {os.fspath(source)!r}")
         source = [cast("dict[str, object]", r) for r in cast("list[object]", data)]
+    if not isinstance(cast(object, source), Iterable):
+        raise ConfigError(
+            f"{where}: expected a path or rows (mappings), received {type(source).__name__} "
+            f"{source!r}"
+        )
     out: dict[SlotKey, float] = {}
     for row in source:
         key, ms = _row_key(row, where)
