@@ -4,6 +4,7 @@ one is a single process."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -21,11 +22,17 @@ ARGVS = {"argv0": ["--ep", "1"], "argv1": ["--ep", "2", "--delay-wgrad"]}
 """Each run's arguments, by its test's parameter id."""
 
 
+# The EP=1 run takes every core (``torch.set_num_threads``); its OpenMP threads sleep at a
+# barrier instead of spinning, or beside the other run they spin out most of a core's time.
+ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+
+
 def _train(argv: list[str]) -> Callable[[], subprocess.CompletedProcess[str]]:
     return lambda: subprocess.run(
         [sys.executable, str(SCRIPT), "--steps", "4", *argv],
         capture_output=True,
         text=True,
+        env=ENV,
         timeout=120,
         check=False,
     )

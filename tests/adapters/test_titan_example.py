@@ -1,6 +1,7 @@
 """``examples/train_torchtitan.py`` runs and trains (one process, with and without delayed
-weight gradients). Each run is one single-threaded process: both start ahead of their
-tests, side by side (:class:`~tests.parallel_runs.ParallelRuns`)."""
+weight gradients). Each run is one single-threaded process, forked from a zygote that
+imported torch (:mod:`tests.forked`): both start ahead of their tests, side by side
+(:class:`~tests.parallel_runs.ParallelRuns`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import forked
 from tests.parallel_runs import ParallelRuns, selected_in
 
 pytest.importorskip("torchtitan")
@@ -22,13 +24,7 @@ ARGVS = {"argv0": [], "argv1": ["--delay-wgrad", "--family", "qwen3"]}
 
 
 def _train(argv: list[str]) -> Callable[[], subprocess.CompletedProcess[str]]:
-    return lambda: subprocess.run(
-        [sys.executable, str(SCRIPT), "--steps", "3", *argv],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    return lambda: forked.run([sys.executable, str(SCRIPT), "--steps", "3", *argv], timeout=300)
 
 
 @pytest.fixture(scope="module")

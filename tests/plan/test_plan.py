@@ -26,6 +26,7 @@ from moe_overlap.steps import (
     SlotKey,
     predict_ms,
 )
+from tests import forked
 from tests.figures import check_figure, saved_figures
 from tests.parallel_runs import ParallelRuns, selected_in
 
@@ -33,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _python(*argv: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, *argv], capture_output=True, text=True, check=False)
+    """``python *argv``, forked from a zygote that imported torch (:mod:`tests.forked`)."""
+    return forked.run([sys.executable, *argv], timeout=600)
 
 
 RUNS: dict[str, Callable[[Path], subprocess.CompletedProcess[str]]] = {
