@@ -29,7 +29,10 @@ from tests.engine.test_node_schedule import run_both
 
 ROOT = Path(__file__).resolve().parents[2]
 ROUND9 = json.loads((ROOT / "benchmarks/results/round9/results.json").read_text())["results"]
-FRONTIER = json.loads((ROOT / "benchmarks/results/frontier/frontier.json").read_text())
+FRONTIER = json.loads((ROOT / "benchmarks/results/frontier_choice/frontier.json").read_text())
+"""``python benchmarks/frontier.py --out DIR --one-event``: the frontier of the space
+``choose_schedule`` searches (plus chunks and partial recomputation), timed as the engine
+runs (one event per microbatch)."""
 #: The frontier's configurations: (name, expert FFN, microbatches).
 CONFIGS = [("main N=4", 2048, 4), ("main N=8", 2048, 8), ("comm~compute N=4", 4096, 4)]
 BUDGETS = [0.86, 0.9, 1.0, 1.1, 1.2, 1.25, 1.5, None]
@@ -97,7 +100,8 @@ def test_the_choice_is_the_fastest_schedule_within_each_budget(
 
 def test_with_the_default_space_the_choice_is_the_committed_frontier_s_best() -> None:
     """Main configuration, 4 microbatches: within 1.25x memory and at any memory the
-    choice is the committed frontier's best point (``benchmarks/frontier.py``)."""
+    choice is the committed frontier's best point (``benchmarks/frontier.py
+    --one-event``)."""
     costs, memory = _setup(2048, 4)
     found = search_schedules(costs, 4, memory, CHOICE_SPACE)
     cfg = FRONTIER["configs"][0]

@@ -35,9 +35,12 @@ CHOICE_SPACE = SearchSpace(
     recompute=(Recompute(), Recompute((_MLP,)), Recompute((_PRE, _MLP))),
     memory_caps=(None, 1.05, 1.1, 1.15, 1.2, 1.25, 1.3),
     rules=("oldest", "critical", "forward"),
+    one_event=True,
 )
 """The space :func:`choose_schedule` searches by default: ``benchmarks/frontier.py``'s,
-less what the engine does not run as steps (chunks, recomputation of some layers)."""
+less what the engine does not run as steps (chunks, recomputation of some layers), each
+order timed as the engine runs it (one event per microbatch,
+:attr:`~moe_overlap.plan.SearchSpace.one_event`)."""
 
 QUICK_CHOICE_SPACE = dataclasses.replace(
     CHOICE_SPACE,
