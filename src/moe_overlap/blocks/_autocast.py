@@ -21,9 +21,17 @@ import torch
 
 __all__ = ["AutocastState"]
 
-_AVAILABLE: dict[str, bool] = {
-    kind: torch.amp.is_autocast_available(kind) for kind in ("cpu", "cuda", "xpu", "mps", "hpu")
-}
+
+def _available_at_import() -> dict[str, bool]:
+    out: dict[str, bool] = {}
+    for kind in ("cpu", "cuda", "xpu", "mps", "hpu"):
+        # a device type this torch build does not know: left out, asked per call
+        with contextlib.suppress(RuntimeError):
+            out[kind] = torch.amp.is_autocast_available(kind)
+    return out
+
+
+_AVAILABLE = _available_at_import()
 """Whether autocast supports each common device type, asked once at import: torch.compile
 before torch 2.13 cannot trace ``torch.amp.is_autocast_available`` inside an autograd
 Function's forward (an error, not a graph break), and a delayable linear asks it there."""
