@@ -126,3 +126,43 @@ def test_the_comparison_chart_says_what_it_shows(
     )
     ticks = [t.get_text() for t in fig.axes[0].get_yticklabels()]
     assert ticks == ["predicted comm", "predicted comp", "measured comm", "measured comp"]
+
+
+def _node(node: str, stream: str, lo: float, hi: float) -> dict[str, Any]:
+    return {"node": node, "stream": stream, "start_ms": lo, "end_ms": hi, "issued_ms": lo}
+
+
+def test_contention_by_kind_reads_the_coefficient_each_row_implies(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A combine backward of 10 ms alone takes 12 ms with half of it beside compute in one
+    row (coefficient 0.4) and 14 ms entirely beside compute in the other (0.4 again): the
+    replay from the first row's coefficient is the second row's measurement; a file that is
+    not an explain.json is the parser's one-line error."""
+    cbk = _module("contention_by_kind", monkeypatch)
+    alone = [_node("mb0.L0.combine.B", "comp", 0.0, 10.0)]
+    overlapped = [_node("mb0.L0.combine.B", "comm", 0.0, 12.0), _node("x.mlp.F", "comp", 6.0, 12.0)]
+    searched = [_node("mb0.L0.combine.B", "comm", 0.0, 14.0), _node("x.mlp.F", "comp", 0.0, 14.0)]
+    result = {
+        "name": "made up",
+        "contention_fitted_here": {"planner": 0.1},
+        "timelines": {
+            "measured": {
+                "overlapped": overlapped,
+                "searched": searched,
+                "searched_serial": alone,
+            }
+        },
+    }
+    path = tmp_path / "explain.json"
+    path.write_text(json.dumps({"command": "c", "device": "d", "results": [result]}))
+    assert cbk.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| overlapped | combine.B | 12.0 | 10.0 | 1.200 | 0.500 | 0.400 |" in out
+    assert "| searched | combine.B | 14.0 | 10.0 | 1.400 | 1.000 | 0.400 |" in out
+    assert "measured 14.0 ms; each kind's coefficient from overlapped" in out
+    assert "compute: 14.0 ms (+0.0%); one factor 0.100 on every node: 11.0 ms (-21.4%)" in out
+    path.write_text("[]")
+    with pytest.raises(SystemExit) as exc:
+        cbk.main([str(path)])
+    assert exc.value.code == 2
