@@ -683,14 +683,8 @@ RUNS: dict[str, Callable[[Path], subprocess.CompletedProcess[str]]] = {
     "test_bench_slice_graphs_smoke": lambda out: _bench_run(
         "bench_slice_graphs.py", "--iters", "1", "--out", str(out)
     ),
-    "test_ab_calls_counts_the_same_tree_the_same": lambda out: subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "ab_calls.py"), "--a", _SRC, "--b", _SRC],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        cwd=ROOT,
-        env={"PYTHONPATH": _SRC, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1"},
+    "test_ab_calls_counts_the_same_tree_the_same": lambda out: _run(  # _ENV: src, PATH, 1 thread
+        [sys.executable, str(ROOT / "benchmarks" / "ab_calls.py"), "--a", _SRC, "--b", _SRC]
     ),
     "test_bench_torchtitan_smoke": lambda out: _bench_run(
         "bench_torchtitan.py",

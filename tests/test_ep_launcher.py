@@ -1,14 +1,17 @@
-"""The expert-parallel launcher (benchmarks/ep_nccl.py) on two real gloo processes."""
+"""The expert-parallel launcher (benchmarks/ep_nccl.py) on two real gloo processes: the
+launcher forked from a zygote that imported torch (:mod:`tests.forked`, as a fresh
+``python ep_nccl.py`` would start), its ranks the plain subprocesses it starts itself."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests import forked
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -16,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_launcher_is_exact_on_two_gloo_ranks(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
-    out = subprocess.run(
+    out = forked.run(
         [
             sys.executable,
             str(ROOT / "benchmarks" / "ep_nccl.py"),
@@ -29,11 +32,8 @@ def test_launcher_is_exact_on_two_gloo_ranks(tmp_path: Path) -> None:
             "--out",
             str(tmp_path),
         ],
-        capture_output=True,
-        text=True,
         env=env,
         timeout=300,
-        check=False,
     )
     assert out.returncode == 0, out.stderr
     reports = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("ep2_rank*.json"))]

@@ -12,6 +12,7 @@ import email.parser
 import importlib
 import importlib.metadata
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -162,16 +163,25 @@ def test_built_wheel_installs_alone_and_runs(tmp_path: Path) -> None:
     _run([*pip, "check"], cwd=tmp_path, env=env)  # every requirement met, nothing missing
 
     # 4. The user's commands, from a folder without the sources (independent of each other:
-    # two at a time).
-    probe = (
-        "import importlib.util as u, moe_overlap as m; "
-        "print(m.__file__, m.__version__, u.find_spec('tqdm'), u.find_spec('matplotlib'))"
-    )
+    # two at a time). The probe, ``--help`` and ``--version`` share one interpreter (each
+    # would import torch again): the installed ``moe-overlap`` script run as its own file
+    # once per option, its exit status and output printed as a JSON line each.
     script = str(venv / "bin" / "moe-overlap")
+    probe = f"""
+import contextlib, importlib.util as u, io, json, runpy, sys
+import moe_overlap as m
+print(m.__file__, m.__version__, u.find_spec('tqdm'), u.find_spec('matplotlib'))
+for option in ('--help', '--version'):
+    sys.argv, out, code = [{script!r}, option], io.StringIO(), None
+    with contextlib.redirect_stdout(out):
+        try:
+            runpy.run_path(sys.argv[0], run_name='__main__')
+        except SystemExit as e:
+            code = e.code
+    print(json.dumps([code, out.getvalue()]))
+"""
     commands = {
         "probe": [str(python), "-c", probe],
-        "help": [script, "--help"],
-        "version": [script, "--version"],
         "demo": [script, "demo", "--steps", "1", "--microbatches", "1", "--out", "demo_out"],
         "plan": [
             str(python),
@@ -187,9 +197,12 @@ def test_built_wheel_installs_alone_and_runs(tmp_path: Path) -> None:
     with ThreadPoolExecutor(2) as pool:
         ran = {k: pool.submit(_run, argv, cwd=tmp_path, env=env) for k, argv in commands.items()}
         outputs = {k: done.result() for k, done in ran.items()}
-    where, got, tqdm, matplotlib = outputs["probe"].split()
+    probed, *answers = outputs["probe"].splitlines()
+    where, got, tqdm, matplotlib = probed.split()
     assert Path(where).is_relative_to(site) and got == version
     assert (tqdm, matplotlib) == ("None", "None")  # the extras' packages are not there
+    (help_code, outputs["help"]), (version_code, outputs["version"]) = map(json.loads, answers)
+    assert help_code in (0, None) and version_code in (0, None), (help_code, version_code)
     text = outputs["help"]
     assert "demo" in text and "plan" in text
     assert outputs["version"].strip() == f"moe-overlap {version}"

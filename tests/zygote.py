@@ -8,7 +8,8 @@ forks one process per request, a JSON line on its stdin (from the session,
 socket with the standard streams' descriptors (from a forked torchrun asking for a rank;
 reported on that connection). The forked process becomes ``python *argv`` (``-m module``,
 ``script.py``, ``-u``): its own environment (replaced whole), working directory,
-``sys.argv``, ``sys.path`` (``PYTHONPATH`` set as the interpreter sets it), standard streams
+``sys.argv``, ``sys.path`` (``PYTHONPATH`` set as the interpreter sets it),
+``sys.dont_write_bytecode`` (from ``PYTHONDONTWRITEBYTECODE``), standard streams
 (the asker's, or files; input from ``/dev/null``), its own session for a torchrun rank (as
 torchrun starts one) and fresh seeds (Python's ``random``, torch's default generator); it
 runs the module or script as ``__main__`` and ends as that interpreter would (exit status,
@@ -50,9 +51,17 @@ PRELOAD = (
 STARTUP_PREFIXES = ("PYTHON", "TORCH", "PYTORCH", "OMP_", "MKL_", "KMP_", "LD_", "MALLOC")
 """Environment variables read when the interpreter or torch starts: a process whose
 environment has them otherwise than a zygote's needs another zygote (or none)..."""
-RUNTIME = ("PYTHONPATH", "PYTHONUNBUFFERED", "TORCHELASTIC_", "TORCH_NCCL_")
-"""... but these: ``PYTHONPATH`` and ``-u`` are set in the forked process as the interpreter
-sets them, torchrun's own variables are read when used."""
+RUNTIME = (
+    "PYTHONPATH",
+    "PYTHONUNBUFFERED",
+    "PYTHONDONTWRITEBYTECODE",
+    "TORCHELASTIC_",
+    "TORCH_NCCL_",
+)
+"""... but these: ``PYTHONPATH``, ``-u`` and ``PYTHONDONTWRITEBYTECODE``
+(``sys.dont_write_bytecode``) are set in the forked process as the interpreter sets them,
+torchrun's own variables are read when used (a session whose environment sets
+``PYTHONDONTWRITEBYTECODE`` shares its zygotes with the scripts' clean environment)."""
 
 
 def startup(env: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
@@ -170,6 +179,7 @@ def _become(request: dict[str, Any]) -> None:
     os.environ.update(request["env"])
     random.seed()
     torch.seed()
+    sys.dont_write_bytecode = bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))
     argv: list[str] = request["argv"]
     if argv[0] == "-u" or os.environ.get("PYTHONUNBUFFERED"):  # unbuffered standard streams
         argv = argv[1:] if argv[0] == "-u" else argv

@@ -26,6 +26,7 @@ backward of that slot, so every parameter accumulates its gradients in microbatc
 no layer owes two microbatches' weight gradients at once.
 """
 
+import bisect
 import dataclasses
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -489,8 +490,18 @@ def in_flight_flags(
     for m, (lo, hi) in zip(mbs, spans, strict=True):
         first[m] = min(first.get(m, lo), lo)
         last[m] = max(last.get(m, hi), hi)
+    if not all(first[o] <= last[o] for o in first):  # (not from a placement) one by one
+        return [
+            c and any(o != m and first[o] <= lo < last[o] for o in first)
+            for m, c, (lo, _) in zip(mbs, comm, spans, strict=True)
+        ]
+    # The microbatches in flight at ``lo``: those started by then less those ended by then
+    # (an ended one started before it ended), less the step's own.
+    starts, ends = sorted(first.values()), sorted(last.values())
     return [
-        c and any(o != m and first[o] <= lo < last[o] for o in first)
+        c
+        and bisect.bisect_right(starts, lo) - bisect.bisect_right(ends, lo)
+        > (first[m] <= lo < last[m])
         for m, c, (lo, _) in zip(mbs, comm, spans, strict=True)
     ]
 
@@ -524,7 +535,19 @@ def issued_flags(mbs: Sequence[int]) -> list[bool]:
     for i, m in enumerate(mbs):
         first.setdefault(m, i)
         last[m] = i
-    return [any(o != m and first[o] < i < last[o] for o in first) for i, m in enumerate(mbs)]
+    # +1 where a microbatch's open span (first, last) starts, -1 where it ends: the running
+    # sum at ``i`` counts the microbatches whose span holds ``i``, the step's own among them.
+    change = [0] * (len(mbs) + 1)
+    for o, start in first.items():
+        if last[o] - start >= 2:
+            change[start + 1] += 1
+            change[last[o]] -= 1
+    flags: list[bool] = []
+    open_ = 0
+    for i, m in enumerate(mbs):
+        open_ += change[i]
+        flags.append(open_ > (first[m] < i < last[m]))
+    return flags
 
 
 def peak(events: list[tuple[float, int, float]]) -> float:

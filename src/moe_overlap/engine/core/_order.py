@@ -35,6 +35,7 @@ The orders only change when each step is issued, i.e. which waits on which; a
 """
 
 import enum
+import functools
 import itertools
 import json
 from collections.abc import Iterable
@@ -81,6 +82,7 @@ def _wgrads(role: Role) -> tuple[Step, ...]:
     return (Step(W, role=role, slot=Slot.MLP), Step(W, role=role, slot=Slot.PRE_DISPATCH))
 
 
+@functools.cache
 def _recomputes(kind: PairKind) -> tuple[Step, ...]:
     """The recompute steps a kind's order may list (each backward's pre-dispatch and mlp)."""
     roles = {PairKind.MIXED: (Role.B,), PairKind.FORWARDS: (), PairKind.BACKWARDS: _BACKWARDS}
@@ -93,6 +95,7 @@ _BACKWARDS = (Role.B, Role.B2)
 _RECOMPUTED_SLOTS = (Slot.PRE_DISPATCH, Slot.MLP)
 
 
+@functools.cache
 def _chains(kind: PairKind) -> tuple[tuple[Step, ...], ...]:
     """The ordered chains of a kind's template (each microbatch's steps, no ``W``)."""
     if kind is PairKind.MIXED:
@@ -104,6 +107,7 @@ def _chains(kind: PairKind) -> tuple[tuple[Step, ...], ...]:
     return (_backward_chain(Role.B, mtp=False), _backward_chain(Role.B2, mtp=False))
 
 
+@functools.cache
 def _wgrad_steps(kind: PairKind) -> tuple[Step, ...]:
     if kind is PairKind.MIXED:
         return _wgrads(Role.B)
@@ -119,6 +123,15 @@ def before(kind: PairKind, steps: Iterable[Step]) -> list[tuple[Step, Step]]:
     for chain in _chains(kind):
         present = [s for s in chain if s in have]
         rules += list(itertools.pairwise(present))
+    rules += _fixed_rules(kind)
+    return [(a, b) for a, b in rules if a in have and b in have]
+
+
+@functools.cache
+def _fixed_rules(kind: PairKind) -> tuple[tuple[Step, Step], ...]:
+    """The rules of :func:`before` that do not depend on which steps are present (before
+    keeping those among them), in its order: each search step checks one order."""
+    rules: list[tuple[Step, Step]] = []
     for w in _wgrad_steps(kind):
         rules.append((w._replace(direction=B), w))
     for r in _recomputes(kind):
@@ -132,15 +145,17 @@ def before(kind: PairKind, steps: Iterable[Step]) -> list[tuple[Step, Step]]:
             w = s._replace(direction=W)
             if w in _wgrad_steps(kind):
                 rules.append((w, later))
-    return [(a, b) for a, b in rules if a in have and b in have]
+    return tuple(rules)
 
 
+@functools.cache
 def template(kind: PairKind) -> frozenset[Step]:
     """Every step a kind's order lists (the recompute steps it may list besides:
     :func:`optional`)."""
     return frozenset(itertools.chain(*_chains(kind), _wgrad_steps(kind)))
 
 
+@functools.cache
 def optional(kind: PairKind) -> frozenset[Step]:
     """The steps a kind's order may list or leave out: recomputes (``b.mlp.R``). Left out, a
     recomputed slot runs its recompute at the start of its backward."""
