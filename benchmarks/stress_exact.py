@@ -115,17 +115,18 @@ def config_for(args: argparse.Namespace, composition: str) -> GPTMoEConfig:
 FRONTIER = Path(__file__).resolve().parent / "results" / "frontier" / "frontier.json"
 
 
-def frontier_order(microbatches: int, layers: int) -> NodeSchedule:
+def frontier_order(microbatches: int, layers: int, frontier: Path = FRONTIER) -> NodeSchedule:
     """The committed frontier's best order for ``microbatches`` (``benchmarks/frontier.py``:
-    several microbatches in flight, delayed weight gradients, recomputation started early)."""
-    for c in json.loads(FRONTIER.read_text(encoding="utf-8"))["configs"]:
+    several microbatches in flight, delayed weight gradients, recomputation started early);
+    ``frontier``: another frontier file (``--frontier``)."""
+    for c in json.loads(frontier.read_text(encoding="utf-8"))["configs"]:
         schedule = NodeSchedule.parse(c["best_order"])
         uses_r = any(s.direction is Direction.RECOMPUTE for s in schedule.steps)
         n_layers = 1 + max(s.layer for s in schedule.steps if s.layer is not None)
         if schedule.microbatches == microbatches and n_layers == layers and uses_r:
             return schedule
     raise SystemExit(
-        f"stress_exact: {FRONTIER} has no best order of {microbatches} microbatches and "
+        f"stress_exact: {frontier} has no best order of {microbatches} microbatches and "
         f"{layers} layers with recomputation; run the frontier composition with "
         "--microbatches 4 or 8 and --layers 4"
     )
@@ -198,7 +199,7 @@ class C1F1BCase:
             graph = ScheduleGraph(microbatches=len(self.mbs), moe=(True,) * config.num_layers)
             self.schedule = node_schedule(today_orders(graph)["fill_drain"])
         if composition == "frontier":  # the planner's best order of this many microbatches
-            self.schedule = frontier_order(len(self.mbs), config.num_layers)
+            self.schedule = frontier_order(len(self.mbs), config.num_layers, args.frontier)
             self.options = dataclasses.replace(options, recompute=(Slot.PRE_DISPATCH, Slot.MLP))
         self.streams = make_streams(device)
 
@@ -290,6 +291,13 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=4, help="pipelines: half per stage")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--without-record-stream-fix", action="store_true")
+    p.add_argument(
+        "--frontier",
+        type=Path,
+        default=FRONTIER,
+        help="the frontier whose best order the frontier composition runs (default: "
+        "benchmarks/results/frontier/frontier.json)",
+    )
     p.add_argument("--out", type=Path, default=None, help="folder for stress.json")
     args = p.parse_args()
     if args.tiny:

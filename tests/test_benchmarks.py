@@ -182,9 +182,10 @@ def test_bench_schedules_smoke(ran: Ran) -> None:
 FrontierRows = list[tuple[dict[str, Any], dict[str, Any]]]
 
 
-FRONTIERS = ("frontier", "frontier_one_event")
-"""The committed frontiers: the planner's defaults, and one searched as the engine runs
-(one event per microbatch) with the benchmark slice's weight-gradient shares."""
+FRONTIERS = ("frontier", "frontier_one_event", "frontier_choice")
+"""The committed frontiers: the planner's defaults; searched as the engine runs (one event
+per microbatch) with the benchmark slice's weight-gradient shares; and with the planner's
+(``choose_schedule``'s default space)."""
 
 
 def _frontier_rows(name: str = "frontier") -> tuple[dict[str, Any], FrontierRows]:

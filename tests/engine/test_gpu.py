@@ -255,7 +255,7 @@ def test_cuda_node_schedule_ending_in_a_weight_gradient_is_awaited_by_the_caller
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_the_planner_s_best_schedules_are_bit_identical(dtype: torch.dtype) -> None:
-    """The committed frontier's best orders (up to four in flight, delayed W, early R) on
+    """Every committed frontier's best orders (up to four in flight, delayed W, early R) on
     CUDA streams, each against plain backward()."""
     from moe_overlap.steps import NodeSchedule
 

@@ -44,6 +44,16 @@ def test_every_composition_stays_bit_identical_shaken_and_not() -> None:
     assert "runs not bit-identical: 0 of" in result.stdout
 
 
+@pytest.mark.parametrize("frontier", ["frontier_one_event", "frontier_choice"])
+def test_the_one_event_frontiers_best_orders_stay_bit_identical(frontier: str) -> None:
+    """The best orders searched as the engine runs them (recomputes early, several
+    microbatches in flight), shaken and not."""
+    path = ROOT / "benchmarks" / "results" / frontier / "frontier.json"
+    result = _stress("--shake", "both", "--compositions", "frontier", "--frontier", str(path))
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    assert "runs not bit-identical: 0 of 6" in result.stdout
+
+
 def test_the_race_of_issue_37_is_reproduced_without_its_fix() -> None:
     """The test above can fail: with the fix removed, shaken pipelined runs differ."""
     result = _stress(

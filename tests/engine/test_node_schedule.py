@@ -390,17 +390,23 @@ def test_a_timeline_records_every_step_of_a_schedule() -> None:
     assert spans[0].label == "mb0.pre_process.F"
 
 
-_FRONTIER = Path(__file__).resolve().parents[2] / "benchmarks/results/frontier/frontier.json"
+_RESULTS = Path(__file__).resolve().parents[2] / "benchmarks/results"
+_FRONTIERS = ("frontier", "frontier_one_event", "frontier_choice")
+"""The committed frontiers: the planner's defaults; searched as the engine runs with the
+benchmark slice's weight-gradient shares; ``choose_schedule``'s default space."""
 
 
 def _frontier_orders() -> list[tuple[str, str]]:
-    configs = json.loads(_FRONTIER.read_text(encoding="utf-8"))["configs"]
-    return [(c["name"], c["best_order"]) for c in configs]
+    out: list[tuple[str, str]] = []
+    for folder in _FRONTIERS:
+        configs = json.loads((_RESULTS / folder / "frontier.json").read_text(encoding="utf-8"))
+        out += [(f"{folder}:{c['name']}", c["best_order"]) for c in configs["configs"]]
+    return out
 
 
-@pytest.mark.parametrize(("name", "order"), _frontier_orders(), ids=lambda v: v[:12])
+@pytest.mark.parametrize(("name", "order"), _frontier_orders(), ids=lambda v: v[:28])
 def test_the_planner_s_best_schedules_run_bit_identical(name: str, order: str) -> None:
-    """The committed frontier's best orders (up to four microbatches in flight, delayed
+    """Each committed frontier's best orders (up to four microbatches in flight, delayed
     weight gradients, recomputation started early), as searched, on a four-layer MoE model."""
     schedule = NodeSchedule.parse(order)
     run_both("mmmm", schedule, **frontier_options(schedule))
