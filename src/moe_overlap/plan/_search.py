@@ -196,7 +196,7 @@ class SearchSpace:
         for pair in self.wgrad_share:
             slot, share = pair[0], pair[-1]
             if (
-                len(pair) != 2
+                len(cast("tuple[object, ...]", pair)) != 2
                 or slot not in (_PRE, _MLP)
                 or not _SHARE.accepts(share)
                 or not 0.0 <= share <= 1.0
@@ -457,7 +457,7 @@ def search_schedules(
     space = space or SearchSpace()
     if today_recompute is not None:
         today_recompute = check_recompute(f"{where}: today_recompute", today_recompute)
-    progress = check_arg(where, "progress", progress, Opt(Func("a callable taking a str")))
+    check_arg(where, "progress", progress, Opt(Func("a callable taking a str")))
     base = ScheduleGraph(microbatches=microbatches, moe=costs.moe, one_event=space.one_event)
     share = dict(space.wgrad_share)
 

@@ -272,19 +272,20 @@ def node_schedule(order: Order) -> NodeSchedule:
 def _order_arg(where: str, order: object, *, items: bool = True) -> list[SearchStep | None]:
     """``order`` as a list; ``items``: each item checked a :class:`SearchStep` or ``None``
     (a join)."""
+    kind = type(order).__name__
     if isinstance(order, (str, bytes, Mapping)) or not isinstance(order, Iterable):
         raise ConfigError(
             f"{where}: order must be a sequence of SearchStep s and None (joins), received "
-            f"{type(order).__name__}; pass a SearchPoint's order"
+            f"{kind}; pass a SearchPoint's order"
         )
-    items = list(cast("Iterable[object]", order))
-    for i, step in enumerate(items):
+    steps = list(cast("Iterable[object]", order))
+    for i, step in enumerate(steps):
         if items and step is not None and not isinstance(step, SearchStep):
             raise ConfigError(
                 f"{where}: step {i}: expected a SearchStep or None (a join), received "
                 f"{type(step).__name__}"
             )
-    return cast("list[SearchStep | None]", items)
+    return cast("list[SearchStep | None]", steps)
 
 
 def _slot_key(step: SearchStep) -> tuple[int | None, Slot]:
