@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import random
+import re
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,7 @@ from moe_overlap.steps import (
     Slot,
     Step,
     check_node_order,
+    format_steps,
     microbatch_node_steps,
 )
 
@@ -450,3 +452,46 @@ def test_only_a_live_claim_s_weight_gradient_may_be_owed_while_a_schedule_runs()
             check_wgrad_done(model, when="when a microbatch starts")
     with claim_wgrad(model[0], model[1]), pytest.raises(WgradError, match="_Owing"):
         check_wgrad_done(model, when="when combined_1f1b returns")
+
+
+def test_hand_made_steps_and_misused_checks_are_refused() -> None:
+    """Steps of the wrong kinds printed as other steps (``FTrue``) or crashed later; the
+    checks' arguments raised bare AttributeErrors and TypeErrors; a map of slots (as the
+    driver passes them) is read once."""
+    shape = _shape("m")
+    plain, _ = microbatch_node_steps(shape, 0)
+    good = NodeSchedule(plain)
+    f = Direction.FORWARD
+    for step, field in [
+        (Step(_bad("F"), 0, layer=0, slot=Slot.MLP), "direction 'F'"),
+        (Step(f, True, layer=0, slot=Slot.MLP), "microbatch True"),
+        (Step(f, _bad("0"), layer=0, slot=Slot.MLP), "microbatch '0'"),
+        (Step(f, -1, layer=0, slot=Slot.MLP), "microbatch -1"),
+        (Step(f, 0, layer=-1, slot=Slot.MLP), "layer -1"),
+        (Step(f, 0, layer=0, slot=_bad("mlp")), "slot 'mlp'"),
+        (Step(f, 0, layer=0, slot=Slot.MLP, stream=_bad("comp")), "stream 'comp'"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(field)):
+            NodeSchedule([step])
+    cases: list[tuple[Any, str]] = [
+        (lambda: check_node_order(_bad(str(good)), [shape]), "check_node_order: schedule must be"),
+        (lambda: check_node_order(good, _bad(None)), "check_node_order: shapes must be"),
+        (lambda: check_node_order(good, _bad(["x"])), "check_node_order: shapes must be"),
+        (lambda: check_node_order(good, [shape], recompute=_bad("mlp")), "recompute must be"),
+        (lambda: check_node_order(good, [shape], recompute=[Slot.DISPATCH]), "recompute must"),
+        (lambda: microbatch_node_steps(shape, -1), "microbatch_node_steps: mb must be"),
+        (lambda: microbatch_node_steps(shape, True), "microbatch_node_steps: mb must be"),
+        (lambda: microbatch_node_steps(_bad(None), 0), "microbatch_node_steps: shape must be"),
+        (lambda: format_steps(_bad(None)), "format_steps: steps must be a sequence"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            call()
+    recomputing = NodeSchedule(str(good).replace("L0.mlp.B0", "L0.mlp.R0 L0.mlp.B0", 1))
+    check_node_order(recomputing, [shape], recompute=map(Slot, ["mlp"]))
+    check_node_order(recomputing, [shape], recompute=_bad(["mlp"]))
+
+
+def _bad(value: object) -> Any:
+    """``value`` typed ``Any``: a misuse the type checkers would flag, made at run time."""
+    return value

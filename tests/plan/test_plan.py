@@ -5,17 +5,27 @@ profiles, refusals and the command line."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import pytest
 
 from moe_overlap import ConfigError
 from moe_overlap.integrations.pipelining import schedule_order
-from moe_overlap.plan import Costs, Layout, Plan, Schedule, costs_from_profile, load_profile, plan
+from moe_overlap.plan import (
+    Costs,
+    Layout,
+    Plan,
+    Schedule,
+    costs_from_profile,
+    fit_contention,
+    load_profile,
+    plan,
+)
 from moe_overlap.plan import _plan as plan_module
 from moe_overlap.steps import (
     ChunkShape,
@@ -389,3 +399,74 @@ def test_more_stages_than_layers_is_refused_before_lowering(
     monkeypatch.setattr(plan_module, "lower", never)
     with pytest.raises(ConfigError, match="received 2 layers for 20000 stages"):
         plan(_reference_costs(), Layout(pp=10_000, microbatches=4), "dualpipev")
+
+
+def _profile() -> dict[tuple[int | None, Slot, Direction], float]:
+    out: dict[tuple[int | None, Slot, Direction], float] = {}
+    for slot, ms in ((Slot.PRE_DISPATCH, 1.0), (Slot.DISPATCH, 0.5), (Slot.MLP, 2.0)):
+        out[(0, slot, Direction.FORWARD)] = ms
+        out[(0, slot, Direction.BACKWARD)] = 2 * ms
+    out[(0, Slot.COMBINE, Direction.FORWARD)] = 0.5
+    out[(0, Slot.COMBINE, Direction.BACKWARD)] = 1.0
+    return out
+
+
+def test_costs_from_profile_refuses_what_it_would_misread() -> None:
+    """Each case was a bare TypeError, or a node timed 0 ms / a profile layer dropped
+    silently."""
+    profile = _profile()
+    two = profile | {(1, s, d): ms for (_, s, d), ms in profile.items()}
+    no_mlp_b = {k: v for k, v in profile.items() if k != (0, Slot.MLP, Direction.BACKWARD)}
+    dense = {k: v for k, v in profile.items() if k[1] not in (Slot.DISPATCH, Slot.COMBINE)}
+    cases: list[tuple[Callable[[], object], str]] = [
+        (
+            lambda: costs_from_profile(profile, num_layers=_bad("2")),
+            "num_layers must be an int >= 1",
+        ),
+        (lambda: costs_from_profile(profile, num_layers=True), "num_layers must be an int >= 1"),
+        (lambda: costs_from_profile(profile, num_layers=0), "num_layers must be an int >= 1"),
+        (lambda: costs_from_profile(profile, num_layers=2, moe=[True] * 3), "one flag per layer"),
+        (lambda: costs_from_profile(_bad(None), num_layers=2), "expected a mapping of (layer"),
+        (lambda: costs_from_profile(two, num_layers=1), "at most num_layers=1 layers"),
+        (lambda: costs_from_profile(no_mlp_b, num_layers=2), "layer 0's mlp backward"),
+        (lambda: costs_from_profile(dense, num_layers=2, moe=[True, True]), "moe[0] True"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            call()
+    assert costs_from_profile(profile, num_layers=2).moe == (True, True)
+    assert costs_from_profile(dense, num_layers=2).moe == (False, False)
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["x", (0, Slot.MLP), ("0", Slot.MLP, Direction.FORWARD), (True, Slot.MLP, Direction.FORWARD)],
+)
+def test_costs_refuses_keys_that_are_not_layer_slot_direction(key: object) -> None:
+    with pytest.raises(ConfigError, match=r"Costs.times: expected keys \(layer in 0..1 or None"):
+        Costs(times=_bad({key: 1.0}), moe=(True, True))
+
+
+def test_load_profile_refuses_nan_ms_and_bool_layers() -> None:
+    row = {"layer": 0, "slot": "mlp", "direction": "F", "ms": float("nan")}
+    with pytest.raises(ConfigError, match="NaN and infinities are not durations"):
+        load_profile([row])
+    with pytest.raises(ConfigError, match="expected a layer index >= 0 or null"):
+        load_profile([row | {"layer": True, "ms": 1.0}])
+
+
+def test_fit_contention_refuses_a_step_contention_does_not_change() -> None:
+    """A serial step's prediction is the same at any contention: the fit returned ~0."""
+    costs = costs_from_profile(_profile(), num_layers=2)
+    serial = plan(costs, Layout(), "serial").step_ms
+    with pytest.raises(ConfigError, match="grows with contention"):
+        fit_contention(costs, Layout(), "serial", serial)
+    with pytest.raises(ConfigError, match="measured_ms must be the measured step's"):
+        fit_contention(costs, Layout(), "combined_1f1b", _bad("10"))
+    with pytest.raises(ConfigError, match="fit_contention: costs must be a Costs"):
+        fit_contention(_bad(None), Layout(), "combined_1f1b", 10.0)
+
+
+def _bad(value: object) -> Any:
+    """``value`` typed ``Any``: a misuse the type checkers would flag, made at run time."""
+    return value

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import itertools
 import json
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -23,6 +25,7 @@ from moe_overlap.plan import (
     costs_from_profile,
     fit_activations,
     load_profile,
+    node_schedule,
     plan,
     replay_order,
     search_schedules,
@@ -285,3 +288,95 @@ def test_refused_inputs_name_what_was_expected(main_costs: Costs) -> None:
     times = StepTimes(times=main_costs.times)
     with pytest.raises(ConfigError, match="check_exact: step 0"):
         replay_order(list(reversed(list(graph.steps()))), graph, times, MEMORY)
+
+
+def test_step_times_refuse_nan_and_malformed_times() -> None:
+    """A NaN node time replayed every order as 0 ms (max() over NaN): refused."""
+    for times, message in [
+        ({(0, MLP, F): float("nan")}, "StepTimes.times: the milliseconds of"),
+        ({(0, MLP, F): -1.0}, "StepTimes.times: the milliseconds of"),
+        ({(0, MLP, F): "1"}, "StepTimes.times: the milliseconds of"),
+        ({"x": 1.0}, "StepTimes.times: expected keys (layer >= 0 or None, Slot, Direction)"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            StepTimes(times=_bad(times))
+
+
+def test_search_arguments_are_checked_before_use() -> None:
+    """Each was a bare AttributeError, TypeError, ValueError or ZeroDivisionError."""
+    graph = ScheduleGraph(microbatches=2, moe=(True,))
+    order = today_orders(graph)["serial"]
+    times = StepTimes(times={(0, MLP, F): 1.0})
+    costs = Costs(times={(0, MLP, F): 1.0, (0, MLP, B): 2.0}, moe=(True,))
+    cases: list[tuple[Callable[[], object], str]] = [
+        (lambda: replay_order(order, graph, _bad(None), MEMORY), "replay_order: times must be"),
+        (lambda: replay_order(order, graph, times, _bad(None)), "replay_order: memory must be"),
+        (lambda: check_exact(_bad(None), graph), "check_exact: order must be a sequence"),
+        (lambda: check_exact(_bad([[1]]), graph), "received it not a step of this graph (a list"),
+        (lambda: node_schedule(_bad(None)), "node_schedule: order must be a sequence"),
+        (
+            lambda: ActivationModel.of_layer(hidden=0, moe_ffn=8, top_k=2),
+            "ActivationModel.of_layer: hidden must be an int >= 1",
+        ),
+        (
+            lambda: ActivationModel.of_layer(hidden=8, moe_ffn=8, top_k=True),
+            "ActivationModel.of_layer: top_k must be an int >= 1",
+        ),
+        (
+            lambda: SearchSpace(wgrad_share=_bad(((MLP, "0.5"),))),
+            "SearchSpace.wgrad_share: expected",
+        ),
+        (
+            lambda: SearchSpace(wgrad_share=_bad(((MLP, 0.5, 1),))),
+            "SearchSpace.wgrad_share: expected",
+        ),
+        (
+            lambda: SearchSpace(wgrad_share=((MLP, 0.1), (MLP, 0.9))),
+            "SearchSpace.wgrad_share: expected each slot once",
+        ),
+        (
+            lambda: SearchSpace(recompute=(Recompute(_bad(MLP)),)),
+            "SearchSpace.recompute: item 0 must",
+        ),
+        (
+            lambda: SearchSpace(recompute=(Recompute((MLP,), _bad(0)),)),
+            "SearchSpace.recompute: item 0 must",
+        ),
+        (
+            lambda: search_schedules(costs, 2, MEMORY, today_recompute=_bad("mlp")),
+            "search_schedules: today_recompute must be a Recompute",
+        ),
+        (
+            lambda: search_schedules(costs, 2, MEMORY, progress=_bad(3)),
+            "search_schedules: progress must be",
+        ),
+        (
+            lambda: fit_activations(MEMORY, costs, 4, serial=_bad("1"), fill_drain=2.0),
+            "fit_activations: serial must be a measured peak",
+        ),
+        (
+            lambda: fit_activations(MEMORY, costs, 4, serial=1.0, fill_drain=float("inf")),
+            "fit_activations: fill_drain must be a measured peak",
+        ),
+        (
+            lambda: fit_activations(
+                MEMORY,
+                costs,
+                4,
+                serial=1.0,
+                fill_drain=2.0,
+                serial_recompute=0.9,
+                recompute=_bad("mlp"),
+            ),
+            "fit_activations: recompute must be a Recompute",
+        ),
+    ]
+    for call, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            call()
+    assert str(Recompute(_bad(("mlp",)))) == "mlp"
+
+
+def _bad(value: object) -> Any:
+    """``value`` typed ``Any``: a misuse the type checkers would flag, made at run time."""
+    return value

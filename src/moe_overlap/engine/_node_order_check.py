@@ -18,9 +18,10 @@ recompute steps it may list, is :func:`microbatch_node_steps`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import cast
 
+from moe_overlap.args import Instance, Int, Items, check_arg, refuse
 from moe_overlap.errors import ConfigError
 
 from .core._node_schedule import NodeSchedule
@@ -55,14 +56,45 @@ def check_node_order(
     unlisted one runs at the slot's backward). A step's stream, when written, must be its
     node's. A verdict is remembered for the last few (schedule, shapes, slots) that passed.
     """
-    slots = frozenset(recompute)
-    key = (schedule, tuple(shapes), slots)
-    if key in _EXACT:
+    given: object = recompute
+    if isinstance(recompute, Iterator):  # read once (the driver passes a map)
+        given = tuple(cast("Iterator[object]", recompute))
+    try:
+        hit = (schedule, tuple(shapes), frozenset(cast("Iterable[Slot]", given))) in _EXACT
+    except TypeError:  # not iterable, or unhashable: refused by the checks below
+        hit = False
+    if hit:
         return
-    _check_node_order(schedule, key[1], slots)
+    where = "check_node_order"
+    schedule = check_arg(where, "schedule", schedule, _SCHEDULE)
+    checked = check_arg(where, "shapes", shapes, _SHAPES)
+    slots = _recomputed(where, given)
+    key = (schedule, checked, slots)
+    _check_node_order(schedule, checked, slots)
     if len(_EXACT) >= _EXACT_KEPT:
         _EXACT.pop(next(iter(_EXACT)))
     _EXACT[key] = None
+
+
+_SCHEDULE = Instance(NodeSchedule, "a NodeSchedule")
+_SHAPES = Items(Instance(ChunkShape, "a ChunkShape"), expects="one ChunkShape per microbatch")
+_SLOT_NAMES = {s.value: s for s in _WGRAD_SLOTS}
+
+
+def _recomputed(where: str, recompute: object) -> frozenset[Slot]:
+    """``recompute`` as the recomputable slots, or a :class:`~moe_overlap.ConfigError`."""
+    if isinstance(recompute, (str, bytes)) or not isinstance(recompute, Iterable):
+        raise refuse(f"{where}: recompute", _RECOMPUTE_WORDS, recompute)
+    out: set[Slot] = set()
+    for item in cast("Iterable[object]", recompute):
+        slot = _SLOT_NAMES.get(item) if isinstance(item, str) else None
+        if slot is None:
+            raise refuse(f"{where}: recompute", _RECOMPUTE_WORDS, item)
+        out.add(slot)
+    return frozenset(out)
+
+
+_RECOMPUTE_WORDS = "a collection of Slot.PRE_DISPATCH and/or Slot.MLP (the recomputable slots)"
 
 
 def _check_node_order(
@@ -222,7 +254,10 @@ def microbatch_node_steps(
 ) -> tuple[list[Step], list[Step]]:
     """Microbatch ``mb``'s steps of a chunk of ``shape`` in plain ``backward()``'s order, and
     the recompute steps it may list (one per recomputed slot of each layer)."""
-    slots = frozenset(recompute)
+    where = "microbatch_node_steps"
+    shape = check_arg(where, "shape", shape, Instance(ChunkShape, "a ChunkShape"))
+    mb = check_arg(where, "mb", mb, Int(0, exact=True))
+    slots = _recomputed(where, recompute)
     out = [Step(_F, mb, None, None, Slot.PRE_PROCESS, StreamKind.COMP)]
     backwards: list[Step] = []
     recomputes: list[Step] = []

@@ -2,12 +2,14 @@
 
 import importlib
 import json
+import numbers
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+from moe_overlap.args import BOOL, POSITIVE, Instance, Items, Real, check_arg, refuse
 from moe_overlap.engine import ConfigError, Direction, Slot, SlotKey, StreamKind
 from moe_overlap.plan._actions import lower, num_stages
 from moe_overlap.plan._layout import Layout, Schedule
@@ -17,6 +19,14 @@ from moe_overlap.plan._profile import profile_times
 from moe_overlap.plan._simulate import Costs, PlanSpan, RankFigures, simulate, stage_layers
 
 __all__ = ["Plan", "costs_from_model", "costs_from_profile", "fit_contention", "plan"]
+
+_MOE_FLAGS = Items(BOOL, expects="one bool per layer (True: an MoE layer)", ordered=True)
+_LAYER_SLOTS = (Slot.PRE_DISPATCH, Slot.DISPATCH, Slot.COMBINE, Slot.MLP)
+"""A layer's nodes; ``[::3]`` the dense layer's (pre-dispatch and mlp)."""
+
+
+def _profiled(times: Mapping[SlotKey, float]) -> set[int]:
+    return {k[0] for k in times if k[0] is not None} or {0}
 
 
 @dataclass(frozen=True)
@@ -214,13 +224,34 @@ def costs_from_profile(
     """Costs from measured node durations (:func:`~moe_overlap.plan.load_profile`),
     repeated over ``num_layers`` layers (:func:`~moe_overlap.plan.profile_times`). ``moe``
     per layer; by default a layer is MoE when the profile has a dispatch for it. No
-    activation bytes (memory is predicted from a :class:`~moe_overlap.plan.ModelSpec`)."""
+    activation bytes (memory is predicted from a :class:`~moe_overlap.plan.ModelSpec`).
+    Refused: a ``moe`` of another length than ``num_layers``, and a profile without the
+    forward or backward of a node a layer runs (its time would be taken as 0)."""
+    where = "costs_from_profile"
+    num_layers = check_arg(where, "num_layers", num_layers, POSITIVE)
     times = profile_times(profile, num_layers)
     if moe is None:
         moe = [(i, Slot.DISPATCH, Direction.FORWARD) in times for i in range(num_layers)]
+    flags = check_arg(where, "moe", moe, _MOE_FLAGS)
+    if len(flags) != num_layers:
+        raise ConfigError(
+            f"{where}: moe must have one flag per layer (num_layers={num_layers}), received "
+            f"{len(flags)}; give one bool per layer, or none to read them from the profile"
+        )
+    for i, is_moe in enumerate(flags):
+        for slot in _LAYER_SLOTS if is_moe else _LAYER_SLOTS[::3]:
+            for d in (Direction.FORWARD, Direction.BACKWARD):
+                if (i, slot, d) not in times:
+                    what = f"a MoE layer (moe[{i}] True)" if is_moe else "a layer"
+                    raise ConfigError(
+                        f"{where}: expected the profile to time every node of {what}, "
+                        f"received none for layer {i}'s {slot.value} {d.name.lower()} "
+                        f"(profile layer {i % len(_profiled(profile))}); profile a step that "
+                        "runs it, or set moe for the layers the profile has"
+                    )
     return Costs(
         times=times,
-        moe=tuple(moe),
+        moe=flags,
         comm_contention=comm_contention,
         weight_split=weight_split,
     )
@@ -237,15 +268,28 @@ def fit_contention(
     """The ``comm_contention`` at which :func:`plan` predicts ``measured_ms`` for this
     overlapped step (bisection on ``[0, upper]``): a machine's figure, measured once on one
     step and used for other layouts and sizes. Refused when the step is faster than the
-    prediction without contention or slower than with ``upper``."""
+    prediction without contention or slower than with ``upper``, and for a step whose
+    prediction does not depend on contention (no communication overlapped)."""
+    where = "fit_contention"
+    costs = check_arg(where, "costs", costs, Instance(Costs, "a Costs"))
+    if isinstance(measured_ms, bool) or not isinstance(measured_ms, numbers.Real):
+        raise refuse(f"{where}: measured_ms", "the measured step's milliseconds", measured_ms)
     lo_ms = plan(costs.replace(comm_contention=0.0), layout, schedule).step_ms
     hi_ms = plan(costs.replace(comm_contention=upper), layout, schedule).step_ms
+    upper = check_arg(where, "upper", upper, Real(above=0.0))  # NaN: refused by Costs above
     if not lo_ms <= measured_ms <= hi_ms:
         raise ConfigError(
             f"fit_contention: expected a measured step between {lo_ms:.3f} ms (no contention) "
             f"and {hi_ms:.3f} ms (contention {upper}), received {measured_ms:.3f} ms; the "
             "profile and the step are not of the same model and machine, or the step is "
             "bound by something the replay does not model (host time)"
+        )
+    if hi_ms <= lo_ms:
+        raise ConfigError(
+            f"fit_contention: expected a step whose prediction grows with contention, received "
+            f"{Schedule.of(schedule).value} on this layout, predicted {lo_ms:.3f} ms with and "
+            "without it (no communication overlapped): any contention fits; fit it on an "
+            "overlapped step (combined_1f1b)"
         )
     lo, hi = 0.0, upper
     for _ in range(50):

@@ -7,13 +7,42 @@ numbers its layers from 0); :func:`profile_times` repeats it over the model's la
 """
 
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping
 from typing import cast
 
+from moe_overlap.args import POSITIVE, Real, check_arg
 from moe_overlap.engine import ConfigError, Direction, Slot, SlotKey
 
-__all__ = ["load_profile", "profile_times"]
+__all__ = ["check_times", "load_profile", "profile_times"]
+
+_MS = Real(min=0.0)
+
+
+def check_times(where: str, times: object, *, any_layer: bool = False) -> None:
+    """Refuse node milliseconds that are not a mapping of ``(layer >= 0 | None, Slot,
+    Direction)`` keys to finite milliseconds >= 0 (NaN would time every schedule as 0);
+    ``any_layer``: a negative layer index left to the caller's own check."""
+    if not isinstance(times, Mapping):
+        raise ConfigError(
+            f"{where}: expected a mapping of (layer | None, Slot, Direction) to milliseconds, "
+            f"received {type(times).__name__}; give load_profile's or Costs.times' mapping"
+        )
+    for key, ms in cast("Mapping[object, object]", times).items():
+        parts = cast("tuple[object, ...]", key) if isinstance(key, tuple) else ()
+        layer = parts[0] if len(parts) == 3 else -1
+        if (
+            len(parts) != 3
+            or (layer is not None and (type(layer) is not int or (layer < 0 and not any_layer)))
+            or not isinstance(parts[1], Slot)
+            or not isinstance(parts[2], Direction)
+        ):
+            raise ConfigError(
+                f"{where}: expected keys (layer >= 0 or None, Slot, Direction), received "
+                f"{key!r}; key node milliseconds as load_profile does"
+            )
+        check_arg(where, f"the milliseconds of {key!r}", ms, _MS)
 
 
 def _row_key(given: object, where: str) -> tuple[SlotKey, float]:
@@ -33,10 +62,14 @@ def _row_key(given: object, where: str) -> tuple[SlotKey, float]:
             f"{where}: expected rows {{'layer', 'slot', 'direction', 'ms'}} with a known slot "
             f"and direction, received {dict(row)!r} ({e})"
         ) from None
-    if (layer is not None and (not isinstance(layer, int) or layer < 0)) or isinstance(ms, bool):
+    if (
+        layer is not None and (not isinstance(layer, int) or isinstance(layer, bool) or layer < 0)
+    ) or isinstance(ms, bool):
         raise ConfigError(f"{where}: expected a layer index >= 0 or null, received {dict(row)!r}")
-    if not isinstance(ms, (int, float)) or ms < 0:
-        raise ConfigError(f"{where}: expected milliseconds >= 0, received {dict(row)!r}")
+    if not isinstance(ms, (int, float)) or ms < 0 or not math.isfinite(ms):
+        odd = isinstance(ms, float) and not math.isfinite(ms)
+        why = "; NaN and infinities are not durations: re-measure the node" if odd else ""
+        raise ConfigError(f"{where}: expected milliseconds >= 0, received {dict(row)!r}{why}")
     return (layer, slot, direction), float(ms)
 
 
@@ -78,7 +111,11 @@ def load_profile(
 def profile_times(profile: Mapping[SlotKey, float], num_layers: int) -> dict[SlotKey, float]:
     """``profile`` over ``num_layers`` layers: layer ``i`` takes the profile's layer
     ``i % k`` (``k`` the profile's layer count; the profile's own layers when it has them
-    all). Pre- and post-process rows are kept."""
+    all). Pre- and post-process rows are kept. A profile of more layers than the model is
+    refused (its last layers would be dropped)."""
+    where = "profile_times"
+    check_times(where, profile, any_layer=True)
+    num_layers = check_arg(where, "num_layers", num_layers, POSITIVE)
     layers = sorted({k[0] for k in profile if k[0] is not None})
     if layers != list(range(len(layers))):
         raise ConfigError(
@@ -87,6 +124,12 @@ def profile_times(profile: Mapping[SlotKey, float], num_layers: int) -> dict[Slo
     k = len(layers)
     if not k:
         raise ConfigError("profile_times: expected at least one layer in the profile")
+    if k > num_layers:
+        raise ConfigError(
+            f"profile_times: expected a profile of at most num_layers={num_layers} layers, "
+            f"received one of {k} layers (0..{k - 1}); give the model's layer count, or a "
+            "profile of one of its stages"
+        )
     out: dict[SlotKey, float] = {key: ms for key, ms in profile.items() if key[0] is None}
     for i in range(num_layers):
         for (layer, slot, direction), ms in profile.items():

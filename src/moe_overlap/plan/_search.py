@@ -13,15 +13,18 @@ members of the same space, so that the frontier and today's points are comparabl
 
 import dataclasses
 import itertools
+import math
+import numbers
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 from moe_overlap.args import (
     BOOL,
     NON_NEGATIVE,
     POSITIVE,
+    Func,
     Instance,
     Int,
     Items,
@@ -31,6 +34,7 @@ from moe_overlap.args import (
     Spec,
     check_arg,
     check_fields,
+    refuse,
 )
 from moe_overlap.engine import ConfigError
 from moe_overlap.plan._list_schedule import (
@@ -85,7 +89,7 @@ class Recompute(NamedTuple):
     def __str__(self) -> str:
         if not self.slots:
             return "none"
-        text = "+".join(s.value for s in self.slots)
+        text = "+".join(Slot(s).value for s in self.slots)
         if self.layers is not None:
             text += "@L" + ",".join(map(str, self.layers))
         if self.microbatches is not None:
@@ -100,6 +104,42 @@ class Recompute(NamedTuple):
 
 
 _PRE, _MLP = Slot.PRE_DISPATCH, Slot.MLP
+_SLOT_VALUES = frozenset(s.value for s in Slot)
+
+
+def _ints(value: object) -> bool:
+    """``None``, or a tuple or list of ints >= 0."""
+    if value is None:
+        return True
+    return isinstance(value, (tuple, list)) and all(
+        NON_NEGATIVE.accepts(i) for i in cast("Sequence[object]", value)
+    )
+
+
+def check_recompute(where: str, value: object) -> Recompute:
+    """``value`` if it is a :class:`Recompute` of slots (``Slot`` s or their names) and of
+    layers and microbatches ``None`` or ints >= 0, else a :class:`~moe_overlap.ConfigError`."""
+    ok = isinstance(value, Recompute)
+    if ok:
+        rc = cast(Recompute, value)
+        slots = cast(object, rc.slots)
+        ok = (
+            isinstance(slots, (tuple, list))
+            and all(
+                isinstance(x, str) and x in _SLOT_VALUES for x in cast("Sequence[object]", slots)
+            )
+            and _ints(rc.layers)
+            and _ints(rc.microbatches)
+        )
+    if not ok:
+        raise refuse(
+            where,
+            "a Recompute: a tuple of Slot s (Slot.PRE_DISPATCH, Slot.MLP), then layers and "
+            "microbatches each None (all) or a tuple of ints >= 0",
+            value,
+            hint="e.g. Recompute((Slot.MLP,)) or Recompute((Slot.MLP,), (0, 1))",
+        )
+    return cast(Recompute, value)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -151,12 +191,26 @@ class SearchSpace:
 
     def __post_init__(self) -> None:
         check_fields(self, _SPACE_SPECS)
-        for slot, share in self.wgrad_share:
-            if slot not in (_PRE, _MLP) or not 0.0 <= share <= 1.0:
+        for i, rc in enumerate(self.recompute):
+            check_recompute(f"SearchSpace.recompute: item {i}", rc)
+        for pair in self.wgrad_share:
+            slot, share = pair[0], pair[-1]
+            if (
+                len(cast("tuple[object, ...]", pair)) != 2
+                or slot not in (_PRE, _MLP)
+                or not _SHARE.accepts(share)
+                or not 0.0 <= share <= 1.0
+            ):
                 raise ConfigError(
                     f"SearchSpace.wgrad_share: expected (Slot.PRE_DISPATCH or Slot.MLP, a share "
                     f"in [0, 1]) pairs, received {self.wgrad_share!r}"
                 )
+        slots = [pair[0] for pair in self.wgrad_share]
+        if len(set(slots)) != len(slots):
+            raise ConfigError(
+                f"SearchSpace.wgrad_share: expected each slot once, received {self.wgrad_share!r}"
+                "; give one (slot, share) pair per slot"
+            )
 
 
 def _some(spec: Spec[object]) -> Items[object]:
@@ -164,6 +218,7 @@ def _some(spec: Spec[object]) -> Items[object]:
 
 
 _MS = Real(min=0.0)
+_SHARE = Real(min=0.0)
 _SPACE_SPECS: dict[str, Spec[object]] = {
     "chunks": _some(POSITIVE),
     "chunk_overhead_ms": _MS,
@@ -274,6 +329,14 @@ _MODES = {
 }
 
 
+def _peak(where: str, name: str, value: object) -> float:
+    """A measured peak: a real number, not infinite (NaN and the rest: the fit's range
+    checks refuse them, naming the figures)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or math.isinf(value):
+        raise refuse(f"{where}: {name}", "a measured peak (a finite real number > 0)", value)
+    return float(value)
+
+
 def fit_activations(
     memory: ActivationModel,
     costs: Costs,
@@ -293,6 +356,12 @@ def fit_activations(
     memory = check_arg(where, "memory", memory, Instance(ActivationModel, "an ActivationModel"))
     costs = check_arg(where, "costs", costs, Instance(Costs, "a Costs"))
     microbatches = check_arg(where, "microbatches", microbatches, Int(2))
+    serial = _peak(where, "serial", serial)
+    fill_drain = _peak(where, "fill_drain", fill_drain)
+    if serial_recompute is not None:
+        serial_recompute = _peak(where, "serial_recompute", serial_recompute)
+    if recompute is not None:
+        recompute = check_recompute(f"{where}: recompute", recompute)
     base = ScheduleGraph(microbatches=microbatches, moe=costs.moe)
     times = StepTimes(times=costs.times, comm_contention=costs.comm_contention)
     orders = today_orders(base)
@@ -386,6 +455,9 @@ def search_schedules(
     memory = check_arg(where, "memory", memory, Instance(ActivationModel, "an ActivationModel"))
     space = check_arg(where, "space", space, Opt(Instance(SearchSpace, "a SearchSpace")))
     space = space or SearchSpace()
+    if today_recompute is not None:
+        today_recompute = check_recompute(f"{where}: today_recompute", today_recompute)
+    check_arg(where, "progress", progress, Opt(Func("a callable taking a str")))
     base = ScheduleGraph(microbatches=microbatches, moe=costs.moe, one_event=space.one_event)
     share = dict(space.wgrad_share)
 

@@ -28,7 +28,7 @@ no layer owes two microbatches' weight gradients at once.
 
 import bisect
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, cast
 
@@ -43,6 +43,7 @@ from moe_overlap.args import (
     check_fields,
 )
 from moe_overlap.engine import ConfigError
+from moe_overlap.plan._profile import check_times
 from moe_overlap.steps import Direction, NodeSchedule, Slot, StreamKind
 
 __all__ = [
@@ -250,7 +251,7 @@ def node_schedule(order: Order) -> NodeSchedule:
     (:class:`~moe_overlap.ConfigError`): the engine runs a chunked all-to-all inside one
     dispatch, mlp and combine node (``moe_overlap.blocks``), not as steps of its own."""
     steps: list[str] = []
-    for i, step in enumerate(order):
+    for i, step in enumerate(_order_arg("node_schedule", order)):
         if step is None:
             continue
         if not isinstance(cast(object, step), SearchStep):
@@ -269,6 +270,25 @@ def node_schedule(order: Order) -> NodeSchedule:
     return NodeSchedule(steps)
 
 
+def _order_arg(where: str, order: object, *, items: bool = True) -> list[SearchStep | None]:
+    """``order`` as a list; ``items``: each item checked a :class:`SearchStep` or ``None``
+    (a join)."""
+    kind = type(order).__name__
+    if isinstance(order, (str, bytes, Mapping)) or not isinstance(order, Iterable):
+        raise ConfigError(
+            f"{where}: order must be a sequence of SearchStep s and None (joins), received "
+            f"{kind}; pass a SearchPoint's order"
+        )
+    steps = list(cast("Iterable[object]", order))
+    for i, step in enumerate(steps):
+        if items and step is not None and not isinstance(step, SearchStep):
+            raise ConfigError(
+                f"{where}: step {i}: expected a SearchStep or None (a join), received "
+                f"{type(step).__name__}"
+            )
+    return cast("list[SearchStep | None]", steps)
+
+
 def _slot_key(step: SearchStep) -> tuple[int | None, Slot]:
     return (step.layer, step.slot)
 
@@ -277,6 +297,7 @@ def check_exact(order: Order, graph: ScheduleGraph) -> None:
     """Refuse an order that is not exact for ``graph`` (:class:`~moe_overlap.ConfigError`
     naming the first step that breaks a rule and the rule)."""
     graph = check_arg("check_exact", "graph", graph, Instance(ScheduleGraph, "a ScheduleGraph"))
+    order = _order_arg("check_exact", order, items=False)
     want = {s: p for mb in range(graph.microbatches) for s, p in graph.microbatch_steps(mb)}
     seen: set[SearchStep] = set()
     forwards: dict[tuple[int | None, Slot, int | None, bool], int] = {}
@@ -285,6 +306,12 @@ def check_exact(order: Order, graph: ScheduleGraph) -> None:
         if step is None:
             continue
         where = f"check_exact: step {i} ({step})"
+        if not isinstance(cast(object, step), SearchStep):
+            raise ConfigError(
+                f"{where}: expected each step of the graph once, received it not a step of "
+                f"this graph (a {type(cast(object, step)).__name__}; expected a SearchStep, "
+                "or None for a join)"
+            )
         preds = want.get(step)
         if preds is None or step in seen:
             why = "twice" if step in seen else "not a step of this graph"
@@ -360,6 +387,7 @@ class StepTimes:
                 "delay_wgrad": BOOL,
             },
         )
+        check_times("StepTimes.times", self.times)
         _fractions("StepTimes.wgrad_share", self.wgrad_share)
 
     def base_ms(self, step: SearchStep) -> float:
@@ -441,6 +469,10 @@ class ActivationModel:
         (``top_k``); the experts' gate/up and SwiGLU outputs (``3 top_k moe_ffn / hidden``);
         the expert outputs the combine weighs (``top_k``); the embedding output (1) and
         the final norm's input and output (2)."""
+        where = "ActivationModel.of_layer"
+        hidden = check_arg(where, "hidden", hidden, POSITIVE)
+        moe_ffn = check_arg(where, "moe_ffn", moe_ffn, POSITIVE)
+        top_k = check_arg(where, "top_k", top_k, POSITIVE)
         return cls(
             units={
                 Slot.PRE_PROCESS: 1.0,
@@ -571,6 +603,9 @@ def replay_order(
     step's start and its last step's end): the planner's paired runs, timed by what runs at
     once rather than by runs. An order that is not exact for ``graph`` is refused
     (:func:`check_exact`)."""
+    where = "replay_order"
+    times = check_arg(where, "times", times, Instance(StepTimes, "a StepTimes"))
+    memory = check_arg(where, "memory", memory, Instance(ActivationModel, "an ActivationModel"))
     check_exact(order, graph)
     preds = {s: p for mb in range(graph.microbatches) for s, p in graph.microbatch_steps(mb)}
     steps = [s for s in order if s is not None]

@@ -108,11 +108,12 @@ class Costs:
                 f"received {len(self.activation_bytes)}"
             )
         for key, ms in self.times.items():
-            layer, slot, direction = key
-            kinds_ok = isinstance(cast(object, slot), Slot) and isinstance(
-                cast(object, direction), Direction
-            )
-            if (layer is not None and not 0 <= layer < n) or not kinds_ok:
+            parts = cast("tuple[object, ...]", key) if isinstance(cast(object, key), tuple) else ()
+            layer, slot, direction = parts if len(parts) == 3 else (-1, None, None)
+            kinds_ok = isinstance(slot, Slot) and isinstance(direction, Direction)
+            if (
+                layer is not None and (type(layer) is not int or not 0 <= layer < n)
+            ) or not kinds_ok:
                 raise ConfigError(
                     f"Costs.times: expected keys (layer in 0..{n - 1} or None, Slot, "
                     f"Direction), received {key!r}"

@@ -19,7 +19,7 @@ from typing import cast
 from moe_overlap.args import refuse
 from moe_overlap.errors import ConfigError
 
-from ._kinds import Direction, Slot
+from ._kinds import Direction, Role, Slot, StreamKind
 from ._step import Step
 
 __all__ = ["NodeSchedule"]
@@ -95,6 +95,7 @@ def _node_step(index: int, item: object) -> Step:
     step = Step.parse(item) if isinstance(item, str) else item
     if not isinstance(step, Step):
         raise refuse(f"NodeSchedule: step {index}", f"a Step or '{_GRAMMAR}'", item)
+    _check_fields(index, step)
     problem = None
     if step.microbatch is None:
         problem = "no microbatch"
@@ -112,3 +113,32 @@ def _node_step(index: int, item: object) -> Step:
             f"a slot and F, B, W or R, received {problem}"
         )
     return step
+
+
+def _index(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _check_fields(index: int, step: Step) -> None:
+    """Refuse a hand-made :class:`Step` whose fields are not of their kinds (a string
+    direction, a bool or negative microbatch): it would print as another step, or not at all."""
+    fields: tuple[object, ...] = tuple(step)
+    direction, microbatch, role, layer, slot, stream = fields
+    kinds = (
+        ("direction", isinstance(direction, Direction)),
+        ("microbatch", microbatch is None or _index(microbatch)),
+        ("layer", layer is None or _index(layer)),
+        ("slot", slot is None or isinstance(slot, Slot)),
+        ("stream", stream is None or isinstance(stream, StreamKind)),
+        ("role", role is None or isinstance(role, Role)),
+    )
+    bad = [name for name, ok in kinds if not ok]
+    if bad:
+        raise refuse(
+            f"NodeSchedule: step {index}",
+            "a Step of a Direction, a microbatch int >= 0, a layer int >= 0 or None, a Slot, "
+            "a StreamKind or None",
+            step,
+            detail=", ".join(f"{name} {getattr(step, name)!r}" for name in bad),
+            hint=f"write it as text, '{_GRAMMAR}', or use the enums",
+        )

@@ -11,7 +11,9 @@ A node step prints as ``b.L3.combine.B@comm`` and :meth:`Step.parse` reads that 
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
+from moe_overlap.args import refuse
 from moe_overlap.errors import ConfigError
 
 from ._kinds import Direction, Role, Slot, StreamKind
@@ -364,6 +366,9 @@ def format_steps(
 
     With ``context``, only that many steps either side of ``mark`` are shown.
     """
+    given = cast(object, steps)
+    if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
+        raise refuse("format_steps: steps", "a sequence of steps (a list or tuple)", steps)
     lo, hi = 0, len(steps)
     if mark is not None and context is not None:
         lo, hi = max(0, mark - context), min(len(steps), mark + context + 1)
