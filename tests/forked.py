@@ -82,10 +82,13 @@ class Zygote:
         self._folder = Path(tempfile.mkdtemp(prefix="zygote-"))
         self.address = str(self._folder / "sock")
         """Its socket (forked torchruns ask it for their ranks there)."""
+        # Without PYTHONPATH (each forked process sets its own): an interpreter started with
+        # it skips a .pth entry it already holds (an editable install of the same src), so
+        # its path less the PYTHONPATH entries would lack what a process without it finds.
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "tests.zygote", self.address, *PRELOAD],
             cwd=ROOT,
-            env=env,
+            env={k: v for k, v in env.items() if k != "PYTHONPATH"},
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
         )
