@@ -80,6 +80,7 @@ __all__ = [
     "check_arg",
     "check_fields",
     "refuse",
+    "replaced",
     "shown",
 ]
 
@@ -514,6 +515,21 @@ def check_arg(where: str, name: str, value: object, spec: Spec[T]) -> T:
 
 
 _FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def replaced(obj: T, changes: Mapping[str, object]) -> T:
+    """``dataclasses.replace(obj, **changes)`` for a dataclass's ``replace`` method; a name
+    that is not one of its fields is a :class:`~moe_overlap.ConfigError` naming the class,
+    the names and the fields there are (``dataclasses.replace`` raises a bare
+    ``TypeError``). The copy's ``__post_init__`` checks the new values."""
+    fields = [f.name for f in dataclasses.fields(cast("DataclassInstance", obj))]
+    unknown = sorted(set(changes) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"{type(obj).__name__}.replace: expected fields of {type(obj).__name__} "
+            f"({', '.join(fields)}), received {', '.join(unknown)}; use those names"
+        )
+    return cast(T, dataclasses.replace(cast("DataclassInstance", obj), **changes))
 
 
 def check_fields(obj: object, specs: Mapping[str, Spec[object]]) -> None:

@@ -255,6 +255,28 @@ def test_profile_rows_and_tiling() -> None:
         load_profile([{"layer": 0, "slot": "mlp", "direction": "F", "ms": -1.0}])
 
 
+def test_replace_refuses_an_unknown_field() -> None:
+    """``Layout.replace``, ``Costs.replace`` and ``ScheduleGraph.replace`` with a name that
+    is not a field: the library's error naming the class, the name and the fields (a bare
+    ``TypeError`` from ``dataclasses.replace`` before); a known one still replaces."""
+    from moe_overlap.plan import ScheduleGraph
+
+    costs = _reference_costs()
+    graph = ScheduleGraph(microbatches=2, moe=(True,))
+    for obj, name in ((Layout(), "Layout"), (costs, "Costs"), (graph, "ScheduleGraph")):
+        with pytest.raises(
+            ConfigError,
+            match=rf"{name}.replace: expected fields of {name} .*"
+            r"received ppp; use those names",
+        ):
+            obj.replace(ppp=2)
+    assert Layout().replace(pp=2).pp == 2
+    assert costs.replace(comm_contention=0.5).comm_contention == 0.5
+    assert graph.replace(microbatches=3).microbatches == 3
+    with pytest.raises(ConfigError, match="Layout.pp"):
+        Layout().replace(pp=0)
+
+
 def test_load_profile_refuses_what_is_not_rows(tmp_path: Path) -> None:
     """Rows that are not mappings, a source that is neither a path nor rows, a missing or
     unreadable file: the library's own error naming what was received (they were a bare

@@ -1,10 +1,9 @@
 """What the planner is asked about: a parallel layout and a schedule name."""
 
-import dataclasses
 import enum
 from dataclasses import dataclass
 
-from moe_overlap.args import POSITIVE, check_fields
+from moe_overlap.args import POSITIVE, check_fields, replaced
 from moe_overlap.engine import ConfigError
 
 __all__ = ["Layout", "Schedule"]
@@ -84,4 +83,4 @@ class Layout:
 
     def replace(self, **changes: int) -> "Layout":
         """A copy with ``changes``."""
-        return dataclasses.replace(self, **changes)
+        return replaced(self, changes)

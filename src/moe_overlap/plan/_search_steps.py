@@ -41,6 +41,7 @@ from moe_overlap.args import (
     Spec,
     check_arg,
     check_fields,
+    replaced,
 )
 from moe_overlap.engine import ConfigError
 from moe_overlap.plan._profile import check_times
@@ -143,7 +144,7 @@ class ScheduleGraph:
 
     def replace(self, **changes: object) -> "ScheduleGraph":
         """A copy with ``changes``."""
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        return replaced(self, changes)
 
     def microbatch_steps(self, mb: int) -> list[tuple[SearchStep, tuple[SearchStep, ...]]]:
         """Microbatch ``mb``'s steps in plain ``backward()``'s order, each with the steps

@@ -11,7 +11,6 @@ a microbatch are alive from the start of its forward to the end of its backward 
 part).
 """
 
-import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, cast
@@ -24,6 +23,7 @@ from moe_overlap.args import (
     Real,
     check_arg,
     check_fields,
+    replaced,
 )
 from moe_overlap.engine import (
     ChunkShape,
@@ -127,7 +127,7 @@ class Costs:
 
     def replace(self, **changes: object) -> "Costs":
         """A copy with ``changes``."""
-        return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+        return replaced(self, changes)
 
 
 class PlanSpan(NamedTuple):
