@@ -12,7 +12,6 @@ import importlib
 import importlib.util
 import json
 import math
-import os
 import socket
 import subprocess
 import sys
@@ -28,6 +27,7 @@ from moe_overlap import ConfigError
 from moe_overlap.plan import load_profile
 from moe_overlap.steps import Direction, Slot, StreamKind
 from tests import forked
+from tests.benchmark_module import benchmark_module as _benchmark_module
 from tests.figures import check_figure, saved_figures
 from tests.gloo_ranks import SCRIPT_ENV
 from tests.parallel_runs import ParallelRuns, selected_in
@@ -561,24 +561,6 @@ def test_stress_exact_without_the_fix_is_a_race_the_checker_names(ran: Ran) -> N
     assert done.returncode != 0
     assert "StreamOrderError" in done.stderr
     assert "may still use it" in done.stderr and "'moe_dispatch' backward" in done.stderr
-
-
-def _benchmark_module(name: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """``benchmarks/<name>.py`` imported as its scripts import each other (their folder on
-    the path); the path, the environment and the benchmark modules it brought in are put
-    back after the test."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))  # sys.path restored whole
-    # bench_overlap.py sets it with setdefault at import; undone with the test.
-    monkeypatch.setenv(
-        "CUBLAS_WORKSPACE_CONFIG", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    )
-    before = set(sys.modules)
-    module = importlib.import_module(name)
-    for added in set(sys.modules) - before:
-        where = getattr(sys.modules[added], "__file__", None)
-        if where is not None and Path(where).parent == ROOT / "benchmarks":
-            monkeypatch.delitem(sys.modules, added)
-    return module
 
 
 def test_gantt_png_says_what_it_shows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

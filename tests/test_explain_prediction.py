@@ -3,9 +3,7 @@ timeline, and its chart (the figures come from a GPU)."""
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,28 +12,13 @@ import pytest
 
 from moe_overlap.steps import Direction, Slot, StreamKind
 from tests import forked
+from tests.benchmark_module import benchmark_module as _module
 from tests.figures import check_figure, saved_figures
 from tests.gloo_ranks import SCRIPT_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 F, B, W, R = Direction.FORWARD, Direction.BACKWARD, Direction.WGRAD, Direction.RECOMPUTE
 COMP, COMM = StreamKind.COMP, StreamKind.COMM
-
-
-def _module(name: str, monkeypatch: pytest.MonkeyPatch) -> Any:
-    """``benchmarks/<name>.py`` as the scripts import each other; the path, the environment
-    and the benchmark modules it brought in are put back after the test."""
-    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
-    monkeypatch.setenv(
-        "CUBLAS_WORKSPACE_CONFIG", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    )
-    before = set(sys.modules)
-    module = importlib.import_module(name)
-    for added in set(sys.modules) - before:
-        where = getattr(sys.modules[added], "__file__", None)
-        if where is not None and Path(where).parent == ROOT / "benchmarks":
-            monkeypatch.delitem(sys.modules, added)
-    return module
 
 
 def test_the_smoke_run_explains_both_rows(tmp_path: Path) -> None:

@@ -103,6 +103,18 @@ class TorchState:
 
 
 @contextmanager
+def seeded(seed: int = 0) -> Iterator[None]:
+    """``torch.manual_seed(seed)`` for the block, the CPU generator's state it found put
+    back after."""
+    found = torch.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(found)
+
+
+@contextmanager
 def num_threads(n: int) -> Iterator[None]:
     """``torch.set_num_threads(n)`` for the block, the count it found put back after."""
     found = torch.get_num_threads()

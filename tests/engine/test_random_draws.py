@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -25,6 +23,7 @@ from moe_overlap.steps import (
     microbatch_node_steps,
     run_pair,
 )
+from tests.torch_state import seeded
 
 from .test_node_schedule import _shape, random_order
 from .test_parity import assert_same
@@ -37,16 +36,6 @@ DRAWS = (
     r"ahead of an earlier microbatch's forward .*received a forward that moved the CPU's "
     r"random generator .*fill_drain=False\), or turn the draws off"
 )
-
-
-@contextmanager
-def seeded(seed: int = 0) -> Iterator[None]:
-    found = torch.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        yield
-    finally:
-        torch.set_rng_state(found)
 
 
 def _refused(error: pytest.ExceptionInfo[ScheduleError]) -> None:

@@ -9,8 +9,6 @@ import copy
 import dataclasses
 import random
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any, Literal, cast
 
 import pytest
@@ -50,6 +48,7 @@ from moe_overlap.steps import (
 )
 from moe_overlap.streams import CpuEvent, CpuStream, stream_order_check
 from tests.models._helpers import SMALL, assert_matches_plain
+from tests.torch_state import seeded as _seeded
 
 from .test_order import sample_orders
 from .test_parity import assert_same
@@ -589,16 +588,6 @@ def dropout_model(config: ToyConfig, kinds: str) -> ToyModel:
         if type(layer) is ToyLayer:
             layer.__class__ = _Dropout
     return model
-
-
-@contextmanager
-def _seeded(seed: int) -> Iterator[None]:
-    found = torch.get_rng_state()
-    torch.manual_seed(seed)
-    try:
-        yield
-    finally:
-        torch.set_rng_state(found)
 
 
 @pytest.mark.parametrize("where", [None, "early"])

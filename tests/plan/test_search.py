@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import itertools
-import json
 import re
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,9 +20,7 @@ from moe_overlap.plan import (
     SearchStep,
     StepTimes,
     check_exact,
-    costs_from_profile,
     fit_activations,
-    load_profile,
     node_schedule,
     plan,
     replay_order,
@@ -40,19 +36,16 @@ from moe_overlap.plan._list_schedule import (
     schedule_ids,
 )
 from moe_overlap.steps import Direction, Slot, StreamKind
+from tests.plan import main_profile
+from tests.plan.main_profile import MEMORY
 
-ROUND9 = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "round9" / "results.json"
 F, B, W = Direction.FORWARD, Direction.BACKWARD, Direction.WGRAD
 PRE, DISPATCH, MLP, COMBINE = Slot.PRE_DISPATCH, Slot.DISPATCH, Slot.MLP, Slot.COMBINE
-MEMORY = ActivationModel.of_layer(hidden=4096, moe_ffn=2048, top_k=8, static_units=140.0)
 
 
 @pytest.fixture(scope="module")
 def main_costs() -> Costs:
-    """The main configuration's measured serial profile (H200), contention as validated."""
-    row = json.loads(ROUND9.read_text())["results"][0]
-    profile = load_profile(row["order_search"]["serial_slot_durations"])
-    return costs_from_profile(profile, num_layers=4, comm_contention=0.05525)
+    return main_profile.main_costs()
 
 
 def _times(costs: Costs, graph: ScheduleGraph) -> StepTimes:
