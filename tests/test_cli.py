@@ -127,6 +127,14 @@ _MISUSES: dict[str, tuple[list[str], str]] = {
         ["plan", "--profile", "{tmp}/list.json", "--layers", "4"],
         "plan --profile: expected rows that are JSON objects",
     ),
+    "plan-microbatches-1e9": (
+        ["plan", "--microbatches", "1000000000"],
+        "Layout.microbatches: expected at most 65536 microbatches",
+    ),
+    "plan-choose-microbatches-1e9": (
+        ["plan", "--choose", "--microbatches", "1000000000"],
+        "Layout.microbatches: expected at most 65536 microbatches",
+    ),
     "plan-out-is-a-file": (
         ["plan", "--out", "{tmp}/bad.json"],
         "plan --out: expected a folder that can be created and written, received "

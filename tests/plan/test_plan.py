@@ -15,6 +15,7 @@ from typing import Any, cast
 import pytest
 
 from moe_overlap import ConfigError
+from moe_overlap.__main__ import main
 from moe_overlap.integrations.pipelining import schedule_order
 from moe_overlap.plan import (
     Costs,
@@ -467,6 +468,73 @@ def test_costs_from_profile_refuses_what_it_would_misread() -> None:
 def test_costs_refuses_keys_that_are_not_layer_slot_direction(key: object) -> None:
     with pytest.raises(ConfigError, match=r"Costs.times: expected keys \(layer in 0..1 or None"):
         Costs(times=_bad({key: 1.0}), moe=(True, True))
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        (0, Slot.DISPATCH, Direction.FORWARD),  # layer 0 is dense
+        (0, Slot.COMBINE, Direction.BACKWARD),
+        (1, Slot.MLP, Direction.RECOMPUTE),
+        (1, Slot.PRE_FORWARD, Direction.HOOK),
+        (1, Slot.MTP_POST, Direction.FORWARD),
+        (1, Slot.PRE_PROCESS, Direction.FORWARD),
+        (None, Slot.MLP, Direction.FORWARD),
+    ],
+)
+def test_costs_refuses_times_no_replay_reads(key: SlotKey) -> None:
+    """Each was taken and never read: its milliseconds dropped without a word."""
+    with pytest.raises(ConfigError, match=r"Costs.times: expected only keys a replay reads") as e:
+        Costs(times={key: 1.0}, moe=(False, True))
+    assert repr(key) in str(e.value) and "drop them" in str(e.value)
+
+
+_LAYER = (Slot.PRE_DISPATCH, Slot.MLP, Slot.DISPATCH, Slot.COMBINE)
+
+
+def test_costs_takes_every_key_a_replay_reads() -> None:
+    """Every node of an MoE and a dense layer and the pre- and post-process, forward,
+    backward and weight gradient (a communication node's W is added to its backward)."""
+    times: dict[SlotKey, float] = {}
+    for layer, slots in ((0, _LAYER[:2]), (1, _LAYER)):
+        for slot in slots:
+            for d in (Direction.FORWARD, Direction.BACKWARD, Direction.WGRAD):
+                times[(layer, slot, d)] = 1.0
+    for slot in (Slot.PRE_PROCESS, Slot.POST_PROCESS):
+        for d in (Direction.FORWARD, Direction.BACKWARD, Direction.WGRAD):
+            times[(None, slot, d)] = 1.0
+    assert Costs(times=times, moe=(False, True)).times == times
+    profile = _profile()
+    with pytest.raises(ConfigError, match=r"received 4 other key\(s\): \(0, <Slot.DISPATCH"):
+        costs_from_profile(profile, num_layers=2, moe=[False, True])
+
+
+def test_vpp_at_one_pipeline_rank_cuts_the_model_into_stages(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """vpp > 1 at pp=1 is not ignored: torch's interleaved order of vpp stages on the one
+    rank (combined_1f1b pairs one stage's forward with another's backward)."""
+    costs = _reference_costs(4)
+    whole = plan(costs, Layout(microbatches=4), "combined_1f1b")
+    staged = plan(costs, Layout(vpp=2, microbatches=4), "combined_1f1b")
+    assert whole.torch_class is None
+    assert staged.torch_class == "ScheduleInterleaved1F1B"
+    assert {s.action for s in staged.spans} >= {"0F1+1B0", "1F0"}
+    assert {s.rank for s in staged.spans} == {0}
+    assert all(s.action.startswith("run(") for s in whole.spans)
+    main(["plan", "--pp", "1", "--vpp", "2", "--microbatches", "2", "--schedule", "combined_1f1b"])
+    assert "VPP=2" in capsys.readouterr().out
+
+
+def test_a_step_of_more_microbatches_than_the_planner_takes_is_refused() -> None:
+    """10**9 microbatches ran until killed (every node of every microbatch is replayed)."""
+    assert Layout(microbatches=65536).microbatches == 65536
+    with pytest.raises(ConfigError, match=r"Layout.microbatches: expected at most 65536 "):
+        Layout(microbatches=10**9)
+    with pytest.raises(ConfigError, match=r"Layout.microbatches: expected an int >= 1"):
+        Layout(microbatches=0)
+    with pytest.raises(ConfigError, match=r"Layout.microbatches: expected at most 65536 "):
+        Layout().replace(microbatches=65537)
 
 
 def test_load_profile_refuses_nan_ms_and_bool_layers() -> None:

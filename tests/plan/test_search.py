@@ -20,6 +20,7 @@ from moe_overlap.plan import (
     SearchStep,
     StepTimes,
     check_exact,
+    choose_schedule,
     fit_activations,
     node_schedule,
     plan,
@@ -328,11 +329,11 @@ def test_search_arguments_are_checked_before_use() -> None:
             "SearchSpace.wgrad_share: expected each slot once",
         ),
         (
-            lambda: SearchSpace(recompute=(Recompute(_bad(MLP)),)),
+            lambda: SearchSpace(recompute=(_unchecked(MLP),)),
             "SearchSpace.recompute: item 0 must",
         ),
         (
-            lambda: SearchSpace(recompute=(Recompute((MLP,), _bad(0)),)),
+            lambda: SearchSpace(recompute=(_unchecked((MLP,), 0),)),
             "SearchSpace.recompute: item 0 must",
         ),
         (
@@ -368,6 +369,74 @@ def test_search_arguments_are_checked_before_use() -> None:
         with pytest.raises(ConfigError, match=re.escape(message)):
             call()
     assert str(Recompute(_bad(("mlp",)))) == "mlp"
+
+
+def test_recompute_is_checked_at_construction() -> None:
+    """A Recompute of wrong fields was made, printed and compared, and refused only where
+    a search or a fit used it; each use site keeps its own refusal."""
+    expected = (
+        "Recompute must be a Recompute: a tuple of Slot s (Slot.PRE_DISPATCH, Slot.MLP), "
+        "then layers and microbatches each None (all) or a tuple of ints >= 0"
+    )
+    bad: list[Callable[[], object]] = [
+        lambda: Recompute(_bad(MLP)),
+        lambda: Recompute(_bad(("attention",))),
+        lambda: Recompute((DISPATCH,)),
+        lambda: Recompute((MLP,), _bad(0)),
+        lambda: Recompute((MLP,), _bad((True,))),
+        lambda: Recompute((MLP,), None, _bad((-1,))),
+    ]
+    for call in bad:
+        with pytest.raises(ConfigError, match=re.escape(expected)):
+            call()
+    made = Recompute((PRE, MLP), (0, 1), [2])
+    assert made == ((PRE, MLP), (0, 1), [2]) and str(made) == "pre_dispatch+mlp@L0,1@mb2"
+    costs = Costs(times={(0, MLP, F): 1.0, (0, MLP, B): 2.0}, moe=(True,))
+    with pytest.raises(ConfigError, match=re.escape("fit_activations: recompute must be a")):
+        fit_activations(
+            MEMORY,
+            costs,
+            4,
+            serial=1.0,
+            fill_drain=2.0,
+            serial_recompute=0.9,
+            recompute=_unchecked((DISPATCH,)),
+        )
+    with pytest.raises(ConfigError, match=re.escape("search_schedules: today_recompute must")):
+        search_schedules(costs, 2, MEMORY, today_recompute=_unchecked((MLP,), "0"))
+
+
+def test_search_refuses_more_microbatches_than_the_planner_takes() -> None:
+    """10**9 microbatches ran until killed."""
+    costs = Costs(times={(0, MLP, F): 1.0, (0, MLP, B): 2.0}, moe=(True,))
+    cases: list[tuple[Callable[[], object], str]] = [
+        (
+            lambda: ScheduleGraph(microbatches=10**9, moe=(True,)),
+            "ScheduleGraph.microbatches: expected at most 65536 microbatches",
+        ),
+        (
+            lambda: search_schedules(costs, 65537, MEMORY),
+            "search_schedules: microbatches must be at most 65536 microbatches",
+        ),
+        (
+            lambda: choose_schedule(costs, 10**9, MEMORY),
+            "choose_schedule: microbatches must be at most 65536 microbatches",
+        ),
+        (
+            lambda: fit_activations(MEMORY, costs, 10**9, serial=1.0, fill_drain=2.0),
+            "fit_activations: microbatches must be at most 65536 microbatches",
+        ),
+    ]
+    for call, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            call()
+    assert ScheduleGraph(microbatches=65536, moe=(True,)).microbatches == 65536
+
+
+def _unchecked(*fields: object) -> Any:
+    """A Recompute of ``fields`` made without its construction check (``tuple.__new__``):
+    the use sites refuse it too."""
+    return tuple.__new__(Recompute, (*fields, None, None, None)[:3])
 
 
 def _bad(value: object) -> Any:

@@ -14,6 +14,7 @@ from typing import Literal
 
 from moe_overlap import ConfigError, ScheduleOptions
 from moe_overlap.args import POSITIVE, Instance, Opt, Real, check_arg
+from moe_overlap.plan._layout import check_microbatches
 from moe_overlap.plan._search import Recompute, SearchPoint, SearchResult, SearchSpace
 from moe_overlap.plan._search import search_schedules as _search
 from moe_overlap.plan._search_steps import ActivationModel, Order, node_schedule
@@ -180,6 +181,7 @@ def choose_schedule(
     where = "choose_schedule"
     costs = check_arg(where, "costs", costs, Instance(Costs, "a Costs"))
     microbatches = check_arg(where, "microbatches", microbatches, POSITIVE)
+    check_microbatches(f"{where}: microbatches", microbatches)
     memory = check_arg(where, "memory", memory, Instance(ActivationModel, "an ActivationModel"))
     budget = check_arg(where, "budget", budget, Opt(Real(above=0.0)))
     space = check_arg(where, "space", space, Opt(Instance(SearchSpace, "a SearchSpace")))

@@ -114,7 +114,8 @@ def add_plan_parser(sub: _Subparsers) -> None:
         "--vpp",
         type=int,
         default=1,
-        help="pipeline stages per rank (virtual pipeline) (default: %(default)s)",
+        help="pipeline stages per rank (virtual pipeline), at --pp 1 too: the model cut into "
+        "that many stages on the one rank, in torch's interleaved order (default: %(default)s)",
     )
     p.add_argument(
         "--microbatches",

@@ -37,6 +37,7 @@ from moe_overlap.args import (
     refuse,
 )
 from moe_overlap.engine import ConfigError
+from moe_overlap.plan._layout import check_microbatches
 from moe_overlap.plan._list_schedule import (
     RULES,
     ScheduleIds,
@@ -78,13 +79,27 @@ __all__ = [
 ]
 
 
-class Recompute(NamedTuple):
-    """Which slots are recomputed: ``slots`` (pre-dispatch, mlp) of ``layers`` (``None``:
-    every layer) of ``microbatches`` (``None``: every one)."""
-
+class _RecomputeFields(NamedTuple):
     slots: tuple[Slot, ...] = ()
     layers: tuple[int, ...] | None = None
     microbatches: tuple[int, ...] | None = None
+
+
+class Recompute(_RecomputeFields):
+    """Which slots are recomputed: ``slots`` (pre-dispatch, mlp) of ``layers`` (``None``:
+    every layer) of ``microbatches`` (``None``: every one). Checked at construction
+    (:class:`~moe_overlap.ConfigError`), and again where it is used."""
+
+    __slots__ = ()
+
+    def __new__(
+        cls,
+        slots: tuple[Slot, ...] = (),
+        layers: tuple[int, ...] | None = None,
+        microbatches: tuple[int, ...] | None = None,
+    ) -> "Recompute":
+        made = super().__new__(cls, slots, layers, microbatches)
+        return check_recompute("Recompute", made)
 
     def __str__(self) -> str:
         if not self.slots:
@@ -104,7 +119,8 @@ class Recompute(NamedTuple):
 
 
 _PRE, _MLP = Slot.PRE_DISPATCH, Slot.MLP
-_SLOT_VALUES = frozenset(s.value for s in Slot)
+# The slots a recomputation can run again (what ScheduleGraph.recompute takes).
+_SLOT_VALUES = frozenset((_PRE.value, _MLP.value))
 
 
 def _ints(value: object) -> bool:
@@ -117,8 +133,9 @@ def _ints(value: object) -> bool:
 
 
 def check_recompute(where: str, value: object) -> Recompute:
-    """``value`` if it is a :class:`Recompute` of slots (``Slot`` s or their names) and of
-    layers and microbatches ``None`` or ints >= 0, else a :class:`~moe_overlap.ConfigError`."""
+    """``value`` if it is a :class:`Recompute` of slots (pre-dispatch and mlp, ``Slot`` s or
+    their names) and of layers and microbatches ``None`` or ints >= 0, else a
+    :class:`~moe_overlap.ConfigError`."""
     ok = isinstance(value, Recompute)
     if ok:
         rc = cast(Recompute, value)
@@ -356,6 +373,7 @@ def fit_activations(
     memory = check_arg(where, "memory", memory, Instance(ActivationModel, "an ActivationModel"))
     costs = check_arg(where, "costs", costs, Instance(Costs, "a Costs"))
     microbatches = check_arg(where, "microbatches", microbatches, Int(2))
+    check_microbatches(f"{where}: microbatches", microbatches)
     serial = _peak(where, "serial", serial)
     fill_drain = _peak(where, "fill_drain", fill_drain)
     if serial_recompute is not None:
@@ -452,6 +470,7 @@ def search_schedules(
     where = "search_schedules"
     costs = check_arg(where, "costs", costs, Instance(Costs, "a Costs"))
     microbatches = check_arg(where, "microbatches", microbatches, POSITIVE)
+    check_microbatches(f"{where}: microbatches", microbatches)
     memory = check_arg(where, "memory", memory, Instance(ActivationModel, "an ActivationModel"))
     space = check_arg(where, "space", space, Opt(Instance(SearchSpace, "a SearchSpace")))
     space = space or SearchSpace()

@@ -44,6 +44,7 @@ from moe_overlap.args import (
     replaced,
 )
 from moe_overlap.engine import ConfigError
+from moe_overlap.plan._layout import check_microbatches
 from moe_overlap.plan._profile import check_times
 from moe_overlap.steps import Direction, NodeSchedule, Slot, StreamKind
 
@@ -125,6 +126,7 @@ class ScheduleGraph:
 
     def __post_init__(self) -> None:
         check_fields(self, _GRAPH_SPECS)
+        check_microbatches("ScheduleGraph.microbatches", self.microbatches, field=True)
         for item in cast("frozenset[object]", self.recompute):
             ok = isinstance(item, tuple) and len(cast("tuple[object, ...]", item)) == 3
             mb, layer, slot = cast("tuple[object, object, object]", item) if ok else (0, 0, 0)

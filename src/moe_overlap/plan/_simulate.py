@@ -76,16 +76,18 @@ _COSTS_SPECS = {
 class Costs:
     """What one microbatch costs on one rank.
 
-    ``times`` are node milliseconds per ``(layer, slot, direction)`` for every layer of the
-    model (global indices; ``None`` for pre- and post-process), as
-    :meth:`moe_overlap.timeline.Timeline.slot_durations` records them or
-    :func:`~moe_overlap.plan.roofline_durations` estimates them. ``W`` entries (weight
-    gradients) are part of the backward unless ``weight_split`` (a runtime that really
-    runs them apart, e.g. with delayed wgrad; ``prepare_schedule`` today computes them in
-    the input-gradient action). ``comm_contention`` lengthens communication nodes in
-    overlapped runs (a measured property of the machine: copies and kernels share memory
-    bandwidth and links). P2P milliseconds are per activation send between neighbouring
-    stages, within a node and across nodes.
+        ``times`` are node milliseconds per ``(layer, slot, direction)`` for every layer of the
+        model (global indices; ``None`` for pre- and post-process), as
+        :meth:`moe_overlap.timeline.Timeline.slot_durations` records them or
+        :func:`~moe_overlap.plan.roofline_durations` estimates them; a key a replay does not read
+    (a direction other than ``F``, ``B``, ``W``; a slot the layer has no node for, such as a
+    dispatch of a dense layer or a hook) is refused. ``W`` entries (weight
+        gradients) are part of the backward unless ``weight_split`` (a runtime that really
+        runs them apart, e.g. with delayed wgrad; ``prepare_schedule`` today computes them in
+        the input-gradient action). ``comm_contention`` lengthens communication nodes in
+        overlapped runs (a measured property of the machine: copies and kernels share memory
+        bandwidth and links). P2P milliseconds are per activation send between neighbouring
+        stages, within a node and across nodes.
     """
 
     times: Mapping[SlotKey, float]
@@ -119,6 +121,7 @@ class Costs:
                     f"Direction), received {key!r}"
                 )
             check_arg("Costs.times", f"the milliseconds of {key!r}", ms, _MS)
+        _refuse_unread(self.times, self.moe)
 
     @property
     def num_layers(self) -> int:
@@ -128,6 +131,39 @@ class Costs:
     def replace(self, **changes: object) -> "Costs":
         """A copy with ``changes``."""
         return replaced(self, changes)
+
+
+_TIMED = (Direction.FORWARD, Direction.BACKWARD, Direction.WGRAD)
+_READ_SLOTS: dict[bool | None, tuple[Slot, ...]] = {
+    None: (Slot.PRE_PROCESS, Slot.POST_PROCESS),
+    True: (Slot.PRE_DISPATCH, Slot.DISPATCH, Slot.MLP, Slot.COMBINE),
+    False: (Slot.PRE_DISPATCH, Slot.MLP),
+}
+"""The slots a replay reads times of: of layer ``None`` (pre- and post-process), of an MoE
+layer, of a dense layer; each in the directions of :data:`_TIMED`."""
+
+
+def _refuse_unread(times: Mapping[SlotKey, float], moe: tuple[bool, ...]) -> None:
+    """Refuse keys of ``times`` that no replay reads (checked keys: ``(layer | None, Slot,
+    Direction)``): their milliseconds would be dropped without a word."""
+    unread = [
+        key
+        for key in times
+        if key[2] not in _TIMED
+        or key[1] not in _READ_SLOTS[None if key[0] is None else moe[key[0]]]
+    ]
+    if not unread:
+        return
+    shown = ", ".join(map(repr, unread[:4])) + (
+        f" and {len(unread) - 4} more" if len(unread) > 4 else ""
+    )
+    raise ConfigError(
+        f"Costs.times: expected only keys a replay reads, directions F, B or W of "
+        "(None, pre_process | post_process), (an MoE layer, pre_dispatch | dispatch | mlp | "
+        f"combine) or (a dense layer, pre_dispatch | mlp) (moe says which layer is which), "
+        f"received {len(unread)} other key(s): {shown}; drop them (the planner has no node "
+        "that runs them), or set moe for the layers that dispatch"
+    )
 
 
 class PlanSpan(NamedTuple):
