@@ -29,6 +29,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 import moe_overlap as mo
 from moe_overlap import (
@@ -1190,6 +1191,36 @@ def test_numpy_integers_are_ints_and_stored_as_ints() -> None:
         b.TopKRouter(bad(np.int64(8)), 4, 2, aux_loss_coeff=bad(np.float32(0.5))).aux_loss_coeff
         == 0.5
     )
+
+
+def test_fully_shard_slots_refuses_parameters_outside_the_slot_modules() -> None:
+    """A parameter of the decoder itself or of a decoder child other than ``layers`` was
+    left unsharded: its gradient never reduced over the data-parallel ranks."""
+    _world_of_one()
+    try:
+        for name, part in (("scale", nn.Parameter(torch.ones(1))), ("final_norm", nn.Linear(2, 2))):
+            model = tiny_model()
+            setattr(model.decoder, name, part)
+            with pytest.raises(
+                mo.ConfigError,
+                match=rf"expected every parameter of GPTMoEModel in a slot module .* outside "
+                rf"them \(decoder\.{name}.*never be reduced over the data-parallel ranks",
+            ):
+                fsdp.fully_shard_slots(model, mesh=_mesh())
+            assert not any(isinstance(m, FSDPModule) for m in model.modules())
+    finally:
+        dist.destroy_process_group()
+
+
+def test_slot_modules_checks_the_model_when_called() -> None:
+    """The checks ran on the first ``next()``, not at the call."""
+    with pytest.raises(mo.IntegrationError, match="slot_modules: model must be an nn.Module"):
+        fsdp.slot_modules(cast(Any, "model"))
+    model = nn.Module()
+    model.decoder = nn.Module()
+    model.decoder.layers = cast(Any, [3])  # not a module: a plain attribute
+    with pytest.raises(mo.ConfigError, match=r"decoder.layers\[0\] is a int, not an nn.Module"):
+        fsdp.slot_modules(model)
 
 
 def test_fully_shard_slots_applied_twice_is_refused() -> None:

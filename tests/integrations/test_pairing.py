@@ -5,6 +5,7 @@ The lowering module is called directly: it needs no process group, stage or plan
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from moe_overlap import ConfigError
+from moe_overlap.integrations.pipelining import stage_rank
 from moe_overlap.integrations.pipelining._lowering import check_actions, pair_overlap_f_b
 from moe_overlap.integrations.pipelining._torch import check_torch
 
@@ -127,3 +129,70 @@ def test_the_action_check_counts_pairs_and_refuses_other_parts() -> None:
     parts = (_Action(0, FORWARD, 1), _Action(0, BACKWARD_INPUT, 0))
     with pytest.raises(ConfigError, match=r"expected each OVERLAP_F_B as \(FORWARD, FULL_BACK"):
         check_actions([_Action(-1, OVERLAP_F_B, None, parts)])
+
+
+def test_stage_rank_checks_its_arguments_and_stages() -> None:
+    """An unknown class was taken as a loop, pp=0 a ZeroDivisionError on first use, and a
+    stage beyond a V's 2 * pp stages a negative rank."""
+    cases: list[tuple[Any, str]] = [
+        (lambda: stage_rank("Schedule2F2B", 2), "stage_rank: schedule_class must be one of"),
+        (lambda: stage_rank("ScheduleInterleaved1F1B", 0), "stage_rank: pp must be an int >= 1"),
+        (lambda: stage_rank("ScheduleDualPipeV", _bad(True)), "pp must be an int >= 1"),
+        (
+            lambda: stage_rank("ScheduleDualPipeV", 2)(4),
+            "stage_rank('ScheduleDualPipeV'): a stage index must be an int in [0, 3]",
+        ),
+        (
+            lambda: stage_rank("ScheduleInterleaved1F1B", 2)(-1),
+            "stage_rank('ScheduleInterleaved1F1B'): a stage index must be an int >= 0",
+        ),
+        (lambda: stage_rank("ScheduleInterleaved1F1B", 2)(_bad("1")), "received str '1'"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            call()
+    assert [stage_rank("ScheduleDualPipeV", 2)(s) for s in range(4)] == [0, 1, 1, 0]
+    assert [stage_rank("ScheduleInterleaved1F1B", 2)(s) for s in range(5)] == [0, 1, 0, 1, 0]
+
+
+def test_an_order_its_arguments_disagree_with_is_refused() -> None:
+    """Each returned the order unpaired without a word (every trial pairing failed its
+    lowering), or raised a bare AttributeError / KeyError."""
+    order = _interleaved(2, 2, 4)
+    loop = stage_rank("ScheduleInterleaved1F1B", 2)
+    cases: list[tuple[Any, str]] = [
+        (
+            lambda: pair_overlap_f_b(order, num_stages=2, stage_to_rank=loop),
+            "received 2F0 on rank 0, outside num_stages=2",
+        ),
+        (
+            lambda: pair_overlap_f_b(order, num_stages=8, stage_to_rank=loop),
+            "expected an order torch lowers to communication without a deadlock",
+        ),
+        (
+            lambda: pair_overlap_f_b(order, num_stages=4, stage_to_rank=lambda s: 0),
+            "received 1F0 on rank 1, whose stage stage_to_rank puts on 0",
+        ),
+        (
+            lambda: pair_overlap_f_b({0: order[0]}, num_stages=4, stage_to_rank=loop),
+            "received none for rank(s) [1]",
+        ),
+        (
+            lambda: pair_overlap_f_b({0: _bad([1, 2])}, num_stages=4, stage_to_rank=loop),
+            "order[0]: expected torch actions or None (bubbles), received int 1",
+        ),
+        (
+            lambda: pair_overlap_f_b(_bad({"0": order[0]}), num_stages=4, stage_to_rank=loop),
+            "order: expected a mapping of each pipeline rank (an int) to its actions",
+        ),
+    ]
+    for call, message in cases:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            call()
+    paired = pair_overlap_f_b(order, num_stages=4, stage_to_rank=loop)
+    assert any(a is not None and a.sub_actions for a in paired[0])
+
+
+def _bad(value: object) -> Any:
+    """``value`` typed ``Any``: a misuse the type checkers would flag, made at run time."""
+    return value

@@ -119,6 +119,19 @@ def test_arguments_are_checked(kwargs: dict[str, Any], match: str) -> None:
         prepare_schedule(_schedule(*_stages()), **kwargs)
 
 
+def test_overlap_and_observer_are_checked_when_set() -> None:
+    """``overlap = "no"`` was kept and read as true (the pairs overlapped); an observer
+    without ``timer`` failed inside the next step."""
+    prepared = prepare_schedule(_schedule(*_stages()), pair=True)
+    with pytest.raises(ConfigError, match="PipelineOverlap: overlap must be a bool, received str"):
+        prepared.overlap = cast(Any, "no")
+    with pytest.raises(ConfigError, match="PipelineOverlap: observer must be a StepObserver"):
+        prepared.observer = cast(Any, 3)
+    assert prepared.overlap is True and prepared.observer is None
+    prepared.overlap = False
+    assert prepared.overlap is False
+
+
 def test_compiled_checkpointed_or_hooked_stage_modules_are_refused() -> None:
     import torch
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper

@@ -389,8 +389,8 @@ def test_recompute_is_checked_at_construction() -> None:
     for call in bad:
         with pytest.raises(ConfigError, match=re.escape(expected)):
             call()
-    made = Recompute((PRE, MLP), (0, 1), [2])
-    assert made == ((PRE, MLP), (0, 1), [2]) and str(made) == "pre_dispatch+mlp@L0,1@mb2"
+    made = Recompute((PRE, MLP), (0, 1), (2,))
+    assert tuple(made) == ((PRE, MLP), (0, 1), (2,)) and str(made) == "pre_dispatch+mlp@L0,1@mb2"
     costs = Costs(times={(0, MLP, F): 1.0, (0, MLP, B): 2.0}, moe=(True,))
     with pytest.raises(ConfigError, match=re.escape("fit_activations: recompute must be a")):
         fit_activations(

@@ -56,9 +56,7 @@ def slot_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
             f"fully_shard_slots: expected {type(model).__name__}.decoder.layers, a list of "
             f"the layers (a PreprocessableModel), received {type(layers).__name__}"
         )
-    named = cast("Iterator[tuple[str, nn.Module]]", model.named_modules())  # unannotated
-    names = {id(m): n for n, m in named}
-    in_layers: set[int] = set()
+    checked: list[nn.Module] = []
     for i, layer in enumerate(cast("Sequence[object]", layers)):
         if not isinstance(layer, nn.Module):
             raise ConfigError(
@@ -66,6 +64,18 @@ def slot_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
                 "nn.Module whose children the slots call; shard such a model's modules "
                 "yourself with fully_shard, never the layer objects or the model"
             )
+        checked.append(layer)
+    # Checked above, when called; the modules are listed when iterated.
+    return _slot_modules(model, decoder, checked)
+
+
+def _slot_modules(
+    model: nn.Module, decoder: object, layers: Sequence[nn.Module]
+) -> Iterator[tuple[str, nn.Module]]:
+    named = cast("Iterator[tuple[str, nn.Module]]", model.named_modules())  # unannotated
+    names = {id(m): n for n, m in named}
+    in_layers: set[int] = set()
+    for layer in layers:
         for child in layer.children():
             in_layers.update(id(m) for m in child.modules())
             if any(True for _ in child.parameters()):
@@ -145,6 +155,17 @@ def fully_shard_slots(
             f"sharded, received {sharded[:3]}{' ...' if len(sharded) > 3 else ''} already "
             "FSDPModules (fully_shard_slots or fully_shard applied before); apply "
             "fully_shard_slots once, to a model without FSDP modules"
+        )
+    covered = {id(p) for _, m in targets for p in m.parameters()}
+    left = [n for n, p in model.named_parameters() if id(p) not in covered]
+    if left:
+        raise ConfigError(
+            f"fully_shard_slots: expected every parameter of {type(model).__name__} in a slot "
+            "module (a child of a decoder layer, or a child of the model outside its decoder), "
+            f"received {len(left)} outside them ({', '.join(left[:3])}"
+            f"{', ...' if len(left) > 3 else ''}): they would stay unsharded and their "
+            "gradients never be reduced over the data-parallel ranks; move them into such a "
+            "module, or shard the model's modules yourself with fully_shard"
         )
     dense_size = _mesh_size(mesh)
     experts = _check_experts(targets, expert_mesh, is_expert, dense_size)

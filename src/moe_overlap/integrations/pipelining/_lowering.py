@@ -57,6 +57,7 @@ def pair_overlap_f_b(
     check_arg(w, "order", order, _ORDER)
     check_arg(w, "num_stages", num_stages, POSITIVE)
     check_arg(w, "stage_to_rank", stage_to_rank, CALLABLE)
+    _check_order(w, order, num_stages, stage_to_rank)
     kinds = _torch.kinds()
     forward, full_backward = kinds.forward, kinds.full_backward
 
@@ -83,6 +84,58 @@ def pair_overlap_f_b(
                         out = trial
                 i += 1
     return out
+
+
+def _check_order(
+    w: str, order: Order, num_stages: int, stage_to_rank: Callable[[int], int]
+) -> None:
+    """Refuse an ``order`` that is not ranks to torch's actions (or ``None``) of stages
+    ``0..num_stages-1`` placed where ``stage_to_rank`` puts them, or that does not lower to
+    communication as given: every pairing would fail its lowering, and the order would be
+    returned unpaired without a word."""
+    for rank, acts in order.items():
+        if type(rank) is not int or isinstance(acts, (str, bytes)):
+            raise ConfigError(
+                f"{w}: order: expected a mapping of each pipeline rank (an int) to its "
+                f"actions, received {rank!r}: {type(acts).__name__}; pass "
+                "schedule.pipeline_order or schedule_order(...)"
+            )
+        for action in acts:
+            if action is None:
+                continue
+            if not _torch.is_action(action):
+                raise ConfigError(
+                    f"{w}: order[{rank}]: expected torch actions or None (bubbles), received "
+                    f"{type(action).__name__} {action!r}; pass schedule.pipeline_order or "
+                    "schedule_order(...)"
+                )
+            for part in action.sub_actions or (action,):
+                stage = part.stage_index
+                where = stage_to_rank(stage) if 0 <= stage < num_stages else None
+                if where != rank:
+                    raise ConfigError(
+                        f"{w}: expected each action on the rank stage_to_rank gives its stage "
+                        f"(stages 0..{num_stages - 1}), received {part} on rank {rank}, "
+                        + (
+                            f"outside num_stages={num_stages}"
+                            if where is None
+                            else f"whose stage stage_to_rank puts on {where!r}"
+                        )
+                        + "; pass the schedule's own num_stages and stage_to_rank (stage_rank)"
+                    )
+    missing = sorted({stage_to_rank(s) for s in range(num_stages)} - set(order), key=repr)
+    if order and missing:
+        raise ConfigError(
+            f"{w}: order: expected the actions of every rank stage_to_rank places a stage on, "
+            f"received none for rank(s) {missing}; pass the whole pipeline_order (every "
+            "rank's, as torch keeps it on each rank)"
+        )
+    if not _lowers(order, num_stages, stage_to_rank):
+        raise ConfigError(
+            f"{w}: expected an order torch lowers to communication without a deadlock, "
+            "received one where a rank would wait forever before any pairing; pass a "
+            "schedule's own pipeline_order (or schedule_order(...))"
+        )
 
 
 def _lowers(order: Order, num_stages: int, stage_to_rank: Callable[[int], int]) -> bool:
@@ -157,10 +210,43 @@ class _StageData:
 
 def stage_rank(schedule_class: str, pp: int) -> Callable[[int], int]:
     """The pipeline rank of each stage: a V (``s`` and ``2 * pp - 1 - s`` on rank ``s``)
-    for ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``, else a loop (``s % pp``)."""
+    for ``ScheduleZBVZeroBubble`` and ``ScheduleDualPipeV``, else a loop (``s % pp``). The
+    function refuses a stage that is not an int >= 0 (and, for a V, one beyond its
+    ``2 * pp`` stages) with a :class:`~moe_overlap.ConfigError`."""
+    w = "stage_rank"
+    _check_class(w, schedule_class)
+    pp = check_arg(w, "pp", pp, POSITIVE)
     if schedule_class in _V_SHAPED:
-        return lambda s: s if s < pp else 2 * pp - 1 - s
-    return lambda s: s % pp
+        n = 2 * pp
+
+        def v_rank(s: int) -> int:
+            if type(s) is not int or not 0 <= s < n:
+                raise _bad_stage(schedule_class, s, f"an int in [0, {n - 1}] ({pp} ranks x 2)")
+            return s if s < pp else n - 1 - s
+
+        return v_rank
+
+    def loop_rank(s: int) -> int:
+        if type(s) is not int or s < 0:
+            raise _bad_stage(schedule_class, s, "an int >= 0")
+        return s % pp
+
+    return loop_rank
+
+
+def _bad_stage(schedule_class: str, stage: object, expects: str) -> ConfigError:
+    return ConfigError(
+        f"stage_rank({schedule_class!r}): a stage index must be {expects}, received "
+        f"{type(stage).__name__} {stage!r}; pass a stage of the schedule"
+    )
+
+
+def _check_class(w: str, schedule_class: object) -> None:
+    if not isinstance(schedule_class, str) or schedule_class not in SCHEDULE_CLASSES:
+        raise ConfigError(
+            f"{w}: schedule_class must be one of {list(SCHEDULE_CLASSES)}, "
+            f"received {schedule_class!r}"
+        )
 
 
 def schedule_order(
@@ -177,11 +263,7 @@ def schedule_order(
     """
     check_torch()
     w = "schedule_order"
-    if schedule_class not in SCHEDULE_CLASSES:
-        raise ConfigError(
-            f"{w}: schedule_class must be one of {list(SCHEDULE_CLASSES)}, "
-            f"received {schedule_class!r}"
-        )
+    _check_class(w, schedule_class)
     pp = check_arg(w, "pp", pp, POSITIVE)
     per = check_arg(w, "stages_per_rank", stages_per_rank, POSITIVE)
     n_mb = check_arg(w, "n_microbatches", n_microbatches, POSITIVE)

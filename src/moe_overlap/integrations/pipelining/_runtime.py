@@ -153,6 +153,7 @@ class PipelineOverlap:
         consensus_group: dist.ProcessGroup | None = None,
         consensus_timeout: timedelta | None = None,
     ) -> None:
+        check_torch()
         if not _torch.is_action_runtime(schedule):
             raise ConfigError(
                 "prepare_schedule: expected a multi-stage torch.distributed.pipelining "
@@ -201,7 +202,7 @@ class PipelineOverlap:
 
     @overlap.setter
     def overlap(self, value: bool) -> None:
-        self._handlers.overlap = value
+        self._handlers.overlap = check_arg("PipelineOverlap", "overlap", value, BOOL)
 
     @property
     def observer(self) -> StepObserver | None:
@@ -210,6 +211,7 @@ class PipelineOverlap:
 
     @observer.setter
     def observer(self, value: StepObserver | None) -> None:
+        check_arg("PipelineOverlap", "observer", value, _OBSERVER)
         self._runner.observer = value
 
     def release(self) -> None:

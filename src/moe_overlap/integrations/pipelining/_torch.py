@@ -168,6 +168,11 @@ def schedule_class(name: str) -> Any:
     return getattr(_schedules(), name)
 
 
+def is_action(value: object) -> bool:
+    """``value`` is one of torch's actions (an ``_Action``)."""
+    return isinstance(value, _schedules()._Action)
+
+
 def is_reduce_grad(action: Action) -> bool:
     """``REDUCE_GRAD`` (torch 2.13's gradient scaling step; 2.11 has none)."""
     kind = getattr(_schedules(), "REDUCE_GRAD", None)
