@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from moe_overlap import ConfigError
 from moe_overlap.integrations.checkpoint import expert_shards, register_expert_shards
 from moe_overlap.models import GPTMoEConfig, GPTMoEModel
 from tests.gloo_ranks import torchrun
@@ -86,6 +87,16 @@ def test_ep1_state_dict_is_plain_and_loads_into_the_plain_model() -> None:
     assert all(
         torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters(), strict=True)
     )
+
+
+def test_register_expert_shards_checks_the_names_without_an_ep_group() -> None:
+    """A misspelt or repeated name was taken without a word at EP=1 (nothing to register)
+    and refused only when the same code ran under EP."""
+    with pytest.raises(ConfigError, match=r"expected a parameter 'wieght', received none"):
+        register_expert_shards(nn.Linear(2, 2), ["wieght"], num_experts=2, group=None)
+    with pytest.raises(ConfigError, match=r"expected each expert tensor name once, received"):
+        register_expert_shards(nn.Linear(2, 2), ["weight", "weight"], num_experts=2, group=None)
+    assert register_expert_shards(nn.Linear(2, 2), ["weight"], num_experts=2, group=None) is None
 
 
 def test_adapter_at_ep1_keeps_the_transformers_state_dict() -> None:

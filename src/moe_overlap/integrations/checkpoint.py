@@ -157,10 +157,18 @@ def register_expert_shards(
     listed = check_arg(w, "names", names, _NAMES)
     num_experts = check_arg(w, "num_experts", num_experts, POSITIVE)
     check_arg(w, "group", group, Opt(GROUP))
+    where = type(module).__name__
+    twice = sorted({name for name in listed if listed.count(name) > 1})
+    if twice:
+        raise ConfigError(
+            f"register_expert_shards({where}): expected each expert tensor name once, "
+            f"received {twice} more than once; list each name once"
+        )
+    for name in listed:  # a misspelt name: refused here too, not only under EP
+        _parameter(module, name, "register_expert_shards")
     if group is None or _get_world_size(group) == 1:
         return None
     size, rank = _get_world_size(group), _get_rank(group)
-    where = type(module).__name__
     if num_experts % size:
         raise ConfigError(
             f"register_expert_shards({where}): expected an EP size dividing num_experts="
