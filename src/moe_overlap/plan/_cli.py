@@ -115,7 +115,8 @@ def add_plan_parser(sub: _Subparsers) -> None:
         type=int,
         default=1,
         help="pipeline stages per rank (virtual pipeline), at --pp 1 too: the model cut into "
-        "that many stages on the one rank, in torch's interleaved order (default: %(default)s)",
+        "that many stages on the one rank, in torch's interleaved order; dualpipev always "
+        "runs its V of 2 (default: %(default)s)",
     )
     p.add_argument(
         "--microbatches",

@@ -83,11 +83,12 @@ class Layout:
     """How the GPUs are used: ``ep * pp * dp`` of them.
 
     ``vpp`` is the number of model stages per pipeline rank (virtual stages; the V-shaped
-    ``dualpipev`` and ``zbv`` always have 2), at ``pp=1`` too (:class:`Schedule` says what
-    that runs). Ranks are placed EP innermost, then DP, then
-    PP (an EP group on consecutive GPUs), so an EP group of at most a node's GPUs stays on
-    one node. ``microbatches`` per step per pipeline, at most 65536 (the planner replays
-    every node of every microbatch; a real step has at most a few thousand).
+    ``dualpipev`` and ``zbv`` always have 2), at ``pp=1`` too
+    (:class:`~moe_overlap.plan.Schedule` says what that runs). Ranks are placed EP
+    innermost, then DP, then PP (an EP group on consecutive GPUs), so an EP group of at
+    most a node's GPUs stays on one node. ``microbatches`` per step per pipeline, at most
+    65536 (the planner replays every node of every microbatch; a real step has at most a
+    few thousand).
     """
 
     ep: int = 1
