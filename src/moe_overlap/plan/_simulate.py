@@ -76,18 +76,18 @@ _COSTS_SPECS = {
 class Costs:
     """What one microbatch costs on one rank.
 
-        ``times`` are node milliseconds per ``(layer, slot, direction)`` for every layer of the
-        model (global indices; ``None`` for pre- and post-process), as
-        :meth:`moe_overlap.timeline.Timeline.slot_durations` records them or
-        :func:`~moe_overlap.plan.roofline_durations` estimates them; a key a replay does not read
-    (a direction other than ``F``, ``B``, ``W``; a slot the layer has no node for, such as a
-    dispatch of a dense layer or a hook) is refused. ``W`` entries (weight
-        gradients) are part of the backward unless ``weight_split`` (a runtime that really
-        runs them apart, e.g. with delayed wgrad; ``prepare_schedule`` today computes them in
-        the input-gradient action). ``comm_contention`` lengthens communication nodes in
-        overlapped runs (a measured property of the machine: copies and kernels share memory
-        bandwidth and links). P2P milliseconds are per activation send between neighbouring
-        stages, within a node and across nodes.
+    ``times`` are node milliseconds per ``(layer, slot, direction)`` for every layer of the
+    model (global indices; ``None`` for pre- and post-process), as
+    :meth:`moe_overlap.timeline.Timeline.slot_durations` records them or
+    :func:`~moe_overlap.plan.roofline_durations` estimates them; a key a replay does not
+    read (a direction other than ``F``, ``B``, ``W``; a slot the layer has no node for,
+    such as a dispatch of a dense layer or a hook) is refused. ``W`` entries (weight
+    gradients) are part of the backward unless ``weight_split`` (a runtime that really
+    runs them apart, e.g. with delayed wgrad; ``prepare_schedule`` today computes them in
+    the input-gradient action). ``comm_contention`` lengthens communication nodes in
+    overlapped runs (a measured property of the machine: copies and kernels share memory
+    bandwidth and links). P2P milliseconds are per activation send between neighbouring
+    stages, within a node and across nodes.
     """
 
     times: Mapping[SlotKey, float]
