@@ -58,7 +58,7 @@ import re
 import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NamedTuple, cast
 
@@ -95,6 +95,7 @@ from moe_overlap import (
 from moe_overlap.blocks import PlainContext, discard_wgrad
 from moe_overlap.plan import (
     ActivationModel,
+    ContentionKind,
     Layout,
     Recompute,
     ScheduleGraph,
@@ -211,10 +212,13 @@ def replayed(
     num_layers: int,
     contention: float,
     one_event: bool = False,
+    contention_by_kind: Mapping[ContentionKind, float] | None = None,
 ) -> dict[str, Replay]:
     """:func:`predict`'s replays, whole; with ``one_event`` (or a frontier searched with
     it), each on its graph with :attr:`~moe_overlap.plan.ScheduleGraph.one_event` (the
-    engine's one event per microbatch)."""
+    engine's one event per microbatch); with ``contention_by_kind`` (``contention`` then
+    0), each communication step slowed by the compute beside it, per kind
+    (:attr:`~moe_overlap.plan.StepTimes.contention_by_kind`)."""
     space = space_of(config)
     one_event = one_event or space.one_event
     costs = costs_from_profile(
@@ -243,6 +247,7 @@ def replayed(
             recompute_cost=space.recompute_cost,
             comm_contention=costs.comm_contention,
             delay_wgrad=graph.delay_wgrad,
+            contention_by_kind=contention_by_kind,
         )
         r = replay_order(order, graph, times, memory)
         out[k] = Replay(graph, list(order), r.step_ms, r.spans)
