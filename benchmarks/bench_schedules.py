@@ -190,7 +190,12 @@ class Replay(NamedTuple):
 
 
 def predict(
-    profile: list[JsonDict], config: JsonDict, *, num_layers: int, contention: float
+    profile: list[JsonDict],
+    config: JsonDict,
+    *,
+    num_layers: int,
+    contention: float,
+    contention_by_kind: Mapping[ContentionKind, float] | None = None,
 ) -> dict[str, float]:
     """Each variant's step milliseconds as ``frontier.py`` predicts them, from the serial
     node durations ``profile`` (``serial_slot_durations`` rows) with ``contention``:
@@ -200,9 +205,28 @@ def predict(
     gradients, recomputed slots, recompute started early), each replayed
     (:func:`~moe_overlap.plan.replay_order`) with the shares, recompute cost and event
     model the frontier was searched with (``config["space"]``; the planner's defaults
-    where the frontier names none)."""
-    replays = replayed(profile, config, num_layers=num_layers, contention=contention)
+    where the frontier names none); with ``contention_by_kind`` (a frontier searched with
+    it), that model in place of ``contention``."""
+    replays = replayed(
+        profile,
+        config,
+        num_layers=num_layers,
+        contention=0.0 if contention_by_kind else contention,
+        contention_by_kind=contention_by_kind,
+    )
     return {k: r.step_ms for k, r in replays.items()}
+
+
+def by_kind_of(frontier: JsonDict) -> dict[ContentionKind, float] | None:
+    """The frontier's contention per kind (``frontier.py --contention-by-kind``), if any."""
+    given = cast("dict[str, float] | None", frontier.get("contention_by_kind"))
+    if not given:
+        return None
+    out: dict[ContentionKind, float] = {}
+    for name, c in given.items():
+        slot, _, direction = name.partition(".")
+        out[(Slot(slot), Direction(direction))] = float(c)
+    return out
 
 
 def replayed(
@@ -299,8 +323,14 @@ def fit_here(
         return None
 
 
-def measure(config: JsonDict, args: argparse.Namespace, contention: float) -> JsonDict:
-    """Every figure of one frontier configuration (``contention``: the frontier's)."""
+def measure(
+    config: JsonDict,
+    args: argparse.Namespace,
+    contention: float,
+    contention_by_kind: Mapping[ContentionKind, float] | None = None,
+) -> JsonDict:
+    """Every figure of one frontier configuration (``contention``, ``contention_by_kind``:
+    the frontier's)."""
     n = cast(int, config["microbatches"])
     ffn = cast(int, config["ffn"])
     cfg = SliceConfig(ffn=ffn) if not args.tiny else SliceConfig(hidden=256, ffn=128, tokens=256)
@@ -312,7 +342,13 @@ def measure(config: JsonDict, args: argparse.Namespace, contention: float) -> Js
     times = time_interleaved(b, fns)
     ms = {k: median(v) for k, v in times.items()}
     profile = serial_profile(b)
-    here = predict(profile, config, num_layers=cfg.num_layers, contention=contention)
+    here = predict(
+        profile,
+        config,
+        num_layers=cfg.num_layers,
+        contention=contention,
+        contention_by_kind=contention_by_kind,
+    )
     fitted = fit_here(profile, config, num_layers=cfg.num_layers, overlapped_ms=ms["overlapped"])
     refit = (
         None
@@ -679,7 +715,7 @@ def main(argv: list[str] | None = None) -> None:
     for c in chosen:
         if "main" not in args.skip:
             print(f"bench_schedules: {c['name']} ...", file=sys.stderr, flush=True)
-            results.append(measure(c, args, contention))
+            results.append(measure(c, args, contention, by_kind_of(frontier)))
         if "host" not in args.skip:
             print(f"bench_schedules: {c['name']}, host-bound size ...", file=sys.stderr, flush=True)
             hosts.append(host_bound(c, args))
