@@ -19,7 +19,7 @@ from torch import Tensor
 
 from moe_overlap.args import BOOL
 from moe_overlap.microbatch import Microbatch
-from moe_overlap.protocols import PreprocessableModel, SchedulableLayer
+from moe_overlap.protocols import PreprocessableModel, SchedulableLayer, WgradScope
 
 from .contracts import Contract, attribute, method
 from .core import _hooks
@@ -46,11 +46,13 @@ GUARD: Contract[Guard] = Contract(
     method("before_release"),
     method("node_detached"),
     method("slot_returned"),
+    method("model_returned"),
     method("copies_backwarded"),
+    method("backward_failed"),
     method("layer_started"),
     method("pre_dispatch_wgrad_listed"),
     method("mlp_wgrad_listed"),
-    method("backward_started"),
+    method("step_started"),
     method("backward_ended"),
     method("ahead_entered"),
     method("ahead_left"),
@@ -67,11 +69,13 @@ by_hook = {
     "before_release": _hooks.on_before_release,
     "node_detached": _hooks.on_node_detached,
     "slot_returned": _hooks.on_slot_returned,
+    "model_returned": _hooks.on_model_returned,
     "copies_backwarded": _hooks.on_copies_backwarded,
+    "backward_failed": _hooks.on_backward_failed,
     "layer_started": _hooks.on_layer_started,
     "pre_dispatch_wgrad_listed": _hooks.on_pre_dispatch_wgrad_listed,
     "mlp_wgrad_listed": _hooks.on_mlp_wgrad_listed,
-    "backward_started": _hooks.on_backward_started,
+    "step_started": _hooks.on_step_started,
     "backward_ended": _hooks.on_backward_ended,
     "ahead_entered": _hooks.on_ahead_entered,
     "ahead_left": _hooks.on_ahead_left,
@@ -127,8 +131,14 @@ class BaseGuard:
     ) -> None:
         del node, inputs, output
 
+    def model_returned(self, model: PreprocessableModel, method: str, value: object) -> None:
+        del model, method, value
+
     def copies_backwarded(self, node: TransformerLayerNode, copies: tuple[Tensor, ...]) -> None:
         del node, copies
+
+    def backward_failed(self, node: TransformerLayerNode, exc: RuntimeError) -> None:
+        del node, exc
 
     def layer_started(self, layer: object, where: Callable[[], str]) -> None:
         del layer, where
@@ -139,12 +149,23 @@ class BaseGuard:
         del layer, listed, where
 
     def mlp_wgrad_listed(
-        self, layer: SchedulableLayer, listed: object, where: Callable[[], str]
+        self,
+        layer: SchedulableLayer,
+        listed: object,
+        pre_dispatch: Sequence[WgradScope],
+        option: bool | None,
+        where: Callable[[], str],
     ) -> None:
-        del layer, listed, where
+        del layer, listed, pre_dispatch, option, where
 
-    def backward_started(self, plans: Sequence[ChunkRun], where: str) -> None:
-        del plans, where
+    def step_started(
+        self,
+        forward: Sequence[ChunkRun],
+        backward: Sequence[ChunkRun],
+        grads: Sequence[object],
+        where: str,
+    ) -> None:
+        del forward, backward, grads, where
 
     def backward_ended(self, plans: Sequence[ChunkRun], where: str, failed: bool) -> None:
         del plans, where, failed

@@ -12,6 +12,7 @@ from moe_overlap.protocols import FreeInputConfig, SlotFn, StreamProvider, Wgrad
 
 from ._free_input import should_free_input
 from ._hooks import (
+    on_backward_failed,
     on_copies_backwarded,
     on_node_detached,
     on_node_entered,
@@ -21,7 +22,6 @@ from ._hooks import (
 from ._layer_args import LayerArgs
 from ._megatron import layer_args
 from ._node import _OWN_FORWARD, NodePhase, ScheduleNode, _as_tuple, default_backward  # pyright: ignore[reportPrivateUsage]
-from ._node_errors import second_backward_error
 from ._options import Hook
 from ._slot_recompute import ForwardState, check_same, restore, snapshot
 from ._state import ChunkState, LayerState
@@ -347,15 +347,14 @@ class TransformerLayerNode(ScheduleNode):
         With delayed wgrad the hook fires at the end of :meth:`~moe_overlap.TransformerLayerNode.backward_dw` instead, when
         the weight gradients exist. torch's "backward through the graph a second time"
         (a tensor handed between slots without :meth:`detach`) is raised as an
-        :class:`~moe_overlap.IntegrationError` naming this node.
+        :class:`~moe_overlap.IntegrationError` naming this node (by the guards).
         """
         try:
             grads = super().backward(*output_grad)
         except RuntimeError as e:
-            error = second_backward_error(self.name, e, self.layer_state.undetached)
-            if error is None:
-                raise
-            raise error from e
+            for guard in on_backward_failed:  # torch's error reworded (moe_overlap.engine._guards)
+                guard.backward_failed(self, e)
+            raise
         if (
             not self.delay_wgrad_compute
             and self.is_layer_first_node

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import NoReturn, cast
+from typing import cast
 
 from torch import Tensor
 
-from moe_overlap.errors import ConfigError, PlanReleasedError
+from moe_overlap.errors import PlanReleasedError
 from moe_overlap.protocols import (
     MtpSchedulableLayer,
     SchedulableLayer,
@@ -80,15 +80,15 @@ class TransformerLayerSchedulePlan:
         mtp = cast(MtpSchedulableLayer, layer) if hasattr(layer, _MTP_SLOT) else None
         is_mtp = mtp is not None
         # The layer is the one source of truth for delayed wgrad: it delays exactly the
-        # modules it lists. ScheduleOptions.delay_wgrad_compute, when given, must agree.
+        # modules it lists. ScheduleOptions.delay_wgrad_compute, when given, must agree
+        # (the guards check it).
         pre_dw = BackwardDWWrapper(layer)
         listed = layer.mlp_wgrad()
-        for guard in on_mlp_wgrad_listed:
-            guard.mlp_wgrad_listed(layer, listed, where)
+        option = options.delay_wgrad_compute
+        for guard in on_mlp_wgrad_listed:  # and the option agrees (moe_overlap.engine._guards)
+            guard.mlp_wgrad_listed(layer, listed, pre_dw.parts, option, where)
         mlp_dw: list[WgradLayer] = list(listed)
         delay = bool(pre_dw.parts) or bool(mlp_dw)
-        if options.delay_wgrad_compute is not None and options.delay_wgrad_compute != delay:
-            _delay_option_error(where(), options.delay_wgrad_compute, pre_dw.parts, mlp_dw)
         args = LayerArgs(
             config=layer.config,
             is_moe=layer.is_moe,
@@ -234,22 +234,6 @@ class TransformerLayerSchedulePlan:
         values: dict[Role | int | None, Value] = {Role.F: f_input, Role.B: b_grad}
         execute_roles(steps, {Role.F: f_layer, Role.B: b_layer}, values, observer=observer)
         return cast("tuple[Tensor, ...]", values[Role.F]), values[Role.B]
-
-
-def _delay_option_error(
-    where: str, option: bool, pre: Sequence[object], mlp: Sequence[object]
-) -> NoReturn:
-    """``ScheduleOptions.delay_wgrad_compute`` says otherwise than the layer does."""
-    does = "does not delay" if option else "delays"
-    fix = "with" if option else "without"
-    raise ConfigError(
-        f"{where}: ScheduleOptions(delay_wgrad_compute={option}) expected the layer to "
-        f"{'delay its weight gradients' if option else 'compute its weight gradients at once'}"
-        f", but it {does} them (pre_dispatch_wgrad() lists {len(pre)} modules, mlp_wgrad() "
-        f"{len(mlp)}); "
-        f"the layers decide: build the model {fix} delayed wgrad, or leave "
-        "delay_wgrad_compute unset"
-    )
 
 
 class _LayerName:
