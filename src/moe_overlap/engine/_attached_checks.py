@@ -33,6 +33,7 @@ from ._conformance import (
     check_wgrad_scopes,
     delay_option_error,
 )
+from ._core_args import CoreArguments
 from ._debug import DEBUG
 from ._fsdp_check import check_fsdp
 from ._guards import BaseGuard, attach
@@ -338,6 +339,7 @@ def _attach_labels() -> Callable[[], None]:
 
 _ON_ACTIVATE.append(_attach_labels)
 _GUARDS = (
+    CoreArguments(),
     _PlanChecks(),
     _LayerChecks(),
     _InGraph(),

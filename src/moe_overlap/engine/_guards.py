@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
+from typing import cast
 
 from torch import Tensor
 
@@ -56,10 +57,11 @@ GUARD: Contract[Guard] = Contract(
     method("backward_ended"),
     method("ahead_entered"),
     method("ahead_left"),
+    method("arguments"),
 )
 """Its rule table: :func:`attach` refuses what does not conform."""
 
-by_hook = {
+by_hook: dict[str, list[Guard]] = {
     "plan_started": _hooks.on_plan_started,
     "inputs_read": _hooks.on_inputs_read,
     "plan_built": _hooks.on_plan_built,
@@ -79,6 +81,7 @@ by_hook = {
     "backward_ended": _hooks.on_backward_ended,
     "ahead_entered": _hooks.on_ahead_entered,
     "ahead_left": _hooks.on_ahead_left,
+    "arguments": cast("list[Guard]", _hooks.on_arguments),  # holds Guards (a subtype)
 }
 """The core's guard list of each hook, by the hook's name (the Guard Protocol's methods)."""
 
@@ -175,6 +178,9 @@ class BaseGuard:
 
     def ahead_left(self, node: ScheduleNode) -> None:
         del node
+
+    def arguments(self, owner: str, value: object) -> None:
+        del owner, value
 
 
 def attach(guard: Guard, *, debug: bool) -> Callable[[], None]:

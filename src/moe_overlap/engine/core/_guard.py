@@ -33,6 +33,11 @@ meets them::
                                                  microbatch's forward starts (a step order
                                                  interleaving two microbatches' forwards)
     ahead_left(node)                             ... and returned
+    arguments(owner, value)                      a core constructor was given value (owner
+                                                 names it): ScheduleOptions, ChunkHooks,
+                                                 StreamPair, ScheduleOrder, itself; a
+                                                 NodeSchedule, (index, item, its step);
+                                                 TransformerLayerNode, its extra_args dict
 
 The guards themselves, their base class and the registry that attaches them live outside
 the core (``engine/_guards.py``, ``engine/_attached_checks.py``).
@@ -116,3 +121,4 @@ class Guard(Protocol):
     def backward_ended(self, plans: Sequence[ChunkRun], where: str, failed: bool) -> None: ...
     def ahead_entered(self, node: ScheduleNode) -> None: ...
     def ahead_left(self, node: ScheduleNode) -> None: ...
+    def arguments(self, owner: str, value: object) -> None: ...

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ._arguments import on_arguments
+
 if TYPE_CHECKING:  # annotations only: the Guard Protocol's module imports the plans
     from ._guard import Guard
 
 __all__ = [
     "on_ahead_entered",
     "on_ahead_left",
+    "on_arguments",
     "on_backward_ended",
     "on_backward_failed",
     "on_before_release",
