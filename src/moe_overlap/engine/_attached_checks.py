@@ -28,10 +28,11 @@ from ._conformance import (
     as_mtp_layer,
     check_layer,
     check_model,
-    check_model_output,
+    check_preprocess_output,
     check_wgrad_layers,
     check_wgrad_scopes,
     delay_option_error,
+    not_a_tensor,
 )
 from ._core_args import CoreArguments
 from ._debug import DEBUG
@@ -104,7 +105,10 @@ class _PlanChecks(BaseGuard):
         check_fsdp(model, layers, delayed=delayed)
 
     def model_returned(self, model: PreprocessableModel, method: str, value: object) -> None:
-        check_model_output(model, method, value)
+        if method == "_preprocess":
+            check_preprocess_output(model, value)
+        elif not isinstance(value, Tensor):
+            raise not_a_tensor(model, method, value)
 
 
 _CHECKED: set[int] = set()

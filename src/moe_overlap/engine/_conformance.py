@@ -47,7 +47,6 @@ __all__ = [
     "check_free_input_config",
     "check_layer",
     "check_model",
-    "check_model_output",
     "check_preprocess_output",
     "check_wgrad_layer",
     "check_wgrad_layers",
@@ -55,6 +54,7 @@ __all__ = [
     "checks_memoized",
     "delay_option_error",
     "named",
+    "not_a_tensor",
 ]
 
 
@@ -222,15 +222,10 @@ def _optional_tensor(where: str, name: str, value: object) -> None:
     )
 
 
-def check_model_output(model: object, method: str, value: object) -> None:
-    """Raise unless what ``model.<method>`` returned is of its type: ``_preprocess``'s a
-    :class:`~moe_overlap.PreprocessOutput` (or a tuple of its fields), ``_postprocess``'s
-    a Tensor."""
-    if method == "_preprocess":
-        check_preprocess_output(model, value)
-    elif not isinstance(value, Tensor):
-        where = f"{type(model).__name__}.{method}"
-        raise IntegrationError(f"{where}: expected a Tensor, received {type(value).__name__}")
+def not_a_tensor(model: object, method: str, value: object) -> IntegrationError:
+    """The error for what ``model.<method>`` returned where a Tensor was expected."""
+    where = f"{type(model).__name__}.{method}"
+    return IntegrationError(f"{where}: expected a Tensor, received {type(value).__name__}")
 
 
 def delay_option_error(

@@ -10,7 +10,7 @@ raises the library's error naming the field. :func:`layer_args` (public as
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields
 from typing import cast
 
@@ -215,6 +215,15 @@ def _index(value: object) -> bool:
     return type(value) is int and value >= 0
 
 
+def _node_schedule(steps: object) -> None:
+    if not isinstance(steps, (str, Iterable)):
+        raise refuse(
+            "NodeSchedule: steps",
+            f"node steps ('{_GRAMMAR}', e.g. 'L0.mlp.F1@comp'), or one string of them",
+            steps,
+        )
+
+
 def _node_step(value: object) -> None:
     """One step of a ``NodeSchedule`` (``(index, item, step)``: what was given, and the step
     it was parsed to): a Step with the fields a schedule's steps need."""
@@ -274,6 +283,7 @@ _CHECKS: dict[str, Callable[[object], None]] = {
     "ChunkHooks": _hooks,
     "StreamPair": _stream_pair,
     "ScheduleOrder": _schedule_order,
-    "NodeSchedule": _node_step,
+    "NodeSchedule": _node_schedule,
+    "NodeSchedule step": _node_step,
     "TransformerLayerNode": _layer_node_args,
 }

@@ -73,7 +73,11 @@ class TransformerLayerSchedulePlan:
         owner: str | None = None,
         microbatch_index: int | None = None,
     ) -> None:
-        where = _layer_name(owner, index)  # formats only for an error message
+        def where() -> str:  # formatted only for an error message
+            if owner is None:
+                return f"TransformerLayerSchedulePlan(layer {index})"
+            return f"{owner}.decoder.layers[{index}]"
+
         for guard in on_layer_started:  # the layer's members (moe_overlap.engine._guards)
             guard.layer_started(layer, where)
         comp_stream, comm_stream = streams.comp_provider, streams.comm_provider
@@ -234,29 +238,3 @@ class TransformerLayerSchedulePlan:
         values: dict[Role | int | None, Value] = {Role.F: f_input, Role.B: b_grad}
         execute_roles(steps, {Role.F: f_layer, Role.B: b_layer}, values, observer=observer)
         return cast("tuple[Tensor, ...]", values[Role.F]), values[Role.B]
-
-
-class _LayerName:
-    """``owner.decoder.layers[index]``, formatted when an error message asks for it."""
-
-    __slots__ = ("index", "owner")
-
-    def __init__(self, owner: str | None, index: int) -> None:
-        self.owner = owner
-        self.index = index
-
-    def __call__(self) -> str:
-        if self.owner is None:
-            return f"TransformerLayerSchedulePlan(layer {self.index})"
-        return f"{self.owner}.decoder.layers[{self.index}]"
-
-
-_LAYER_NAMES: dict[str | None, list[_LayerName]] = {}
-
-
-def _layer_name(owner: str | None, index: int) -> _LayerName:
-    """One shared name object per (model class, layer index): plans build one per layer."""
-    names = _LAYER_NAMES.setdefault(owner, [])
-    while len(names) <= index:
-        names.append(_LayerName(owner, len(names)))
-    return names[index]

@@ -41,16 +41,9 @@ class NodeSchedule:
     _microbatches: int
 
     def __init__(self, steps: str | Iterable[Step | str]) -> None:
-        if isinstance(steps, str):
-            items: list[object] = list(steps.split())
-        elif isinstance(cast(object, steps), Iterable):
-            items = list(cast("Iterable[object]", steps))
-        else:
-            raise refuse(
-                "NodeSchedule: steps",
-                f"node steps ('{_GRAMMAR}', e.g. 'L0.mlp.F1@comp'), or one string of them",
-                steps,
-            )
+        for guard in on_arguments:  # a string or an iterable (moe_overlap.engine._guards)
+            guard.arguments("NodeSchedule", steps)
+        items = steps.split() if isinstance(steps, str) else list(steps)
         parsed = tuple(_node_step(i, item) for i, item in enumerate(items))
         object.__setattr__(self, "steps", parsed)
         object.__setattr__(self, "_hash", hash(parsed))  # immutable: hashed once
@@ -92,5 +85,5 @@ def _node_step(index: int, item: object) -> Step:
     """One step of a :class:`NodeSchedule`, parsed (the guards check its fields)."""
     step = Step.parse(item) if isinstance(item, str) else item
     for guard in on_arguments:  # a Step a schedule can hold (moe_overlap.engine._guards)
-        guard.arguments("NodeSchedule", (index, item, step))
+        guard.arguments("NodeSchedule step", (index, item, step))
     return cast(Step, step)

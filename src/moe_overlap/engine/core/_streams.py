@@ -62,7 +62,6 @@ __all__ = [
     "stream_device",
     "synchronize",
     "wait_event",
-    "wait_stream",
 ]
 
 
@@ -232,22 +231,6 @@ def wait_event(event: AnyEvent, stream: AnyStream) -> None:
         f"wait_event: {stream!r} cannot wait for {event!r}: expected a stream and an event "
         "of one device kind (both CPU or both CUDA); make both for the model's device "
         "(make_streams(device), make_event(device))"
-    )
-
-
-def wait_stream(stream: AnyStream, other: AnyStream) -> None:
-    """Make ``stream`` wait for everything queued on ``other`` so far (one device kind)."""
-    if isinstance(stream, CpuStream):
-        if isinstance(other, CpuStream):
-            stream.wait_stream(other)
-            return
-    elif not isinstance(other, CpuStream):
-        stream.wait_stream(other)
-        return
-    raise StreamError(
-        f"wait_stream: {stream!r} cannot wait for {other!r}: expected two streams of one "
-        "device kind (both CPU or both CUDA); make them for the model's device "
-        "(make_streams(device))"
     )
 
 
