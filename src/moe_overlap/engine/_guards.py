@@ -24,6 +24,7 @@ from moe_overlap.protocols import PreprocessableModel, SchedulableLayer, WgradSc
 
 from .contracts import Contract, attribute, method
 from .core import _hooks
+from .core._arguments import ArgumentsGuard
 from .core._chunk_plan import ModelChunkSchedulePlan
 from .core._guard import Guard
 from .core._layer_node import TransformerLayerNode
@@ -31,7 +32,7 @@ from .core._node import ScheduleNode
 from .core._runner import ChunkRun
 from .core._state import ChunkState
 
-__all__ = ["GUARD", "BaseGuard", "Guard", "attach", "by_hook", "without_guards"]
+__all__ = ["ARGUMENTS_GUARD", "GUARD", "BaseGuard", "Guard", "attach", "by_hook", "without_guards"]
 
 
 GUARD: Contract[Guard] = Contract(
@@ -60,6 +61,11 @@ GUARD: Contract[Guard] = Contract(
     method("arguments"),
 )
 """Its rule table: :func:`attach` refuses what does not conform."""
+
+ARGUMENTS_GUARD: Contract[ArgumentsGuard] = Contract(
+    ArgumentsGuard, "a guard of the arguments hook", method("arguments")
+)
+"""The rule table of the ``arguments`` hook's guards (a :class:`Guard` conforms)."""
 
 by_hook: dict[str, list[Guard]] = {
     "plan_started": _hooks.on_plan_started,
@@ -211,7 +217,9 @@ def _nothing() -> None:
 def without_guards() -> Generator[None]:
     """Every attached guard detached inside the block, attached again after it (also on
     failure). For measuring what the checks cost (``benchmarks/bench_host_megatron.py
-    --without-guards``) only: inside it nothing the schedule runs is checked."""
+    --without-guards``) only: inside it nothing the schedule runs is checked, the always-on
+    checks included (arguments, a step's plans and gradients, what the model returns):
+    inputs are not checked, and the results for a misused input are undefined."""
     saved = {name: list(hooks) for name, hooks in by_hook.items()}
     for hooks in by_hook.values():
         hooks.clear()
