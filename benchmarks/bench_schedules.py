@@ -58,7 +58,7 @@ import re
 import shlex
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import NamedTuple, cast
 
@@ -95,6 +95,7 @@ from moe_overlap import (
 from moe_overlap.blocks import PlainContext, discard_wgrad
 from moe_overlap.plan import (
     ActivationModel,
+    ContentionKind,
     Layout,
     Recompute,
     ScheduleGraph,
@@ -189,7 +190,12 @@ class Replay(NamedTuple):
 
 
 def predict(
-    profile: list[JsonDict], config: JsonDict, *, num_layers: int, contention: float
+    profile: list[JsonDict],
+    config: JsonDict,
+    *,
+    num_layers: int,
+    contention: float,
+    contention_by_kind: Mapping[ContentionKind, float] | None = None,
 ) -> dict[str, float]:
     """Each variant's step milliseconds as ``frontier.py`` predicts them, from the serial
     node durations ``profile`` (``serial_slot_durations`` rows) with ``contention``:
@@ -199,9 +205,28 @@ def predict(
     gradients, recomputed slots, recompute started early), each replayed
     (:func:`~moe_overlap.plan.replay_order`) with the shares, recompute cost and event
     model the frontier was searched with (``config["space"]``; the planner's defaults
-    where the frontier names none)."""
-    replays = replayed(profile, config, num_layers=num_layers, contention=contention)
+    where the frontier names none); with ``contention_by_kind`` (a frontier searched with
+    it), that model in place of ``contention``."""
+    replays = replayed(
+        profile,
+        config,
+        num_layers=num_layers,
+        contention=0.0 if contention_by_kind else contention,
+        contention_by_kind=contention_by_kind,
+    )
     return {k: r.step_ms for k, r in replays.items()}
+
+
+def by_kind_of(frontier: JsonDict) -> dict[ContentionKind, float] | None:
+    """The frontier's contention per kind (``frontier.py --contention-by-kind``), if any."""
+    given = cast("dict[str, float] | None", frontier.get("contention_by_kind"))
+    if not given:
+        return None
+    out: dict[ContentionKind, float] = {}
+    for name, c in given.items():
+        slot, _, direction = name.partition(".")
+        out[(Slot(slot), Direction(direction))] = float(c)
+    return out
 
 
 def replayed(
@@ -211,10 +236,13 @@ def replayed(
     num_layers: int,
     contention: float,
     one_event: bool = False,
+    contention_by_kind: Mapping[ContentionKind, float] | None = None,
 ) -> dict[str, Replay]:
     """:func:`predict`'s replays, whole; with ``one_event`` (or a frontier searched with
     it), each on its graph with :attr:`~moe_overlap.plan.ScheduleGraph.one_event` (the
-    engine's one event per microbatch)."""
+    engine's one event per microbatch); with ``contention_by_kind`` (``contention`` then
+    0), each communication step slowed by the compute beside it, per kind
+    (:attr:`~moe_overlap.plan.StepTimes.contention_by_kind`)."""
     space = space_of(config)
     one_event = one_event or space.one_event
     costs = costs_from_profile(
@@ -243,6 +271,7 @@ def replayed(
             recompute_cost=space.recompute_cost,
             comm_contention=costs.comm_contention,
             delay_wgrad=graph.delay_wgrad,
+            contention_by_kind=contention_by_kind,
         )
         r = replay_order(order, graph, times, memory)
         out[k] = Replay(graph, list(order), r.step_ms, r.spans)
@@ -294,8 +323,14 @@ def fit_here(
         return None
 
 
-def measure(config: JsonDict, args: argparse.Namespace, contention: float) -> JsonDict:
-    """Every figure of one frontier configuration (``contention``: the frontier's)."""
+def measure(
+    config: JsonDict,
+    args: argparse.Namespace,
+    contention: float,
+    contention_by_kind: Mapping[ContentionKind, float] | None = None,
+) -> JsonDict:
+    """Every figure of one frontier configuration (``contention``, ``contention_by_kind``:
+    the frontier's)."""
     n = cast(int, config["microbatches"])
     ffn = cast(int, config["ffn"])
     cfg = SliceConfig(ffn=ffn) if not args.tiny else SliceConfig(hidden=256, ffn=128, tokens=256)
@@ -307,7 +342,13 @@ def measure(config: JsonDict, args: argparse.Namespace, contention: float) -> Js
     times = time_interleaved(b, fns)
     ms = {k: median(v) for k, v in times.items()}
     profile = serial_profile(b)
-    here = predict(profile, config, num_layers=cfg.num_layers, contention=contention)
+    here = predict(
+        profile,
+        config,
+        num_layers=cfg.num_layers,
+        contention=contention,
+        contention_by_kind=contention_by_kind,
+    )
     fitted = fit_here(profile, config, num_layers=cfg.num_layers, overlapped_ms=ms["overlapped"])
     refit = (
         None
@@ -674,7 +715,7 @@ def main(argv: list[str] | None = None) -> None:
     for c in chosen:
         if "main" not in args.skip:
             print(f"bench_schedules: {c['name']} ...", file=sys.stderr, flush=True)
-            results.append(measure(c, args, contention))
+            results.append(measure(c, args, contention, by_kind_of(frontier)))
         if "host" not in args.skip:
             print(f"bench_schedules: {c['name']}, host-bound size ...", file=sys.stderr, flush=True)
             hosts.append(host_bound(c, args))

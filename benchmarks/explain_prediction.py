@@ -19,7 +19,10 @@ slice at ``bench_schedules.py``'s sizes), in one process:
    microbatch runs them (:attr:`moe_overlap.plan.ScheduleGraph.one_event`);
    ``one_event_measured_w``, that from ``searched_serial``'s profile, whose ``W`` steps are
    measured (the planner's default otherwise: 50 % of the mlp's backward and 35 % of the
-   pre-dispatch's, though this model delays no pre-dispatch weight gradient).
+   pre-dispatch's, though this model delays no pre-dispatch weight gradient); ``by_kind``,
+   that with each communication kind slowed by the compute beside it instead of one factor
+   (:func:`moe_overlap.plan.fit_contention_by_kind` on this run's overlapped step, each
+   communication node against its ``searched_serial`` time).
 
 For ``overlapped`` and ``searched`` it reports: the step, measured against each model; per
 stream the busy and idle milliseconds, measured and predicted; per node kind (slot, F/B/W/R,
@@ -43,6 +46,13 @@ build and the first step's setup; bound it with ``--configs`` and ``--repeats``:
     CUBLAS_WORKSPACE_CONFIG=:4096:8 python benchmarks/explain_prediction.py --out DIR \\
         --configs 'main N=4' 'main N=8'    # both main configurations
     python benchmarks/explain_prediction.py --device cpu --tiny --out /tmp/x   # smoke
+
+``--offline EXPLAIN_JSON`` recomputes the ``by_kind`` model (and the one factor it is
+compared with) from a recorded ``explain.json``, on the CPU, and prints both rows' step and
+communication-stream busy milliseconds, measured and predicted::
+
+    python benchmarks/explain_prediction.py \
+        --offline benchmarks/results/h100_2026_12_07b/explain/explain.json
 """
 
 from __future__ import annotations
@@ -74,15 +84,25 @@ from node_timing import (
     write_gantt_png,
 )
 
-from moe_overlap.plan import SearchStep, load_profile
+from moe_overlap.plan import (
+    ContentionFit,
+    ContentionKind,
+    MeasuredSpan,
+    SearchStep,
+    fit_contention_by_kind,
+    load_profile,
+)
 from moe_overlap.steps import Direction, NodeSchedule, Slot, StreamKind
 
 ROWS = ("overlapped", "searched")
 """The rows explained (``searched_serial`` is the searched row's uncontended reference)."""
-MODELS = ("planner", "one_event", "one_event_measured_w")
+MODELS = ("planner", "one_event", "one_event_measured_w", "by_kind")
 """The planner's replay as it predicts; with the engine's one event per microbatch; and
 also from the one-stream run's profile, whose ``W`` rows are measured (the planner's
-default otherwise: 50 % of the mlp's backward, 35 % of the pre-dispatch's)."""
+default otherwise: 50 % of the mlp's backward, 35 % of the pre-dispatch's); that with
+contention per communication kind instead of one factor."""
+FACTOR_MODELS = MODELS[:3]
+"""The models with one contention factor (``fit_here``'s)."""
 TOLERANCE_MS = 0.05
 """A node whose start is within this of a candidate's end waited for that candidate."""
 
@@ -246,6 +266,155 @@ def data_preds(replay: Replay) -> dict[NodeKey, list[NodeKey]]:
         for mb in range(g.microbatches)
         for s, preds in g.microbatch_steps(mb)
     }
+
+
+# --- contention per communication kind -------------------------------------------------------
+
+
+def kind_name(kind: ContentionKind) -> str:
+    return f"{kind[0].value}.{kind[1].value}"
+
+
+def fit_by_kind(overlapped: Sequence[Node], alone: dict[NodeKey, float]) -> ContentionFit:
+    """The contention per communication kind of a recorded overlapped step, each
+    communication node against its one-stream milliseconds ``alone``."""
+    return fit_contention_by_kind(
+        [
+            MeasuredSpan(
+                n.key.slot,
+                n.key.direction,
+                n.stream,
+                n.start,
+                n.end,
+                alone.get(n.key) if n.stream is StreamKind.COMM else None,
+            )
+            for n in overlapped
+        ]
+    )
+
+
+def fit_json(fit: ContentionFit) -> JsonDict:
+    """A fit as ``explain.json`` keeps it: coefficients by ``slot.direction``, the kinds
+    never beside compute and those no slower than alone (both 0)."""
+    return {
+        "coefficients": {kind_name(k): c for k, c in fit.coefficients.items()},
+        "unseen": [kind_name(k) for k in fit.unseen],
+        "clamped": [kind_name(k) for k in fit.clamped],
+    }
+
+
+def slice_config(ffn: int, *, tiny: bool) -> SliceConfig:
+    return (
+        SliceConfig(ffn=ffn) if not tiny else SliceConfig(hidden=64, ffn=32, tokens=64, head_dim=16)
+    )
+
+
+def node_of(row: JsonDict) -> Node:
+    """A node of an ``explain.json`` timeline (``mb0.L1.combine.B``, ``mb2.pre_process.F``)."""
+    parts = cast(str, row["node"]).split(".")
+    layer = int(parts[1][1:]) if len(parts) == 4 else None
+    key = NodeKey(int(parts[0][2:]), layer, Slot(parts[-2]), Direction(parts[-1]))
+    issued = cast("float | None", row.get("issued_ms"))
+    stream = StreamKind(cast(str, row["stream"]))
+    return Node(key, stream, cast(float, row["start_ms"]), cast(float, row["end_ms"]), issued)
+
+
+def comm_busy(replay: Replay) -> float:
+    return sum(hi - lo for s, lo, hi in replay.spans if s.stream is StreamKind.COMM)
+
+
+def offline(doc: JsonDict, configs: Sequence[JsonDict]) -> list[JsonDict]:
+    """Per configuration of a recorded ``explain.json``: the ``by_kind`` model refitted on
+    its overlapped row and both rows replayed with it and with ``one_event_measured_w``'s
+    one factor (this run's, else the frontier's), from its ``searched_serial`` profile;
+    step and communication-stream busy milliseconds, measured and predicted. ``configs``:
+    the frontier's (the searched order by name, checked the one recorded)."""
+    out: list[JsonDict] = []
+    tiny = "--tiny" in cast(str, doc.get("command", ""))
+    for result in cast("list[JsonDict]", doc["results"]):
+        name = cast(str, result["name"])
+        config = next((c for c in configs if c["name"] == name), None)
+        if config is None or cast(JsonDict, config["targets"])["best"] != result["searched"]:
+            raise ValueError(
+                f"{name}: expected the frontier's configuration of that name searching "
+                f"{result['searched']!r}, received none or another order"
+            )
+        measured = cast(
+            "dict[str, list[JsonDict]]", cast(JsonDict, result["timelines"])["measured"]
+        )
+        nodes = {k: [node_of(x) for x in v] for k, v in measured.items()}
+        alone = {n.key: n.ms for n in nodes["searched_serial"] if n.key.direction is not _R}
+        fit = fit_by_kind(nodes["overlapped"], alone)
+        profile = cast("list[JsonDict]", result["searched_serial_slot_durations"])
+        layers = slice_config(cast(int, result["ffn"]), tiny=tiny).num_layers
+        fitted = cast("dict[str, float | None]", result["contention_fitted_here"])
+        factor = fitted.get("one_event_measured_w")
+        one = cast(float, result["contention_frontier"]) if factor is None else factor
+        replays = {
+            "one_factor": replayed(
+                profile, config, num_layers=layers, contention=one, one_event=True
+            ),
+            "by_kind": replayed(
+                profile,
+                config,
+                num_layers=layers,
+                contention=0.0,
+                one_event=True,
+                contention_by_kind=fit.coefficients,
+            ),
+        }
+        rows: JsonDict = {}
+        for row in ROWS:
+            got = cast(JsonDict, cast(JsonDict, result["rows"])[row])
+            streams_ = cast("dict[str, JsonDict]", got["measured_streams"])
+            rows[row] = {
+                "measured_step_ms": got["measured_step_ms"],
+                "measured_comm_busy_ms": streams_["comm"]["busy_ms"],
+                **{
+                    m: {"step_ms": r[row].step_ms, "comm_busy_ms": comm_busy(r[row])}
+                    for m, r in replays.items()
+                },
+            }
+        out.append({"name": name, "one_factor": one, "by_kind_fit": fit_json(fit), "rows": rows})
+    return out
+
+
+def offline_markdown(doc: JsonDict, found: Sequence[JsonDict]) -> str:
+    """:func:`offline`'s figures as a table per configuration."""
+    lines = [
+        f"From `{doc.get('command', '')}` on {doc.get('device', '?')}, recomputed offline.",
+        "",
+    ]
+    for r in found:
+        fit = cast(JsonDict, r["by_kind_fit"])
+        coefficients = cast("dict[str, float]", fit["coefficients"])
+        notes = [f"{k} never beside compute" for k in cast("list[str]", fit["unseen"])]
+        notes += [f"{k} no slower than alone" for k in cast("list[str]", fit["clamped"])]
+        lines += [
+            f"## {r['name']}",
+            "",
+            "Fitted on the overlapped row: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in coefficients.items())
+            + (f" (0: {'; '.join(notes)})" if notes else "")
+            + f"; one factor {cast(float, r['one_factor']):.4f}.",
+            "",
+            "| row | measured step ms | one factor ms (error) | by kind ms (error) | measured "
+            "comm busy ms | one factor comm busy (error) | by kind comm busy (error) |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for row, x in cast("dict[str, JsonDict]", r["rows"]).items():
+            step_ms = cast(float, x["measured_step_ms"])
+            busy = cast(float, x["measured_comm_busy_ms"])
+            cells = [row, f"{step_ms:.1f}"]
+            for key, want in (("step_ms", step_ms), ("comm_busy_ms", busy)):
+                if key == "comm_busy_ms":
+                    cells.append(f"{busy:.1f}")
+                for m in ("one_factor", "by_kind"):
+                    v = cast(float, cast(JsonDict, x[m])[key])
+                    cells.append(f"{v:.1f} ({v / want - 1.0:+.1%})")
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return "\n".join(lines)
 
 
 # --- the analysis -----------------------------------------------------------------------------
@@ -493,11 +662,7 @@ def explain(config: JsonDict, args: argparse.Namespace, contention: float) -> Js
     """One configuration: record, replay, compare; the Gantt charts written to ``args.out``."""
     n = cast(int, config["microbatches"])
     ffn = cast(int, config["ffn"])
-    cfg = (
-        SliceConfig(ffn=ffn)
-        if not args.tiny
-        else SliceConfig(hidden=64, ffn=32, tokens=64, head_dim=16)
-    )
+    cfg = slice_config(ffn, tiny=args.tiny)
     rounds = argparse.Namespace(device=args.device, warmup=args.warmup, iters=args.repeats)
     b = make_bench(cfg, rounds, n)
     schedule = NodeSchedule.parse(cast(str, config["best_order"]))
@@ -521,7 +686,7 @@ def explain(config: JsonDict, args: argparse.Namespace, contention: float) -> Js
     profiles["one_event_measured_w"] = profile_rows(slot_durations(alone))
     fitted: dict[str, float | None] = {}
     replays: dict[str, dict[str, Replay]] = {}
-    for m in MODELS:
+    for m in FACTOR_MODELS:
         fitted[m] = fit_here(
             profiles[m], config, num_layers=cfg.num_layers, overlapped_ms=median_ms["overlapped"]
         )
@@ -533,6 +698,15 @@ def explain(config: JsonDict, args: argparse.Namespace, contention: float) -> Js
             contention=used,
             one_event=m != "planner",
         )
+    by_kind = fit_by_kind(nodes["overlapped"], alone)
+    replays["by_kind"] = replayed(
+        profiles["one_event_measured_w"],
+        config,
+        num_layers=cfg.num_layers,
+        contention=0.0,
+        one_event=True,
+        contention_by_kind=by_kind.coefficients,
+    )
     table = load_profile(profile)
     rows: JsonDict = {}
     slug = re.sub(r"[^A-Za-z0-9]+", "_", cast(str, config["name"])).strip("_")
@@ -567,6 +741,7 @@ def explain(config: JsonDict, args: argparse.Namespace, contention: float) -> Js
         "ffn": ffn,
         "searched": cast(JsonDict, config["targets"])["best"],
         "contention_fitted_here": fitted,
+        "contention_by_kind_fitted_here": fit_json(by_kind),
         "contention_frontier": contention,
         "searched_serial_step_ms": median_ms["searched_serial"],
         "rows": rows,
@@ -593,6 +768,10 @@ def markdown(doc: JsonDict) -> str:
         fitted = cast("dict[str, float | None]", r["contention_fitted_here"])
         fits = ", ".join(
             f"{m} {_f(v, '.3f') if v is not None else 'none'}" for m, v in fitted.items()
+        )
+        by_kind = cast(JsonDict, r["contention_by_kind_fitted_here"])["coefficients"]
+        fits += "; by_kind " + ", ".join(
+            f"{k} {_f(v, '.3f')}" for k, v in cast("dict[str, float]", by_kind).items()
         )
         named = ", ".join(("measured", *MODELS))
         lines += [
@@ -697,8 +876,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--warmup", type=int, default=2, help="untimed rounds first")
     p.add_argument("--repeats", type=int, default=3, help="recorded rounds (medians)")
     p.add_argument("--top", type=int, default=10, help="nodes listed per drift table")
-    p.add_argument("--out", type=Path, required=True, help="folder for explain.json/.md, PNGs")
+    p.add_argument("--out", type=Path, help="folder for explain.json/.md, PNGs (required)")
+    p.add_argument(
+        "--offline",
+        type=Path,
+        metavar="EXPLAIN_JSON",
+        help="recompute the by_kind model from a recorded explain.json (CPU; nothing written)",
+    )
     args = p.parse_args(argv)
+    if args.offline is not None:
+        try:
+            recorded = cast(JsonDict, json.loads(cast(Path, args.offline).read_text("utf-8")))
+            known = cast(JsonDict, json.loads(args.frontier.read_text("utf-8")))
+            found = offline(recorded, cast("list[JsonDict]", known["configs"]))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            p.error(f"--offline: expected an explain.json written by explain_prediction.py: {e}")
+        print(offline_markdown(recorded, found))
+        return
+    if args.out is None:
+        p.error("--out: required (or --offline)")
     if args.repeats < 1:
         p.error("--repeats: expected at least 1")
     frontier = cast(JsonDict, json.loads(args.frontier.read_text("utf-8")))

@@ -21,7 +21,10 @@ frontier schedule with its issue order, today's schedules, the validation, the t
 slot's backward that a delayed weight gradient moves out of it (the benchmark slice,
 ``benchmarks/moe_slice.py``, delays the experts' weights only: ``pre_dispatch=0``).
 Both are written into ``frontier.json``'s ``space``, which ``bench_schedules.py`` replays
-with.
+with. ``--contention-by-kind`` searches with a contention per communication kind
+(:attr:`moe_overlap.plan.Costs.contention_by_kind`, e.g. the coefficients
+``explain_prediction.py --offline`` fits on a recorded overlapped step) instead of the one
+factor; ``frontier.json`` records them and ``bench_schedules.py`` predicts with them.
 """
 
 from __future__ import annotations
@@ -366,6 +369,38 @@ def _shares(
     return tuple(out.items())
 
 
+def _by_kind(
+    p: argparse.ArgumentParser, words: list[str] | None
+) -> dict[tuple[Slot, Direction], float] | None:
+    """``--contention-by-kind``'s ``KIND=C`` words as a coefficient per (slot, direction)."""
+    if words is None:
+        return None
+    kinds = {
+        f"{s.value}.{d.value}": (s, d)
+        for s in (Slot.DISPATCH, Slot.COMBINE)
+        for d in (Direction.FORWARD, Direction.BACKWARD)
+    }
+    out: dict[tuple[Slot, Direction], float] = {}
+    for word in words:
+        name, _, value = word.partition("=")
+        try:
+            c = float(value)
+        except ValueError:
+            c = float("nan")
+        if name not in kinds or kinds[name] in out or not 0.0 <= c < float("inf"):
+            p.error(
+                f"--contention-by-kind: expected one of {', '.join(kinds)}, once each, with a "
+                f"finite coefficient >= 0, got {word!r}"
+            )
+        out[kinds[name]] = c
+    return out
+
+
+def _per_kind(costs: Costs, by_kind: dict[tuple[Slot, Direction], float]) -> Costs:
+    """``costs`` with the coefficients per kind in place of the one factor."""
+    return costs.replace(comm_contention=0.0, contention_by_kind=by_kind)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     p.add_argument("--out", type=Path, required=True, help="folder to write into (required)")
@@ -383,8 +418,18 @@ def main() -> None:
         help="share of a slot's backward a delayed weight gradient takes, per slot "
         "(mlp, pre_dispatch; a slot not named: 0; default: mlp=0.5 pre_dispatch=0.35)",
     )
+    p.add_argument(
+        "--contention-by-kind",
+        nargs="+",
+        default=None,
+        metavar="KIND=C",
+        help="a contention coefficient per communication kind (dispatch.F, dispatch.B, "
+        "combine.F, combine.B; a kind not named: 0) instead of the one fitted factor "
+        "(default: the one factor)",
+    )
     args = p.parse_args()
     shares = _shares(p, cast("list[str] | None", args.wgrad_share))
+    by_kind = _by_kind(p, cast("list[str] | None", args.contention_by_kind))
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     results = cast(Json, json.loads(SOURCE.read_text()))
@@ -450,10 +495,11 @@ def main() -> None:
             recompute_saves=memory.recompute_saves,
             wgrad_keeps=memory.wgrad_keeps,
         )
-        res = search_schedules(costs, n, model, space)
+        searched = costs if by_kind is None else _per_kind(costs, by_kind)
+        res = search_schedules(searched, n, model, space)
         ablation: list[Json] = []
         for label, narrow in ABLATION:
-            sub = search_schedules(costs, n, model, narrow(space))
+            sub = search_schedules(searched, n, model, narrow(space))
             ablation.append({"features": label, **_best(sub.frontier)})
         ablation.append(
             {
@@ -503,10 +549,18 @@ def main() -> None:
                 *(["--quick"] if args.quick else []),
                 *(["--one-event"] if args.one_event else []),
                 *(["--wgrad-share", *args.wgrad_share] if args.wgrad_share else []),
+                *(
+                    ["--contention-by-kind", *args.contention_by_kind]
+                    if args.contention_by_kind
+                    else []
+                ),
             ]
         ),
         "source": str(SOURCE.relative_to(ROOT)),
         "comm_contention": contention,
+        "contention_by_kind": None
+        if by_kind is None
+        else {f"{k[0].value}.{k[1].value}": c for k, c in by_kind.items()},
         "activations": {
             "unit_gb": unit_gb,
             "static_units_main": memory.static_units,

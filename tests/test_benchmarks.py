@@ -182,10 +182,11 @@ def test_bench_schedules_smoke(ran: Ran) -> None:
 FrontierRows = list[tuple[dict[str, Any], dict[str, Any]]]
 
 
-FRONTIERS = ("frontier", "frontier_one_event", "frontier_choice")
+FRONTIERS = ("frontier", "frontier_one_event", "frontier_choice", "frontier_by_kind")
 """The committed frontiers: the planner's defaults; searched as the engine runs (one event
-per microbatch) with the benchmark slice's weight-gradient shares; and with the planner's
-(``choose_schedule``'s default space)."""
+per microbatch) with the benchmark slice's weight-gradient shares; with the planner's
+(``choose_schedule``'s default space); and as the second with a contention per
+communication kind."""
 
 
 def _frontier_rows(name: str = "frontier") -> tuple[dict[str, Any], FrontierRows]:
@@ -221,6 +222,7 @@ def test_bench_schedules_predicts_as_the_frontier_does(
             config,
             num_layers=row["config"]["num_layers"],
             contention=frontier["comm_contention"],
+            contention_by_kind=bench.by_kind_of(frontier),
         )
         want = {k: config["today"][k]["step_ms"] for k in bench.TODAY}
         want["searched"] = config["targets"]["best_ms"]
@@ -240,6 +242,24 @@ def test_frontier_reads_weight_gradient_shares_and_refuses_bad_ones(
     for bad in (["dispatch=0.1"], ["mlp=1.5"], ["mlp=0.5", "mlp=0.4"], ["mlp"], ["x=1"]):
         with pytest.raises(SystemExit) as exc:
             frontier._shares(parser, bad)
+        assert exc.value.code == 2
+
+
+def test_frontier_reads_contention_per_kind_and_refuses_bad_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--contention-by-kind`` gives a coefficient per (slot, direction), the kinds not
+    named absent (0); a kind that does not communicate, a kind twice, a coefficient below 0,
+    not finite or not a number is a one-line error."""
+    frontier = _benchmark_module("frontier", monkeypatch)
+    parser = argparse.ArgumentParser()
+    got = frontier._by_kind(parser, ["combine.B=0.7", "dispatch.F=0"])
+    assert got == {(Slot.COMBINE, Direction.BACKWARD): 0.7, (Slot.DISPATCH, Direction.FORWARD): 0.0}
+    assert frontier._by_kind(parser, None) is None
+    bad_words = (["mlp.F=0.1"], ["combine.B=0.1", "combine.B=0.2"], ["combine.B=-1"])
+    for bad in (*bad_words, ["combine.B=inf"], ["combine.B=nan"], ["combine.B"], ["combine.B=x"]):
+        with pytest.raises(SystemExit) as exc:
+            frontier._by_kind(parser, bad)
         assert exc.value.code == 2
 
 

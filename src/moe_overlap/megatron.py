@@ -38,7 +38,7 @@ from moe_overlap import (
     StreamProvider,
     TransformerLayerSchedulePlan,
 )
-from moe_overlap.engine.core._megatron import layer_args as layer_args
+from moe_overlap.engine._core_args import layer_args as layer_args
 from moe_overlap.engine.core._streams import AnyEvent
 
 __all__ = ["build_schedule_plan", "layer_args", "layer_schedule_plan"]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from torch import nn
 
+from moe_overlap.engine._core_args import _CONFIG_FIELDS  # pyright: ignore[reportPrivateUsage]
 from moe_overlap.engine._stream_check import (
     CPU_STREAM_OBSERVER,
     StreamOrderChecker,
@@ -22,7 +23,6 @@ from moe_overlap.engine._stream_check import (
 from moe_overlap.engine._stream_shake import STREAM_DELAY, shake
 from moe_overlap.engine.contracts import FREE_INPUT_CONFIG, HOLDS_DELAYED_MODULES
 from moe_overlap.engine.core import _stream_observer
-from moe_overlap.engine.core._megatron import _CONFIG_FIELDS
 from moe_overlap.engine.core._wgrad_claims import _holds_delayed_modules
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "moe_overlap"

@@ -393,9 +393,10 @@ def test_a_timeline_records_every_step_of_a_schedule() -> None:
 
 
 _RESULTS = Path(__file__).resolve().parents[2] / "benchmarks/results"
-_FRONTIERS = ("frontier", "frontier_one_event", "frontier_choice")
+_FRONTIERS = ("frontier", "frontier_one_event", "frontier_choice", "frontier_by_kind")
 """The committed frontiers: the planner's defaults; searched as the engine runs with the
-benchmark slice's weight-gradient shares; ``choose_schedule``'s default space."""
+benchmark slice's weight-gradient shares; ``choose_schedule``'s default space; as the second
+with a contention per communication kind."""
 
 
 def _frontier_orders() -> list[tuple[str, str]]:

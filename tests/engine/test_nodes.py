@@ -35,9 +35,9 @@ from moe_overlap import (
     set_streams,
     weak_method,
 )
-from moe_overlap.engine import DEBUG
+from moe_overlap.engine import DEBUG, wait_stream
 from moe_overlap.engine._use_stream import use_stream
-from moe_overlap.engine.core._streams import record_event, wait_event, wait_stream
+from moe_overlap.engine.core._streams import record_event, wait_event
 from moe_overlap.megatron import layer_args, layer_schedule_plan
 from moe_overlap.streams import CpuEvent, CpuStream, reset_streams
 

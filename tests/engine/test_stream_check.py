@@ -268,7 +268,7 @@ MUTATIONS: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {
 def _first_only(keep_first: bool = False) -> Callable[[Any, Any], None]:
     """HostLoopback's wait_stream calls alternate (side waits caller, caller waits side):
     skip the caller's (``keep_first``) or the side stream's."""
-    streams = _module("moe_overlap.engine.core._streams")
+    streams = _module("moe_overlap.engine._use_stream")
 
     def wait(stream: Any, other: Any) -> None:
         side = stream.name == "loopback side"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +42,15 @@ ALL = (CudaGraphModule.attn, CudaGraphModule.moe_router, CudaGraphModule.mlp)
 def _deterministic() -> Iterator[None]:
     with deterministic_cuda():
         yield
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _autograd_thread_has_a_context() -> None:
+    """A capture's warm-up may run autograd's device thread's first kernel in cuBLAS, where
+    torch warns that the thread has no current CUDA context (harmless; an error under the
+    tests' warning filter): one eager backward first makes each test independent of order."""
+    x = torch.ones(2, 2, device="cuda", requires_grad=True)
+    torch.autograd.grad((x * 2).sum(), x)
 
 
 def _model(
@@ -338,3 +348,60 @@ def test_a_capture_while_an_eager_graph_holds_the_parameters_is_refused_clearly(
     del kept
     (got,) = block(x)
     assert torch.equal(got, want) and block.copies == 1
+
+
+def test_a_graphed_model_collected_inside_a_later_capture_does_not_break_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A dropped graphed model that a reference cycle holds is freed when Python's collector
+    next runs; inside another block's capture, destroying its graphs would invalidate that
+    capture. Here the collector runs right after every capture begins whenever it is enabled
+    (as an automatic collection could), and never otherwise: the block pauses it while it
+    captures, so the later model captures and its step equals the eager one, bit for bit."""
+    old = _model(ALL, delay=True)
+    _step(old, _microbatches(2), "1f1b")
+    cycle: list[object] = [old]
+    cycle.append(cycle)
+    del old, cycle
+    begin = torch.cuda.CUDAGraph.capture_begin
+
+    def begin_then_collect(self: torch.cuda.CUDAGraph, *args: Any, **kwargs: Any) -> None:
+        begin(self, *args, **kwargs)
+        if gc.isenabled():
+            gc.collect()
+
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", begin_then_collect)
+    threshold = gc.get_threshold()
+    gc.set_threshold(10**9)  # no automatic collection frees the cycle before a capture
+    try:
+        eager = _model((), delay=True)
+        graphed = _model(ALL, delay=True)
+        mbs = _microbatches(2, seed=3)
+        for g, w in zip(_step(graphed, mbs, "1f1b"), _step(eager, mbs, "1f1b"), strict=True):
+            assert torch.equal(g, w)
+        assert_same_grads(graphed, eager)
+    finally:
+        gc.set_threshold(*threshold)
+        monkeypatch.undo()
+        gc.collect()
+
+
+def test_a_refused_capture_leaves_the_device_s_random_numbers_as_they_were() -> None:
+    """A capture CUDA invalidated (here by a host synchronisation inside the scope) leaves
+    torch's generator in capture mode, its epilogue skipped, after which every draw on the
+    device fails: the refusal restores it, at the same random state."""
+    linear = torch.nn.Linear(64, 64, device="cuda")
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = linear(x) * (x.sum().item() > 0)
+        return out
+
+    block = GraphedBlock(fn, [linear], CudaGraphModule.attn, label="synced")
+    x = torch.randn(8, 64, device="cuda", requires_grad=True)
+    torch.manual_seed(5)
+    want = torch.rand(16, device="cuda")
+    torch.manual_seed(5)
+    with pytest.raises(ConfigError, match="synced: capturing the CUDA graph"):
+        block(x)
+    got = torch.rand(16, device="cuda")
+    assert torch.equal(got, want)

@@ -49,8 +49,10 @@ Capture synchronizes the device (once per copy, on the first steps).
 from __future__ import annotations
 
 import gc
+import warnings
 import weakref
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Generator, Hashable, Iterable, Sequence
+from contextlib import contextmanager
 from copy import deepcopy
 from dataclasses import dataclass
 from typing import Any, cast
@@ -443,10 +445,12 @@ class GraphedBlock:
         # gradients for a schedule that claims the modules, or replays them at once.
         with WgradClaim([m for m in delayed if m.delay_wgrad]):
             try:
-                return self._capture_claimed(delayed, args, params)
+                with _collector_paused():
+                    return self._capture_claimed(delayed, args, params)
             except RuntimeError as error:  # torch.AcceleratorError too
                 if "captur" not in str(error):  # capture, capturing
                     raise
+                _leave_capture_mode(args[0].device)
                 raise ConfigError(
                     f"{self.label}: capturing the CUDA graph of scope '{self.scope.name}' "
                     "expected a function that only launches kernels, on parameters no older "
@@ -537,6 +541,38 @@ class GraphedBlock:
                 copy.wgrad_out = tuple(i.wgrad() for _, i in deferred)
         self.stats.captures += 1
         return copy
+
+
+@contextmanager
+def _collector_paused() -> Generator[None]:
+    """Python's cyclic garbage collector off while the block captures. A dead reference
+    cycle holding CUDA graphs (a dropped graphed model's, say) collected inside a capture
+    destroys them there, and that CUDA call invalidates the capture (torch's
+    :func:`torch.cuda.graph` no longer collects before it begins). Collection resumes after."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _leave_capture_mode(device: torch.device) -> None:
+    """After a capture CUDA invalidated, torch skips the random generator's capture epilogue:
+    the device's default generator stays in capture mode and every later draw on the device
+    fails ("Offset increment outside graph capture"). An empty capture runs the prologue and
+    epilogue again on the same generator state, whose eager offset a capture leaves as it
+    was; if even that fails, the caller's error is raised all the same."""
+    if device.type != "cuda":
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns that the graph is empty
+        try:
+            with torch.cuda.device(device), torch.cuda.graph(torch.cuda.CUDAGraph()):
+                pass
+        except RuntimeError:
+            pass
 
 
 def _describe(signature: _Signature) -> str:

@@ -52,6 +52,7 @@ from moe_overlap.engine._registrations import registrations as registrations
 from moe_overlap.engine._shared_params import StageAccumulations as StageAccumulations
 from moe_overlap.engine._stream_check import start_from_env as _start_from_env
 from moe_overlap.engine._stream_setup import make_event as make_event
+from moe_overlap.engine._use_stream import wait_stream as wait_stream
 from moe_overlap.engine.core._node_errors import check_marked as check_marked
 from moe_overlap.engine.core._options import Hook as Hook
 from moe_overlap.engine.core._state import ChunkState as ChunkState
@@ -73,7 +74,6 @@ from moe_overlap.engine.core._streams import record_tensor_on as record_tensor_o
 from moe_overlap.engine.core._streams import release_storage as release_storage
 from moe_overlap.engine.core._streams import stream_context as stream_context
 from moe_overlap.engine.core._streams import wait_event as wait_event
-from moe_overlap.engine.core._streams import wait_stream as wait_stream
 from moe_overlap.engine.core._wgrad_claims import WgradClaim as WgradClaim
 from moe_overlap.engine.core._wgrad_claims import claim_wgrad as claim_wgrad
 from moe_overlap.engine.core._wgrad_claims import wgrad_claimed as wgrad_claimed

@@ -21,16 +21,20 @@ from torch import Tensor
 from moe_overlap.args import BOOL, Instance, Int, Opt, check_arg
 from moe_overlap.errors import IntegrationError
 from moe_overlap.microbatch import Microbatch
-from moe_overlap.protocols import PreprocessableModel, SchedulableLayer
+from moe_overlap.protocols import PreprocessableModel, SchedulableLayer, WgradScope
 
 from ._bypass_check import check_bypassed
 from ._conformance import (
     as_mtp_layer,
     check_layer,
     check_model,
+    check_preprocess_output,
     check_wgrad_layers,
     check_wgrad_scopes,
+    delay_option_error,
+    not_a_tensor,
 )
+from ._core_args import CoreArguments
 from ._debug import DEBUG
 from ._fsdp_check import check_fsdp
 from ._guards import BaseGuard, attach
@@ -44,11 +48,13 @@ from ._node_checks import (
     check_own_leaves,
     check_release,
     check_undetached_reads,
+    second_backward_error,
 )
 from ._owed_wgrad import check_wgrad_listed
 from ._random_draws import RandomDraws
 from ._recompute_hold import _HELD as _RECOMPUTE_HELD  # pyright: ignore[reportPrivateUsage]
 from ._recompute_hold import held_for_recompute
+from ._step_checks import StepChecks
 from ._stream_check import _ACTIVE as _CHECKERS  # pyright: ignore[reportPrivateUsage]
 from ._stream_check import _ON_ACTIVATE  # pyright: ignore[reportPrivateUsage]
 from ._torch_private import storage_cdata, storage_use_count, tensor_use_count
@@ -73,7 +79,8 @@ _MICROBATCH = Instance(
 
 
 class _PlanChecks(BaseGuard):
-    """A plan's model and microbatch, before anything is built; its inputs once read."""
+    """A plan's model and microbatch, before anything is built; its inputs once read;
+    what the model's pre- and post-process return."""
 
     def plan_started(self, model: object, microbatch: object, where: str) -> None:
         del where
@@ -97,6 +104,12 @@ class _PlanChecks(BaseGuard):
             check_wgrad_hooks(model, parts)  # hooks autograd would run before backward_dw
         check_fsdp(model, layers, delayed=delayed)
 
+    def model_returned(self, model: PreprocessableModel, method: str, value: object) -> None:
+        if method == "_preprocess":
+            check_preprocess_output(model, value)
+        elif not isinstance(value, Tensor):
+            raise not_a_tensor(model, method, value)
+
 
 _CHECKED: set[int] = set()
 
@@ -115,7 +128,8 @@ def inputs_checked(microbatches: Sequence[Microbatch]) -> Generator[None]:
 
 class _LayerChecks(BaseGuard):
     """A layer's Protocol members (the MTP slot callable where present) and the modules it
-    lists for delayed pre-dispatch and mlp weight gradients."""
+    lists for delayed pre-dispatch and mlp weight gradients, which
+    ``ScheduleOptions.delay_wgrad_compute``, when given, agrees with."""
 
     def layer_started(self, layer: object, where: Callable[[], str]) -> None:
         as_mtp_layer(check_layer(layer, where))
@@ -127,10 +141,17 @@ class _LayerChecks(BaseGuard):
         check_wgrad_scopes(listed, where)
 
     def mlp_wgrad_listed(
-        self, layer: SchedulableLayer, listed: object, where: Callable[[], str]
+        self,
+        layer: SchedulableLayer,
+        listed: object,
+        pre_dispatch: Sequence[WgradScope],
+        option: bool | None,
+        where: Callable[[], str],
     ) -> None:
         del layer
-        check_wgrad_layers(listed, where, "mlp_wgrad()")
+        mlp = check_wgrad_layers(listed, where, "mlp_wgrad()")
+        if option is not None and option != (bool(pre_dispatch) or bool(mlp)):
+            delay_option_error(where(), option, pre_dispatch, mlp)
 
 
 class _InGraph(BaseGuard):
@@ -230,7 +251,9 @@ def _storages(inputs: tuple[Tensor | None, ...]) -> list[torch.UntypedStorage]:
 class _Handoffs(BaseGuard):
     """What a layer slot hands on: ``node.detach`` copies and layer-state tensors used as
     the slot's inputs said, no tensor an earlier slot kept without ``node.detach`` read,
-    and no copy that received a gradient from the slot's own backward."""
+    and no copy that received a gradient from the slot's own backward; torch's "backward
+    through the graph a second time" (a tensor handed on without ``node.detach``) said in
+    the library's words."""
 
     def slot_returned(
         self,
@@ -249,6 +272,11 @@ class _Handoffs(BaseGuard):
 
     def copies_backwarded(self, node: TransformerLayerNode, copies: tuple[Tensor, ...]) -> None:
         check_copies_unused(node.name, copies)
+
+    def backward_failed(self, node: TransformerLayerNode, exc: RuntimeError) -> None:
+        error = second_backward_error(node.name, exc, node.layer_state.undetached)
+        if error is not None:
+            raise error from exc
 
 
 def _items(out: object) -> tuple[object, ...]:
@@ -288,11 +316,20 @@ class _NodeLabels(BaseGuard):
 
     def plan_built(self, model: PreprocessableModel, plan: ModelChunkSchedulePlan) -> None:
         del model
-        plan.name_nodes()
+        chunk = f"microbatch {plan.microbatch_index}"
+        if plan.vp_stage is not None:
+            chunk += f" of stage {plan.vp_stage}"
+        for process in (plan.pre_process, plan.post_process):
+            if process is not None:
+                process.where = chunk
+        for i, lp in enumerate(plan.layers):
+            for node in lp.nodes.values():
+                node.where = f"{chunk}, layer {i}"
 
     def node_entered(self, node: ScheduleNode, direction: str) -> None:
         if _CHECKERS:
-            _CHECKERS[-1].push_label(node.describe(direction))
+            where = f"{node.where} " if node.where else ""
+            _CHECKERS[-1].push_label(f"node {where}{node.name!r} {direction}")
 
     def node_left(self, node: ScheduleNode) -> None:
         del node
@@ -306,12 +343,14 @@ def _attach_labels() -> Callable[[], None]:
 
 _ON_ACTIVATE.append(_attach_labels)
 _GUARDS = (
+    CoreArguments(),
     _PlanChecks(),
     _LayerChecks(),
     _InGraph(),
     _FreeInput(),
     _OwnLeaves(),
     _Handoffs(),
+    StepChecks(),
     HandRunChecks(),
     RandomDraws(),
 )
@@ -336,7 +375,6 @@ CHUNK_RUN: Contract[ChunkRun] = Contract(
     attribute("streams", Instance(StreamPair, "a StreamPair")),
     attribute("vp_stage", Opt(Int(0), expects="None or an int >= 0")),
     method("node_for"),
-    method("check_output_grad"),
     method("record_current_stream"),
     method("wait_current_stream"),
     method("hand_to_caller"),

@@ -9,9 +9,11 @@ object; what is left here is how the schedule walks to the objects (a layer's wg
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import NoReturn, cast
 
-from moe_overlap.errors import IntegrationError
+from torch import Tensor
+
+from moe_overlap.errors import ConfigError, IntegrationError
 from moe_overlap.protocols import (
     CudaGraphModule,
     FreeInputConfig,
@@ -34,6 +36,7 @@ from .contracts import (
     checks_memoized,
     named,
 )
+from .core._state import PreprocessOutput
 
 __all__ = [
     "DISPATCHER_BACKENDS",
@@ -44,11 +47,14 @@ __all__ = [
     "check_free_input_config",
     "check_layer",
     "check_model",
+    "check_preprocess_output",
     "check_wgrad_layer",
     "check_wgrad_layers",
     "check_wgrad_scopes",
     "checks_memoized",
+    "delay_option_error",
     "named",
+    "not_a_tensor",
 ]
 
 
@@ -174,3 +180,65 @@ def as_mtp_layer(
     if not slot.accepts(getattr(layer, slot.name)):
         raise MTP_LAYER.error(layer, named(where))
     return cast(MtpSchedulableLayer, layer)
+
+
+def check_preprocess_output(model: object, value: object) -> None:
+    """Raise unless what ``model._preprocess`` returned is a
+    :class:`~moe_overlap.PreprocessOutput` or a tuple of its fields, each of its type."""
+    where = f"{type(model).__name__}._preprocess"
+    names = PreprocessOutput._fields
+    if not isinstance(value, tuple):
+        raise IntegrationError(
+            f"{where}: expected a PreprocessOutput or a {len(names)}-tuple {names}, "
+            f"received {type(value).__name__}"
+        )
+    items: tuple[object, ...] = value  # pyright: ignore[reportUnknownVariableType]
+    if len(items) != len(names):
+        raise IntegrationError(
+            f"{where}: expected a {len(names)}-tuple {names}, "
+            f"received a tuple of length {len(items)}"
+        )
+    decoder_input, emb, cos, sin, offset, padding_mask = items
+    if not isinstance(decoder_input, Tensor):
+        raise IntegrationError(
+            f"{where}: decoder_input must be a Tensor, received {type(decoder_input).__name__}"
+        )
+    if offset is not None and not isinstance(offset, Tensor):
+        raise IntegrationError(
+            f"{where}: sequence_len_offset must be a Tensor or None, "
+            f"received {type(offset).__name__}"
+        )
+    _optional_tensor(where, "rotary_pos_emb", emb)
+    _optional_tensor(where, "rotary_pos_cos", cos)
+    _optional_tensor(where, "rotary_pos_sin", sin)
+    _optional_tensor(where, "padding_mask", padding_mask)
+
+
+def _optional_tensor(where: str, name: str, value: object) -> None:
+    if value is None or isinstance(value, Tensor):
+        return
+    raise IntegrationError(
+        f"{where}: {name} must be a Tensor or None, received {type(value).__name__}"
+    )
+
+
+def not_a_tensor(model: object, method: str, value: object) -> IntegrationError:
+    """The error for what ``model.<method>`` returned where a Tensor was expected."""
+    where = f"{type(model).__name__}.{method}"
+    return IntegrationError(f"{where}: expected a Tensor, received {type(value).__name__}")
+
+
+def delay_option_error(
+    where: str, option: bool, pre: Sequence[object], mlp: Sequence[object]
+) -> NoReturn:
+    """``ScheduleOptions.delay_wgrad_compute`` says otherwise than the layer does."""
+    does = "does not delay" if option else "delays"
+    fix = "with" if option else "without"
+    raise ConfigError(
+        f"{where}: ScheduleOptions(delay_wgrad_compute={option}) expected the layer to "
+        f"{'delay its weight gradients' if option else 'compute its weight gradients at once'}"
+        f", but it {does} them (pre_dispatch_wgrad() lists {len(pre)} modules, mlp_wgrad() "
+        f"{len(mlp)}); "
+        f"the layers decide: build the model {fix} delayed wgrad, or leave "
+        "delay_wgrad_compute unset"
+    )

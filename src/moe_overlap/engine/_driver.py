@@ -26,12 +26,13 @@ from ._node_order_check import check_node_order
 from ._owed_wgrad import check_wgrad_done, declared_wgrad, node_schedule_running
 from ._plain_check import check_first_step
 from ._shared_params import AccumulationCount, counted_step
+from ._step_checks import check_grad_mode
 from ._trainable import check_loss_grad, check_trainable
 from .contracts import OPT_STEP_OBSERVER
 from .core._chunk_plan import ModelChunkSchedulePlan, default_streams, device_of
 from .core._node_schedule import NodeSchedule
 from .core._options import ScheduleOptions
-from .core._runner import check_grad_mode, run_schedule, run_step
+from .core._runner import run_schedule, run_step
 from .core._state import ChunkState
 from .core._steps import Slot
 from .core._streams import StreamPair

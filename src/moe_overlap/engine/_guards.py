@@ -14,15 +14,17 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
+from typing import cast
 
 from torch import Tensor
 
 from moe_overlap.args import BOOL
 from moe_overlap.microbatch import Microbatch
-from moe_overlap.protocols import PreprocessableModel, SchedulableLayer
+from moe_overlap.protocols import PreprocessableModel, SchedulableLayer, WgradScope
 
 from .contracts import Contract, attribute, method
 from .core import _hooks
+from .core._arguments import ArgumentsGuard
 from .core._chunk_plan import ModelChunkSchedulePlan
 from .core._guard import Guard
 from .core._layer_node import TransformerLayerNode
@@ -30,7 +32,7 @@ from .core._node import ScheduleNode
 from .core._runner import ChunkRun
 from .core._state import ChunkState
 
-__all__ = ["GUARD", "BaseGuard", "Guard", "attach", "by_hook", "without_guards"]
+__all__ = ["ARGUMENTS_GUARD", "GUARD", "BaseGuard", "Guard", "attach", "by_hook", "without_guards"]
 
 
 GUARD: Contract[Guard] = Contract(
@@ -46,18 +48,26 @@ GUARD: Contract[Guard] = Contract(
     method("before_release"),
     method("node_detached"),
     method("slot_returned"),
+    method("model_returned"),
     method("copies_backwarded"),
+    method("backward_failed"),
     method("layer_started"),
     method("pre_dispatch_wgrad_listed"),
     method("mlp_wgrad_listed"),
-    method("backward_started"),
+    method("step_started"),
     method("backward_ended"),
     method("ahead_entered"),
     method("ahead_left"),
+    method("arguments"),
 )
 """Its rule table: :func:`attach` refuses what does not conform."""
 
-by_hook = {
+ARGUMENTS_GUARD: Contract[ArgumentsGuard] = Contract(
+    ArgumentsGuard, "a guard of the arguments hook", method("arguments")
+)
+"""The rule table of the ``arguments`` hook's guards (a :class:`Guard` conforms)."""
+
+by_hook: dict[str, list[Guard]] = {
     "plan_started": _hooks.on_plan_started,
     "inputs_read": _hooks.on_inputs_read,
     "plan_built": _hooks.on_plan_built,
@@ -67,14 +77,17 @@ by_hook = {
     "before_release": _hooks.on_before_release,
     "node_detached": _hooks.on_node_detached,
     "slot_returned": _hooks.on_slot_returned,
+    "model_returned": _hooks.on_model_returned,
     "copies_backwarded": _hooks.on_copies_backwarded,
+    "backward_failed": _hooks.on_backward_failed,
     "layer_started": _hooks.on_layer_started,
     "pre_dispatch_wgrad_listed": _hooks.on_pre_dispatch_wgrad_listed,
     "mlp_wgrad_listed": _hooks.on_mlp_wgrad_listed,
-    "backward_started": _hooks.on_backward_started,
+    "step_started": _hooks.on_step_started,
     "backward_ended": _hooks.on_backward_ended,
     "ahead_entered": _hooks.on_ahead_entered,
     "ahead_left": _hooks.on_ahead_left,
+    "arguments": cast("list[Guard]", _hooks.on_arguments),  # holds Guards (a subtype)
 }
 """The core's guard list of each hook, by the hook's name (the Guard Protocol's methods)."""
 
@@ -127,8 +140,14 @@ class BaseGuard:
     ) -> None:
         del node, inputs, output
 
+    def model_returned(self, model: PreprocessableModel, method: str, value: object) -> None:
+        del model, method, value
+
     def copies_backwarded(self, node: TransformerLayerNode, copies: tuple[Tensor, ...]) -> None:
         del node, copies
+
+    def backward_failed(self, node: TransformerLayerNode, exc: RuntimeError) -> None:
+        del node, exc
 
     def layer_started(self, layer: object, where: Callable[[], str]) -> None:
         del layer, where
@@ -139,12 +158,23 @@ class BaseGuard:
         del layer, listed, where
 
     def mlp_wgrad_listed(
-        self, layer: SchedulableLayer, listed: object, where: Callable[[], str]
+        self,
+        layer: SchedulableLayer,
+        listed: object,
+        pre_dispatch: Sequence[WgradScope],
+        option: bool | None,
+        where: Callable[[], str],
     ) -> None:
-        del layer, listed, where
+        del layer, listed, pre_dispatch, option, where
 
-    def backward_started(self, plans: Sequence[ChunkRun], where: str) -> None:
-        del plans, where
+    def step_started(
+        self,
+        forward: Sequence[ChunkRun],
+        backward: Sequence[ChunkRun],
+        grads: Sequence[object],
+        where: str,
+    ) -> None:
+        del forward, backward, grads, where
 
     def backward_ended(self, plans: Sequence[ChunkRun], where: str, failed: bool) -> None:
         del plans, where, failed
@@ -154,6 +184,9 @@ class BaseGuard:
 
     def ahead_left(self, node: ScheduleNode) -> None:
         del node
+
+    def arguments(self, owner: str, value: object) -> None:
+        del owner, value
 
 
 def attach(guard: Guard, *, debug: bool) -> Callable[[], None]:
@@ -184,7 +217,9 @@ def _nothing() -> None:
 def without_guards() -> Generator[None]:
     """Every attached guard detached inside the block, attached again after it (also on
     failure). For measuring what the checks cost (``benchmarks/bench_host_megatron.py
-    --without-guards``) only: inside it nothing the schedule runs is checked."""
+    --without-guards``) only: inside it nothing the schedule runs is checked, the always-on
+    checks included (arguments, a step's plans and gradients, what the model returns):
+    inputs are not checked, and the results for a misused input are undefined."""
     saved = {name: list(hooks) for name, hooks in by_hook.items()}
     for hooks in by_hook.values():
         hooks.clear()

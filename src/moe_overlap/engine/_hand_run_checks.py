@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from ._guards import BaseGuard
 from ._shared_params import RunAccumulations, in_counted_step
+from ._step_checks import output_node
 from ._trainable import check_backed_output
 from .core._chunk_plan import ModelChunkSchedulePlan
 from .core._runner import ChunkRun
@@ -33,15 +34,23 @@ class HandRunChecks(BaseGuard):
         self.counting: list[tuple[Sequence[ChunkRun], RunAccumulations]] = []
         """The runs counting now (one per thread running one), with the plans each backs."""
 
-    def backward_started(self, plans: Sequence[ChunkRun], where: str) -> None:
-        if in_counted_step():
+    def step_started(
+        self,
+        forward: Sequence[ChunkRun],
+        backward: Sequence[ChunkRun],
+        grads: Sequence[object],
+        where: str,
+    ) -> None:
+        del forward, grads
+        plans = backward
+        if not plans or in_counted_step():
             return
         models: list[object] = []
         for plan in plans:
             if not isinstance(plan, ModelChunkSchedulePlan) or plan.pre_process is None:
                 return  # not a model chunk's plan: its model is not known
             model = plan.pre_process.model
-            node = plan.output_node()
+            node = output_node(plan)
             outputs = node.outputs if node is not None else ()
             if len(outputs) == 1:  # else not forwarded: the run refuses it
                 loss = plan.post_process is not None

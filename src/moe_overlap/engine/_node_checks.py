@@ -21,11 +21,11 @@ from moe_overlap.errors import IntegrationError
 
 from ._torch_private import storage_cdata, storage_use_count, tensor_use_count
 from ._torch_private import tensor_base as _base
-from .core._node_errors import describe_tensor as _describe
 from .core._state import LayerState
 
 __all__ = [
     "METADATA_ONLY_SAVES",
+    "SECOND_BACKWARD",
     "check_copies_unused",
     "check_handoffs",
     "check_in_graph",
@@ -35,10 +35,41 @@ __all__ = [
     "check_release",
     "check_undetached_reads",
     "graph_saves",
+    "second_backward_error",
     "storage_use_count",
     "tensor_use_count",
     "walk_graph",
 ]
+
+
+def _describe(t: Tensor) -> str:
+    """A tensor in a message: its dtype and shape (``float32[2, 4]``)."""
+    return f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)}"
+
+
+SECOND_BACKWARD = "Trying to backward through the graph a second time"
+"""The start of torch's message when a backward runs into graph an earlier one freed."""
+
+
+def second_backward_error(
+    name: str, exc: BaseException, undetached: Sequence[tuple[str, Tensor, object, str]]
+) -> IntegrationError | None:
+    """The library's error for torch's "backward through the graph a second time" raised
+    in node ``name``'s backward (``None`` for any other exception): two nodes' backward
+    passes shared one graph, a tensor handed between slots without ``node.detach``."""
+    if not isinstance(exc, RuntimeError) or SECOND_BACKWARD not in str(exc):
+        return None
+    mine = [f"{label} ({_describe(t)})" for label, t, _, producer in undetached if producer == name]
+    known = f" This slot kept {', '.join(mine)} with its autograd graph." if mine else ""
+    return IntegrationError(
+        f"node {name!r}: its backward ran into autograd graph that another backward already "
+        f"ran through and freed (torch: {SECOND_BACKWARD}): most likely a tensor was handed "
+        "between this slot and another slot (or another microbatch) without node.detach "
+        "(kept on a module, in a closure or in a container), so the two slots' backward "
+        f"passes share one graph.{known} Expected every tensor a later slot reads to be kept "
+        "in layer_state as node.detach(t) by the slot that computed it; MOE_OVERLAP_DEBUG=1 "
+        "names the slot that reads it, at its forward"
+    )
 
 
 def check_in_graph(

@@ -33,8 +33,9 @@ from ._conformance import check_wgrad_layers
 from ._owed_wgrad import check_wgrad_done, declared_wgrad, owed_wgrad, pending_count
 from ._torch_wrappers import has_grad_hooks
 from ._trainable import needs_grad
+from ._use_stream import wait_stream
 from .core._backward_dw import BackwardDWWrapper
-from .core._streams import AnyStream, current_stream, stream_context, wait_stream
+from .core._streams import AnyStream, current_stream, stream_context
 from .core._wgrad_claims import WgradClaim
 
 __all__ = [

@@ -17,8 +17,8 @@ import torch
 from moe_overlap.args import BOOL, Instance, Opt, check_arg, refuse
 from moe_overlap.errors import StreamError
 
+from ._core_args import STREAM_SPEC
 from .core._streams import (
-    STREAM_SPEC,
     AnyEvent,
     AnyStream,
     CpuEvent,

@@ -1,12 +1,15 @@
 """The context-manager form of a node's stream steps (:class:`use_stream`): run a body
 between a wait on and a record of a microbatch's event (the tests drive single nodes' stream
 steps with it). The schedule core's nodes call the steps themselves, with no context
-manager object on their hot path (``core/_streams.py``)."""
+manager object on their hot path (``core/_streams.py``). And :func:`wait_stream`, which only
+callers outside the core use."""
 
 from __future__ import annotations
 
 import contextlib
 from types import TracebackType
+
+from moe_overlap.errors import StreamError
 
 from .core._streams import (
     AnyEvent,
@@ -19,7 +22,7 @@ from .core._streams import (
     pair_error,
 )
 
-__all__ = ["use_stream"]
+__all__ = ["use_stream", "wait_stream"]
 
 
 class use_stream:  # lower case: used like a function, as torch.cuda.stream
@@ -54,3 +57,19 @@ class use_stream:  # lower case: used like a function, as torch.cuda.stream
             leave_stream(self._stream, self._event, self._switch)
         else:
             leave_switch(self._switch, exc_type, exc, tb)
+
+
+def wait_stream(stream: AnyStream, other: AnyStream) -> None:
+    """Make ``stream`` wait for everything queued on ``other`` so far (one device kind)."""
+    if isinstance(stream, CpuStream):
+        if isinstance(other, CpuStream):
+            stream.wait_stream(other)
+            return
+    elif not isinstance(other, CpuStream):
+        stream.wait_stream(other)
+        return
+    raise StreamError(
+        f"wait_stream: {stream!r} cannot wait for {other!r}: expected two streams of one "
+        "device kind (both CPU or both CUDA); make them for the model's device "
+        "(make_streams(device))"
+    )

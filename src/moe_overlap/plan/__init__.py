@@ -25,6 +25,13 @@ from moe_overlap.plan._choose import (
     choose_schedule,
 )
 from moe_overlap.plan._cli import add_plan_parser, run_plan
+from moe_overlap.plan._contention import (
+    CONTENTION_KINDS,
+    ContentionFit,
+    ContentionKind,
+    MeasuredSpan,
+    fit_contention_by_kind,
+)
 from moe_overlap.plan._layout import Layout, Schedule
 from moe_overlap.plan._machine import MACHINES, Link, Machine, a2a_ms, p2p_ms, roofline_durations
 from moe_overlap.plan._model import PRESETS, LayerKind, ModelSpec
@@ -58,16 +65,20 @@ from moe_overlap.plan._simulate import Costs, PlanSpan, RankFigures, stage_layer
 
 __all__ = [
     "CHOICE_SPACE",
+    "CONTENTION_KINDS",
     "MACHINES",
     "PRESETS",
     "QUICK_CHOICE_SPACE",
     "ActivationModel",
     "Bound",
+    "ContentionFit",
+    "ContentionKind",
     "Costs",
     "LayerKind",
     "Layout",
     "Link",
     "Machine",
+    "MeasuredSpan",
     "ModelSpec",
     "Plan",
     "PlanSpan",
@@ -89,6 +100,7 @@ __all__ = [
     "costs_from_profile",
     "fit_activations",
     "fit_contention",
+    "fit_contention_by_kind",
     "load_profile",
     "node_schedule",
     "p2p_ms",

@@ -9,13 +9,18 @@ it, and while the activations alive stay under a cap. :func:`improve` moves sing
 of an order to shorten it. Both time an order as :func:`~moe_overlap.plan.replay_order`
 does, on integers (with :attr:`~moe_overlap.plan.ScheduleGraph.one_event`, each
 microbatch's steps but ``W`` also after its forward and backward steps issued before them).
+With :attr:`~moe_overlap.plan.StepTimes.contention_by_kind` the scheduler estimates a
+communication step's end from the compute it has placed so far (compute issued later may
+slow it more: the replay, which every order found is timed by, counts it).
 """
 
+import bisect
 import itertools
 import random
 from collections.abc import Sequence
 
 from moe_overlap.engine import ConfigError
+from moe_overlap.plan._contention import place_streams
 from moe_overlap.plan._search_steps import (
     ActivationModel,
     ScheduleGraph,
@@ -77,6 +82,8 @@ class ScheduleIds:
         self.records = [not (w or s.recompute) for w, s in zip(self.wgrad, self.steps, strict=True)]
         self.one_event = graph.one_event
         self.ms = [times.base_ms(s) for s in self.steps]
+        self.by_kind = times.contention_by_kind is not None
+        self.lost = [times.lost_share(s) for s in self.steps]
         events = [memory.events(s, graph) for s in self.steps]
         self.alloc = [a for a, _ in events]
         self.freed = [f for _, f in events]
@@ -155,6 +162,7 @@ def schedule_ids(
     end = [0.0] * len(g.steps)
     free = [0.0, 0.0]
     event = [0.0] * len(g.count)  # per microbatch: when its last F/B step ends (one_event)
+    comp_spans: list[tuple[float, float]] = []  # by kind: the compute placed so far
     left = list(g.count)
     issued = [0] * len(g.count)
     started: set[int] = set()
@@ -201,7 +209,12 @@ def schedule_ids(
         flying.add(m)
         first_start.setdefault(m, est)
         ms = g.ms[i]
-        if g.comm[i] and any(
+        if g.by_kind:
+            if g.comm[i]:
+                ms = _beside_end(est, ms, g.lost[i], comp_spans) - est
+            else:
+                comp_spans.append((est, est + ms))
+        elif g.comm[i] and any(
             o != m and first_start[o] <= est and (o in flying or last_end[o] > est)
             for o in first_start
         ):
@@ -231,8 +244,28 @@ def schedule_ids(
     return order, max(end, default=0.0), peak(events)
 
 
+def _beside_end(start: float, ms: float, lost: float, comp: list[tuple[float, float]]) -> float:
+    """When a communication step of ``ms`` from ``start`` ends beside the compute spans
+    ``comp`` (in order, disjoint), losing ``lost`` of its time beside them."""
+    t, left = start, ms  # ms still to run at rate 1
+    first = max(0, bisect.bisect_left(comp, (start, start)) - 1)  # may reach past start
+    for j in range(first, len(comp)):
+        lo, hi = comp[j]
+        if hi <= t:
+            continue
+        if lo >= t + left:
+            break
+        left -= max(0.0, lo - t)  # alone until the compute starts
+        t = max(t, lo)
+        beside = min(hi - t, left / (1.0 - lost))
+        t += beside
+        left -= beside * (1.0 - lost)
+    return t + max(0.0, left)
+
+
 def replay_ids(g: ScheduleIds, ids: Sequence[int], factor: float) -> tuple[float, float]:
-    """:func:`replay_order` on ``g``'s integers (no joins): step time and peak units."""
+    """:func:`replay_order` on ``g``'s integers (no joins): step time and peak units
+    (``factor``: ``1 + comm_contention``; unused with contention per kind)."""
     mbs = [g.mb[i] for i in ids]
     comm = [g.comm[i] for i in ids]
 
@@ -254,8 +287,11 @@ def replay_ids(g: ScheduleIds, ids: Sequence[int], factor: float) -> tuple[float
             out.append((start, end[i]))
         return out
 
-    issued = [c and f for c, f in zip(comm, issued_flags(mbs), strict=True)]
-    _, spans = settle(place, mbs, comm, issued)
+    if g.by_kind:
+        spans = place_streams(comm, [g.ms[i] for i in ids], [g.lost[i] for i in ids], _deps(g, ids))
+    else:
+        issued = [c and f for c, f in zip(comm, issued_flags(mbs), strict=True)]
+        _, spans = settle(place, mbs, comm, issued)
     events: list[tuple[float, int, float]] = []
     for i, (lo, hi) in zip(ids, spans, strict=True):
         if g.alloc[i]:
@@ -263,6 +299,25 @@ def replay_ids(g: ScheduleIds, ids: Sequence[int], factor: float) -> tuple[float
         if g.freed[i]:
             events.append((hi, 0, -g.freed[i]))
     return max((hi for _, hi in spans), default=0.0), peak(events)
+
+
+def _deps(g: ScheduleIds, ids: Sequence[int]) -> list[list[int]]:
+    """Per position of ``ids``, the positions it waits for besides its stream's previous
+    step (:func:`~moe_overlap.plan._search_steps.order_deps` on integers)."""
+    pos = [0] * len(g.steps)
+    event: dict[int, int] = {}
+    out: list[list[int]] = []
+    for k, i in enumerate(ids):
+        deps: list[int] = []
+        if not g.wgrad[i]:
+            deps = [pos[q] for q in g.data[i]]
+            if g.one_event and g.mb[i] in event:
+                deps.append(event[g.mb[i]])
+        if g.records[i]:
+            event[g.mb[i]] = k
+        pos[i] = k
+        out.append(deps)
+    return out
 
 
 def improve(

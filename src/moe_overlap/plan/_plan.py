@@ -195,6 +195,18 @@ class Plan:
         return out
 
 
+def refuse_by_kind(where: str, costs: object) -> None:
+    """Refuse a :class:`Costs` with contention per kind: the engine's step lists are
+    replayed with one factor on every paired communication node."""
+    if isinstance(costs, Costs) and costs.contention_by_kind is not None:
+        raise ConfigError(
+            f"{where}: expected costs with contention_by_kind=None (it replays each action's "
+            "steps with one factor, comm_contention), received coefficients per kind; "
+            "use search_schedules, choose_schedule or replay_order for them, or "
+            "costs.replace(contention_by_kind=None, comm_contention=...) here"
+        )
+
+
 def plan(costs: Costs, layout: Layout, schedule: "Schedule | str") -> Plan:
     """Predict one training step of ``schedule`` on ``layout`` from ``costs``.
 
@@ -206,6 +218,7 @@ def plan(costs: Costs, layout: Layout, schedule: "Schedule | str") -> Plan:
         raise ConfigError(f"plan: costs must be a Costs, received {type(costs).__name__}")
     if not isinstance(cast(object, layout), Layout):
         raise ConfigError(f"plan: layout must be a Layout, received {type(layout).__name__}")
+    refuse_by_kind("plan", costs)
     which = Schedule.of(schedule)
     stage_layers(costs.num_layers, num_stages(which, layout))  # refused before lowering
     lowered = lower(which, layout)
@@ -271,6 +284,7 @@ def fit_contention(
     prediction without contention or slower than with ``upper``, and for a step whose
     prediction does not depend on contention (no communication overlapped)."""
     where = "fit_contention"
+    refuse_by_kind(where, costs)
     costs = check_arg(where, "costs", costs, Instance(Costs, "a Costs"))
     if isinstance(measured_ms, bool) or not isinstance(measured_ms, numbers.Real):
         raise refuse(f"{where}: measured_ms", "the measured step's milliseconds", measured_ms)

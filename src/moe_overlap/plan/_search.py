@@ -381,7 +381,11 @@ def fit_activations(
     if recompute is not None:
         recompute = check_recompute(f"{where}: recompute", recompute)
     base = ScheduleGraph(microbatches=microbatches, moe=costs.moe)
-    times = StepTimes(times=costs.times, comm_contention=costs.comm_contention)
+    times = StepTimes(
+        times=costs.times,
+        comm_contention=costs.comm_contention,
+        contention_by_kind=costs.contention_by_kind,
+    )
     orders = today_orders(base)
     p_serial = replay_order(orders["serial"], base, times, memory).peak_units
     p_fd = replay_order(orders["fill_drain"], base, times, memory).peak_units
@@ -462,7 +466,7 @@ def search_schedules(
     progress: Callable[[str], None] | None = None,
 ) -> SearchResult:
     """Search ``space`` for ``microbatches`` microbatches of ``costs``' model (its node
-    times, MoE layers and ``comm_contention``); memory by ``memory``, relative to the
+    times, MoE layers and ``comm_contention`` or ``contention_by_kind``); memory by ``memory``, relative to the
     serial step. ``today_recompute``: the recomputation of today's schedules with
     recompute (default: pre-dispatch and mlp of every layer). The frontier's orders are
     checked (:func:`~moe_overlap.plan.check_exact`) and replayed
@@ -489,6 +493,7 @@ def search_schedules(
             recompute_cost=space.recompute_cost,
             comm_contention=costs.comm_contention,
             delay_wgrad=graph.delay_wgrad,
+            contention_by_kind=costs.contention_by_kind,
         )
 
     plain = times_of(base)

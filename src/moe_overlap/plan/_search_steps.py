@@ -44,6 +44,13 @@ from moe_overlap.args import (
     replaced,
 )
 from moe_overlap.engine import ConfigError
+from moe_overlap.plan._contention import (
+    BY_KIND_SPEC,
+    ContentionKind,
+    check_one_contention,
+    lost_share,
+    place_streams,
+)
 from moe_overlap.plan._layout import check_microbatches
 from moe_overlap.plan._profile import check_times
 from moe_overlap.steps import Direction, NodeSchedule, Slot, StreamKind
@@ -365,6 +372,13 @@ class StepTimes:
     ``recompute_cost`` times the slot's forward. A communication step of a microbatch
     issued while another microbatch is in flight takes ``1 + comm_contention`` times its
     time (the planner's contention).
+
+    ``contention_by_kind`` (instead of ``comm_contention``, which must then be 0): per
+    communication kind ``(slot, direction)``, a coefficient ``c``: such a step progresses at
+    rate ``1 / (1 + c)`` while the compute stream runs a step and at rate 1 otherwise, so it
+    is slowed by the compute actually beside it
+    (:func:`~moe_overlap.plan.fit_contention_by_kind` fits it on a recorded step; a kind
+    not given: 0).
     """
 
     times: Mapping[tuple[int | None, Slot, Direction], float]
@@ -376,6 +390,7 @@ class StepTimes:
     recompute_cost: float = 1.0
     comm_contention: float = 0.0
     delay_wgrad: bool = False
+    contention_by_kind: Mapping[ContentionKind, float] | None = None
 
     def __post_init__(self) -> None:
         check_fields(
@@ -388,10 +403,20 @@ class StepTimes:
                 "recompute_cost": _MS,
                 "comm_contention": _MS,
                 "delay_wgrad": BOOL,
+                "contention_by_kind": BY_KIND_SPEC,
             },
         )
         check_times("StepTimes.times", self.times)
         _fractions("StepTimes.wgrad_share", self.wgrad_share)
+        check_one_contention("StepTimes", self.comm_contention, self.contention_by_kind)
+
+    def lost_share(self, step: SearchStep) -> float:
+        """The share of its time beside compute ``step`` loses with
+        :attr:`contention_by_kind` (0 without it, and for a compute step)."""
+        by_kind = self.contention_by_kind
+        if by_kind is None or step.stream is not COMM:
+            return 0.0
+        return lost_share(by_kind, step.slot, step.direction)
 
     def base_ms(self, step: SearchStep) -> float:
         """``step``'s milliseconds without contention."""
@@ -594,6 +619,35 @@ def peak(events: list[tuple[float, int, float]]) -> float:
     return top
 
 
+def order_deps(
+    order: Order, preds: Mapping[SearchStep, Sequence[SearchStep]], *, chained: bool
+) -> list[list[int]]:
+    """Per step of ``order`` (joins left out), the earlier steps it waits for besides its
+    stream's previous one, as :func:`replay_order` places them: those it reads (a ``W``:
+    none), with ``chained`` its microbatch's last forward or backward step (a ``W``: none),
+    and after a join each stream's last step before it."""
+    pos: dict[SearchStep, int] = {}
+    last_on: dict[StreamKind, int] = {}
+    joined: list[int] = []
+    event: dict[int, int] = {}
+    out: list[list[int]] = []
+    for item in order:
+        if item is None:
+            joined = sorted({*joined, *last_on.values()})
+            continue
+        k = len(out)
+        deps = list(joined)
+        if item.direction is not W:
+            deps += [pos[p] for p in preds[item]]
+            if chained and item.microbatch in event:
+                deps.append(event[item.microbatch])
+            if not item.recompute:
+                event[item.microbatch] = k
+        out.append(deps)
+        pos[item] = last_on[item.stream] = k
+    return out
+
+
 def replay_order(
     order: Order, graph: ScheduleGraph, times: StepTimes, memory: ActivationModel
 ) -> Replayed:
@@ -604,7 +658,8 @@ def replay_order(
     backward step issued before it has ended. A communication step takes ``1 + comm_contention``
     times its time when it starts while another microbatch is in flight (between its first
     step's start and its last step's end): the planner's paired runs, timed by what runs at
-    once rather than by runs. An order that is not exact for ``graph`` is refused
+    once rather than by runs; with :attr:`StepTimes.contention_by_kind` it is slowed by the
+    compute beside it instead, per kind. An order that is not exact for ``graph`` is refused
     (:func:`check_exact`)."""
     where = "replay_order"
     times = check_arg(where, "times", times, Instance(StepTimes, "a StepTimes"))
@@ -641,8 +696,12 @@ def replay_order(
             out.append((start, stop))
         return out
 
-    issued = [c and f for c, f in zip(comm, issued_flags(mbs), strict=True)]
-    _, spans = settle(place, mbs, comm, issued)
+    if times.contention_by_kind is not None:
+        lost = [times.lost_share(s) for s in steps]
+        spans = place_streams(comm, base, lost, order_deps(order, preds, chained=chained))
+    else:
+        issued = [c and f for c, f in zip(comm, issued_flags(mbs), strict=True)]
+        _, spans = settle(place, mbs, comm, issued)
     events: list[tuple[float, int, float]] = []
     busy = {COMP: 0.0, COMM: 0.0}
     for step, (lo, hi) in zip(steps, spans, strict=True):

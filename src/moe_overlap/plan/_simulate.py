@@ -42,6 +42,7 @@ from moe_overlap.engine import (
     replay,
 )
 from moe_overlap.plan._actions import Act, Action, Lowered
+from moe_overlap.plan._contention import BY_KIND_SPEC, ContentionKind, check_one_contention
 from moe_overlap.plan._layout import Layout
 
 __all__ = ["Costs", "PlanSpan", "RankFigures", "Simulation", "simulate", "stage_layers"]
@@ -69,6 +70,7 @@ _COSTS_SPECS = {
     "gpus_per_node": POSITIVE,
     "comm_contention": _MS,
     "weight_split": BOOL,
+    "contention_by_kind": BY_KIND_SPEC,
 }
 
 
@@ -88,6 +90,12 @@ class Costs:
     overlapped runs (a measured property of the machine: copies and kernels share memory
     bandwidth and links). P2P milliseconds are per activation send between neighbouring
     stages, within a node and across nodes.
+
+    ``contention_by_kind`` (instead of ``comm_contention``, which must then be 0): a
+    coefficient per communication kind, as
+    :attr:`~moe_overlap.plan.StepTimes.contention_by_kind` takes it; the schedule search
+    (:func:`~moe_overlap.plan.search_schedules`, :func:`~moe_overlap.plan.choose_schedule`)
+    uses it, :func:`~moe_overlap.plan.plan` refuses it.
     """
 
     times: Mapping[SlotKey, float]
@@ -100,9 +108,11 @@ class Costs:
     gpus_per_node: int = 8
     comm_contention: float = 0.0
     weight_split: bool = False
+    contention_by_kind: Mapping[ContentionKind, float] | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, _COSTS_SPECS)
+        check_one_contention("Costs", self.comm_contention, self.contention_by_kind)
         n = len(self.moe)
         if self.activation_bytes and len(self.activation_bytes) != n:
             raise ConfigError(

@@ -11,7 +11,6 @@ other. Each floor imports only the floors below it::
     _executor        the step walker: a step list, each step on its role's plan
     _layer_node      a layer slot's node: node.detach, delayed wgrad, post-hooks
     _process_nodes   pre- and post-process nodes      _backward_dw  pre-dispatch wgrad
-    _megatron        Megatron's dict-shaped extra_args
     _node            the base node: forward on a stream between events, backward
     _wgrad_claims    which delayed modules a schedule computes the wgrad of
     _free_input      the free-input policy            _layer_args   what a layer node knows
@@ -20,7 +19,8 @@ other. Each floor imports only the floors below it::
                      (_node_schedule)
     _streams         streams and events, CUDA or CPU, and each device's default pair
     _node_errors     what a node raises itself
-    _hooks           the hook lists; the stream model's observer and delay hooks
+    _hooks           the hook lists (_arguments: the data types' own); the stream
+                     model's observer and delay hooks
                      (_stream_observer), slot kinds (_kinds)
 
 It imports no check: only itself, the standard library, torch, typing_extensions and the
@@ -33,7 +33,10 @@ when imported but each other (``tests/engine/test_core.py``). The checks
 guards on the hook lists of ``_hooks``, each a ``Guard`` (``_guard``), and the stream-order
 checker as the CPU stream model's observer (``_stream_observer``); race shaking
 (``engine/_stream_shake.py``) attaches its delays there too. The core calls each attached
-guard at a fixed point; a hook with none attached costs one empty-list test. What checks a
+guard at a fixed point; a hook with none attached costs one empty-list test. Every check of
+what it is given is a guard, the always-on ones too (the argument specs of its data types,
+``engine/_core_args.py``; a macro step's plans and gradients, ``engine/_step_checks.py``):
+without guards nothing is checked. What checks a
 schedule before the runner runs it stays outside: the exactness rules of a whole node
 schedule with the order each microbatch keeps (``engine/_node_order_check.py``), and the
 enumeration of the orders a paired run allows (``engine/_order_search.py``). So does what
@@ -45,7 +48,8 @@ recomputed region holds (``engine/_recompute_hold.py``, read by the free-input g
 And what only a caller asks for, on the core's runner and streams: two forwards or two
 backwards run by hand (``engine/_run_pair.py``), streams and events made for a device it
 names, the device checked, and its default pair set (``engine/_stream_setup.py``), the
-context-manager form of a node's stream steps (``engine/_use_stream.py``) and a bound method
+context-manager form of a node's stream steps and a stream's wait for another
+(``engine/_use_stream.py``) and a bound method
 held weakly (``engine/_weak_method.py``).
 
 Its modules are private to the engine.

@@ -11,7 +11,7 @@ from ._free_input import graph_module_names
 from ._hooks import on_pre_dispatch_wgrad_listed
 from ._options import Hook
 
-__all__ = ["BackwardDWWrapper", "_BackwardDWWrapper"]
+__all__ = ["BackwardDWWrapper"]
 
 
 class BackwardDWWrapper:
@@ -54,6 +54,3 @@ class BackwardDWWrapper:
         """The parameters of every part (so post-wgrad hooks can be collected)."""
         for part in self.parts:
             yield from part.module.parameters()
-
-
-_BackwardDWWrapper = BackwardDWWrapper

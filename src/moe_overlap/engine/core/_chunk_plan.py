@@ -8,7 +8,7 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from moe_overlap.errors import ConfigError, PlanReleasedError, StreamError
+from moe_overlap.errors import PlanReleasedError, StreamError
 from moe_overlap.microbatch import Microbatch
 from moe_overlap.protocols import PreprocessableModel, SchedulableLayer, StepObserver
 
@@ -18,7 +18,7 @@ from ._layer_plan import TransformerLayerSchedulePlan
 from ._node import ScheduleNode
 from ._options import ChunkHooks, PostBackwardHook, PostForwardHook, PreHook, ScheduleOptions
 from ._process_nodes import PostProcessNode, PreProcessNode
-from ._runner import check_grad_mode, run_step
+from ._runner import run_step
 from ._state import ChunkState
 from ._steps import (
     ChunkShape,
@@ -37,7 +37,7 @@ from ._streams import (
     wait_event,
 )
 
-__all__ = ["ModelChunkSchedulePlan", "check_grad_mode", "default_streams", "device_of"]
+__all__ = ["ModelChunkSchedulePlan", "default_streams", "device_of"]
 
 _DEFAULT_OPTIONS = ScheduleOptions()
 _EMPTY_MICROBATCH = Microbatch()
@@ -179,18 +179,6 @@ class ModelChunkSchedulePlan:
                 lp.release_state()
             raise
 
-    def name_nodes(self) -> None:
-        """Give every node its place, for the stream-order checker's messages."""
-        chunk = f"microbatch {self.microbatch_index}"
-        if self.vp_stage is not None:
-            chunk += f" of stage {self.vp_stage}"
-        for process in (self.pre_process, self.post_process):
-            if process is not None:
-                process.where = chunk
-        for i, lp in enumerate(self.layers):
-            for node in lp.nodes.values():
-                node.where = f"{chunk}, layer {i}"
-
     def num_layers(self) -> int:
         return len(self.layers)
 
@@ -209,46 +197,6 @@ class ModelChunkSchedulePlan:
         node = self.pre_process if step.slot is Slot.PRE_PROCESS else self.post_process
         assert node is not None, f"step {step} has no node in this chunk"
         return node
-
-    def output_node(self) -> ScheduleNode | None:
-        """The node whose forward output is the chunk's (what ``b_grad`` is the gradient
-        of): the post-process, else the last layer's last slot, else the pre-process."""
-        if self.post_process is not None:
-            return self.post_process
-        if self.layers:
-            last = self.layers[-1]
-            if last.shape.has_mtp_post:
-                slot = Slot.MTP_POST
-            else:
-                slot = Slot.COMBINE if last.shape.is_moe else Slot.MLP
-            return last.nodes.get(slot)
-        return self.pre_process
-
-    def check_output_grad(self, where: str, grad: object) -> None:
-        """Raise :class:`~moe_overlap.ConfigError` unless ``grad`` can be the gradient of this
-        plan's forward output: a tensor of its shape, dtype and device (as
-        ``output.backward(grad)`` needs; the autograd engine itself would broadcast a
-        wrong-shaped one and sum it, silently)."""
-        mb = self.microbatch_index
-        if not isinstance(grad, Tensor):
-            raise ConfigError(
-                f"{where}: expected the gradient of the backward plan's output (microbatch "
-                f"{mb}) as a Tensor, received {type(grad).__name__}"
-            )
-        node = self.output_node()
-        outputs = node.outputs if node is not None else ()
-        if len(outputs) != 1:
-            return  # not forwarded (or not through this plan): the run refuses it
-        out = outputs[0]
-        if grad.shape == out.shape and grad.dtype == out.dtype and grad.device == out.device:
-            return
-        raise ConfigError(
-            f"{where}: expected the gradient of the backward plan's output (microbatch {mb}) "
-            f"as a tensor of its shape {list(out.shape)}, dtype {_dtype(out)} on {out.device}, "
-            f"received one of shape {list(grad.shape)}, dtype {_dtype(grad)} on {grad.device}; "
-            "pass what output.backward(grad) takes, e.g. torch.ones_like(loss) (times a loss "
-            "scale)"
-        )
 
     def record_current_stream(self) -> None:
         """Make this chunk's next node wait for the work queued so far on the current stream."""
@@ -322,7 +270,3 @@ class ModelChunkSchedulePlan:
             observer=observer,
         )
         return outputs[0] if outputs else None
-
-
-def _dtype(t: Tensor) -> str:
-    return str(t.dtype).removeprefix("torch.")

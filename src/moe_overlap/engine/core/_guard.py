@@ -8,7 +8,9 @@ meets them::
     inputs_read(model, microbatch, state, where) its inputs are read into the chunk state
     layer_started(layer, where)                 a layer plan is asked for (each layer)
     pre_dispatch_wgrad_listed(layer, listed, where)  its pre_dispatch_wgrad() returned
-    mlp_wgrad_listed(layer, listed, where)      its mlp_wgrad() returned
+    mlp_wgrad_listed(layer, listed, pre_dispatch, option, where)  its mlp_wgrad() returned
+                                                 (with pre_dispatch_wgrad()'s parts and
+                                                 ScheduleOptions.delay_wgrad_compute)
     plan_built(model, plan)                      every node of it exists; before it runs
     node_entered(node, direction)                a node starts its forward or backward
     node_left(node)                              ... and ends it (also on failure)
@@ -16,15 +18,26 @@ meets them::
     before_release(node, inputs, detached, outputs)  a freeing node is about to release inputs
     node_detached(node, copy)                    a layer slot handed a tensor on (node.detach)
     slot_returned(node, inputs, output)          a layer slot's function returned
+    model_returned(model, method, value)         the model's _preprocess or _postprocess
+                                                 returned (before the node reads it)
     copies_backwarded(node, copies)              a layer slot's backward ran from its copies
-    backward_started(plans, where)               a run of backward plans: its arguments checked,
-                                                 before its first step
-    backward_ended(plans, where, failed)         ... after its last step and the backward
-                                                 plans' release; also when a step failed
+    backward_failed(node, exc)                   a layer slot's backward raised torch's
+                                                 RuntimeError (re-raised unless a guard
+                                                 raises its own)
+    step_started(forward, backward, grads, where)  a macro step of the runner is asked for:
+                                                 its arguments as given, before anything
+    backward_ended(plans, where, failed)         a step with backward plans: after its last
+                                                 step and their release; also when a step
+                                                 failed
     ahead_entered(node)                          a forward step that runs ahead of an earlier
                                                  microbatch's forward starts (a step order
                                                  interleaving two microbatches' forwards)
     ahead_left(node)                             ... and returned
+    arguments(owner, value)                      a core constructor was given value (owner
+                                                 names it): ScheduleOptions, ChunkHooks,
+                                                 StreamPair, ScheduleOrder, itself; a
+                                                 NodeSchedule, (index, item, its step);
+                                                 TransformerLayerNode, its extra_args dict
 
 The guards themselves, their base class and the registry that attaches them live outside
 the core (``engine/_guards.py``, ``engine/_attached_checks.py``).
@@ -38,7 +51,7 @@ from typing import Protocol, runtime_checkable
 from torch import Tensor
 
 from moe_overlap.microbatch import Microbatch
-from moe_overlap.protocols import PreprocessableModel, SchedulableLayer
+from moe_overlap.protocols import PreprocessableModel, SchedulableLayer, WgradScope
 
 from ._chunk_plan import ModelChunkSchedulePlan
 from ._layer_node import TransformerLayerNode
@@ -83,15 +96,29 @@ class Guard(Protocol):
         inputs: tuple[Tensor, ...],
         output: object,
     ) -> None: ...
+    def model_returned(self, model: PreprocessableModel, method: str, value: object) -> None: ...
     def copies_backwarded(self, node: TransformerLayerNode, copies: tuple[Tensor, ...]) -> None: ...
+    def backward_failed(self, node: TransformerLayerNode, exc: RuntimeError) -> None: ...
     def layer_started(self, layer: object, where: Callable[[], str]) -> None: ...
     def pre_dispatch_wgrad_listed(
         self, layer: SchedulableLayer, listed: object, where: Callable[[], str]
     ) -> None: ...
     def mlp_wgrad_listed(
-        self, layer: SchedulableLayer, listed: object, where: Callable[[], str]
+        self,
+        layer: SchedulableLayer,
+        listed: object,
+        pre_dispatch: Sequence[WgradScope],
+        option: bool | None,
+        where: Callable[[], str],
     ) -> None: ...
-    def backward_started(self, plans: Sequence[ChunkRun], where: str) -> None: ...
+    def step_started(
+        self,
+        forward: Sequence[ChunkRun],
+        backward: Sequence[ChunkRun],
+        grads: Sequence[object],
+        where: str,
+    ) -> None: ...
     def backward_ended(self, plans: Sequence[ChunkRun], where: str, failed: bool) -> None: ...
     def ahead_entered(self, node: ScheduleNode) -> None: ...
     def ahead_left(self, node: ScheduleNode) -> None: ...
+    def arguments(self, owner: str, value: object) -> None: ...

@@ -10,19 +10,23 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ._arguments import on_arguments
+
 if TYPE_CHECKING:  # annotations only: the Guard Protocol's module imports the plans
     from ._guard import Guard
 
 __all__ = [
     "on_ahead_entered",
     "on_ahead_left",
+    "on_arguments",
     "on_backward_ended",
-    "on_backward_started",
+    "on_backward_failed",
     "on_before_release",
     "on_copies_backwarded",
     "on_inputs_read",
     "on_layer_started",
     "on_mlp_wgrad_listed",
+    "on_model_returned",
     "on_node_detached",
     "on_node_entered",
     "on_node_forwarded",
@@ -31,6 +35,7 @@ __all__ = [
     "on_plan_started",
     "on_pre_dispatch_wgrad_listed",
     "on_slot_returned",
+    "on_step_started",
 ]
 
 if TYPE_CHECKING:  # declared apart: debug mode's beartype checks annotated assignments
@@ -43,11 +48,13 @@ if TYPE_CHECKING:  # declared apart: debug mode's beartype checks annotated assi
     on_before_release: list[Guard]
     on_node_detached: list[Guard]
     on_slot_returned: list[Guard]
+    on_model_returned: list[Guard]
     on_copies_backwarded: list[Guard]
+    on_backward_failed: list[Guard]
     on_layer_started: list[Guard]
     on_pre_dispatch_wgrad_listed: list[Guard]
     on_mlp_wgrad_listed: list[Guard]
-    on_backward_started: list[Guard]
+    on_step_started: list[Guard]
     on_backward_ended: list[Guard]
     on_ahead_entered: list[Guard]
     on_ahead_left: list[Guard]
@@ -61,11 +68,13 @@ on_node_forwarded = []
 on_before_release = []
 on_node_detached = []
 on_slot_returned = []
+on_model_returned = []
 on_copies_backwarded = []
+on_backward_failed = []
 on_layer_started = []
 on_pre_dispatch_wgrad_listed = []
 on_mlp_wgrad_listed = []
-on_backward_started = []
+on_step_started = []
 on_backward_ended = []
 on_ahead_entered = []
 on_ahead_left = []

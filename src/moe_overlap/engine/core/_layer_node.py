@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -12,6 +13,8 @@ from moe_overlap.protocols import FreeInputConfig, SlotFn, StreamProvider, Wgrad
 
 from ._free_input import should_free_input
 from ._hooks import (
+    on_arguments,
+    on_backward_failed,
     on_copies_backwarded,
     on_node_detached,
     on_node_entered,
@@ -19,9 +22,7 @@ from ._hooks import (
     on_slot_returned,
 )
 from ._layer_args import LayerArgs
-from ._megatron import layer_args
 from ._node import _OWN_FORWARD, NodePhase, ScheduleNode, _as_tuple, default_backward  # pyright: ignore[reportPrivateUsage]
-from ._node_errors import second_backward_error
 from ._options import Hook
 from ._slot_recompute import ForwardState, check_same, restore, snapshot
 from ._state import ChunkState, LayerState
@@ -42,7 +43,7 @@ class TransformerLayerNode(ScheduleNode):
     """Schedule node for one slot of a fine-grained layer.
 
     ``extra_args`` is a :class:`~moe_overlap.LayerArgs`, or Megatron-Core's dict with the
-    same keys (checked by :func:`moe_overlap.megatron.layer_args`).
+    same keys (checked by the guards as :func:`moe_overlap.megatron.layer_args` checks it).
 
     Owns the slot's stream and event, its free-input policy (``_resolve_free_input``)
     and its delayed weight-gradient work (:meth:`~moe_overlap.TransformerLayerNode.backward_dw`). The slot function receives
@@ -83,7 +84,12 @@ class TransformerLayerNode(ScheduleNode):
         *,
         recompute: bool = False,
     ) -> None:
-        args = extra_args if isinstance(extra_args, LayerArgs) else layer_args(extra_args)
+        if isinstance(extra_args, LayerArgs):
+            args = extra_args
+        else:  # Megatron-Core's dict: its keys checked by the guards (layer_args)
+            for guard in on_arguments:
+                guard.arguments("TransformerLayerNode", extra_args)
+            args = LayerArgs(**cast("Mapping[str, Any]", extra_args))
         self.args = args
         # A recomputed slot reruns on its inputs: it never frees them.
         free_input = not recompute and self._resolve_free_input(
@@ -347,15 +353,14 @@ class TransformerLayerNode(ScheduleNode):
         With delayed wgrad the hook fires at the end of :meth:`~moe_overlap.TransformerLayerNode.backward_dw` instead, when
         the weight gradients exist. torch's "backward through the graph a second time"
         (a tensor handed between slots without :meth:`detach`) is raised as an
-        :class:`~moe_overlap.IntegrationError` naming this node.
+        :class:`~moe_overlap.IntegrationError` naming this node (by the guards).
         """
         try:
             grads = super().backward(*output_grad)
         except RuntimeError as e:
-            error = second_backward_error(self.name, e, self.layer_state.undetached)
-            if error is None:
-                raise
-            raise error from e
+            for guard in on_backward_failed:  # torch's error reworded (moe_overlap.engine._guards)
+                guard.backward_failed(self, e)
+            raise
         if (
             not self.delay_wgrad_compute
             and self.is_layer_first_node

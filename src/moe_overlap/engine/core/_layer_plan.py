@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import NoReturn, cast
+from typing import cast
 
 from torch import Tensor
 
-from moe_overlap.errors import ConfigError, PlanReleasedError
+from moe_overlap.errors import PlanReleasedError
 from moe_overlap.protocols import (
     MtpSchedulableLayer,
     SchedulableLayer,
@@ -73,22 +73,26 @@ class TransformerLayerSchedulePlan:
         owner: str | None = None,
         microbatch_index: int | None = None,
     ) -> None:
-        where = _layer_name(owner, index)  # formats only for an error message
+        def where() -> str:  # formatted only for an error message
+            if owner is None:
+                return f"TransformerLayerSchedulePlan(layer {index})"
+            return f"{owner}.decoder.layers[{index}]"
+
         for guard in on_layer_started:  # the layer's members (moe_overlap.engine._guards)
             guard.layer_started(layer, where)
         comp_stream, comm_stream = streams.comp_provider, streams.comm_provider
         mtp = cast(MtpSchedulableLayer, layer) if hasattr(layer, _MTP_SLOT) else None
         is_mtp = mtp is not None
         # The layer is the one source of truth for delayed wgrad: it delays exactly the
-        # modules it lists. ScheduleOptions.delay_wgrad_compute, when given, must agree.
+        # modules it lists. ScheduleOptions.delay_wgrad_compute, when given, must agree
+        # (the guards check it).
         pre_dw = BackwardDWWrapper(layer)
         listed = layer.mlp_wgrad()
-        for guard in on_mlp_wgrad_listed:
-            guard.mlp_wgrad_listed(layer, listed, where)
+        option = options.delay_wgrad_compute
+        for guard in on_mlp_wgrad_listed:  # and the option agrees (moe_overlap.engine._guards)
+            guard.mlp_wgrad_listed(layer, listed, pre_dw.parts, option, where)
         mlp_dw: list[WgradLayer] = list(listed)
         delay = bool(pre_dw.parts) or bool(mlp_dw)
-        if options.delay_wgrad_compute is not None and options.delay_wgrad_compute != delay:
-            _delay_option_error(where(), options.delay_wgrad_compute, pre_dw.parts, mlp_dw)
         args = LayerArgs(
             config=layer.config,
             is_moe=layer.is_moe,
@@ -234,45 +238,3 @@ class TransformerLayerSchedulePlan:
         values: dict[Role | int | None, Value] = {Role.F: f_input, Role.B: b_grad}
         execute_roles(steps, {Role.F: f_layer, Role.B: b_layer}, values, observer=observer)
         return cast("tuple[Tensor, ...]", values[Role.F]), values[Role.B]
-
-
-def _delay_option_error(
-    where: str, option: bool, pre: Sequence[object], mlp: Sequence[object]
-) -> NoReturn:
-    """``ScheduleOptions.delay_wgrad_compute`` says otherwise than the layer does."""
-    does = "does not delay" if option else "delays"
-    fix = "with" if option else "without"
-    raise ConfigError(
-        f"{where}: ScheduleOptions(delay_wgrad_compute={option}) expected the layer to "
-        f"{'delay its weight gradients' if option else 'compute its weight gradients at once'}"
-        f", but it {does} them (pre_dispatch_wgrad() lists {len(pre)} modules, mlp_wgrad() "
-        f"{len(mlp)}); "
-        f"the layers decide: build the model {fix} delayed wgrad, or leave "
-        "delay_wgrad_compute unset"
-    )
-
-
-class _LayerName:
-    """``owner.decoder.layers[index]``, formatted when an error message asks for it."""
-
-    __slots__ = ("index", "owner")
-
-    def __init__(self, owner: str | None, index: int) -> None:
-        self.owner = owner
-        self.index = index
-
-    def __call__(self) -> str:
-        if self.owner is None:
-            return f"TransformerLayerSchedulePlan(layer {self.index})"
-        return f"{self.owner}.decoder.layers[{self.index}]"
-
-
-_LAYER_NAMES: dict[str | None, list[_LayerName]] = {}
-
-
-def _layer_name(owner: str | None, index: int) -> _LayerName:
-    """One shared name object per (model class, layer index): plans build one per layer."""
-    names = _LAYER_NAMES.setdefault(owner, [])
-    while len(names) <= index:
-        names.append(_LayerName(owner, len(names)))
-    return names[index]

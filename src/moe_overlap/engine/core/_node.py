@@ -172,7 +172,8 @@ class ScheduleNode:
     non_differentiable: tuple[Tensor, ...] = ()
     timer: NodeTimer | None = None
     where: str = ""
-    """Where the node sits (``microbatch 3, layer 1``), set by its plan for messages."""
+    """Where the node sits (``microbatch 3, layer 1``), set for the stream-order checker's
+    messages (its guard names the nodes of a plan when it is built)."""
     detached: tuple[Tensor, ...] = ()
     """Tensors the node handed to later nodes itself (layer slots, through ``detach``)."""
     kept_as_is: Sequence[Tensor] = ()
@@ -266,11 +267,6 @@ class ScheduleNode:
                 record_tensor_on(tensor, stream)
                 release_storage(tensor)
         return outputs
-
-    def describe(self, direction: str) -> str:
-        """This node's place, for the stream-order checker's messages."""
-        where = f"{self.where} " if self.where else ""
-        return f"node {where}{self.name!r} {direction}"
 
     def mark_non_differentiable(self, *tensors: Tensor) -> None:
         """Declare tensors that carry no gradient on purpose (masks, counts as floats).

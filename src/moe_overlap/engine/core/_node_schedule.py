@@ -17,20 +17,18 @@ from collections.abc import Iterable
 from typing import cast
 
 from moe_overlap.args import refuse
-from moe_overlap.errors import ConfigError
 
-from ._kinds import Direction, Role, Slot, StreamKind
+from ._arguments import on_arguments
 from ._step import Step
 
 __all__ = ["NodeSchedule"]
 
-_F, _B, _W, _R = Direction.FORWARD, Direction.BACKWARD, Direction.WGRAD, Direction.RECOMPUTE
 _GRAMMAR = "[L<layer>.]<slot>.<D><microbatch>[@stream]"
 
 
 class NodeSchedule:
-    """Every node step of every microbatch, in issue order (checked as data here, against a
-    model by :func:`~moe_overlap.steps.check_node_order` when run).
+    """Every node step of every microbatch, in issue order (checked as data by the guards,
+    against a model by :func:`~moe_overlap.steps.check_node_order` when run).
 
     ``NodeSchedule(steps)``: :class:`~moe_overlap.steps.Step` s or their string forms, or
     one space-separated string (``str(schedule)`` reads back). Each step names a
@@ -43,16 +41,9 @@ class NodeSchedule:
     _microbatches: int
 
     def __init__(self, steps: str | Iterable[Step | str]) -> None:
-        if isinstance(steps, str):
-            items: list[object] = list(steps.split())
-        elif isinstance(cast(object, steps), Iterable):
-            items = list(cast("Iterable[object]", steps))
-        else:
-            raise refuse(
-                "NodeSchedule: steps",
-                f"node steps ('{_GRAMMAR}', e.g. 'L0.mlp.F1@comp'), or one string of them",
-                steps,
-            )
+        for guard in on_arguments:  # a string or an iterable (moe_overlap.engine._guards)
+            guard.arguments("NodeSchedule", steps)
+        items = steps.split() if isinstance(steps, str) else list(steps)
         parsed = tuple(_node_step(i, item) for i, item in enumerate(items))
         object.__setattr__(self, "steps", parsed)
         object.__setattr__(self, "_hash", hash(parsed))  # immutable: hashed once
@@ -91,54 +82,8 @@ class NodeSchedule:
 
 
 def _node_step(index: int, item: object) -> Step:
-    """One step of a :class:`NodeSchedule`, parsed and checked for the fields it needs."""
+    """One step of a :class:`NodeSchedule`, parsed (the guards check its fields)."""
     step = Step.parse(item) if isinstance(item, str) else item
-    if not isinstance(step, Step):
-        raise refuse(f"NodeSchedule: step {index}", f"a Step or '{_GRAMMAR}'", item)
-    _check_fields(index, step)
-    problem = None
-    if step.microbatch is None:
-        problem = "no microbatch"
-    elif step.role is not None:
-        problem = f"a role ({step.role.value}.): a schedule's steps name microbatches instead"
-    elif step.slot is None:
-        problem = "no slot"
-    elif step.direction not in (_F, _B, _W, _R):
-        problem = f"direction {step.direction.value} (expected F, B, W or R)"
-    elif (step.layer is None) != (step.slot in (Slot.PRE_PROCESS, Slot.POST_PROCESS)):
-        problem = "a layer slot without a layer, or a layer on pre/post-process"
-    if problem is not None:
-        raise ConfigError(
-            f"NodeSchedule: step {index} ({step}): expected '{_GRAMMAR}' with a microbatch, "
-            f"a slot and F, B, W or R, received {problem}"
-        )
-    return step
-
-
-def _index(value: object) -> bool:
-    return type(value) is int and value >= 0
-
-
-def _check_fields(index: int, step: Step) -> None:
-    """Refuse a hand-made :class:`Step` whose fields are not of their kinds (a string
-    direction, a bool or negative microbatch): it would print as another step, or not at all."""
-    fields: tuple[object, ...] = tuple(step)
-    direction, microbatch, role, layer, slot, stream = fields
-    kinds = (
-        ("direction", isinstance(direction, Direction)),
-        ("microbatch", microbatch is None or _index(microbatch)),
-        ("layer", layer is None or _index(layer)),
-        ("slot", slot is None or isinstance(slot, Slot)),
-        ("stream", stream is None or isinstance(stream, StreamKind)),
-        ("role", role is None or isinstance(role, Role)),
-    )
-    bad = [name for name, ok in kinds if not ok]
-    if bad:
-        raise refuse(
-            f"NodeSchedule: step {index}",
-            "a Step of a Direction, a microbatch int >= 0, a layer int >= 0 or None, a Slot, "
-            "a StreamKind or None",
-            step,
-            detail=", ".join(f"{name} {getattr(step, name)!r}" for name in bad),
-            hint=f"write it as text, '{_GRAMMAR}', or use the enums",
-        )
+    for guard in on_arguments:  # a Step a schedule can hold (moe_overlap.engine._guards)
+        guard.arguments("NodeSchedule step", (index, item, step))
+    return cast(Step, step)

@@ -8,9 +8,7 @@ from typing import Literal
 
 from torch import Tensor
 
-from moe_overlap.args import BOOL, CALLABLE, Instance, Items, Mismatch, Opt, Spec, check_fields
-from moe_overlap.errors import ConfigError
-
+from ._arguments import on_arguments
 from ._kinds import Slot
 from ._order import ScheduleOrder
 
@@ -62,71 +60,14 @@ class ScheduleOptions:
     recompute: tuple[Slot | Literal["pre_dispatch", "mlp"], ...] = ()
 
     def __post_init__(self) -> None:
-        check_fields(self, _OPTIONS)
-        mixed = self.order.mixed
-        early = self.ep_overlap_early_attn_memory_release
-        if early and mixed is not None and not mixed.releases_attention_early():
-            raise ConfigError(
-                "ScheduleOptions: expected with ep_overlap_early_attn_memory_release=True "
-                "an order.mixed running b.pre_dispatch.B before f.mlp.F (what early "
-                "release means), received one running it after; move that step, or "
-                "leave early release off"
-            )
+        for guard in on_arguments:  # its fields (moe_overlap.engine._guards)
+            guard.arguments("ScheduleOptions", self)
+        given = self.recompute  # kept as Slots, once each, in the layer's order
+        object.__setattr__(self, "recompute", tuple(s for s in _RECOMPUTABLE if s in given))
 
 
-class _SlotToRecompute(Spec[Slot]):
-    """A compute slot of a layer, as a ``Slot`` or its name; returned as the ``Slot``."""
-
-    __slots__ = ()
-
-    def check(self, value: object) -> Slot:
-        if isinstance(value, Slot):
-            slot = value
-        elif isinstance(value, str) and value in _SLOT_NAMES:
-            slot = Slot(value)
-        else:
-            raise Mismatch("not a slot's name")
-        if slot in _COMMUNICATION:
-            raise Mismatch(
-                f"{slot.value} is communication: recomputing it would repeat an all-to-all"
-            )
-        if slot not in _RECOMPUTABLE:
-            raise Mismatch(
-                f"{slot.value}: the schedule recomputes the pre_dispatch and mlp slots of a "
-                "layer only"
-            )
-        return slot
-
-
-class _SlotsToRecompute(Items[Slot]):
-    """:class:`_SlotToRecompute` items, returned once each in the layer's order."""
-
-    __slots__ = ()
-
-    def check(self, value: object) -> tuple[Slot, ...]:
-        given = super().check(value)
-        return tuple(s for s in _RECOMPUTABLE if s in given)
-
-
-_SLOT_NAMES = frozenset(s.value for s in Slot)
-_COMMUNICATION = (Slot.DISPATCH, Slot.COMBINE)
 _RECOMPUTABLE = (Slot.PRE_DISPATCH, Slot.MLP)
 """The slots a schedule can recompute, in the order they are stored."""
-
-_OPTIONS: dict[str, Spec[object]] = {
-    "delay_wgrad_compute": Opt(BOOL),
-    "ep_overlap_early_attn_memory_release": BOOL,
-    "free_input": BOOL,
-    "order": Instance(ScheduleOrder, "a ScheduleOrder (moe_overlap.steps.ScheduleOrder)"),
-    "recompute": _SlotsToRecompute(
-        _SlotToRecompute("Slot.PRE_DISPATCH or Slot.MLP, or its name"),
-        expects=(
-            "a collection of the layer slots to recompute, each Slot.PRE_DISPATCH or "
-            "Slot.MLP or its name ('pre_dispatch', 'mlp')"
-        ),
-        hint="e.g. recompute=('pre_dispatch', 'mlp'), or () to recompute none",
-    ),
-}
 
 
 Hook = Callable[[], None]
@@ -152,9 +93,5 @@ class ChunkHooks:
     post_backward: PostBackwardHook | None = None
 
     def __post_init__(self) -> None:
-        check_fields(self, _HOOKS)
-
-
-_HOOKS: dict[str, Spec[object]] = dict.fromkeys(
-    ("pre_forward", "pre_backward", "post_forward", "post_backward"), Opt(CALLABLE)
-)
+        for guard in on_arguments:  # each None or callable
+            guard.arguments("ChunkHooks", self)

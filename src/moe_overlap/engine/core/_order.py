@@ -45,6 +45,7 @@ from typing import cast
 from moe_overlap.args import refuse
 from moe_overlap.errors import ConfigError
 
+from ._arguments import on_arguments
 from ._kinds import Direction, Role, Slot
 from ._step import Step
 
@@ -315,16 +316,8 @@ class ScheduleOrder:
     backwards: PairOrder | None = None
 
     def __post_init__(self) -> None:
-        for name, kind in _FIELDS.items():
-            value: object = getattr(self, name)
-            if value is None:
-                continue
-            if not isinstance(value, PairOrder) or value.kind is not kind:
-                raise refuse(
-                    f"ScheduleOrder.{name}",
-                    f"None or a PairOrder of kind PairKind.{kind.name}",
-                    value,
-                )
+        for guard in on_arguments:  # each None or a PairOrder of its kind
+            guard.arguments("ScheduleOrder", self)
 
     def of(self, kind: PairKind, *, early_attn_release: bool = False) -> PairOrder:
         """The order a run of ``kind`` uses."""

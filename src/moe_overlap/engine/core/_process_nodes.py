@@ -2,66 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 from torch import Tensor
 
-from moe_overlap.errors import IntegrationError
 from moe_overlap.protocols import PreprocessableModel, StreamProvider
 
+from ._hooks import on_model_returned
 from ._node import _OWN_FORWARD, ScheduleNode  # pyright: ignore[reportPrivateUsage]
 from ._state import ChunkState, PreprocessOutput
 from ._streams import AnyEvent
 
-__all__ = ["PostProcessNode", "PreProcessNode", "as_preprocess_output"]
-
-
-def as_preprocess_output(model: object, value: object) -> PreprocessOutput:
-    """Check what ``model._preprocess`` returned and convert it to :class:`~moe_overlap.PreprocessOutput`."""
-    where = f"{type(model).__name__}._preprocess"
-    names = PreprocessOutput._fields
-    if not isinstance(value, tuple):
-        raise IntegrationError(
-            f"{where}: expected a PreprocessOutput or a {len(names)}-tuple {names}, "
-            f"received {type(value).__name__}"
-        )
-    items: tuple[object, ...] = value  # pyright: ignore[reportUnknownVariableType]
-    if len(items) != len(names):
-        raise IntegrationError(
-            f"{where}: expected a {len(names)}-tuple {names}, "
-            f"received a tuple of length {len(items)}"
-        )
-    decoder_input, emb, cos, sin, offset, padding_mask = items
-    if not isinstance(decoder_input, Tensor):
-        raise IntegrationError(
-            f"{where}: decoder_input must be a Tensor, received {type(decoder_input).__name__}"
-        )
-    if offset is not None and not isinstance(offset, Tensor):
-        raise IntegrationError(
-            f"{where}: sequence_len_offset must be a Tensor or None, "
-            f"received {type(offset).__name__}"
-        )
-    return PreprocessOutput(
-        decoder_input,
-        _optional_tensor(where, "rotary_pos_emb", emb),
-        _optional_tensor(where, "rotary_pos_cos", cos),
-        _optional_tensor(where, "rotary_pos_sin", sin),
-        offset,
-        _optional_tensor(where, "padding_mask", padding_mask),
-    )
-
-
-def _optional_tensor(where: str, name: str, value: object) -> Tensor | None:
-    if value is None or isinstance(value, Tensor):
-        return value
-    raise IntegrationError(
-        f"{where}: {name} must be a Tensor or None, received {type(value).__name__}"
-    )
-
-
-def _as_tensor(where: str, value: object) -> Tensor:
-    if isinstance(value, Tensor):
-        return value
-    raise IntegrationError(f"{where}: expected a Tensor, received {type(value).__name__}")
+__all__ = ["PostProcessNode", "PreProcessNode"]
 
 
 class PreProcessNode(ScheduleNode):
@@ -94,16 +47,16 @@ class PreProcessNode(ScheduleNode):
         model, cs = self.model, self.chunk_state
         mb = cs.microbatch
         decoder_input = mb.decoder_input if model.pre_process else model.decoder.input_tensor
-        out = as_preprocess_output(
-            model,
-            model._preprocess(  # pyright: ignore[reportPrivateUsage] - the Protocol's contract
-                input_ids=mb.input_ids,
-                position_ids=mb.position_ids,
-                decoder_input=decoder_input,
-                packed_seq_params=mb.packed_seq_params,
-                padding_mask=mb.padding_mask,
-            ),
+        raw: object = model._preprocess(  # pyright: ignore[reportPrivateUsage] - the contract
+            input_ids=mb.input_ids,
+            position_ids=mb.position_ids,
+            decoder_input=decoder_input,
+            packed_seq_params=mb.packed_seq_params,
+            padding_mask=mb.padding_mask,
         )
+        for guard in on_model_returned:  # a PreprocessOutput's fields (moe_overlap.engine._guards)
+            guard.model_returned(model, "_preprocess", raw)
+        out = PreprocessOutput(*cast("tuple[Any, ...]", raw))  # checked by the guards
         cs.set_preprocess_output(out)
         return out.decoder_input
 
@@ -144,7 +97,7 @@ class PostProcessNode(ScheduleNode):
         norm = model.decoder.final_layernorm
         if not model.config.mtp_num_layers and len(model.decoder.layers) == 0 and norm is not None:
             hidden_states = norm(hidden_states)
-        raw: object = model._postprocess(  # pyright: ignore[reportPrivateUsage] - the contract
+        out = model._postprocess(  # pyright: ignore[reportPrivateUsage] - the contract
             hidden_states,
             cs.input_ids,
             cs.position_ids,
@@ -163,7 +116,8 @@ class PostProcessNode(ScheduleNode):
             output_processor=cs.output_processor,
             output_processor_context=cs.output_processor_context,
         )
-        out = _as_tensor(f"{type(model).__name__}._postprocess", raw)
+        for guard in on_model_returned:  # a Tensor
+            guard.model_returned(model, "_postprocess", out)
         if self.float32_output and out.dtype in (torch.float16, torch.bfloat16):
             out = out.float()
         return out

@@ -4,7 +4,8 @@ steps; or a whole :class:`~moe_overlap.steps.NodeSchedule` (:func:`run_schedule`
 :func:`run_step` is what :func:`~moe_overlap.combined_1f1b`, :meth:`ModelChunkSchedulePlan.run
 <moe_overlap.ModelChunkSchedulePlan.run>` and :func:`~moe_overlap.steps.run_pair` run::
 
-    1. refuse released plans and misshaped output gradients; the guards' backward_started
+    1. the guards' step_started (the library's refuse released plans, misshaped output
+       gradients, a step outside autograd recording; without guards nothing is checked)
     2. list the steps of the macro step        (chunk_steps, forward/backward_pair_steps)
     3. every plan waits for the caller's stream
     4. walk the steps, each on its role's plan  (execute_roles)
@@ -21,21 +22,19 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol, cast, runtime_checkable
 
-import torch
 from torch import Tensor
 
-from moe_overlap.errors import ConfigError, IntegrationError, PlanReleasedError
 from moe_overlap.protocols import StepObserver
 
 from ._executor import NodeSource, Value, ahead_forward_steps, execute_roles
-from ._hooks import on_backward_ended, on_backward_started
+from ._hooks import on_backward_ended, on_step_started
 from ._node import ScheduleNode
 from ._node_schedule import NodeSchedule
 from ._options import ChunkHooks
 from ._steps import ChunkShape, Direction, Role, Slot, Step, StreamKind, macro_node_steps
 from ._streams import StreamPair, stream_context, synchronize
 
-__all__ = ["ChunkRun", "check_grad_mode", "run_schedule", "run_step"]
+__all__ = ["ChunkRun", "run_schedule", "run_step"]
 
 
 @runtime_checkable
@@ -54,7 +53,6 @@ class ChunkRun(Protocol):
     @property
     def vp_stage(self) -> int | None: ...
     def node_for(self, step: Step) -> ScheduleNode: ...
-    def check_output_grad(self, where: str, grad: object) -> None: ...
     def record_current_stream(self) -> None: ...
     def wait_current_stream(self) -> None: ...
     def hand_to_caller(self, output: Tensor | None) -> None: ...
@@ -78,34 +76,15 @@ def run_step(
     """Run one macro step: ``forward`` plans' forwards with ``backward`` plans' backwards.
 
     At most two plans in all (one of each, or two of one kind); ``grads[i]`` is the
-    gradient of ``backward[i]``'s output (checked: a tensor of that output's shape, dtype
-    and device). Returns the forward plans' outputs (the losses
+    gradient of ``backward[i]``'s output (a tensor of that output's shape, dtype and
+    device: the guards check it). Returns the forward plans' outputs (the losses
     when they have a post-process), in order. ``hooks`` (the p2p hooks of a pipeline
     stage) apply to a one-forward/one-backward step. ``where`` names the caller in errors.
     """
     plans = (*forward, *backward)
-    # 1. refuse what cannot run
-    for plan in plans:
-        if plan.released:
-            raise PlanReleasedError(
-                f"{where}: the plan of microbatch {plan.microbatch_index} was released; "
-                "build a new plan for every microbatch"
-            )
-    if len(grads) > len(backward):
-        raise ConfigError(
-            f"{where}: b_grad is given but there is no backward plan (b_schedule_plan is "
-            "None); expected b_grad only with a backward plan"
-        )
-    for i, plan in enumerate(backward):
-        grad = grads[i] if i < len(grads) else None
-        if grad is None:
-            raise IntegrationError(f"{where}: a backward plan needs b_grad")
-        label = f"{where}: b_grad" if len(backward) == 1 else f"{where}: b_grads[{i}]"
-        plan.check_output_grad(label, grad)
-    check_grad_mode(where)
-    if backward:
-        for guard in on_backward_started:  # hand-driven runs' checks (moe_overlap.engine._guards)
-            guard.backward_started(backward, where)
+    # 1. the guards (moe_overlap.engine._guards): its arguments, hand-driven runs' checks
+    for guard in on_step_started:
+        guard.step_started(forward, backward, grads, where)
     # 2. the steps
     steps = macro_node_steps(
         [p.shape for p in forward],
@@ -121,7 +100,7 @@ def run_step(
     }
     values: dict[Role | int | None, Value] = {role: () for role in roles}
     for role, grad in zip(_BACKWARD_ROLES[: len(grads)], grads, strict=True):
-        values[role] = (cast(Tensor, grad),)  # checked in 1.
+        values[role] = (cast(Tensor, grad),)  # the guards checked it in 1.
     # 3. every plan waits for the caller's stream
     for plan in plans:
         plan.record_current_stream()
@@ -171,28 +150,6 @@ def run_step(
         plan.hand_to_caller(out)
         outputs.append(out)
     return outputs
-
-
-def check_grad_mode(where: str) -> None:
-    """Raise :class:`~moe_overlap.ConfigError` unless autograd records (a training step):
-    grad mode on, and not inside ``torch.inference_mode()`` (where ``torch.enable_grad()``
-    turns grad mode on but nothing made there can be saved for backward)."""
-    if torch.is_grad_enabled():
-        if not torch.is_inference_mode_enabled():
-            return
-        raise ConfigError(
-            f"{where}: expected autograd recording (the schedule runs forward and backward), "
-            "received grad mode on inside torch.inference_mode() (torch.enable_grad() there "
-            "records nothing: tensors made under inference mode cannot be saved for "
-            "backward, and the step would fail in its first slot); call it outside "
-            "torch.inference_mode()"
-        )
-    mode = "torch.inference_mode()" if torch.is_inference_mode_enabled() else "torch.no_grad()"
-    raise ConfigError(
-        f"{where}: expected autograd enabled (the schedule runs forward and backward), "
-        f"received grad mode off ({mode}); call it outside {mode}, and evaluate with the "
-        "model's own forward"
-    )
 
 
 def _run_hook(

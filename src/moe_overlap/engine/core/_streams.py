@@ -23,9 +23,10 @@ from typing import Union, cast
 
 import torch
 
-from moe_overlap.args import BOOL, Instance, Spec, check_arg, check_fields
+from moe_overlap.args import BOOL, Instance, check_arg
 from moe_overlap.errors import StreamError
 
+from ._arguments import on_arguments
 from ._stream_observer import delays as _SHAKING
 from ._stream_observer import observers as _CHECKING
 
@@ -37,7 +38,6 @@ from ._torch_private import cuda_current_stream as _cuda_current_stream
 from ._torch_private import cuda_set_stream as _cuda_set_stream
 
 __all__ = [
-    "STREAM_SPEC",
     "AnyEvent",
     "AnyStream",
     "CpuEvent",
@@ -62,7 +62,6 @@ __all__ = [
     "stream_device",
     "synchronize",
     "wait_event",
-    "wait_stream",
 ]
 
 
@@ -163,13 +162,8 @@ class StreamPair:
     comm: AnyStream
 
     def __post_init__(self) -> None:
-        check_fields(self, _PAIR)
-        if isinstance(self.comp, CpuStream) != isinstance(self.comm, CpuStream):
-            raise StreamError(
-                "StreamPair: expected compute and communication streams of one device type, "
-                f"received comp={self.comp!r}, comm={self.comm!r}; make both for one device "
-                "(make_streams(device))"
-            )
+        for guard in on_arguments:  # two streams of one device type (moe_overlap.engine._guards)
+            guard.arguments("StreamPair", self)
 
     def comp_provider(self) -> AnyStream:
         """Return the compute stream (a :class:`~moe_overlap.StreamProvider`)."""
@@ -184,8 +178,6 @@ class StreamPair:
         return stream_device(self.comp)
 
 
-STREAM_SPEC = Instance((torch.cuda.Stream, CpuStream), "a torch.cuda.Stream or CpuStream")
-_PAIR: dict[str, Spec[object]] = {"comp": STREAM_SPEC, "comm": STREAM_SPEC}
 _NAME = Instance(str, "a str")
 
 
@@ -239,22 +231,6 @@ def wait_event(event: AnyEvent, stream: AnyStream) -> None:
         f"wait_event: {stream!r} cannot wait for {event!r}: expected a stream and an event "
         "of one device kind (both CPU or both CUDA); make both for the model's device "
         "(make_streams(device), make_event(device))"
-    )
-
-
-def wait_stream(stream: AnyStream, other: AnyStream) -> None:
-    """Make ``stream`` wait for everything queued on ``other`` so far (one device kind)."""
-    if isinstance(stream, CpuStream):
-        if isinstance(other, CpuStream):
-            stream.wait_stream(other)
-            return
-    elif not isinstance(other, CpuStream):
-        stream.wait_stream(other)
-        return
-    raise StreamError(
-        f"wait_stream: {stream!r} cannot wait for {other!r}: expected two streams of one "
-        "device kind (both CPU or both CUDA); make them for the model's device "
-        "(make_streams(device))"
     )
 
 

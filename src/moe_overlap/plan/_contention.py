@@ -1,0 +1,278 @@
+"""Contention per communication kind: an all-to-all slowed by the compute beside it, and its fit.
+
+A communication node of kind ``(slot, direction)`` (dispatch or combine, forward or
+backward) with coefficient ``c`` progresses at rate ``1 / (1 + c)`` while the compute stream
+runs a node and at rate 1 otherwise: a node of ``d`` ms alone that spends ``b`` ms of its
+span beside compute takes ``d + b c / (1 + c)`` ms. Its span then depends on compute placed
+after it in the issue order, so :func:`place_streams` runs both streams forward in time
+(each node's end is an event) rather than one step after another.
+"""
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple, cast
+
+from moe_overlap.args import Instance, Opt, Real, Spec, check_arg
+from moe_overlap.engine import ConfigError
+from moe_overlap.steps import Direction, Slot, StreamKind
+
+__all__ = [
+    "BY_KIND_SPEC",
+    "CONTENTION_KINDS",
+    "ContentionFit",
+    "ContentionKind",
+    "MeasuredSpan",
+    "check_contention_by_kind",
+    "check_one_contention",
+    "fit_contention_by_kind",
+    "lost_share",
+    "place_streams",
+]
+
+ContentionKind = tuple[Slot, Direction]
+"""A communication node's kind: its slot and direction."""
+CONTENTION_KINDS: tuple[ContentionKind, ...] = (
+    (Slot.DISPATCH, Direction.FORWARD),
+    (Slot.DISPATCH, Direction.BACKWARD),
+    (Slot.COMBINE, Direction.FORWARD),
+    (Slot.COMBINE, Direction.BACKWARD),
+)
+"""The kinds a coefficient may be given for."""
+_COEFFICIENT = Real(min=0.0)
+BY_KIND_SPEC: Spec[object] = Opt(
+    Instance(Mapping, "a mapping of (Slot, Direction) of a communication node to a coefficient")
+)
+"""A ``contention_by_kind`` field's type (:func:`check_contention_by_kind` its items)."""
+
+
+def _kind_text(kind: ContentionKind) -> str:
+    return f"{kind[0].value}.{kind[1].value}"
+
+
+def check_contention_by_kind(where: str, value: object) -> Mapping[ContentionKind, float] | None:
+    """Refuse a value that is not ``None`` or a mapping of known kinds
+    (:data:`CONTENTION_KINDS`) to finite coefficients ``>= 0``."""
+    if value is None:
+        return None
+    if not isinstance(value, Mapping):
+        raise ConfigError(
+            f"{where}: expected None or a mapping of (Slot, Direction) of a communication "
+            f"node to a coefficient >= 0, received {type(value).__name__}"
+        )
+    known = ", ".join(_kind_text(k) for k in CONTENTION_KINDS)
+    given = cast("Mapping[object, object]", value)
+    for key in given:
+        if key not in CONTENTION_KINDS:
+            raise ConfigError(
+                f"{where}: expected keys among ({known}) as (Slot, Direction), received "
+                f"{key!r}; only the dispatch and the combine communicate"
+            )
+    for kind in CONTENTION_KINDS:
+        if kind in given:
+            check_arg(where, f"[{_kind_text(kind)}]", given[kind], _COEFFICIENT)
+    return cast("Mapping[ContentionKind, float]", value)
+
+
+def check_one_contention(where: str, factor: float, by_kind: object) -> None:
+    """Refuse a ``contention_by_kind`` that is not one, or given beside a ``comm_contention``
+    other than 0 (one contention model at a time)."""
+    check_contention_by_kind(f"{where}.contention_by_kind", by_kind)
+    if by_kind is not None and factor != 0.0:
+        raise ConfigError(
+            f"{where}: expected one contention model, received comm_contention={factor!r} "
+            "and contention_by_kind; set comm_contention=0.0 to use the coefficients per kind"
+        )
+
+
+def lost_share(by_kind: Mapping[ContentionKind, float], slot: Slot, direction: Direction) -> float:
+    """``c / (1 + c)`` of the kind (0 for a kind not given): the share of its time beside
+    compute a communication node loses."""
+    c = by_kind.get((slot, direction), 0.0)
+    return c / (1.0 + c)
+
+
+def place_streams(
+    comm: Sequence[bool],
+    ms: Sequence[float],
+    lost: Sequence[float],
+    deps: Sequence[Sequence[int]],
+) -> list[tuple[float, float]]:
+    """Each step's ``(start, end)`` on two in-order streams, steps given in issue order.
+
+    A step starts when the previous step of its stream and its ``deps`` (earlier steps)
+    have ended. A compute step takes ``ms``; a communication step ``ms`` plus ``lost``
+    (``c / (1 + c)``, below 1) times the milliseconds the compute stream is busy during it.
+    Both streams advance together from one end to the next, so the answer is exact: no
+    rounds, no tolerance. With ``lost`` all 0 every end is its start plus ``ms``."""
+    n = len(ms)
+    queues: tuple[list[int], list[int]] = ([], [])
+    for i in range(n):
+        queues[comm[i]].append(i)
+    head = [0, 0]
+    done = [False] * n
+    spans: list[tuple[float, float]] = [(0.0, 0.0)] * n
+    free = [0.0, 0.0]
+    running: list[int | None] = [None, None]  # per stream: compute, communication
+    beside = 0.0  # the running communication step's ms beside compute so far
+    t = 0.0
+    while True:
+        for s in (0, 1):  # start each stream's next step if its deps have ended
+            if running[s] is not None or head[s] == len(queues[s]):
+                continue
+            i = queues[s][head[s]]
+            if all(done[d] for d in deps[i]):
+                start = max([free[s], *(spans[d][1] for d in deps[i])])
+                head[s] += 1
+                running[s] = i
+                spans[i] = (start, start + ms[i])
+                beside = 0.0 if s else beside
+        comp, com = running
+        if comp is None and com is None:
+            if head[0] < len(queues[0]) or head[1] < len(queues[1]):
+                raise ConfigError(
+                    "place_streams: expected each step's deps earlier in the order than it, "
+                    "received a step waiting for a later one"
+                )
+            return spans
+        comp_end = math.inf if comp is None else spans[comp][1]
+        comm_end = math.inf
+        if com is not None:  # when it ends if the compute stream stays as it is
+            left = max(0.0, spans[com][0] + ms[com] + lost[com] * beside - t)
+            comm_end = t + (left if comp is None else left / (1.0 - lost[com]))
+        nxt = max(t, min(comp_end, comm_end))
+        if comp is not None and com is not None:
+            beside += nxt - t
+        t = nxt
+        if comp is not None and comp_end <= nxt:
+            free[0] = spans[comp][1]
+            done[comp], running[0] = True, None
+        if com is not None and comm_end <= nxt:
+            end = spans[com][0] + ms[com] + lost[com] * beside
+            spans[com] = (spans[com][0], end)
+            free[1] = end
+            done[com], running[1] = True, None
+
+
+# --------------------------------------------------------------------------------- the fit
+
+
+class MeasuredSpan(NamedTuple):
+    """One node of a recorded step: its slot, direction and stream, when it ran, and for a
+    communication node its milliseconds alone (the same node timed with nothing beside
+    it, e.g. on one stream)."""
+
+    slot: Slot
+    direction: Direction
+    stream: StreamKind
+    start_ms: float
+    end_ms: float
+    alone_ms: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ContentionFit:
+    """What :func:`fit_contention_by_kind` found, per kind (:data:`CONTENTION_KINDS`).
+
+    ``coefficients``: the coefficient of every kind, as
+    :attr:`~moe_overlap.plan.StepTimes.contention_by_kind` takes them; ``measured_ms``,
+    ``alone_ms`` and ``beside_ms``: the kind's nodes' sums (measured span, alone, beside
+    busy compute); ``unseen``: the kinds never beside compute (coefficient 0: nothing
+    measured them); ``clamped``: the kinds no slower than alone (coefficient 0, the least
+    the model takes)."""
+
+    coefficients: Mapping[ContentionKind, float]
+    measured_ms: Mapping[ContentionKind, float]
+    alone_ms: Mapping[ContentionKind, float]
+    beside_ms: Mapping[ContentionKind, float]
+    unseen: tuple[ContentionKind, ...]
+    clamped: tuple[ContentionKind, ...]
+
+
+def _merged(spans: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def fit_contention_by_kind(spans: Sequence[MeasuredSpan]) -> ContentionFit:
+    """Each communication kind's coefficient from one recorded overlapped step.
+
+    ``spans``: every node of the step (compute ones tell when the compute stream was
+    busy; communication ones need ``alone_ms``). Per kind, with ``m``, ``d`` and ``b`` its
+    nodes' summed measured, alone and beside-compute milliseconds, the coefficient ``c``
+    solves ``m = d + b c / (1 + c)``: the model (:func:`place_streams`) with the recorded
+    compute spans gives each kind's measured total. A kind whose nodes lost more than all
+    their time beside compute is refused (:class:`~moe_overlap.ConfigError`): contention
+    does not explain it."""
+    where = "fit_contention_by_kind"
+    given = cast(object, spans)
+    if isinstance(given, (str, bytes, Mapping)) or not isinstance(given, Sequence):
+        raise ConfigError(
+            f"{where}: spans must be a sequence of MeasuredSpan, received "
+            f"{type(cast(object, spans)).__name__}"
+        )
+    comp: list[tuple[float, float]] = []
+    comms: list[MeasuredSpan] = []
+    for i, span in enumerate(cast("Sequence[object]", given)):
+        if not isinstance(span, MeasuredSpan):
+            raise ConfigError(
+                f"{where}: spans[{i}]: expected a MeasuredSpan, received {type(span).__name__}"
+            )
+        lo = check_arg(where, f"spans[{i}].start_ms", span.start_ms, Real())
+        hi = check_arg(where, f"spans[{i}].end_ms", span.end_ms, Real(min=lo))
+        if span.stream is StreamKind.COMP:
+            comp.append((lo, hi))
+            continue
+        if (
+            span.stream is not StreamKind.COMM
+            or (span.slot, span.direction) not in CONTENTION_KINDS
+        ):
+            raise ConfigError(
+                f"{where}: spans[{i}]: expected a compute span or a communication one of a "
+                f"dispatch or combine forward or backward, received {span.slot!r}, "
+                f"{span.direction!r} on {span.stream!r}"
+            )
+        check_arg(where, f"spans[{i}].alone_ms", span.alone_ms, Real(min=0.0))
+        comms.append(span)
+    busy = _merged(comp)
+    zero = dict.fromkeys(CONTENTION_KINDS, 0.0)
+    measured, alone, beside = dict(zero), dict(zero), dict(zero)
+    for span in comms:
+        kind = (span.slot, span.direction)
+        measured[kind] += span.end_ms - span.start_ms
+        alone[kind] += cast(float, span.alone_ms)
+        beside[kind] += sum(
+            max(0.0, min(span.end_ms, hi) - max(span.start_ms, lo)) for lo, hi in busy
+        )
+    coefficients = dict(zero)
+    unseen: list[ContentionKind] = []
+    clamped: list[ContentionKind] = []
+    for kind in CONTENTION_KINDS:
+        if beside[kind] <= 0.0:
+            unseen.append(kind)
+            continue
+        share = (measured[kind] - alone[kind]) / beside[kind]  # c / (1 + c)
+        if share >= 1.0:
+            raise ConfigError(
+                f"{where}: {_kind_text(kind)}: expected the nodes' time past alone "
+                f"({measured[kind] - alone[kind]:.3f} ms) below their time beside compute "
+                f"({beside[kind]:.3f} ms), received it not; something other than the "
+                "compute beside them slowed them (check that alone_ms times the same nodes)"
+            )
+        if share <= 0.0:
+            clamped.append(kind)
+            continue
+        coefficients[kind] = share / (1.0 - share)
+    return ContentionFit(
+        coefficients=coefficients,
+        measured_ms=measured,
+        alone_ms=alone,
+        beside_ms=beside,
+        unseen=tuple(unseen),
+        clamped=tuple(clamped),
+    )
