@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from torch import nn
 
-from moe_overlap.engine._core_args import _CONFIG_FIELDS  # pyright: ignore[reportPrivateUsage]
+from moe_overlap.engine._core_args import _CONFIG_FIELDS
 from moe_overlap.engine._stream_check import (
     CPU_STREAM_OBSERVER,
     StreamOrderChecker,
