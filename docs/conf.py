@@ -151,7 +151,11 @@ autodoc2_hidden_objects = ["private", "dunder", "inherited"]
 # The package's docstrings are reST with Google-style sections: see _ext/google_rst.py.
 autodoc2_docstring_parser_regexes = [(r".*", "google_rst")]
 autodoc2_replace_annotations = _annotation_rewrites()
-autodoc2_replace_bases = autodoc2_replace_annotations
+# A class built on a private NamedTuple of its fields shows the NamedTuple it is.
+autodoc2_replace_bases = [
+    ("moe_overlap.plan._search._RecomputeFields", "typing.NamedTuple"),
+    *autodoc2_replace_annotations,
+]
 autodoc2_class_docstring = "merge"
 
 # Docstring problems in the package that are reported upstream; each entry must still
