@@ -5,6 +5,7 @@ does where no GPU graphs it (the GPU side is ``test_gpu_graphs.py``)."""
 from __future__ import annotations
 
 import copy
+import gc
 from typing import Any
 
 import pytest
@@ -171,3 +172,35 @@ def test_a_capture_cuda_invalidated_is_the_library_s_error_naming_causes_and_fix
     assert message.startswith("layer 0 mlp: capturing the CUDA graph of scope 'mlp' expected")
     assert raised in message and ".item()" in message and "eager output or loss" in message
     assert "out of cuda_graph_modules" in message and info.value.__cause__ is not None
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_collector_is_paused_while_a_block_captures_and_restored_after(
+    monkeypatch: pytest.MonkeyPatch, enabled: bool, fails: bool
+) -> None:
+    """A dead reference cycle collected inside a capture would destroy its CUDA graphs there
+    and invalidate the capture: the block turns Python's collector off while it captures and
+    puts it back as it was after, the capture failed or not."""
+    linear = torch.nn.Linear(4, 4)
+    block = GraphedBlock(linear, [linear], CudaGraphModule.mlp, label="layer 0 mlp")
+    seen: list[bool] = []
+
+    def capture(*_: object) -> None:
+        seen.append(gc.isenabled())
+        if fails:
+            raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(block, "_capture_claimed", capture)
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        x = torch.zeros(2, 4, requires_grad=True)
+        if fails:
+            with pytest.raises(ConfigError, match="capturing the CUDA graph"):
+                block._capture([x], list(linear.parameters()))
+        else:
+            block._capture([x], list(linear.parameters()))
+        assert seen == [False] and gc.isenabled() is enabled
+    finally:
+        (gc.enable if was else gc.disable)()
