@@ -526,6 +526,17 @@ def test_vpp_at_one_pipeline_rank_cuts_the_model_into_stages(
     assert "VPP=2" in capsys.readouterr().out
 
 
+def test_the_summary_shows_the_stages_per_rank_a_schedule_runs() -> None:
+    """A V schedule runs two stages per rank whatever ``vpp`` says, a one-stage schedule
+    one: the summary line shows what runs (it printed the layout's VPP=1 for dualpipev)."""
+    costs = _reference_costs(8)
+    for schedule, vpp, shown in (("dualpipev", 1, 2), ("zbv", 1, 2), ("1f1b", 1, 1)):
+        text = plan(costs, Layout(pp=2, vpp=vpp, microbatches=4), schedule).summary()
+        assert f"PP=2 DP=1 VPP={shown} " in text, (schedule, text)
+    text = plan(costs, Layout(pp=2, vpp=2, microbatches=4), "interleaved_1f1b").summary()
+    assert "VPP=2 " in text
+
+
 def test_a_step_of_more_microbatches_than_the_planner_takes_is_refused() -> None:
     """10**9 microbatches ran until killed (every node of every microbatch is replayed)."""
     assert Layout(microbatches=65536).microbatches == 65536

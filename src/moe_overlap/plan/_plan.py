@@ -101,8 +101,9 @@ class Plan:
 
     def _layout_text(self) -> str:
         lay = self.layout
+        per = num_stages(self.schedule, lay) // lay.pp  # a V runs 2 whatever vpp says
         return (
-            f"EP={lay.ep} PP={lay.pp} DP={lay.dp} VPP={lay.vpp} "
+            f"EP={lay.ep} PP={lay.pp} DP={lay.dp} VPP={per} "
             f"microbatches={lay.microbatches} ({lay.gpus} GPUs)"
         )
 
