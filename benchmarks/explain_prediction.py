@@ -518,18 +518,18 @@ def offline_markdown(doc: JsonDict, found: Sequence[JsonDict]) -> str:
             "|---|---|---|---|---|",
         ]
         for row, x in cast("dict[str, JsonDict]", r["rows"]).items():
-            want = {
+            recorded = {
                 k: cast(float, x[f"measured_{k}"])
                 for k in ("step_ms", "comp_busy_ms", "comm_busy_ms")
             }
             lines.append(
-                f"| {row} | measured | " + " | ".join(f"{v:.1f}" for v in want.values()) + " |"
+                f"| {row} | measured | " + " | ".join(f"{v:.1f}" for v in recorded.values()) + " |"
             )
             for m in OFFLINE_MODELS:
                 got = cast(JsonDict, x[m])
                 cells = [
                     f"{cast(float, got[k]):.1f} ({cast(float, got[k]) / v - 1.0:+.1%})"
-                    for k, v in want.items()
+                    for k, v in recorded.items()
                 ]
                 lines.append(f"| {row} | {m} | " + " | ".join(cells) + " |")
         lines.append("")

@@ -191,26 +191,26 @@ def place_streams(
             return spans
         ends = [math.inf, math.inf]  # when each ends if the other stream stays as it is
         for s in (0, 1):
-            i = running[s]
-            if i is None:
+            on = running[s]
+            if on is None:
                 continue
-            if s == 0 and not lost[i]:  # a compute step no contention slows
-                ends[s] = spans[i][1]
+            if s == 0 and not lost[on]:  # a compute step no contention slows
+                ends[s] = spans[on][1]
                 continue
-            left = max(0.0, spans[i][0] + ms[i] + lost[i] * beside[s] - t)
-            ends[s] = t + (left if running[1 - s] is None else left / (1.0 - lost[i]))
+            left = max(0.0, spans[on][0] + ms[on] + lost[on] * beside[s] - t)
+            ends[s] = t + (left if running[1 - s] is None else left / (1.0 - lost[on]))
         nxt = max(t, min(ends))
         if running[0] is not None and running[1] is not None:
             beside[0] += nxt - t
             beside[1] += nxt - t
         t = nxt
         for s in (0, 1):
-            i = running[s]
-            if i is not None and ends[s] <= nxt:
-                end = spans[i][0] + ms[i] + lost[i] * beside[s]
-                spans[i] = (spans[i][0], end)
+            on = running[s]
+            if on is not None and ends[s] <= nxt:
+                end = spans[on][0] + ms[on] + lost[on] * beside[s]
+                spans[on] = (spans[on][0], end)
                 free[s] = end
-                done[i], running[s] = True, None
+                done[on], running[s] = True, None
 
 
 # --------------------------------------------------------------------------------- the fit
@@ -260,12 +260,14 @@ def _merged(spans: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-def _sequence(where: str, spans: object) -> Sequence[object]:
-    if isinstance(spans, (str, bytes, Mapping)) or not isinstance(spans, Sequence):
+def _sequence(where: str, spans: Sequence[MeasuredSpan]) -> Sequence[object]:
+    given = cast(object, spans)
+    if isinstance(given, (str, bytes, Mapping)) or not isinstance(given, Sequence):
         raise ConfigError(
-            f"{where}: spans must be a sequence of MeasuredSpan, received {type(spans).__name__}"
+            f"{where}: spans must be a sequence of MeasuredSpan, received "
+            f"{type(cast(object, spans)).__name__}"
         )
-    return cast("Sequence[object]", spans)
+    return cast("Sequence[object]", given)
 
 
 def _checked_span(where: str, i: int, span: object) -> MeasuredSpan:
