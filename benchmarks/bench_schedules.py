@@ -237,12 +237,15 @@ def replayed(
     contention: float,
     one_event: bool = False,
     contention_by_kind: Mapping[ContentionKind, float] | None = None,
+    compute_contention_by_kind: Mapping[ContentionKind, float] | None = None,
 ) -> dict[str, Replay]:
     """:func:`predict`'s replays, whole; with ``one_event`` (or a frontier searched with
     it), each on its graph with :attr:`~moe_overlap.plan.ScheduleGraph.one_event` (the
     engine's one event per microbatch); with ``contention_by_kind`` (``contention`` then
     0), each communication step slowed by the compute beside it, per kind
-    (:attr:`~moe_overlap.plan.StepTimes.contention_by_kind`)."""
+    (:attr:`~moe_overlap.plan.StepTimes.contention_by_kind`), and with
+    ``compute_contention_by_kind`` each compute step by the communication beside it
+    (:attr:`~moe_overlap.plan.StepTimes.compute_contention_by_kind`)."""
     space = space_of(config)
     one_event = one_event or space.one_event
     costs = costs_from_profile(
@@ -272,6 +275,7 @@ def replayed(
             comm_contention=costs.comm_contention,
             delay_wgrad=graph.delay_wgrad,
             contention_by_kind=contention_by_kind,
+            compute_contention_by_kind=compute_contention_by_kind,
         )
         r = replay_order(order, graph, times, memory)
         out[k] = Replay(graph, list(order), r.step_ms, r.spans)

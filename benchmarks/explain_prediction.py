@@ -22,7 +22,12 @@ slice at ``bench_schedules.py``'s sizes), in one process:
    pre-dispatch's, though this model delays no pre-dispatch weight gradient); ``by_kind``,
    that with each communication kind slowed by the compute beside it instead of one factor
    (:func:`moe_overlap.plan.fit_contention_by_kind` on this run's overlapped step, each
-   communication node against its ``searched_serial`` time).
+   communication node against its ``searched_serial`` time); ``by_kind_both``, that with
+   each compute kind slowed by the communication beside it too
+   (:func:`moe_overlap.plan.fit_compute_contention_by_kind` on the same step, each compute
+   node against its ``searched_serial`` time, a backward's with its ``W``; the ``W`` and
+   ``R`` kinds, which the overlapped step does not run apart, take their slot's backward's
+   and forward's coefficient: the same kernels).
 
 For ``overlapped`` and ``searched`` it reports: the step, measured against each model; per
 stream the busy and idle milliseconds, measured and predicted; per node kind (slot, F/B/W/R,
@@ -47,9 +52,10 @@ build and the first step's setup; bound it with ``--configs`` and ``--repeats``:
         --configs 'main N=4' 'main N=8'    # both main configurations
     python benchmarks/explain_prediction.py --device cpu --tiny --out /tmp/x   # smoke
 
-``--offline EXPLAIN_JSON`` recomputes the ``by_kind`` model (and the one factor it is
-compared with) from a recorded ``explain.json``, on the CPU, and prints both rows' step and
-communication-stream busy milliseconds, measured and predicted::
+``--offline EXPLAIN_JSON`` recomputes the ``by_kind`` and ``by_kind_both`` models (and the
+one factor they are compared with) from a recorded ``explain.json``, on the CPU, and prints
+both rows' step and both streams' busy milliseconds, measured and predicted (and
+``by_kind_both`` with its ``W`` and ``R`` kinds at 0, ``by_kind_both_wr0``)::
 
     python benchmarks/explain_prediction.py \
         --offline benchmarks/results/h100_2026_12_07b/explain/explain.json
@@ -89,6 +95,7 @@ from moe_overlap.plan import (
     ContentionKind,
     MeasuredSpan,
     SearchStep,
+    fit_compute_contention_by_kind,
     fit_contention_by_kind,
     load_profile,
 )
@@ -96,17 +103,18 @@ from moe_overlap.steps import Direction, NodeSchedule, Slot, StreamKind
 
 ROWS = ("overlapped", "searched")
 """The rows explained (``searched_serial`` is the searched row's uncontended reference)."""
-MODELS = ("planner", "one_event", "one_event_measured_w", "by_kind")
+MODELS = ("planner", "one_event", "one_event_measured_w", "by_kind", "by_kind_both")
 """The planner's replay as it predicts; with the engine's one event per microbatch; and
 also from the one-stream run's profile, whose ``W`` rows are measured (the planner's
 default otherwise: 50 % of the mlp's backward, 35 % of the pre-dispatch's); that with
-contention per communication kind instead of one factor."""
+contention per communication kind instead of one factor; that with contention per compute
+kind too."""
 FACTOR_MODELS = MODELS[:3]
 """The models with one contention factor (``fit_here``'s)."""
 TOLERANCE_MS = 0.05
 """A node whose start is within this of a candidate's end waited for that candidate."""
 
-_W, _R = Direction.WGRAD, Direction.RECOMPUTE
+_F, _B, _W, _R = Direction.FORWARD, Direction.BACKWARD, Direction.WGRAD, Direction.RECOMPUTE
 
 
 @dataclass(frozen=True, slots=True)
@@ -293,6 +301,46 @@ def fit_by_kind(overlapped: Sequence[Node], alone: dict[NodeKey, float]) -> Cont
     )
 
 
+def compute_alone(row: Sequence[Node], alone: dict[NodeKey, float]) -> dict[NodeKey, float]:
+    """Each compute node of ``row`` by its one-stream milliseconds ``alone`` (a backward
+    whose ``W`` the row does not run apart: with that ``W``'s, as the replay's backward)."""
+    apart = {(n.key.microbatch, n.key.layer, n.key.slot) for n in row if n.key.direction is _W}
+    out: dict[NodeKey, float] = {}
+    for n in row:
+        k = n.key
+        if n.stream is not StreamKind.COMP or k not in alone:
+            continue
+        w = NodeKey(k.microbatch, k.layer, k.slot, _W)
+        out[k] = alone[k]
+        if k.direction is _B and (k.microbatch, k.layer, k.slot) not in apart and w in alone:
+            out[k] += alone[w]
+    return out
+
+
+def fit_compute_by_kind(overlapped: Sequence[Node], alone: dict[NodeKey, float]) -> ContentionFit:
+    """The contention per compute kind of a recorded overlapped step, each compute node
+    against :func:`compute_alone`."""
+    mine = compute_alone(overlapped, alone)
+    return fit_compute_contention_by_kind(
+        [
+            MeasuredSpan(n.key.slot, n.key.direction, n.stream, n.start, n.end, mine.get(n.key))
+            for n in overlapped
+        ]
+    )
+
+
+def with_w_and_r(fit: ContentionFit) -> dict[ContentionKind, float]:
+    """``fit``'s compute coefficients, each ``W`` and ``R`` kind it never saw beside the
+    communication taking its slot's ``B`` and ``F`` coefficient (the same kernels: a
+    weight-gradient GEMM, a forward run again)."""
+    out = dict(fit.coefficients)
+    for (slot, direction), c in fit.coefficients.items():
+        for apart, like in ((_W, _B), (_R, _F)):
+            if direction is like and (slot, apart) in fit.unseen:
+                out[(slot, apart)] = c
+    return out
+
+
 def fit_json(fit: ContentionFit) -> JsonDict:
     """A fit as ``explain.json`` keeps it: coefficients by ``slot.direction``, the kinds
     never beside compute and those no slower than alone (both 0)."""
@@ -319,16 +367,26 @@ def node_of(row: JsonDict) -> Node:
     return Node(key, stream, cast(float, row["start_ms"]), cast(float, row["end_ms"]), issued)
 
 
+def busy(replay: Replay, stream: StreamKind) -> float:
+    return sum(hi - lo for s, lo, hi in replay.spans if s.stream is stream)
+
+
 def comm_busy(replay: Replay) -> float:
-    return sum(hi - lo for s, lo, hi in replay.spans if s.stream is StreamKind.COMM)
+    return busy(replay, StreamKind.COMM)
+
+
+OFFLINE_MODELS = ("one_factor", "by_kind", "by_kind_both", "by_kind_both_wr0")
+"""``--offline``'s models: the one factor, per communication kind, and per kind of both
+streams (``W`` and ``R`` as ``B`` and ``F``; at 0)."""
 
 
 def offline(doc: JsonDict, configs: Sequence[JsonDict]) -> list[JsonDict]:
-    """Per configuration of a recorded ``explain.json``: the ``by_kind`` model refitted on
-    its overlapped row and both rows replayed with it and with ``one_event_measured_w``'s
-    one factor (this run's, else the frontier's), from its ``searched_serial`` profile;
-    step and communication-stream busy milliseconds, measured and predicted. ``configs``:
-    the frontier's (the searched order by name, checked the one recorded)."""
+    """Per configuration of a recorded ``explain.json``: the ``by_kind`` and
+    ``by_kind_both`` models refitted on its overlapped row and both rows replayed with them
+    and with ``one_event_measured_w``'s one factor (this run's, else the frontier's), from
+    its ``searched_serial`` profile; step and both streams' busy milliseconds, measured and
+    predicted. ``configs``: the frontier's (the searched order by name, checked the one
+    recorded)."""
     out: list[JsonDict] = []
     tiny = "--tiny" in cast(str, doc.get("command", ""))
     for result in cast("list[JsonDict]", doc["results"]):
@@ -345,42 +403,78 @@ def offline(doc: JsonDict, configs: Sequence[JsonDict]) -> list[JsonDict]:
         nodes = {k: [node_of(x) for x in v] for k, v in measured.items()}
         alone = {n.key: n.ms for n in nodes["searched_serial"] if n.key.direction is not _R}
         fit = fit_by_kind(nodes["overlapped"], alone)
+        compute = fit_compute_by_kind(nodes["overlapped"], alone)
         profile = cast("list[JsonDict]", result["searched_serial_slot_durations"])
         layers = slice_config(cast(int, result["ffn"]), tiny=tiny).num_layers
         fitted = cast("dict[str, float | None]", result["contention_fitted_here"])
         factor = fitted.get("one_event_measured_w")
         one = cast(float, result["contention_frontier"]) if factor is None else factor
+
         replays = {
             "one_factor": replayed(
                 profile, config, num_layers=layers, contention=one, one_event=True
-            ),
-            "by_kind": replayed(
+            )
+        }
+        for m, computes in (
+            ("by_kind", None),
+            ("by_kind_both", with_w_and_r(compute)),
+            ("by_kind_both_wr0", dict(compute.coefficients)),
+        ):
+            replays[m] = replayed(
                 profile,
                 config,
                 num_layers=layers,
                 contention=0.0,
                 one_event=True,
                 contention_by_kind=fit.coefficients,
-            ),
-        }
+                compute_contention_by_kind=computes,
+            )
         rows: JsonDict = {}
         for row in ROWS:
             got = cast(JsonDict, cast(JsonDict, result["rows"])[row])
             streams_ = cast("dict[str, JsonDict]", got["measured_streams"])
             rows[row] = {
                 "measured_step_ms": got["measured_step_ms"],
+                "measured_comp_busy_ms": streams_["comp"]["busy_ms"],
                 "measured_comm_busy_ms": streams_["comm"]["busy_ms"],
                 **{
-                    m: {"step_ms": r[row].step_ms, "comm_busy_ms": comm_busy(r[row])}
+                    m: {
+                        "step_ms": r[row].step_ms,
+                        "comp_busy_ms": busy(r[row], StreamKind.COMP),
+                        "comm_busy_ms": comm_busy(r[row]),
+                    }
                     for m, r in replays.items()
                 },
             }
-        out.append({"name": name, "one_factor": one, "by_kind_fit": fit_json(fit), "rows": rows})
+        out.append(
+            {
+                "name": name,
+                "one_factor": one,
+                "by_kind_fit": fit_json(fit),
+                "compute_by_kind_fit": fit_json(compute),
+                "rows": rows,
+            }
+        )
     return out
 
 
+def _fit_line(fit: JsonDict, beside: str) -> str:
+    """A fit's coefficients other than 0, then the kinds at 0 and why."""
+    coefficients = cast("dict[str, float]", fit["coefficients"])
+    shown = ", ".join(f"{k} {v:.3f}" for k, v in coefficients.items() if v)
+    notes = [
+        f"{why}: {', '.join(kinds)}"
+        for why, kinds in (
+            (f"never beside {beside}", cast("list[str]", fit["unseen"])),
+            ("no slower than alone", cast("list[str]", fit["clamped"])),
+        )
+        if kinds
+    ]
+    return shown + (f" (0, {'; '.join(notes)})" if notes else "")
+
+
 def offline_markdown(doc: JsonDict, found: Sequence[JsonDict]) -> str:
-    """:func:`offline`'s figures as a table per configuration."""
+    """:func:`offline`'s figures as tables per configuration."""
     lines = [
         f"From `{doc.get('command', '')}` on {doc.get('device', '?')}, recomputed offline.",
         "",
@@ -404,15 +498,40 @@ def offline_markdown(doc: JsonDict, found: Sequence[JsonDict]) -> str:
         ]
         for row, x in cast("dict[str, JsonDict]", r["rows"]).items():
             step_ms = cast(float, x["measured_step_ms"])
-            busy = cast(float, x["measured_comm_busy_ms"])
+            busy_ms = cast(float, x["measured_comm_busy_ms"])
             cells = [row, f"{step_ms:.1f}"]
-            for key, want in (("step_ms", step_ms), ("comm_busy_ms", busy)):
+            for key, want in (("step_ms", step_ms), ("comm_busy_ms", busy_ms)):
                 if key == "comm_busy_ms":
-                    cells.append(f"{busy:.1f}")
+                    cells.append(f"{busy_ms:.1f}")
                 for m in ("one_factor", "by_kind"):
                     v = cast(float, cast(JsonDict, x[m])[key])
                     cells.append(f"{v:.1f} ({v / want - 1.0:+.1%})")
             lines.append("| " + " | ".join(cells) + " |")
+        lines += [
+            "",
+            "Compute kinds fitted on the same row too (`by_kind_both`; W and R as their slot's "
+            "B and F, `by_kind_both_wr0`: at 0): "
+            + _fit_line(cast(JsonDict, r["compute_by_kind_fit"]), "communication")
+            + ".",
+            "",
+            "| row | model | step ms (error) | comp busy ms (error) | comm busy ms (error) |",
+            "|---|---|---|---|---|",
+        ]
+        for row, x in cast("dict[str, JsonDict]", r["rows"]).items():
+            recorded = {
+                k: cast(float, x[f"measured_{k}"])
+                for k in ("step_ms", "comp_busy_ms", "comm_busy_ms")
+            }
+            lines.append(
+                f"| {row} | measured | " + " | ".join(f"{v:.1f}" for v in recorded.values()) + " |"
+            )
+            for m in OFFLINE_MODELS:
+                got = cast(JsonDict, x[m])
+                cells = [
+                    f"{cast(float, got[k]):.1f} ({cast(float, got[k]) / v - 1.0:+.1%})"
+                    for k, v in recorded.items()
+                ]
+                lines.append(f"| {row} | {m} | " + " | ".join(cells) + " |")
         lines.append("")
     return "\n".join(lines)
 
@@ -699,14 +818,17 @@ def explain(config: JsonDict, args: argparse.Namespace, contention: float) -> Js
             one_event=m != "planner",
         )
     by_kind = fit_by_kind(nodes["overlapped"], alone)
-    replays["by_kind"] = replayed(
-        profiles["one_event_measured_w"],
-        config,
-        num_layers=cfg.num_layers,
-        contention=0.0,
-        one_event=True,
-        contention_by_kind=by_kind.coefficients,
-    )
+    compute = fit_compute_by_kind(nodes["overlapped"], alone)
+    for m, computes in (("by_kind", None), ("by_kind_both", with_w_and_r(compute))):
+        replays[m] = replayed(
+            profiles["one_event_measured_w"],
+            config,
+            num_layers=cfg.num_layers,
+            contention=0.0,
+            one_event=True,
+            contention_by_kind=by_kind.coefficients,
+            compute_contention_by_kind=computes,
+        )
     table = load_profile(profile)
     rows: JsonDict = {}
     slug = re.sub(r"[^A-Za-z0-9]+", "_", cast(str, config["name"])).strip("_")
@@ -742,6 +864,7 @@ def explain(config: JsonDict, args: argparse.Namespace, contention: float) -> Js
         "searched": cast(JsonDict, config["targets"])["best"],
         "contention_fitted_here": fitted,
         "contention_by_kind_fitted_here": fit_json(by_kind),
+        "compute_contention_by_kind_fitted_here": fit_json(compute),
         "contention_frontier": contention,
         "searched_serial_step_ms": median_ms["searched_serial"],
         "rows": rows,
@@ -773,6 +896,9 @@ def markdown(doc: JsonDict) -> str:
         fits += "; by_kind " + ", ".join(
             f"{k} {_f(v, '.3f')}" for k, v in cast("dict[str, float]", by_kind).items()
         )
+        compute = r.get("compute_contention_by_kind_fitted_here")
+        if compute is not None:
+            fits += "; by_kind_both adds " + _fit_line(cast(JsonDict, compute), "communication")
         named = ", ".join(("measured", *MODELS))
         lines += [
             f"## {r['name']} ({r['microbatches']} microbatches, expert FFN {r['ffn']})",
@@ -881,7 +1007,7 @@ def main(argv: list[str] | None = None) -> None:
         "--offline",
         type=Path,
         metavar="EXPLAIN_JSON",
-        help="recompute the by_kind model from a recorded explain.json (CPU; nothing written)",
+        help="recompute the by_kind models from a recorded explain.json (CPU; nothing written)",
     )
     args = p.parse_args(argv)
     if args.offline is not None:

@@ -1,5 +1,6 @@
-"""Contention per communication kind: a dispatch or combine slowed by the compute beside it
-(``StepTimes.contention_by_kind``), its replay and its fit."""
+"""Contention per node kind: a dispatch or combine slowed by the compute beside it
+(``StepTimes.contention_by_kind``), a compute node by the communication beside it
+(``StepTimes.compute_contention_by_kind``), their replay and their fits."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 
 from moe_overlap.errors import ConfigError
 from moe_overlap.plan import (
+    COMPUTE_CONTENTION_KINDS,
     CONTENTION_KINDS,
     QUICK_CHOICE_SPACE,
     ContentionKind,
@@ -22,6 +24,7 @@ from moe_overlap.plan import (
     SearchStep,
     StepTimes,
     choose_schedule,
+    fit_compute_contention_by_kind,
     fit_contention,
     fit_contention_by_kind,
     plan,
@@ -35,10 +38,20 @@ from moe_overlap.steps import Direction, Slot, StreamKind
 from tests.plan import main_profile
 from tests.plan.main_profile import MEMORY
 
-F, B, W = Direction.FORWARD, Direction.BACKWARD, Direction.WGRAD
-DISPATCH, MLP, COMBINE = Slot.DISPATCH, Slot.MLP, Slot.COMBINE
+F, B, W, R = Direction.FORWARD, Direction.BACKWARD, Direction.WGRAD, Direction.RECOMPUTE
+PRE, DISPATCH, MLP, COMBINE = Slot.PRE_DISPATCH, Slot.DISPATCH, Slot.MLP, Slot.COMBINE
 COMP, COMM = StreamKind.COMP, StreamKind.COMM
 GIVEN = {(DISPATCH, F): 0.05, (DISPATCH, B): 0.1, (COMBINE, F): 0.2, (COMBINE, B): 0.7}
+COMPUTE = {
+    (PRE, F): 0.5,
+    (PRE, B): 0.05,
+    (PRE, W): 0.3,
+    (MLP, F): 0.02,
+    (MLP, B): 0.1,
+    (MLP, W): 0.25,
+    (MLP, R): 0.4,
+}
+"""Compute coefficients of the kinds the list-scheduled orders run beside communication."""
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +82,16 @@ def _bad(value: object) -> Any:
     return value
 
 
-def _times(costs: Costs, graph: ScheduleGraph, by_kind: object = None) -> StepTimes:
+def _times(
+    costs: Costs, graph: ScheduleGraph, by_kind: object = None, compute: object = None
+) -> StepTimes:
     return StepTimes(
         times=costs.times,
         chunks=graph.chunks,
         chunk_overhead_ms=0.1,
         delay_wgrad=graph.delay_wgrad,
         contention_by_kind=_bad(by_kind),
+        compute_contention_by_kind=_bad(compute),
     )
 
 
@@ -270,3 +286,177 @@ def test_the_search_and_the_choice_time_orders_with_it(costs: Costs) -> None:
     assert [p.step_ms for p in plain.frontier] == [p.step_ms for p in found["none"].frontier]
     choice = choose_schedule(costs.replace(contention_by_kind=GIVEN), 4, MEMORY, space=space)
     assert choice.chosen.step_ms >= fastest["given"] - 1e-9
+
+
+# ------------------------------------------------------------- compute slowed beside the comm
+
+
+def _compute_kind(s: SearchStep) -> ContentionKind:
+    return (s.slot, R if s.recompute else s.direction)
+
+
+def test_compute_coefficients_0_are_today_s_replay_bit_for_bit(costs: Costs) -> None:
+    """With every compute coefficient 0 (none given, or all given 0) each span equals the
+    replay per communication kind alone, in the replay, the integer replay and the list
+    scheduler; with no communication coefficient either, the replay without contention."""
+    for graph, order in _orders(costs):
+        for by_kind in (GIVEN, None):
+            want = replay_order(order, graph, _times(costs, graph, by_kind or {}), MEMORY)
+            for zero in ({}, dict.fromkeys(COMPUTE_CONTENTION_KINDS, 0.0)):
+                times = _times(costs, graph, by_kind, zero)
+                assert replay_order(order, graph, times, MEMORY) == want
+                g = ScheduleIds(graph, times, MEMORY)
+                index = {s: i for i, s in enumerate(g.steps)}
+                if None not in order:
+                    ids = [index[s] for s in order if s is not None]
+                    assert replay_ids(g, ids, 1.0) == (want.step_ms, want.peak_units)
+    graph = _orders(costs)[-1][0]
+    zero = dict.fromkeys(COMPUTE_CONTENTION_KINDS, 0.0)
+    scheduled = list_schedule(graph, _times(costs, graph, GIVEN), MEMORY, in_flight=3)
+    assert list_schedule(graph, _times(costs, graph, GIVEN, zero), MEMORY, in_flight=3) == scheduled
+
+
+def test_both_streams_slowed_by_hand() -> None:
+    """A 4 ms compute step A (c = 1) beside a 3 ms combine X (c = 1): both at half speed to
+    6, where X ends (3 ms of work) and dispatch Y (4 ms, c = 0: never slowed) follows it to
+    10; A, 1 ms of work left, still beside the communication stream, ends at 8. Compute B
+    (2 ms, c = 1) reads X and follows A: half speed beside Y to 10 (1 ms of work), the
+    rest alone to 11. With B's coefficient 0 it ends at 10; with every compute coefficient
+    0 the spans are the communication-only ones: A alone, X half speed to 4 and alone to 5."""
+    comm = [False, True, False, True]
+    ms = [4.0, 3.0, 2.0, 4.0]
+    deps: list[list[int]] = [[], [], [1], []]
+    assert place_streams(comm, ms, [0.5, 0.5, 0.5, 0.0], deps) == [
+        (0.0, 8.0),
+        (0.0, 6.0),
+        (8.0, 11.0),
+        (6.0, 10.0),
+    ]
+    assert place_streams(comm, ms, [0.5, 0.5, 0.0, 0.0], deps)[2] == (8.0, 10.0)
+    assert place_streams(comm, ms, [0.0, 0.5, 0.0, 0.0], deps) == [
+        (0.0, 4.0),
+        (0.0, 5.0),
+        (5.0, 7.0),
+        (5.0, 9.0),
+    ]
+
+
+def test_every_step_lasts_what_the_model_says_on_both_streams(costs: Costs) -> None:
+    """Each step takes its time alone plus ``c / (1 + c)`` of its time beside the other
+    stream, compute steps by their own kind (a recompute as ``R``)."""
+    slowed = 0
+    for graph, order in _orders(costs):
+        times = _times(costs, graph, GIVEN, COMPUTE)
+        r = replay_order(order, graph, times, MEMORY)
+        busy = {k: [(lo, hi) for s, lo, hi in r.spans if s.stream is k] for k in (COMP, COMM)}
+        for s, lo, hi in r.spans:
+            c = GIVEN[(s.slot, s.direction)] if s.stream is COMM else COMPUTE.get(_compute_kind(s))
+            beside = _beside(lo, hi, busy[COMM if s.stream is COMP else COMP])
+            want = times.base_ms(s) + beside * (c or 0.0) / (1.0 + (c or 0.0))
+            slowed += s.stream is COMP and bool(c) and beside > 0
+            assert hi - lo == pytest.approx(want, rel=1e-9, abs=1e-9), s
+        plain = replay_order(order, graph, _times(costs, graph, GIVEN), MEMORY)
+        assert r.comp_ms >= plain.comp_ms
+    assert slowed > 100
+
+
+def test_the_compute_fit_recovers_the_coefficients_the_model_placed(costs: Costs) -> None:
+    """Spans from the model's replay with both streams slowed give back both fits'
+    coefficients; kinds the order never runs beside communication are reported unseen."""
+    graph, order = _orders(costs)[-1]  # list-scheduled: W and R steps, one event
+    times = _times(costs, graph, GIVEN, COMPUTE)
+    r = replay_order(order, graph, times, MEMORY)
+    spans = [
+        MeasuredSpan(s.slot, _compute_kind(s)[1], s.stream, lo, hi, times.base_ms(s))
+        if s.stream is COMP
+        else MeasuredSpan(s.slot, s.direction, s.stream, lo, hi, times.base_ms(s))
+        for s, lo, hi in r.spans
+    ]
+    fit = fit_compute_contention_by_kind(spans)
+    assert fit.unseen == ((PRE, R),)  # not recomputed here
+    assert set(fit.clamped) == set(COMPUTE_CONTENTION_KINDS) - {*COMPUTE, (PRE, R)}  # 0 given
+    assert fit.coefficients == pytest.approx(
+        {k: COMPUTE.get(k, 0.0) for k in COMPUTE_CONTENTION_KINDS}, rel=1e-9
+    )
+    assert fit_contention_by_kind(spans).coefficients == pytest.approx(GIVEN, rel=1e-9)
+    again = _times(costs, graph, GIVEN, fit.coefficients)
+    assert replay_order(order, graph, again, MEMORY).step_ms == pytest.approx(r.step_ms)
+    faster = [
+        MeasuredSpan(COMBINE, F, COMM, 0.0, 4.0),  # no alone_ms needed: not fitted here
+        MeasuredSpan(MLP, B, COMP, 0.0, 4.0, 5.0),  # faster than alone: 0
+        MeasuredSpan(MLP, R, COMP, 4.0, 6.0, 2.0),  # never beside communication: 0
+    ]
+    fit = fit_compute_contention_by_kind(faster)
+    assert fit.clamped == ((MLP, B),) and (MLP, R) in fit.unseen
+    assert fit.beside_ms[(MLP, B)] == 4.0 and fit.coefficients[(MLP, B)] == 0.0
+
+
+def test_the_compute_fit_refuses_what_contention_does_not_explain() -> None:
+    comm = MeasuredSpan(COMBINE, F, COMM, 0.0, 1.0)
+    where = "fit_compute_contention_by_kind"
+    cases: list[tuple[object, str]] = [
+        ({"x": 1}, f"{where}: spans must be a sequence of MeasuredSpan, received dict"),
+        ([comm, (MLP, F, COMP, 0.0, 1.0)], r"spans\[1\]: expected a MeasuredSpan"),
+        ([MeasuredSpan(MLP, F, COMP, 0.0, 1.0)], r"spans\[0\]\.alone_ms"),
+        ([MeasuredSpan(DISPATCH, F, COMP, 0.0, 1.0, 1.0)], r"spans\[0\]: expected a comm"),
+        ([MeasuredSpan(MLP, Direction.HOOK, COMP, 0.0, 1.0, 1.0)], r"received .*HOOK"),
+        ([comm, MeasuredSpan(MLP, F, COMP, 0.0, 3.0, 1.0)], r"mlp\.F: expected the nodes"),
+    ]
+    for spans, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            fit_compute_contention_by_kind(_bad(spans))
+
+
+def test_refused_compute_coefficients_name_what_was_expected(costs: Costs) -> None:
+    cases: list[tuple[object, str]] = [
+        (
+            0.1,
+            r"StepTimes\.compute_contention_by_kind: expected a mapping .* compute node .* or None",
+        ),
+        ({(DISPATCH, F): 0.1}, r"expected keys among \(pre_process\.F, .*mlp\.R, .*; the compute"),
+        ({(Slot.POST_PROCESS, W): 0.1}, "expected keys among"),
+        ({(MLP, Direction.HOOK): 0.1}, "expected keys among"),
+        ({(MLP, R): -0.1}, r"\[mlp\.R\].*>= 0"),
+        ({(PRE, W): math.inf}, r"\[pre_dispatch\.W\].*finite"),
+        ({(MLP, F): math.nan}, r"\[mlp\.F\]"),
+    ]
+    for compute, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            StepTimes(times={}, compute_contention_by_kind=_bad(compute))
+        with pytest.raises(ConfigError, match=message.replace("StepTimes", "Costs")):
+            costs.replace(compute_contention_by_kind=compute)
+    with pytest.raises(ConfigError, match="StepTimes: expected one .* and compute_contention"):
+        StepTimes(times={}, comm_contention=0.1, compute_contention_by_kind={})
+    with pytest.raises(ConfigError, match="Costs: expected one contention model"):
+        costs.replace(comm_contention=0.1, compute_contention_by_kind=COMPUTE)
+    both = costs.replace(contention_by_kind=GIVEN, compute_contention_by_kind=COMPUTE)
+    assert both.compute_contention_by_kind == COMPUTE
+    compute_only = costs.replace(compute_contention_by_kind=COMPUTE)
+    layout = Layout(microbatches=4)
+    for where, call in (
+        ("plan", lambda: plan(compute_only, layout, "combined_1f1b")),
+        ("fit_contention", lambda: fit_contention(compute_only, layout, "combined_1f1b", 500.0)),
+    ):
+        with pytest.raises(
+            ConfigError, match=f"{where}: expected costs with compute_contention_by_kind=None"
+        ):
+            call()
+
+
+def test_the_search_times_orders_with_compute_contention(costs: Costs) -> None:
+    """Every frontier point is its order's replay with both streams' coefficients; compute
+    slowed too, no faster a frontier."""
+    space = dataclasses.replace(
+        QUICK_CHOICE_SPACE, in_flight=(2, 3), memory_caps=(None,), rules=("oldest",)
+    )
+    comm_only = search_schedules(costs.replace(contention_by_kind=GIVEN), 4, MEMORY, space)
+    both = costs.replace(contention_by_kind=GIVEN, compute_contention_by_kind=COMPUTE)
+    found = search_schedules(both, 4, MEMORY, space)
+    for p in found.frontier:
+        times = _times(costs, p.graph, GIVEN, COMPUTE)
+        times = dataclasses.replace(times, chunk_overhead_ms=0.0, recompute_cost=1.0)
+        assert replay_order(p.order, p.graph, times, MEMORY).step_ms == pytest.approx(p.step_ms)
+    fastest = min(p.step_ms for p in found.frontier)
+    assert fastest > min(p.step_ms for p in comm_only.frontier)
+    choice = choose_schedule(both, 4, MEMORY, space=space)
+    assert choice.chosen.step_ms >= fastest - 1e-9

@@ -296,6 +296,36 @@ def test_step_times_refuse_nan_and_malformed_times() -> None:
             StepTimes(times=_bad(times))
 
 
+@pytest.mark.parametrize(
+    "key",
+    [
+        (1, MLP, Direction.RECOMPUTE),
+        (1, Slot.PRE_FORWARD, Direction.HOOK),
+        (1, Slot.MTP_POST, F),
+        (1, Slot.PRE_PROCESS, F),
+        (None, MLP, F),
+    ],
+)
+def test_step_times_refuse_times_no_replay_reads(key: tuple[int | None, Slot, Direction]) -> None:
+    """Each was taken and never read (its milliseconds dropped without a word), as
+    ``Costs.times`` refuses them; a dispatch or combine of a layer the graph makes dense,
+    by the replay that knows it."""
+    times: dict[tuple[int | None, Slot, Direction], float] = {(0, MLP, F): 1.0, (1, MLP, F): 1.0}
+    with pytest.raises(ConfigError, match=r"StepTimes.times: expected only keys a replay") as e:
+        StepTimes(times={**times, key: 1.0})
+    assert repr(key) in str(e.value) and "drop them" in str(e.value)
+    graph = ScheduleGraph(microbatches=1, moe=(False, True))
+    order = today_orders(graph)["serial"]
+    for slot in (DISPATCH, COMBINE):
+        dense = StepTimes(times={**times, (0, slot, B): 1.0, (1, slot, B): 1.0})
+        with pytest.raises(ConfigError, match=r"replay_order: times\.times: expected only") as e:
+            replay_order(order, graph, dense, MEMORY)
+        assert f"received 1 other key(s): (0, <Slot.{slot.name}" in str(e.value)
+        assert "or set graph.moe for the layers that dispatch" in str(e.value)
+    moe = StepTimes(times={**times, (1, DISPATCH, B): 1.0, (1, COMBINE, W): 1.0})
+    assert replay_order(order, graph, moe, MEMORY).step_ms == 4.0
+
+
 def test_search_arguments_are_checked_before_use() -> None:
     """Each was a bare AttributeError, TypeError, ValueError or ZeroDivisionError."""
     graph = ScheduleGraph(microbatches=2, moe=(True,))

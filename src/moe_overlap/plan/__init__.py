@@ -26,10 +26,12 @@ from moe_overlap.plan._choose import (
 )
 from moe_overlap.plan._cli import add_plan_parser, run_plan
 from moe_overlap.plan._contention import (
+    COMPUTE_CONTENTION_KINDS,
     CONTENTION_KINDS,
     ContentionFit,
     ContentionKind,
     MeasuredSpan,
+    fit_compute_contention_by_kind,
     fit_contention_by_kind,
 )
 from moe_overlap.plan._layout import Layout, Schedule
@@ -65,6 +67,7 @@ from moe_overlap.plan._simulate import Costs, PlanSpan, RankFigures, stage_layer
 
 __all__ = [
     "CHOICE_SPACE",
+    "COMPUTE_CONTENTION_KINDS",
     "CONTENTION_KINDS",
     "MACHINES",
     "PRESETS",
@@ -99,6 +102,7 @@ __all__ = [
     "costs_from_model",
     "costs_from_profile",
     "fit_activations",
+    "fit_compute_contention_by_kind",
     "fit_contention",
     "fit_contention_by_kind",
     "load_profile",

@@ -11,7 +11,9 @@ does, on integers (with :attr:`~moe_overlap.plan.ScheduleGraph.one_event`, each
 microbatch's steps but ``W`` also after its forward and backward steps issued before them).
 With :attr:`~moe_overlap.plan.StepTimes.contention_by_kind` the scheduler estimates a
 communication step's end from the compute it has placed so far (compute issued later may
-slow it more: the replay, which every order found is timed by, counts it).
+slow it more: the replay, which every order found is timed by, counts it), and with
+:attr:`~moe_overlap.plan.StepTimes.compute_contention_by_kind` a compute step's from the
+communication placed so far.
 """
 
 import bisect
@@ -82,7 +84,7 @@ class ScheduleIds:
         self.records = [not (w or s.recompute) for w, s in zip(self.wgrad, self.steps, strict=True)]
         self.one_event = graph.one_event
         self.ms = [times.base_ms(s) for s in self.steps]
-        self.by_kind = times.contention_by_kind is not None
+        self.by_kind = times.by_kind
         self.lost = [times.lost_share(s) for s in self.steps]
         events = [memory.events(s, graph) for s in self.steps]
         self.alloc = [a for a, _ in events]
@@ -162,7 +164,8 @@ def schedule_ids(
     end = [0.0] * len(g.steps)
     free = [0.0, 0.0]
     event = [0.0] * len(g.count)  # per microbatch: when its last F/B step ends (one_event)
-    comp_spans: list[tuple[float, float]] = []  # by kind: the compute placed so far
+    placed: tuple[list[tuple[float, float]], list[tuple[float, float]]] = ([], [])
+    # by kind: the compute and the communication placed so far
     left = list(g.count)
     issued = [0] * len(g.count)
     started: set[int] = set()
@@ -210,10 +213,9 @@ def schedule_ids(
         first_start.setdefault(m, est)
         ms = g.ms[i]
         if g.by_kind:
-            if g.comm[i]:
-                ms = _beside_end(est, ms, g.lost[i], comp_spans) - est
-            else:
-                comp_spans.append((est, est + ms))
+            if g.comm[i] or g.lost[i]:  # (a compute step no contention slows: its ms)
+                ms = _beside_end(est, ms, g.lost[i], placed[not g.comm[i]]) - est
+            placed[g.comm[i]].append((est, est + ms))
         elif g.comm[i] and any(
             o != m and first_start[o] <= est and (o in flying or last_end[o] > est)
             for o in first_start
@@ -245,8 +247,8 @@ def schedule_ids(
 
 
 def _beside_end(start: float, ms: float, lost: float, comp: list[tuple[float, float]]) -> float:
-    """When a communication step of ``ms`` from ``start`` ends beside the compute spans
-    ``comp`` (in order, disjoint), losing ``lost`` of its time beside them."""
+    """When a step of ``ms`` from ``start`` ends beside the other stream's spans ``comp``
+    (in order, disjoint), losing ``lost`` of its time beside them."""
     t, left = start, ms  # ms still to run at rate 1
     first = max(0, bisect.bisect_left(comp, (start, start)) - 1)  # may reach past start
     for j in range(first, len(comp)):

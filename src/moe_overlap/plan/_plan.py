@@ -199,13 +199,16 @@ class Plan:
 def refuse_by_kind(where: str, costs: object) -> None:
     """Refuse a :class:`Costs` with contention per kind: the engine's step lists are
     replayed with one factor on every paired communication node."""
-    if isinstance(costs, Costs) and costs.contention_by_kind is not None:
-        raise ConfigError(
-            f"{where}: expected costs with contention_by_kind=None (it replays each action's "
-            "steps with one factor, comm_contention), received coefficients per kind; "
-            "use search_schedules, choose_schedule or replay_order for them, or "
-            "costs.replace(contention_by_kind=None, comm_contention=...) here"
-        )
+    if not isinstance(costs, Costs):
+        return
+    for name in ("contention_by_kind", "compute_contention_by_kind"):
+        if getattr(costs, name) is not None:
+            raise ConfigError(
+                f"{where}: expected costs with {name}=None (it replays each action's "
+                "steps with one factor, comm_contention), received coefficients per kind; "
+                "use search_schedules, choose_schedule or replay_order for them, or "
+                f"costs.replace({name}=None, comm_contention=...) here"
+            )
 
 
 def plan(costs: Costs, layout: Layout, schedule: "Schedule | str") -> Plan:

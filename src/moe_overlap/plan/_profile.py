@@ -9,13 +9,13 @@ numbers its layers from 0); :func:`profile_times` repeats it over the model's la
 import json
 import math
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import cast
 
 from moe_overlap.args import POSITIVE, Real, check_arg
 from moe_overlap.engine import ConfigError, Direction, Slot, SlotKey
 
-__all__ = ["check_times", "load_profile", "profile_times"]
+__all__ = ["check_times", "load_profile", "profile_times", "refuse_unread"]
 
 _MS = Real(min=0.0)
 
@@ -43,6 +43,51 @@ def check_times(where: str, times: object, *, any_layer: bool = False) -> None:
                 f"{key!r}; key node milliseconds as load_profile does"
             )
         check_arg(where, f"the milliseconds of {key!r}", ms, _MS)
+
+
+_TIMED = (Direction.FORWARD, Direction.BACKWARD, Direction.WGRAD)
+_LAYER_SLOTS = (Slot.PRE_DISPATCH, Slot.DISPATCH, Slot.MLP, Slot.COMBINE)
+_READ_SLOTS: dict[bool | None, tuple[Slot, ...]] = {
+    None: (Slot.PRE_PROCESS, Slot.POST_PROCESS),
+    True: _LAYER_SLOTS,
+    False: (Slot.PRE_DISPATCH, Slot.MLP),
+}
+"""The slots a replay reads times of: of layer ``None`` (pre- and post-process), of an MoE
+layer, of a dense layer; each in the directions of :data:`_TIMED`."""
+
+
+def refuse_unread(
+    where: str,
+    times: Mapping[SlotKey, float],
+    moe: Sequence[bool] | None,
+    moe_name: str = "moe",
+) -> None:
+    """Refuse keys of ``times`` that no replay reads (checked keys: ``(layer | None, Slot,
+    Direction)``): their milliseconds would be dropped without a word. ``moe``: which layer
+    is MoE (``None``: unknown, a layer's slots of either kind taken; a layer past its end:
+    not checked against it), ``moe_name`` what the message calls it."""
+
+    def read(layer: int | None) -> tuple[Slot, ...]:
+        if layer is None:
+            return _READ_SLOTS[None]
+        if moe is None or layer >= len(moe):
+            return _LAYER_SLOTS
+        return _READ_SLOTS[moe[layer]]
+
+    unread = [key for key in times if key[2] not in _TIMED or key[1] not in read(key[0])]
+    if not unread:
+        return
+    shown = ", ".join(map(repr, unread[:4])) + (
+        f" and {len(unread) - 4} more" if len(unread) > 4 else ""
+    )
+    hint = "" if moe is None else f", or set {moe_name} for the layers that dispatch"
+    raise ConfigError(
+        f"{where}: expected only keys a replay reads, directions F, B or W of "
+        "(None, pre_process | post_process), (an MoE layer, pre_dispatch | dispatch | mlp | "
+        f"combine) or (a dense layer, pre_dispatch | mlp) ({moe_name} says which layer is "
+        f"which), received {len(unread)} other key(s): {shown}; drop them (the planner has "
+        f"no node that runs them){hint}"
+    )
 
 
 def _row_key(given: object, where: str) -> tuple[SlotKey, float]:

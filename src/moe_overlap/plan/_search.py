@@ -385,6 +385,7 @@ def fit_activations(
         times=costs.times,
         comm_contention=costs.comm_contention,
         contention_by_kind=costs.contention_by_kind,
+        compute_contention_by_kind=costs.compute_contention_by_kind,
     )
     orders = today_orders(base)
     p_serial = replay_order(orders["serial"], base, times, memory).peak_units
@@ -466,9 +467,10 @@ def search_schedules(
     progress: Callable[[str], None] | None = None,
 ) -> SearchResult:
     """Search ``space`` for ``microbatches`` microbatches of ``costs``' model (its node
-    times, MoE layers and ``comm_contention`` or ``contention_by_kind``); memory by ``memory``, relative to the
-    serial step. ``today_recompute``: the recomputation of today's schedules with
-    recompute (default: pre-dispatch and mlp of every layer). The frontier's orders are
+    times, MoE layers and ``comm_contention`` or ``contention_by_kind`` and
+    ``compute_contention_by_kind``); memory by ``memory``, relative to the serial step.
+    ``today_recompute``: the recomputation of today's schedules with recompute (default:
+    pre-dispatch and mlp of every layer). The frontier's orders are
     checked (:func:`~moe_overlap.plan.check_exact`) and replayed
     (:func:`~moe_overlap.plan.replay_order`)."""
     where = "search_schedules"
@@ -494,6 +496,7 @@ def search_schedules(
             comm_contention=costs.comm_contention,
             delay_wgrad=graph.delay_wgrad,
             contention_by_kind=costs.contention_by_kind,
+            compute_contention_by_kind=costs.compute_contention_by_kind,
         )
 
     plain = times_of(base)

@@ -46,13 +46,14 @@ from moe_overlap.args import (
 from moe_overlap.engine import ConfigError
 from moe_overlap.plan._contention import (
     BY_KIND_SPEC,
+    COMPUTE_BY_KIND_SPEC,
     ContentionKind,
     check_one_contention,
     lost_share,
     place_streams,
 )
 from moe_overlap.plan._layout import check_microbatches
-from moe_overlap.plan._profile import check_times
+from moe_overlap.plan._profile import check_times, refuse_unread
 from moe_overlap.steps import Direction, NodeSchedule, Slot, StreamKind
 
 __all__ = [
@@ -378,7 +379,14 @@ class StepTimes:
     rate ``1 / (1 + c)`` while the compute stream runs a step and at rate 1 otherwise, so it
     is slowed by the compute actually beside it
     (:func:`~moe_overlap.plan.fit_contention_by_kind` fits it on a recorded step; a kind
-    not given: 0).
+    not given: 0). ``compute_contention_by_kind`` (also instead of ``comm_contention``):
+    the same for compute kinds (:data:`~moe_overlap.plan.COMPUTE_CONTENTION_KINDS`, a
+    recompute step's kind ``(slot, R)``), slowed while the communication stream runs a step
+    (:func:`~moe_overlap.plan.fit_compute_contention_by_kind`); either alone or both.
+
+    A key of ``times`` no replay reads is refused (a direction other than ``F``, ``B``,
+    ``W``; a slot no layer, or no pre- or post-process, has a node for), and
+    :func:`replay_order` refuses a dispatch or combine of a layer its graph makes dense.
     """
 
     times: Mapping[tuple[int | None, Slot, Direction], float]
@@ -391,6 +399,7 @@ class StepTimes:
     comm_contention: float = 0.0
     delay_wgrad: bool = False
     contention_by_kind: Mapping[ContentionKind, float] | None = None
+    compute_contention_by_kind: Mapping[ContentionKind, float] | None = None
 
     def __post_init__(self) -> None:
         check_fields(
@@ -404,19 +413,38 @@ class StepTimes:
                 "comm_contention": _MS,
                 "delay_wgrad": BOOL,
                 "contention_by_kind": BY_KIND_SPEC,
+                "compute_contention_by_kind": COMPUTE_BY_KIND_SPEC,
             },
         )
         check_times("StepTimes.times", self.times)
+        refuse_unread("StepTimes.times", self.times, None, "the replay's graph.moe")
         _fractions("StepTimes.wgrad_share", self.wgrad_share)
-        check_one_contention("StepTimes", self.comm_contention, self.contention_by_kind)
+        check_one_contention(
+            "StepTimes",
+            self.comm_contention,
+            self.contention_by_kind,
+            self.compute_contention_by_kind,
+        )
+
+    @property
+    def by_kind(self) -> bool:
+        """Whether a contention per kind is given (either stream's)."""
+        return self.contention_by_kind is not None or self.compute_contention_by_kind is not None
 
     def lost_share(self, step: SearchStep) -> float:
-        """The share of its time beside compute ``step`` loses with
-        :attr:`contention_by_kind` (0 without it, and for a compute step)."""
-        by_kind = self.contention_by_kind
-        if by_kind is None or step.stream is not COMM:
+        """The share of its time beside the other stream ``step`` loses with
+        :attr:`contention_by_kind` (a communication step) or
+        :attr:`compute_contention_by_kind` (a compute step; a recompute as ``(slot, R)``);
+        0 without it."""
+        if step.stream is COMM:
+            by_kind = self.contention_by_kind
+            direction = step.direction
+        else:
+            by_kind = self.compute_contention_by_kind
+            direction = Direction.RECOMPUTE if step.recompute else step.direction
+        if by_kind is None:
             return 0.0
-        return lost_share(by_kind, step.slot, step.direction)
+        return lost_share(by_kind, step.slot, direction)
 
     def base_ms(self, step: SearchStep) -> float:
         """``step``'s milliseconds without contention."""
@@ -659,12 +687,15 @@ def replay_order(
     times its time when it starts while another microbatch is in flight (between its first
     step's start and its last step's end): the planner's paired runs, timed by what runs at
     once rather than by runs; with :attr:`StepTimes.contention_by_kind` it is slowed by the
-    compute beside it instead, per kind. An order that is not exact for ``graph`` is refused
-    (:func:`check_exact`)."""
+    compute beside it instead, per kind (and with
+    :attr:`StepTimes.compute_contention_by_kind` a compute step by the communication beside
+    it). An order that is not exact for ``graph`` is refused (:func:`check_exact`), and so
+    are times of a dispatch or combine of a layer ``graph`` makes dense."""
     where = "replay_order"
     times = check_arg(where, "times", times, Instance(StepTimes, "a StepTimes"))
     memory = check_arg(where, "memory", memory, Instance(ActivationModel, "an ActivationModel"))
     check_exact(order, graph)
+    refuse_unread(f"{where}: times.times", times.times, graph.moe, "graph.moe")
     preds = {s: p for mb in range(graph.microbatches) for s, p in graph.microbatch_steps(mb)}
     steps = [s for s in order if s is not None]
     mbs = [s.microbatch for s in steps]
@@ -696,7 +727,7 @@ def replay_order(
             out.append((start, stop))
         return out
 
-    if times.contention_by_kind is not None:
+    if times.by_kind:
         lost = [times.lost_share(s) for s in steps]
         spans = place_streams(comm, base, lost, order_deps(order, preds, chained=chained))
     else:

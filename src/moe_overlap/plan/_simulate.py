@@ -42,8 +42,14 @@ from moe_overlap.engine import (
     replay,
 )
 from moe_overlap.plan._actions import Act, Action, Lowered
-from moe_overlap.plan._contention import BY_KIND_SPEC, ContentionKind, check_one_contention
+from moe_overlap.plan._contention import (
+    BY_KIND_SPEC,
+    COMPUTE_BY_KIND_SPEC,
+    ContentionKind,
+    check_one_contention,
+)
 from moe_overlap.plan._layout import Layout
+from moe_overlap.plan._profile import refuse_unread
 
 __all__ = ["Costs", "PlanSpan", "RankFigures", "Simulation", "simulate", "stage_layers"]
 
@@ -71,6 +77,7 @@ _COSTS_SPECS = {
     "comm_contention": _MS,
     "weight_split": BOOL,
     "contention_by_kind": BY_KIND_SPEC,
+    "compute_contention_by_kind": COMPUTE_BY_KIND_SPEC,
 }
 
 
@@ -95,7 +102,9 @@ class Costs:
     coefficient per communication kind, as
     :attr:`~moe_overlap.plan.StepTimes.contention_by_kind` takes it; the schedule search
     (:func:`~moe_overlap.plan.search_schedules`, :func:`~moe_overlap.plan.choose_schedule`)
-    uses it, :func:`~moe_overlap.plan.plan` refuses it.
+    uses it, :func:`~moe_overlap.plan.plan` refuses it. ``compute_contention_by_kind``
+    likewise: a coefficient per compute kind, as
+    :attr:`~moe_overlap.plan.StepTimes.compute_contention_by_kind` takes it.
     """
 
     times: Mapping[SlotKey, float]
@@ -109,10 +118,13 @@ class Costs:
     comm_contention: float = 0.0
     weight_split: bool = False
     contention_by_kind: Mapping[ContentionKind, float] | None = None
+    compute_contention_by_kind: Mapping[ContentionKind, float] | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, _COSTS_SPECS)
-        check_one_contention("Costs", self.comm_contention, self.contention_by_kind)
+        check_one_contention(
+            "Costs", self.comm_contention, self.contention_by_kind, self.compute_contention_by_kind
+        )
         n = len(self.moe)
         if self.activation_bytes and len(self.activation_bytes) != n:
             raise ConfigError(
@@ -131,7 +143,7 @@ class Costs:
                     f"Direction), received {key!r}"
                 )
             check_arg("Costs.times", f"the milliseconds of {key!r}", ms, _MS)
-        _refuse_unread(self.times, self.moe)
+        refuse_unread("Costs.times", self.times, self.moe)
 
     @property
     def num_layers(self) -> int:
@@ -141,39 +153,6 @@ class Costs:
     def replace(self, **changes: object) -> "Costs":
         """A copy with ``changes``."""
         return replaced(self, changes)
-
-
-_TIMED = (Direction.FORWARD, Direction.BACKWARD, Direction.WGRAD)
-_READ_SLOTS: dict[bool | None, tuple[Slot, ...]] = {
-    None: (Slot.PRE_PROCESS, Slot.POST_PROCESS),
-    True: (Slot.PRE_DISPATCH, Slot.DISPATCH, Slot.MLP, Slot.COMBINE),
-    False: (Slot.PRE_DISPATCH, Slot.MLP),
-}
-"""The slots a replay reads times of: of layer ``None`` (pre- and post-process), of an MoE
-layer, of a dense layer; each in the directions of :data:`_TIMED`."""
-
-
-def _refuse_unread(times: Mapping[SlotKey, float], moe: tuple[bool, ...]) -> None:
-    """Refuse keys of ``times`` that no replay reads (checked keys: ``(layer | None, Slot,
-    Direction)``): their milliseconds would be dropped without a word."""
-    unread = [
-        key
-        for key in times
-        if key[2] not in _TIMED
-        or key[1] not in _READ_SLOTS[None if key[0] is None else moe[key[0]]]
-    ]
-    if not unread:
-        return
-    shown = ", ".join(map(repr, unread[:4])) + (
-        f" and {len(unread) - 4} more" if len(unread) > 4 else ""
-    )
-    raise ConfigError(
-        f"Costs.times: expected only keys a replay reads, directions F, B or W of "
-        "(None, pre_process | post_process), (an MoE layer, pre_dispatch | dispatch | mlp | "
-        f"combine) or (a dense layer, pre_dispatch | mlp) (moe says which layer is which), "
-        f"received {len(unread)} other key(s): {shown}; drop them (the planner has no node "
-        "that runs them), or set moe for the layers that dispatch"
-    )
 
 
 class PlanSpan(NamedTuple):
