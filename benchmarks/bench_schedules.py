@@ -196,6 +196,7 @@ def predict(
     num_layers: int,
     contention: float,
     contention_by_kind: Mapping[ContentionKind, float] | None = None,
+    compute_contention_by_kind: Mapping[ContentionKind, float] | None = None,
 ) -> dict[str, float]:
     """Each variant's step milliseconds as ``frontier.py`` predicts them, from the serial
     node durations ``profile`` (``serial_slot_durations`` rows) with ``contention``:
@@ -205,21 +206,27 @@ def predict(
     gradients, recomputed slots, recompute started early), each replayed
     (:func:`~moe_overlap.plan.replay_order`) with the shares, recompute cost and event
     model the frontier was searched with (``config["space"]``; the planner's defaults
-    where the frontier names none); with ``contention_by_kind`` (a frontier searched with
-    it), that model in place of ``contention``."""
+    where the frontier names none); with ``contention_by_kind`` or
+    ``compute_contention_by_kind`` (a frontier searched with them), that model in place of
+    ``contention``."""
+    per_kind = contention_by_kind is not None or compute_contention_by_kind is not None
     replays = replayed(
         profile,
         config,
         num_layers=num_layers,
-        contention=0.0 if contention_by_kind else contention,
+        contention=0.0 if per_kind else contention,
         contention_by_kind=contention_by_kind,
+        compute_contention_by_kind=compute_contention_by_kind,
     )
     return {k: r.step_ms for k, r in replays.items()}
 
 
-def by_kind_of(frontier: JsonDict) -> dict[ContentionKind, float] | None:
-    """The frontier's contention per kind (``frontier.py --contention-by-kind``), if any."""
-    given = cast("dict[str, float] | None", frontier.get("contention_by_kind"))
+def by_kind_of(
+    frontier: JsonDict, key: str = "contention_by_kind"
+) -> dict[ContentionKind, float] | None:
+    """The frontier's contention per kind (``frontier.py --contention-by-kind``; with
+    ``key="compute_contention_by_kind"``, ``--compute-contention-by-kind``'s), if any."""
+    given = cast("dict[str, float] | None", frontier.get(key))
     if not given:
         return None
     out: dict[ContentionKind, float] = {}
@@ -332,9 +339,10 @@ def measure(
     args: argparse.Namespace,
     contention: float,
     contention_by_kind: Mapping[ContentionKind, float] | None = None,
+    compute_contention_by_kind: Mapping[ContentionKind, float] | None = None,
 ) -> JsonDict:
-    """Every figure of one frontier configuration (``contention``, ``contention_by_kind``:
-    the frontier's)."""
+    """Every figure of one frontier configuration (``contention`` and the coefficients per
+    kind: the frontier's)."""
     n = cast(int, config["microbatches"])
     ffn = cast(int, config["ffn"])
     cfg = SliceConfig(ffn=ffn) if not args.tiny else SliceConfig(hidden=256, ffn=128, tokens=256)
@@ -352,6 +360,7 @@ def measure(
         num_layers=cfg.num_layers,
         contention=contention,
         contention_by_kind=contention_by_kind,
+        compute_contention_by_kind=compute_contention_by_kind,
     )
     fitted = fit_here(profile, config, num_layers=cfg.num_layers, overlapped_ms=ms["overlapped"])
     refit = (
@@ -719,7 +728,8 @@ def main(argv: list[str] | None = None) -> None:
     for c in chosen:
         if "main" not in args.skip:
             print(f"bench_schedules: {c['name']} ...", file=sys.stderr, flush=True)
-            results.append(measure(c, args, contention, by_kind_of(frontier)))
+            compute = by_kind_of(frontier, "compute_contention_by_kind")
+            results.append(measure(c, args, contention, by_kind_of(frontier), compute))
         if "host" not in args.skip:
             print(f"bench_schedules: {c['name']}, host-bound size ...", file=sys.stderr, flush=True)
             hosts.append(host_bound(c, args))

@@ -24,7 +24,9 @@ Both are written into ``frontier.json``'s ``space``, which ``bench_schedules.py`
 with. ``--contention-by-kind`` searches with a contention per communication kind
 (:attr:`moe_overlap.plan.Costs.contention_by_kind`, e.g. the coefficients
 ``explain_prediction.py --offline`` fits on a recorded overlapped step) instead of the one
-factor; ``frontier.json`` records them and ``bench_schedules.py`` predicts with them.
+factor; ``--compute-contention-by-kind`` adds the compute stream's
+(:attr:`moe_overlap.plan.Costs.compute_contention_by_kind`); ``frontier.json`` records them
+and ``bench_schedules.py`` predicts with them.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ from pathlib import Path
 from typing import Any, cast
 
 from moe_overlap.plan import (
+    COMPUTE_CONTENTION_KINDS,
+    CONTENTION_KINDS,
     ActivationModel,
     Costs,
     Layout,
@@ -370,16 +374,15 @@ def _shares(
 
 
 def _by_kind(
-    p: argparse.ArgumentParser, words: list[str] | None
+    p: argparse.ArgumentParser, words: list[str] | None, *, compute: bool = False
 ) -> dict[tuple[Slot, Direction], float] | None:
-    """``--contention-by-kind``'s ``KIND=C`` words as a coefficient per (slot, direction)."""
+    """``--contention-by-kind``'s (``compute``: ``--compute-contention-by-kind``'s) ``KIND=C``
+    words as a coefficient per (slot, direction)."""
     if words is None:
         return None
-    kinds = {
-        f"{s.value}.{d.value}": (s, d)
-        for s in (Slot.DISPATCH, Slot.COMBINE)
-        for d in (Direction.FORWARD, Direction.BACKWARD)
-    }
+    allowed = COMPUTE_CONTENTION_KINDS if compute else CONTENTION_KINDS
+    kinds = {f"{s.value}.{d.value}": (s, d) for s, d in allowed}
+    flag = "--compute-contention-by-kind" if compute else "--contention-by-kind"
     out: dict[tuple[Slot, Direction], float] = {}
     for word in words:
         name, _, value = word.partition("=")
@@ -389,16 +392,22 @@ def _by_kind(
             c = float("nan")
         if name not in kinds or kinds[name] in out or not 0.0 <= c < float("inf"):
             p.error(
-                f"--contention-by-kind: expected one of {', '.join(kinds)}, once each, with a "
-                f"finite coefficient >= 0, got {word!r}"
+                f"{flag}: expected one of {', '.join(kinds)}, once each, with a finite "
+                f"coefficient >= 0, got {word!r}"
             )
         out[kinds[name]] = c
     return out
 
 
-def _per_kind(costs: Costs, by_kind: dict[tuple[Slot, Direction], float]) -> Costs:
+def _per_kind(
+    costs: Costs,
+    by_kind: dict[tuple[Slot, Direction], float] | None,
+    compute: dict[tuple[Slot, Direction], float] | None,
+) -> Costs:
     """``costs`` with the coefficients per kind in place of the one factor."""
-    return costs.replace(comm_contention=0.0, contention_by_kind=by_kind)
+    return costs.replace(
+        comm_contention=0.0, contention_by_kind=by_kind, compute_contention_by_kind=compute
+    )
 
 
 def main() -> None:
@@ -427,9 +436,18 @@ def main() -> None:
         "combine.F, combine.B; a kind not named: 0) instead of the one fitted factor "
         "(default: the one factor)",
     )
+    p.add_argument(
+        "--compute-contention-by-kind",
+        nargs="+",
+        default=None,
+        metavar="KIND=C",
+        help="a coefficient per compute kind (pre_dispatch.F, mlp.B, mlp.W, mlp.R, ...; a kind "
+        "not named: 0): its nodes slowed while an all-to-all runs (default: none)",
+    )
     args = p.parse_args()
     shares = _shares(p, cast("list[str] | None", args.wgrad_share))
     by_kind = _by_kind(p, cast("list[str] | None", args.contention_by_kind))
+    compute = _by_kind(p, cast("list[str] | None", args.compute_contention_by_kind), compute=True)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     results = cast(Json, json.loads(SOURCE.read_text()))
@@ -495,7 +513,8 @@ def main() -> None:
             recompute_saves=memory.recompute_saves,
             wgrad_keeps=memory.wgrad_keeps,
         )
-        searched = costs if by_kind is None else _per_kind(costs, by_kind)
+        per_kind = by_kind is not None or compute is not None
+        searched = _per_kind(costs, by_kind, compute) if per_kind else costs
         res = search_schedules(searched, n, model, space)
         ablation: list[Json] = []
         for label, narrow in ABLATION:
@@ -554,6 +573,11 @@ def main() -> None:
                     if args.contention_by_kind
                     else []
                 ),
+                *(
+                    ["--compute-contention-by-kind", *args.compute_contention_by_kind]
+                    if args.compute_contention_by_kind
+                    else []
+                ),
             ]
         ),
         "source": str(SOURCE.relative_to(ROOT)),
@@ -561,6 +585,9 @@ def main() -> None:
         "contention_by_kind": None
         if by_kind is None
         else {f"{k[0].value}.{k[1].value}": c for k, c in by_kind.items()},
+        "compute_contention_by_kind": None
+        if compute is None
+        else {f"{k[0].value}.{k[1].value}": c for k, c in compute.items()},
         "activations": {
             "unit_gb": unit_gb,
             "static_units_main": memory.static_units,

@@ -223,6 +223,7 @@ def test_bench_schedules_predicts_as_the_frontier_does(
             num_layers=row["config"]["num_layers"],
             contention=frontier["comm_contention"],
             contention_by_kind=bench.by_kind_of(frontier),
+            compute_contention_by_kind=bench.by_kind_of(frontier, "compute_contention_by_kind"),
         )
         want = {k: config["today"][k]["step_ms"] for k in bench.TODAY}
         want["searched"] = config["targets"]["best_ms"]
@@ -260,6 +261,16 @@ def test_frontier_reads_contention_per_kind_and_refuses_bad_ones(
     for bad in (*bad_words, ["combine.B=inf"], ["combine.B=nan"], ["combine.B"], ["combine.B=x"]):
         with pytest.raises(SystemExit) as exc:
             frontier._by_kind(parser, bad)
+        assert exc.value.code == 2
+    # --compute-contention-by-kind: the compute kinds (W and R too), not the communication's
+    got = frontier._by_kind(parser, ["pre_dispatch.F=0.5", "mlp.R=0.01"], compute=True)
+    assert got == {
+        (Slot.PRE_DISPATCH, Direction.FORWARD): 0.5,
+        (Slot.MLP, Direction.RECOMPUTE): 0.01,
+    }
+    for bad in (["combine.B=0.1"], ["mlp.H=0.1"], ["mlp.F=-0.1"]):
+        with pytest.raises(SystemExit) as exc:
+            frontier._by_kind(parser, bad, compute=True)
         assert exc.value.code == 2
 
 
