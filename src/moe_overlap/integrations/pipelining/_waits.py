@@ -11,8 +11,10 @@ can only pass through the nodes placed between ``u`` and ``v`` (a path never goe
 the order): a pairing is checked, and the order mended, in time linear in that stretch,
 which a pipeline keeps short, rather than in the whole schedule.
 
-The graph is built from torch's rule as this module reads it; ``pair_overlap_f_b`` does not
-rely on it alone: torch confirms every pairing the graph refuses, and the whole result.
+Where something an action waits for is made by several actions (one listed twice), the
+graph waits for all of them: it may refuse a pairing torch makes, never the reverse. It is
+built from torch's rule as this module reads it, so ``pair_overlap_f_b`` does not rely on
+it alone: torch confirms every pairing the graph refuses, and the whole result.
 """
 
 from __future__ import annotations
