@@ -13,7 +13,8 @@ the loss function stay torch's own.
 
 Its private modules: ``_torch`` holds every private torch name it uses (listed there), the
 torch 2.11 / 2.13 shims and :data:`TESTED_TORCH`; ``_lowering`` the pure functions over
-schedule data (:func:`pair_overlap_f_b`, tested without a process group); ``_runtime``
+schedule data (:func:`pair_overlap_f_b`, tested without a process group), with ``_waits``
+(what each action waits for: a pairing checked without re-running torch's placement); ``_runtime``
 :func:`prepare_schedule` and :class:`PipelineOverlap`, which composes the others:
 ``_stage_checks`` (what a stage and its inputs must be), ``_actions`` (the custom functions
 of the compute actions) over ``_plan_runner`` (the plans between actions),

@@ -15,6 +15,7 @@ from moe_overlap import ConfigError
 from moe_overlap.args import CALLABLE, POSITIVE, Instance, check_arg
 from moe_overlap.integrations.pipelining import _torch
 from moe_overlap.integrations.pipelining._torch import Action, check_torch
+from moe_overlap.integrations.pipelining._waits import WaitGraph
 
 __all__ = [
     "SCHEDULE_CLASSES",
@@ -51,6 +52,11 @@ def pair_overlap_f_b(
     step, so the ranks take turns (``moe_overlap.plan`` predicted 0.65-0.95x of the unpaired
     step that way, ``docs/planning.md``). The pair is ``(forward, backward)``, as
     ``ScheduleDualPipeV`` orders its own.
+
+    Each trial pairing is checked on a graph of what each action waits for, in time linear
+    in the stretch of schedule between the two actions; torch's placement confirms each
+    refusal and the result. The pairs are those of trying each with torch's placement, in
+    time about linear in the number of microbatches rather than quadratic.
     """
     check_torch()
     w = "pair_overlap_f_b"
@@ -58,6 +64,29 @@ def pair_overlap_f_b(
     check_arg(w, "num_stages", num_stages, POSITIVE)
     check_arg(w, "stage_to_rank", stage_to_rank, CALLABLE)
     _check_order(w, order, num_stages, stage_to_rank)
+    start = {r: list(order[r]) for r in sorted(order)}
+    graph = WaitGraph(start, num_stages, stage_to_rank)
+    out, unconfirmed = _pair(start, num_stages, stage_to_rank, graph if graph.acyclic else None)
+    if unconfirmed and not _lowers(out, num_stages, stage_to_rank):
+        # The graph made a pair torch would not have: pair again, every trial torch's.
+        out, _ = _pair({r: list(order[r]) for r in sorted(order)}, num_stages, stage_to_rank, None)
+    return out
+
+
+def _pair(
+    out: dict[int, list[Action | None]],
+    num_stages: int,
+    stage_to_rank: Callable[[int], int],
+    graph: WaitGraph | None,
+) -> tuple[dict[int, list[Action | None]], bool]:
+    """Pair ``out``'s neighbours in place; whether a pair was made on ``graph``'s word alone.
+
+    A pairing is made when ``graph`` finds no cycle, else when torch's placement of the
+    trial succeeds (then the graph misjudged and is dropped). A pairing torch refuses leaves
+    every later schedule refused too (a pair only adds waits), so when the result lowers,
+    each pairing the graph made is one torch would have made: the same pairs as trying each
+    with torch.
+    """
     kinds = _torch.kinds()
     forward, full_backward = kinds.forward, kinds.full_backward
 
@@ -71,19 +100,25 @@ def pair_overlap_f_b(
         f, bwd = (a, b) if a.computation_type == forward else (b, a)
         return _torch.overlap_action(f, bwd)
 
-    out: dict[int, list[Action | None]] = {r: list(order[r]) for r in sorted(order)}
+    unconfirmed = False
     for first in (full_backward, forward):
-        for rank in sorted(out):
+        for rank in out:
+            acts = out[rank]
             i = 0
-            while i + 1 < len(out[rank]):
-                acts = out[rank]
+            while i + 1 < len(acts):
                 pair = pairable(acts[i], acts[i + 1], first)
                 if pair is not None:
-                    trial = {**out, rank: [*acts[:i], pair, *acts[i + 2 :]]}
-                    if _lowers(trial, num_stages, stage_to_rank):
-                        out = trial
+                    if graph is not None and graph.try_merge(*graph.ids[rank][i : i + 2]):
+                        acts[i : i + 2] = [pair]
+                        del graph.ids[rank][i + 1]
+                        unconfirmed = True
+                    elif _lowers(
+                        {**out, rank: [*acts[:i], pair, *acts[i + 2 :]]}, num_stages, stage_to_rank
+                    ):
+                        acts[i : i + 2] = [pair]
+                        graph = None
                 i += 1
-    return out
+    return out, unconfirmed
 
 
 def _check_order(
