@@ -155,6 +155,29 @@ def test_contention_by_kind_reads_the_coefficient_each_row_implies(
 RECORDED = ROOT / "benchmarks" / "results" / "h100_2026_12_07b" / "explain" / "explain.json"
 
 
+def _past_and_beside(
+    nodes: list[dict[str, Any]], stream: str, alone: dict[str, float]
+) -> dict[str, list[float]]:
+    """Per node kind of ``stream``: its nodes' ms past ``alone`` and ms beside the other
+    stream's busy time (merged intervals), recomputed from a recorded row."""
+    other = "comp" if stream == "comm" else "comm"
+    busy: list[list[float]] = []
+    for x in sorted(nodes, key=lambda x: x["start_ms"]):
+        if x["stream"] == other:
+            if busy and x["start_ms"] <= busy[-1][1]:
+                busy[-1][1] = max(busy[-1][1], x["end_ms"])
+            else:
+                busy.append([x["start_ms"], x["end_ms"]])
+    sums: dict[str, list[float]] = {}
+    for x in nodes:
+        if x["stream"] == stream:
+            lo, hi = x["start_ms"], x["end_ms"]
+            s = sums.setdefault(".".join(x["node"].split(".")[-2:]), [0.0, 0.0])
+            s[0] += hi - lo - alone[x["node"]]
+            s[1] += sum(max(0.0, min(hi, e) - max(lo, b)) for b, e in busy)
+    return sums
+
+
 def test_offline_the_by_kind_model_is_what_the_recorded_run_implies(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -170,20 +193,7 @@ def test_offline_the_by_kind_model_is_what_the_recorded_run_implies(
     (result,) = doc["results"]
     measured = result["timelines"]["measured"]
     alone = {x["node"]: x["end_ms"] - x["start_ms"] for x in measured["searched_serial"]}
-    busy: list[list[float]] = []
-    for x in sorted(measured["overlapped"], key=lambda x: x["start_ms"]):
-        if x["stream"] == "comp":
-            if busy and x["start_ms"] <= busy[-1][1]:
-                busy[-1][1] = max(busy[-1][1], x["end_ms"])
-            else:
-                busy.append([x["start_ms"], x["end_ms"]])
-    sums: dict[str, list[float]] = {}
-    for x in measured["overlapped"]:
-        if x["stream"] == "comm":
-            lo, hi = x["start_ms"], x["end_ms"]
-            s = sums.setdefault(".".join(x["node"].split(".")[-2:]), [0.0, 0.0])
-            s[0] += hi - lo - alone[x["node"]]
-            s[1] += sum(max(0.0, min(hi, e) - max(lo, b)) for b, e in busy)
+    sums = _past_and_beside(measured["overlapped"], "comm", alone)
     share = {k: max(0.0, past / beside) for k, (past, beside) in sums.items()}
     want = {k: v / (1.0 - v) for k, v in share.items()}
     frontier = json.loads(
@@ -228,23 +238,10 @@ def test_offline_the_by_kind_both_model_is_what_the_recorded_run_implies(
     (result,) = doc["results"]
     measured = result["timelines"]["measured"]
     alone = {x["node"]: x["end_ms"] - x["start_ms"] for x in measured["searched_serial"]}
-    busy: list[list[float]] = []
-    for x in sorted(measured["overlapped"], key=lambda x: x["start_ms"]):
-        if x["stream"] == "comm":
-            if busy and x["start_ms"] <= busy[-1][1]:
-                busy[-1][1] = max(busy[-1][1], x["end_ms"])
-            else:
-                busy.append([x["start_ms"], x["end_ms"]])
-    sums: dict[str, list[float]] = {}
-    for x in measured["overlapped"]:
-        if x["stream"] == "comp":
-            lo, hi = x["start_ms"], x["end_ms"]
-            mine = alone[x["node"]]
-            if x["node"].endswith(".B"):
-                mine += alone.get(x["node"][:-1] + "W", 0.0)
-            s = sums.setdefault(".".join(x["node"].split(".")[-2:]), [0.0, 0.0])
-            s[0] += hi - lo - mine
-            s[1] += sum(max(0.0, min(hi, e) - max(lo, b)) for b, e in busy)
+    for node in list(alone):  # a backward's one-stream time with its W (the step's B has it)
+        if node.endswith(".B"):
+            alone[node] += alone.get(node[:-1] + "W", 0.0)
+    sums = _past_and_beside(measured["overlapped"], "comp", alone)
     want = {k: past / (beside - past) for k, (past, beside) in sums.items() if beside > 0}
     assert set(want) == {"pre_dispatch.F", "pre_dispatch.B", "mlp.F", "mlp.B"}
     assert all(c > 0 for c in want.values())

@@ -341,25 +341,35 @@ def fit_contention_by_kind(spans: Sequence[MeasuredSpan]) -> ContentionFit:
     their time beside compute is refused (:class:`~moe_overlap.ConfigError`): contention
     does not explain it."""
     where = "fit_contention_by_kind"
-    comp: list[MeasuredSpan] = []
-    comms: list[MeasuredSpan] = []
+    expected = "a compute span or a communication one of a dispatch or combine forward or backward"
+    comms, comp = _split(where, spans, StreamKind.COMM, CONTENTION_KINDS, expected)
+    return _fit(where, CONTENTION_KINDS, comms, comp, "compute")
+
+
+def _split(
+    where: str,
+    spans: Sequence[MeasuredSpan],
+    fitted: StreamKind,
+    kinds: tuple[ContentionKind, ...],
+    expected: str,
+) -> tuple[list[MeasuredSpan], list[MeasuredSpan]]:
+    """``spans`` checked and split: the ``fitted`` stream's (of ``kinds``, each with its
+    ``alone_ms``), the other stream's."""
+    own: list[MeasuredSpan] = []
+    other: list[MeasuredSpan] = []
     for i, given in enumerate(_sequence(where, spans)):
         span = _checked_span(where, i, given)
-        if span.stream is StreamKind.COMP:
-            comp.append(span)
+        if span.stream is not fitted and span.stream in (StreamKind.COMP, StreamKind.COMM):
+            other.append(span)
             continue
-        if (
-            span.stream is not StreamKind.COMM
-            or (span.slot, span.direction) not in CONTENTION_KINDS
-        ):
+        if span.stream is not fitted or (span.slot, span.direction) not in kinds:
             raise ConfigError(
-                f"{where}: spans[{i}]: expected a compute span or a communication one of a "
-                f"dispatch or combine forward or backward, received {span.slot!r}, "
+                f"{where}: spans[{i}]: expected {expected}, received {span.slot!r}, "
                 f"{span.direction!r} on {span.stream!r}"
             )
         check_arg(where, f"spans[{i}].alone_ms", span.alone_ms, Real(min=0.0))
-        comms.append(span)
-    return _fit(where, CONTENTION_KINDS, comms, comp, "compute")
+        own.append(span)
+    return own, other
 
 
 def fit_compute_contention_by_kind(spans: Sequence[MeasuredSpan]) -> ContentionFit:
@@ -373,22 +383,7 @@ def fit_compute_contention_by_kind(spans: Sequence[MeasuredSpan]) -> ContentionF
     c)``. A kind whose nodes lost more than all their time beside communication is refused
     (:class:`~moe_overlap.ConfigError`)."""
     where = "fit_compute_contention_by_kind"
-    comms: list[MeasuredSpan] = []
-    comp: list[MeasuredSpan] = []
-    for i, given in enumerate(_sequence(where, spans)):
-        span = _checked_span(where, i, given)
-        if span.stream is StreamKind.COMM:
-            comms.append(span)
-            continue
-        if (
-            span.stream is not StreamKind.COMP
-            or (span.slot, span.direction) not in COMPUTE_CONTENTION_KINDS
-        ):
-            raise ConfigError(
-                f"{where}: spans[{i}]: expected a communication span or a compute one of "
-                f"{', '.join(_kind_text(k) for k in COMPUTE_CONTENTION_KINDS)}, received "
-                f"{span.slot!r}, {span.direction!r} on {span.stream!r}"
-            )
-        check_arg(where, f"spans[{i}].alone_ms", span.alone_ms, Real(min=0.0))
-        comp.append(span)
+    kinds = ", ".join(_kind_text(k) for k in COMPUTE_CONTENTION_KINDS)
+    expected = f"a communication span or a compute one of {kinds}"
+    comp, comms = _split(where, spans, StreamKind.COMP, COMPUTE_CONTENTION_KINDS, expected)
     return _fit(where, COMPUTE_CONTENTION_KINDS, comp, comms, "communication")
