@@ -177,6 +177,12 @@ def test_an_order_its_arguments_disagree_with_is_refused() -> None:
             lambda: pair_overlap_f_b({0: order[0]}, num_stages=4, stage_to_rank=loop),
             "received none for rank(s) [1]",
         ),
+        (  # rank 1's stages never run: torch's placement raised a bare KeyError
+            lambda: pair_overlap_f_b(
+                {0: order[0], 1: [None] * len(order[1])}, num_stages=4, stage_to_rank=loop
+            ),
+            "expected an order torch lowers to communication without a deadlock",
+        ),
         (
             lambda: pair_overlap_f_b({0: _bad([1, 2])}, num_stages=4, stage_to_rank=loop),
             "order[0]: expected torch actions or None (bubbles), received int 1",

@@ -174,12 +174,15 @@ def _check_order(
 
 
 def _lowers(order: Order, num_stages: int, stage_to_rank: Callable[[int], int]) -> bool:
-    """torch's send/recv placement succeeds (no rank waits forever)."""
+    """torch's send/recv placement succeeds (no rank waits forever). A rank of bubbles only
+    that another rank sends to is left out of torch's placement, which then fails on its
+    missing rank (a ``KeyError``): that rank would never receive, so the order does not
+    lower either."""
     compute = {r: [a for a in acts if a is not None] for r, acts in order.items()}
     compute = {r: acts for r, acts in compute.items() if acts}
     try:
         _torch.add_send_recv(compute, stage_to_rank, num_stages)
-    except AssertionError:
+    except (AssertionError, KeyError):
         return False
     return True
 
