@@ -155,6 +155,21 @@ def test_contention_by_kind_reads_the_coefficient_each_row_implies(
 RECORDED = ROOT / "benchmarks" / "results" / "h100_2026_12_07b" / "explain" / "explain.json"
 
 
+def _offline(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> tuple[Any, str, dict[str, Any], dict[str, Any], dict[str, Any], dict[str, float]]:
+    """``--offline`` run on the committed H100 run: the module, what it printed, the
+    recorded document, its one result, its measured rows and each node's one-stream ms."""
+    ex = _module("explain_prediction", monkeypatch)
+    ex.main(["--offline", str(RECORDED)])
+    out = capsys.readouterr().out
+    doc = json.loads(RECORDED.read_text())
+    (result,) = doc["results"]
+    measured = result["timelines"]["measured"]
+    alone = {x["node"]: x["end_ms"] - x["start_ms"] for x in measured["searched_serial"]}
+    return ex, out, doc, result, measured, alone
+
+
 def _past_and_beside(
     nodes: list[dict[str, Any]], stream: str, alone: dict[str, float]
 ) -> dict[str, list[float]]:
@@ -186,13 +201,7 @@ def test_offline_the_by_kind_model_is_what_the_recorded_run_implies(
     c)``; 0 when no slower); the one factor replays the run's own prediction; every figure
     printed is finite, and the searched step is within 5 % with the coefficients per kind
     (6.4 % short with one factor)."""
-    ex = _module("explain_prediction", monkeypatch)
-    ex.main(["--offline", str(RECORDED)])
-    out = capsys.readouterr().out
-    doc = json.loads(RECORDED.read_text())
-    (result,) = doc["results"]
-    measured = result["timelines"]["measured"]
-    alone = {x["node"]: x["end_ms"] - x["start_ms"] for x in measured["searched_serial"]}
+    ex, out, doc, result, measured, alone = _offline(monkeypatch, capsys)
     sums = _past_and_beside(measured["overlapped"], "comm", alone)
     share = {k: max(0.0, past / beside) for k, (past, beside) in sums.items()}
     want = {k: v / (1.0 - v) for k, v in share.items()}
@@ -231,13 +240,7 @@ def test_offline_the_by_kind_both_model_is_what_the_recorded_run_implies(
     beside the communication stream); fitted on combined 1F1B they replay its compute
     stream within 1 %, and predict the searched step within 2.5 % and nearer than the
     communication coefficients alone, every figure finite."""
-    ex = _module("explain_prediction", monkeypatch)
-    ex.main(["--offline", str(RECORDED)])
-    out = capsys.readouterr().out
-    doc = json.loads(RECORDED.read_text())
-    (result,) = doc["results"]
-    measured = result["timelines"]["measured"]
-    alone = {x["node"]: x["end_ms"] - x["start_ms"] for x in measured["searched_serial"]}
+    ex, out, doc, _, measured, alone = _offline(monkeypatch, capsys)
     for node in list(alone):  # a backward's one-stream time with its W (the step's B has it)
         if node.endswith(".B"):
             alone[node] += alone.get(node[:-1] + "W", 0.0)
