@@ -44,7 +44,7 @@ def test_every_composition_stays_bit_identical_shaken_and_not() -> None:
     assert "runs not bit-identical: 0 of" in result.stdout
 
 
-@pytest.mark.parametrize("frontier", ["frontier_one_event", "frontier_choice"])
+@pytest.mark.parametrize("frontier", ["frontier_one_event", "frontier_choice", "frontier_by_kind"])
 def test_the_one_event_frontiers_best_orders_stay_bit_identical(frontier: str) -> None:
     """The best orders searched as the engine runs them (recomputes early, several
     microbatches in flight), shaken and not."""
