@@ -59,6 +59,13 @@ both rows' step and both streams' busy milliseconds, measured and predicted (and
 
     python benchmarks/explain_prediction.py \
         --offline benchmarks/results/h100_2026_12_07b/explain/explain.json
+
+``--fit-from EXPLAIN_JSON CONFIG`` fits those models on another recorded run's overlapped
+row instead, and so predicts out of sample (main N=8 from coefficients fitted at N=4)::
+
+    python benchmarks/explain_prediction.py \
+        --offline benchmarks/results/h100_2026_12_07d/explain8/explain.json \
+        --fit-from benchmarks/results/h100_2026_12_07b/explain/explain.json 'main N=4'
 """
 
 from __future__ import annotations
@@ -380,13 +387,31 @@ OFFLINE_MODELS = ("one_factor", "by_kind", "by_kind_both", "by_kind_both_wr0")
 streams (``W`` and ``R`` as ``B`` and ``F``; at 0)."""
 
 
-def offline(doc: JsonDict, configs: Sequence[JsonDict]) -> list[JsonDict]:
+def _measured_nodes(result: JsonDict) -> dict[str, list[Node]]:
+    measured = cast("dict[str, list[JsonDict]]", cast(JsonDict, result["timelines"])["measured"])
+    return {k: [node_of(x) for x in v] for k, v in measured.items()}
+
+
+def fits_of(result: JsonDict) -> tuple[ContentionFit, ContentionFit]:
+    """The per-kind models of both streams fitted on one recorded configuration's overlapped
+    row, each node against its ``searched_serial`` one-stream milliseconds."""
+    nodes = _measured_nodes(result)
+    alone = {n.key: n.ms for n in nodes["searched_serial"] if n.key.direction is not _R}
+    return fit_by_kind(nodes["overlapped"], alone), fit_compute_by_kind(nodes["overlapped"], alone)
+
+
+def offline(
+    doc: JsonDict,
+    configs: Sequence[JsonDict],
+    fitted_on: tuple[str, tuple[ContentionFit, ContentionFit]] | None = None,
+) -> list[JsonDict]:
     """Per configuration of a recorded ``explain.json``: the ``by_kind`` and
-    ``by_kind_both`` models refitted on its overlapped row and both rows replayed with them
-    and with ``one_event_measured_w``'s one factor (this run's, else the frontier's), from
-    its ``searched_serial`` profile; step and both streams' busy milliseconds, measured and
-    predicted. ``configs``: the frontier's (the searched order by name, checked the one
-    recorded)."""
+    ``by_kind_both`` models refitted on its overlapped row (or, with ``fitted_on``, a
+    description and the two fits of another run: a prediction out of sample) and both rows
+    replayed with them and with ``one_event_measured_w``'s one factor (this run's, else the
+    frontier's), from its ``searched_serial`` profile; step and both streams' busy
+    milliseconds, measured and predicted. ``configs``: the frontier's (the searched order by
+    name, checked the one recorded)."""
     out: list[JsonDict] = []
     tiny = "--tiny" in cast(str, doc.get("command", ""))
     for result in cast("list[JsonDict]", doc["results"]):
@@ -397,13 +422,7 @@ def offline(doc: JsonDict, configs: Sequence[JsonDict]) -> list[JsonDict]:
                 f"{name}: expected the frontier's configuration of that name searching "
                 f"{result['searched']!r}, received none or another order"
             )
-        measured = cast(
-            "dict[str, list[JsonDict]]", cast(JsonDict, result["timelines"])["measured"]
-        )
-        nodes = {k: [node_of(x) for x in v] for k, v in measured.items()}
-        alone = {n.key: n.ms for n in nodes["searched_serial"] if n.key.direction is not _R}
-        fit = fit_by_kind(nodes["overlapped"], alone)
-        compute = fit_compute_by_kind(nodes["overlapped"], alone)
+        fit, compute = fits_of(result) if fitted_on is None else fitted_on[1]
         profile = cast("list[JsonDict]", result["searched_serial_slot_durations"])
         layers = slice_config(cast(int, result["ffn"]), tiny=tiny).num_layers
         fitted = cast("dict[str, float | None]", result["contention_fitted_here"])
@@ -449,6 +468,7 @@ def offline(doc: JsonDict, configs: Sequence[JsonDict]) -> list[JsonDict]:
         out.append(
             {
                 "name": name,
+                "fitted_on": "this run" if fitted_on is None else fitted_on[0],
                 "one_factor": one,
                 "by_kind_fit": fit_json(fit),
                 "compute_by_kind_fit": fit_json(compute),
@@ -487,7 +507,7 @@ def offline_markdown(doc: JsonDict, found: Sequence[JsonDict]) -> str:
         lines += [
             f"## {r['name']}",
             "",
-            "Fitted on the overlapped row: "
+            f"Fitted on the overlapped row of {r['fitted_on']}: "
             + ", ".join(f"{k} {v:.3f}" for k, v in coefficients.items())
             + (f" (0: {'; '.join(notes)})" if notes else "")
             + f"; one factor {cast(float, r['one_factor']):.4f}.",
@@ -1009,12 +1029,31 @@ def main(argv: list[str] | None = None) -> None:
         metavar="EXPLAIN_JSON",
         help="recompute the by_kind models from a recorded explain.json (CPU; nothing written)",
     )
+    p.add_argument(
+        "--fit-from",
+        nargs=2,
+        metavar=("EXPLAIN_JSON", "CONFIG"),
+        help="with --offline: fit the by_kind models on the overlapped row of CONFIG in another "
+        "recorded explain.json instead (a prediction out of sample)",
+    )
     args = p.parse_args(argv)
+    if args.fit_from is not None and args.offline is None:
+        p.error("--fit-from: only with --offline")
     if args.offline is not None:
         try:
             recorded = cast(JsonDict, json.loads(cast(Path, args.offline).read_text("utf-8")))
             known = cast(JsonDict, json.loads(args.frontier.read_text("utf-8")))
-            found = offline(recorded, cast("list[JsonDict]", known["configs"]))
+            fitted_on = None
+            if args.fit_from is not None:
+                path, config = cast("list[str]", args.fit_from)
+                other = cast(JsonDict, json.loads(Path(path).read_text("utf-8")))
+                results = cast("list[JsonDict]", other["results"])
+                match = [r for r in results if r["name"] == config]
+                if not match:
+                    names = ", ".join(repr(r["name"]) for r in results)
+                    p.error(f"--fit-from: no configuration {config!r} in {path} (it has {names})")
+                fitted_on = (f"{config} in {path}", fits_of(match[0]))
+            found = offline(recorded, cast("list[JsonDict]", known["configs"]), fitted_on)
         except (OSError, ValueError, KeyError, TypeError) as e:
             p.error(f"--offline: expected an explain.json written by explain_prediction.py: {e}")
         print(offline_markdown(recorded, found))

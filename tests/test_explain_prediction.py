@@ -270,3 +270,40 @@ def test_offline_the_by_kind_both_model_is_what_the_recorded_run_implies(
     assert searched["by_kind_both_wr0"]["step_ms"] <= searched["by_kind_both"]["step_ms"]
     printed = f"| searched | by_kind_both | {searched['by_kind_both']['step_ms']:.1f} ({both:+.1%})"
     assert printed in out
+
+
+RECORDED_N8 = ROOT / "benchmarks" / "results" / "h100_2026_12_07d" / "explain8" / "explain.json"
+
+
+def test_offline_fit_from_predicts_out_of_sample(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--fit-from``: the models fitted on the committed main N=4 run (another machine's
+    session) replay the committed main N=8 run with exactly those coefficients, and predict
+    its searched step within 2.5 % with both streams per kind; without it each run uses its
+    own fit. A configuration the other file lacks, or ``--fit-from`` without ``--offline``,
+    is a usage error."""
+    ex = _module("explain_prediction", monkeypatch)
+    n4, n8 = (json.loads(p.read_text()) for p in (RECORDED, RECORDED_N8))
+    frontier = json.loads(
+        (ROOT / "benchmarks" / "results" / "frontier" / "frontier.json").read_text()
+    )
+    fits = ex.fits_of(n4["results"][0])
+    (own,) = ex.offline(n8, frontier["configs"])
+    (out_of_sample,) = ex.offline(n8, frontier["configs"], ("main N=4", fits))
+    assert own["fitted_on"] == "this run" and out_of_sample["fitted_on"] == "main N=4"
+    assert out_of_sample["by_kind_fit"] == ex.fit_json(fits[0])
+    assert out_of_sample["compute_by_kind_fit"] == ex.fit_json(fits[1])
+    assert own["by_kind_fit"] != out_of_sample["by_kind_fit"]
+    searched = out_of_sample["rows"]["searched"]
+    step = searched["measured_step_ms"]
+    assert abs(searched["by_kind_both"]["step_ms"] / step - 1) < 0.025
+    ex.main(["--offline", str(RECORDED_N8), "--fit-from", str(RECORDED), "main N=4"])
+    assert f"of main N=4 in {RECORDED}" in capsys.readouterr().out
+    for argv in (
+        ["--offline", str(RECORDED_N8), "--fit-from", str(RECORDED), "main N=9"],
+        ["--fit-from", str(RECORDED), "main N=4"],
+    ):
+        with pytest.raises(SystemExit) as exc:
+            ex.main(argv)
+        assert exc.value.code == 2
