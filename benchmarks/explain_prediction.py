@@ -1047,10 +1047,10 @@ def main(argv: list[str] | None = None) -> None:
             if args.fit_from is not None:
                 path, config = cast("list[str]", args.fit_from)
                 other = cast(JsonDict, json.loads(Path(path).read_text("utf-8")))
-                results = cast("list[JsonDict]", other["results"])
-                match = [r for r in results if r["name"] == config]
+                their = cast("list[JsonDict]", other["results"])
+                match = [r for r in their if r["name"] == config]
                 if not match:
-                    names = ", ".join(repr(r["name"]) for r in results)
+                    names = ", ".join(repr(r["name"]) for r in their)
                     p.error(f"--fit-from: no configuration {config!r} in {path} (it has {names})")
                 fitted_on = (f"{config} in {path}", fits_of(match[0]))
             found = offline(recorded, cast("list[JsonDict]", known["configs"]), fitted_on)
