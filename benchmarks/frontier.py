@@ -40,9 +40,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, cast
 
+from moe_overlap import ConfigError
 from moe_overlap.plan import (
-    COMPUTE_CONTENTION_KINDS,
-    CONTENTION_KINDS,
     ActivationModel,
     Costs,
     Layout,
@@ -54,6 +53,7 @@ from moe_overlap.plan import (
     fit_activations,
     fit_contention,
     load_profile,
+    parse_contention_by_kind,
     plan,
     search_schedules,
 )
@@ -377,26 +377,15 @@ def _by_kind(
     p: argparse.ArgumentParser, words: list[str] | None, *, compute: bool = False
 ) -> dict[tuple[Slot, Direction], float] | None:
     """``--contention-by-kind``'s (``compute``: ``--compute-contention-by-kind``'s) ``KIND=C``
-    words as a coefficient per (slot, direction)."""
+    words as a coefficient per (slot, direction) (:func:`parse_contention_by_kind`); a bad
+    word is the parser's one-line error."""
     if words is None:
         return None
-    allowed = COMPUTE_CONTENTION_KINDS if compute else CONTENTION_KINDS
-    kinds = {f"{s.value}.{d.value}": (s, d) for s, d in allowed}
     flag = "--compute-contention-by-kind" if compute else "--contention-by-kind"
-    out: dict[tuple[Slot, Direction], float] = {}
-    for word in words:
-        name, _, value = word.partition("=")
-        try:
-            c = float(value)
-        except ValueError:
-            c = float("nan")
-        if name not in kinds or kinds[name] in out or not 0.0 <= c < float("inf"):
-            p.error(
-                f"{flag}: expected one of {', '.join(kinds)}, once each, with a finite "
-                f"coefficient >= 0, got {word!r}"
-            )
-        out[kinds[name]] = c
-    return out
+    try:
+        return parse_contention_by_kind(flag, words, compute=compute)
+    except ConfigError as e:
+        p.error(str(e))
 
 
 def _per_kind(

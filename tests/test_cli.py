@@ -170,6 +170,63 @@ _MISUSES: dict[str, tuple[list[str], str]] = {
         ["plan", "--profile", "{tmp}/list.json", "--layers", "4", "--machine", "h100"],
         "(--profile gives the costs, no --choose), received --machine, which it would ignore",
     ),
+    "by-kind-without-choose": (
+        [
+            "plan",
+            "--contention-by-kind",
+            "combine.B=0.7",
+            "--compute-contention-by-kind",
+            "mlp.F=0",
+        ],
+        "(no --profile, no --choose), received --contention-by-kind "
+        "--compute-contention-by-kind, which it would ignore",
+    ),
+    "by-kind-with-contention": (
+        ["plan", "--choose", "--contention", "0.055", "--contention-by-kind", "combine.B=0.7"],
+        "plan --choose: expected one contention model, received --contention 0.055 and "
+        "--contention-by-kind; pass --contention 0 (its default) to use the coefficients per "
+        "kind, or drop --contention-by-kind",
+    ),
+    "compute-by-kind-with-contention": (
+        ["plan", "--choose", "--contention", "0.1", "--compute-contention-by-kind", "mlp.F=0"],
+        "received --contention 0.1 and --compute-contention-by-kind; pass --contention 0",
+    ),
+    "by-kind-unknown-slot": (
+        ["plan", "--choose", "--contention-by-kind", "combine.B=0.7", "mlp.F=0.1"],
+        "plan --contention-by-kind: expected KIND among the communication kinds (dispatch.F, "
+        "dispatch.B, combine.F, combine.B), received 'mlp.F=0.1'",
+    ),
+    "by-kind-unknown-direction": (
+        ["plan", "--choose", "--contention-by-kind", "combine.W=0.1"],
+        "plan --contention-by-kind: expected KIND among the communication kinds",
+    ),
+    "by-kind-not-a-number": (
+        ["plan", "--choose", "--contention-by-kind", "combine.B=high"],
+        "plan --contention-by-kind: expected a coefficient C that is a number, received "
+        "'combine.B=high'",
+    ),
+    "by-kind-no-coefficient": (
+        ["plan", "--choose", "--contention-by-kind", "combine.B"],
+        "plan --contention-by-kind: expected KIND=C (e.g. combine.B=0.7), received 'combine.B'",
+    ),
+    "by-kind-negative": (
+        ["plan", "--choose", "--contention-by-kind", "combine.B=-0.1"],
+        "plan --contention-by-kind: expected a finite coefficient >= 0, received 'combine.B=-0.1'",
+    ),
+    "by-kind-twice": (
+        ["plan", "--choose", "--contention-by-kind", "combine.B=0.7", "combine.B=0.6"],
+        "plan --contention-by-kind: expected each kind once, received combine.B again in "
+        "'combine.B=0.6'",
+    ),
+    "compute-by-kind-communication-kind": (
+        ["plan", "--choose", "--compute-contention-by-kind", "mlp.B=0.1", "combine.B=0.1"],
+        "plan --compute-contention-by-kind: expected KIND among the compute kinds (pre_process.F, ",
+    ),
+    "compute-by-kind-infinite": (
+        ["plan", "--choose", "--compute-contention-by-kind", "mlp.R=inf"],
+        "plan --compute-contention-by-kind: expected a finite coefficient >= 0, received "
+        "'mlp.R=inf'",
+    ),
     "demo-lr-nan": (
         ["demo", "--lr", "nan", "--out", "{tmp}/d"],
         "demo --lr: expected a finite learning rate >= 0, received nan",

@@ -24,7 +24,7 @@ from moe_overlap.plan import (
     search_schedules,
 )
 from moe_overlap.plan._choose import pick
-from moe_overlap.steps import NodeSchedule, Slot
+from moe_overlap.steps import Direction, NodeSchedule, Slot
 from tests.engine.test_node_schedule import run_both
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -210,3 +210,38 @@ def test_the_command_line_prints_the_choice_and_writes_it(
     assert "expected one pipeline rank (--pp 1 --vpp 1), received --pp 2" in (
         capsys.readouterr().err
     )
+
+
+def test_the_command_line_chooses_with_contention_per_kind(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--contention-by-kind`` and ``--compute-contention-by-kind`` give the choice of
+    ``choose_schedule`` with those coefficients in ``Costs`` (another than without them),
+    printed and recorded in choice.json."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(_row(2048, 4)["order_search"]["serial_slot_durations"]))
+    args = ["plan", "--choose", "--profile", str(profile), "--layers", "4", "--quick"]
+    args += ["--microbatches", "2", "--hidden", "4096", "--moe-ffn", "2048", "--top-k", "8"]
+    args += ["--contention-by-kind", "combine.B=0.739", "dispatch.F=0.029"]
+    args += ["--compute-contention-by-kind", "pre_dispatch.F=0.518", "--out", str(tmp_path)]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    comm = {(Slot.COMBINE, Direction.BACKWARD): 0.739, (Slot.DISPATCH, Direction.FORWARD): 0.029}
+    comp = {(Slot.PRE_DISPATCH, Direction.FORWARD): 0.518}
+    plain = costs_from_profile(
+        load_profile(_row(2048, 4)["order_search"]["serial_slot_durations"]), num_layers=4
+    )
+    costs = plain.replace(contention_by_kind=comm, compute_contention_by_kind=comp)
+    memory = ActivationModel.of_layer(hidden=4096, moe_ffn=2048, top_k=8)
+    want = choose_schedule(costs, 2, memory, space=QUICK_CHOICE_SPACE)
+    without = choose_schedule(plain, 2, memory, space=QUICK_CHOICE_SPACE)
+    assert (want.schedule, want.step_ms) != (without.schedule, without.step_ms)
+    assert want.summary() in out
+    assert "contention per kind (a kind not named: 0): combine.B=0.739 dispatch.F=0.029 " in out
+    assert "pre_dispatch.F=0.518 (compute)" in out
+    data = json.loads((tmp_path / "choice.json").read_text())
+    assert data["schedule"] == str(want.schedule) and data["step_ms"] == want.step_ms
+    assert data["memory"] == want.memory
+    assert data["comm_contention"] == 0.0
+    assert data["contention_by_kind"] == {"combine.B": 0.739, "dispatch.F": 0.029}
+    assert data["compute_contention_by_kind"] == {"pre_dispatch.F": 0.518}

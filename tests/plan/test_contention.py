@@ -27,6 +27,7 @@ from moe_overlap.plan import (
     fit_compute_contention_by_kind,
     fit_contention,
     fit_contention_by_kind,
+    parse_contention_by_kind,
     plan,
     replay_order,
     search_schedules,
@@ -460,3 +461,26 @@ def test_the_search_times_orders_with_compute_contention(costs: Costs) -> None:
     assert fastest > min(p.step_ms for p in comm_only.frontier)
     choice = choose_schedule(both, 4, MEMORY, space=space)
     assert choice.chosen.step_ms >= fastest - 1e-9
+
+
+def test_command_line_words_parse_in_order_or_are_refused_by_word() -> None:
+    """``KIND=C`` words give the coefficients a ``Costs`` takes, in the order given; each
+    bad word is refused naming the flag and the word."""
+    got = parse_contention_by_kind("--f", ["combine.B=0.739", "dispatch.F=0"])
+    assert list(got.items()) == [((COMBINE, B), 0.739), ((DISPATCH, F), 0.0)]
+    assert parse_contention_by_kind("--f", ["mlp.R=1e-2"], compute=True) == {(MLP, R): 0.01}
+    cases: list[tuple[object, bool, str]] = [
+        ("combine.B=0.7", False, "--f: expected a sequence of KIND=C words, received str"),
+        (["combine.B"], False, r"--f: expected KIND=C \(e\.g\. combine\.B=0\.7\)"),
+        ([0.7], False, "--f: expected KIND=C .* received 0.7"),
+        (["mlp.F=0.1"], False, "communication kinds .* received 'mlp.F=0.1'"),
+        (["combine.B=0.1"], True, "compute kinds .* received 'combine.B=0.1'"),
+        (["mlp.X=0.1"], True, "compute kinds .* received 'mlp.X=0.1'"),
+        (["combine.B=x"], False, "a number, received 'combine.B=x'"),
+        (["combine.B=-1"], False, ">= 0, received 'combine.B=-1'"),
+        (["combine.B=nan"], False, "finite coefficient >= 0, received 'combine.B=nan'"),
+        (["mlp.W=1", "mlp.W=2"], True, "each kind once, received mlp.W again in 'mlp.W=2'"),
+    ]
+    for words, compute, message in cases:
+        with pytest.raises(ConfigError, match=message):
+            parse_contention_by_kind("--f", _bad(words), compute=compute)

@@ -33,6 +33,7 @@ from moe_overlap.plan._contention import (
     MeasuredSpan,
     fit_compute_contention_by_kind,
     fit_contention_by_kind,
+    parse_contention_by_kind,
 )
 from moe_overlap.plan._layout import Layout, Schedule
 from moe_overlap.plan._machine import MACHINES, Link, Machine, a2a_ms, p2p_ms, roofline_durations
@@ -108,6 +109,7 @@ __all__ = [
     "load_profile",
     "node_schedule",
     "p2p_ms",
+    "parse_contention_by_kind",
     "plan",
     "profile_times",
     "replay_order",

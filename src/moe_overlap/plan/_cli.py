@@ -5,12 +5,13 @@ import dataclasses
 import errno
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, cast
 
 from moe_overlap.engine import ConfigError
 from moe_overlap.plan._choose import CHOICE_SPACE, QUICK_CHOICE_SPACE, choose_schedule
+from moe_overlap.plan._contention import ContentionKind, parse_contention_by_kind
 from moe_overlap.plan._layout import Layout, Schedule
 from moe_overlap.plan._machine import MACHINES, Machine
 from moe_overlap.plan._model import PRESETS, ModelSpec
@@ -95,7 +96,7 @@ def add_plan_parser(sub: _Subparsers) -> None:
         type=float,
         default=0.0,
         help="how much longer a copy runs under kernels, as a fraction (fit_contention; H200 "
-        "loopback: 0.055) (default: %(default)s)",
+        "loopback: 0.055); 0 with --contention-by-kind (default: %(default)s)",
     )
     p.add_argument(
         "--weight-split",
@@ -170,6 +171,22 @@ def add_plan_parser(sub: _Subparsers) -> None:
         help="search a smaller space, about twenty times faster (default: off)",
     )
     c.add_argument(
+        "--contention-by-kind",
+        nargs="+",
+        metavar="KIND=C",
+        help="a contention coefficient per communication kind (dispatch.F, dispatch.B, "
+        "combine.F, combine.B; a kind not named: 0; fit_contention_by_kind) instead of "
+        "--contention (default: none)",
+    )
+    c.add_argument(
+        "--compute-contention-by-kind",
+        nargs="+",
+        metavar="KIND=C",
+        help="a coefficient per compute kind (pre_dispatch.F, mlp.B, mlp.W, mlp.R, ...; a kind "
+        "not named: 0; fit_compute_contention_by_kind): its nodes slowed while an all-to-all "
+        "runs; instead of --contention (default: none)",
+    )
+    c.add_argument(
         "--hidden",
         type=int,
         help="hidden size, for the activation model; needed with --profile (default: none)",
@@ -223,6 +240,8 @@ def _refuse_unused(ns: argparse.Namespace) -> None:
         "--memory-budget": ns.memory_budget,
         "--static-share": ns.static_share,
         "--quick": ns.quick or None,
+        "--contention-by-kind": ns.contention_by_kind,
+        "--compute-contention-by-kind": ns.compute_contention_by_kind,
         "--hidden": ns.hidden,
         "--moe-ffn": ns.moe_ffn,
         "--top-k": ns.top_k,
@@ -240,7 +259,15 @@ def _refuse_unused(ns: argparse.Namespace) -> None:
         }
         unused += [k for k, (v, d) in model_flags.items() if v != d]
     if not ns.choose:
-        choose_only = ("--memory-budget", "--static-share", "--quick", "--hidden", "--moe-ffn")
+        choose_only = (
+            "--memory-budget",
+            "--static-share",
+            "--quick",
+            "--contention-by-kind",
+            "--compute-contention-by-kind",
+            "--hidden",
+            "--moe-ffn",
+        )
         unused += [k for k in (*choose_only, "--top-k") if k in given and k not in unused]
     else:
         if list(ns.schedule) != list(_DEFAULT_SCHEDULES):
@@ -258,6 +285,31 @@ def _refuse_unused(ns: argparse.Namespace) -> None:
             f"plan: expected only flags this run uses ({why}, {mode}), received "
             f"{' '.join(unused)}, which it would ignore; drop them (see plan --help)"
         )
+
+
+def _by_kind(
+    ns: argparse.Namespace,
+) -> tuple[dict[ContentionKind, float] | None, dict[ContentionKind, float] | None]:
+    """``--contention-by-kind`` and ``--compute-contention-by-kind`` parsed (``None``: not
+    given); either beside a ``--contention`` other than 0 is refused (one model at a time,
+    as :class:`Costs` has it)."""
+    words = {
+        "--contention-by-kind": cast("list[str] | None", ns.contention_by_kind),
+        "--compute-contention-by-kind": cast("list[str] | None", ns.compute_contention_by_kind),
+    }
+    given = [flag for flag, w in words.items() if w is not None]
+    factor = cast(float, ns.contention)
+    if given and factor != 0.0:
+        raise ConfigError(
+            f"plan --choose: expected one contention model, received --contention {factor!r} "
+            f"and {' and '.join(given)}; pass --contention 0 (its default) to use the "
+            f"coefficients per kind, or drop {' and '.join(given)}"
+        )
+    comm, comp = (
+        None if w is None else parse_contention_by_kind(f"plan {flag}", w, compute=i == 1)
+        for i, (flag, w) in enumerate(words.items())
+    )
+    return comm, comp
 
 
 def _model(ns: argparse.Namespace) -> ModelSpec:
@@ -337,10 +389,13 @@ def run_plan(ns: argparse.Namespace) -> int:
             f"plan --choose: expected one pipeline rank (--pp 1 --vpp 1), received --pp "
             f"{layout.pp} --vpp {layout.vpp}; it chooses the schedule of one rank's layers"
         )
-    costs, what = _costs(ns, layout)
     if ns.choose:
+        comm, comp = _by_kind(ns)
+        costs, what = _costs(ns, layout)
+        costs = costs.replace(contention_by_kind=comm, compute_contention_by_kind=comp)
         print(f"costs from {what}", flush=True)
         return _run_choose(ns, costs)
+    costs, what = _costs(ns, layout)
     hbm_gb = None if ns.profile is not None else Machine.preset(ns.machine).hbm_GB
     print(f"costs from {what}", flush=True)
     plans: list[Plan] = []
@@ -404,7 +459,12 @@ def _activations(ns: argparse.Namespace, costs: Costs) -> ActivationModel:
         )
     memory = ActivationModel.of_layer(hidden=hidden, moe_ffn=ffn, top_k=top_k)
     graph = ScheduleGraph(microbatches=cast(int, ns.microbatches), moe=costs.moe)
-    times = StepTimes(times=costs.times, comm_contention=costs.comm_contention)
+    times = StepTimes(
+        times=costs.times,
+        comm_contention=costs.comm_contention,
+        contention_by_kind=costs.contention_by_kind,
+        compute_contention_by_kind=costs.compute_contention_by_kind,
+    )
     serial = replay_order(today_orders(graph)["serial"], graph, times, memory).peak_units
     return dataclasses.replace(memory, static_units=serial * share / (1.0 - share))
 
@@ -419,6 +479,7 @@ def _run_choose(ns: argparse.Namespace, costs: Costs) -> int:
         f"memory: peak activations{' plus the static part' if share else ''}, times the "
         f"serial step's ({share:g} of whose peak is static)"
     )
+    print(_contention_line(costs))
     print(choice.summary())
     if choice.kind == "searched":
         print(f"  schedule (NodeSchedule.parse reads it): {choice.schedule}")
@@ -439,8 +500,34 @@ def _run_choose(ns: argparse.Namespace, costs: Costs) -> int:
             "delay_wgrad_compute": choice.options.delay_wgrad_compute,
             "recompute": [Slot(s).value for s in choice.options.recompute],
             "schedule": str(choice.schedule),
+            "comm_contention": costs.comm_contention,
+            "contention_by_kind": _by_kind_json(costs.contention_by_kind),
+            "compute_contention_by_kind": _by_kind_json(costs.compute_contention_by_kind),
         }
         path = out / "choice.json"
         path.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
         print(f"wrote {path}")
     return 0
+
+
+def _by_kind_json(by_kind: Mapping[ContentionKind, float] | None) -> dict[str, float] | None:
+    """Coefficients per kind keyed ``slot.direction`` (as the flags take them)."""
+    if by_kind is None:
+        return None
+    return {f"{s.value}.{d.value}": c for (s, d), c in by_kind.items()}
+
+
+def _contention_line(costs: Costs) -> str:
+    """The contention model the choice was made with, in one line."""
+    models = {
+        "communication": _by_kind_json(costs.contention_by_kind),
+        "compute": _by_kind_json(costs.compute_contention_by_kind),
+    }
+    parts = [
+        f"{' '.join(f'{k}={c}' for k, c in given.items()) or 'none'} ({node})"
+        for node, given in models.items()
+        if given is not None
+    ]
+    if not parts:
+        return f"contention: {costs.comm_contention}, one factor for every all-to-all"
+    return f"contention per kind (a kind not named: 0): {', '.join(parts)}"

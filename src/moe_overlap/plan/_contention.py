@@ -34,6 +34,7 @@ __all__ = [
     "fit_compute_contention_by_kind",
     "fit_contention_by_kind",
     "lost_share",
+    "parse_contention_by_kind",
     "place_streams",
 ]
 
@@ -118,6 +119,64 @@ def check_compute_contention_by_kind(
         "mlp (F, B, W, R: a recompute); the dispatch and the combine take contention_by_kind"
     )
     return _check_by_kind(where, value, COMPUTE_CONTENTION_KINDS, "compute", why)
+
+
+def parse_contention_by_kind(
+    flag: str, words: Sequence[str], *, compute: bool = False
+) -> dict[ContentionKind, float]:
+    """Command-line words ``KIND=C`` (``KIND`` as ``slot.direction``, e.g.
+    ``combine.B=0.739``) as a coefficient per kind, in the order given, for
+    :attr:`~moe_overlap.plan.Costs.contention_by_kind` (``compute``:
+    :attr:`~moe_overlap.plan.Costs.compute_contention_by_kind`).
+
+    ``flag`` names the words in an error: a word without ``=``, a kind not among
+    :data:`CONTENTION_KINDS` (``compute``: :data:`COMPUTE_CONTENTION_KINDS`), a kind twice, or
+    a coefficient that is not a finite number ``>= 0`` is a :class:`~moe_overlap.ConfigError`
+    naming the word."""
+    given = cast(object, words)
+    if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
+        raise ConfigError(
+            f"{flag}: expected a sequence of KIND=C words, received {type(given).__name__}; "
+            "pass a list such as ['combine.B=0.739']"
+        )
+    kinds = COMPUTE_CONTENTION_KINDS if compute else CONTENTION_KINDS
+    by_name = {_kind_text(k): k for k in kinds}
+    known = ", ".join(by_name)
+    if compute:
+        node, example, other = "compute", "mlp.B=0.1", "the dispatch and the combine are not"
+    else:
+        node, example, other = "communication", "combine.B=0.7", "only those communicate"
+    out: dict[ContentionKind, float] = {}
+    for word in cast("Sequence[object]", given):
+        if not isinstance(word, str) or "=" not in word:
+            raise ConfigError(
+                f"{flag}: expected KIND=C (e.g. {example}), received "
+                f"{word!r}; write each kind and its coefficient joined by '='"
+            )
+        name, _, value = word.partition("=")
+        if name not in by_name:
+            raise ConfigError(
+                f"{flag}: expected KIND among the {node} kinds ({known}), received {word!r} "
+                f"({other}); write the kind as slot.direction"
+            )
+        try:
+            c = float(value)
+        except ValueError:
+            raise ConfigError(
+                f"{flag}: expected a coefficient C that is a number, received {word!r}; "
+                "write e.g. 0.5"
+            ) from None
+        if not 0.0 <= c < math.inf:
+            raise ConfigError(
+                f"{flag}: expected a finite coefficient >= 0, received {word!r}; 0 is no contention"
+            )
+        if by_name[name] in out:
+            raise ConfigError(
+                f"{flag}: expected each kind once, received {name} again in {word!r}; "
+                "give one coefficient per kind"
+            )
+        out[by_name[name]] = c
+    return out
 
 
 def check_one_contention(
