@@ -131,6 +131,7 @@ def test_compute_bound_and_no_communication_say_so() -> None:
     assert little.reason.startswith("compute-bound (233.8 ms of compute, 43.4 ms of comm")
     assert little.step_ms < little.serial.step_ms
     assert little.step_ms >= little.serial.comp_ms - 1e-9  # never below the compute
+    assert little.summary().startswith(f"choice within any peak memory: {little.label}\n")
     none = choose_schedule(_scaled_comm(costs, 0.0), 4, memory, space=QUICK_CHOICE_SPACE)
     assert (none.kind, none.bound, none.over_budget) == ("serial", "no communication", None)
     assert "nothing beats serial at any memory" in none.reason

@@ -144,9 +144,13 @@ class ScheduleChoice:
     def summary(self) -> str:
         """The recommendation, a few lines of text."""
         c, s = self.chosen, self.serial
-        budget = "any memory" if self.budget is None else f"{self.budget:g}x the serial step's"
+        within = (
+            "any peak memory"
+            if self.budget is None
+            else f"{self.budget:g}x the serial step's peak memory"
+        )
         lines = [
-            f"choice within {budget} peak memory: {self.label}",
+            f"choice within {within}: {self.label}",
             f"  predicted: {c.step_ms:.1f} ms ({s.step_ms / c.step_ms:.3f}x serial's "
             f"{s.step_ms:.1f} ms), peak memory {c.memory:.3f}x serial's",
         ]
