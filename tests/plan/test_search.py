@@ -326,6 +326,24 @@ def test_step_times_refuse_times_no_replay_reads(key: tuple[int | None, Slot, Di
     assert replay_order(order, graph, moe, MEMORY).step_ms == 4.0
 
 
+def test_replay_order_refuses_times_of_layers_past_the_graph() -> None:
+    """A layer the graph does not have was taken and its milliseconds dropped (the step
+    timed as if it were not there), as ``Costs.times`` refuses it."""
+    graph = ScheduleGraph(microbatches=1, moe=(True,))
+    order = today_orders(graph)["serial"]
+    times: dict[tuple[int | None, Slot, Direction], float] = {(0, MLP, F): 1.0, (0, MLP, B): 2.0}
+    assert replay_order(order, graph, StepTimes(times=times), MEMORY).step_ms == 3.0
+    extra = StepTimes(times={**times, (1, MLP, F): 5.0, (3, DISPATCH, B): 1.0})
+    with pytest.raises(
+        ConfigError, match=r"replay_order: times\.times: expected layers 0\.\.0"
+    ) as e:
+        replay_order(order, graph, extra, MEMORY)
+    assert "(graph.moe has 1 layers), received 2 key(s) of other layers: (1, <Slot.MLP" in str(
+        e.value
+    )
+    assert "give graph.moe for every layer the times cover" in str(e.value)
+
+
 def test_search_arguments_are_checked_before_use() -> None:
     """Each was a bare AttributeError, TypeError, ValueError or ZeroDivisionError."""
     graph = ScheduleGraph(microbatches=2, moe=(True,))
