@@ -26,6 +26,7 @@ from moe_overlap.plan import (
     fit_contention,
     load_profile,
     plan,
+    stage_layers,
 )
 from moe_overlap.plan import _plan as plan_module
 from moe_overlap.steps import (
@@ -295,6 +296,20 @@ def test_load_profile_refuses_what_is_not_rows(tmp_path: Path) -> None:
     broken.write_text("{not json")
     with pytest.raises(ConfigError, match="readable JSON file .*broken.json"):
         load_profile(broken)
+
+
+def test_stage_layers_checks_its_counts() -> None:
+    """0 stages was a bare ZeroDivisionError, negative counts gave no stages, ``True``
+    stages one, a float a bare TypeError."""
+    assert stage_layers(5, 2) == [range(0, 3), range(3, 5)]
+    for layers, stages, name in (
+        (4, 0, "num_stages"),
+        (-1, -2, "num_layers"),
+        (4, True, "num_stages"),
+        (4.0, 2, "num_layers"),
+    ):
+        with pytest.raises(ConfigError, match=rf"^stage_layers: {name} must be an int >= 1"):
+            stage_layers(cast(Any, layers), cast(Any, stages))
 
 
 def test_refusals() -> None:
