@@ -20,8 +20,11 @@ from moe_overlap.integrations.pipelining import schedule_order
 from moe_overlap.plan import (
     Costs,
     Layout,
+    Machine,
+    ModelSpec,
     Plan,
     Schedule,
+    costs_from_model,
     costs_from_profile,
     fit_contention,
     load_profile,
@@ -581,6 +584,26 @@ def test_fit_contention_refuses_a_step_contention_does_not_change() -> None:
         fit_contention(costs, Layout(), "combined_1f1b", _bad("10"))
     with pytest.raises(ConfigError, match="fit_contention: costs must be a Costs"):
         fit_contention(_bad(None), Layout(), "combined_1f1b", 10.0)
+    for upper in (-1.0, float("nan"), True):  # named Costs.comm_contention before
+        with pytest.raises(ConfigError, match=r"^fit_contention: upper must be a finite real"):
+            fit_contention(costs, Layout(), "combined_1f1b", 10.0, upper=_bad(upper))
+
+
+def test_costs_from_model_checks_its_arguments() -> None:
+    """Each was a bare AttributeError (a preset's name for the model, no layout)."""
+    model, machine = ModelSpec.preset("deepseek-v2-lite", seq_len=512), Machine.preset("h100")
+    assert costs_from_model(model, machine, Layout()).num_layers == model.num_layers
+    cases = (
+        (
+            lambda: costs_from_model(_bad("deepseek-v2-lite"), machine, Layout()),
+            "model must be a ModelSpec",
+        ),
+        (lambda: costs_from_model(model, _bad("h100"), Layout()), "machine must be a Machine"),
+        (lambda: costs_from_model(model, machine, _bad(None)), "layout must be a Layout"),
+    )
+    for call, message in cases:
+        with pytest.raises(ConfigError, match=rf"^costs_from_model: {message}"):
+            call()
 
 
 def _bad(value: object) -> Any:
