@@ -344,6 +344,20 @@ def test_replay_order_refuses_times_of_layers_past_the_graph() -> None:
     assert "give graph.moe for every layer the times cover" in str(e.value)
 
 
+def test_keys_no_step_reads_are_refused() -> None:
+    """A share of a slot without weight-gradient steps and the units of a slot no step runs
+    were taken and dropped (the replay as if they were not given)."""
+    times = {(0, MLP, F): 1.0, (0, MLP, B): 2.0, (0, COMBINE, B): 2.0}
+    StepTimes(times=times, wgrad_share={MLP: 0.5, PRE: 0.0})
+    with pytest.raises(ConfigError, match=r"^StepTimes\.wgrad_share: expected keys Slot\.PRE_DISP"):
+        StepTimes(times=times, wgrad_share={MLP: 0.5, COMBINE: 0.5})
+    ActivationModel(units={MLP: 1.0, Slot.PRE_PROCESS: 1.0, Slot.POST_PROCESS: 2.0})
+    for slot in (Slot.MTP_POST, Slot.PRE_FORWARD):
+        with pytest.raises(ConfigError, match=r"^ActivationModel\.units: expected keys among") as e:
+            ActivationModel(units={MLP: 1.0, slot: 4.0})
+        assert f"post_process), received {slot!r}; drop it" in str(e.value)
+
+
 def test_search_arguments_are_checked_before_use() -> None:
     """Each was a bare AttributeError, TypeError, ValueError or ZeroDivisionError."""
     graph = ScheduleGraph(microbatches=2, moe=(True,))
