@@ -566,6 +566,17 @@ def test_a_step_of_more_microbatches_than_the_planner_takes_is_refused() -> None
         Layout().replace(microbatches=65537)
 
 
+def test_layout_first_gpu_takes_a_rank_of_the_layout() -> None:
+    """A rank outside the pipeline gave a GPU outside the layout (-8, 16), ``True`` rank 1."""
+    layout = Layout(pp=2, ep=8)
+    assert [layout.first_gpu(r) for r in range(2)] == [0, 8]
+    for rank in (-1, 2, True):
+        with pytest.raises(
+            ConfigError, match=r"^Layout\.first_gpu: pp_rank must be an int in \[0, pp-1=1\]"
+        ):
+            layout.first_gpu(rank)
+
+
 def test_load_profile_refuses_nan_ms_and_bool_layers() -> None:
     row = {"layer": 0, "slot": "mlp", "direction": "F", "ms": float("nan")}
     with pytest.raises(ConfigError, match="NaN and infinities are not durations"):
