@@ -344,6 +344,27 @@ def test_replay_order_refuses_times_of_layers_past_the_graph() -> None:
     assert "give graph.moe for every layer the times cover" in str(e.value)
 
 
+def test_today_orders_refuses_a_graph_today_s_schedules_do_not_run() -> None:
+    """A chunked graph, or one with delayed weight gradients or early recomputation, gave
+    orders without those steps (not orders of the graph); a graph of another type was a
+    bare AttributeError."""
+    graph = ScheduleGraph(microbatches=2, moe=(True,))
+    for other in (
+        graph.replace(chunks=2),
+        graph.replace(delay_wgrad=True),
+        graph.replace(recompute=frozenset({(0, 0, MLP)}), early_recompute=True),
+    ):
+        with pytest.raises(ConfigError, match=r"^today_orders: graph: expected a graph of today"):
+            today_orders(other)
+    with pytest.raises(ConfigError, match=r"^today_orders: graph must be a ScheduleGraph"):
+        today_orders(_bad(None))
+    assert set(today_orders(graph.replace(one_event=True))) == {
+        "serial",
+        "overlapped",
+        "fill_drain",
+    }
+
+
 def test_keys_no_step_reads_are_refused() -> None:
     """A share of a slot without weight-gradient steps and the units of a slot no step runs
     were taken and dropped (the replay as if they were not given)."""
