@@ -365,6 +365,18 @@ def test_today_orders_refuses_a_graph_today_s_schedules_do_not_run() -> None:
     }
 
 
+def test_a_microbatch_outside_the_graph_has_no_steps() -> None:
+    """Its steps were made up (microbatch 5 or -1 of a 2-microbatch graph)."""
+    graph = ScheduleGraph(microbatches=2, moe=(True,))
+    assert {s.microbatch for s, _ in graph.microbatch_steps(1)} == {1}
+    for mb in (2, -1, True):
+        with pytest.raises(
+            ConfigError,
+            match=r"^ScheduleGraph\.microbatch_steps: mb must be an int in \[0, microbatches-1=1\]",
+        ):
+            graph.microbatch_steps(mb)
+
+
 def test_keys_no_step_reads_are_refused() -> None:
     """A share of a slot without weight-gradient steps and the units of a slot no step runs
     were taken and dropped (the replay as if they were not given)."""

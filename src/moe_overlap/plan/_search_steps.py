@@ -36,6 +36,7 @@ from moe_overlap.args import (
     BOOL,
     POSITIVE,
     Instance,
+    Int,
     Items,
     Real,
     Spec,
@@ -160,6 +161,10 @@ class ScheduleGraph:
     def microbatch_steps(self, mb: int) -> list[tuple[SearchStep, tuple[SearchStep, ...]]]:
         """Microbatch ``mb``'s steps in plain ``backward()``'s order, each with the steps
         whose results it reads (a ``W`` step: its backward, for the order only)."""
+        last = self.microbatches - 1
+        mb = check_arg(
+            "ScheduleGraph.microbatch_steps", "mb", mb, Int(0, last, max_name="microbatches-1")
+        )
         out: list[tuple[SearchStep, tuple[SearchStep, ...]]] = []
         prev: tuple[SearchStep, ...] = ()
 
