@@ -604,14 +604,14 @@ def test_costs_from_model_checks_its_arguments() -> None:
     """Each was a bare AttributeError (a preset's name for the model, no layout)."""
     model, machine = ModelSpec.preset("deepseek-v2-lite", seq_len=512), Machine.preset("h100")
     assert costs_from_model(model, machine, Layout()).num_layers == model.num_layers
-    cases = (
+    cases: list[tuple[Callable[[], object], str]] = [
         (
             lambda: costs_from_model(_bad("deepseek-v2-lite"), machine, Layout()),
             "model must be a ModelSpec",
         ),
         (lambda: costs_from_model(model, _bad("h100"), Layout()), "machine must be a Machine"),
         (lambda: costs_from_model(model, machine, _bad(None)), "layout must be a Layout"),
-    )
+    ]
     for call, message in cases:
         with pytest.raises(ConfigError, match=rf"^costs_from_model: {message}"):
             call()

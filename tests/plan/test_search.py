@@ -380,7 +380,11 @@ def test_a_microbatch_outside_the_graph_has_no_steps() -> None:
 def test_keys_no_step_reads_are_refused() -> None:
     """A share of a slot without weight-gradient steps and the units of a slot no step runs
     were taken and dropped (the replay as if they were not given)."""
-    times = {(0, MLP, F): 1.0, (0, MLP, B): 2.0, (0, COMBINE, B): 2.0}
+    times: dict[tuple[int | None, Slot, Direction], float] = {
+        (0, MLP, F): 1.0,
+        (0, MLP, B): 2.0,
+        (0, COMBINE, B): 2.0,
+    }
     StepTimes(times=times, wgrad_share={MLP: 0.5, PRE: 0.0})
     with pytest.raises(ConfigError, match=r"^StepTimes\.wgrad_share: expected keys Slot\.PRE_DISP"):
         StepTimes(times=times, wgrad_share={MLP: 0.5, COMBINE: 0.5})
