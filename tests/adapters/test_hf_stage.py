@@ -42,3 +42,14 @@ def test_the_router_aux_loss_and_a_bad_range_are_refused() -> None:
     for bad in (range(2, 1), range(1, 4), range(0, 3, 2)):
         with pytest.raises(ConfigError, match=r"expected layers as range\(a, b\)"):
             TransformersMoEStage(plain, bad)
+
+
+def test_a_stage_without_layers_between_two_passes_the_hidden_states_on() -> None:
+    """It holds nothing and returns its input (at either end it is refused:
+    tests/integrations/test_step_inputs.py); its repr said ``layers=1..0``."""
+    adapter = TransformersMoEAdapter(qwen3_moe())
+    stages = [TransformersMoEStage(adapter, r) for r in (range(0, 1), range(1, 1), range(1, 3))]
+    assert not list(stages[1].parameters())
+    assert "layers=none (at 1), pre_process=False, post_process=False" in repr(stages[1])
+    hidden = stages[0](torch.randint(0, 64, (2, 8)))
+    assert stages[1](hidden) is hidden

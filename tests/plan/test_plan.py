@@ -20,12 +20,16 @@ from moe_overlap.integrations.pipelining import schedule_order
 from moe_overlap.plan import (
     Costs,
     Layout,
+    Machine,
+    ModelSpec,
     Plan,
     Schedule,
+    costs_from_model,
     costs_from_profile,
     fit_contention,
     load_profile,
     plan,
+    stage_layers,
 )
 from moe_overlap.plan import _plan as plan_module
 from moe_overlap.steps import (
@@ -297,6 +301,20 @@ def test_load_profile_refuses_what_is_not_rows(tmp_path: Path) -> None:
         load_profile(broken)
 
 
+def test_stage_layers_checks_its_counts() -> None:
+    """0 stages was a bare ZeroDivisionError, negative counts gave no stages, ``True``
+    stages one, a float a bare TypeError."""
+    assert stage_layers(5, 2) == [range(0, 3), range(3, 5)]
+    for layers, stages, name in (
+        (4, 0, "num_stages"),
+        (-1, -2, "num_layers"),
+        (4, True, "num_stages"),
+        (4.0, 2, "num_layers"),
+    ):
+        with pytest.raises(ConfigError, match=rf"^stage_layers: {name} must be an int >= 1"):
+            stage_layers(cast(Any, layers), cast(Any, stages))
+
+
 def test_refusals() -> None:
     costs = _reference_costs()
     with pytest.raises(ConfigError, match="fill_drain runs on one pipeline rank"):
@@ -548,6 +566,17 @@ def test_a_step_of_more_microbatches_than_the_planner_takes_is_refused() -> None
         Layout().replace(microbatches=65537)
 
 
+def test_layout_first_gpu_takes_a_rank_of_the_layout() -> None:
+    """A rank outside the pipeline gave a GPU outside the layout (-8, 16), ``True`` rank 1."""
+    layout = Layout(pp=2, ep=8)
+    assert [layout.first_gpu(r) for r in range(2)] == [0, 8]
+    for rank in (-1, 2, True):
+        with pytest.raises(
+            ConfigError, match=r"^Layout\.first_gpu: pp_rank must be an int in \[0, pp-1=1\]"
+        ):
+            layout.first_gpu(rank)
+
+
 def test_load_profile_refuses_nan_ms_and_bool_layers() -> None:
     row = {"layer": 0, "slot": "mlp", "direction": "F", "ms": float("nan")}
     with pytest.raises(ConfigError, match="NaN and infinities are not durations"):
@@ -566,6 +595,26 @@ def test_fit_contention_refuses_a_step_contention_does_not_change() -> None:
         fit_contention(costs, Layout(), "combined_1f1b", _bad("10"))
     with pytest.raises(ConfigError, match="fit_contention: costs must be a Costs"):
         fit_contention(_bad(None), Layout(), "combined_1f1b", 10.0)
+    for upper in (-1.0, float("nan"), True):  # named Costs.comm_contention before
+        with pytest.raises(ConfigError, match=r"^fit_contention: upper must be a finite real"):
+            fit_contention(costs, Layout(), "combined_1f1b", 10.0, upper=_bad(upper))
+
+
+def test_costs_from_model_checks_its_arguments() -> None:
+    """Each was a bare AttributeError (a preset's name for the model, no layout)."""
+    model, machine = ModelSpec.preset("deepseek-v2-lite", seq_len=512), Machine.preset("h100")
+    assert costs_from_model(model, machine, Layout()).num_layers == model.num_layers
+    cases: list[tuple[Callable[[], object], str]] = [
+        (
+            lambda: costs_from_model(_bad("deepseek-v2-lite"), machine, Layout()),
+            "model must be a ModelSpec",
+        ),
+        (lambda: costs_from_model(model, _bad("h100"), Layout()), "machine must be a Machine"),
+        (lambda: costs_from_model(model, machine, _bad(None)), "layout must be a Layout"),
+    ]
+    for call, message in cases:
+        with pytest.raises(ConfigError, match=rf"^costs_from_model: {message}"):
+            call()
 
 
 def _bad(value: object) -> Any:

@@ -326,6 +326,75 @@ def test_step_times_refuse_times_no_replay_reads(key: tuple[int | None, Slot, Di
     assert replay_order(order, graph, moe, MEMORY).step_ms == 4.0
 
 
+def test_replay_order_refuses_times_of_layers_past_the_graph() -> None:
+    """A layer the graph does not have was taken and its milliseconds dropped (the step
+    timed as if it were not there), as ``Costs.times`` refuses it."""
+    graph = ScheduleGraph(microbatches=1, moe=(True,))
+    order = today_orders(graph)["serial"]
+    times: dict[tuple[int | None, Slot, Direction], float] = {(0, MLP, F): 1.0, (0, MLP, B): 2.0}
+    assert replay_order(order, graph, StepTimes(times=times), MEMORY).step_ms == 3.0
+    extra = StepTimes(times={**times, (1, MLP, F): 5.0, (3, DISPATCH, B): 1.0})
+    with pytest.raises(
+        ConfigError, match=r"replay_order: times\.times: expected layers 0\.\.0"
+    ) as e:
+        replay_order(order, graph, extra, MEMORY)
+    assert "(graph.moe has 1 layers), received 2 key(s) of other layers: (1, <Slot.MLP" in str(
+        e.value
+    )
+    assert "give graph.moe for every layer the times cover" in str(e.value)
+
+
+def test_today_orders_refuses_a_graph_today_s_schedules_do_not_run() -> None:
+    """A chunked graph, or one with delayed weight gradients or early recomputation, gave
+    orders without those steps (not orders of the graph); a graph of another type was a
+    bare AttributeError."""
+    graph = ScheduleGraph(microbatches=2, moe=(True,))
+    for other in (
+        graph.replace(chunks=2),
+        graph.replace(delay_wgrad=True),
+        graph.replace(recompute=frozenset({(0, 0, MLP)}), early_recompute=True),
+    ):
+        with pytest.raises(ConfigError, match=r"^today_orders: graph: expected a graph of today"):
+            today_orders(other)
+    with pytest.raises(ConfigError, match=r"^today_orders: graph must be a ScheduleGraph"):
+        today_orders(_bad(None))
+    assert set(today_orders(graph.replace(one_event=True))) == {
+        "serial",
+        "overlapped",
+        "fill_drain",
+    }
+
+
+def test_a_microbatch_outside_the_graph_has_no_steps() -> None:
+    """Its steps were made up (microbatch 5 or -1 of a 2-microbatch graph)."""
+    graph = ScheduleGraph(microbatches=2, moe=(True,))
+    assert {s.microbatch for s, _ in graph.microbatch_steps(1)} == {1}
+    for mb in (2, -1, True):
+        with pytest.raises(
+            ConfigError,
+            match=r"^ScheduleGraph\.microbatch_steps: mb must be an int in \[0, microbatches-1=1\]",
+        ):
+            graph.microbatch_steps(mb)
+
+
+def test_keys_no_step_reads_are_refused() -> None:
+    """A share of a slot without weight-gradient steps and the units of a slot no step runs
+    were taken and dropped (the replay as if they were not given)."""
+    times: dict[tuple[int | None, Slot, Direction], float] = {
+        (0, MLP, F): 1.0,
+        (0, MLP, B): 2.0,
+        (0, COMBINE, B): 2.0,
+    }
+    StepTimes(times=times, wgrad_share={MLP: 0.5, PRE: 0.0})
+    with pytest.raises(ConfigError, match=r"^StepTimes\.wgrad_share: expected keys Slot\.PRE_DISP"):
+        StepTimes(times=times, wgrad_share={MLP: 0.5, COMBINE: 0.5})
+    ActivationModel(units={MLP: 1.0, Slot.PRE_PROCESS: 1.0, Slot.POST_PROCESS: 2.0})
+    for slot in (Slot.MTP_POST, Slot.PRE_FORWARD):
+        with pytest.raises(ConfigError, match=r"^ActivationModel\.units: expected keys among") as e:
+            ActivationModel(units={MLP: 1.0, slot: 4.0})
+        assert f"post_process), received {slot!r}; drop it" in str(e.value)
+
+
 def test_search_arguments_are_checked_before_use() -> None:
     """Each was a bare AttributeError, TypeError, ValueError or ZeroDivisionError."""
     graph = ScheduleGraph(microbatches=2, moe=(True,))

@@ -43,7 +43,8 @@ class TransformersMoEStage(StageRange, MegatronHooks, nn.Module):
     :class:`~moe_overlap.adapters.transformers.ModelScope` s standing for the modules the
     stage holds only parts of.
 
-    Refused with :class:`~moe_overlap.ConfigError`: a range outside the model, a parameter
+    Refused with :class:`~moe_overlap.ConfigError`: a range outside the model, an empty one
+    at either end of it (a stage without layers only passes hidden states on), a parameter
     both the embedding and the LM head reach (tied embeddings) split over two stages, a
     router aux loss (it sums over every layer of a microbatch, across stages), and a model
     name that would shadow a member of the stage (``decoder``, ``config``, ``output``, ...).

@@ -40,19 +40,31 @@ class StageRange:
     """Mixin: a pipeline stage's place, layers ``layers_range`` of a model's ``n``.
 
     ``pre_process`` when the range starts at 0, ``post_process`` when it ends at ``n``;
-    the two stage flags :class:`~moe_overlap.PreprocessableModel` asks for.
+    the two stage flags :class:`~moe_overlap.PreprocessableModel` asks for. A stage
+    without layers passes its input on (between two stages only).
     """
 
     layers_range: range
 
     def set_range(self, layers: range, n: int, where: str) -> None:
-        """Check ``layers`` (``range(a, b)``, ``0 <= a <= b <= n``) and keep it."""
+        """Check ``layers`` (``range(a, b)``, ``0 <= a <= b <= n``; ``a < b`` where
+        ``a == 0`` or ``b == n``) and keep it."""
         if not isinstance(cast(object, layers), range) or layers.step != 1:
             raise ConfigError(f"{where}: expected layers as range(a, b), received {layers!r}")
         if not 0 <= layers.start <= layers.stop <= n:
             raise ConfigError(
                 f"{where}: expected layers as range(a, b) with 0 <= a <= b <= {n} (the "
                 f"model's layers), received {layers!r}"
+            )
+        if not layers and layers.start in (0, n):
+            first = layers.start == 0
+            held = "the embedding" if first else "the final norm and output layer"
+            flag, layer = ("pre_process", 0) if first else ("post_process", n - 1)
+            raise ConfigError(
+                f"{where}: expected layers as range(a, b) with a < b at either end of the "
+                f"model (range(0, b), range(a, {n})), received {layers!r}: a stage without "
+                f"layers there would hold {held}, as the stage of layer {layer} does (both "
+                f"{flag}); give the stage at least one layer"
             )
         self.layers_range = layers
         self._stage_n = n
@@ -67,10 +79,8 @@ class StageRange:
 
     def extra_repr(self) -> str:
         r = self.layers_range
-        return (
-            f"layers={r.start}..{r.stop - 1}, pre_process={self.pre_process}, "
-            f"post_process={self.post_process}"
-        )
+        held = f"{r.start}..{r.stop - 1}" if r else f"none (at {r.start})"
+        return f"layers={held}, pre_process={self.pre_process}, post_process={self.post_process}"
 
 
 class PlainLayer(Protocol):

@@ -30,7 +30,8 @@ class GPTMoEStage(StageRange, MegatronHooks, nn.Module):
 
     The stage holds ``model``'s own modules (no copy): the embedding when ``layers`` starts
     at 0 (``pre_process``), the final norm and output layer when it ends at the last layer
-    (``post_process``). ``forward`` is the plain path a ``torch.distributed.pipelining``
+    (``post_process``); an empty ``layers`` only between two stages (it passes hidden
+    states on). ``forward`` is the plain path a ``torch.distributed.pipelining``
     stage runs: token ids (first stage) or hidden states ``[B, S, D]`` in; hidden states,
     or the logits ``[B, S, V]`` on the last stage, out (the schedule's ``loss_fn`` makes the
     loss; :func:`~moe_overlap.models.masked_cross_entropy` is the model's own). Build the

@@ -3,7 +3,7 @@
 import enum
 from dataclasses import dataclass
 
-from moe_overlap.args import POSITIVE, check_fields, refuse, replaced
+from moe_overlap.args import POSITIVE, Int, check_arg, check_fields, refuse, replaced
 from moe_overlap.engine import ConfigError
 
 __all__ = ["MAX_MICROBATCHES", "Layout", "Schedule", "check_microbatches"]
@@ -108,7 +108,10 @@ class Layout:
 
     def first_gpu(self, pp_rank: int) -> int:
         """The global index of pipeline rank ``pp_rank``'s first GPU."""
-        return pp_rank * self.dp * self.ep
+        rank = check_arg(
+            "Layout.first_gpu", "pp_rank", pp_rank, Int(0, self.pp - 1, max_name="pp-1")
+        )
+        return rank * self.dp * self.ep
 
     def replace(self, **changes: int) -> "Layout":
         """A copy with ``changes``."""

@@ -292,9 +292,9 @@ def fit_contention(
     costs = check_arg(where, "costs", costs, Instance(Costs, "a Costs"))
     if isinstance(measured_ms, bool) or not isinstance(measured_ms, numbers.Real):
         raise refuse(f"{where}: measured_ms", "the measured step's milliseconds", measured_ms)
+    upper = check_arg(where, "upper", upper, Real(above=0.0))
     lo_ms = plan(costs.replace(comm_contention=0.0), layout, schedule).step_ms
     hi_ms = plan(costs.replace(comm_contention=upper), layout, schedule).step_ms
-    upper = check_arg(where, "upper", upper, Real(above=0.0))  # NaN: refused by Costs above
     if not lo_ms <= measured_ms <= hi_ms:
         raise ConfigError(
             f"fit_contention: expected a measured step between {lo_ms:.3f} ms (no contention) "
@@ -331,6 +331,10 @@ def costs_from_model(
     (:func:`~moe_overlap.plan.roofline_durations`): every node's milliseconds at
     ``layout.ep``, the activation bytes of each layer, and one activation's P2P send within
     a node and across nodes."""
+    where = "costs_from_model"
+    model = check_arg(where, "model", model, Instance(ModelSpec, "a ModelSpec"))
+    machine = check_arg(where, "machine", machine, Instance(Machine, "a Machine"))
+    layout = check_arg(where, "layout", layout, Instance(Layout, "a Layout"))
     layers = range(model.num_layers)
     nbytes = float(model.tokens * model.hidden_size * model.dtype_bytes)
     return Costs(

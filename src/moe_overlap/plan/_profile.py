@@ -56,6 +56,12 @@ _READ_SLOTS: dict[bool | None, tuple[Slot, ...]] = {
 layer, of a dense layer; each in the directions of :data:`_TIMED`."""
 
 
+def _shown(keys: Sequence[SlotKey]) -> str:
+    """The first four of ``keys``, and how many more."""
+    more = f" and {len(keys) - 4} more" if len(keys) > 4 else ""
+    return ", ".join(map(repr, keys[:4])) + more
+
+
 def refuse_unread(
     where: str,
     times: Mapping[SlotKey, float],
@@ -64,29 +70,35 @@ def refuse_unread(
 ) -> None:
     """Refuse keys of ``times`` that no replay reads (checked keys: ``(layer | None, Slot,
     Direction)``): their milliseconds would be dropped without a word. ``moe``: which layer
-    is MoE (``None``: unknown, a layer's slots of either kind taken; a layer past its end:
-    not checked against it), ``moe_name`` what the message calls it."""
+    is MoE (``None``: unknown, a layer's slots of either kind taken; else a layer past its
+    end is refused), ``moe_name`` what the message calls it."""
+    if moe is not None:
+        beyond = [key for key in times if key[0] is not None and key[0] >= len(moe)]
+        if beyond:
+            raise ConfigError(
+                f"{where}: expected layers 0..{len(moe) - 1} or None ({moe_name} has "
+                f"{len(moe)} layers), received {len(beyond)} key(s) of other layers: "
+                f"{_shown(beyond)}; drop them (no replay reads them), or give {moe_name} "
+                "for every layer the times cover"
+            )
 
     def read(layer: int | None) -> tuple[Slot, ...]:
         if layer is None:
             return _READ_SLOTS[None]
-        if moe is None or layer >= len(moe):
+        if moe is None:
             return _LAYER_SLOTS
         return _READ_SLOTS[moe[layer]]
 
     unread = [key for key in times if key[2] not in _TIMED or key[1] not in read(key[0])]
     if not unread:
         return
-    shown = ", ".join(map(repr, unread[:4])) + (
-        f" and {len(unread) - 4} more" if len(unread) > 4 else ""
-    )
     hint = "" if moe is None else f", or set {moe_name} for the layers that dispatch"
     raise ConfigError(
         f"{where}: expected only keys a replay reads, directions F, B or W of "
         "(None, pre_process | post_process), (an MoE layer, pre_dispatch | dispatch | mlp | "
         f"combine) or (a dense layer, pre_dispatch | mlp) ({moe_name} says which layer is "
-        f"which), received {len(unread)} other key(s): {shown}; drop them (the planner has "
-        f"no node that runs them){hint}"
+        f"which), received {len(unread)} other key(s): {_shown(unread)}; drop them (the "
+        f"planner has no node that runs them){hint}"
     )
 
 

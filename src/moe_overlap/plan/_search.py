@@ -308,7 +308,18 @@ def today_orders(graph: ScheduleGraph) -> dict[str, Order]:
     """Serial, combined 1F1B (``overlapped``) and fill/drain as orders: the engine's step
     lists of each macro step (read through their text form), a join after each; with
     ``graph``'s recomputation, each recompute step right before its backward (as the
-    backward node runs it)."""
+    backward node runs it). A graph with chunks, delayed weight gradients or early
+    recomputation is refused: today's schedules have none of those steps."""
+    where = "today_orders"
+    graph = check_arg(where, "graph", graph, Instance(ScheduleGraph, "a ScheduleGraph"))
+    if graph.chunks != 1 or graph.delay_wgrad or graph.early_recompute:
+        raise ConfigError(
+            f"{where}: graph: expected a graph of today's schedules (chunks=1, "
+            f"delay_wgrad=False, early_recompute=False), received chunks={graph.chunks}, "
+            f"delay_wgrad={graph.delay_wgrad}, early_recompute={graph.early_recompute}; "
+            "their orders have no chunk, W or early recompute steps (search such a graph "
+            "with search_schedules)"
+        )
     shape = ChunkShape(
         layers=tuple(LayerShape(index=i, is_moe=m) for i, m in enumerate(graph.moe)),
         has_post_process=True,

@@ -36,6 +36,7 @@ from moe_overlap.args import (
     BOOL,
     POSITIVE,
     Instance,
+    Int,
     Items,
     Real,
     Spec,
@@ -72,6 +73,7 @@ COMP, COMM = StreamKind.COMP, StreamKind.COMM
 _CHUNKED = (Slot.DISPATCH, Slot.MLP, Slot.COMBINE)
 _WGRAD_SLOTS = (Slot.PRE_DISPATCH, Slot.MLP)
 _LAYER_SLOTS = (Slot.PRE_DISPATCH, Slot.DISPATCH, Slot.MLP, Slot.COMBINE)
+_STEP_SLOTS = (Slot.PRE_PROCESS, *_LAYER_SLOTS, Slot.POST_PROCESS)
 
 
 class SearchStep(NamedTuple):
@@ -159,6 +161,10 @@ class ScheduleGraph:
     def microbatch_steps(self, mb: int) -> list[tuple[SearchStep, tuple[SearchStep, ...]]]:
         """Microbatch ``mb``'s steps in plain ``backward()``'s order, each with the steps
         whose results it reads (a ``W`` step: its backward, for the order only)."""
+        last = self.microbatches - 1
+        mb = check_arg(
+            "ScheduleGraph.microbatch_steps", "mb", mb, Int(0, last, max_name="microbatches-1")
+        )
         out: list[tuple[SearchStep, tuple[SearchStep, ...]]] = []
         prev: tuple[SearchStep, ...] = ()
 
@@ -419,6 +425,13 @@ class StepTimes:
         check_times("StepTimes.times", self.times)
         refuse_unread("StepTimes.times", self.times, None, "the replay's graph.moe")
         _fractions("StepTimes.wgrad_share", self.wgrad_share)
+        for slot in self.wgrad_share:
+            if slot not in _WGRAD_SLOTS:
+                raise ConfigError(
+                    f"StepTimes.wgrad_share: expected keys Slot.PRE_DISPATCH or Slot.MLP (the "
+                    f"slots with weight-gradient steps), received {slot!r}; drop it (no step "
+                    "reads its share)"
+                )
         check_one_contention(
             "StepTimes",
             self.comm_contention,
@@ -501,6 +514,12 @@ class ActivationModel:
         for key, value in self.units.items():
             if not isinstance(cast(object, key), Slot):
                 raise ConfigError(f"ActivationModel.units: expected Slot keys, received {key!r}")
+            if key not in _STEP_SLOTS:
+                raise ConfigError(
+                    f"ActivationModel.units: expected keys among the slots a step runs "
+                    f"({', '.join(s.value for s in _STEP_SLOTS)}), received {key!r}; drop it "
+                    "(no step allocates its units)"
+                )
             check_arg("ActivationModel", f"units[{key.value}]", value, _MS)
         for name in ("recompute_saves", "wgrad_keeps"):
             share: float = getattr(self, name)

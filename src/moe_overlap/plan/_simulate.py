@@ -191,6 +191,8 @@ class Simulation(NamedTuple):
 def stage_layers(num_layers: int, num_stages: int) -> list[range]:
     """Contiguous layers of each stage; the first ``num_layers % num_stages`` stages get one
     more (Megatron-Core's even split when it divides)."""
+    num_layers = check_arg("stage_layers", "num_layers", num_layers, POSITIVE)
+    num_stages = check_arg("stage_layers", "num_stages", num_stages, POSITIVE)
     if num_layers < num_stages:
         raise ConfigError(
             f"plan: expected at least one layer per stage, received {num_layers} layers for "
