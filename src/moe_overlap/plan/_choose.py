@@ -41,7 +41,8 @@ CHOICE_SPACE = SearchSpace(
 """The space :func:`choose_schedule` searches by default: ``benchmarks/frontier.py``'s,
 less what the engine does not run as steps (chunks, recomputation of some layers), each
 order timed as the engine runs it (one event per microbatch,
-:attr:`~moe_overlap.plan.SearchSpace.one_event`)."""
+:attr:`~moe_overlap.plan.SearchSpace.one_event`). Its recompute choices name no layers,
+so it fits a model of any layer count."""
 
 QUICK_CHOICE_SPACE = dataclasses.replace(
     CHOICE_SPACE,

@@ -132,10 +132,16 @@ def _ints(value: object) -> bool:
     )
 
 
-def check_recompute(where: str, value: object) -> Recompute:
+def check_recompute(
+    where: str,
+    value: object,
+    *,
+    microbatches: int | None = None,
+    layers: int | None = None,
+) -> Recompute:
     """``value`` if it is a :class:`Recompute` of slots (pre-dispatch and mlp, ``Slot`` s or
-    their names) and of layers and microbatches ``None`` or ints >= 0, else a
-    :class:`~moe_overlap.ConfigError`."""
+    their names) and of layers and microbatches ``None`` or ints >= 0 (with ``layers`` and
+    ``microbatches``: of a step of that many), else a :class:`~moe_overlap.ConfigError`."""
     ok = isinstance(value, Recompute)
     if ok:
         rc = cast(Recompute, value)
@@ -156,7 +162,34 @@ def check_recompute(where: str, value: object) -> Recompute:
             value,
             hint="e.g. Recompute((Slot.MLP,)) or Recompute((Slot.MLP,), (0, 1))",
         )
-    return cast(Recompute, value)
+    rc = cast(Recompute, value)
+    for name, plural, have, named, owner in (
+        ("layer", "layers", layers, rc.layers, "model"),
+        ("microbatch", "microbatches", microbatches, rc.microbatches, "step"),
+    ):
+        past = sorted({i for i in named or () if have is not None and i >= have})
+        if have is None or not past:
+            continue
+        raise refuse(
+            where,
+            f"a Recompute of the {owner}'s {plural} (0..{have - 1}: the {owner} has {have} "
+            f"{name if have == 1 else plural})",
+            value,
+            detail=f"it names {name if len(past) == 1 else plural} {', '.join(map(str, past))}",
+            hint=f"name only the {owner}'s {plural} ({plural}=None: all of them), or drop the "
+            "option",
+        )
+    return rc
+
+
+# SearchSpace's default recompute choices: the search fits their layer subsets to the model.
+_DEFAULT_RECOMPUTE = (
+    Recompute(),
+    Recompute((_MLP,)),
+    Recompute((_PRE, _MLP)),
+    Recompute((_PRE, _MLP), (0,)),
+    Recompute((_PRE, _MLP), (0, 1)),
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,19 +213,20 @@ class SearchSpace:
     the engine runs it, each microbatch's steps in issue order
     (:attr:`~moe_overlap.plan.ScheduleGraph.one_event`; off: each step waits only for the
     steps it reads).
+
+    The default ``recompute`` (none; the mlp; the pre-dispatch and mlp of every layer, of
+    layer 0, of layers 0 and 1) fits any model: its layer subsets are clipped to the
+    model's layers, and a choice that then recomputes the same slots as an earlier one is
+    dropped (one layer: the first three choices; two: the first four). Other ``recompute``
+    choices must name only the model's layers and the step's microbatches
+    (:func:`search_schedules` refuses them otherwise).
     """
 
     chunks: tuple[int, ...] = (1, 2, 4)
     chunk_overhead_ms: float = 0.2
     delay_wgrad: tuple[bool, ...] = (False, True)
     wgrad_share: tuple[tuple[Slot, float], ...] = ((_MLP, 0.5), (_PRE, 0.35))
-    recompute: tuple[Recompute, ...] = (
-        Recompute(),
-        Recompute((_MLP,)),
-        Recompute((_PRE, _MLP)),
-        Recompute((_PRE, _MLP), (0,)),
-        Recompute((_PRE, _MLP), (0, 1)),
-    )
+    recompute: tuple[Recompute, ...] = _DEFAULT_RECOMPUTE
     recompute_cost: float = 1.0
     early_recompute: tuple[bool, ...] = (False, True)
     in_flight: tuple[int, ...] = (1, 2, 3, 4)
@@ -390,7 +424,9 @@ def fit_activations(
     if serial_recompute is not None:
         serial_recompute = _peak(where, "serial_recompute", serial_recompute)
     if recompute is not None:
-        recompute = check_recompute(f"{where}: recompute", recompute)
+        recompute = check_recompute(
+            f"{where}: recompute", recompute, microbatches=microbatches, layers=len(costs.moe)
+        )
     base = ScheduleGraph(microbatches=microbatches, moe=costs.moe)
     times = StepTimes(
         times=costs.times,
@@ -460,9 +496,36 @@ def pareto(points: Sequence[SearchPoint]) -> list[SearchPoint]:
     return out
 
 
-def _recomputes(space: SearchSpace) -> list[tuple[Recompute, bool]]:
-    out: list[tuple[Recompute, bool]] = []
+def _recompute_choices(
+    where: str, space: SearchSpace, microbatches: int, layers: int
+) -> list[Recompute]:
+    """``space.recompute`` for a step of ``microbatches`` of a model of ``layers`` layers:
+    the default's layer subsets clipped (a choice equal to an earlier one dropped), any
+    other choice checked to name only the model's layers and the step's microbatches."""
+    if space.recompute != _DEFAULT_RECOMPUTE:
+        for i, rc in enumerate(space.recompute):
+            check_recompute(
+                f"{where}: space.recompute: item {i}",
+                rc,
+                microbatches=microbatches,
+                layers=layers,
+            )
+        return list(space.recompute)
+    out: list[Recompute] = []
+    seen: set[frozenset[tuple[int, int, Slot]]] = set()
     for rc in space.recompute:
+        if rc.layers is not None:
+            rc = Recompute(rc.slots, tuple(i for i in rc.layers if i < layers), rc.microbatches)
+        triples = rc.triples(microbatches, layers)
+        if triples not in seen:
+            seen.add(triples)
+            out.append(rc)
+    return out
+
+
+def _recomputes(choices: Sequence[Recompute], space: SearchSpace) -> list[tuple[Recompute, bool]]:
+    out: list[tuple[Recompute, bool]] = []
+    for rc in choices:
         for early in space.early_recompute if rc.slots else (False,):
             out.append((rc, early))
     return out
@@ -480,9 +543,12 @@ def search_schedules(
     """Search ``space`` for ``microbatches`` microbatches of ``costs``' model (its node
     times, MoE layers and ``comm_contention`` or ``contention_by_kind`` and
     ``compute_contention_by_kind``); memory by ``memory``, relative to the serial step.
-    ``today_recompute``: the recomputation of today's schedules with recompute (default:
-    pre-dispatch and mlp of every layer). The frontier's orders are
-    checked (:func:`~moe_overlap.plan.check_exact`) and replayed
+    ``space``: default ``SearchSpace()``, its recompute choices fitted to the model's
+    layers. ``today_recompute``: the recomputation of today's schedules with recompute
+    (default: pre-dispatch and mlp of every layer). A recompute choice or
+    ``today_recompute`` naming a layer or microbatch the model or step lacks is refused
+    (:class:`~moe_overlap.ConfigError`). The frontier's orders are checked
+    (:func:`~moe_overlap.plan.check_exact`) and replayed
     (:func:`~moe_overlap.plan.replay_order`)."""
     where = "search_schedules"
     costs = check_arg(where, "costs", costs, Instance(Costs, "a Costs"))
@@ -492,8 +558,14 @@ def search_schedules(
     space = check_arg(where, "space", space, Opt(Instance(SearchSpace, "a SearchSpace")))
     space = space or SearchSpace()
     if today_recompute is not None:
-        today_recompute = check_recompute(f"{where}: today_recompute", today_recompute)
+        today_recompute = check_recompute(
+            f"{where}: today_recompute",
+            today_recompute,
+            microbatches=microbatches,
+            layers=len(costs.moe),
+        )
     check_arg(where, "progress", progress, Opt(Func("a callable taking a str")))
+    choices = _recompute_choices(where, space, microbatches, len(costs.moe))
     base = ScheduleGraph(microbatches=microbatches, moe=costs.moe, one_event=space.one_event)
     share = dict(space.wgrad_share)
 
@@ -527,7 +599,7 @@ def search_schedules(
     found: dict[tuple[float, float], _Found] = {}
     for k in space.chunks:
         for delay in space.delay_wgrad:
-            for rc, early in _recomputes(space):
+            for rc, early in _recomputes(choices, space):
                 triples = rc.triples(microbatches, len(costs.moe))
                 graph = base.replace(
                     chunks=k, delay_wgrad=delay, recompute=triples, early_recompute=early

@@ -140,19 +140,21 @@ class ScheduleGraph:
         for item in cast("frozenset[object]", self.recompute):
             ok = isinstance(item, tuple) and len(cast("tuple[object, ...]", item)) == 3
             mb, layer, slot = cast("tuple[object, object, object]", item) if ok else (0, 0, 0)
-            if not (
-                ok
-                and isinstance(mb, int)
-                and isinstance(layer, int)
-                and 0 <= mb < self.microbatches
-                and 0 <= layer < len(self.moe)
-                and slot in _WGRAD_SLOTS
-            ):
-                raise ConfigError(
-                    f"ScheduleGraph.recompute: expected (microbatch in 0..{self.microbatches - 1}"
-                    f", layer in 0..{len(self.moe) - 1}, Slot.PRE_DISPATCH or Slot.MLP) items, "
-                    f"received {item!r}; only the pre-dispatch and the mlp can be recomputed"
-                )
+            if not (ok and isinstance(mb, int) and isinstance(layer, int)):
+                why = "give (microbatch, layer, slot) triples"
+            elif not 0 <= mb < self.microbatches:
+                why = f"the graph has no microbatch {mb}: name only its microbatches"
+            elif not 0 <= layer < len(self.moe):
+                why = f"the graph has no layer {layer}: name only its layers"
+            elif slot not in _WGRAD_SLOTS:
+                why = "only the pre-dispatch and the mlp can be recomputed"
+            else:
+                continue
+            raise ConfigError(
+                f"ScheduleGraph.recompute: expected (microbatch in 0..{self.microbatches - 1}"
+                f", layer in 0..{len(self.moe) - 1}, Slot.PRE_DISPATCH or Slot.MLP) items, "
+                f"received {item!r}; {why}"
+            )
 
     def replace(self, **changes: object) -> "ScheduleGraph":
         """A copy with ``changes``."""
