@@ -717,3 +717,27 @@ RUNS: dict[str, Callable[[Path], subprocess.CompletedProcess[str]]] = {
 }
 """Each test's run by the test's name: the command its assertions read (``out``: the folder
 for ``--out``)."""
+
+
+def test_rank_orders_replays_each_best_order_under_each_model(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``rank_orders.py``: a frontier's own order under its own model is its committed
+    ``best_ms``, and each model ranks its own order first (what its search chose); the
+    table shows the measured column given, and a measured entry of no frontier is a usage
+    error."""
+    ro = _benchmark_module("rank_orders", monkeypatch)
+    names = ("frontier_one_event", "frontier_by_kind")
+    for config in ("main N=4", "main N=8"):
+        ranked = ro.rank(names, config)
+        for own in names:
+            best = next(c for c in ro.load(own)["configs"] if c["name"] == config)
+            assert ranked[own][own] == pytest.approx(best["targets"]["best_ms"], rel=1e-9)
+            other = next(n for n in names if n != own)
+            assert ranked[own][own] < ranked[other][own], (config, own)
+    ro.main(["--configs", "main N=4", "--measured", "frontier_by_kind=514.6"])
+    out = capsys.readouterr().out
+    assert "| frontier_by_kind | 484.3 | 486.7 | 514.6 |" in out
+    with pytest.raises(SystemExit) as exc:
+        ro.main(["--configs", "main N=4", "--measured", "frontier=1"])
+    assert exc.value.code == 2
