@@ -96,11 +96,12 @@ def main(argv: list[str] | None = None) -> None:
         help="measured step ms of a frontier's order; once per --configs entry, in its order",
     )
     args = p.parse_args(argv)
-    if args.measured and len(args.measured) != len(args.configs):
+    if args.measured and len(cast("list[list[str]]", args.measured)) != len(args.configs):
         p.error("--measured: expected one per --configs entry, in the same order")
+    given = cast("list[list[str]]", args.measured)
     for i, name in enumerate(cast("list[str]", args.configs)):
         measured: dict[str, float] = {}
-        for word in args.measured[i] if args.measured else []:
+        for word in given[i] if given else []:
             key, _, ms = word.partition("=")
             if key not in args.frontiers:
                 p.error(
