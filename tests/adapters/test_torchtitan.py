@@ -721,3 +721,33 @@ def test_a_model_changed_after_the_adapter_is_refused(
     rebuilt = TorchtitanMoEAdapter(model, self_check=False)
     combined_1f1b(rebuilt, microbatches("qwen3")[:2], options=rebuilt.schedule_options())
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_weights_tied_after_the_adapter_are_trained_as_they_are_now() -> None:
+    """The LM head tied to the embedding after wrapping: the embedding's two gradients
+    per microbatch were summed in the schedule's order (rounding apart from torchtitan's
+    own backward). The adapter follows the ties at every plan build."""
+    model, ref = model_of("qwen3"), model_of("qwen3")
+    adapter = TorchtitanMoEAdapter(model, self_check=False)
+    for m in (model, ref):
+        m.get_submodule("lm_head").weight = m.get_submodule("tok_embeddings").weight
+    mbs = microbatches("qwen3")[:2]
+    got = schedule(adapter, mbs)
+    want = torchtitan_step(ref, mbs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    assert_bit_identical(grads(model), grads(ref), "gradients", "tied after wrapping")
+
+
+def test_a_delayed_linear_replaced_after_the_adapter_is_refused() -> None:
+    """A linear the adapter swapped for a delayable one, replaced after wrapping: its wgrad
+    group still held the old one (a weight-gradient step failing mid-schedule, the new
+    linear's gradient computed at once). The next plan refuses it, the model untouched."""
+    model = model_of("qwen3")
+    adapter = TorchtitanMoEAdapter(model, self_check=False, delay_wgrad_compute=True)
+    attention: Any = model.get_submodule("layers.1.attention")
+    attention.wo = nn.Linear(attention.wo.in_features, attention.wo.out_features, bias=False)
+    with pytest.raises(ConfigError, match="build a new TorchtitanMoEAdapter") as info:
+        schedule(adapter, microbatches("qwen3")[:1])
+    assert "layers.1.attention: expected the modules" in str(info.value)
+    assert "submodule(s) ['wo'] replaced" in str(info.value)
+    assert not [n for n, p in model.named_parameters() if p.grad is not None]

@@ -7,6 +7,7 @@ import copy
 import itertools
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,7 @@ from tests.adapters import families
 from tests.adapters._hf import (
     FAMILIES,
     compare,
+    grads,
     microbatches,
     mixtral,
     other_family,
@@ -560,3 +562,104 @@ def test_forward_takes_no_mask_or_positions_by_position() -> None:
     with torch.no_grad():
         by_name = adapter.forward(ids, attention_mask=mask)
         assert torch.equal(by_name, adapter.forward(ids))  # an all-ones mask changes nothing
+
+
+def _reference_after(change: Callable[[nn.Module], object], *, tied: bool) -> nn.Module:
+    """A fresh model of :func:`mixtral` with ``change`` made (the same seed: same weights)."""
+    model = mixtral(tie_word_embeddings=tied)
+    torch.manual_seed(5)
+    change(model)
+    return model
+
+
+def _untie(model: nn.Module) -> None:
+    head: Any = model.get_submodule("lm_head")
+    head.weight = nn.Parameter(head.weight.detach().clone())
+
+
+def _tie(model: nn.Module) -> None:
+    head: Any = model.get_submodule("lm_head")
+    head.weight = model.get_submodule("model.embed_tokens").weight
+
+
+@pytest.mark.parametrize(
+    ("change", "tied"), [(_tie, False), (_untie, True)], ids=["tied", "untied"]
+)
+def test_weights_tied_or_untied_after_the_adapter_are_trained_as_they_are_now(
+    change: Callable[[nn.Module], None], tied: bool
+) -> None:
+    """Tied after wrapping, the embedding's two gradients were summed in the schedule's
+    order (rounding apart from the model's); untied, the head's gradient went to the
+    embedding and the new head got none. The adapter follows the ties at every plan build."""
+    model = mixtral(tie_word_embeddings=tied)
+    adapter = TransformersMoEAdapter(model)
+    torch.manual_seed(5)
+    change(model)
+    ref = _reference_after(change, tied=tied)
+    mbs = microbatches(2)
+    got = combined_1f1b(adapter, mbs, options=adapter.schedule_options())
+    want = reference_step(ref, mbs)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    mine, theirs = grads(model), grads(ref)
+    assert [n for n in theirs if not torch.equal(mine[n], theirs[n])] == []
+
+
+def _replace_expert_weight(model: nn.Module) -> None:
+    experts: Any = model.get_submodule("model.layers.0.mlp.experts")
+    experts.down_proj = nn.Parameter(experts.down_proj.detach() * 2)
+
+
+def _replace_delayed_linear(model: nn.Module) -> None:
+    attn: Any = model.get_submodule("model.layers.0.self_attn")
+    attn.q_proj = nn.Linear(32, 32, bias=False)
+
+
+@pytest.mark.parametrize(
+    ("change", "router_aux_loss", "delay", "says"),
+    [
+        (
+            lambda m: setattr(m.config, "output_router_logits", True),
+            None,
+            False,
+            "config.output_router_logits: expected False",
+        ),
+        (
+            lambda m: setattr(m, "router_aux_loss_coef", 0.5),
+            True,
+            False,
+            ".router_aux_loss_coef: expected 0.1",
+        ),
+        (
+            _replace_expert_weight,
+            None,
+            True,
+            "mlp.experts: expected the modules the adapter was built on, received a changed "
+            "model (parameter(s) ['down_proj'] replaced",
+        ),
+        (
+            _replace_delayed_linear,
+            None,
+            True,
+            "layers[0].self_attn: expected the modules the adapter was built on, received a "
+            "changed model (submodule(s) ['q_proj'] replaced",
+        ),
+    ],
+    ids=["output_router_logits", "aux_coef", "expert_weight", "delayed_linear"],
+)
+def test_what_the_adapter_holds_changed_after_it_is_refused(
+    change: Callable[[nn.Module], object], router_aux_loss: bool | None, delay: bool, says: str
+) -> None:
+    """The aux-loss settings read at construction (the model's own forward reads them at
+    every call), an expert weight the delayed-wgrad experts hold by reference, a linear
+    swapped for a delayable one: changed after wrapping, the adapter trained the model as
+    it was (another loss, the new weight without gradient, a wgrad never computed). The
+    next plan refuses it, the model untouched."""
+    model = mixtral()
+    adapter = TransformersMoEAdapter(
+        model, router_aux_loss=router_aux_loss, delay_wgrad_compute=delay
+    )
+    change(model)
+    with pytest.raises(ConfigError, match="build a new TransformersMoEAdapter") as info:
+        combined_1f1b(adapter, microbatches(1), options=adapter.schedule_options())
+    assert says in str(info.value)
+    assert not [n for n, p in model.named_parameters() if p.grad is not None]

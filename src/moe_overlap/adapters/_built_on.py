@@ -3,11 +3,12 @@
 An adapter reads a model's structure once, at construction (its blocks, each block's
 attention and MoE, the MoE's router and experts) and keeps references to what it found.
 A model changed afterwards (a block added, removed or replaced; a block's MoE, experts,
-router or attention replaced) would be trained as it was:
-the new modules get no gradient, silently. :class:`BuiltOn` records the identities at
-construction; :meth:`BuiltOn.check_blocks` and :meth:`BuiltOn.check_children` compare them
-at every plan build (a few dictionary reads per module), refusing a changed model with the
-library's error.
+router or attention replaced; a linear the adapter swapped for a delayable one replaced;
+a parameter the adapter holds by reference replaced; a setting it read once changed) would
+be trained as it was: the new modules get no gradient, silently. :class:`BuiltOn` records
+the identities (and those settings) at construction; :meth:`BuiltOn.check_blocks` and
+:meth:`BuiltOn.check_children` compare them at every plan build (a few dictionary reads per
+module), refusing a changed model with the library's error.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from moe_overlap import ConfigError
 from moe_overlap.adapters._hf_experts import DelayedLinear
+from moe_overlap.adapters._torch_private import parameters
 
 __all__ = ["BuiltOn"]
 
@@ -31,23 +33,39 @@ def _children(module: nn.Module) -> dict[str, int]:
     }
 
 
-class BuiltOn:
-    """The identities of ``blocks`` (their names and modules, in order) and of the direct
-    children of every module in ``watched`` (name, module) pairs. Parameters are not
-    compared: FSDP2 and torchtitan's parallelisms replace them with sharded ones in place,
-    on the modules the adapter calls."""
+def _parameters(module: nn.Module) -> dict[str, int]:
+    """Each parameter registered on ``module`` itself, by identity."""
+    return {name: id(p) for name, p in parameters(module).items() if p is not None}
 
-    __slots__ = ("_adapter", "_blocks", "_watched")
+
+class BuiltOn:
+    """The identities of ``blocks`` (their names and modules, in order), of the direct
+    children of every module in ``watched`` (name, module) pairs and of the parameters
+    registered on every module in ``held`` (those the adapter calls by reference, not
+    through the module); the values of ``settings`` (name, object, attribute, what reads
+    it). Parameters are compared only on ``held`` modules: FSDP2 and torchtitan's
+    parallelisms replace them with sharded ones in place, on the modules the adapter
+    calls."""
+
+    __slots__ = ("_adapter", "_blocks", "_held", "_settings", "_watched")
 
     def __init__(
         self,
         adapter: str,
         blocks: Iterable[tuple[str, nn.Module]],
         watched: Iterable[tuple[str, nn.Module]],
+        *,
+        held: Iterable[tuple[str, nn.Module]] = (),
+        settings: Iterable[tuple[str, object, str, str]] = (),
     ) -> None:
         self._adapter = adapter
         self._blocks = [(name, id(block)) for name, block in blocks]
         self._watched = [(name, module, _children(module)) for name, module in watched]
+        self._held = [(name, module, _parameters(module)) for name, module in held]
+        self._settings = [
+            (name, owner, attr, why, getattr(owner, attr, None))
+            for name, owner, attr, why in settings
+        ]
 
     def check_blocks(self, blocks: Iterable[tuple[str, nn.Module]], owner: str) -> None:
         """Raise :class:`~moe_overlap.ConfigError` when blocks were added, removed or
@@ -75,6 +93,26 @@ class BuiltOn:
                     n for n in set(children) | set(found) if children.get(n) != found.get(n)
                 )
                 raise self._changed(f"{owner}.{name}", f"submodule(s) {changed} replaced")
+        for name, module, held in self._held:
+            found = _parameters(module)
+            if found != held:
+                changed = sorted(n for n in set(held) | set(found) if held.get(n) != found.get(n))
+                raise self._changed(
+                    f"{owner}.{name}",
+                    f"parameter(s) {changed} replaced, which the adapter holds by reference",
+                )
+
+    def check_settings(self, owner: str) -> None:
+        """Raise :class:`~moe_overlap.ConfigError` when a setting the adapter read once, at
+        construction, has another value now."""
+        for name, obj, attr, why, was in self._settings:
+            now: object = getattr(obj, attr, None)
+            if now != was or type(now) is not type(was):
+                raise ConfigError(
+                    f"{self._adapter}: {owner}.{name}: expected {was!r}, its value when the "
+                    f"adapter was built ({why}), received {now!r}; the adapter would keep "
+                    f"following the old value: build a new {self._adapter} after changing it"
+                )
 
     def _changed(self, where: str, what: str) -> ConfigError:
         return ConfigError(

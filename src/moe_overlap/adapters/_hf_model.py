@@ -33,6 +33,7 @@ from moe_overlap.adapters._hf_calls import (
     layer_calls,
 )
 from moe_overlap.adapters._hf_ep import expert_parameter_names, experts_of, shard_experts
+from moe_overlap.adapters._hf_experts import DelayedLinear
 from moe_overlap.adapters._hf_layers import HFDenseLayer, HFLayer, HFMoELayer
 from moe_overlap.adapters._hf_plan import LayerPlan, SelfCheck, plan_layers, probe_calls
 from moe_overlap.adapters._hf_probe import failing_module, probe_ids
@@ -295,16 +296,50 @@ class TransformersMoEAdapter(MegatronHooks):
         self._label_delayed_modules()
         # (The layers themselves: check_layers_unchanged, at every plan build.)
         layers = [(str(i), layer) for i, layer in enumerate(self._built_layers)]
-        self._built_on = BuiltOn("TransformersMoEAdapter", layers, self._watched())
+        self._built_on = BuiltOn(
+            "TransformersMoEAdapter",
+            layers,
+            self._watched(),
+            held=self._held(),
+            settings=self._settings(router_aux_loss),
+        )
 
     def _watched(self) -> Iterator[tuple[str, nn.Module]]:
         """The modules whose children the slots call: every decoder layer and its MoE
-        block (router and experts)."""
+        block (router and experts); every module holding a linear swapped for a
+        :class:`DelayedLinear` (the adapter's wgrad groups hold it)."""
         for i, layer in enumerate(self._built_layers):
             yield f"layers[{i}]", layer
             found = block_of(layer)
             if found is not None:
                 yield f"layers[{i}].{found[0]}", found[1]
+            for name, module in cast("Iterator[tuple[str, nn.Module]]", layer.named_modules()):
+                if name and any(isinstance(c, DelayedLinear) for c in module.children()):
+                    yield f"layers[{i}].{name}", module
+
+    def _held(self) -> Iterator[tuple[str, nn.Module]]:
+        """The experts modules whose weights a MoE layer holds by reference (delayed
+        weight gradients, prescaled experts: :class:`~._hf_experts.ExpertWeights`)."""
+        for layer in self.decoder.layers:
+            if isinstance(layer, HFMoELayer) and layer.weights is not None:
+                yield f"layers[{layer.index}].{layer.split.block}.experts", layer.experts_module
+
+    def _settings(self, router_aux_loss: bool | None) -> list[tuple[str, object, str, str]]:
+        """What the adapter read once and the model's own ``forward`` reads at every call:
+        whether it adds the router aux loss, and with which coefficient and top-k."""
+        found: list[tuple[str, object, str, str]] = []
+        if router_aux_loss is None:
+            why = "the adapter adds the router aux loss as the model did then"
+            found.append(
+                ("config.output_router_logits", self.hf_config, "output_router_logits", why)
+            )
+        if self.aux is not None:  # the model's own copies where it has them, else the config's
+            why = "the adapter's router aux loss uses it"
+            for attr in ("router_aux_loss_coef", "num_experts", "num_experts_per_tok"):
+                owner = self.model if hasattr(self.model, attr) else self.hf_config
+                where = "" if owner is self.model else "config."
+                found.append((f"{where}{attr}", owner, attr, why))
+        return found
 
     # --- construction --------------------------------------------------------------------
     def _int(self, key: str) -> int:
@@ -514,7 +549,10 @@ class TransformersMoEAdapter(MegatronHooks):
         check_quiet(self._random, self._random_hint)
         yield from check_layers_unchanged(self.model, self._layer_list, self._built_layers, layers)
         if self._built_on is not None:  # a changed layer is refused (not while building)
-            self._built_on.check_children(type(self.model).__name__)
+            cls = type(self.model).__name__
+            self._built_on.check_children(cls)
+            self._built_on.check_settings(cls)
+            self._tied.follow(self.model)
         yield from self._bypassed.outside
         for i in layers:
             yield from self._bypassed.layers[i]

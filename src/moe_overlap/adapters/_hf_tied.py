@@ -138,7 +138,9 @@ class TiedGradients:
 
     def __init__(self, model: nn.Module, params: list[nn.Parameter]) -> None:
         self.params = params
-        self._where = _registrations(model, params) if params else []
+        self._where: list[tuple[nn.Module, str, int]] = (
+            _registrations(model, params) if params else []
+        )
         self._slot: _Slot | None = None
         """The last embedding step's slot, until a head step takes it."""
 
@@ -156,6 +158,15 @@ class TiedGradients:
         finally:
             for m, n, p in before:
                 parameters(m)[n] = p
+
+    def follow(self, model: nn.Module) -> None:
+        """Take the model's tied parameters as they are now (tied or untied since
+        construction: the held gradient would otherwise go to a parameter no longer used,
+        or the two uses' gradients reach ``.grad`` apart). Called between steps."""
+        now = tied_embeddings(model)
+        where = _registrations(model, now) if now else []
+        if [id(p) for p in now] != [id(p) for p in self.params] or where != self._where:
+            self.params, self._where, self._slot = now, where, None
 
     def _active(self) -> bool:
         return bool(self._where) and torch.is_grad_enabled()

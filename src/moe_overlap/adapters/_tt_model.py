@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from moe_overlap import ConfigError, IntegrationError, Microbatch, ScheduleOptions
 from moe_overlap.adapters._adapted_model import AdaptedDecoder, AdaptedModel
 from moe_overlap.adapters._built_on import BuiltOn
+from moe_overlap.adapters._hf_experts import DelayedLinear
 from moe_overlap.adapters._hf_model import AdapterConfig
 from moe_overlap.adapters._hf_probe import Mismatch, failing_module
 from moe_overlap.adapters._layer_probe import (
@@ -287,10 +288,14 @@ class TorchtitanMoEAdapter(AdaptedModel[TitanLayer], TitanHooks):
 
     def _watched(self) -> Iterator[tuple[str, nn.Module]]:
         """The modules whose children the slots call: every block, each MoE and its
-        routed experts."""
+        routed experts; every module holding a linear swapped for a :class:`DelayedLinear`
+        (the adapter's wgrad groups hold it)."""
         moe = set(self._moe)
         for name, block in self._blocks:
             yield f"layers.{name}", block
+            for sub, module in cast("Iterator[tuple[str, nn.Module]]", block.named_modules()):
+                if sub and any(isinstance(c, DelayedLinear) for c in module.children()):
+                    yield f"layers.{name}.{sub}", module
             if name in moe:
                 m = block.get_submodule("moe")
                 yield f"layers.{name}.moe", m
@@ -465,6 +470,8 @@ class TorchtitanMoEAdapter(AdaptedModel[TitanLayer], TitanHooks):
             yield BypassedModule(w, routed, Bypass.FORWARD, _ROUTED, noop(routed, w))
         if self._built_on is not None:
             self._built_on.check_children(cls)
+            # Tied or untied since construction: the stash follows the model as it is now.
+            self._shared = _shared_with_embedding(self.model)
 
     @property
     def pre_process(self) -> bool:
