@@ -58,6 +58,7 @@ from moe_overlap.models import (
 )
 from moe_overlap.steps import ChunkHooks, Step
 from moe_overlap.streams import CpuEvent, CpuStream, shake
+from moe_overlap.timeline import Timeline
 from moe_overlap.wgrad import check_wgrad_done, owed_wgrad
 
 from .debug_mode import refusal
@@ -820,6 +821,7 @@ def _entries() -> Iterator[Entry]:
             Arg("probability", not_real(lo=0)),
         ),
     )
+    yield Entry("Timeline", Timeline, lambda: dict(rank=0), (Arg("rank", not_int(0)),))
     yield Entry(
         "make_event", make_event, lambda: dict(device="cpu"), (Arg("device", not_device()),)
     )

@@ -21,6 +21,7 @@ from typing import Protocol, TypeVar, cast
 
 import torch
 
+from moe_overlap.args import NON_NEGATIVE, check_arg
 from moe_overlap.errors import ConfigError
 from moe_overlap.steps import Direction, NodeTimer, Role, Slot, SlotKey, Step, StreamKind
 from moe_overlap.streams import CpuStream
@@ -158,11 +159,12 @@ class Timeline:
     """Timing recorder for schedule steps; a :class:`~moe_overlap.steps.StepObserver`.
 
     Pass it as ``combined_1f1b(..., observer=timeline)`` for the steps to record; read
-    :meth:`spans` after the step. ``rank`` becomes the trace's process id.
+    :meth:`spans` after the step. ``rank`` (an int >= 0) becomes the trace's process id.
     """
 
     def __init__(self, *, rank: int = 0) -> None:
-        self.rank = rank
+        # Written into the trace as it is: a bool, str or float made a trace with a bogus pid.
+        self.rank = check_arg("Timeline", "rank", rank, NON_NEGATIVE)
         self._records: list[_Record] = []
         self._clock = _Clock(time.perf_counter())
 

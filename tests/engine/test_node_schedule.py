@@ -484,6 +484,14 @@ def test_hand_made_steps_and_misused_checks_are_refused() -> None:
         (lambda: microbatch_node_steps(shape, True), "microbatch_node_steps: mb must be"),
         (lambda: microbatch_node_steps(_bad(None), 0), "microbatch_node_steps: shape must be"),
         (lambda: format_steps(_bad(None)), "format_steps: steps must be a sequence"),
+        # a mark past the steps, a bool mark, a negative or fractional context and a
+        # context without a mark each printed something (or nothing) without a word
+        (lambda: format_steps(good.steps, mark=-1), "format_steps: mark must be an int in [0,"),
+        (lambda: format_steps(good.steps, mark=999), "format_steps: mark must be an int in [0,"),
+        (lambda: format_steps(good.steps, mark=True), "format_steps: mark must be an int in [0,"),
+        (lambda: format_steps(good.steps, mark=1, context=-2), "context must be an int >= 0"),
+        (lambda: format_steps(good.steps, mark=1, context=_bad(1.5)), "context must be an int"),
+        (lambda: format_steps(good.steps, context=2), "context must be given with mark"),
     ]
     for call, message in cases:
         with pytest.raises(ConfigError, match=re.escape(message)):

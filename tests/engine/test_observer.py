@@ -11,6 +11,7 @@ import pytest
 from torch import Tensor
 
 from moe_overlap import (
+    ConfigError,
     ModelChunkSchedulePlan,
     ScheduleError,
     ScheduleNode,
@@ -235,6 +236,22 @@ def test_failing_run_leaves_no_timer_behind(slot: Slot, direction: str, mb: int)
     failed, _ = recorder.seen[-1]
     assert str(failed) in info.value.position
     assert recorder.marks[-1][:2] == ("start", failed)
+
+
+@pytest.mark.parametrize("rank", [True, "0", -1, 1.5, None])
+def test_timeline_rank_is_an_int(rank: object) -> None:
+    # It is the Chrome trace's pid: these were written into the trace as they were.
+    with pytest.raises(ConfigError, match=r"Timeline: rank must be an int >= 0, received"):
+        Timeline(rank=rank)  # type: ignore[arg-type]  # pyright: ignore[reportArgumentType]
+
+
+def test_timeline_rank_is_normalised(tmp_path: Path) -> None:
+    numpy = pytest.importorskip("numpy")
+    timeline = Timeline(rank=numpy.int64(2))
+    path = tmp_path / "trace.json"
+    timeline.to_chrome_trace(path)  # json.dumps refused NumPy's int64 before
+    assert type(timeline.rank) is int
+    assert json.loads(path.read_text())["traceEvents"][0]["pid"] == 2
 
 
 def test_timeline_spans_are_the_steps_that_ran(tmp_path: Path) -> None:

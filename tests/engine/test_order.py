@@ -9,6 +9,7 @@ import random
 import re
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from typing import cast
 
 import pytest
 import torch
@@ -209,6 +210,16 @@ def test_makespan_lets_a_weight_gradient_wait_on_its_stream_only() -> None:
     assert makespan(steps, lambda s: ms[s.slot].get(s.direction, 5.0)) == 10.0
     with pytest.raises(ConfigError, match="replay: expected node steps.*received F1"):
         makespan([Step(F, 1)], lambda s: 1.0)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -1.0, "1", True])
+def test_replay_refuses_a_duration_that_is_not_milliseconds(bad: object) -> None:
+    # NaN, inf and negative times were replayed as they were; a str failed in float's +.
+    step = Step(F, 0, role=Role.F, layer=0, slot=Slot.MLP, stream=StreamKind.COMP)
+    with pytest.raises(
+        ConfigError, match=r"replay: duration\(f\.L0\.mlp\.F0@comp\) must be a finite"
+    ):
+        makespan([step], lambda s: cast(float, bad))
 
 
 def _random_durations(seed: int, layers: int) -> dict[SlotKey, float]:

@@ -55,10 +55,14 @@ class ReplayedStep(NamedTuple):
     end_ms: float
 
 
+_STEP_MS = Real(min=0, hint="duration must return each step's milliseconds")
+
+
 def replay(steps: list[Step], duration: Callable[[Step], float]) -> list[ReplayedStep]:
     """Each step of one run of ``steps`` placed on its stream (hooks take no time and are
     left out): a step starts when its stream is free and, unless it is a delayed
-    weight-gradient step, when the previous step of its microbatch has ended."""
+    weight-gradient step, when the previous step of its microbatch has ended.
+    ``duration`` gives each step's milliseconds, a finite real number >= 0."""
     free = {StreamKind.COMP: 0.0, StreamKind.COMM: 0.0}
     ready = dict.fromkeys(Role, 0.0)
     out: list[ReplayedStep] = []
@@ -74,7 +78,8 @@ def replay(steps: list[Step], duration: Callable[[Step], float]) -> list[Replaye
         start = free[stream]
         if step.direction is not Direction.WGRAD:
             start = max(start, ready[role])
-        end = start + duration(step)
+        # A NaN or negative time was replayed as it was, a string failed in float's +.
+        end = start + check_arg("replay", f"duration({step})", duration(step), _STEP_MS)
         free[stream] = end
         if step.direction is not Direction.WGRAD:
             ready[role] = end

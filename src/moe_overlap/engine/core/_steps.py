@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
-from moe_overlap.args import refuse
+from moe_overlap.args import NON_NEGATIVE, Int, check_arg, refuse
 from moe_overlap.errors import ConfigError
 
 from ._kinds import Direction, Role, Slot, StreamKind
@@ -364,11 +364,26 @@ def format_steps(
 ) -> str:
     """One step per line, numbered; ``mark`` flags a step with ``<-- ERROR HERE``.
 
-    With ``context``, only that many steps either side of ``mark`` are shown.
+    With ``context`` (an int >= 0; needs ``mark``), only that many steps either side of
+    ``mark`` are shown.
     """
     given = cast(object, steps)
     if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
         raise refuse("format_steps: steps", "a sequence of steps (a list or tuple)", steps)
+    # A mark past the steps flagged none, a negative context showed none, a bool mark
+    # flagged step 1, and a context without a mark was ignored: all without a word.
+    if mark is not None:
+        last = Int(0, len(steps) - 1, max_name="len(steps) - 1")
+        mark = check_arg("format_steps", "mark", mark, last)
+    if context is not None:
+        context = check_arg("format_steps", "context", context, NON_NEGATIVE)
+        if mark is None:
+            raise refuse(
+                "format_steps: context",
+                "given with mark (the steps either side of it)",
+                context,
+                hint="pass mark=<the step's index>, or leave context out for every step",
+            )
     lo, hi = 0, len(steps)
     if mark is not None and context is not None:
         lo, hi = max(0, mark - context), min(len(steps), mark + context + 1)
