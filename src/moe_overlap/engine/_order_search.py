@@ -11,6 +11,7 @@ of a serial step.
 """
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import NamedTuple, cast
 
@@ -78,8 +79,13 @@ def replay(steps: list[Step], duration: Callable[[Step], float]) -> list[Replaye
         start = free[stream]
         if step.direction is not Direction.WGRAD:
             start = max(start, ready[role])
-        # A NaN or negative time was replayed as it was, a string failed in float's +.
-        end = start + check_arg("replay", f"duration({step})", duration(step), _STEP_MS)
+        ms = duration(step)
+        # A NaN or negative time was replayed as it was, a string failed in float's +; the
+        # check (and its message naming the step) runs only for a value that is not a
+        # finite float >= 0.
+        if type(ms) is not float or not 0.0 <= ms < math.inf:
+            ms = check_arg("replay", f"duration({step})", ms, _STEP_MS)
+        end = start + ms
         free[stream] = end
         if step.direction is not Direction.WGRAD:
             ready[role] = end
