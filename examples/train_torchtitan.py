@@ -70,11 +70,16 @@ def build(family: str, layers: int, device: torch.device) -> nn.Module:
     return model
 
 
-def load_balancing(optimizer: torch.optim.Optimizer, model: nn.Module, world: int) -> None:
+def load_balancing(
+    optimizer: torch.optim.Optimizer, model: nn.Module, world: int, device: torch.device
+) -> None:
     """torchtitan's own hook: before each optimizer step, move the expert bias by the
     token counts (summed over the data-parallel ranks) and zero them."""
     optim = cast("Any", importlib.import_module("torchtitan.components.optimizer.optimizer"))
     dims = cast("Any", importlib.import_module("torchtitan.distributed.parallel_dims"))
+    # torchtitan assumes an accelerator unless told: its meshes (built by the hook once
+    # there are several ranks) would ask CUDA for the rank's device on a CPU machine.
+    dims.device_type = device.type
     parallel = dims.ParallelDims(
         dp_replicate=world, dp_shard=1, cp=1, tp=1, pp=1, ep=1, world_size=world
     )
@@ -174,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     model = build(args.family, args.layers, device)
     adapter = TorchtitanMoEAdapter(model, delay_wgrad_compute=args.delay_wgrad)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    load_balancing(optimizer, model, world)
+    load_balancing(optimizer, model, world, device)
     vocab = int(cast("Any", model).config.vocab_size)
     if rank == 0:
         kinds = ", ".join(type(layer).__name__ for layer in adapter.decoder.layers)

@@ -353,7 +353,7 @@ def _overlap_lines(timeline: Timeline, device: torch.device, step: int) -> list[
     if device.type == "cpu":
         lines.append(
             "  (on CPU the two streams are stand-ins that run one after another, so 0 us is "
-            f"expected; the overlap on a GPU is the README's timeline picture, {_GPU_TIMELINE} "
-            "in the source repository)"
+            f"expected; a GPU step's overlap is pictured in {_GPU_TIMELINE} of the source "
+            "repository)"
         )
     return lines

@@ -66,8 +66,8 @@ def test_demo_on_cpu_says_zero_overlap_is_expected(
     out = capsys.readouterr().out
     assert "comm hidden under compute in step 1: 0 us of the" in out
     assert (
-        f"so 0 us is expected; the overlap on a GPU is the README's timeline picture, {demo_module._GPU_TIMELINE}"
-        in out
+        f"so 0 us is expected; a GPU step's overlap is pictured in {demo_module._GPU_TIMELINE} "
+        "of the source repository)" in out
     )
     assert (Path(__file__).resolve().parents[2] / demo_module._GPU_TIMELINE).is_file()
 
