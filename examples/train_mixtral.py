@@ -203,4 +203,12 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # gloo's background threads can abort a rank at interpreter teardown ("terminate
+        # called without an active exception") after its work is done and the group is
+        # destroyed: a rank leaves without the teardown, its exit status main's.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
