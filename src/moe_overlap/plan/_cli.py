@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, cast
 
 from moe_overlap.engine import ConfigError
 from moe_overlap.plan._choose import CHOICE_SPACE, QUICK_CHOICE_SPACE, choose_schedule
-from moe_overlap.plan._contention import ContentionKind, parse_contention_by_kind
+from moe_overlap.plan._contention import ContentionKind, kind_text, parse_contention_by_kind
 from moe_overlap.plan._layout import Layout, Schedule
 from moe_overlap.plan._machine import MACHINES, Machine
 from moe_overlap.plan._model import PRESETS, ModelSpec
@@ -514,7 +514,7 @@ def _by_kind_json(by_kind: Mapping[ContentionKind, float] | None) -> dict[str, f
     """Coefficients per kind keyed ``slot.direction`` (as the flags take them)."""
     if by_kind is None:
         return None
-    return {f"{s.value}.{d.value}": c for (s, d), c in by_kind.items()}
+    return {kind_text(k): c for k, c in by_kind.items()}
 
 
 def _contention_line(costs: Costs) -> str:

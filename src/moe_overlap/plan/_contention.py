@@ -74,7 +74,8 @@ COMPUTE_BY_KIND_SPEC: Spec[object] = Opt(
 its items)."""
 
 
-def _kind_text(kind: ContentionKind) -> str:
+def kind_text(kind: ContentionKind) -> str:
+    """A kind as the flags and files write it, ``slot.direction`` (e.g. ``combine.B``)."""
     return f"{kind[0].value}.{kind[1].value}"
 
 
@@ -88,7 +89,7 @@ def _check_by_kind(
             f"{where}: expected None or a mapping of (Slot, Direction) of a {node} "
             f"node to a coefficient >= 0, received {type(value).__name__}"
         )
-    known = ", ".join(_kind_text(k) for k in kinds)
+    known = ", ".join(kind_text(k) for k in kinds)
     given = cast("Mapping[object, object]", value)
     for key in given:
         if key not in kinds:
@@ -98,7 +99,7 @@ def _check_by_kind(
             )
     for kind in kinds:
         if kind in given:
-            check_arg(where, f"[{_kind_text(kind)}]", given[kind], _COEFFICIENT)
+            check_arg(where, f"[{kind_text(kind)}]", given[kind], _COEFFICIENT)
     return cast("Mapping[ContentionKind, float]", value)
 
 
@@ -140,7 +141,7 @@ def parse_contention_by_kind(
             "pass a list such as ['combine.B=0.739']"
         )
     kinds = COMPUTE_CONTENTION_KINDS if compute else CONTENTION_KINDS
-    by_name = {_kind_text(k): k for k in kinds}
+    by_name = {kind_text(k): k for k in kinds}
     known = ", ".join(by_name)
     if compute:
         node, example, other = "compute", "mlp.B=0.1", "the dispatch and the combine are not"
@@ -369,7 +370,7 @@ def _fit(
         share = (measured[kind] - alone[kind]) / beside[kind]  # c / (1 + c)
         if share >= 1.0:
             raise ConfigError(
-                f"{where}: {_kind_text(kind)}: expected the nodes' time past alone "
+                f"{where}: {kind_text(kind)}: expected the nodes' time past alone "
                 f"({measured[kind] - alone[kind]:.3f} ms) below their time beside "
                 f"{other_name} ({beside[kind]:.3f} ms), received it not; something other than "
                 f"the {other_name} beside them slowed them (check that alone_ms times the "
@@ -442,7 +443,7 @@ def fit_compute_contention_by_kind(spans: Sequence[MeasuredSpan]) -> ContentionF
     c)``. A kind whose nodes lost more than all their time beside communication is refused
     (:class:`~moe_overlap.ConfigError`)."""
     where = "fit_compute_contention_by_kind"
-    kinds = ", ".join(_kind_text(k) for k in COMPUTE_CONTENTION_KINDS)
+    kinds = ", ".join(kind_text(k) for k in COMPUTE_CONTENTION_KINDS)
     expected = f"a communication span or a compute one of {kinds}"
     comp, comms = _split(where, spans, StreamKind.COMP, COMPUTE_CONTENTION_KINDS, expected)
     return _fit(where, COMPUTE_CONTENTION_KINDS, comp, comms, "communication")
