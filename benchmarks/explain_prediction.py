@@ -392,12 +392,21 @@ def _measured_nodes(result: JsonDict) -> dict[str, list[Node]]:
     return {k: [node_of(x) for x in v] for k, v in measured.items()}
 
 
-def fits_of(result: JsonDict) -> tuple[ContentionFit, ContentionFit]:
-    """The per-kind models of both streams fitted on one recorded configuration's overlapped
-    row, each node against its ``searched_serial`` one-stream milliseconds."""
-    nodes = _measured_nodes(result)
-    alone = {n.key: n.ms for n in nodes["searched_serial"] if n.key.direction is not _R}
+def one_stream_ms(nodes: dict[str, list[Node]]) -> dict[NodeKey, float]:
+    """The one-stream run's F, B and W durations (its R steps are the planner's F again)."""
+    return {n.key: n.ms for n in nodes["searched_serial"] if n.key.direction is not _R}
+
+
+def fits_on(nodes: dict[str, list[Node]]) -> tuple[ContentionFit, ContentionFit]:
+    """The per-kind models of both streams fitted on a configuration's overlapped row,
+    each node against its :func:`one_stream_ms`."""
+    alone = one_stream_ms(nodes)
     return fit_by_kind(nodes["overlapped"], alone), fit_compute_by_kind(nodes["overlapped"], alone)
+
+
+def fits_of(result: JsonDict) -> tuple[ContentionFit, ContentionFit]:
+    """:func:`fits_on` a recorded configuration (an ``explain.json`` result)."""
+    return fits_on(_measured_nodes(result))
 
 
 def offline(
@@ -819,8 +828,7 @@ def explain(config: JsonDict, args: argparse.Namespace, contention: float) -> Js
             record(b, runs[k], recorded[k])
     median_ms = {k: statistics.median(v.step_ms) for k, v in recorded.items()}
     nodes = {k: median_nodes(v.runs) for k, v in recorded.items()}
-    # The one-stream run's F, B and W durations (its R steps are the planner's F again).
-    alone = {n.key: n.ms for n in nodes["searched_serial"] if n.key.direction is not _R}
+    alone = one_stream_ms(nodes)
     profiles = {"planner": profile, "one_event": profile}
     profiles["one_event_measured_w"] = profile_rows(slot_durations(alone))
     fitted: dict[str, float | None] = {}
@@ -837,8 +845,7 @@ def explain(config: JsonDict, args: argparse.Namespace, contention: float) -> Js
             contention=used,
             one_event=m != "planner",
         )
-    by_kind = fit_by_kind(nodes["overlapped"], alone)
-    compute = fit_compute_by_kind(nodes["overlapped"], alone)
+    by_kind, compute = fits_on(nodes)
     for m, computes in (("by_kind", None), ("by_kind_both", with_w_and_r(compute))):
         replays[m] = replayed(
             profiles["one_event_measured_w"],
